@@ -1,0 +1,1 @@
+"""flodl: Hydra-configured data-parallel training on PyTorch."""

@@ -1,0 +1,121 @@
+"""Structured configs: the typed schema every Hydra composition is checked against.
+
+Every field of the original flodl `WorkerConfig` (and the ElChe / run knobs that reach it) is a
+top-level key, so `python train.py gamma=0.5 disk_stage_gb=8` works. Defaults are the original's.
+Groups (`policy`, `backend`, `task`, `logger`, `launch`) live in `conf/` and are typed by the
+dataclasses below. `register_configs()` must run before Hydra composes (train.py imports it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, OmegaConf
+
+POLICIES = ("sync", "cadence", "async")
+BACKENDS = ("nccl", "cpu")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class TaskConfig:
+    """What to train. Each entry is a Hydra `_target_` config, so users bring their own."""
+
+    name: str = MISSING
+    # nn.Module, built identically on every rank (seeded) before DDP broadcasts rank 0's copy.
+    model: Any = MISSING
+    # A BatchDataSet or any torch map-style Dataset.
+    train_data: Any = MISSING
+    # Held-out data for the eval stream; null disables eval.
+    eval_data: Any = None
+    # Callable (model, batch: list[Tensor]) -> scalar mean loss tensor. Use `_partial_: true`.
+    loss: Any = MISSING
+    # Callable (model, batch) -> dict[name, tensor sum over the batch]; reported as mean per sample.
+    eval_fn: Any = None
+    # Partial optimizer: called with the model's parameters.
+    optimizer: Any = MISSING
+    # Optional partial LR scheduler: called with the optimizer, stepped once per optimizer step.
+    scheduler: Any = None
+
+
+@dataclass
+class LoggerConfig:
+    # console: progress lines on rank 0 plus metrics.jsonl in the run dir (always written).
+    name: str = "console"
+
+
+@dataclass
+class LaunchConfig:
+    # Ranks this invocation starts itself through torch's elastic launcher (ignored under torchrun,
+    # where torchrun's own --nproc_per_node decides and this must be left at 1 or match it).
+    nproc_per_node: int = 1
+    # How self-launched ranks start: spawn (safe default), fork (faster start, CPU only) or forkserver.
+    start_method: str = "spawn"
+    # Seconds a rank waits for the rendezvous and for control messages before it reports a stall.
+    timeout_s: float = 300.0
+
+
+@dataclass
+class FlodlConfig:
+    # --- policy and backend (set through the config groups of the same name) ---
+    policy: str = "sync"
+    backend: str = "nccl"
+    # auto: one CUDA device per rank when CUDA is available, else CPU.
+    device: str = "auto"
+
+    # --- training loop ---
+    seed: int = 42
+    epochs: int = 10
+    batch_size: int = 32
+    augment: int = 1
+    max_grad_norm: float | None = None
+    lr_scale_ratio: float = 1.0
+    eval_every: int = 1
+
+    # --- averaging ---
+    gamma: float = 1.0
+    bf16_wire: bool = False
+    easgd_alpha: float | None = None
+
+    # --- ElChe cadence balancer (cadence / async) ---
+    anchor: int = 10
+    min_anchor: int | None = None
+    max_anchor: int = 1000
+    overhead_target: float = 0.05
+    max_batch_diff: int | None = None
+    max_overshoot: int | None = None
+    divergence_threshold: float | None = None
+    no_divergence_guard: bool = False
+    partition_ratios: list[float] | None = None
+
+    # --- data plane ---
+    vram_pool: bool = True
+    vram_max_usage: float = 0.90
+    ram_max_usage: float = 0.50
+    sample_cache: bool = True
+    disk_stage_gb: float = 0.0
+    disk_stage_dir: str | None = None
+
+    # --- persistence ---
+    checkpoint_every: int | None = None
+    save_path: str | None = None
+
+    task: TaskConfig = field(default_factory=TaskConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+
+def register_configs() -> None:
+    """Register the schema and flodl's resolvers. Idempotent."""
+    ConfigStore.instance().store(name="flodl_schema", node=FlodlConfig)
+    from flodl.run_dir import register_resolvers
+
+    register_resolvers()
+
+
+def to_config(data: Any) -> FlodlConfig:
+    """A typed FlodlConfig object from a DictConfig or plain dict (as shipped to spawned ranks)."""
+    merged = OmegaConf.merge(OmegaConf.structured(FlodlConfig), data)
+    return OmegaConf.to_object(merged)  # type: ignore[return-value]

@@ -1,0 +1,152 @@
+"""From a composed config to running ranks.
+
+Three ways in, one rank body (`run_rank`):
+- under torchrun (RANK/WORLD_SIZE set): this process is one rank;
+- `launch.nproc_per_node=N` (N > 1) without torchrun: this process starts N ranks through torch's
+  elastic launcher (c10d rendezvous on a free port) and waits for them;
+- otherwise: a single rank in this process.
+The config is validated before any rank starts; every rank then checks it holds the same config.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+from flodl.checkpoint import MODEL_FILE, save_model
+from flodl.config import FlodlConfig, to_config
+from flodl.data.partition import equal_slices
+from flodl.logs import setup_rank_logging
+from flodl.metrics.sinks import ConsoleSink, JsonlSink, Sink
+from flodl.runtime.coordinator import Coordinator, EpochSchedule
+from flodl.runtime.distributed import (
+    RankEnv,
+    agree_on_config,
+    collective_backend,
+    init_group,
+    pick_device,
+)
+from flodl.runtime.task_setup import build_task
+from flodl.runtime.transport import COORDINATOR, Mailbox
+from flodl.runtime.worker import Worker
+from flodl.validation import ConfigError, HostFacts, validate
+
+METRICS_FILE = "metrics.jsonl"
+log = logging.getLogger("flodl")
+
+
+class RankFailure(RuntimeError):
+    """A self-launched rank died; the message names it and where its log is."""
+
+
+def launch_from_hydra(cfg: DictConfig) -> None:
+    """The @hydra.main body: validate, then run the ranks. Exits 2 on a config error."""
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        launch(cfg, Path(HydraConfig.get().runtime.output_dir))
+    except (ConfigError, RankFailure) as err:
+        print(f"flodl: {err}", file=sys.stderr)
+        sys.exit(2 if isinstance(err, ConfigError) else 1)
+
+
+def launch(cfg: DictConfig, run_dir: Path) -> None:
+    config: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
+    typed = to_config(config)
+    validate(typed, HostFacts.probe(typed))
+    if RankEnv.from_environ().launched or typed.launch.nproc_per_node == 1:
+        run_rank(config, str(run_dir))
+    else:
+        self_launch(config, run_dir, typed)
+
+
+def self_launch(config: dict[str, Any], run_dir: Path, cfg: FlodlConfig) -> None:
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    launch_config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=cfg.launch.nproc_per_node,
+        run_id=f"flodl-{uuid.uuid4().hex[:12]}",
+        # The default rendezvous needs etcd; c10d on port 0 takes a free port.
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method=cfg.launch.start_method,
+        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / ".launch")),
+    )
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        elastic_launch(launch_config, run_rank)(config, str(run_dir))
+    except ChildFailedError as err:
+        failed = sorted(err.failures)
+        logs = ", ".join(str(run_dir / f"rank{r}.log") for r in failed)
+        codes = ", ".join(f"rank {r}: exit code {err.failures[r].exitcode}" for r in failed)
+        raise RankFailure(f"rank(s) {failed} failed ({codes}); see the traceback above and {logs}") from None
+
+
+def run_rank(config: dict[str, Any], run_dir_text: str) -> None:
+    """The body of every rank, whichever way it was started."""
+    cfg = to_config(config)
+    env = RankEnv.from_environ()
+    run_dir = Path(run_dir_text)
+    setup_rank_logging(env.rank, run_dir)
+    device = pick_device(cfg, env.local_rank)
+    group = init_group(env, collective_backend(cfg, device), device, cfg.launch.timeout_s)
+    coordinator: Coordinator | None = None
+    try:
+        namespace = agree_on_config(config, env.rank)
+        parts = build_task(cfg, device, env.world_size)
+        total_picks = len(parts.train_data) * cfg.augment
+        _check_epoch_fits(cfg, total_picks, env.world_size)
+
+        def connect(owner: int | str) -> Mailbox:
+            return Mailbox.connect(group.store_host, group.store_port, namespace, owner, cfg.launch.timeout_s)
+
+        if env.rank == 0:
+            schedule = EpochSchedule(
+                cfg.epochs, env.world_size, total_picks, cfg.batch_size, cfg.eval_every,
+                has_eval=parts.eval_data is not None,
+            )  # fmt: skip
+            sinks: list[Sink] = [ConsoleSink(cfg.epochs), JsonlSink(run_dir / METRICS_FILE)]
+            coordinator = Coordinator(connect(COORDINATOR), schedule, sinks)
+            coordinator.start()
+        worker = Worker(cfg, parts, env.rank, env.world_size, device, connect(env.rank))
+        worker.run(alive=lambda: _raise_if_failed(coordinator))
+        if coordinator is not None:
+            coordinator.join()
+            _raise_if_failed(coordinator)
+            save_model(parts.model, run_dir / MODEL_FILE)
+            log.info("run dir %s: %s, %s", run_dir, METRICS_FILE, MODEL_FILE)
+    except BaseException as err:
+        if coordinator is not None:
+            coordinator.stop_requested.set()
+        log.error("rank %d failed: %s: %s", env.rank, type(err).__name__, err)
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _check_epoch_fits(cfg: FlodlConfig, total_picks: int, world_size: int) -> None:
+    if equal_slices(total_picks, world_size, cfg.batch_size)[0].size == 0:
+        raise ConfigError(
+            [
+                f"batch_size={cfg.batch_size}: {world_size} rank(s) x {cfg.batch_size} exceeds the "
+                f"{total_picks} training picks (task.train_data x augment), so an epoch has no batch"
+            ]
+        )
+
+
+def _raise_if_failed(coordinator: Coordinator | None) -> None:
+    if coordinator is not None and coordinator.error is not None:
+        raise RuntimeError(f"the coordinator failed: {coordinator.error}") from coordinator.error

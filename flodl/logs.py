@@ -1,0 +1,27 @@
+"""Rank-prefixed logging: `[rN]` on the console, and `rank{N}.log` in the run dir."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+LOGGER = "flodl"
+
+
+def setup_rank_logging(rank: int, run_dir: Path) -> logging.Logger:
+    logger = logging.getLogger(LOGGER)
+    logger.setLevel(logging.INFO)
+    # Our own handlers, whatever Hydra or torch configured on the root logger.
+    logger.propagate = False
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+        handler.close()
+    console = logging.StreamHandler(sys.stdout)
+    console.setFormatter(logging.Formatter(f"[r{rank}] %(message)s"))
+    logger.addHandler(console)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    to_file = logging.FileHandler(run_dir / f"rank{rank}.log", encoding="utf-8")
+    to_file.setFormatter(logging.Formatter(f"%(asctime)s [r{rank}] %(levelname)s %(message)s"))
+    logger.addHandler(to_file)
+    return logger

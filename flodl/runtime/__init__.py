@@ -1,0 +1,1 @@
+"""Rank runtime: worker, coordinator and the messages between them."""

@@ -1,0 +1,106 @@
+"""Process-group set-up for one rank: environment, device, backend and config agreement."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import yaml
+from torch.distributed import TCPStore
+
+from flodl.config import FlodlConfig
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    # Set by torchrun / the elastic launcher; absent for a plain single-process run.
+    launched: bool
+
+    @classmethod
+    def from_environ(cls) -> RankEnv:
+        launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+        return cls(
+            rank=int(os.environ.get("RANK", "0")),
+            world_size=int(os.environ.get("WORLD_SIZE", "1")),
+            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+            launched=launched,
+        )
+
+
+def pick_device(cfg: FlodlConfig, local_rank: int) -> torch.device:
+    if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return device
+
+
+def collective_backend(cfg: FlodlConfig, device: torch.device) -> str:
+    """NCCL for backend=nccl on GPUs; gloo on CPU (where NCCL does not exist)."""
+    return "nccl" if cfg.backend == "nccl" and device.type == "cuda" else "gloo"
+
+
+@dataclass
+class GroupHandle:
+    """Where the rendezvous store lives (for mailboxes) and the store this rank owns, if any."""
+
+    store_host: str
+    store_port: int
+    owned_store: TCPStore | None
+
+
+def init_group(env: RankEnv, backend: str, device: torch.device, timeout_s: float) -> GroupHandle:
+    timeout = timedelta(seconds=timeout_s)
+    device_id = device if device.type == "cuda" else None
+    if env.launched:
+        dist.init_process_group(backend, timeout=timeout, device_id=device_id)
+        return GroupHandle(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None)
+    # A plain one-process run hosts its own store, so every code path has a group and mailboxes.
+    store = TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout, device_id=device_id)
+    return GroupHandle("127.0.0.1", store.port, store)
+
+
+class ConfigMismatchError(RuntimeError):
+    pass
+
+
+def agree_on_config(config: dict[str, Any], rank: int) -> str:
+    """Check every rank composed the same config; return a namespace unique to this run.
+
+    One all_gather carries each rank's resolved config and a fresh id; rank 0's id becomes the
+    run's mailbox namespace.
+    """
+    text = yaml.safe_dump(config, sort_keys=True)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (text, uuid.uuid4().hex))
+    reference = gathered[0][0]
+    for other, (other_text, _) in enumerate(gathered):
+        if other_text != reference:
+            raise ConfigMismatchError(
+                f"rank {other} composed a different config than rank 0 "
+                f"(sha256 {_digest(other_text)} vs {_digest(reference)}); differing keys: "
+                + ", ".join(_differences(yaml.safe_load(reference), yaml.safe_load(other_text)))
+                + ". Launch every rank with the same overrides and environment."
+            )
+    return gathered[0][1]
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _differences(a: Any, b: Any, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        keys = sorted(set(a) | set(b))
+        return [d for k in keys for d in _differences(a.get(k), b.get(k), f"{prefix}{k}.")]
+    return [] if a == b else [f"{prefix.rstrip('.')} (rank 0: {a!r}, other: {b!r})"]

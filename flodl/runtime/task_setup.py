@@ -1,0 +1,65 @@
+"""Instantiate a task's parts (model, data, loss, optimizer, scheduler) for one rank."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from hydra.utils import instantiate
+from torch import Tensor, nn
+
+from flodl.config import FlodlConfig
+from flodl.data.dataset import BatchDataSet, as_batch_dataset
+
+LossFn = Callable[[nn.Module, list[Tensor]], Tensor]
+EvalFn = Callable[[nn.Module, list[Tensor]], dict[str, Tensor]]
+
+
+@dataclass
+class TaskParts:
+    model: nn.Module
+    train_data: BatchDataSet
+    eval_data: BatchDataSet | None
+    loss_fn: LossFn
+    eval_fn: EvalFn | None
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+
+
+def lr_scale_factor(world_size: int, lr_scale_ratio: float) -> float:
+    """Goyal et al. linear scaling: 1 + (world_size - 1) * ratio (1.0 = full linear scaling)."""
+    return 1.0 + (world_size - 1) * lr_scale_ratio
+
+
+def build_task(cfg: FlodlConfig, device: torch.device, world_size: int) -> TaskParts:
+    task = cfg.task
+    # Same seed on every rank: identical initial weights even before DDP broadcasts rank 0's.
+    torch.manual_seed(cfg.seed)
+    model = _built(task.model, "task.model", nn.Module).to(device)
+    optimizer = _built(task.optimizer, "task.optimizer", object)(model.parameters())
+    factor = lr_scale_factor(world_size, cfg.lr_scale_ratio)
+    for group in optimizer.param_groups:
+        group["lr"] *= factor
+    scheduler = _built(task.scheduler, "task.scheduler", object)(optimizer) if task.scheduler else None
+    eval_data = as_batch_dataset(instantiate(task.eval_data), "task.eval_data") if task.eval_data else None
+    return TaskParts(
+        model=model,
+        train_data=as_batch_dataset(instantiate(task.train_data), "task.train_data"),
+        eval_data=eval_data,
+        loss_fn=_built(task.loss, "task.loss", object),
+        eval_fn=_built(task.eval_fn, "task.eval_fn", object) if task.eval_fn else None,
+        optimizer=optimizer,
+        scheduler=scheduler,
+    )
+
+
+def _built(node: Any, key: str, kind: type) -> Any:
+    try:
+        obj = instantiate(node)
+    except Exception as err:
+        raise ValueError(f"{key}: could not instantiate {node!r}: {err}") from err
+    if not isinstance(obj, kind):
+        raise TypeError(f"{key}: expected {kind.__name__}, got {type(obj).__name__}")
+    return obj

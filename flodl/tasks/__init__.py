@@ -1,0 +1,1 @@
+"""Built-in tasks: model, dataset, loss and eval function for the default runs."""

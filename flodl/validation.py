@@ -1,0 +1,207 @@
+"""Config validation, run before any rank is started.
+
+Pure: host facts (GPU count, free disk) come in as a `HostFacts` value, so every rule is tested
+without the hardware. All violations are reported together, each naming key, value and rule.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, fields
+
+from flodl.config import BACKENDS, DEVICES, POLICIES, FlodlConfig
+
+GIB = 1 << 30
+START_METHODS = ("spawn", "fork", "forkserver")
+
+# Knobs of local SGD (cadence/async): under sync every rank takes exactly one step per averaging,
+# so they would have no effect, and a silently ignored knob is a bug report waiting to happen.
+LOCAL_SGD_KNOBS = (
+    "gamma", "anchor", "min_anchor", "max_anchor", "overhead_target", "max_batch_diff",
+    "max_overshoot", "divergence_threshold", "no_divergence_guard",
+)  # fmt: skip
+
+# Keys that exist in the schema but whose feature has not landed yet: a value that would need the
+# feature is refused rather than ignored. (key, the value that needs no feature, why)
+NOT_IMPLEMENTED: tuple[tuple[str, object, str], ...] = (
+    ("policy", "sync", "not implemented yet: only policy=sync runs in this version"),
+    ("backend", "nccl", "backend=cpu (pinned host snapshot + gloo reduce) is not implemented yet"),
+    ("logger.name", "console", "not implemented yet: only logger=console runs in this version"),
+    ("bf16_wire", False, "bf16_wire is not implemented yet"),
+    ("partition_ratios", None, "partition_ratios (static per-rank split) is not implemented yet"),
+    ("vram_pool", True, "the VRAM sample pool is not implemented yet"),
+    ("vram_max_usage", 0.90, "VRAM-aware device prefetch is not implemented yet"),
+    ("ram_max_usage", 0.50, "the RAM staging tier is not implemented yet"),
+    ("sample_cache", True, "the RAM sample cache is not implemented yet"),
+    ("disk_stage_gb", 0.0, "the disk stage tier is not implemented yet"),
+    ("disk_stage_dir", None, "the disk stage tier is not implemented yet"),
+    ("checkpoint_every", None, "periodic checkpoints are not implemented yet"),
+    ("save_path", None, "save_path (checkpoint bundles) is not implemented yet"),
+)
+
+
+class ConfigError(ValueError):
+    """One or more config values break a rule; the message lists each as `key=value: rule`."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("invalid flodl config:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    """What the rules need to know about the host this config will run on."""
+
+    gpus: int
+    # Ranks this host will run (torchrun's LOCAL_WORLD_SIZE, or launch.nproc_per_node).
+    ranks_per_node: int
+    under_torchrun: bool
+    # Free bytes in the disk stage dir; None when the dir does not exist.
+    stage_dir_free_bytes: int | None
+
+    @classmethod
+    def probe(cls, cfg: FlodlConfig) -> HostFacts:
+        import torch
+
+        under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if under_torchrun else cfg.launch.nproc_per_node
+        stage_dir = stage_dir_of(cfg)
+        free = shutil.disk_usage(stage_dir).free if os.path.isdir(stage_dir) else None
+        return cls(torch.cuda.device_count(), ranks, under_torchrun, free)
+
+
+def stage_dir_of(cfg: FlodlConfig) -> str:
+    return cfg.disk_stage_dir or tempfile.gettempdir()
+
+
+def validate(cfg: FlodlConfig, host: HostFacts) -> None:
+    """Raise ConfigError listing every broken rule; return quietly when the config is sound."""
+    problems = [*_range_problems(cfg), *_cross_field_problems(cfg, host), *_not_implemented(cfg)]
+    if problems:
+        raise ConfigError(problems)
+
+
+def _problem(key: str, value: object, rule: str) -> str:
+    return f"{key}={value!r}: {rule}"
+
+
+def _range_problems(cfg: FlodlConfig) -> Iterator[str]:
+    def check(key: str, ok: Callable[[float], bool], rule: str, optional: bool = False) -> Iterator[str]:
+        value = _get(cfg, key)
+        if value is None and optional:
+            return
+        if value is None or not ok(value):
+            yield _problem(key, value, rule)
+
+    finite = math.isfinite
+    yield from check("policy", lambda v: v in POLICIES, f"must be one of {', '.join(POLICIES)}")
+    yield from check("backend", lambda v: v in BACKENDS, f"must be one of {', '.join(BACKENDS)}")
+    yield from check("device", lambda v: v in DEVICES, f"must be one of {', '.join(DEVICES)}")
+    yield from check("seed", lambda v: v >= 0, "must be >= 0")
+    yield from check("epochs", lambda v: v >= 1, "must be >= 1")
+    yield from check("batch_size", lambda v: v >= 1, "must be >= 1 (samples per rank per step)")
+    yield from check("augment", lambda v: v >= 1, "must be >= 1 (views per sample)")
+    yield from check("eval_every", lambda v: v >= 0, "must be >= 0 (0 disables eval)")
+    yield from check("max_grad_norm", lambda v: finite(v) and v > 0, "must be a finite value > 0", True)
+    yield from check("lr_scale_ratio", lambda v: finite(v) and v >= 0, "must be finite and >= 0")
+    yield from check("gamma", finite, "must be finite")
+    yield from check("easgd_alpha", lambda v: 0 < v <= 1, "must be in (0, 1]", True)
+    yield from check("anchor", lambda v: v >= 1, "must be >= 1")
+    yield from check("min_anchor", lambda v: v >= 1, "must be >= 1", True)
+    yield from check("max_anchor", lambda v: v >= cfg.anchor, f"must be >= anchor ({cfg.anchor})")
+    yield from check("overhead_target", lambda v: 0.01 <= v <= 0.5, "must be in [0.01, 0.5]")
+    yield from check("max_batch_diff", lambda v: v >= 0, "must be >= 0", True)
+    yield from check("max_overshoot", lambda v: v >= 0, "must be >= 0", True)
+    yield from check("divergence_threshold", lambda v: finite(v) and v > 0, "must be finite and > 0", True)
+    yield from check("vram_max_usage", lambda v: 0.5 <= v <= 0.99, "must be in [0.5, 0.99]")
+    yield from check("ram_max_usage", lambda v: 0.0 <= v <= 0.9, "must be in [0, 0.9]")
+    yield from check("disk_stage_gb", lambda v: finite(v) and v >= 0, "must be >= 0 (0 disables the tier)")
+    yield from check("checkpoint_every", lambda v: v >= 1, "must be >= 1 (epochs)", True)
+    yield from check("launch.nproc_per_node", lambda v: v >= 1, "must be >= 1")
+    yield from check("launch.start_method", lambda v: v in START_METHODS, f"must be one of {START_METHODS}")
+    yield from check("launch.timeout_s", lambda v: v > 0, "must be > 0 seconds")
+    ratios = cfg.partition_ratios
+    if ratios is not None and (not ratios or not all(finite(r) and r > 0 for r in ratios)):
+        yield _problem("partition_ratios", ratios, "must be a non-empty list of finite values > 0")
+    if cfg.min_anchor is not None and cfg.min_anchor > cfg.max_anchor:
+        yield _problem("min_anchor", cfg.min_anchor, f"must be <= max_anchor ({cfg.max_anchor})")
+
+
+def _cross_field_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
+    if cfg.easgd_alpha is not None and cfg.policy != "async":
+        yield _problem(
+            "easgd_alpha",
+            cfg.easgd_alpha,
+            f"EASGD blending applies to policy=async only (policy={cfg.policy})",
+        )
+    if cfg.max_overshoot is not None and cfg.policy != "async":
+        yield _problem(
+            "max_overshoot", cfg.max_overshoot, f"applies to policy=async only (policy={cfg.policy})"
+        )
+    if cfg.policy == "sync":
+        defaults = _defaults()
+        for key in LOCAL_SGD_KNOBS:
+            if getattr(cfg, key) != defaults[key]:
+                yield _problem(
+                    key,
+                    getattr(cfg, key),
+                    "applies to local SGD (policy=cadence or async); policy=sync averages gradients "
+                    f"every step, so leave it at its default ({defaults[key]!r})",
+                )
+    if cfg.device == "cuda" and host.gpus == 0:
+        yield _problem("device", cfg.device, "no CUDA device is visible on this host")
+    uses_gpus = cfg.device != "cpu" and host.gpus > 0
+    if cfg.backend == "nccl" and uses_gpus and host.ranks_per_node > host.gpus:
+        yield _problem(
+            "backend",
+            cfg.backend,
+            f"NCCL needs one GPU per rank, but this host runs {host.ranks_per_node} ranks on "
+            f"{host.gpus} visible GPU(s); lower the ranks per node or set device=cpu",
+        )
+    if host.under_torchrun and cfg.launch.nproc_per_node not in (1, host.ranks_per_node):
+        yield _problem(
+            "launch.nproc_per_node",
+            cfg.launch.nproc_per_node,
+            f"torchrun already started {host.ranks_per_node} rank(s) on this node; leave it at 1 "
+            "and use torchrun's --nproc_per_node",
+        )
+    yield from _disk_problems(cfg, host)
+
+
+def _disk_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
+    if cfg.disk_stage_gb <= 0:
+        return
+    stage_dir = stage_dir_of(cfg)
+    if host.stage_dir_free_bytes is None:
+        yield _problem("disk_stage_dir", stage_dir, "directory does not exist; create it or point elsewhere")
+        return
+    needed = cfg.disk_stage_gb * GIB * host.ranks_per_node
+    if needed > host.stage_dir_free_bytes:
+        yield _problem(
+            "disk_stage_gb",
+            cfg.disk_stage_gb,
+            f"{host.ranks_per_node} rank(s) x {cfg.disk_stage_gb} GiB exceeds the "
+            f"{host.stage_dir_free_bytes / GIB:.1f} GiB free in {stage_dir}",
+        )
+
+
+def _not_implemented(cfg: FlodlConfig) -> Iterator[str]:
+    for key, featureless, why in NOT_IMPLEMENTED:
+        value = _get(cfg, key)
+        if value != featureless:
+            yield _problem(key, value, why)
+
+
+def _get(cfg: FlodlConfig, dotted: str) -> object:
+    node: object = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def _defaults() -> dict[str, object]:
+    return {f.name: f.default for f in fields(FlodlConfig)}
