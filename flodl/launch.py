@@ -102,7 +102,9 @@ def run_rank(config: dict[str, Any], run_dir_text: str) -> None:
     run_dir = Path(run_dir_text)
     setup_rank_logging(env.rank, run_dir)
     device = pick_device(cfg, env.local_rank)
-    group = init_group(env, collective_backend(cfg, device), device, cfg.launch.timeout_s)
+    backend = collective_backend(cfg, device)
+    group = init_group(env, backend, device, cfg.launch.timeout_s)
+    log.info("rank %d/%d on %s (%s), run dir %s", env.rank, env.world_size, device, backend, run_dir)
     coordinator: Coordinator | None = None
     try:
         namespace = agree_on_config(config, env.rank)

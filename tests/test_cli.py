@@ -1,0 +1,112 @@
+"""The CLI contract, end to end: real Hydra, real torchrun, real elastic launcher, gloo ranks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from flodl.tasks.digits import digits_dataset
+from tests.procs import leftovers, torchrun, train
+
+pytestmark = pytest.mark.multiproc
+
+MODEL_KEYS = {f"net.{i}.{p}" for i in (0, 2, 4) for p in ("weight", "bias")}
+SHORT = ("epochs=2",)
+
+
+def only_run_dir(root: Path) -> Path:
+    dirs = [p.parent for p in root.rglob("metrics.jsonl")]
+    assert len(dirs) == 1, f"expected one run dir under {root}, found {dirs}"
+    return dirs[0]
+
+
+def epochs_of(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_complete_run(run_dir: Path, world: int, epochs: int) -> list[dict]:
+    assert (run_dir / ".hydra" / "config.yaml").is_file()
+    records = epochs_of(run_dir)
+    assert [r["epoch"] for r in records] == list(range(epochs))
+    assert all(len(r["per_rank"]) == world for r in records)
+    state = torch.load(run_dir / "model.pt", weights_only=True)
+    assert set(state) == MODEL_KEYS
+    assert all(t.dtype == torch.float32 and t.device.type == "cpu" for t in state.values())
+    for rank in range(world):
+        assert f"[r{rank}]" in (run_dir / f"rank{rank}.log").read_text()
+    assert not (run_dir / f"rank{world}.log").exists()
+    return records
+
+
+def test_default_run_reaches_95_percent_test_accuracy(tmp_path: Path) -> None:
+    result = train(cwd=tmp_path).check()
+    run_dir = only_run_dir(tmp_path / "outputs")
+    records = assert_complete_run(run_dir, world=1, epochs=15)
+    assert records[-1]["eval/accuracy"] >= 0.95, records[-1]
+    # Training made progress and the loss is reported batch-weighted per epoch.
+    assert records[-1]["loss"] < records[0]["loss"] / 4
+    assert "eval/accuracy" in result.out
+    assert not leftovers(tmp_path)
+
+
+def test_torchrun_two_ranks_share_one_run_dir(tmp_path: Path) -> None:
+    # No hydra.run.dir override: the ranks agree on the timestamped dir through the store.
+    torchrun(2, *SHORT, cwd=tmp_path).check()
+    run_dir = only_run_dir(tmp_path / "outputs")
+    assert len(list((tmp_path / "outputs").glob("*/*"))) == 1
+    records = assert_complete_run(run_dir, world=2, epochs=2)
+    # Global batch 2 x 32: whole steps per epoch, each rank half the batches.
+    assert records[-1]["step"] == 2 * (len(digits_dataset("train")) // 64)
+    assert [r["batch_share"] for r in records[-1]["per_rank"]] == [0.5, 0.5]
+    assert not leftovers(tmp_path)
+
+
+def test_self_launch_two_ranks(tmp_path: Path) -> None:
+    result = train("launch.nproc_per_node=2", "launch.start_method=fork", *SHORT, cwd=tmp_path).check()
+    run_dir = only_run_dir(tmp_path / "outputs")
+    records = assert_complete_run(run_dir, world=2, epochs=2)
+    assert records[-1]["step"] == 2 * (len(digits_dataset("train")) // 64)
+    assert "[r1]" in result.out
+    assert not leftovers(tmp_path)
+
+
+def test_config_error_stops_before_any_rank_starts(tmp_path: Path) -> None:
+    result = train("vram_max_usage=1.5", "batch_size=0", "launch.nproc_per_node=2", cwd=tmp_path)
+    assert result.code == 2, result.out
+    assert "vram_max_usage=1.5: must be in [0.5, 0.99]" in result.out
+    assert "batch_size=0: must be >= 1" in result.out
+    assert "Traceback" not in result.out
+    # Nothing was spawned: no rank ever logged and the launcher never ran.
+    assert not list(tmp_path.rglob("rank*.log"))
+    assert not list(tmp_path.rglob(".launch"))
+
+
+def test_ranks_with_different_configs_refuse_to_train(tmp_path: Path) -> None:
+    # Each rank resolves its own RANK into the seed: the composed configs differ.
+    result = torchrun(2, "seed=${oc.env:RANK}", *SHORT, cwd=tmp_path)
+    assert result.code != 0
+    assert "rank 1 composed a different config than rank 0" in result.out
+    assert "seed (rank 0: 0, other: 1)" in result.out
+    assert not list(tmp_path.rglob("metrics.jsonl")) or not epochs_of(only_run_dir(tmp_path / "outputs"))
+    assert not leftovers(tmp_path)
+
+
+def test_epoch_without_a_full_batch_is_a_config_error(tmp_path: Path) -> None:
+    result = train("batch_size=5000", cwd=tmp_path)
+    assert result.code != 0
+    picks = len(digits_dataset("train"))
+    assert f"batch_size=5000: 1 rank(s) x 5000 exceeds the {picks} training picks" in result.out
+
+
+def test_multirun_sweep_runs_each_job(tmp_path: Path) -> None:
+    train("-m", "seed=0,1", "epochs=1", cwd=tmp_path).check()
+    jobs = sorted(p.parent for p in (tmp_path / "multirun").rglob("metrics.jsonl"))
+    assert [p.name for p in jobs] == ["0", "1"]
+    for job in jobs:
+        assert_complete_run(job, world=1, epochs=1)
+    seeds = [yaml.safe_load((job / ".hydra" / "config.yaml").read_text())["seed"] for job in jobs]
+    assert seeds == [0, 1]

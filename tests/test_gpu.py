@@ -1,0 +1,47 @@
+"""The same runs on GPUs: one GPU, and two ranks over NCCL (skipped without CUDA devices)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.procs import leftovers, torchrun, train
+from tests.test_cli import assert_complete_run, only_run_dir
+
+GPUS = torch.cuda.device_count()
+pytestmark = [pytest.mark.gpu, pytest.mark.multiproc]
+needs_one = pytest.mark.skipif(GPUS < 1, reason="needs a CUDA device")
+needs_two = pytest.mark.skipif(GPUS < 2, reason="needs 2 CUDA devices")
+
+
+@needs_one
+def test_one_gpu_run(tmp_path: Path) -> None:
+    train(cwd=tmp_path).check()
+    run_dir = only_run_dir(tmp_path / "outputs")
+    records = assert_complete_run(run_dir, world=1, epochs=15)
+    assert records[-1]["eval/accuracy"] >= 0.95
+    assert "rank 0/1 on cuda:0 (nccl)" in (run_dir / "rank0.log").read_text()
+
+
+@needs_two
+@pytest.mark.parametrize("how", ["torchrun", "self-launch"])
+def test_two_ranks_over_nccl(tmp_path: Path, how: str) -> None:
+    if how == "torchrun":
+        torchrun(2, "epochs=3", cwd=tmp_path).check()
+    else:
+        train("launch.nproc_per_node=2", "epochs=3", cwd=tmp_path).check()
+    run_dir = only_run_dir(tmp_path / "outputs")
+    records = assert_complete_run(run_dir, world=2, epochs=3)
+    assert records[-1]["eval/accuracy"] >= 0.9
+    for rank in (0, 1):
+        assert f"rank {rank}/2 on cuda:{rank} (nccl)" in (run_dir / f"rank{rank}.log").read_text()
+    assert not leftovers(tmp_path)
+
+
+@needs_one
+def test_more_nccl_ranks_than_gpus_is_refused(tmp_path: Path) -> None:
+    result = train(f"launch.nproc_per_node={GPUS + 1}", cwd=tmp_path)
+    assert result.code == 2
+    assert f"this host runs {GPUS + 1} ranks on {GPUS} visible GPU(s)" in result.out

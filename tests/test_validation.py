@@ -1,0 +1,382 @@
+"""flodl.validation: every rule, on typed configs and synthetic host facts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from flodl.config import FlodlConfig, to_config
+from flodl.validation import GIB, LOCAL_SGD_KNOBS, NOT_IMPLEMENTED, ConfigError, HostFacts, validate
+
+TASK = {"name": "t", "model": "m", "train_data": "d", "loss": "l", "optimizer": "o"}
+HOST = HostFacts(gpus=0, ranks_per_node=1, under_torchrun=False, stage_dir_free_bytes=100 * GIB)
+INF = float("inf")
+NAN = float("nan")
+
+
+def make(**overrides: object) -> FlodlConfig:
+    """A typed config: the schema defaults plus `overrides` (dotted keys for nested groups)."""
+    data: dict = {"task": dict(TASK)}
+    for key, value in overrides.items():
+        node = data
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return to_config(data)
+
+
+BASE = make()
+
+
+def host(**changes: object) -> HostFacts:
+    return dataclasses.replace(HOST, **changes)
+
+
+def problems_of(cfg: FlodlConfig, facts: HostFacts = HOST) -> list[str]:
+    try:
+        validate(cfg, facts)
+    except ConfigError as err:
+        assert str(err).startswith("invalid flodl config:")
+        for problem in err.problems:
+            assert problem in str(err)
+        return err.problems
+    return []
+
+
+def assert_problem(problems: list[str], key: str, value: object, rule: str) -> str:
+    """One problem names `key=value` and states `rule`; returns it."""
+    prefix = f"{key}={value!r}: "
+    hits = [p for p in problems if p.startswith(prefix) and rule in p]
+    assert hits, f"no problem {prefix!r}...{rule!r} in {problems}"
+    return hits[0]
+
+
+def test_default_config_passes():
+    validate(BASE, HOST)
+    assert problems_of(BASE) == []
+
+
+# (key, bad value, fragment of the rule's text)
+RANGE_CASES = [
+    ("policy", "bogus", "must be one of sync, cadence, async"),
+    ("backend", "gloo", "must be one of nccl, cpu"),
+    ("device", "gpu", "must be one of auto, cpu, cuda"),
+    ("seed", -1, "must be >= 0"),
+    ("epochs", 0, "must be >= 1"),
+    ("batch_size", 0, "must be >= 1"),
+    ("augment", 0, "must be >= 1"),
+    ("eval_every", -1, "must be >= 0"),
+    ("max_grad_norm", 0.0, "must be a finite value > 0"),
+    ("max_grad_norm", -1.0, "must be a finite value > 0"),
+    ("max_grad_norm", INF, "must be a finite value > 0"),
+    ("lr_scale_ratio", -0.5, "must be finite and >= 0"),
+    ("lr_scale_ratio", INF, "must be finite and >= 0"),
+    ("gamma", INF, "must be finite"),
+    ("gamma", -INF, "must be finite"),
+    ("easgd_alpha", 0.0, "must be in (0, 1]"),
+    ("easgd_alpha", 1.5, "must be in (0, 1]"),
+    ("anchor", 0, "must be >= 1"),
+    ("min_anchor", 0, "must be >= 1"),
+    ("min_anchor", 2000, "must be <= max_anchor (1000)"),
+    ("max_anchor", 5, "must be >= anchor (10)"),
+    ("overhead_target", 0.005, "must be in [0.01, 0.5]"),
+    ("overhead_target", 0.6, "must be in [0.01, 0.5]"),
+    ("max_batch_diff", -1, "must be >= 0"),
+    ("max_overshoot", -1, "must be >= 0"),
+    ("divergence_threshold", 0.0, "must be finite and > 0"),
+    ("divergence_threshold", INF, "must be finite and > 0"),
+    ("vram_max_usage", 1.5, "must be in [0.5, 0.99]"),
+    ("vram_max_usage", 0.4, "must be in [0.5, 0.99]"),
+    ("ram_max_usage", -0.1, "must be in [0, 0.9]"),
+    ("ram_max_usage", 0.95, "must be in [0, 0.9]"),
+    ("disk_stage_gb", -1.0, "must be >= 0"),
+    ("checkpoint_every", 0, "must be >= 1"),
+    ("launch.nproc_per_node", 0, "must be >= 1"),
+    ("launch.start_method", "thread", "must be one of ('spawn', 'fork', 'forkserver')"),
+    ("launch.timeout_s", 0.0, "must be > 0 seconds"),
+    ("launch.timeout_s", -5.0, "must be > 0 seconds"),
+    ("partition_ratios", [], "must be a non-empty list of finite values > 0"),
+    ("partition_ratios", [1.0, -1.0], "must be a non-empty list of finite values > 0"),
+    ("partition_ratios", [1.0, 0.0], "must be a non-empty list of finite values > 0"),
+    ("partition_ratios", [1.0, INF], "must be a non-empty list of finite values > 0"),
+]
+
+
+@pytest.mark.parametrize(("key", "value", "rule"), RANGE_CASES, ids=[f"{k}={v!r}" for k, v, _ in RANGE_CASES])
+def test_range_rule(key, value, rule):
+    with pytest.raises(ConfigError) as info:
+        validate(make(**{key: value}), HOST)
+    assert_problem(info.value.problems, key, value, rule)
+
+
+def test_range_problem_text_is_key_value_rule():
+    problems = problems_of(make(vram_max_usage=1.5))
+    assert "vram_max_usage=1.5: must be in [0.5, 0.99]" in problems
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("vram_max_usage", 0.5),
+        ("vram_max_usage", 0.99),
+        ("ram_max_usage", 0.0),
+        ("ram_max_usage", 0.9),
+        ("overhead_target", 0.01),
+        ("overhead_target", 0.5),
+        ("easgd_alpha", 1.0),
+        ("max_anchor", 10),
+        ("min_anchor", 1000),
+        ("seed", 0),
+        ("eval_every", 0),
+        ("epochs", 1),
+        ("batch_size", 1),
+        ("lr_scale_ratio", 0.0),
+        ("max_batch_diff", 0),
+        ("max_overshoot", 0),
+        ("disk_stage_gb", 0.0),
+    ],
+)
+def test_boundary_values_pass_the_range_rules(key, value):
+    # Under policy=async no cross-field rule objects to local SGD knobs; the not-implemented rules
+    # may still fire (policy, vram_max_usage, ...), so only the range rules are checked here.
+    problems = problems_of(make(policy="async", **{key: value}))
+    assert not [p for p in problems if "must be" in p], problems
+
+
+@pytest.mark.parametrize("policy", ["sync", "cadence"])
+def test_easgd_alpha_needs_async(policy):
+    problems = problems_of(make(policy=policy, easgd_alpha=0.5))
+    assert_problem(problems, "easgd_alpha", 0.5, f"applies to policy=async only (policy={policy})")
+
+
+@pytest.mark.parametrize("policy", ["sync", "cadence"])
+def test_max_overshoot_needs_async(policy):
+    problems = problems_of(make(policy=policy, max_overshoot=3))
+    assert_problem(problems, "max_overshoot", 3, f"applies to policy=async only (policy={policy})")
+
+
+def test_async_takes_easgd_alpha_and_max_overshoot():
+    problems = problems_of(make(policy="async", easgd_alpha=0.5, max_overshoot=3))
+    assert not [p for p in problems if p.startswith(("easgd_alpha=", "max_overshoot="))], problems
+
+
+# A non-default value for every local SGD knob.
+KNOB_VALUES = {
+    "gamma": 0.5,
+    "anchor": 20,
+    "min_anchor": 2,
+    "max_anchor": 500,
+    "overhead_target": 0.1,
+    "max_batch_diff": 3,
+    "max_overshoot": 2,
+    "divergence_threshold": 0.5,
+    "no_divergence_guard": True,
+}
+
+
+def test_knob_table_covers_every_local_sgd_knob():
+    assert set(KNOB_VALUES) == set(LOCAL_SGD_KNOBS)
+    defaults = {f.name: f.default for f in dataclasses.fields(FlodlConfig)}
+    assert all(KNOB_VALUES[k] != defaults[k] for k in KNOB_VALUES)
+
+
+@pytest.mark.parametrize("knob", LOCAL_SGD_KNOBS)
+def test_local_sgd_knob_refused_under_sync(knob):
+    value = KNOB_VALUES[knob]
+    problems = problems_of(make(policy="sync", **{knob: value}))
+    default = getattr(BASE, knob)
+    problem = assert_problem(problems, knob, value, "applies to local SGD (policy=cadence or async)")
+    assert f"leave it at its default ({default!r})" in problem
+
+
+@pytest.mark.parametrize("policy", ["cadence", "async"])
+def test_local_sgd_knobs_accepted_under_local_sgd(policy):
+    knobs = dict(KNOB_VALUES)
+    if policy == "cadence":
+        knobs.pop("max_overshoot")
+    problems = problems_of(make(policy=policy, **knobs))
+    # Only the not-implemented rule for the policy itself remains.
+    assert problems == [p for p in problems if p.startswith("policy=")]
+    assert len(problems) == 1
+
+
+def test_cuda_without_gpus():
+    problems = problems_of(make(device="cuda"), host(gpus=0))
+    assert_problem(problems, "device", "cuda", "no CUDA device is visible")
+
+
+def test_cuda_with_a_gpu_is_fine():
+    assert problems_of(make(device="cuda"), host(gpus=1)) == []
+
+
+def test_nccl_needs_a_gpu_per_rank():
+    problems = problems_of(BASE, host(gpus=1, ranks_per_node=2))
+    problem = assert_problem(problems, "backend", "nccl", "NCCL needs one GPU per rank")
+    assert "2 ranks on 1 visible GPU(s)" in problem
+
+
+@pytest.mark.parametrize(
+    ("overrides", "facts"),
+    [
+        ({}, {"gpus": 2, "ranks_per_node": 2}),
+        ({"device": "cpu"}, {"gpus": 1, "ranks_per_node": 2}),
+        # No GPU: NCCL falls back to gloo, any number of ranks.
+        ({}, {"gpus": 0, "ranks_per_node": 4}),
+    ],
+)
+def test_nccl_cases_that_pass(overrides, facts):
+    assert problems_of(make(**overrides), host(**facts)) == []
+
+
+def test_nccl_without_gpus_falls_back_to_gloo():
+    validate(make(backend="nccl", device="auto"), host(gpus=0, ranks_per_node=8))
+
+
+def test_nproc_per_node_mismatch_under_torchrun():
+    facts = host(under_torchrun=True, ranks_per_node=2)
+    problems = problems_of(make(**{"launch.nproc_per_node": 3}), facts)
+    problem = assert_problem(problems, "launch.nproc_per_node", 3, "torchrun already started 2 rank(s)")
+    assert "--nproc_per_node" in problem
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_nproc_per_node_matching_torchrun_passes(nproc):
+    facts = host(under_torchrun=True, ranks_per_node=2)
+    assert problems_of(make(**{"launch.nproc_per_node": nproc}), facts) == []
+
+
+def test_nproc_per_node_outside_torchrun_passes():
+    assert problems_of(make(**{"launch.nproc_per_node": 3}), host(ranks_per_node=3)) == []
+
+
+def test_disk_stage_larger_than_free_space():
+    problems = problems_of(make(disk_stage_gb=200.0, disk_stage_dir="/stage"))
+    problem = assert_problem(problems, "disk_stage_gb", 200.0, "exceeds the 100.0 GiB free in /stage")
+    assert "1 rank(s) x 200.0 GiB" in problem
+
+
+def test_disk_stage_need_scales_with_ranks_per_node():
+    cfg = make(disk_stage_gb=60.0, disk_stage_dir="/stage")
+    alone = problems_of(cfg, host(ranks_per_node=1))
+    assert not [p for p in alone if "exceeds" in p], alone
+    problem = assert_problem(problems_of(cfg, host(ranks_per_node=2)), "disk_stage_gb", 60.0, "exceeds")
+    assert "2 rank(s) x 60.0 GiB" in problem
+    assert "100.0 GiB free" in problem
+
+
+def test_disk_stage_free_space_reported_in_gib():
+    facts = host(stage_dir_free_bytes=int(2.5 * GIB))
+    problems = problems_of(make(disk_stage_gb=3.0, disk_stage_dir="/stage"), facts)
+    assert_problem(problems, "disk_stage_gb", 3.0, "exceeds the 2.5 GiB free in /stage")
+
+
+def test_missing_disk_stage_dir():
+    facts = host(stage_dir_free_bytes=None)
+    problems = problems_of(make(disk_stage_gb=1.0, disk_stage_dir="/no/such/dir"), facts)
+    assert_problem(problems, "disk_stage_dir", "/no/such/dir", "directory does not exist")
+    assert not [p for p in problems if "exceeds" in p]
+
+
+def test_disk_rules_skip_a_disabled_tier():
+    assert problems_of(BASE, host(stage_dir_free_bytes=None)) == []
+    assert problems_of(BASE, host(stage_dir_free_bytes=0)) == []
+
+
+# A value for every not-implemented key that would need the missing feature.
+NEEDS_FEATURE = {
+    "policy": "cadence",
+    "backend": "cpu",
+    "logger.name": "wandb",
+    "bf16_wire": True,
+    "partition_ratios": [1.0, 2.0],
+    "vram_pool": False,
+    "vram_max_usage": 0.8,
+    "ram_max_usage": 0.3,
+    "sample_cache": False,
+    "disk_stage_gb": 1.0,
+    "disk_stage_dir": "/tmp",
+    "checkpoint_every": 2,
+    "save_path": "/tmp/model.pt",
+}
+
+
+def test_not_implemented_table_covered():
+    assert set(NEEDS_FEATURE) == {key for key, _, _ in NOT_IMPLEMENTED}
+
+
+@pytest.mark.parametrize(
+    ("key", "featureless", "why"), NOT_IMPLEMENTED, ids=[k for k, _, _ in NOT_IMPLEMENTED]
+)
+def test_not_implemented_value_is_refused(key, featureless, why):
+    value = NEEDS_FEATURE[key]
+    with pytest.raises(ConfigError) as info:
+        validate(make(**{key: value}), HOST)
+    assert f"{key}={value!r}: {why}" in info.value.problems
+    # The featureless value is the default: it raises nothing for this key.
+    assert not [p for p in problems_of(make(**{key: featureless})) if p.startswith(f"{key}=")]
+
+
+def test_all_violations_reported_at_once():
+    cfg = make(epochs=0, batch_size=0, vram_max_usage=1.5, easgd_alpha=0.5, device="cuda")
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, host(gpus=0))
+    problems = info.value.problems
+    assert len(problems) >= 5
+    assert_problem(problems, "epochs", 0, "must be >= 1")
+    assert_problem(problems, "batch_size", 0, "must be >= 1")
+    assert_problem(problems, "vram_max_usage", 1.5, "must be in [0.5, 0.99]")
+    assert_problem(problems, "easgd_alpha", 0.5, "policy=async only")
+    assert_problem(problems, "device", "cuda", "no CUDA device")
+    for problem in problems:
+        assert f"  - {problem}" in str(info.value)
+
+
+outside_vram_range = st.one_of(
+    st.floats(max_value=0.5, exclude_max=True),
+    st.floats(min_value=0.99, exclude_min=True),
+    st.just(NAN),
+)
+
+
+@given(value=outside_vram_range)
+def test_any_vram_max_usage_outside_range_is_named(value):
+    problems = problems_of(dataclasses.replace(BASE, vram_max_usage=value))
+    assert any(p.startswith(f"vram_max_usage={value!r}: must be in [0.5, 0.99]") for p in problems), problems
+
+
+@given(value=st.floats(min_value=0.5, max_value=0.99))
+def test_any_vram_max_usage_inside_range_passes_the_range_rule(value):
+    problems = problems_of(dataclasses.replace(BASE, vram_max_usage=value))
+    assert not [p for p in problems if "must be in" in p], problems
+
+
+@given(gamma=st.floats(allow_nan=False, allow_infinity=False))
+def test_any_finite_gamma_passes_the_finiteness_rule(gamma):
+    problems = problems_of(dataclasses.replace(BASE, policy="cadence", gamma=gamma))
+    assert not [p for p in problems if p.startswith("gamma=")], problems
+
+
+@given(gamma=st.sampled_from([INF, -INF, NAN]))
+def test_non_finite_gamma_is_named(gamma):
+    problems = problems_of(dataclasses.replace(BASE, policy="cadence", gamma=gamma))
+    assert any(p.startswith(f"gamma={gamma!r}: must be finite") for p in problems), problems
+
+
+@given(epochs=st.integers(-5, 5), batch_size=st.integers(-5, 5), augment=st.integers(-5, 5))
+def test_integer_minimums_flag_exactly_the_values_below_one(epochs, batch_size, augment):
+    cfg = dataclasses.replace(BASE, epochs=epochs, batch_size=batch_size, augment=augment)
+    problems = problems_of(cfg)
+    for key, value in (("epochs", epochs), ("batch_size", batch_size), ("augment", augment)):
+        flagged = any(p.startswith(f"{key}={value!r}: must be >= 1") for p in problems)
+        assert flagged == (value < 1)
+    assert (problems == []) == (min(epochs, batch_size, augment) >= 1)
+
+
+def test_nan_values_are_not_mistaken_for_valid():
+    for key in ("max_grad_norm", "lr_scale_ratio", "divergence_threshold", "disk_stage_gb"):
+        problems = problems_of(dataclasses.replace(BASE, policy="async", **{key: NAN}))
+        assert any(p.startswith(f"{key}=nan: must be") for p in problems), (key, problems)
