@@ -119,7 +119,7 @@ def _range_problems(cfg: FlodlConfig) -> Iterator[str]:
     yield from check("divergence_threshold", lambda v: finite(v) and v > 0, "must be finite and > 0", True)
     yield from check("vram_max_usage", lambda v: 0.5 <= v <= 0.99, "must be in [0.5, 0.99]")
     yield from check("ram_max_usage", lambda v: 0.0 <= v <= 0.9, "must be in [0, 0.9]")
-    yield from check("disk_stage_gb", lambda v: finite(v) and v >= 0, "must be >= 0 (0 disables the tier)")
+    yield from check("disk_stage_gb", lambda v: finite(v) and v >= 0, "must be finite and >= 0 (0: off)")
     yield from check("checkpoint_every", lambda v: v >= 1, "must be >= 1 (epochs)", True)
     yield from check("launch.nproc_per_node", lambda v: v >= 1, "must be >= 1")
     yield from check("launch.start_method", lambda v: v in START_METHODS, f"must be one of {START_METHODS}")
@@ -168,6 +168,12 @@ def _cross_field_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
             cfg.launch.nproc_per_node,
             f"torchrun already started {host.ranks_per_node} rank(s) on this node; leave it at 1 "
             "and use torchrun's --nproc_per_node",
+        )
+    if cfg.launch.start_method == "fork" and cfg.device != "cpu" and host.gpus > 0:
+        yield _problem(
+            "launch.start_method",
+            "fork",
+            "CUDA cannot be used in forked ranks; use spawn or forkserver (or device=cpu)",
         )
     yield from _disk_problems(cfg, host)
 

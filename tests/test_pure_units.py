@@ -75,7 +75,7 @@ def test_equal_slices_are_disjoint_consecutive_equal_whole_batches(picks, world,
 
 def test_equal_slices_example():
     assert equal_slices(100, 3, 8) == [Slice(0, 32), Slice(32, 32), Slice(64, 32)]
-    assert equal_slices(10, 4, 4) == [Slice(0, 0)] * 1 + [Slice(0, 0)] * 3
+    assert equal_slices(10, 4, 4) == [Slice(0, 0)] * 4
 
 
 def test_picks_to_samples():
@@ -280,7 +280,7 @@ def test_differences_names_nested_keys():
     b = {"seed": 1, "task": {"model": {"hidden": 64}, "name": "digits", "extra": 3}, "gamma": 0.5}
     assert _differences(a, b) == [
         "gamma (rank 0: 1.0, other: 0.5)",
-        "task.extra (rank 0: None, other: 3)",
+        "task.extra (rank 0: '<absent>', other: 3)",
         "task.model.hidden (rank 0: 128, other: 64)",
     ]
 
@@ -355,3 +355,7 @@ def test_as_batch_dataset_rejects_a_non_dataset(data):
 def test_slice_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         Slice(0, 1).size = 2  # type: ignore[misc]
+
+
+def test_differences_tells_an_absent_key_from_a_null_one():
+    assert _differences({"a": None}, {}) == ["a (rank 0: None, other: '<absent>')"]

@@ -93,7 +93,7 @@ RANGE_CASES = [
     ("vram_max_usage", 0.4, "must be in [0.5, 0.99]"),
     ("ram_max_usage", -0.1, "must be in [0, 0.9]"),
     ("ram_max_usage", 0.95, "must be in [0, 0.9]"),
-    ("disk_stage_gb", -1.0, "must be >= 0"),
+    ("disk_stage_gb", -1.0, "must be finite and >= 0"),
     ("checkpoint_every", 0, "must be >= 1"),
     ("launch.nproc_per_node", 0, "must be >= 1"),
     ("launch.start_method", "thread", "must be one of ('spawn', 'fork', 'forkserver')"),
@@ -380,3 +380,11 @@ def test_nan_values_are_not_mistaken_for_valid():
     for key in ("max_grad_norm", "lr_scale_ratio", "divergence_threshold", "disk_stage_gb"):
         problems = problems_of(dataclasses.replace(BASE, policy="async", **{key: NAN}))
         assert any(p.startswith(f"{key}=nan: must be") for p in problems), (key, problems)
+
+
+def test_fork_with_cuda_is_refused():
+    gpu_host = host(gpus=2)
+    problems = problems_of(make(**{"launch.start_method": "fork"}), gpu_host)
+    assert_problem(problems, "launch.start_method", "fork", "CUDA cannot be used in forked ranks")
+    assert problems_of(make(**{"launch.start_method": "fork", "device": "cpu"}), gpu_host) == []
+    assert problems_of(make(**{"launch.start_method": "fork"}), HOST) == []

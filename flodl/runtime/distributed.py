@@ -99,8 +99,12 @@ def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
+_ABSENT = "<absent>"
+
+
 def _differences(a: Any, b: Any, prefix: str = "") -> list[str]:
     if isinstance(a, dict) and isinstance(b, dict):
         keys = sorted(set(a) | set(b))
-        return [d for k in keys for d in _differences(a.get(k), b.get(k), f"{prefix}{k}.")]
-    return [] if a == b else [f"{prefix.rstrip('.')} (rank 0: {a!r}, other: {b!r})"]
+        return [d for k in keys for d in _differences(a.get(k, _ABSENT), b.get(k, _ABSENT), f"{prefix}{k}.")]
+    name = prefix.rstrip(".") or "<config>"
+    return [] if a == b else [f"{name} (rank 0: {a!r}, other: {b!r})"]

@@ -70,5 +70,5 @@ def decode(raw: bytes) -> Message:
     try:
         data: dict[str, Any] = json.loads(raw)
         return _TYPES[data["type"]](**data["body"])
-    except (KeyError, TypeError, ValueError) as err:
+    except (KeyError, TypeError, ValueError, RecursionError) as err:
         raise MessageError(f"undecodable flodl message {raw[:200]!r}: {err}") from err
