@@ -17,6 +17,7 @@ from omegaconf import MISSING, OmegaConf
 POLICIES = ("sync", "cadence", "async")
 BACKENDS = ("nccl", "cpu")
 DEVICES = ("auto", "cpu", "cuda")
+GUARDS = ("trend", "msf")
 
 
 @dataclass
@@ -58,6 +59,16 @@ class LaunchConfig:
 
 
 @dataclass
+class SimulateConfig:
+    """Make one rank slower on purpose, to watch cadence and async adapt on identical hardware."""
+
+    # The rank to slow down (null: none).
+    slow_rank: int | None = None
+    # That rank's steps take this many times their real duration (it sleeps after real work).
+    factor: float = 1.0
+
+
+@dataclass
 class FlodlConfig:
     # --- policy and backend (set through the config groups of the same name) ---
     policy: str = "sync"
@@ -87,6 +98,8 @@ class FlodlConfig:
     max_batch_diff: int | None = None
     max_overshoot: int | None = None
     divergence_threshold: float | None = None
+    # trend: 3 rises above divergence_threshold suppress growth; msf: the divergence growth rate.
+    divergence_guard: str = "trend"
     no_divergence_guard: bool = False
     partition_ratios: list[float] | None = None
 
@@ -105,6 +118,7 @@ class FlodlConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    simulate: SimulateConfig = field(default_factory=SimulateConfig)
 
 
 def register_configs() -> None:

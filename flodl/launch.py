@@ -24,8 +24,8 @@ from flodl.checkpoint import MODEL_FILE, save_model
 from flodl.config import FlodlConfig, to_config
 from flodl.data.partition import equal_slices
 from flodl.logs import setup_rank_logging
-from flodl.metrics.sinks import ConsoleSink, JsonlSink, Sink
-from flodl.runtime.coordinator import Coordinator, EpochSchedule
+from flodl.runtime.assembly import METRICS_FILE, make_coordinator, make_worker
+from flodl.runtime.coordinator import Coordinator
 from flodl.runtime.distributed import (
     RankEnv,
     agree_on_config,
@@ -33,12 +33,10 @@ from flodl.runtime.distributed import (
     init_group,
     pick_device,
 )
-from flodl.runtime.task_setup import build_task
-from flodl.runtime.transport import COORDINATOR, Mailbox
-from flodl.runtime.worker import Worker
+from flodl.runtime.task_setup import build_task, lr_scale_factor
+from flodl.runtime.transport import COORDINATOR, InboxReader, Mailbox
 from flodl.validation import ConfigError, HostFacts, validate
 
-METRICS_FILE = "metrics.jsonl"
 log = logging.getLogger("flodl")
 
 
@@ -116,14 +114,16 @@ def run_rank(config: dict[str, Any], run_dir_text: str) -> None:
             return Mailbox.connect(group.store_host, group.store_port, namespace, owner, cfg.launch.timeout_s)
 
         if env.rank == 0:
-            schedule = EpochSchedule(
-                cfg.epochs, env.world_size, total_picks, cfg.batch_size, cfg.eval_every,
-                has_eval=parts.eval_data is not None,
-            )  # fmt: skip
-            sinks: list[Sink] = [ConsoleSink(cfg.epochs), JsonlSink(run_dir / METRICS_FILE)]
-            coordinator = Coordinator(connect(COORDINATOR), schedule, sinks)
+            _log_plan(cfg, env.world_size)
+            has_eval = parts.eval_data is not None
+            reader = InboxReader(connect(COORDINATOR))
+            coordinator = make_coordinator(
+                cfg, env.world_size, total_picks, has_eval, reader, connect(COORDINATOR), run_dir
+            )
             coordinator.start()
-        worker = Worker(cfg, parts, env.rank, env.world_size, device, connect(env.rank))
+        worker = make_worker(
+            cfg, parts, env.rank, env.world_size, device, InboxReader(connect(env.rank)), connect(env.rank)
+        )
         worker.run(alive=lambda: _raise_if_failed(coordinator))
         if coordinator is not None:
             coordinator.join()
@@ -137,6 +137,14 @@ def run_rank(config: dict[str, Any], run_dir_text: str) -> None:
         raise
     finally:
         dist.destroy_process_group()
+
+
+def _log_plan(cfg: FlodlConfig, world_size: int) -> None:
+    factor = lr_scale_factor(world_size, cfg.lr_scale_ratio)
+    log.info(
+        "policy=%s world=%d batch=%d/rank (global %d) lr x%.3g (lr_scale_ratio=%g)",
+        cfg.policy, world_size, cfg.batch_size, cfg.batch_size * world_size, factor, cfg.lr_scale_ratio,
+    )  # fmt: skip
 
 
 def _check_epoch_fits(cfg: FlodlConfig, total_picks: int, world_size: int) -> None:

@@ -13,7 +13,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 
-from flodl.config import BACKENDS, DEVICES, POLICIES, FlodlConfig
+from flodl.config import BACKENDS, DEVICES, GUARDS, POLICIES, FlodlConfig
 
 GIB = 1 << 30
 START_METHODS = ("spawn", "fork", "forkserver")
@@ -22,13 +22,12 @@ START_METHODS = ("spawn", "fork", "forkserver")
 # so they would have no effect, and a silently ignored knob is a bug report waiting to happen.
 LOCAL_SGD_KNOBS = (
     "gamma", "anchor", "min_anchor", "max_anchor", "overhead_target", "max_batch_diff",
-    "max_overshoot", "divergence_threshold", "no_divergence_guard",
+    "max_overshoot", "divergence_threshold", "divergence_guard", "no_divergence_guard",
 )  # fmt: skip
 
 # Keys that exist in the schema but whose feature has not landed yet: a value that would need the
 # feature is refused rather than ignored. (key, the value that needs no feature, why)
 NOT_IMPLEMENTED: tuple[tuple[str, object, str], ...] = (
-    ("policy", "sync", "not implemented yet: only policy=sync runs in this version"),
     ("backend", "nccl", "backend=cpu (pinned host snapshot + gloo reduce) is not implemented yet"),
     ("logger.name", "console", "not implemented yet: only logger=console runs in this version"),
     ("bf16_wire", False, "bf16_wire is not implemented yet"),
@@ -59,6 +58,8 @@ class HostFacts:
     gpus: int
     # Ranks this host will run (torchrun's LOCAL_WORLD_SIZE, or launch.nproc_per_node).
     ranks_per_node: int
+    # Ranks in the whole job (torchrun's WORLD_SIZE, or launch.nproc_per_node).
+    world_size: int
     under_torchrun: bool
     # Free bytes in the disk stage dir; None when the dir does not exist.
     stage_dir_free_bytes: int | None
@@ -69,9 +70,10 @@ class HostFacts:
 
         under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
         ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if under_torchrun else cfg.launch.nproc_per_node
+        world = int(os.environ["WORLD_SIZE"]) if under_torchrun else cfg.launch.nproc_per_node
         stage_dir = stage_dir_of(cfg)
         free = shutil.disk_usage(stage_dir).free if os.path.isdir(stage_dir) else None
-        return cls(torch.cuda.device_count(), ranks, under_torchrun, free)
+        return cls(torch.cuda.device_count(), ranks, world, under_torchrun, free)
 
 
 def stage_dir_of(cfg: FlodlConfig) -> str:
@@ -101,6 +103,7 @@ def _range_problems(cfg: FlodlConfig) -> Iterator[str]:
     yield from check("policy", lambda v: v in POLICIES, f"must be one of {', '.join(POLICIES)}")
     yield from check("backend", lambda v: v in BACKENDS, f"must be one of {', '.join(BACKENDS)}")
     yield from check("device", lambda v: v in DEVICES, f"must be one of {', '.join(DEVICES)}")
+    yield from check("divergence_guard", lambda v: v in GUARDS, f"must be one of {', '.join(GUARDS)}")
     yield from check("seed", lambda v: v >= 0, "must be >= 0")
     yield from check("epochs", lambda v: v >= 1, "must be >= 1")
     yield from check("batch_size", lambda v: v >= 1, "must be >= 1 (samples per rank per step)")
@@ -124,6 +127,7 @@ def _range_problems(cfg: FlodlConfig) -> Iterator[str]:
     yield from check("launch.nproc_per_node", lambda v: v >= 1, "must be >= 1")
     yield from check("launch.start_method", lambda v: v in START_METHODS, f"must be one of {START_METHODS}")
     yield from check("launch.timeout_s", lambda v: v > 0, "must be > 0 seconds")
+    yield from check("simulate.factor", lambda v: finite(v) and v >= 1, "must be finite and >= 1 (1: off)")
     ratios = cfg.partition_ratios
     if ratios is not None and (not ratios or not all(finite(r) and r > 0 for r in ratios)):
         yield _problem("partition_ratios", ratios, "must be a non-empty list of finite values > 0")
@@ -141,6 +145,12 @@ def _cross_field_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
     if cfg.max_overshoot is not None and cfg.policy != "async":
         yield _problem(
             "max_overshoot", cfg.max_overshoot, f"applies to policy=async only (policy={cfg.policy})"
+        )
+    if cfg.divergence_guard == "msf" and cfg.divergence_threshold is not None:
+        yield _problem(
+            "divergence_threshold",
+            cfg.divergence_threshold,
+            "applies to divergence_guard=trend; the msf guard reads the divergence growth rate",
         )
     if cfg.policy == "sync":
         defaults = _defaults()
@@ -175,6 +185,9 @@ def _cross_field_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
             "fork",
             "CUDA cannot be used in forked ranks; use spawn or forkserver (or device=cpu)",
         )
+    slow = cfg.simulate.slow_rank
+    if slow is not None and not 0 <= slow < host.world_size:
+        yield _problem("simulate.slow_rank", slow, f"must be a rank of this job, 0..{host.world_size - 1}")
     yield from _disk_problems(cfg, host)
 
 

@@ -23,7 +23,7 @@ SELECTED_AS = {
     "task": lambda cfg: cfg.task.name,
     "logger": lambda cfg: cfg.logger.name,
 }
-NESTED = {"task", "logger", "launch"}
+NESTED = {"task", "logger", "launch", "simulate"}
 GROUP_KEYS = {"policy", "backend"}
 
 # One command-line override per top-level schema key (groups aside): (override, field, value, type).
@@ -46,6 +46,7 @@ OVERRIDES = [
     ("max_batch_diff=4", "max_batch_diff", 4, int),
     ("max_overshoot=5", "max_overshoot", 5, int),
     ("divergence_threshold=0.2", "divergence_threshold", 0.2, float),
+    ("divergence_guard=msf", "divergence_guard", "msf", str),
     ("no_divergence_guard=true", "no_divergence_guard", True, bool),
     ("partition_ratios=[1,2]", "partition_ratios", [1.0, 2.0], list),
     ("vram_pool=false", "vram_pool", False, bool),
@@ -198,5 +199,13 @@ def test_default_composition_is_the_digits_task(hydra_compose):
 
 def test_default_composition_passes_validation(default_cfg):
     cfg = default_cfg
-    host = HostFacts(gpus=0, ranks_per_node=1, under_torchrun=False, stage_dir_free_bytes=100 << 30)
+    host = HostFacts(
+        gpus=0, ranks_per_node=1, world_size=1, under_torchrun=False, stage_dir_free_bytes=100 << 30
+    )
     validate(cfg, host)
+
+
+def test_simulate_knobs_override_from_the_command_line(hydra_compose):
+    cfg = to_config(hydra_compose("simulate.slow_rank=1", "simulate.factor=1.5"))
+    assert (cfg.simulate.slow_rank, cfg.simulate.factor) == (1, 1.5)
+    assert to_config(hydra_compose()).simulate.slow_rank is None

@@ -20,10 +20,14 @@ from flodl.runtime.distributed import _differences
 from flodl.runtime.messages import (
     EvalResult,
     Exiting,
+    ExtendPartition,
     MessageError,
     Metrics,
+    Reached,
     Shutdown,
     StartEpoch,
+    SyncAck,
+    SyncNow,
     decode,
     encode,
 )
@@ -112,6 +116,21 @@ MESSAGES = [
     Metrics(rank=0, epoch=0, batches=0, samples=0, loss_sum=0.0, wall_ms=0.0, data_ms=0.0),
     EvalResult(rank=0, epoch=4, sums={"correct": 30.0, "loss": 11.5}, count=40),
     Exiting(rank=2),
+    ExtendPartition(slices=[[0, 64, 96], [1, 0, 32]], target=3),
+    SyncNow(round=7, evaluate_epoch=2, final=True),
+    SyncNow(round=1),
+    Reached(rank=1, steps=12, busy_ms=40.5),
+    SyncAck(
+        rank=0,
+        round=3,
+        steps=9,
+        skipped=False,
+        divergence=0.01,
+        pre_norm=3.5,
+        post_norm=3.4,
+        sync_ms=1.5,
+        queued=2,
+    ),
 ]
 
 
@@ -178,7 +197,7 @@ def test_aggregate_epoch_across_ranks_with_different_batch_counts():
         chunk(0, batches=2, loss_sum=1.0, wall_ms=500.0, steps=5, data_ms=2.0),
     ]
     evals = [EvalResult(0, 0, {"correct": 30.0}, 40), EvalResult(1, 0, {"correct": 50.0}, 60)]
-    out = aggregate_epoch(0, chunks, evals)
+    out = aggregate_epoch(0, chunks, evals, wall_s=2.0)
     assert out.epoch == 0
     assert out.step == 6
     # Batch-weighted: (2 + 3 + 1) / 6 batches (not a mean of chunk or rank means).
@@ -200,7 +219,7 @@ def test_aggregate_epoch_across_ranks_with_different_batch_counts():
 
 
 def test_aggregate_epoch_record_flattens_eval():
-    out = aggregate_epoch(2, [chunk(0, 2, 1.0, 100.0, 2)], [EvalResult(0, 2, {"acc": 9.0}, 10)])
+    out = aggregate_epoch(2, [chunk(0, 2, 1.0, 100.0, 2)], [EvalResult(0, 2, {"acc": 9.0}, 10)], wall_s=0.1)
     record = out.as_record()
     assert "eval" not in record
     assert record["eval/acc"] == pytest.approx(0.9)
@@ -210,11 +229,11 @@ def test_aggregate_epoch_record_flattens_eval():
 
 def test_aggregate_epoch_without_reports_fails():
     with pytest.raises(ValueError, match="epoch 4"):
-        aggregate_epoch(4, [], [])
+        aggregate_epoch(4, [], [], wall_s=1.0)
 
 
 def test_aggregate_epoch_with_zero_batches_is_nan_loss():
-    out = aggregate_epoch(0, [chunk(0, 0, 0.0, 0.0, 0)], [])
+    out = aggregate_epoch(0, [chunk(0, 0, 0.0, 0.0, 0)], [], wall_s=0.0)
     assert math.isnan(out.loss)
     assert out.samples_per_s == 0.0
     assert out.per_rank[0].batch_share == 0.0

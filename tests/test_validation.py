@@ -12,7 +12,7 @@ from flodl.config import FlodlConfig, to_config
 from flodl.validation import GIB, LOCAL_SGD_KNOBS, NOT_IMPLEMENTED, ConfigError, HostFacts, validate
 
 TASK = {"name": "t", "model": "m", "train_data": "d", "loss": "l", "optimizer": "o"}
-HOST = HostFacts(gpus=0, ranks_per_node=1, under_torchrun=False, stage_dir_free_bytes=100 * GIB)
+HOST = HostFacts(gpus=0, ranks_per_node=1, world_size=1, under_torchrun=False, stage_dir_free_bytes=100 * GIB)
 INF = float("inf")
 NAN = float("nan")
 
@@ -174,6 +174,7 @@ KNOB_VALUES = {
     "max_batch_diff": 3,
     "max_overshoot": 2,
     "divergence_threshold": 0.5,
+    "divergence_guard": "msf",
     "no_divergence_guard": True,
 }
 
@@ -198,10 +199,8 @@ def test_local_sgd_knobs_accepted_under_local_sgd(policy):
     knobs = dict(KNOB_VALUES)
     if policy == "cadence":
         knobs.pop("max_overshoot")
-    problems = problems_of(make(policy=policy, **knobs))
-    # Only the not-implemented rule for the policy itself remains.
-    assert problems == [p for p in problems if p.startswith("policy=")]
-    assert len(problems) == 1
+    knobs.pop("divergence_threshold")  # a trend-guard knob: with the msf guard it is refused (below)
+    assert problems_of(make(policy=policy, **knobs)) == []
 
 
 def test_cuda_without_gpus():
@@ -288,7 +287,6 @@ def test_disk_rules_skip_a_disabled_tier():
 
 # A value for every not-implemented key that would need the missing feature.
 NEEDS_FEATURE = {
-    "policy": "cadence",
     "backend": "cpu",
     "logger.name": "wandb",
     "bf16_wire": True,
@@ -388,3 +386,17 @@ def test_fork_with_cuda_is_refused():
     assert_problem(problems, "launch.start_method", "fork", "CUDA cannot be used in forked ranks")
     assert problems_of(make(**{"launch.start_method": "fork", "device": "cpu"}), gpu_host) == []
     assert problems_of(make(**{"launch.start_method": "fork"}), HOST) == []
+
+
+def test_simulate_rules():
+    problems = problems_of(make(**{"simulate.slow_rank": 2, "simulate.factor": 0.5}), host(world_size=2))
+    assert_problem(problems, "simulate.slow_rank", 2, "must be a rank of this job, 0..1")
+    assert_problem(problems, "simulate.factor", 0.5, "must be finite and >= 1")
+    assert problems_of(make(**{"simulate.slow_rank": 1, "simulate.factor": 3.0}), host(world_size=2)) == []
+
+
+def test_divergence_threshold_belongs_to_the_trend_guard():
+    problems = problems_of(make(policy="cadence", divergence_guard="msf", divergence_threshold=0.1))
+    assert_problem(problems, "divergence_threshold", 0.1, "applies to divergence_guard=trend")
+    assert problems_of(make(policy="cadence", divergence_threshold=0.1)) == []
+    assert_problem(problems_of(make(divergence_guard="bogus")), "divergence_guard", "bogus", "must be one of")

@@ -14,6 +14,7 @@ class RankShare:
     batches: int
     samples: int
     batch_share: float
+    # The rank's own speed: samples over the time it spent on them (waits excluded).
     samples_per_s: float
     data_ms: float
 
@@ -26,7 +27,7 @@ class EpochMetrics:
     # Batch-weighted mean training loss over every rank's batches.
     loss: float
     samples: int
-    # The slowest rank's wall time for the epoch.
+    # Wall time from the previous epoch's completion (or the run's start) to this one's.
     epoch_s: float
     samples_per_s: float
     eval: dict[str, float] = field(default_factory=dict)
@@ -39,7 +40,9 @@ class EpochMetrics:
         return record
 
 
-def aggregate_epoch(epoch: int, chunks: list[Metrics], evals: list[EvalResult]) -> EpochMetrics:
+def aggregate_epoch(
+    epoch: int, chunks: list[Metrics], evals: list[EvalResult], wall_s: float
+) -> EpochMetrics:
     if not chunks:
         raise ValueError(f"epoch {epoch}: no metrics reported")
     batches = sum(c.batches for c in chunks)
@@ -47,15 +50,14 @@ def aggregate_epoch(epoch: int, chunks: list[Metrics], evals: list[EvalResult]) 
     per_rank: dict[int, list[Metrics]] = {}
     for chunk in chunks:
         per_rank.setdefault(chunk.rank, []).append(chunk)
-    wall_s = {r: sum(c.wall_ms for c in cs) / 1000 for r, cs in per_rank.items()}
-    epoch_s = max(wall_s.values())
+    busy_s = {r: sum(c.wall_ms for c in cs) / 1000 for r, cs in per_rank.items()}
     shares = [
         RankShare(
             rank=r,
             batches=sum(c.batches for c in cs),
             samples=sum(c.samples for c in cs),
             batch_share=sum(c.batches for c in cs) / batches if batches else 0.0,
-            samples_per_s=sum(c.samples for c in cs) / wall_s[r] if wall_s[r] > 0 else 0.0,
+            samples_per_s=sum(c.samples for c in cs) / busy_s[r] if busy_s[r] > 0 else 0.0,
             data_ms=sum(c.data_ms for c in cs),
         )
         for r, cs in sorted(per_rank.items())
@@ -65,8 +67,8 @@ def aggregate_epoch(epoch: int, chunks: list[Metrics], evals: list[EvalResult]) 
         step=max(c.steps_total for c in chunks),
         loss=sum(c.loss_sum for c in chunks) / batches if batches else float("nan"),
         samples=samples,
-        epoch_s=epoch_s,
-        samples_per_s=samples / epoch_s if epoch_s > 0 else 0.0,
+        epoch_s=wall_s,
+        samples_per_s=samples / wall_s if wall_s > 0 else 0.0,
         eval=aggregate_eval(evals),
         per_rank=shares,
     )

@@ -1,22 +1,23 @@
-"""The coordinator: a thread in rank 0 that plans epochs and aggregates what the ranks report.
+"""The coordinator: a thread in rank 0 that plans the ranks' work and aggregates what they report.
 
-Under sync the per-step collective is DDP's, so the coordinator never sits on the step path: it
-hands each rank its slice of the epoch one epoch ahead, collects the ranks' Metrics and EvalResults,
-and turns them into EpochMetrics for the sinks.
+It owns the epoch ledger and the sinks; a policy driver decides what to send. Under sync the per-step
+collective is DDP's, so the sync driver only hands each rank its slice of each epoch, one epoch ahead.
+The local-SGD driver (cadence / async) decides when ranks average (see `local_sgd_driver.py`).
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Protocol
 
-from flodl.data.partition import Slice, equal_slices
-from flodl.metrics.aggregate import aggregate_epoch
+from flodl.data.partition import equal_slices
 from flodl.metrics.sinks import Sink
-from flodl.runtime.messages import EvalResult, Exiting, Metrics, Shutdown, StartEpoch
-from flodl.runtime.transport import Mailbox
+from flodl.runtime.ledger import EpochLedger
+from flodl.runtime.messages import EvalResult, Exiting, Message, Metrics, Shutdown, StartEpoch
+from flodl.runtime.transport import InboxReader, Mailbox
 
-# Plans sent ahead of the epoch being aggregated, so a rank never waits for its next plan.
+# Sync plans are sent this many epochs ahead of the one being aggregated, so no rank waits for a plan.
 PLAN_LOOKAHEAD = 1
 _WAIT_S = 0.5
 
@@ -35,69 +36,109 @@ class EpochSchedule:
             return False
         return (epoch + 1) % self.eval_every == 0 or epoch == self.epochs - 1
 
+    def eval_epochs(self) -> frozenset[int]:
+        return frozenset(e for e in range(self.epochs) if self.evaluates_after(e))
+
 
 class CoordinatorError(RuntimeError):
     pass
 
 
-class Coordinator(threading.Thread):
-    def __init__(self, mailbox: Mailbox, schedule: EpochSchedule, sinks: list[Sink]) -> None:
-        super().__init__(name="flodl-coordinator", daemon=True)
-        self.mailbox = mailbox
+class Driver(Protocol):
+    """A policy's decisions: what to send when the run starts and as reports arrive."""
+
+    def begin(self) -> None: ...
+
+    def on_message(self, message: Message) -> None: ...
+
+    def on_epoch_complete(self, epoch: int) -> None: ...
+
+    def on_epoch_emitted(self, epoch: int) -> None: ...
+
+    @property
+    def done(self) -> bool: ...
+
+
+class SyncDriver:
+    def __init__(self, schedule: EpochSchedule, ledger: EpochLedger, outbox: Mailbox) -> None:
         self.schedule = schedule
+        self.ledger = ledger
+        self.outbox = outbox
+        self.slices = equal_slices(schedule.total_picks, schedule.world_size, schedule.batch_size)
+
+    def begin(self) -> None:
+        for epoch in range(min(self.schedule.epochs, PLAN_LOOKAHEAD + 1)):
+            self._plan(epoch)
+
+    def on_message(self, message: Message) -> None:
+        raise CoordinatorError(f"unexpected message under policy=sync: {message!r}")
+
+    def on_epoch_complete(self, epoch: int) -> None:
+        pass
+
+    def on_epoch_emitted(self, epoch: int) -> None:
+        if epoch + PLAN_LOOKAHEAD + 1 < self.schedule.epochs:
+            self._plan(epoch + PLAN_LOOKAHEAD + 1)
+
+    @property
+    def done(self) -> bool:
+        return True  # nothing to wait for beyond the ledger
+
+    def _plan(self, epoch: int) -> None:
+        evaluate = self.schedule.evaluates_after(epoch)
+        self.ledger.expect_eval(epoch, evaluate)
+        for rank, part in enumerate(self.slices):
+            self.outbox.send(rank, StartEpoch(epoch, part.offset, part.size, evaluate))
+
+
+class Coordinator(threading.Thread):
+    def __init__(
+        self,
+        reader: InboxReader,
+        outbox: Mailbox,
+        ledger: EpochLedger,
+        driver: Driver,
+        sinks: list[Sink],
+    ) -> None:
+        super().__init__(name="flodl-coordinator", daemon=True)
+        self.reader = reader
+        self.outbox = outbox
+        self.ledger = ledger
+        self.driver = driver
         self.sinks = sinks
         self.error: BaseException | None = None
         self.stop_requested = threading.Event()
-        self._reports: dict[int, tuple[list[Metrics], list[EvalResult]]] = {}
 
     def run(self) -> None:
         try:
-            self._drive()
+            self.reader.start()
+            self.driver.begin()
+            while not (self.driver.done and self.ledger.all_emitted):
+                if self.stop_requested.is_set():
+                    raise CoordinatorError("stopped while waiting for rank reports")
+                message = self.reader.next_message(_WAIT_S)
+                if message is not None:
+                    self._handle(message)
+            for rank in range(self.ledger.world_size):
+                self.outbox.send(rank, Shutdown())
         except BaseException as err:  # surfaced to rank 0's main thread through self.error
             self.error = err
         finally:
             for sink in self.sinks:
                 sink.close()
+            self.reader.stop(self.outbox)
 
-    def _drive(self) -> None:
-        sched = self.schedule
-        slices = equal_slices(sched.total_picks, sched.world_size, sched.batch_size)
-        for epoch in range(min(sched.epochs, PLAN_LOOKAHEAD + 1)):
-            self._plan(epoch, slices)
-        for epoch in range(sched.epochs):
-            chunks, evals = self._collect(epoch)
-            if epoch + PLAN_LOOKAHEAD + 1 < sched.epochs:
-                self._plan(epoch + PLAN_LOOKAHEAD + 1, slices)
-            metrics = aggregate_epoch(epoch, chunks, evals)
+    def _handle(self, message: Message) -> None:
+        if isinstance(message, Metrics):
+            if self.ledger.add_chunk(message):
+                self.driver.on_epoch_complete(message.epoch)
+        elif isinstance(message, EvalResult):
+            self.ledger.add_eval(message)
+        elif isinstance(message, Exiting):
+            raise CoordinatorError(f"rank {message.rank} exited before the run finished")
+        else:
+            self.driver.on_message(message)
+        for metrics in self.ledger.emit_ready():
             for sink in self.sinks:
                 sink.emit(metrics)
-        for rank in range(sched.world_size):
-            self.mailbox.send(rank, Shutdown())
-
-    def _plan(self, epoch: int, slices: list[Slice]) -> None:
-        evaluate = self.schedule.evaluates_after(epoch)
-        for rank, part in enumerate(slices):
-            self.mailbox.send(rank, StartEpoch(epoch, part.offset, part.size, evaluate))
-
-    def _collect(self, epoch: int) -> tuple[list[Metrics], list[EvalResult]]:
-        """Wait until every rank has reported `epoch` (and its eval share, when one is due).
-
-        Reports for later epochs that arrive early are kept for their turn.
-        """
-        world = self.schedule.world_size
-        want_evals = world if self.schedule.evaluates_after(epoch) else 0
-        chunks, evals = self._reports.setdefault(epoch, ([], []))
-        while len(chunks) < world or len(evals) < want_evals:
-            if self.stop_requested.is_set():
-                raise CoordinatorError("stopped while waiting for rank reports")
-            message = self.mailbox.receive(_WAIT_S)
-            if isinstance(message, (Metrics, EvalResult)):
-                if message.epoch < epoch:
-                    raise CoordinatorError(
-                        f"rank {message.rank} reported epoch {message.epoch} after it was aggregated"
-                    )
-                later_chunks, later_evals = self._reports.setdefault(message.epoch, ([], []))
-                (later_chunks if isinstance(message, Metrics) else later_evals).append(message)
-            elif isinstance(message, Exiting):
-                raise CoordinatorError(f"rank {message.rank} exited during epoch {epoch}")
-        return self._reports.pop(epoch)
+            self.driver.on_epoch_emitted(metrics.epoch)

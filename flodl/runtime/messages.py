@@ -1,7 +1,8 @@
 """Typed control and report messages, encoded as JSON (never pickle).
 
-Worker -> coordinator: Metrics (one per chunk), EvalResult, Exiting.
-Coordinator -> worker: StartEpoch (the rank's slice of the epoch), Shutdown.
+Worker -> coordinator: Metrics (one per chunk), Reached, SyncAck, EvalResult, Exiting.
+Coordinator -> worker: StartEpoch (sync: the rank's slice of the epoch), ExtendPartition (local SGD: more
+batches and the count to report at), SyncNow, Shutdown.
 """
 
 from __future__ import annotations
@@ -18,6 +19,24 @@ class StartEpoch:
     size: int
     # Evaluate the model after this epoch and report an EvalResult.
     evaluate: bool = False
+
+
+@dataclass
+class ExtendPartition:
+    """Local SGD: append these `[epoch, offset, size]` pick slices to the rank's queue."""
+
+    slices: list[list[int]]
+    # Report Reached once this many steps were taken since the last reduce.
+    target: int
+
+
+@dataclass
+class SyncNow:
+    round: int
+    # Evaluate the consensus for this epoch before adopting it (None: no eval).
+    evaluate_epoch: int | None = None
+    # The run's last reduce: adopt the consensus exactly (no EASGD blend).
+    final: bool = False
 
 
 @dataclass
@@ -41,6 +60,29 @@ class Metrics:
 
 
 @dataclass
+class Reached:
+    rank: int
+    steps: int
+    # Time spent on this window's batches (data + compute), excluding waits for messages.
+    busy_ms: float
+
+
+@dataclass
+class SyncAck:
+    rank: int
+    round: int
+    # Steps this rank contributed (n_k) and whether the round had any mass at all.
+    steps: int
+    skipped: bool
+    divergence: float
+    pre_norm: float
+    post_norm: float
+    sync_ms: float
+    # Batches still queued on the rank (async overshoot not yet trained).
+    queued: int
+
+
+@dataclass
 class EvalResult:
     rank: int
     epoch: int
@@ -54,8 +96,13 @@ class Exiting:
     rank: int
 
 
-Message = StartEpoch | Shutdown | Metrics | EvalResult | Exiting
-_TYPES: dict[str, type] = {t.__name__: t for t in (StartEpoch, Shutdown, Metrics, EvalResult, Exiting)}
+Message = (
+    StartEpoch | ExtendPartition | SyncNow | Shutdown | Metrics | Reached | SyncAck | EvalResult | Exiting
+)
+_TYPES: dict[str, type] = {
+    t.__name__: t
+    for t in (StartEpoch, ExtendPartition, SyncNow, Shutdown, Metrics, Reached, SyncAck, EvalResult, Exiting)
+}
 
 
 class MessageError(ValueError):

@@ -1,23 +1,24 @@
 """Mailboxes over the rendezvous TCPStore: one inbox per rank plus one for the coordinator.
 
 Messages are pushed to `queue_push` keys under a per-run prefix; tensors never travel here (they
-go through collectives). Each thread that receives owns its own store client, because a blocking
-pop holds the client's connection.
+go through collectives). A reader thread per inbox blocks on `queue_pop` with its own store client
+(a blocking pop holds the client's connection) and hands messages to the training loop through a
+local queue, so checking for control messages between steps costs no network round trip.
 """
 
 from __future__ import annotations
 
-import time
+import queue
+import threading
 from datetime import timedelta
 
-from torch.distributed import PrefixStore, QueueEmptyError, Store, TCPStore
+from torch.distributed import DistStoreError, PrefixStore, QueueEmptyError, Store, TCPStore
 
-from flodl.runtime.messages import Message, decode, encode
+from flodl.runtime.messages import Message, Shutdown, decode, encode
 
 COORDINATOR = "coordinator"
-# A blocking pop logs a warning each time it times out, so waits poll with a growing backoff.
-_POLL_MIN_S = 0.001
-_POLL_MAX_S = 0.02
+# A blocking pop logs a warning each time it times out: readers wait long and are woken by a message.
+_READER_WAIT_S = 300.0
 
 
 def inbox(rank: int | str) -> str:
@@ -43,13 +44,49 @@ class Mailbox:
         except QueueEmptyError:
             return None
 
-    def receive(self, timeout_s: float) -> Message | None:
-        """The next message, or None after `timeout_s` with nothing received."""
-        deadline = time.monotonic() + timeout_s
-        pause = _POLL_MIN_S
-        while True:
-            message = self.poll()
-            if message is not None or time.monotonic() >= deadline:
-                return message
-            time.sleep(pause)
-            pause = min(pause * 2, _POLL_MAX_S)
+    def wait(self, timeout_s: float) -> Message | None:
+        """Block until a message arrives, or return None after `timeout_s`."""
+        self.store.set_timeout(timedelta(seconds=timeout_s))
+        try:
+            return decode(self.store.queue_pop(inbox(self.owner), block=True))
+        except DistStoreError:
+            return None
+
+
+class InboxReader(threading.Thread):
+    """Moves this rank's messages from the store into a local queue, so a training loop can check for
+    control messages between steps without a network round trip."""
+
+    def __init__(self, mailbox: Mailbox) -> None:
+        super().__init__(name=f"flodl-inbox-{mailbox.owner}", daemon=True)
+        self.mailbox = mailbox
+        self.messages: queue.Queue[Message] = queue.Queue()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            while True:
+                message = self.mailbox.wait(_READER_WAIT_S)
+                if message is not None:
+                    self.messages.put(message)
+                    if isinstance(message, Shutdown):
+                        return
+        except BaseException as err:  # surfaced through next_message
+            self.error = err
+
+    def next_message(self, timeout_s: float | None) -> Message | None:
+        """The next message: None at once (timeout_s=None) or after timeout_s if there is none."""
+        if self.error is not None:
+            raise RuntimeError(f"inbox of rank {self.mailbox.owner} failed: {self.error}") from self.error
+        try:
+            if timeout_s is None:
+                return self.messages.get_nowait()
+            return self.messages.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+
+    def stop(self, waker: Mailbox) -> None:
+        """End the reader early (an error path): wake its blocking pop with a Shutdown from `waker`."""
+        if self.is_alive():
+            waker.send(self.mailbox.owner, Shutdown(reason="stopped locally"))
+            self.join(timeout=10)

@@ -1,0 +1,1 @@
+"""Local-SGD averaging: consensus weights, divergence and (later) the weighted reduce itself."""

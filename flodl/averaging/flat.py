@@ -1,0 +1,77 @@
+"""Parameters and float32 buffers as views into one contiguous buffer per dtype.
+
+A local-SGD reduce is then one collective per dtype on memory the model already uses: no gather
+before, no scatter after. Re-pointing keeps each nn.Parameter object (only its storage moves), so an
+optimizer built before or after sees the same parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass
+class FlatGroup:
+    buffer: Tensor
+    views: list[Tensor]
+
+
+def _group_by_dtype(tensors: Iterable[Tensor]) -> dict[torch.dtype, list[Tensor]]:
+    groups: dict[torch.dtype, list[Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.dtype, []).append(t)
+    return groups
+
+
+def _flatten(tensors: list[Tensor], repoint: Callable[[Tensor, Tensor], None]) -> FlatGroup:
+    total = sum(t.numel() for t in tensors)
+    buffer = torch.empty(total, dtype=tensors[0].dtype, device=tensors[0].device)
+    views, offset = [], 0
+    for t in tensors:
+        view = buffer[offset : offset + t.numel()].view_as(t)
+        view.copy_(t.detach())
+        repoint(t, view)
+        views.append(view)
+        offset += t.numel()
+    return FlatGroup(buffer, views)
+
+
+@torch.no_grad()
+def flatten_parameters(model: nn.Module) -> list[FlatGroup]:
+    """Re-point every trainable parameter into a flat buffer per dtype."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the model has no trainable parameters")
+
+    def repoint(param: Tensor, view: Tensor) -> None:
+        param.data = view
+
+    return [_flatten(group, repoint) for group in _group_by_dtype(params).values()]
+
+
+@torch.no_grad()
+def flatten_float32_buffers(model: nn.Module) -> FlatGroup | None:
+    """Re-point float32 buffers (e.g. BatchNorm statistics) into one flat buffer; None if none.
+
+    Other buffers (integer counters) stay local and are never averaged.
+    """
+    owners = [
+        (module, name)
+        for module in model.modules()
+        for name, buf in module._buffers.items()
+        if buf is not None and buf.dtype == torch.float32
+    ]
+    if not owners:
+        return None
+    tensors = [module._buffers[name] for module, name in owners]
+    slots = {id(t): (module, name) for t, (module, name) in zip(tensors, owners, strict=True)}
+
+    def repoint(buf: Tensor, view: Tensor) -> None:
+        module, name = slots[id(buf)]
+        module._buffers[name] = view
+
+    return _flatten(tensors, repoint)

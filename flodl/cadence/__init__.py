@@ -1,0 +1,1 @@
+"""Pure cadence logic (ElChe balancer, convergence guards): no torch.distributed, no I/O."""

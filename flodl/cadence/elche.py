@@ -1,0 +1,385 @@
+"""ElChe cadence balancer (reference §4): per-rank reduce-window sizes and anchor growth.
+
+"The column marches at the slowest one's pace": the slow (anchor) rank runs `anchor` batches per reduce
+window and faster ranks run proportionally more, so everyone reaches the reduce at about the same time.
+Timings come in as numbers and decisions go out as values; the coordinator owns I/O and the timeline.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import deque
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+from flodl.cadence.verdict import Verdict
+
+TRUST_WINDOW = 5  # ms/batch samples kept per rank; also the zero-report streak that clears a window
+COHORT_BAND = 0.15  # ranks within 15% of the slowest are anchor candidates
+DOMINANCE_MARGIN = 0.10  # a challenger must be >10% slower than the anchor to take over (no churn on noise)
+MAX_SPEED_RATIO = 64.0  # a degenerate tiny sample must not turn into a huge schedule
+DEAD_ZONE = 0.05  # counts move only on changes above 5%: suppresses 1-batch chatter
+GROWTH_STEP_CAP = 2.0  # at most x2 per grow step: ride the amortization curve without overshooting
+GROWTH_REARM_STABLE = 5  # clean verdicts needed before growth may poke the convergence cliff again
+STABLE_AT, MATURE_AT = 5, 20  # calibrations
+OVERSHOOT_START, OVERSHOOT_MAX = 3, 15
+# Trajectory beyond the reference ElCheState, saved so a resume continues exactly (see ElChe.state).
+_RESUME = ("_zero_streak", "_counts", "_counts_anchor", "growth_enabled", "_stable_streak", "_auto_overshoot")
+
+
+class Phase(IntEnum):
+    PROBE = 0  # no calibration yet: equal counts
+    WARMUP = 1  # anchor pick held; growth only on an unambiguous signal
+    STABLE = 2  # election and growth at the real target
+    MATURE = 3  # same ElChe behaviour; the LR meta-controller reads it
+
+
+@dataclass(frozen=True)
+class AnchorChange:
+    old: int
+    new: int
+    reason: str  # "grow" | "relax_up" | "nudge_down"
+
+
+@dataclass(frozen=True)
+class ElCheSettings:
+    world_size: int
+    anchor: int = 10
+    min_anchor: int | None = None  # None: the initial anchor
+    max_anchor: int = 1000
+    overhead_target: float = 0.05  # used clamped to [0.01, 0.50]
+    max_batch_diff: int | None = None  # None: unlimited; 0: lockstep
+    max_overshoot: int | None = None  # async only; None: auto 3 -> 15
+    is_async: bool = False
+    relax_up: bool = False  # async only, as in the coordinator
+    window_growth: bool = True  # False under Sync: it reduces every step, there is no window to amortize
+
+    def __post_init__(self) -> None:
+        lows = {"world_size": 1, "anchor": 1, "max_anchor": 1, "min_anchor": 1}
+        for name, low in {**lows, "max_batch_diff": 0, "max_overshoot": 0}.items():
+            value = getattr(self, name)
+            if value is not None and value < low:
+                raise ValueError(f"ElChe {name} must be >= {low}, got {value}")
+        if not (math.isfinite(self.overhead_target) and self.overhead_target > 0):
+            raise ValueError(f"ElChe overhead_target must be > 0, got {self.overhead_target}")
+
+    @property
+    def floor(self) -> int:
+        """Growth floor (min_anchor resolved, never above max_anchor)."""
+        return min(self.anchor if self.min_anchor is None else self.min_anchor, self.max_anchor)
+
+    @property
+    def target(self) -> float:
+        return min(max(self.overhead_target, 0.01), 0.50)
+
+
+def select_feed(
+    wall_ms: Sequence[float],
+    steps: Sequence[int],
+    delivered_ms: Sequence[float],
+    delivered_batches: Sequence[int],
+    use_delivered: bool = True,
+) -> tuple[list[float], list[int]]:
+    """§4.1 all-or-none feed: the delivered scale only when every mover (steps > 0) has a delivered
+    sample this window, else the compute scale for everyone. Mixing scales inverts the allocation."""
+    has = [m > 0 and b > 0 for m, b in zip(delivered_ms, delivered_batches, strict=True)]
+    if not use_delivered or not all(has[r] for r, n in enumerate(steps) if n > 0):
+        return list(wall_ms), list(steps)
+    ms = [d if h else w for d, w, h in zip(delivered_ms, wall_ms, has, strict=True)]
+    return ms, [d if h else n for d, n, h in zip(delivered_batches, steps, has, strict=True)]
+
+
+def _round(x: float) -> int:
+    return math.floor(x + 0.5)  # half away from zero (x > 0), like Rust's f64::round
+
+
+class ElChe:
+    """Cadence state for one run: `report_timing` once per reduce window, then `apply_verdict`.
+
+    Public attributes (anchor, anchor_rank, phase, calibration_count, proposed_anchor, growth_enabled)
+    are for reading; they change only through the methods. `epoch_batches` may be set by the caller.
+    """
+
+    def __init__(
+        self, settings: ElCheSettings, anchor_rank: int | None = None, epoch_batches: int | None = None
+    ) -> None:
+        n = settings.world_size
+        if anchor_rank is not None and not 0 <= anchor_rank < n:
+            raise ValueError(f"anchor_rank {anchor_rank} out of range for world_size {n}")
+        self.settings = settings
+        # Soft cold-start pin (partition ratios / spec prior); None: elected at the first calibration.
+        self.anchor_rank = anchor_rank
+        self.epoch_batches = epoch_batches  # window cap: a reduce window never spans more than an epoch
+        self.anchor = min(max(settings.anchor, settings.floor), settings.max_anchor)
+        self.phase = Phase.PROBE
+        self.calibration_count = 0
+        self._windows: list[deque[float]] = [deque(maxlen=TRUST_WINDOW) for _ in range(n)]
+        self._zero_streak = [0] * n
+        self._counts = [self.anchor] * n  # uncapped schedule; counts() applies the epoch cap
+        self._counts_anchor = self.anchor  # anchor the schedule was last computed with
+        self.proposed_anchor: int | None = None  # transient: staged by report_timing, settled by the verdict
+        self.growth_enabled = True
+        self._stable_streak = 0
+        self._auto_overshoot = OVERSHOOT_START
+        self._slack_ms = [0.0] * n
+
+    # --- queries ------------------------------------------------------------------------------------
+
+    @property
+    def overshoot(self) -> int:
+        """Async steps a rank may run past its count while the CPU reduce is in flight (0 otherwise)."""
+        if not self.settings.is_async:
+            return 0
+        return self._auto_overshoot if self.settings.max_overshoot is None else self.settings.max_overshoot
+
+    @property
+    def window_cap_binding(self) -> bool:
+        return self.epoch_batches is not None and sum(self._counts) > self.epoch_batches
+
+    def smoothed_ms(self, rank: int) -> float | None:
+        """Mean of the rank's trust window; None before it has a valid reading."""
+        w = self._windows[rank]
+        return sum(w) / len(w) if w else None
+
+    def counts(self, remaining: int | None = None) -> list[int]:
+        """Per-rank batches for the next window: scaled to fit the epoch (floor, >= 1, remainder to the
+        largest), then, at the epoch tail (`remaining` < sum), each rank gets min(count, remaining)."""
+        counts = list(self._counts)
+        cap, total = self.epoch_batches, sum(counts)
+        if cap is not None and 0 < cap < total:
+            counts = [max(1, c * cap // total) for c in counts]
+            counts[counts.index(max(counts))] += max(cap - sum(counts), 0)
+            # The floor of 1 can overshoot the cap: take the excess from the largest (the reference
+            # leaves it; it only stays over when there are more ranks than batches).
+            while sum(counts) > cap and max(counts) > 1:
+                counts[counts.index(max(counts))] -= 1
+        if remaining is not None and remaining < sum(counts):
+            counts = [min(c, remaining) for c in counts]
+        return counts
+
+    def budgets(self, remaining: int | None = None) -> list[int]:
+        """Steps each rank may take before it must wait for the reduce (Async: counts + overshoot)."""
+        return [c + self.overshoot for c in self.counts(remaining)]
+
+    def throttled_ranks(self, steps: Sequence[int], alive: Collection[int] | None = None) -> list[int]:
+        """Ranks leading the slowest alive rank by more than max_batch_diff (§4.4; CPU backend)."""
+        limit = self.settings.max_batch_diff
+        ranks = [r for r in range(len(steps)) if alive is None or r in alive]
+        if limit is None or not ranks:
+            return []
+        low = min(steps[r] for r in ranks)
+        return [r for r in ranks if steps[r] > low + limit]
+
+    # --- timing feed -------------------------------------------------------------------------------
+
+    def set_callback_slack(self, slack_ms: Sequence[float]) -> None:
+        """One-shot: the next recompute shrinks rank r by ceil(slack_ms[r]/ms) so a callback fits (§9.3)."""
+        if len(slack_ms) != self.settings.world_size:
+            raise ValueError("slack_ms needs one entry per rank")
+        self._slack_ms = [max(0.0, float(s)) for s in slack_ms]
+
+    def report_timing(
+        self,
+        wall_ms: Sequence[float],
+        batches: Sequence[int],
+        reduce_ms: float = 0.0,
+        fill_ms: Sequence[float] | None = None,
+    ) -> None:
+        """One reduce window: per-rank wall (ms) over `batches`, the reduce that closed it, and the
+        per-rank first-batch fill excess. Pick the scale with `select_feed` first."""
+        n = self.settings.world_size
+        if len(wall_ms) != n or len(batches) != n or (fill_ms is not None and len(fill_ms) != n):
+            raise ValueError(f"timing feed needs one entry per rank ({n})")
+        readings = [
+            w / b if b > 0 and w > 0 and math.isfinite(w) else None
+            for w, b in zip(wall_ms, batches, strict=True)
+        ]
+        if all(ms is None for ms in readings):
+            return  # an idle window carries no signal and must not count as a calibration
+        for r, ms in enumerate(readings):
+            if ms is not None:
+                self._windows[r].append(ms)
+                self._zero_streak[r] = 0
+            else:
+                self._zero_streak[r] += 1
+                if self._zero_streak[r] >= TRUST_WINDOW:
+                    self._windows[r].clear()  # react fast when the rank comes back
+        # Election holds through Probe/Warmup so cold-start skew cannot crown the wrong rank.
+        if self.anchor_rank is None or self.phase >= Phase.STABLE:
+            self.anchor_rank = self._elect()
+        b = self.anchor_rank
+        if b is None:
+            return
+        slow = self.smoothed_ms(b)
+        if slow is None and self._zero_streak[b] >= TRUST_WINDOW:
+            # A pinned anchor that never reports would freeze calibration; stop trusting the pin.
+            self.anchor_rank = b = self._elect()
+            slow = None if b is None else self.smoothed_ms(b)
+        if b is None or slow is None:
+            return
+        # A proposal lives for one window. The first report never proposes: one sample is not a trend.
+        fill = 0.0 if fill_ms is None else fill_ms[b]
+        self.proposed_anchor = self._propose(slow, reduce_ms, fill) if self.phase >= Phase.WARMUP else None
+        self._recompute(slow)
+        self.calibration_count += 1
+        c = self.calibration_count
+        due = Phase.MATURE if c >= MATURE_AT else Phase.STABLE if c >= STABLE_AT else Phase.WARMUP
+        self.phase = max(self.phase, due)
+
+    def _elect(self) -> int | None:
+        ms = {r: m for r in range(self.settings.world_size) if (m := self.smoothed_ms(r)) is not None}
+        if not ms:
+            return None
+        top = max(ms.values())
+        cohort = [r for r, m in ms.items() if m >= top * (1 - COHORT_BAND)]
+        cur = self.anchor_rank
+        if cur not in cohort:
+            return min(cohort)
+        others = [r for r in cohort if r != cur]
+        if not others:
+            return cur
+        # Exact ties between challengers go to the lowest index (the reference leaves them unspecified).
+        challenger = max(others, key=lambda r: ms[r])
+        return challenger if ms[challenger] > ms[cur] * (1 + DOMINANCE_MARGIN) else cur
+
+    def _propose(self, slow: float, reduce_ms: float, fill: float) -> int | None:
+        """Window pressure: the anchor rank's fixed per-window cost (reduce + fill) as a fraction of
+        its window wall. Grow-only; the guard verdict decides whether it lands."""
+        s = self.settings
+        if not (s.window_growth and self.growth_enabled) or self.window_cap_binding:
+            return None  # at the cap a larger anchor delivers nothing and detaches from the schedule
+        fixed = max(reduce_ms, 0.0) + max(fill, 0.0)
+        if fixed <= 0:
+            return None
+        overhead = fixed / (self.anchor * slow + fixed)
+        # Before Stable only an unambiguous signal acts (it is cap-clamped by construction).
+        if overhead <= s.target * (1.0 if self.phase >= Phase.STABLE else GROWTH_STEP_CAP):
+            return None
+        new = math.ceil(self.anchor * min(overhead / s.target, GROWTH_STEP_CAP))
+        new = min(max(new, s.floor), s.max_anchor)
+        return new if new > self.anchor else None
+
+    def _recompute(self, slow: float) -> None:
+        limit = self.settings.max_batch_diff
+        shift = self.anchor - self._counts_anchor
+        for r in range(self.settings.world_size):
+            ms, cur = self.smoothed_ms(r), self._counts[r]
+            if ms is None or abs(ms - slow) < 1e-6:
+                target = self.anchor
+            else:
+                target = max(1, _round(self.anchor * min(slow / ms, MAX_SPEED_RATIO)))
+            slack = math.ceil(self._slack_ms[r] / ms) if ms is not None and self._slack_ms[r] > 0 else 0
+            target = max(1, target - slack)
+            moved = abs(target - cur) > DEAD_ZONE * cur or self.calibration_count == 0 or slack > 0
+            new = target if moved else cur
+            if limit is not None:
+                # max_batch_diff bounds each rank's per-update change beyond the anchor's own move, from
+                # the first calibration: 0 keeps every rank at exactly `anchor` (lockstep) while growth
+                # and nudges still reach the schedule.
+                base = max(1, cur + shift)
+                new = min(max(new, base - limit), base + limit)
+            self._counts[r] = max(1, new)
+        self._counts_anchor = self.anchor
+        self._slack_ms = [0.0] * self.settings.world_size
+
+    # --- anchor moves ------------------------------------------------------------------------------
+
+    def _set_anchor(self, new: int, reason: str) -> AnchorChange | None:
+        if new == self.anchor:
+            return None
+        change = AnchorChange(self.anchor, new, reason)
+        self.anchor = new
+        slow = None if self.anchor_rank is None else self.smoothed_ms(self.anchor_rank)
+        if slow is not None:
+            self._recompute(slow)
+        else:  # uncalibrated: the schedule is still equal counts
+            self._counts = [new] * self.settings.world_size
+            self._counts_anchor = new
+        return change
+
+    def nudge_anchor_down(self, factor: float) -> AnchorChange | None:
+        """anchor = ceil(anchor * clamp(factor, 0.1, 1)); bypasses min_anchor (divergence outranks
+        overhead), so it can reach 1. Does not touch the proposal: use apply_verdict(NUDGE_DOWN)."""
+        if not math.isfinite(factor):
+            return None  # a NaN factor would silently collapse the anchor to 1
+        new = math.ceil(self.anchor * min(max(factor, 0.1), 1.0))
+        return self._set_anchor(min(max(new, 1), self.anchor), "nudge_down")
+
+    def relax_anchor_up(self) -> AnchorChange | None:
+        """anchor += 1 unless at max_anchor or the projected fastest lead would exceed max_batch_diff."""
+        a, limit = self.anchor + 1, self.settings.max_batch_diff
+        if self.anchor >= self.settings.max_anchor:
+            return None
+        ms = [m for r in range(self.settings.world_size) if (m := self.smoothed_ms(r)) is not None]
+        if limit is not None and ms and max(1, _round(a * max(ms) / min(ms))) - a > limit:
+            return None
+        return self._set_anchor(a, "relax_up")
+
+    def apply_verdict(self, verdict: Verdict, factor: float = 0.5) -> list[AnchorChange]:
+        """Settle the pending proposal with the guard's verdict (§4.3, §5.2 step 5). `factor` is
+        NudgeDown's shrink factor. Growth latches off on any non-Stable verdict and re-arms after 5
+        consecutive Stables; async overshoot (auto) steps +1 per Stable and resets on NudgeDown."""
+        s, changes = self.settings, []
+        if verdict is Verdict.STABLE:
+            self._stable_streak += 1
+            if self._stable_streak >= GROWTH_REARM_STABLE:
+                self.growth_enabled = True
+            if self.proposed_anchor is not None:
+                changes.append(self._set_anchor(self.proposed_anchor, "grow"))
+                self.proposed_anchor = None
+            if s.is_async and s.relax_up:
+                changes.append(self.relax_anchor_up())
+            self._auto_overshoot = min(self._auto_overshoot + 1, OVERSHOOT_MAX)
+        else:
+            # Drop the proposal first: it was computed from the pre-nudge anchor.
+            self.proposed_anchor, self._stable_streak, self.growth_enabled = None, 0, False
+            if verdict is Verdict.NUDGE_DOWN:
+                changes.append(self.nudge_anchor_down(factor))
+                self._auto_overshoot = OVERSHOOT_START
+        return [c for c in changes if c is not None]
+
+    # --- checkpoint (ElCheState, §4.5) -------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """JSON-able ElCheState. The reference fields come first; `resume` carries the rest of the
+        trajectory so a resume behaves exactly like the run it continues (the reference's 1-sample
+        seeding is the fallback). The guard's trend_history is the caller's to add."""
+        return {
+            "anchor": self.anchor,
+            "anchor_rank": self.anchor_rank,
+            "smoothed_ms_per_batch": [self.smoothed_ms(r) or 0.0 for r in range(self.settings.world_size)],
+            "phase": self.phase.name.lower(),
+            "calibration_count": self.calibration_count,
+            "resume": {"ms_windows": [list(w) for w in self._windows]}
+            | {key.lstrip("_"): copy.copy(getattr(self, key)) for key in _RESUME},
+        }
+
+    @classmethod
+    def from_state(
+        cls, settings: ElCheSettings, state: dict[str, Any], epoch_batches: int | None = None
+    ) -> ElChe:
+        """Rebuild from `state()`. Knobs come from `settings` (a resume may re-bind them); a different
+        world size is rejected."""
+        n = settings.world_size
+        smoothed = state["smoothed_ms_per_batch"]
+        if len(smoothed) != n:
+            raise ValueError(f"ElCheState is for world_size {len(smoothed)}, this run has {n}")
+        el = cls(settings, state["anchor_rank"], epoch_batches)
+        el.anchor = el._counts_anchor = int(state["anchor"])
+        el._counts = [el.anchor] * n
+        el.phase = Phase[str(state["phase"]).upper()]
+        el.calibration_count = int(state["calibration_count"])
+        extra = state.get("resume")
+        if extra is None:
+            for r, ms in enumerate(smoothed):
+                if ms > 0:
+                    el._windows[r].append(float(ms))
+            return el
+        for r, w in enumerate(extra["ms_windows"]):
+            el._windows[r].extend(float(x) for x in w)
+        for key in _RESUME:
+            setattr(el, key, copy.copy(extra[key.lstrip("_")]))
+        return el

@@ -1,0 +1,185 @@
+"""Window planning for local SGD (cadence / async), as pure decisions.
+
+The coordinator feeds events (a rank reached its count, a rank acknowledged a reduce) and carries out
+the actions returned (dispatch batches, average now, finish). Averaging fires on counts, never on wall
+time. Batches are handed out from one cursor over the epochs: batch i of epoch e is picks
+`[i*b, (i+1)*b)` of that epoch's shared permutation, so no batch is trained twice or skipped.
+
+- cadence: a window gives rank r exactly `counts[r]` batches; one window in flight; the last window of
+  an epoch splits what is left in proportion to the counts (epoch barrier).
+- async: rank r is kept supplied up to `counts[r] + overshoot` batches per window and may run into the
+  next epoch; the reduce fires once every rank has done `counts[r]`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from flodl.cadence.split import proportional_split
+
+
+@dataclass(frozen=True)
+class EpochSlice:
+    epoch: int
+    # In picks, within the epoch's permutation.
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    rank: int
+    slices: tuple[EpochSlice, ...]
+    # The rank reports Reached once it has taken this many steps since the last reduce.
+    target: int
+
+
+@dataclass(frozen=True)
+class Average:
+    round: int
+    # Evaluate the consensus of this round for that epoch (None: no eval this round).
+    evaluate_epoch: int | None
+    # The last reduce of the run: every rank adopts the consensus exactly (no EASGD blend).
+    final: bool
+
+
+Action = Dispatch | Average
+
+
+@dataclass(frozen=True)
+class WindowReport:
+    rank: int
+    steps: int
+    # Time spent training this window (data + compute), excluding waits for control messages.
+    busy_ms: float
+
+
+@dataclass(frozen=True)
+class AckReport:
+    rank: int
+    steps: int
+    divergence: float
+    pre_norm: float
+    post_norm: float
+    sync_ms: float
+    # Batches still queued on the rank (async overshoot not yet trained).
+    queued: int
+
+
+@dataclass
+class Cursor:
+    """The next undispatched batch, across epochs."""
+
+    batches_per_epoch: int
+    epochs: int
+    epoch: int = 0
+    batch: int = 0
+
+    def exhausted(self) -> bool:
+        return self.epoch >= self.epochs
+
+    def left_in_epoch(self) -> int:
+        return 0 if self.exhausted() else self.batches_per_epoch - self.batch
+
+    def take(self, n: int, batch_size: int, cross_epochs: bool) -> tuple[EpochSlice, ...]:
+        slices = []
+        while n > 0 and not self.exhausted():
+            k = min(n, self.left_in_epoch())
+            slices.append(EpochSlice(self.epoch, self.batch * batch_size, k * batch_size))
+            n -= k
+            self.batch += k
+            if self.batch == self.batches_per_epoch:
+                self.epoch, self.batch = self.epoch + 1, 0
+                if not cross_epochs:
+                    break
+        return tuple(slices)
+
+
+@dataclass
+class LocalSgdPlanner:
+    world_size: int
+    batches_per_epoch: int
+    batch_size: int
+    epochs: int
+    is_async: bool
+    # Which epochs want an eval (eval_every and the last epoch).
+    eval_epochs: frozenset[int]
+    cursor: Cursor = field(init=False)
+    round: int = 0
+    targets: list[int] = field(init=False)
+    queued: list[int] = field(init=False)
+    reached: dict[int, WindowReport] = field(default_factory=dict)
+    acks: dict[int, AckReport] = field(default_factory=dict)
+    completed_epochs: set[int] = field(default_factory=set)
+    evaluated_epochs: set[int] = field(default_factory=set)
+    averaging: bool = False
+    final_round: bool = False
+
+    def __post_init__(self) -> None:
+        self.cursor = Cursor(self.batches_per_epoch, self.epochs)
+        self.targets = [0] * self.world_size
+        self.queued = [0] * self.world_size
+
+    def open_window(self, counts: list[int], overshoot: int) -> list[Action]:
+        """Hand out the next window's batches for the given per-rank counts."""
+        if self.is_async:
+            allocation = [counts[r] + overshoot - self.queued[r] for r in range(self.world_size)]
+        else:
+            allocation = list(counts)
+            left = self.cursor.left_in_epoch()
+            if sum(allocation) >= left:  # the epoch's last window: split the remainder
+                allocation = proportional_split(left, counts)
+        actions: list[Action] = []
+        for rank, want in enumerate(allocation):
+            slices = self.cursor.take(max(want, 0), self.batch_size, cross_epochs=self.is_async)
+            given = sum(s.size for s in slices) // self.batch_size
+            self.queued[rank] += given
+            # Async: the count, or everything still to train once the data runs out.
+            target = min(counts[rank], self.queued[rank]) if self.is_async else given
+            self.targets[rank] = self.queued[rank] if self.cursor.exhausted() else target
+            actions.append(Dispatch(rank, slices, self.targets[rank]))
+        # Every rank reports Reached, even with a target of 0 (an epoch tail can leave a rank idle).
+        self.reached = {}
+        return actions
+
+    def on_reached(self, report: WindowReport) -> list[Action]:
+        self.reached[report.rank] = report
+        return self._maybe_average()
+
+    def on_epoch_complete(self, epoch: int) -> None:
+        self.completed_epochs.add(epoch)
+
+    def on_ack(self, ack: AckReport) -> bool:
+        """Record one rank's reduce; True once every rank has acknowledged the round."""
+        self.acks[ack.rank] = ack
+        self.queued[ack.rank] = ack.queued
+        if len(self.acks) < self.world_size:
+            return False
+        self.averaging = False
+        return True
+
+    @property
+    def finished(self) -> bool:
+        return self.final_round and not self.averaging
+
+    def window_acks(self) -> list[AckReport]:
+        return [self.acks[r] for r in range(self.world_size)]
+
+    def window_reports(self) -> list[WindowReport]:
+        return [self.reached[r] for r in range(self.world_size)]
+
+    def _maybe_average(self) -> list[Action]:
+        if self.averaging or len(self.reached) < self.world_size:
+            return []
+        self.averaging = True
+        self.round += 1
+        self.acks = {}
+        self.final_round = self.cursor.exhausted() and all(
+            self.queued[r] <= self.targets[r] for r in range(self.world_size)
+        )
+        due = sorted(e for e in self.completed_epochs - self.evaluated_epochs if e in self.eval_epochs)
+        if self.final_round:
+            due = sorted(e for e in self.eval_epochs if e not in self.evaluated_epochs)
+        evaluate = due[-1] if due else None
+        self.evaluated_epochs.update(due)
+        return [Average(self.round, evaluate, self.final_round)]

@@ -1,0 +1,109 @@
+"""Put one rank together for its policy: the worker on every rank, the coordinator on rank 0."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from flodl.averaging.consensus import ConsensusAverager
+from flodl.cadence.elche import ElChe, ElCheSettings
+from flodl.cadence.guard import make_guard
+from flodl.cadence.planner import LocalSgdPlanner
+from flodl.config import FlodlConfig
+from flodl.data.partition import equal_slices
+from flodl.metrics.sinks import ConsoleSink, JsonlSink, Sink
+from flodl.runtime.coordinator import Coordinator, Driver, EpochSchedule, SyncDriver
+from flodl.runtime.ledger import EpochLedger
+from flodl.runtime.local_sgd_driver import LocalSgdDriver
+from flodl.runtime.local_worker import LocalSgdWorker
+from flodl.runtime.stepper import Stepper
+from flodl.runtime.task_setup import TaskParts
+from flodl.runtime.transport import InboxReader, Mailbox
+from flodl.runtime.worker import SyncWorker, WorkerBase
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def easgd_alpha_of(cfg: FlodlConfig) -> float | None:
+    """EASGD blends only under async: the value can never reach a cadence or sync worker."""
+    return cfg.easgd_alpha if cfg.policy == "async" else None
+
+
+def make_worker(
+    cfg: FlodlConfig,
+    parts: TaskParts,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    reader: InboxReader,
+    outbox: Mailbox,
+) -> WorkerBase:
+    slow = cfg.simulate.factor if cfg.simulate.slow_rank == rank else 1.0
+    if cfg.policy == "sync":
+        train_module = parts.model
+        if world_size > 1:
+            device_ids = [device.index] if device.type == "cuda" else None
+            train_module = DistributedDataParallel(
+                parts.model, device_ids=device_ids, gradient_as_bucket_view=True
+            )
+        return SyncWorker(Stepper(cfg, parts, device, train_module, slow), rank, world_size, reader, outbox)
+    averager = ConsensusAverager(parts.model, cfg.gamma, device)
+    stepper = Stepper(cfg, parts, device, parts.model, slow)
+    return LocalSgdWorker(stepper, rank, world_size, reader, outbox, averager, easgd_alpha_of(cfg))
+
+
+def make_coordinator(
+    cfg: FlodlConfig,
+    world_size: int,
+    total_picks: int,
+    has_eval: bool,
+    reader: InboxReader,
+    outbox: Mailbox,
+    run_dir: Path,
+) -> Coordinator:
+    schedule = EpochSchedule(cfg.epochs, world_size, total_picks, cfg.batch_size, cfg.eval_every, has_eval)
+    sinks: list[Sink] = [ConsoleSink(cfg.epochs), JsonlSink(run_dir / METRICS_FILE)]
+    driver: Driver
+    if cfg.policy == "sync":
+        per_rank = equal_slices(total_picks, world_size, cfg.batch_size)[0].size // cfg.batch_size
+        ledger = EpochLedger(cfg.epochs, world_size, per_rank * world_size)
+        driver = SyncDriver(schedule, ledger, outbox)
+    else:
+        batches_per_epoch = total_picks // cfg.batch_size
+        ledger = EpochLedger(cfg.epochs, world_size, batches_per_epoch)
+        driver = _local_sgd_driver(cfg, schedule, ledger, outbox, batches_per_epoch)
+    return Coordinator(reader, outbox, ledger, driver, sinks)
+
+
+def _local_sgd_driver(
+    cfg: FlodlConfig, schedule: EpochSchedule, ledger: EpochLedger, outbox: Mailbox, batches_per_epoch: int
+) -> LocalSgdDriver:
+    is_async = cfg.policy == "async"
+    settings = ElCheSettings(
+        world_size=schedule.world_size,
+        anchor=cfg.anchor,
+        min_anchor=cfg.min_anchor,
+        max_anchor=cfg.max_anchor,
+        overhead_target=cfg.overhead_target,
+        max_batch_diff=cfg.max_batch_diff,
+        max_overshoot=cfg.max_overshoot,
+        is_async=is_async,
+    )
+    planner = LocalSgdPlanner(
+        world_size=schedule.world_size,
+        batches_per_epoch=batches_per_epoch,
+        batch_size=cfg.batch_size,
+        epochs=cfg.epochs,
+        is_async=is_async,
+        eval_epochs=schedule.eval_epochs(),
+    )
+    guard = make_guard(
+        cfg.divergence_threshold,
+        easgd_alpha_of(cfg) is not None,
+        cfg.no_divergence_guard,
+        cfg.divergence_guard,
+    )
+    elche = ElChe(settings, epoch_batches=batches_per_epoch)
+    return LocalSgdDriver(planner, elche, guard, ledger, outbox)

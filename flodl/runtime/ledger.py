@@ -1,0 +1,87 @@
+"""Epoch bookkeeping on rank 0: which chunks and evals each epoch still waits for, and when it is done.
+
+An epoch is complete once the ranks have reported every batch planned for it; it is emitted (turned
+into EpochMetrics, in epoch order) once its eval, if one was scheduled, has arrived from every rank.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from flodl.metrics.aggregate import EpochMetrics, aggregate_epoch
+from flodl.runtime.messages import EvalResult, Metrics
+
+
+class LedgerError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Epoch:
+    chunks: list[Metrics] = field(default_factory=list)
+    evals: list[EvalResult] = field(default_factory=list)
+    # None: not known yet whether this epoch gets an eval (async decides at a later reduce).
+    eval_expected: bool | None = None
+    completed_at: float | None = None
+
+
+class EpochLedger:
+    def __init__(self, epochs: int, world_size: int, batches_per_epoch: int) -> None:
+        self.epochs = epochs
+        self.world_size = world_size
+        self.batches_per_epoch = batches_per_epoch
+        self.started_at = time.perf_counter()
+        self._open: dict[int, _Epoch] = {}
+        self.next_to_emit = 0
+
+    def _epoch(self, epoch: int) -> _Epoch:
+        if epoch < self.next_to_emit or epoch >= self.epochs:
+            raise LedgerError(f"a report for epoch {epoch}, outside the open epochs")
+        return self._open.setdefault(epoch, _Epoch())
+
+    def add_chunk(self, chunk: Metrics) -> bool:
+        """Record a chunk; True when it completes its epoch."""
+        entry = self._epoch(chunk.epoch)
+        entry.chunks.append(chunk)
+        done = sum(c.batches for c in entry.chunks)
+        if done > self.batches_per_epoch:
+            raise LedgerError(
+                f"epoch {chunk.epoch}: {done} batches reported, {self.batches_per_epoch} planned"
+            )
+        if done == self.batches_per_epoch:
+            entry.completed_at = time.perf_counter()
+            return True
+        return False
+
+    def add_eval(self, result: EvalResult) -> None:
+        self._epoch(result.epoch).evals.append(result)
+
+    def expect_eval(self, epoch: int, expected: bool) -> None:
+        self._epoch(epoch).eval_expected = expected
+
+    def is_complete(self, epoch: int) -> bool:
+        entry = self._open.get(epoch)
+        return entry is not None and entry.completed_at is not None
+
+    def emit_ready(self) -> list[EpochMetrics]:
+        """Every epoch, in order, that is complete and has its eval (if any)."""
+        ready = []
+        while self.next_to_emit < self.epochs:
+            entry = self._open.get(self.next_to_emit)
+            if entry is None or entry.completed_at is None or entry.eval_expected is None:
+                break
+            if entry.eval_expected and len(entry.evals) < self.world_size:
+                break
+            previous = self._open.get(self.next_to_emit - 1)
+            since = previous.completed_at if previous and previous.completed_at else self.started_at
+            ready.append(
+                aggregate_epoch(self.next_to_emit, entry.chunks, entry.evals, entry.completed_at - since)
+            )
+            self._open.pop(self.next_to_emit - 1, None)
+            self.next_to_emit += 1
+        return ready
+
+    @property
+    def all_emitted(self) -> bool:
+        return self.next_to_emit == self.epochs

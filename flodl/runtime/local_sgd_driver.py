@@ -1,0 +1,109 @@
+"""The coordinator's local-SGD driver: windows, reduces, ElChe and the divergence guard.
+
+A window opens with per-rank counts from ElChe; when every rank has reached its count the driver
+orders a reduce (SyncNow); once every rank has acknowledged it, the divergence guard reads the
+round, ElChe gets the window's timings and the guard's verdict, and the next window opens.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from flodl.cadence import elche as el
+from flodl.cadence.guard import ConvergenceGuard, DivergenceReport
+from flodl.cadence.planner import AckReport as PlannerAck
+from flodl.cadence.planner import Average, Dispatch, LocalSgdPlanner, WindowReport
+from flodl.runtime.ledger import EpochLedger
+from flodl.runtime.messages import ExtendPartition, Message, Reached, SyncAck, SyncNow
+from flodl.runtime.transport import Mailbox
+
+log = logging.getLogger("flodl")
+
+
+class LocalSgdDriver:
+    def __init__(
+        self,
+        planner: LocalSgdPlanner,
+        elche: el.ElChe,
+        guard: ConvergenceGuard,
+        ledger: EpochLedger,
+        outbox: Mailbox,
+    ) -> None:
+        self.planner = planner
+        self.elche = elche
+        self.guard = guard
+        self.ledger = ledger
+        self.outbox = outbox
+        self._undecided_evals: set[int] = set()
+
+    @property
+    def done(self) -> bool:
+        return self.planner.finished
+
+    def begin(self) -> None:
+        self._open_window()
+
+    def on_epoch_complete(self, epoch: int) -> None:
+        self.planner.on_epoch_complete(epoch)
+        self._undecided_evals.add(epoch)
+
+    def on_epoch_emitted(self, epoch: int) -> None:
+        pass
+
+    def on_message(self, message: Message) -> None:
+        if isinstance(message, Reached):
+            self._carry(self.planner.on_reached(WindowReport(message.rank, message.steps, message.busy_ms)))
+        elif isinstance(message, SyncAck):
+            ack = PlannerAck(
+                message.rank, message.steps, message.divergence, message.pre_norm, message.post_norm,
+                message.sync_ms, message.queued,
+            )  # fmt: skip
+            if self.planner.on_ack(ack):
+                if not message.skipped:  # a skip is the same on every rank: nobody moved
+                    self._feed_round()
+                if not self.done:
+                    self._open_window()
+        else:
+            raise RuntimeError(f"unexpected message under local SGD: {message!r}")
+
+    def _feed_round(self) -> None:
+        """The guard reads the round's divergence; ElChe gets the window's timings and the verdict."""
+        acks = self.planner.window_acks()
+        reports = self.planner.window_reports()
+        steps = [a.steps for a in acks]
+        report = DivergenceReport(
+            divergences=[a.divergence for a in acks],
+            pre_norms=[a.pre_norm for a in acks],
+            post_norm=acks[0].post_norm,
+            step=self.planner.round,
+        )
+        action = self.guard.report(report, k_used=sum(steps), k_max=max(steps))
+        self.elche.report_timing(
+            [r.busy_ms for r in reports],
+            [r.steps for r in reports],
+            reduce_ms=max(a.sync_ms for a in acks),
+        )
+        for change in self.elche.apply_verdict(action.verdict, action.factor):
+            log.info("anchor %d -> %d (%s)", change.old, change.new, change.reason)
+
+    def _open_window(self) -> None:
+        self._carry(self.planner.open_window(self.elche.counts(), self.elche.overshoot))
+
+    def _carry(self, actions: list[Dispatch | Average]) -> None:
+        for action in actions:
+            if isinstance(action, Dispatch):
+                slices = [[s.epoch, s.offset, s.size] for s in action.slices]
+                self.outbox.send(action.rank, ExtendPartition(slices, action.target))
+            else:
+                self._decide_evals(action)
+                for rank in range(self.ledger.world_size):
+                    self.outbox.send(rank, SyncNow(action.round, action.evaluate_epoch, action.final))
+
+    def _decide_evals(self, average: Average) -> None:
+        """Epochs completed since the last reduce learn whether they get an eval (this round's)."""
+        decided = set(self._undecided_evals)
+        if average.final:
+            decided |= set(range(self.ledger.next_to_emit, self.ledger.epochs))
+        for epoch in decided:
+            self.ledger.expect_eval(epoch, epoch == average.evaluate_epoch)
+        self._undecided_evals -= decided

@@ -1,0 +1,155 @@
+"""The local-SGD worker (cadence / async): trains the batches it is handed, averages when told.
+
+Policy-agnostic: the coordinator's messages carry the policy. `ExtendPartition` appends batches to the
+rank's queue and says at how many steps since the last reduce to report `Reached`; `SyncNow` runs the
+weighted consensus reduce (then, in async, the EASGD blend). Between steps the worker only checks a
+local queue for control messages; the device is read once per chunk (the loss) and once per window.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from flodl.averaging.consensus import ConsensusAverager
+from flodl.runtime.messages import ExtendPartition, Message, Metrics, Reached, SyncAck, SyncNow
+from flodl.runtime.stepper import Stepper
+from flodl.runtime.transport import InboxReader, Mailbox
+from flodl.runtime.worker import WorkerBase
+
+
+@dataclass
+class _Chunk:
+    """A slice of one epoch's picks being trained, with its running totals."""
+
+    epoch: int
+    picks: torch.Tensor
+    batches: int
+    loss_sum: torch.Tensor
+    done: int = 0
+    busy_s: float = 0.0
+    data_s: float = 0.0
+
+
+class LocalSgdWorker(WorkerBase):
+    def __init__(
+        self,
+        stepper: Stepper,
+        rank: int,
+        world_size: int,
+        reader: InboxReader,
+        outbox: Mailbox,
+        averager: ConsensusAverager,
+        easgd_alpha: float | None,
+    ) -> None:
+        super().__init__(stepper, rank, world_size, reader, outbox)
+        self.averager = averager
+        self.easgd_alpha = easgd_alpha
+        self.pending: deque[tuple[int, int, int]] = deque()
+        self.chunk: _Chunk | None = None
+        self.steps_since_avg = 0
+        self.target: int | None = None
+        self.window_busy_s = 0.0
+        # Σ over ranks of the steps at every reduce so far (the LR schedule's clock, see schedule_position).
+        self.global_steps = 0
+
+    def has_work(self) -> bool:
+        return self.chunk is not None or bool(self.pending)
+
+    def handle(self, message: Message) -> None:
+        if isinstance(message, ExtendPartition):
+            self.pending.extend((e, o, s) for e, o, s in message.slices)
+            self.target = message.target
+            self._report_if_reached()
+        elif isinstance(message, SyncNow):
+            self._average(message)
+        else:
+            raise RuntimeError(f"rank {self.rank}: unexpected message under local SGD: {message!r}")
+
+    def queued_batches(self) -> int:
+        batch_size = self.stepper.cfg.batch_size
+        in_chunk = self.chunk.batches - self.chunk.done if self.chunk else 0
+        return in_chunk + sum(size // batch_size for _, _, size in self.pending)
+
+    def work(self) -> None:
+        stepper = self.stepper
+        batch_size = stepper.cfg.batch_size
+        if self.chunk is None:
+            epoch, offset, size = self.pending.popleft()
+            zero = torch.zeros((), device=stepper.device)
+            self.chunk = _Chunk(epoch, stepper.picks(epoch, offset, size), size // batch_size, zero)
+        chunk = self.chunk
+        started = time.perf_counter()
+        batch = stepper.load(chunk.picks[chunk.done * batch_size : (chunk.done + 1) * batch_size])
+        loaded = time.perf_counter()
+        chunk.loss_sum += stepper.step(batch)
+        chunk.done += 1
+        self.steps_since_avg += 1
+        stepper.schedule_to(self.schedule_position())
+        finished = time.perf_counter()
+        chunk.data_s += loaded - started
+        chunk.busy_s += finished - started
+        self.window_busy_s += finished - started
+        if chunk.done == chunk.batches:
+            self._finish_chunk(chunk)
+        self._report_if_reached()
+
+    def schedule_position(self) -> int:
+        """Steps on the LR schedule: the ranks' mean steps at the last reduce plus this rank's since.
+
+        (The original counts the sum over ranks; the mean keeps a schedule written in steps per epoch of
+        one rank valid under every policy and world size.)
+        """
+        return self.global_steps // self.world_size + self.steps_since_avg
+
+    def _finish_chunk(self, chunk: _Chunk) -> None:
+        self.chunk = None
+        batches = chunk.done
+        self.report(
+            Metrics(
+                rank=self.rank,
+                epoch=chunk.epoch,
+                batches=batches,
+                samples=batches * self.stepper.cfg.batch_size,
+                loss_sum=float(chunk.loss_sum),  # the chunk's one read-back from the device
+                wall_ms=chunk.busy_s * 1000,
+                data_ms=chunk.data_s * 1000,
+                steps_total=self.stepper.steps_total,
+            )
+        )
+
+    def _report_if_reached(self) -> None:
+        if self.target is None or self.steps_since_avg < self.target:
+            return
+        if self.stepper.device.type == "cuda":  # once per window: the busy time must include the device work
+            torch.cuda.current_stream(self.stepper.device).synchronize()
+        self.report(Reached(self.rank, self.steps_since_avg, self.window_busy_s * 1000))
+        self.target = None
+
+    def _average(self, order: SyncNow) -> None:
+        outcome = self.averager.reduce(self.steps_since_avg)
+        if order.evaluate_epoch is not None and self.stepper.parts.eval_data is not None:
+            # On the consensus itself, before an async rank blends it with its own parameters.
+            self.report(self.stepper.evaluate(self.rank, self.world_size, order.evaluate_epoch))
+        if self.easgd_alpha is not None and not order.final and not outcome.skipped:
+            self.averager.blend(self.easgd_alpha)
+        self.global_steps += outcome.total_steps
+        self.report(
+            SyncAck(
+                rank=self.rank,
+                round=order.round,
+                steps=outcome.steps,
+                skipped=outcome.skipped,
+                divergence=outcome.triple.divergence,
+                pre_norm=outcome.triple.pre_norm,
+                post_norm=outcome.triple.post_norm,
+                sync_ms=outcome.sync_ms,
+                queued=self.queued_batches(),
+            )
+        )
+        self.steps_since_avg = 0
+        self.window_busy_s = 0.0
+        self.target = None

@@ -1,0 +1,107 @@
+"""One rank's training step and eval, shared by every policy.
+
+The step never reads a value back from the device: it returns the detached loss, which callers sum
+on the device and read once per chunk.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import Tensor, nn
+
+from flodl.config import FlodlConfig
+from flodl.data.partition import epoch_permutation, picks_to_samples
+from flodl.runtime.messages import EvalResult
+from flodl.runtime.task_setup import TaskParts
+
+_SPIN_S = 0.002
+
+
+class Stepper:
+    def __init__(
+        self,
+        cfg: FlodlConfig,
+        parts: TaskParts,
+        device: torch.device,
+        train_module: nn.Module,
+        slow_factor: float,
+    ) -> None:
+        self.cfg = cfg
+        self.parts = parts
+        self.device = device
+        self.train_module = train_module
+        # simulate.factor for the slowed rank: each step takes this many times its real duration.
+        self.slow_factor = slow_factor
+        self.params = [p for p in parts.model.parameters() if p.requires_grad]
+        self.total_picks = len(parts.train_data) * cfg.augment
+        self.steps_total = 0
+        self.schedule_position = 0
+        self._permutations: dict[int, Tensor] = {}
+
+    def picks(self, epoch: int, offset: int, size: int) -> Tensor:
+        """Picks `[offset, offset + size)` of the epoch's shared permutation (cached per epoch)."""
+        if epoch not in self._permutations:
+            self._permutations = {e: p for e, p in self._permutations.items() if e >= epoch - 1}
+            self._permutations[epoch] = epoch_permutation(self.total_picks, self.cfg.seed, epoch)
+        return self._permutations[epoch][offset : offset + size]
+
+    def load(self, picks: Tensor) -> list[Tensor]:
+        rows = self.parts.train_data.get_batch(picks_to_samples(picks, self.cfg.augment))
+        return [t.to(self.device, non_blocking=True) for t in rows]
+
+    def step(self, batch: list[Tensor]) -> Tensor:
+        started = time.perf_counter()
+        parts = self.parts
+        loss = parts.loss_fn(self.train_module, batch)
+        parts.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.cfg.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
+        parts.optimizer.step()
+        self.steps_total += 1
+        if self.slow_factor > 1.0:
+            self._slow_down(started)
+        return loss.detach()
+
+    def schedule_to(self, position: int) -> None:
+        """Advance the LR scheduler to `position` (steps it as often as needed; it is cheap)."""
+        scheduler = self.parts.scheduler
+        while scheduler is not None and self.schedule_position < position:
+            scheduler.step()
+            self.schedule_position += 1
+
+    def _slow_down(self, started: float) -> None:
+        # Simulation only: the wait needs the step's true duration, so it synchronizes the device.
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        deadline = now + (now - started) * (self.slow_factor - 1.0)
+        # Sleep overshoots by ~0.1 ms, which would distort sub-millisecond steps: spin the last stretch.
+        if deadline - now > _SPIN_S:
+            time.sleep(deadline - now - _SPIN_S)
+        while time.perf_counter() < deadline:
+            pass
+
+    @torch.no_grad()
+    def evaluate(self, rank: int, world_size: int, epoch: int) -> EvalResult:
+        """Evaluate this rank's contiguous share of the eval set; the coordinator sums the shares."""
+        data, eval_fn = self.parts.eval_data, self.parts.eval_fn
+        assert data is not None
+        n = len(data)
+        lo, hi = n * rank // world_size, n * (rank + 1) // world_size
+        sums: dict[str, Tensor] = {}
+        model = self.parts.model
+        model.eval()
+        for start in range(lo, hi, self.cfg.batch_size):
+            indices = torch.arange(start, min(start + self.cfg.batch_size, hi))
+            batch = [t.to(self.device, non_blocking=True) for t in data.get_batch(indices)]
+            for name, value in (eval_fn(model, batch) if eval_fn else self._loss_sums(batch)).items():
+                sums[name] = sums.get(name, 0) + value.detach().double()
+        model.train()
+        return EvalResult(rank=rank, epoch=epoch, sums={k: float(v) for k, v in sums.items()}, count=hi - lo)
+
+    def _loss_sums(self, batch: list[Tensor]) -> dict[str, Tensor]:
+        """The eval metric of a task without an eval_fn: its own loss."""
+        return {"loss": self.parts.loss_fn(self.parts.model, batch) * batch[0].shape[0]}

@@ -1,0 +1,63 @@
+"""Cadence and async end to end: 2 gloo ranks, one of them slowed 3x, against sync on the same task."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.procs import leftovers, train
+
+pytestmark = pytest.mark.multiproc
+
+SLOW = ("simulate.slow_rank=1", "simulate.factor=3")
+
+
+def run_policy(tmp_path: Path, policy: str, *extra: str) -> list[dict]:
+    run_dir = tmp_path / policy
+    train(
+        f"policy={policy}",
+        "launch.nproc_per_node=2",
+        "launch.start_method=fork",
+        f"hydra.run.dir={run_dir}",
+        *extra,
+        cwd=tmp_path,
+        timeout=240,
+    ).check()
+    assert not leftovers(tmp_path)
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def fast_rank_share(records: list[dict]) -> float:
+    """Rank 0's share of the batches, after the first two epochs of calibration."""
+    fast = sum(r["per_rank"][0]["batches"] for r in records[2:])
+    slow = sum(r["per_rank"][1]["batches"] for r in records[2:])
+    return fast / (fast + slow)
+
+
+def final_accuracy(records: list[dict]) -> float:
+    """Mean test accuracy of the last three evaluated epochs (one epoch is noisy on 359 images)."""
+    evaluated = [r["eval/accuracy"] for r in records if "eval/accuracy" in r]
+    return sum(evaluated[-3:]) / len(evaluated[-3:])
+
+
+@pytest.fixture(scope="module")
+def sync_records(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return run_policy(tmp_path_factory.mktemp("sync"), "sync")
+
+
+@pytest.mark.parametrize("policy", ["cadence", "async"])
+def test_slowed_rank_gets_a_quarter_and_accuracy_matches_sync(
+    tmp_path: Path, policy: str, sync_records: list[dict]
+) -> None:
+    records = run_policy(tmp_path, policy, *SLOW)
+    assert [r["epoch"] for r in records] == list(range(15))
+    # Every batch of every epoch was trained exactly once, split between the ranks.
+    batches_per_epoch = records[0]["per_rank"][0]["batches"] + records[0]["per_rank"][1]["batches"]
+    assert all(sum(p["batches"] for p in r["per_rank"]) == batches_per_epoch for r in records)
+    # Rank 1 is 3x slower: ElChe gives rank 0 three of every four batches (within 15%).
+    assert fast_rank_share(records) == pytest.approx(0.75, rel=0.15)
+    assert fast_rank_share(sync_records) == 0.5
+    assert final_accuracy(records) >= final_accuracy(sync_records) - 0.01
+    assert final_accuracy(records) >= 0.95
