@@ -9,6 +9,7 @@ import torch
 
 from tests.procs import leftovers, torchrun, train
 from tests.test_cli import assert_complete_run, only_run_dir
+from tests.test_policies import fast_rank_share, final_accuracy, run_policy
 
 GPUS = torch.cuda.device_count()
 pytestmark = [pytest.mark.gpu, pytest.mark.multiproc]
@@ -45,3 +46,14 @@ def test_more_nccl_ranks_than_gpus_is_refused(tmp_path: Path) -> None:
     result = train(f"launch.nproc_per_node={GPUS + 1}", cwd=tmp_path)
     assert result.code == 2
     assert f"this host runs {GPUS + 1} ranks on {GPUS} visible GPU(s)" in result.out
+
+
+@needs_two
+@pytest.mark.parametrize("policy", ["cadence", "async"])
+def test_local_sgd_over_nccl_balances_a_slowed_rank(tmp_path: Path, policy: str) -> None:
+    records = run_policy(
+        tmp_path, policy, "simulate.slow_rank=1", "simulate.factor=3", "launch.start_method=spawn"
+    )
+    assert fast_rank_share(records) == pytest.approx(0.75, rel=0.15)
+    assert final_accuracy(records) >= 0.95
+    assert "rank 1/2 on cuda:1 (nccl)" in (tmp_path / policy / "rank1.log").read_text()

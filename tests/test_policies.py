@@ -11,7 +11,7 @@ from tests.procs import leftovers, train
 
 pytestmark = pytest.mark.multiproc
 
-SLOW = ("simulate.slow_rank=1", "simulate.factor=3")
+SLOW = ("simulate.slow_rank=1", "simulate.factor=3", "launch.start_method=fork")
 
 
 def run_policy(tmp_path: Path, policy: str, *extra: str) -> list[dict]:
@@ -19,7 +19,6 @@ def run_policy(tmp_path: Path, policy: str, *extra: str) -> list[dict]:
     train(
         f"policy={policy}",
         "launch.nproc_per_node=2",
-        "launch.start_method=fork",
         f"hydra.run.dir={run_dir}",
         *extra,
         cwd=tmp_path,
@@ -44,7 +43,7 @@ def final_accuracy(records: list[dict]) -> float:
 
 @pytest.fixture(scope="module")
 def sync_records(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return run_policy(tmp_path_factory.mktemp("sync"), "sync")
+    return run_policy(tmp_path_factory.mktemp("sync"), "sync", "launch.start_method=fork")
 
 
 @pytest.mark.parametrize("policy", ["cadence", "async"])
