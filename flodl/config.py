@@ -89,6 +89,11 @@ class FlodlConfig:
     gamma: float = 1.0
     bf16_wire: bool = False
     easgd_alpha: float | None = None
+    # Outer optimizer on the averaged parameters (cadence / async): avg (none), slowmo, diloco.
+    outer: str = "avg"
+    # null: the outer optimizer's default (slowmo 1.0 / 0.9, diloco 0.7 / 0.9).
+    outer_lr: float | None = None
+    outer_momentum: float | None = None
 
     # --- ElChe cadence balancer (cadence / async) ---
     anchor: int = 10

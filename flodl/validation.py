@@ -13,6 +13,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 
+from flodl.averaging.outer import OUTERS
 from flodl.config import BACKENDS, DEVICES, GUARDS, POLICIES, FlodlConfig
 
 GIB = 1 << 30
@@ -28,9 +29,7 @@ LOCAL_SGD_KNOBS = (
 # Keys that exist in the schema but whose feature has not landed yet: a value that would need the
 # feature is refused rather than ignored. (key, the value that needs no feature, why)
 NOT_IMPLEMENTED: tuple[tuple[str, object, str], ...] = (
-    ("backend", "nccl", "backend=cpu (pinned host snapshot + gloo reduce) is not implemented yet"),
     ("logger.name", "console", "not implemented yet: only logger=console runs in this version"),
-    ("bf16_wire", False, "bf16_wire is not implemented yet"),
     ("partition_ratios", None, "partition_ratios (static per-rank split) is not implemented yet"),
     ("vram_pool", True, "the VRAM sample pool is not implemented yet"),
     ("vram_max_usage", 0.90, "VRAM-aware device prefetch is not implemented yet"),
@@ -104,6 +103,9 @@ def _range_problems(cfg: FlodlConfig) -> Iterator[str]:
     yield from check("backend", lambda v: v in BACKENDS, f"must be one of {', '.join(BACKENDS)}")
     yield from check("device", lambda v: v in DEVICES, f"must be one of {', '.join(DEVICES)}")
     yield from check("divergence_guard", lambda v: v in GUARDS, f"must be one of {', '.join(GUARDS)}")
+    yield from check("outer", lambda v: v in OUTERS, f"must be one of {', '.join(OUTERS)}")
+    yield from check("outer_lr", lambda v: finite(v) and v > 0, "must be finite and > 0", True)
+    yield from check("outer_momentum", lambda v: 0 <= v < 1, "must be in [0, 1)", True)
     yield from check("seed", lambda v: v >= 0, "must be >= 0")
     yield from check("epochs", lambda v: v >= 1, "must be >= 1")
     yield from check("batch_size", lambda v: v >= 1, "must be >= 1 (samples per rank per step)")
@@ -146,6 +148,13 @@ def _cross_field_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
         yield _problem(
             "max_overshoot", cfg.max_overshoot, f"applies to policy=async only (policy={cfg.policy})"
         )
+    if cfg.outer != "avg" and cfg.policy == "sync":
+        yield _problem(
+            "outer", cfg.outer, "an outer optimizer steps averaged parameters: use policy=cadence or async"
+        )
+    for key in ("outer_lr", "outer_momentum"):
+        if getattr(cfg, key) is not None and cfg.outer == "avg":
+            yield _problem(key, getattr(cfg, key), "applies to outer=slowmo or diloco (outer=avg)")
     if cfg.divergence_guard == "msf" and cfg.divergence_threshold is not None:
         yield _problem(
             "divergence_threshold",

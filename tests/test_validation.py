@@ -287,9 +287,7 @@ def test_disk_rules_skip_a_disabled_tier():
 
 # A value for every not-implemented key that would need the missing feature.
 NEEDS_FEATURE = {
-    "backend": "cpu",
     "logger.name": "wandb",
-    "bf16_wire": True,
     "partition_ratios": [1.0, 2.0],
     "vram_pool": False,
     "vram_max_usage": 0.8,
@@ -400,3 +398,15 @@ def test_divergence_threshold_belongs_to_the_trend_guard():
     assert_problem(problems, "divergence_threshold", 0.1, "applies to divergence_guard=trend")
     assert problems_of(make(policy="cadence", divergence_threshold=0.1)) == []
     assert_problem(problems_of(make(divergence_guard="bogus")), "divergence_guard", "bogus", "must be one of")
+
+
+def test_outer_optimizer_rules():
+    assert_problem(problems_of(make(outer="diloco")), "outer", "diloco", "use policy=cadence or async")
+    assert_problem(problems_of(make(outer="adam")), "outer", "adam", "must be one of avg, slowmo, diloco")
+    problems = problems_of(make(policy="cadence", outer_lr=0.5, outer_momentum=0.5))
+    assert_problem(problems, "outer_lr", 0.5, "applies to outer=slowmo or diloco")
+    assert_problem(problems, "outer_momentum", 0.5, "applies to outer=slowmo or diloco")
+    bad = problems_of(make(policy="async", outer="slowmo", outer_lr=-1.0, outer_momentum=1.0))
+    assert_problem(bad, "outer_lr", -1.0, "must be finite and > 0")
+    assert_problem(bad, "outer_momentum", 1.0, "must be in [0, 1)")
+    assert problems_of(make(policy="async", outer="diloco", outer_lr=0.5, outer_momentum=0.8)) == []

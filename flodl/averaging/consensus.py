@@ -1,23 +1,35 @@
-"""The local-SGD reduce over a process group: weighted consensus, divergence, EASGD blend.
+"""Averaging backends for local SGD: how a round runs once the coordinator says when.
 
-One reduce: a tiny float64 SUM all-reduce of `[n^gamma, mover]`, then each rank pre-scales its flat
-parameter buffers by `n^gamma / Σ n^gamma` (float32 buffers by `mover / Σ mover`) and one SUM
-all-reduce per dtype leaves the consensus in place. A pre-reduce copy gives the divergence triple and
-the EASGD blend `W = W_pre + alpha (avg - W_pre)`. Optimizer state is never touched.
+Both backends own the model's flat parameter storage (see `flat.py`) and expose one round as
+`begin(steps)` → `ready()` → `finish()` → `adopt(alpha, evaluate)`:
+
+- `DeviceAverager` (backend=nccl; gloo without a GPU): the reduce runs on the device in `begin`, in place.
+- `HostAverager` (backend=cpu): `begin` snapshots the parameters into host buffers and reduces them over a
+  gloo group on a background thread; training goes on meanwhile (async) and the consensus is adopted at a
+  later step boundary. Steps taken during the round keep their weight for the next one.
+
+After the reduce, an optional outer optimizer steps the global parameters (`outer.py`); `adopt` evaluates
+the consensus if asked, then overwrites the rank's parameters or blends them (EASGD:
+`W += alpha (avg - W)`). Float32 buffers are always overwritten. Optimizer state is never averaged.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 from flodl.averaging.divergence import DivergenceTriple, divergence_triple
 from flodl.averaging.flat import flatten_float32_buffers, flatten_parameters
-from flodl.averaging.weights import prescale_factors, rank_contribution
+from flodl.averaging.outer import OuterOptimizer, OuterSettings
+from flodl.averaging.reducer import Reducer
+
+_NO_DIVERGENCE = DivergenceTriple(0.0, 0.0, 0.0)
 
 
 @dataclass(frozen=True)
@@ -28,46 +40,224 @@ class RoundOutcome:
     # No rank moved since the last reduce: nothing was averaged, everyone kept its state.
     skipped: bool
     triple: DivergenceTriple
-    sync_ms: float
+    # Time the round held up this rank's training thread.
+    blocked_ms: float
+    payload_bytes: int = 0
 
 
-class ConsensusAverager:
-    """Owns the model's flat parameter/buffer storage and averages it with the other ranks."""
-
-    def __init__(self, model: nn.Module, gamma: float, device: torch.device) -> None:
-        self.gamma = gamma
-        self.device = device
+class _AveragerBase:
+    def __init__(
+        self,
+        model: nn.Module,
+        gamma: float,
+        bf16_wire: bool,
+        outer: OuterSettings | None,
+        group: dist.ProcessGroup | None,
+    ) -> None:
         self.params = flatten_parameters(model)
         self.buffers = flatten_float32_buffers(model)
-        # The pre-reduce copy: divergence and the EASGD blend both need the rank's own params.
-        self.pre = [torch.empty_like(g.buffer) for g in self.params]
+        self._start_from_rank0()
+        self.reducer = Reducer(gamma, bf16_wire, group)
+        self.outer_settings = outer
+        self.outcome: RoundOutcome | None = None
+
+    @property
+    def resets_inner(self) -> bool:
+        """DiLoCo: the inner optimizer's state is reset after each adopted round."""
+        return self.outer_settings is not None and self.outer_settings.resets_inner
 
     @torch.no_grad()
-    def reduce(self, steps: int) -> RoundOutcome:
-        start = time.perf_counter()
-        mass, mover = rank_contribution(steps, self.gamma)
-        totals = torch.tensor([mass, mover, steps], dtype=torch.float64, device=self.device)
-        dist.all_reduce(totals)
-        total_mass, total_movers, total_steps = totals.tolist()  # once per reduce, never per step
-        scale = prescale_factors(steps, self.gamma, total_mass, total_movers)
-        if scale.skip:
-            return RoundOutcome(steps, 0, True, DivergenceTriple(0.0, 0.0, 0.0), _ms_since(start))
-        for group, pre in zip(self.params, self.pre, strict=True):
-            pre.copy_(group.buffer)
-            group.buffer.mul_(scale.param_factor)
-            dist.all_reduce(group.buffer)
+    def _start_from_rank0(self) -> None:
+        # Local SGD never runs DDP's initial broadcast: make every rank start from rank 0's weights.
+        for group in self.params:
+            dist.broadcast(group.buffer, src=0)
         if self.buffers is not None:
-            self.buffers.buffer.mul_(scale.buffer_factor)
-            dist.all_reduce(self.buffers.buffer)
-        triple = divergence_triple(self.pre, [g.buffer for g in self.params])
-        return RoundOutcome(steps, round(total_steps), False, triple, _ms_since(start))
+            dist.broadcast(self.buffers.buffer, src=0)
+
+    def _flat_params(self) -> list[Tensor]:
+        return [g.buffer for g in self.params]
+
+
+def _make_refs(outer: OuterOptimizer | None, bf16_wire: bool, tensors: list[Tensor]) -> list[Tensor] | None:
+    """The shared reference parameters: the outer optimizer's global, or the last consensus for bf16."""
+    if outer is not None:
+        return outer.global_params
+    return [t.detach().clone() for t in tensors] if bf16_wire else None
+
+
+def _after_reduce(outer: OuterOptimizer | None, refs: list[Tensor] | None, consensus: list[Tensor]) -> None:
+    """Step the outer optimizer (new global into `consensus`), or remember the consensus as reference."""
+    if outer is not None:
+        outer.step(consensus)
+    elif refs is not None:
+        for ref, cons in zip(refs, consensus, strict=True):
+            ref.copy_(cons)
+
+
+class DeviceAverager(_AveragerBase):
+    def __init__(
+        self,
+        model: nn.Module,
+        gamma: float,
+        device: torch.device,
+        bf16_wire: bool = False,
+        outer: OuterSettings | None = None,
+    ) -> None:
+        super().__init__(model, gamma, bf16_wire, outer, group=None)
+        # The pre-reduce copy: divergence and the EASGD blend both need the rank's own params.
+        self.pre = [torch.empty_like(t) for t in self._flat_params()]
+        self.outer = OuterOptimizer(outer, self._flat_params()) if outer else None
+        self.refs = _make_refs(self.outer, bf16_wire, self._flat_params())
 
     @torch.no_grad()
-    def blend(self, alpha: float) -> None:
-        """EASGD after a reduce: move only `alpha` of the way from this rank's params to the consensus."""
-        for group, pre in zip(self.params, self.pre, strict=True):
-            group.buffer.copy_(pre.lerp_(group.buffer, alpha))
+    def begin(self, steps: int) -> None:
+        start = time.perf_counter()
+        flat = self._flat_params()
+        for pre, tensor in zip(self.pre, flat, strict=True):
+            pre.copy_(tensor)
+        buffers = self.buffers.buffer if self.buffers is not None else None
+        result = self.reducer.reduce(flat, self.refs, buffers, steps)
+        triple = _NO_DIVERGENCE
+        if not result.skipped:
+            _after_reduce(self.outer, self.refs, flat)
+            triple = divergence_triple(self.pre, flat)
+        blocked = (time.perf_counter() - start) * 1000
+        self.outcome = RoundOutcome(
+            steps, result.total_steps, result.skipped, triple, blocked, result.payload_bytes
+        )
+
+    def ready(self) -> bool:
+        return True
+
+    def finish(self) -> RoundOutcome:
+        assert self.outcome is not None, "finish() without begin()"
+        return self.outcome
+
+    @torch.no_grad()
+    def adopt(self, alpha: float | None, evaluate: Callable[[], None] | None) -> None:
+        """The parameters hold the consensus: evaluate it, then blend back toward the rank's own (EASGD)."""
+        if evaluate is not None:
+            evaluate()
+        if alpha is not None and self.outcome is not None and not self.outcome.skipped:
+            for pre, tensor in zip(self.pre, self._flat_params(), strict=True):
+                tensor.copy_(pre.lerp_(tensor, alpha))
+        self.outcome = None
 
 
-def _ms_since(start: float) -> float:
-    return (time.perf_counter() - start) * 1000
+class HostAverager(_AveragerBase):
+    def __init__(
+        self,
+        model: nn.Module,
+        gamma: float,
+        device: torch.device,
+        group: dist.ProcessGroup,
+        bf16_wire: bool = False,
+        outer: OuterSettings | None = None,
+    ) -> None:
+        super().__init__(model, gamma, bf16_wire, outer, group)
+        self.device = device
+        pin = device.type == "cuda"
+        flat = self._flat_params()
+        self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in flat]
+        self.host_pre = [torch.empty_like(t) for t in self.host]
+        self.host_buffers = (
+            torch.empty(self.buffers.buffer.shape, pin_memory=pin) if self.buffers is not None else None
+        )
+        for host, tensor in zip(self.host, flat, strict=True):
+            host.copy_(tensor)
+        self.outer = OuterOptimizer(outer, self.host) if outer else None
+        self.refs = _make_refs(self.outer, bf16_wire, self.host)
+        # Device scratch: the consensus lands here before it is adopted or blended.
+        self.landing = [torch.empty_like(t) for t in flat]
+        self.copy_stream = torch.cuda.Stream(device) if pin else None
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self._begin_ms = 0.0
+
+    @torch.no_grad()
+    def begin(self, steps: int) -> None:
+        start = time.perf_counter()
+        snapshot_done = self._to_host()
+        self.thread = threading.Thread(target=self._round, args=(steps, snapshot_done), daemon=True)
+        self.thread.start()
+        self._begin_ms = (time.perf_counter() - start) * 1000
+
+    def ready(self) -> bool:
+        return self.thread is not None and not self.thread.is_alive()
+
+    @torch.no_grad()
+    def finish(self) -> RoundOutcome:
+        """Wait for the round (at once if it is done) and stage the consensus on the device."""
+        start = time.perf_counter()
+        assert self.thread is not None, "finish() without begin()"
+        self.thread.join()
+        self.thread = None
+        if self.error is not None:
+            raise RuntimeError(f"the cpu-backend averaging round failed: {self.error}") from self.error
+        assert self.outcome is not None
+        if not self.outcome.skipped:
+            for landing, host in zip(self.landing, self.host, strict=True):
+                landing.copy_(host, non_blocking=True)
+        blocked = self._begin_ms + (time.perf_counter() - start) * 1000
+        return RoundOutcome(
+            self.outcome.steps, self.outcome.total_steps, self.outcome.skipped, self.outcome.triple,
+            blocked, self.outcome.payload_bytes,
+        )  # fmt: skip
+
+    @torch.no_grad()
+    def adopt(self, alpha: float | None, evaluate: Callable[[], None] | None) -> None:
+        """Overwrite (or blend) the rank's current parameters with the staged consensus."""
+        assert self.outcome is not None
+        if self.outcome.skipped:
+            self.outcome = None
+            return
+        flat = self._flat_params()
+        if evaluate is not None:  # on the consensus itself, then back to the rank's own parameters
+            kept = [t.clone() for t in flat]
+            torch._foreach_copy_(flat, self.landing)
+            evaluate()
+            torch._foreach_copy_(flat, kept)
+        if alpha is None:
+            torch._foreach_copy_(flat, self.landing)
+        else:
+            for tensor, landing in zip(flat, self.landing, strict=True):
+                tensor.lerp_(landing, alpha)
+        if self.buffers is not None and self.host_buffers is not None:
+            self.buffers.buffer.copy_(self.host_buffers, non_blocking=True)
+        self.outcome = None
+
+    def _to_host(self) -> torch.cuda.Event | None:
+        """Copy parameters and buffers into the host buffers without blocking the training thread."""
+        flat = self._flat_params()
+        buffers = self.buffers.buffer if self.buffers is not None else None
+        if self.copy_stream is None:
+            torch._foreach_copy_(self.host, flat)
+            if buffers is not None and self.host_buffers is not None:
+                self.host_buffers.copy_(buffers)
+            return None
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream):
+            for host, tensor in zip(self.host, flat, strict=True):
+                host.copy_(tensor, non_blocking=True)
+            if buffers is not None and self.host_buffers is not None:
+                self.host_buffers.copy_(buffers, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.copy_stream)
+        return done
+
+    @torch.no_grad()
+    def _round(self, steps: int, snapshot_done: torch.cuda.Event | None) -> None:
+        try:
+            if snapshot_done is not None:
+                snapshot_done.synchronize()
+            torch._foreach_copy_(self.host_pre, self.host)
+            result = self.reducer.reduce(self.host, self.refs, self.host_buffers, steps)
+            triple = _NO_DIVERGENCE
+            if not result.skipped:
+                _after_reduce(self.outer, self.refs, self.host)
+                triple = divergence_triple(self.host_pre, self.host)
+            self.outcome = RoundOutcome(
+                steps, result.total_steps, result.skipped, triple, 0.0, result.payload_bytes
+            )
+        except BaseException as err:  # surfaced by finish()
+            self.error = err

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 
 def proportional_split(total: int, weights: list[int] | list[float]) -> list[int]:
     """Largest-remainder split of `total` by `weights`: sums to `total` exactly.
@@ -10,8 +12,9 @@ def proportional_split(total: int, weights: list[int] | list[float]) -> list[int
     """
     if total < 0:
         raise ValueError(f"cannot split a negative total ({total})")
-    mass = float(sum(weights))
-    shares = [w / mass for w in weights] if mass > 0 else [1 / len(weights)] * len(weights)
+    # Exact rational arithmetic: float shares turn equal remainders into unequal ones.
+    mass = sum(Fraction(w) for w in weights)
+    shares = [Fraction(w) / mass for w in weights] if mass > 0 else [Fraction(1, len(weights))] * len(weights)
     exact = [total * s for s in shares]
     parts = [int(x) for x in exact]
     by_remainder = sorted(range(len(weights)), key=lambda r: (-(exact[r] - parts[r]), r))

@@ -8,6 +8,22 @@ from typing import Any
 from flodl.runtime.messages import EvalResult, Metrics
 
 
+@dataclass(frozen=True)
+class RoundCost:
+    """What averaging rounds cost one rank: bytes sent, training time held up, steps trained meanwhile."""
+
+    payload_bytes: int = 0
+    blocked_ms: float = 0.0
+    steps_during: int = 0
+
+    def __add__(self, other: RoundCost) -> RoundCost:
+        return RoundCost(
+            self.payload_bytes + other.payload_bytes,
+            self.blocked_ms + other.blocked_ms,
+            self.steps_during + other.steps_during,
+        )
+
+
 @dataclass
 class RankShare:
     rank: int
@@ -17,6 +33,11 @@ class RankShare:
     # The rank's own speed: samples over the time it spent on them (waits excluded).
     samples_per_s: float
     data_ms: float
+    # Bytes the rank put on the wire this epoch (after compression).
+    comm_bytes: int
+    # Time averaging rounds held up the rank's training, and steps it trained while rounds were in flight.
+    averaging_blocked_ms: float = 0.0
+    steps_during_averaging: int = 0
 
 
 @dataclass
@@ -30,6 +51,9 @@ class EpochMetrics:
     # Wall time from the previous epoch's completion (or the run's start) to this one's.
     epoch_s: float
     samples_per_s: float
+    # Bytes all ranks put on the wire this epoch, and since the start of the run.
+    comm_bytes: int = 0
+    comm_bytes_total: int = 0
     eval: dict[str, float] = field(default_factory=dict)
     per_rank: list[RankShare] = field(default_factory=list)
 
@@ -41,27 +65,43 @@ class EpochMetrics:
 
 
 def aggregate_epoch(
-    epoch: int, chunks: list[Metrics], evals: list[EvalResult], wall_s: float
+    epoch: int,
+    chunks: list[Metrics],
+    evals: list[EvalResult],
+    wall_s: float,
+    rounds: dict[int, RoundCost] | None = None,
+    comm_before: int = 0,
 ) -> EpochMetrics:
+    """One epoch from its chunks and evals. `rounds`: per rank, the cost of the averaging rounds
+    attributed to this epoch; `comm_before`: the run's bytes on the wire before this epoch."""
     if not chunks:
         raise ValueError(f"epoch {epoch}: no metrics reported")
+    rounds = rounds or {}
     batches = sum(c.batches for c in chunks)
     samples = sum(c.samples for c in chunks)
-    per_rank: dict[int, list[Metrics]] = {}
+    per_rank: dict[int, list[Metrics]] = {r: [] for r in rounds}
     for chunk in chunks:
         per_rank.setdefault(chunk.rank, []).append(chunk)
-    busy_s = {r: sum(c.wall_ms for c in cs) / 1000 for r, cs in per_rank.items()}
-    shares = [
-        RankShare(
-            rank=r,
-            batches=sum(c.batches for c in cs),
-            samples=sum(c.samples for c in cs),
-            batch_share=sum(c.batches for c in cs) / batches if batches else 0.0,
-            samples_per_s=sum(c.samples for c in cs) / busy_s[r] if busy_s[r] > 0 else 0.0,
-            data_ms=sum(c.data_ms for c in cs),
+    shares = []
+    for rank, mine in sorted(per_rank.items()):
+        busy_s = sum(c.wall_ms for c in mine) / 1000
+        rank_batches = sum(c.batches for c in mine)
+        rank_samples = sum(c.samples for c in mine)
+        cost = rounds.get(rank, RoundCost())
+        shares.append(
+            RankShare(
+                rank=rank,
+                batches=rank_batches,
+                samples=rank_samples,
+                batch_share=rank_batches / batches if batches else 0.0,
+                samples_per_s=rank_samples / busy_s if busy_s > 0 else 0.0,
+                data_ms=sum(c.data_ms for c in mine),
+                comm_bytes=sum(c.comm_bytes for c in mine) + cost.payload_bytes,
+                averaging_blocked_ms=cost.blocked_ms,
+                steps_during_averaging=cost.steps_during,
+            )
         )
-        for r, cs in sorted(per_rank.items())
-    ]
+    comm = sum(share.comm_bytes for share in shares)
     return EpochMetrics(
         epoch=epoch,
         step=max(c.steps_total for c in chunks),
@@ -69,6 +109,8 @@ def aggregate_epoch(
         samples=samples,
         epoch_s=wall_s,
         samples_per_s=samples / wall_s if wall_s > 0 else 0.0,
+        comm_bytes=comm,
+        comm_bytes_total=comm_before + comm,
         eval=aggregate_eval(evals),
         per_rank=shares,
     )

@@ -25,9 +25,9 @@ class ConsoleSink:
     def emit(self, metrics: EpochMetrics) -> None:
         evals = "".join(f"  eval/{k} {v:.4f}" for k, v in metrics.eval.items())
         log.info(
-            "epoch %d/%d  step %d  loss %.4f%s  %.0f samples/s  %.2fs",
+            "epoch %d/%d  step %d  loss %.4f%s  %.0f samples/s  %.2fs  wire %.1f MB",
             metrics.epoch + 1, self.epochs, metrics.step, metrics.loss, evals,
-            metrics.samples_per_s, metrics.epoch_s,
+            metrics.samples_per_s, metrics.epoch_s, metrics.comm_bytes / 1e6,
         )  # fmt: skip
 
     def close(self) -> None:

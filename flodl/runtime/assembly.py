@@ -5,9 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from flodl.averaging.consensus import ConsensusAverager
+from flodl.averaging.bf16_hook import bf16_gradient_hook
+from flodl.averaging.consensus import DeviceAverager, HostAverager
+from flodl.averaging.outer import OuterSettings
 from flodl.cadence.elche import ElChe, ElCheSettings
 from flodl.cadence.guard import make_guard
 from flodl.cadence.planner import LocalSgdPlanner
@@ -31,6 +34,22 @@ def easgd_alpha_of(cfg: FlodlConfig) -> float | None:
     return cfg.easgd_alpha if cfg.policy == "async" else None
 
 
+def averages_parameters(cfg: FlodlConfig) -> bool:
+    """Local SGD machinery: cadence and async, and sync on the cpu backend (a window of one step each).
+
+    Sync on the device backend is DDP instead.
+    """
+    return cfg.policy != "sync" or cfg.backend == "cpu"
+
+
+def _ddp(cfg: FlodlConfig, parts: TaskParts, device: torch.device) -> DistributedDataParallel:
+    device_ids = [device.index] if device.type == "cuda" else None
+    ddp = DistributedDataParallel(parts.model, device_ids=device_ids, gradient_as_bucket_view=True)
+    if cfg.bf16_wire:  # gradients cross the wire as bf16
+        ddp.register_comm_hook(dist.group.WORLD, bf16_gradient_hook)
+    return ddp
+
+
 def make_worker(
     cfg: FlodlConfig,
     parts: TaskParts,
@@ -41,17 +60,21 @@ def make_worker(
     outbox: Mailbox,
 ) -> WorkerBase:
     slow = cfg.simulate.factor if cfg.simulate.slow_rank == rank else 1.0
-    if cfg.policy == "sync":
-        train_module = parts.model
-        if world_size > 1:
-            device_ids = [device.index] if device.type == "cuda" else None
-            train_module = DistributedDataParallel(
-                parts.model, device_ids=device_ids, gradient_as_bucket_view=True
-            )
-        return SyncWorker(Stepper(cfg, parts, device, train_module, slow), rank, world_size, reader, outbox)
-    averager = ConsensusAverager(parts.model, cfg.gamma, device)
+    if not averages_parameters(cfg):
+        train_module = _ddp(cfg, parts, device) if world_size > 1 else parts.model
+        stepper = Stepper(cfg, parts, device, train_module, slow)
+        return SyncWorker(stepper, rank, world_size, reader, outbox, cfg.bf16_wire)
+    outer = OuterSettings.resolve(cfg.outer, cfg.outer_lr, cfg.outer_momentum)
+    averager: DeviceAverager | HostAverager
+    if cfg.backend == "cpu":
+        gloo = dist.new_group(backend="gloo")  # collective: every rank builds its worker in step
+        averager = HostAverager(parts.model, cfg.gamma, device, gloo, cfg.bf16_wire, outer)
+    else:
+        averager = DeviceAverager(parts.model, cfg.gamma, device, cfg.bf16_wire, outer)
     stepper = Stepper(cfg, parts, device, parts.model, slow)
-    return LocalSgdWorker(stepper, rank, world_size, reader, outbox, averager, easgd_alpha_of(cfg))
+    keep_training = cfg.backend == "cpu" and cfg.policy == "async"
+    alpha = easgd_alpha_of(cfg)
+    return LocalSgdWorker(stepper, rank, world_size, reader, outbox, averager, alpha, keep_training)
 
 
 def make_coordinator(
@@ -66,7 +89,7 @@ def make_coordinator(
     schedule = EpochSchedule(cfg.epochs, world_size, total_picks, cfg.batch_size, cfg.eval_every, has_eval)
     sinks: list[Sink] = [ConsoleSink(cfg.epochs), JsonlSink(run_dir / METRICS_FILE)]
     driver: Driver
-    if cfg.policy == "sync":
+    if not averages_parameters(cfg):
         per_rank = equal_slices(total_picks, world_size, cfg.batch_size)[0].size // cfg.batch_size
         ledger = EpochLedger(cfg.epochs, world_size, per_rank * world_size)
         driver = SyncDriver(schedule, ledger, outbox)
@@ -81,16 +104,19 @@ def _local_sgd_driver(
     cfg: FlodlConfig, schedule: EpochSchedule, ledger: EpochLedger, outbox: Mailbox, batches_per_epoch: int
 ) -> LocalSgdDriver:
     is_async = cfg.policy == "async"
-    settings = ElCheSettings(
-        world_size=schedule.world_size,
-        anchor=cfg.anchor,
-        min_anchor=cfg.min_anchor,
-        max_anchor=cfg.max_anchor,
-        overhead_target=cfg.overhead_target,
-        max_batch_diff=cfg.max_batch_diff,
-        max_overshoot=cfg.max_overshoot,
-        is_async=is_async,
-    )
+    if cfg.policy == "sync":  # the cpu backend's sync: every rank averages after each step, in lockstep
+        settings = ElCheSettings(schedule.world_size, anchor=1, max_batch_diff=0, window_growth=False)
+    else:
+        settings = ElCheSettings(
+            world_size=schedule.world_size,
+            anchor=cfg.anchor,
+            min_anchor=cfg.min_anchor,
+            max_anchor=cfg.max_anchor,
+            overhead_target=cfg.overhead_target,
+            max_batch_diff=cfg.max_batch_diff,
+            max_overshoot=cfg.max_overshoot,
+            is_async=is_async,
+        )
     planner = LocalSgdPlanner(
         world_size=schedule.world_size,
         batches_per_epoch=batches_per_epoch,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from flodl.metrics.aggregate import EpochMetrics, aggregate_epoch
+from flodl.metrics.aggregate import EpochMetrics, RoundCost, aggregate_epoch
 from flodl.runtime.messages import EvalResult, Metrics
 
 
@@ -24,6 +24,9 @@ class _Epoch:
     # None: not known yet whether this epoch gets an eval (async decides at a later reduce).
     eval_expected: bool | None = None
     completed_at: float | None = None
+    # Averaging rounds started while this epoch was the oldest open one, and what they cost each rank.
+    rounds_open: int = 0
+    rounds: dict[int, RoundCost] = field(default_factory=dict)
 
 
 class EpochLedger:
@@ -34,6 +37,8 @@ class EpochLedger:
         self.started_at = time.perf_counter()
         self._open: dict[int, _Epoch] = {}
         self.next_to_emit = 0
+        self.comm_bytes_total = 0
+        self._round_epoch: dict[int, int] = {}
 
     def _epoch(self, epoch: int) -> _Epoch:
         if epoch < self.next_to_emit or epoch >= self.epochs:
@@ -60,24 +65,43 @@ class EpochLedger:
     def expect_eval(self, epoch: int, expected: bool) -> None:
         self._epoch(epoch).eval_expected = expected
 
+    def open_round(self, round_id: int) -> None:
+        """A round began: its bytes belong to the oldest epoch not yet emitted, which waits for them."""
+        epoch = min(self.next_to_emit, self.epochs - 1)
+        self._round_epoch[round_id] = epoch
+        self._epoch(epoch).rounds_open += 1
+
+    def close_round(self, round_id: int, costs: dict[int, RoundCost]) -> None:
+        entry = self._epoch(self._round_epoch.pop(round_id))
+        entry.rounds_open -= 1
+        for rank, cost in costs.items():
+            entry.rounds[rank] = entry.rounds.get(rank, RoundCost()) + cost
+
     def is_complete(self, epoch: int) -> bool:
         entry = self._open.get(epoch)
         return entry is not None and entry.completed_at is not None
 
     def emit_ready(self) -> list[EpochMetrics]:
-        """Every epoch, in order, that is complete and has its eval (if any)."""
+        """Every epoch, in order, that is complete, has its eval (if any) and its rounds' bytes."""
         ready = []
         while self.next_to_emit < self.epochs:
             entry = self._open.get(self.next_to_emit)
             if entry is None or entry.completed_at is None or entry.eval_expected is None:
                 break
-            if entry.eval_expected and len(entry.evals) < self.world_size:
+            if entry.rounds_open or (entry.eval_expected and len(entry.evals) < self.world_size):
                 break
             previous = self._open.get(self.next_to_emit - 1)
             since = previous.completed_at if previous and previous.completed_at else self.started_at
-            ready.append(
-                aggregate_epoch(self.next_to_emit, entry.chunks, entry.evals, entry.completed_at - since)
+            metrics = aggregate_epoch(
+                self.next_to_emit,
+                entry.chunks,
+                entry.evals,
+                entry.completed_at - since,
+                entry.rounds,
+                self.comm_bytes_total,
             )
+            self.comm_bytes_total = metrics.comm_bytes_total
+            ready.append(metrics)
             self._open.pop(self.next_to_emit - 1, None)
             self.next_to_emit += 1
         return ready

@@ -13,6 +13,7 @@ from flodl.cadence import elche as el
 from flodl.cadence.guard import ConvergenceGuard, DivergenceReport
 from flodl.cadence.planner import AckReport as PlannerAck
 from flodl.cadence.planner import Average, Dispatch, LocalSgdPlanner, WindowReport
+from flodl.metrics.aggregate import RoundCost
 from flodl.runtime.ledger import EpochLedger
 from flodl.runtime.messages import ExtendPartition, Message, Reached, SyncAck, SyncNow
 from flodl.runtime.transport import Mailbox
@@ -35,6 +36,8 @@ class LocalSgdDriver:
         self.ledger = ledger
         self.outbox = outbox
         self._undecided_evals: set[int] = set()
+        self._decided_evals: set[int] = set()
+        self._round_costs: dict[int, RoundCost] = {}
 
     @property
     def done(self) -> bool:
@@ -58,7 +61,12 @@ class LocalSgdDriver:
                 message.rank, message.steps, message.divergence, message.pre_norm, message.post_norm,
                 message.sync_ms, message.queued,
             )  # fmt: skip
+            self._round_costs[message.rank] = RoundCost(
+                message.payload_bytes, message.sync_ms, message.steps_during_round
+            )
             if self.planner.on_ack(ack):
+                self.ledger.close_round(message.round, self._round_costs)
+                self._round_costs = {}
                 if not message.skipped:  # a skip is the same on every rank: nobody moved
                     self._feed_round()
                 if not self.done:
@@ -96,14 +104,16 @@ class LocalSgdDriver:
                 self.outbox.send(action.rank, ExtendPartition(slices, action.target))
             else:
                 self._decide_evals(action)
+                self.ledger.open_round(action.round)
                 for rank in range(self.ledger.world_size):
                     self.outbox.send(rank, SyncNow(action.round, action.evaluate_epoch, action.final))
 
     def _decide_evals(self, average: Average) -> None:
         """Epochs completed since the last reduce learn whether they get an eval (this round's)."""
-        decided = set(self._undecided_evals)
-        if average.final:
-            decided |= set(range(self.ledger.next_to_emit, self.ledger.epochs))
-        for epoch in decided:
+        deciding = set(self._undecided_evals)
+        if average.final:  # every epoch not decided yet is decided now
+            deciding |= set(range(self.ledger.epochs)) - self._decided_evals
+        for epoch in deciding:
             self.ledger.expect_eval(epoch, epoch == average.evaluate_epoch)
-        self._undecided_evals -= decided
+        self._undecided_evals -= deciding
+        self._decided_evals |= deciding

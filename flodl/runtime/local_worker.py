@@ -1,9 +1,12 @@
 """The local-SGD worker (cadence / async): trains the batches it is handed, averages when told.
 
 Policy-agnostic: the coordinator's messages carry the policy. `ExtendPartition` appends batches to the
-rank's queue and says at how many steps since the last reduce to report `Reached`; `SyncNow` runs the
-weighted consensus reduce (then, in async, the EASGD blend). Between steps the worker only checks a
-local queue for control messages; the device is read once per chunk (the loss) and once per window.
+rank's queue and says at how many steps since the last reduce to report `Reached`; `SyncNow` starts a
+consensus round on the averaging backend. The device backend finishes it at once; the cpu backend runs
+it on a background thread, and when `keep_training` (async) the rank trains on and adopts the consensus
+at a later step boundary, so steps taken meanwhile count toward the next round. Between steps the worker
+only checks a local queue for control messages; the device is read once per chunk (the loss) and once per
+window.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flodl.averaging.consensus import ConsensusAverager
+from flodl.averaging.consensus import DeviceAverager, HostAverager
 from flodl.runtime.messages import ExtendPartition, Message, Metrics, Reached, SyncAck, SyncNow
 from flodl.runtime.stepper import Stepper
 from flodl.runtime.transport import InboxReader, Mailbox
@@ -42,12 +45,18 @@ class LocalSgdWorker(WorkerBase):
         world_size: int,
         reader: InboxReader,
         outbox: Mailbox,
-        averager: ConsensusAverager,
+        averager: DeviceAverager | HostAverager,
         easgd_alpha: float | None,
+        keep_training: bool,
     ) -> None:
         super().__init__(stepper, rank, world_size, reader, outbox)
         self.averager = averager
         self.easgd_alpha = easgd_alpha
+        # Train on while a (cpu-backend) round is in flight, instead of waiting for its consensus.
+        self.keep_training = keep_training
+        self.round: SyncNow | None = None
+        self.steps_at_snapshot = 0
+        self.busy_at_snapshot = 0.0
         self.pending: deque[tuple[int, int, int]] = deque()
         self.chunk: _Chunk | None = None
         self.steps_since_avg = 0
@@ -57,7 +66,7 @@ class LocalSgdWorker(WorkerBase):
         self.global_steps = 0
 
     def has_work(self) -> bool:
-        return self.chunk is not None or bool(self.pending)
+        return self.round is not None or self.chunk is not None or bool(self.pending)
 
     def handle(self, message: Message) -> None:
         if isinstance(message, ExtendPartition):
@@ -65,7 +74,7 @@ class LocalSgdWorker(WorkerBase):
             self.target = message.target
             self._report_if_reached()
         elif isinstance(message, SyncNow):
-            self._average(message)
+            self._begin_round(message)
         else:
             raise RuntimeError(f"rank {self.rank}: unexpected message under local SGD: {message!r}")
 
@@ -75,6 +84,9 @@ class LocalSgdWorker(WorkerBase):
         return in_chunk + sum(size // batch_size for _, _, size in self.pending)
 
     def work(self) -> None:
+        if self.round is not None and (self.averager.ready() or not self._has_batches()):
+            self._finish_round(self.round)
+            return
         stepper = self.stepper
         batch_size = stepper.cfg.batch_size
         if self.chunk is None:
@@ -129,13 +141,29 @@ class LocalSgdWorker(WorkerBase):
         self.report(Reached(self.rank, self.steps_since_avg, self.window_busy_s * 1000))
         self.target = None
 
-    def _average(self, order: SyncNow) -> None:
-        outcome = self.averager.reduce(self.steps_since_avg)
+    def _has_batches(self) -> bool:
+        return self.chunk is not None or bool(self.pending)
+
+    def _begin_round(self, order: SyncNow) -> None:
+        self.averager.begin(self.steps_since_avg)
+        self.round = order
+        self.steps_at_snapshot = self.steps_since_avg
+        self.busy_at_snapshot = self.window_busy_s
+        if not self.keep_training:
+            self._finish_round(order)
+
+    def _finish_round(self, order: SyncNow) -> None:
+        outcome = self.averager.finish()
+        evaluate = None
         if order.evaluate_epoch is not None and self.stepper.parts.eval_data is not None:
-            # On the consensus itself, before an async rank blends it with its own parameters.
-            self.report(self.stepper.evaluate(self.rank, self.world_size, order.evaluate_epoch))
-        if self.easgd_alpha is not None and not order.final and not outcome.skipped:
-            self.averager.blend(self.easgd_alpha)
+            epoch = order.evaluate_epoch
+
+            def evaluate() -> None:  # on the consensus itself, before an async rank blends it
+                self.report(self.stepper.evaluate(self.rank, self.world_size, epoch))
+
+        self.averager.adopt(None if order.final else self.easgd_alpha, evaluate)
+        if self.averager.resets_inner and not outcome.skipped:
+            self.stepper.parts.optimizer.state.clear()
         self.global_steps += outcome.total_steps
         self.report(
             SyncAck(
@@ -146,10 +174,14 @@ class LocalSgdWorker(WorkerBase):
                 divergence=outcome.triple.divergence,
                 pre_norm=outcome.triple.pre_norm,
                 post_norm=outcome.triple.post_norm,
-                sync_ms=outcome.sync_ms,
+                sync_ms=outcome.blocked_ms,
                 queued=self.queued_batches(),
+                steps_during_round=self.steps_since_avg - self.steps_at_snapshot,
+                payload_bytes=outcome.payload_bytes,
             )
         )
-        self.steps_since_avg = 0
-        self.window_busy_s = 0.0
+        # Steps taken while the round was in flight keep their weight (and time) for the next one.
+        self.steps_since_avg -= self.steps_at_snapshot
+        self.window_busy_s -= self.busy_at_snapshot
         self.target = None
+        self.round = None

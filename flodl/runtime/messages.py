@@ -56,6 +56,8 @@ class Metrics:
     wall_ms: float
     data_ms: float
     steps_total: int = 0
+    # Bytes this rank put on the wire during the chunk (sync: DDP's gradient all-reduces).
+    comm_bytes: int = 0
     scalars: dict[str, list[float]] = field(default_factory=dict)
 
 
@@ -77,9 +79,14 @@ class SyncAck:
     divergence: float
     pre_norm: float
     post_norm: float
+    # How long the round held up this rank's training thread.
     sync_ms: float
     # Batches still queued on the rank (async overshoot not yet trained).
     queued: int
+    # Steps the rank trained while the round was in flight (cpu backend, async).
+    steps_during_round: int = 0
+    # Bytes this rank put on the wire for the round (after bf16 compression).
+    payload_bytes: int = 0
 
 
 @dataclass

@@ -64,6 +64,19 @@ class WorkerBase:
 
 
 class SyncWorker(WorkerBase):
+    def __init__(
+        self,
+        stepper: Stepper,
+        rank: int,
+        world_size: int,
+        reader: InboxReader,
+        outbox: Mailbox,
+        bf16_wire: bool,
+    ) -> None:
+        super().__init__(stepper, rank, world_size, reader, outbox)
+        # What DDP all-reduces per step: every gradient, as bf16 under bf16_wire.
+        self.gradient_bytes = sum(p.numel() * (2 if bf16_wire else p.element_size()) for p in stepper.params)
+
     def handle(self, message: Message) -> None:
         if not isinstance(message, StartEpoch):
             raise RuntimeError(f"rank {self.rank}: unexpected message under policy=sync: {message!r}")
@@ -95,4 +108,5 @@ class SyncWorker(WorkerBase):
             wall_ms=(time.perf_counter() - start) * 1000,
             data_ms=data_s * 1000,
             steps_total=stepper.steps_total,
+            comm_bytes=batches * self.gradient_bytes if self.world_size > 1 else 0,
         )

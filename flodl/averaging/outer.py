@@ -1,0 +1,62 @@
+"""Outer optimizers: a step on the global parameters after each consensus (SlowMo, DiLoCo).
+
+The pseudo-gradient is `g = prev_global - consensus` (the weighted mean of what the ranks moved away from
+the last global). Every rank runs the same deterministic step on the same inputs, so the outer state
+stays replicated without any extra collective.
+
+- slowmo: `v = mu v + g; new = prev - lr v`                 (heavy-ball momentum)
+- diloco: `v = mu v + g; new = prev - lr (mu v + g)`        (Nesterov; resets the inner optimizer)
+Both are torch's SGD on the pseudo-gradient (momentum `mu`, dampening 0, nesterov for DiLoCo).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+OUTERS = ("avg", "slowmo", "diloco")
+DEFAULTS = {"slowmo": (1.0, 0.9), "diloco": (0.7, 0.9)}
+
+
+@dataclass(frozen=True)
+class OuterSettings:
+    kind: str
+    lr: float
+    momentum: float
+
+    @classmethod
+    def resolve(cls, kind: str, lr: float | None, momentum: float | None) -> OuterSettings | None:
+        """None for `avg` (adopt the consensus as is); else the settings with defaults filled in."""
+        if kind == "avg":
+            return None
+        default_lr, default_momentum = DEFAULTS[kind]
+        return cls(kind, default_lr if lr is None else lr, default_momentum if momentum is None else momentum)
+
+    @property
+    def resets_inner(self) -> bool:
+        return self.kind == "diloco"
+
+
+class OuterOptimizer:
+    def __init__(self, settings: OuterSettings, initial: list[Tensor]) -> None:
+        self.settings = settings
+        # The global parameters: the starting point of every rank's window.
+        self.global_params = [t.detach().clone() for t in initial]
+        self.optimizer = torch.optim.SGD(
+            self.global_params,
+            lr=settings.lr,
+            momentum=settings.momentum,
+            nesterov=settings.kind == "diloco",
+        )
+
+    @torch.no_grad()
+    def step(self, consensus: list[Tensor]) -> None:
+        """Step the global parameters on `prev - consensus`; write the new global into `consensus`."""
+        for prev, cons in zip(self.global_params, consensus, strict=True):
+            prev.grad = prev - cons
+        self.optimizer.step()
+        for prev, cons in zip(self.global_params, consensus, strict=True):
+            cons.copy_(prev)
+            prev.grad = None
