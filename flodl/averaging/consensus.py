@@ -102,10 +102,12 @@ class DeviceAverager(_AveragerBase):
         device: torch.device,
         bf16_wire: bool = False,
         outer: OuterSettings | None = None,
+        keeps_own: bool = True,
     ) -> None:
+        """`keeps_own`: keep a pre-reduce copy of the rank's parameters, which the divergence triple and
+        the EASGD blend need; without it a round is the two all-reduces and nothing else."""
         super().__init__(model, gamma, bf16_wire, outer, group=None)
-        # The pre-reduce copy: divergence and the EASGD blend both need the rank's own params.
-        self.pre = [torch.empty_like(t) for t in self._flat_params()]
+        self.pre = [torch.empty_like(t) for t in self._flat_params()] if keeps_own else None
         self.outer = OuterOptimizer(outer, self._flat_params()) if outer else None
         self.refs = _make_refs(self.outer, bf16_wire, self._flat_params())
 
@@ -113,14 +115,15 @@ class DeviceAverager(_AveragerBase):
     def begin(self, steps: int) -> None:
         start = time.perf_counter()
         flat = self._flat_params()
-        for pre, tensor in zip(self.pre, flat, strict=True):
-            pre.copy_(tensor)
+        if self.pre is not None:
+            torch._foreach_copy_(self.pre, flat)
         buffers = self.buffers.buffer if self.buffers is not None else None
         result = self.reducer.reduce(flat, self.refs, buffers, steps)
         triple = _NO_DIVERGENCE
         if not result.skipped:
             _after_reduce(self.outer, self.refs, flat)
-            triple = divergence_triple(self.pre, flat)
+            if self.pre is not None:
+                triple = divergence_triple(self.pre, flat)
         blocked = (time.perf_counter() - start) * 1000
         self.outcome = RoundOutcome(
             steps, result.total_steps, result.skipped, triple, blocked, result.payload_bytes
@@ -139,6 +142,7 @@ class DeviceAverager(_AveragerBase):
         if evaluate is not None:
             evaluate()
         if alpha is not None and self.outcome is not None and not self.outcome.skipped:
+            assert self.pre is not None, "the EASGD blend needs keeps_own=True"
             for pre, tensor in zip(self.pre, self._flat_params(), strict=True):
                 tensor.copy_(pre.lerp_(tensor, alpha))
         self.outcome = None

@@ -34,6 +34,8 @@ class Reducer:
         self.gamma = gamma
         self.bf16_wire = bf16_wire
         self.group = group
+        # NCCL scales while it reduces (PreMulSum): no separate pass over the parameters.
+        self.premul = dist.get_backend(group) == "nccl" and hasattr(dist, "_make_nccl_premul_sum")
 
     def reduce(
         self, params: list[Tensor], refs: list[Tensor] | None, buffers: Tensor | None, steps: int
@@ -55,14 +57,18 @@ class Reducer:
                 assert refs is not None, "bf16_wire needs the shared reference parameters"
                 sent += self._reduce_bf16_delta(tensor, refs[i], scale.param_factor)
             else:
-                tensor.mul_(scale.param_factor)
-                dist.all_reduce(tensor, group=self.group)
-                sent += tensor.numel() * tensor.element_size()
+                sent += self._weighted_sum(tensor, scale.param_factor)
         if buffers is not None:
-            buffers.mul_(scale.buffer_factor)
-            dist.all_reduce(buffers, group=self.group)
-            sent += buffers.numel() * buffers.element_size()
+            sent += self._weighted_sum(buffers, scale.buffer_factor)
         return ReduceResult(False, round(total_steps), sent)
+
+    def _weighted_sum(self, tensor: Tensor, factor: float) -> int:
+        if self.premul:
+            dist.all_reduce(tensor, op=dist._make_nccl_premul_sum(factor), group=self.group)
+        else:
+            tensor.mul_(factor)
+            dist.all_reduce(tensor, group=self.group)
+        return tensor.numel() * tensor.element_size()
 
     def _reduce_bf16_delta(self, tensor: Tensor, ref: Tensor, factor: float) -> int:
         payload = ((tensor - ref) * factor).to(torch.bfloat16)

@@ -42,6 +42,11 @@ def averages_parameters(cfg: FlodlConfig) -> bool:
     return cfg.policy != "sync" or cfg.backend == "cpu"
 
 
+def guarded(cfg: FlodlConfig) -> bool:
+    """Whether a divergence guard reads the rounds (sync on the cpu backend has no windows to guard)."""
+    return not cfg.no_divergence_guard and cfg.policy != "sync"
+
+
 def _ddp(cfg: FlodlConfig, parts: TaskParts, device: torch.device) -> DistributedDataParallel:
     device_ids = [device.index] if device.type == "cuda" else None
     ddp = DistributedDataParallel(parts.model, device_ids=device_ids, gradient_as_bucket_view=True)
@@ -70,7 +75,8 @@ def make_worker(
         gloo = dist.new_group(backend="gloo")  # collective: every rank builds its worker in step
         averager = HostAverager(parts.model, cfg.gamma, device, gloo, cfg.bf16_wire, outer)
     else:
-        averager = DeviceAverager(parts.model, cfg.gamma, device, cfg.bf16_wire, outer)
+        keeps_own = guarded(cfg) or easgd_alpha_of(cfg) is not None
+        averager = DeviceAverager(parts.model, cfg.gamma, device, cfg.bf16_wire, outer, keeps_own)
     stepper = Stepper(cfg, parts, device, parts.model, slow)
     keep_training = cfg.backend == "cpu" and cfg.policy == "async"
     alpha = easgd_alpha_of(cfg)

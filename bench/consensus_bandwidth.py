@@ -1,0 +1,118 @@
+"""Bus bandwidth of one consensus round against a plain all-reduce of the same bytes, in one run.
+
+    torchrun --standalone --nproc_per_node=2 bench/consensus_bandwidth.py
+
+For each model size it times, on the same ranks and tensors: a plain NCCL all-reduce of the flat
+parameters; a device-backend round (with the pre-reduce copy and divergence triple the guard reads, and
+without); a bf16-wire round; and the cpu backend's round trip (snapshot, gloo reduce, staged consensus).
+Bus bandwidth = bytes x 2(W-1)/W / time. Rank 0 prints a table and appends it to bench/results/.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flodl.averaging.consensus import DeviceAverager, HostAverager
+
+SIZES = {"10M": (1448, 5), "120M": (3872, 8)}  # (width, layers) of a bias-free Linear stack
+WARMUP, ITERS = 5, 20
+
+
+def model_of(width: int, layers: int, device: torch.device) -> nn.Module:
+    return nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)]).to(device)
+
+
+def timed(fn: Callable[[], None], device: torch.device) -> float:
+    """Median seconds of `fn` over ITERS runs, each fenced by device synchronisation."""
+    for _ in range(WARMUP):
+        fn()
+    samples = []
+    for _ in range(ITERS):
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize(device)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def one_round(averager: DeviceAverager | HostAverager) -> Callable[[], None]:
+    def run() -> None:
+        averager.begin(steps=4)
+        averager.finish()
+        averager.adopt(None, None)
+
+    return run
+
+
+def main() -> None:
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    gloo = dist.new_group(backend="gloo")
+    world = dist.get_world_size()
+    bus = 2 * (world - 1) / world
+    rows = []
+    for name, (width, layers) in SIZES.items():
+        numel = width * width * layers
+        nbytes = numel * 4
+        flat = torch.randn(numel, device=device)
+        plain = timed(lambda flat=flat: dist.all_reduce(flat), device)
+
+        full = timed(one_round(DeviceAverager(model_of(width, layers, device), 1.0, device)), device)
+        lean_model = model_of(width, layers, device)
+        lean = timed(one_round(DeviceAverager(lean_model, 1.0, device, keeps_own=False)), device)
+        bf16_model = model_of(width, layers, device)
+        bf16 = timed(one_round(DeviceAverager(bf16_model, 1.0, device, bf16_wire=True)), device)
+        host_s = timed(one_round(HostAverager(model_of(width, layers, device), 1.0, device, gloo)), device)
+        rows.append((name, numel, nbytes, plain, full, lean, bf16, host_s))
+        del flat
+        torch.cuda.empty_cache()
+    if dist.get_rank() == 0:
+        report(rows, world, bus)
+    dist.destroy_process_group()
+
+
+def report(rows: list[tuple], world: int, bus: float) -> None:
+    lines = [
+        f"# Consensus round bandwidth — {dt.date.today()}",
+        "",
+        f"- hardware: {world}x {torch.cuda.get_device_name(0)}; torch {torch.__version__}; "
+        f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}",
+        "- bus bandwidth = fp32 parameter bytes x 2(W-1)/W / median time of 20 rounds (after 5 warm-up)",
+        "",
+        "| model | params | plain all-reduce GB/s | round (guarded) GB/s | ratio | round (lean) GB/s | ratio "
+        "| bf16 wire ms | cpu backend round trip ms |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, numel, nbytes, plain, full, lean, bf16, host_s in rows:
+        gbs = [nbytes * bus / t / 1e9 for t in (plain, full, lean)]
+        lines.append(
+            f"| {name} | {numel / 1e6:.1f}M | {gbs[0]:.0f} | {gbs[1]:.0f} | {gbs[1] / gbs[0]:.2f} | "
+            f"{gbs[2]:.0f} | {gbs[2] / gbs[0]:.2f} | {bf16 * 1e3:.2f} | {host_s * 1e3:.1f} |"
+        )
+    lines += [
+        "",
+        "guarded: the default cadence/async round (pre-reduce copy + divergence triple for the guard); "
+        "lean: `no_divergence_guard=true` without EASGD (the two all-reduces only).",
+    ]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    tag = f"{world}x-{torch.cuda.get_device_name(0)}".replace(" ", "-")
+    out = Path(__file__).resolve().parent / "results" / f"{dt.date.today()}-consensus-bandwidth-{tag}.md"
+    with out.open("a") as f:
+        f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
