@@ -107,7 +107,9 @@ class DeviceAverager(_AveragerBase):
         """`keeps_own`: keep a pre-reduce copy of the rank's parameters, which the divergence triple and
         the EASGD blend need; without it a round is the two all-reduces and nothing else."""
         super().__init__(model, gamma, bf16_wire, outer, group=None)
-        self.pre = [torch.empty_like(t) for t in self._flat_params()] if keeps_own else None
+        # The rank's own parameters before the reduce, turned into `own - consensus` after it (the
+        # divergence is measured in place, sparing a parameter-sized temporary and a pass over memory).
+        self.drift = [torch.empty_like(t) for t in self._flat_params()] if keeps_own else None
         self.outer = OuterOptimizer(outer, self._flat_params()) if outer else None
         self.refs = _make_refs(self.outer, bf16_wire, self._flat_params())
 
@@ -115,15 +117,15 @@ class DeviceAverager(_AveragerBase):
     def begin(self, steps: int) -> None:
         start = time.perf_counter()
         flat = self._flat_params()
-        if self.pre is not None:
-            torch._foreach_copy_(self.pre, flat)
+        if self.drift is not None:
+            torch._foreach_copy_(self.drift, flat)
         buffers = self.buffers.buffer if self.buffers is not None else None
         result = self.reducer.reduce(flat, self.refs, buffers, steps)
         triple = _NO_DIVERGENCE
         if not result.skipped:
             _after_reduce(self.outer, self.refs, flat)
-            if self.pre is not None:
-                triple = divergence_triple(self.pre, flat)
+            if self.drift is not None:
+                triple = divergence_triple(self.drift, flat, in_place=True)
         blocked = (time.perf_counter() - start) * 1000
         self.outcome = RoundOutcome(
             steps, result.total_steps, result.skipped, triple, blocked, result.payload_bytes
@@ -138,13 +140,13 @@ class DeviceAverager(_AveragerBase):
 
     @torch.no_grad()
     def adopt(self, alpha: float | None, evaluate: Callable[[], None] | None) -> None:
-        """The parameters hold the consensus: evaluate it, then blend back toward the rank's own (EASGD)."""
+        """The parameters hold the consensus: evaluate it, then blend back toward the rank's own (EASGD):
+        own + alpha (avg - own) = avg + (1 - alpha) (own - avg)."""
         if evaluate is not None:
             evaluate()
         if alpha is not None and self.outcome is not None and not self.outcome.skipped:
-            assert self.pre is not None, "the EASGD blend needs keeps_own=True"
-            for pre, tensor in zip(self.pre, self._flat_params(), strict=True):
-                tensor.copy_(pre.lerp_(tensor, alpha))
+            assert self.drift is not None, "the EASGD blend needs keeps_own=True"
+            torch._foreach_add_(self._flat_params(), self.drift, alpha=1.0 - alpha)
         self.outcome = None
 
 
@@ -210,13 +212,21 @@ class HostAverager(_AveragerBase):
 
     @torch.no_grad()
     def adopt(self, alpha: float | None, evaluate: Callable[[], None] | None) -> None:
-        """Overwrite (or blend) the rank's current parameters with the staged consensus."""
+        """Overwrite (or blend) the rank's current parameters with the staged consensus.
+
+        An eval asked for runs on the consensus (buffers included), then the rank's own parameters
+        come back for the blend; on a skipped round it runs on the rank's unchanged state.
+        """
         assert self.outcome is not None
-        if self.outcome.skipped:
-            self.outcome = None
+        skipped, self.outcome = self.outcome.skipped, None
+        if skipped:
+            if evaluate is not None:
+                evaluate()
             return
+        if self.buffers is not None and self.host_buffers is not None:
+            self.buffers.buffer.copy_(self.host_buffers, non_blocking=True)
         flat = self._flat_params()
-        if evaluate is not None:  # on the consensus itself, then back to the rank's own parameters
+        if evaluate is not None:
             kept = [t.clone() for t in flat]
             torch._foreach_copy_(flat, self.landing)
             evaluate()
@@ -226,9 +236,6 @@ class HostAverager(_AveragerBase):
         else:
             for tensor, landing in zip(flat, self.landing, strict=True):
                 tensor.lerp_(landing, alpha)
-        if self.buffers is not None and self.host_buffers is not None:
-            self.buffers.buffer.copy_(self.host_buffers, non_blocking=True)
-        self.outcome = None
 
     def _to_host(self) -> torch.cuda.Event | None:
         """Copy parameters and buffers into the host buffers without blocking the training thread."""

@@ -1,0 +1,224 @@
+"""Rank side of tests/test_consensus_collective.py: averaging rounds over 2 real gloo ranks.
+
+`worker` is the entry point of each spawned rank. It joins a process group through the parent's
+TCPStore, runs every scenario in sequence on a fresh model (all ranks run the same list in the same
+order, so the collectives line up) and saves plain tensors and numbers per scenario with torch.save.
+The parent does every hand computation; nothing here asserts.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flodl.averaging.consensus import DeviceAverager, HostAverager, RoundOutcome
+from flodl.averaging.outer import OuterSettings
+
+WORLD = 2
+CPU = torch.device("cpu")
+COLLECTIVE_TIMEOUT = timedelta(seconds=60)
+# What a rank does to its parameters while a host round is in flight (async keeps training).
+TRAIN_DURING_ROUND = 0.25
+
+
+@dataclass(frozen=True)
+class Spec:
+    backend: str  # "device" (DeviceAverager) or "host" (HostAverager on its own gloo group)
+    gamma: float
+    steps: tuple[int, int]
+    alpha: float | None = None
+    bf16_wire: bool = False
+    outer: str = "avg"
+    rounds: int = 1
+    train_during_round: bool = False
+    keeps_own: bool = True  # device only: keep the pre-reduce copy (triple, EASGD)
+
+
+def _scenarios() -> dict[str, Spec]:
+    specs: dict[str, Spec] = {}
+    for backend in ("device", "host"):
+        base = {
+            "work_weighted": Spec(backend, 1.0, (3, 1)),
+            "plain_mean": Spec(backend, 0.0, (5, 2)),
+            "inverse_work": Spec(backend, -1.0, (4, 1)),
+            "idle_rank1_gamma1": Spec(backend, 1.0, (3, 0)),
+            "idle_rank1_gamma0": Spec(backend, 0.0, (3, 0)),
+            "idle_rank1_gamma-1": Spec(backend, -1.0, (3, 0)),
+            "idle_rank0_gamma0": Spec(backend, 0.0, (0, 2)),
+            "all_idle_gamma1": Spec(backend, 1.0, (0, 0)),
+            "all_idle_gamma0": Spec(backend, 0.0, (0, 0)),
+            "easgd": Spec(backend, 1.0, (3, 1), alpha=0.3),
+            "bf16_wire": Spec(backend, 1.0, (3, 1), bf16_wire=True),
+            "slowmo": Spec(backend, 1.0, (3, 1), outer="slowmo", rounds=2),
+            "diloco": Spec(backend, 0.0, (3, 1), outer="diloco", rounds=2),
+        }
+        specs.update({f"{backend}/{name}": spec for name, spec in base.items()})
+    specs["host/train_during_round"] = Spec("host", 1.0, (3, 1), train_during_round=True)
+    specs["host/easgd_train_during_round"] = Spec("host", 1.0, (3, 1), alpha=0.3, train_during_round=True)
+    specs["device/without_own_copy"] = Spec("device", 1.0, (3, 1), keeps_own=False)
+    return specs
+
+
+SCENARIOS = _scenarios()
+VIEW_STEPS = (2, 1)
+
+
+def make_model(rank: int, salt: int) -> nn.Sequential:
+    """Distinct per rank from the start (params and BN statistics), so the initial broadcast shows."""
+    torch.manual_seed(100 + rank + 1000 * salt)
+    model = nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.Linear(4, 3))
+    bn = model[1]
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 1.5)
+        bn.bias.normal_()
+    bn.running_mean.normal_()
+    bn.running_var.uniform_(0.5, 1.5)
+    bn.num_batches_tracked.fill_(3 + rank)
+    return model
+
+
+@torch.no_grad()
+def make_distinct(model: nn.Module, rank: int, salt: int, round_: int) -> None:
+    """Give this rank its own params and BN statistics, written in place (through the flat views)."""
+    gen = torch.Generator().manual_seed(100 + rank + 1000 * salt + 100_000 * round_)
+    for p in model.parameters():
+        p.copy_(torch.randn(p.shape, generator=gen))
+    bn = model[1]
+    bn.running_mean.copy_(torch.randn(4, generator=gen))
+    bn.running_var.copy_(torch.rand(4, generator=gen) + 0.5)
+    bn.num_batches_tracked.fill_(7 + 10 * rank + round_)
+
+
+def snapshot(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
+    return {
+        "params": {k: v.detach().clone() for k, v in model.named_parameters()},
+        "buffers": {k: v.detach().clone() for k, v in model.named_buffers()},
+    }
+
+
+def outcome_record(outcome: RoundOutcome) -> dict[str, Any]:
+    return {
+        "steps": outcome.steps,
+        "total_steps": outcome.total_steps,
+        "skipped": outcome.skipped,
+        "triple": [float(x) for x in outcome.triple],
+        "payload_bytes": outcome.payload_bytes,
+    }
+
+
+def make_averager(spec: Spec, model: nn.Module, group: dist.ProcessGroup) -> DeviceAverager | HostAverager:
+    outer = OuterSettings.resolve(spec.outer, None, None)
+    if spec.backend == "host":
+        return HostAverager(model, spec.gamma, CPU, group, spec.bf16_wire, outer)
+    return DeviceAverager(model, spec.gamma, CPU, spec.bf16_wire, outer, keeps_own=spec.keeps_own)
+
+
+def round_scenario(rank: int, salt: int, spec: Spec, group: dist.ProcessGroup) -> dict[str, Any]:
+    model = make_model(rank, salt)
+    record: dict[str, Any] = {"initial": snapshot(model)}
+    averager = make_averager(spec, model, group)
+    record["constructed"] = snapshot(model)
+    rounds = []
+    for round_ in range(spec.rounds):
+        make_distinct(model, rank, salt, round_)
+        this: dict[str, Any] = {"before": snapshot(model), "evaluated": []}
+        averager.begin(spec.steps[rank])
+        this["after_begin"] = snapshot(model)
+        if spec.train_during_round:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(TRAIN_DURING_ROUND)
+        this["current"] = snapshot(model)
+        this["outcome"] = outcome_record(averager.finish())
+        this["after_finish"] = snapshot(model)
+        averager.adopt(spec.alpha, lambda this=this: this["evaluated"].append(snapshot(model)))
+        this["adopted"] = snapshot(model)
+        rounds.append(this)
+    record["rounds"] = rounds
+    return record
+
+
+def views_scenario(rank: int, salt: int) -> dict[str, Any]:
+    """Parameters and float32 buffers stay views into the averager's flat buffers through training."""
+    model = make_model(rank, salt)
+    # Built before the averager: it must keep reaching the (re-pointed) parameters.
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ids = [id(p) for p in model.parameters()]
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    averager = DeviceAverager(model, 1.0, CPU)
+    flat = averager.params[0].buffer
+    buffers = averager.buffers.buffer if averager.buffers is not None else torch.empty(0)
+    flat_before, buf_before = flat.clone(), buffers.clone()
+
+    model.train()
+    gen = torch.Generator().manual_seed(7 + rank)  # each rank its own batch: the replicas drift apart
+    loss = model(torch.randn(8, 5, generator=gen)).square().mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+
+    params = list(model.parameters())
+    f32_buffers = [b for b in model.buffers() if b.dtype == torch.float32]
+    record: dict[str, Any] = {
+        "n_param_groups": len(averager.params),
+        "ids_kept": [id(p) for p in params] == ids,
+        "same_objects_as_optimizer": [id(p) for p in optimizer.param_groups[0]["params"]] == ids,
+        "shapes_before": shapes,
+        "shapes_after": [tuple(p.shape) for p in params],
+        "flat_before": flat_before,
+        "flat_after_step": flat.clone(),
+        "params_after_step": torch.cat([p.detach().reshape(-1) for p in params]),
+        "shares_param_storage": [
+            p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for p in params
+        ],
+        "buf_before": buf_before,
+        "buf_after_step": buffers.clone(),
+        "buffers_after_step": torch.cat([b.reshape(-1) for b in f32_buffers]),
+        "shares_buffer_storage": [
+            b.untyped_storage().data_ptr() == buffers.untyped_storage().data_ptr() for b in f32_buffers
+        ],
+        "pre_round": snapshot(model),
+    }
+    averager.begin(VIEW_STEPS[rank])
+    record["outcome"] = outcome_record(averager.finish())
+    averager.adopt(None, None)
+    record["adopted"] = snapshot(model)
+    record["ids_kept_after_round"] = [id(p) for p in model.parameters()] == ids
+    return record
+
+
+def run_all(rank: int) -> dict[str, Any]:
+    group = dist.new_group(backend="gloo")  # the host backend's own group, as assembly builds it
+    results: dict[str, Any] = {}
+    for salt, (name, spec) in enumerate(SCENARIOS.items()):
+        results[name] = round_scenario(rank, salt, spec, group)
+    results["views"] = views_scenario(rank, salt=999)
+    return results
+
+
+def worker(rank: int, port: int, out_dir: str) -> None:
+    """One spawned rank (torch.multiprocessing.start_processes passes the index first)."""
+    # Own process group, so the parent can kill this rank and anything it started in one go.
+    os.setpgrp()
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, WORLD, False, timeout=COLLECTIVE_TIMEOUT)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=COLLECTIVE_TIMEOUT)
+    try:
+        results = run_all(rank)
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+    # The results are on disk; skip the interpreter teardown (seconds, after torch and the optimizer
+    # pulled in torch._dynamo). On an error the exception above propagates to the parent instead.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

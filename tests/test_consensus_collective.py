@@ -1,0 +1,427 @@
+"""The averaging backends over a real 2-rank gloo group, checked against float64 hand computations.
+
+One spawn of 2 CPU ranks runs every scenario in tests/collective_ranks.py in sequence, for both
+DeviceAverager and HostAverager, and saves each rank's values around one round
+(`begin` → `finish` → `adopt`). The tests recompute the weighted consensus, the float32 buffer mean,
+the divergence triple, the EASGD blend, the bf16 wire and the outer optimizers by hand from those
+recorded values.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as tmp
+
+from flodl.averaging.outer import OuterSettings
+from tests.collective_ranks import SCENARIOS, TRAIN_DURING_ROUND, VIEW_STEPS, WORLD, worker
+
+pytestmark = pytest.mark.multiproc
+
+JOIN_TIMEOUT_S = 120.0
+REL = 1e-6
+F32_BUFFERS = ("1.running_mean", "1.running_var")
+COUNTER = "1.num_batches_tracked"
+BACKENDS = ("device", "host")
+
+
+def _kill(proc) -> None:
+    """Terminate, then kill, a rank's process group (each rank leads its own; see worker)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if not proc.is_alive():
+            return
+        try:
+            if os.getpgid(proc.pid) == proc.pid:
+                os.killpg(proc.pid, sig)
+            else:  # killed before it could call setpgrp: never signal the parent's group
+                os.kill(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        proc.join(timeout=5)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    out_dir = tmp_path_factory.mktemp("consensus")
+    # The parent hosts the rendezvous store on a port the OS picks: no free-port race.
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")  # inherited by the spawned ranks
+        ctx = tmp.start_processes(
+            worker, args=(store.port, str(out_dir)), nprocs=WORLD, join=False, start_method="spawn"
+        )
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    try:
+        # join() raises with the rank's traceback if one fails (and stops the others).
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                pytest.fail(f"ranks still running after {JOIN_TIMEOUT_S}s")
+    finally:
+        for proc in ctx.processes:
+            _kill(proc)
+        del store
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+
+
+# --- hand computations (float64, independent of flodl.averaging.weights) -------------------------
+
+
+def hand_weights(steps: tuple[int, ...], gamma: float) -> list[float]:
+    """n_k^gamma / Σ n^gamma, with idle ranks (n = 0) weighing exactly 0."""
+    masses = [float(n) ** gamma if n > 0 else 0.0 for n in steps]
+    return [m / sum(masses) for m in masses]
+
+
+def weighted(tensors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+    return sum(w * t.double() for w, t in zip(weights, tensors, strict=True))
+
+
+def rounds(ranks: list[dict], name: str, i: int = 0) -> list[dict]:
+    """Round `i` of scenario `name`, one record per rank."""
+    return [r[name]["rounds"][i] for r in ranks]
+
+
+def consensus(ranks: list[dict], name: str, i: int = 0) -> dict[str, torch.Tensor]:
+    spec = SCENARIOS[name]
+    weights = hand_weights(spec.steps, spec.gamma)
+    recs = rounds(ranks, name, i)
+    return {
+        p: weighted([r["before"]["params"][p] for r in recs], weights) for p in recs[0]["before"]["params"]
+    }
+
+
+def buffer_mean(ranks: list[dict], name: str, i: int = 0) -> dict[str, torch.Tensor]:
+    movers = [n > 0 for n in SCENARIOS[name].steps]
+    weights = [m / sum(movers) for m in movers]
+    recs = rounds(ranks, name, i)
+    return {b: weighted([r["before"]["buffers"][b] for r in recs], weights) for b in F32_BUFFERS}
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    expected = expected.double()
+    return float((actual.double() - expected).norm() / expected.norm())
+
+
+def assert_rel(actual: dict, expected: dict, rel: float = REL) -> None:
+    assert actual.keys() >= expected.keys()
+    for k, want in expected.items():
+        assert actual[k].dtype == torch.float32, k
+        err = rel_err(actual[k], want)
+        assert err <= rel, f"{k}: relative error {err:.3g} > {rel}"
+
+
+def assert_bitwise(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+def f32(buffers: dict) -> dict:
+    return {b: buffers[b] for b in F32_BUFFERS}
+
+
+def hand_triple(pre: dict, post: dict) -> list[float]:
+    p = torch.cat([pre[k].double().reshape(-1) for k in pre])
+    q = torch.cat([post[k].double().reshape(-1) for k in pre])
+    return [float((p - q).norm() / q.norm()), float(p.norm()), float(q.norm())]
+
+
+def numel(tensors: dict) -> int:
+    return sum(t.numel() for t in tensors.values())
+
+
+def names(*short: str, backends=BACKENDS) -> list[str]:
+    return [f"{b}/{s}" for b in backends for s in short]
+
+
+AVG = ("work_weighted", "plain_mean", "inverse_work")
+IDLE = ("idle_rank1_gamma1", "idle_rank1_gamma0", "idle_rank1_gamma-1", "idle_rank0_gamma0")
+ALL_IDLE = ("all_idle_gamma1", "all_idle_gamma0")
+
+# --- construction --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_every_rank_starts_from_rank0(ranks, name):
+    a, b = (r[name]["initial"] for r in ranks)
+    for k in a["params"]:
+        assert not torch.equal(a["params"][k], b["params"][k]), k  # else the broadcast proves nothing
+    for r, rank in enumerate(ranks):
+        got = rank[name]["constructed"]
+        assert_bitwise(got["params"], a["params"])
+        assert_bitwise(f32(got["buffers"]), f32(a["buffers"]))
+        assert int(got["buffers"][COUNTER]) == 3 + r  # integer buffers stay local
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_ranks_enter_the_round_with_different_states(ranks, name):
+    """Guards the other tests: a consensus of identical replicas would prove nothing."""
+    a, b = (rec["before"] for rec in rounds(ranks, name))
+    for group in ("params", "buffers"):
+        for k in a[group]:
+            assert not torch.equal(a[group][k], b[group][k]), (name, k)
+
+
+# --- the weighted consensus ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", names(*AVG))
+def test_params_adopt_the_gamma_weighted_consensus(ranks, name):
+    want = consensus(ranks, name)
+    for rec in rounds(ranks, name):
+        assert_rel(rec["adopted"]["params"], want)
+    a, b = (rec["adopted"]["params"] for rec in rounds(ranks, name))
+    assert_bitwise(a, b)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gamma_changes_the_weights(ranks, backend):
+    """(3,1) at gamma=1 is 3:1; the same states at gamma=0 would be 1:1 and at gamma=-1 1:3."""
+    name = f"{backend}/work_weighted"
+    got = rounds(ranks, name)[0]["adopted"]["params"]
+    recs = rounds(ranks, name)
+    for gamma in (0.0, -1.0):
+        weights = hand_weights((3, 1), gamma)
+        wrong = {k: weighted([r["before"]["params"][k] for r in recs], weights) for k in got}
+        assert any(rel_err(got[k], wrong[k]) > 1e-3 for k in wrong), gamma
+    assert hand_weights((4, 1), -1.0) == pytest.approx([0.2, 0.8], rel=1e-15)
+
+
+@pytest.mark.parametrize("name", names(*AVG, "easgd", "bf16_wire", "slowmo", "diloco"))
+def test_float32_buffers_are_the_plain_mean_over_movers(ranks, name):
+    want = buffer_mean(ranks, name)
+    for rec in rounds(ranks, name):
+        assert_rel(rec["adopted"]["buffers"], want)
+
+
+@pytest.mark.parametrize("name", [*SCENARIOS, "views"])
+def test_integer_counter_stays_each_ranks_own(ranks, name):
+    for r, rank in enumerate(ranks):
+        recs = rank[name]["rounds"] if name != "views" else [{"adopted": rank[name]["adopted"]}]
+        for i, rec in enumerate(recs):
+            got = rec["adopted"]["buffers"][COUNTER]
+            assert got.dtype == torch.int64
+            want = 7 + 10 * r + i if name != "views" else 3 + r + 1  # views: one BN forward
+            assert int(got) == want
+
+
+@pytest.mark.parametrize("name", names(*AVG, "idle_rank1_gamma0", "easgd"))
+def test_outcome_totals_payload_and_divergence_triple(ranks, name):
+    spec = SCENARIOS[name]
+    want = consensus(ranks, name)
+    for r, rec in enumerate(rounds(ranks, name)):
+        out = rec["outcome"]
+        assert out["steps"] == spec.steps[r]
+        assert out["total_steps"] == sum(spec.steps)
+        assert out["skipped"] is False
+        params, buffers = rec["before"]["params"], f32(rec["before"]["buffers"])
+        assert out["payload_bytes"] == 4 * (numel(params) + numel(buffers))
+        assert out["triple"] == pytest.approx(hand_triple(params, want), rel=REL)
+    # Each rank measures its own distance to the common consensus.
+    a, b = (rec["outcome"]["triple"][0] for rec in rounds(ranks, name))
+    assert a != b
+
+
+@pytest.mark.parametrize("name", names(*IDLE))
+def test_idle_rank_weighs_nothing_and_adopts_the_movers_state(ranks, name):
+    steps = SCENARIOS[name].steps
+    mover = next(k for k, n in enumerate(steps) if n > 0)
+    mover_before = rounds(ranks, name)[mover]["before"]
+    for rec in rounds(ranks, name):
+        # Exactly the mover's params: the idle rank weighs 0 (not 0^0 = 1, not 0^-1 = inf).
+        assert_bitwise(rec["adopted"]["params"], mover_before["params"])
+        assert_bitwise(f32(rec["adopted"]["buffers"]), f32(mover_before["buffers"]))
+        assert rec["outcome"]["total_steps"] == sum(steps)
+        assert rec["outcome"]["skipped"] is False
+
+
+@pytest.mark.parametrize("name", names(*ALL_IDLE))
+def test_all_idle_round_is_skipped_and_changes_nothing(ranks, name):
+    for rec in rounds(ranks, name):
+        out = rec["outcome"]
+        assert out["skipped"] is True
+        assert out["total_steps"] == 0
+        assert out["payload_bytes"] == 0
+        assert out["triple"] == [0.0, 0.0, 0.0]
+        for stage in ("after_begin", "after_finish", "adopted"):
+            assert_bitwise(rec[stage]["params"], rec["before"]["params"])
+            assert_bitwise(rec[stage]["buffers"], rec["before"]["buffers"])
+
+
+# --- where the consensus lands, and when ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", names(*AVG, "easgd", backends=("host",)))
+def test_host_backend_leaves_the_ranks_state_alone_until_adopt(ranks, name):
+    """Training goes on while the round is in flight: neither begin nor finish touches the model."""
+    for rec in rounds(ranks, name):
+        assert_bitwise(rec["after_begin"]["params"], rec["before"]["params"])
+        assert_bitwise(rec["after_begin"]["buffers"], rec["before"]["buffers"])
+        assert_bitwise(rec["after_finish"]["params"], rec["current"]["params"])
+        assert_bitwise(rec["after_finish"]["buffers"], rec["current"]["buffers"])
+
+
+@pytest.mark.parametrize("name", names(*AVG, "easgd", backends=("device",)))
+def test_device_backend_reduces_in_place_during_begin(ranks, name):
+    want = consensus(ranks, name)
+    for rec in rounds(ranks, name):
+        assert_rel(rec["after_begin"]["params"], want)
+        assert_rel(rec["after_begin"]["buffers"], buffer_mean(ranks, name))
+
+
+@pytest.mark.parametrize("alpha_name", ["train_during_round", "easgd_train_during_round"])
+def test_host_round_averages_the_snapshot_taken_at_begin(ranks, alpha_name):
+    """Steps taken while the round is in flight are not in the consensus; EASGD blends from them."""
+    name = f"host/{alpha_name}"
+    alpha = SCENARIOS[name].alpha
+    avg = consensus(ranks, name)  # from the values at begin
+    for rec in rounds(ranks, name):
+        now = rec["current"]["params"]
+        assert not torch.equal(now["0.weight"], rec["before"]["params"]["0.weight"])
+        if alpha is None:
+            want = avg
+        else:
+            want = {k: now[k].double() + alpha * (avg[k] - now[k].double()) for k in avg}
+        assert_rel(rec["adopted"]["params"], want)
+        assert_rel(rec["adopted"]["buffers"], buffer_mean(ranks, name))
+        pre = rec["before"]["params"]
+        assert rec["outcome"]["triple"] == pytest.approx(hand_triple(pre, avg), rel=REL)
+    assert TRAIN_DURING_ROUND != 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_easgd_blend_moves_alpha_of_the_way_to_the_consensus(ranks, backend):
+    name = f"{backend}/easgd"
+    alpha = SCENARIOS[name].alpha
+    avg = consensus(ranks, name)
+    for rec in rounds(ranks, name):
+        own = rec["before"]["params"]
+        want = {k: own[k].double() + alpha * (avg[k] - own[k].double()) for k in avg}
+        assert_rel(rec["adopted"]["params"], want)
+        # Buffers are not blended: they take the consensus.
+        assert_rel(rec["adopted"]["buffers"], buffer_mean(ranks, name))
+    a, b = (rec["adopted"]["params"] for rec in rounds(ranks, name))
+    for k in avg:
+        assert rel_err(a[k], b[k]) > 1e-3, k  # the replicas stay apart
+
+
+@pytest.mark.parametrize("short", ["work_weighted", "easgd"])
+def test_evaluate_runs_once_on_the_consensus_params(ranks, short):
+    for backend in BACKENDS:
+        name = f"{backend}/{short}"
+        want = consensus(ranks, name)
+        for rec in rounds(ranks, name):
+            assert len(rec["evaluated"]) == 1
+            assert_rel(rec["evaluated"][0]["params"], want)
+
+
+@pytest.mark.parametrize("backend", ["device", "host"])
+def test_evaluate_sees_the_consensus_buffers(ranks, backend):
+    for short in ("work_weighted", "easgd"):
+        name = f"{backend}/{short}"
+        for rec in rounds(ranks, name):
+            assert_rel(rec["evaluated"][0]["buffers"], buffer_mean(ranks, name))
+
+
+@pytest.mark.parametrize("backend", ["device", "host"])
+def test_evaluate_runs_on_a_skipped_round_too(ranks, backend):
+    """A skipped round still carries the epoch's eval; the coordinator waits for every rank's result."""
+    for rec in rounds(ranks, f"{backend}/all_idle_gamma1"):
+        assert len(rec["evaluated"]) == 1
+        assert_bitwise(rec["evaluated"][0]["params"], rec["before"]["params"])
+
+
+def test_device_round_without_the_own_copy_still_averages(ranks):
+    """keeps_own=False: the same consensus, and no divergence triple (there is no pre-reduce copy)."""
+    name = "device/without_own_copy"
+    want = consensus(ranks, name)
+    for rec in rounds(ranks, name):
+        assert_rel(rec["adopted"]["params"], want)
+        assert_rel(rec["adopted"]["buffers"], buffer_mean(ranks, name))
+        assert rec["outcome"]["triple"] == [0.0, 0.0, 0.0]
+        assert rec["outcome"]["total_steps"] == 4 and rec["outcome"]["skipped"] is False
+
+
+# --- the bf16 wire and the outer optimizers -------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_wire_sends_the_rounded_difference_from_the_shared_reference(ranks, backend):
+    name = f"{backend}/bf16_wire"
+    weights = hand_weights(SCENARIOS[name].steps, SCENARIOS[name].gamma)
+    recs = rounds(ranks, name)
+    ref = ranks[0][name]["constructed"]["params"]  # the same on every rank after the broadcast
+    exact = consensus(ranks, name)
+    for rec in recs:
+        got = rec["adopted"]["params"]
+        for k, want in exact.items():
+            moved = sum(abs(w) * (r["before"]["params"][k].double() - ref[k].double()).abs()
+                        for w, r in zip(weights, recs, strict=True))  # fmt: skip
+            # bf16 keeps 8 significant bits of each rank's weighted difference (round to nearest).
+            bound = 2.0**-8 * moved + 1e-6 * (want.abs() + moved)
+            assert bool(((got[k].double() - want).abs() <= bound).all()), k
+        params, buffers = rec["before"]["params"], f32(rec["before"]["buffers"])
+        assert rec["outcome"]["payload_bytes"] == 2 * numel(params) + 4 * numel(buffers)
+    a, b = (rec["adopted"]["params"] for rec in recs)
+    assert_bitwise(a, b)
+
+
+@pytest.mark.parametrize("name", names("slowmo", "diloco"))
+def test_outer_optimizer_steps_the_global_params_on_the_pseudo_gradient(ranks, name):
+    kind = name.split("/")[1]
+    settings = OuterSettings.resolve(kind, None, None)
+    lr, mu = settings.lr, settings.momentum
+    glob = {k: v.double() for k, v in ranks[0][name]["constructed"]["params"].items()}
+    velocity: dict[str, torch.Tensor] = {}
+    for i in range(SCENARIOS[name].rounds):
+        avg = consensus(ranks, name, i)
+        for k in glob:
+            g = glob[k] - avg[k]
+            velocity[k] = g if i == 0 else mu * velocity[k] + g
+            step = g + mu * velocity[k] if kind == "diloco" else velocity[k]
+            glob[k] = glob[k] - lr * step
+        for rec in rounds(ranks, name, i):
+            assert_rel(rec["adopted"]["params"], glob)
+            assert_rel(rec["adopted"]["buffers"], buffer_mean(ranks, name, i))
+            if i > 0 or kind == "diloco":  # (slowmo's first step at lr=1 lands on the consensus)
+                assert all(rel_err(rec["adopted"]["params"][k], avg[k]) > 1e-3 for k in avg)
+        a, b = (rec["adopted"]["params"] for rec in rounds(ranks, name, i))
+        assert_bitwise(a, b)
+
+
+# --- the flat storage ----------------------------------------------------------------------------
+
+
+def test_params_and_buffers_stay_views_into_the_flat_storage(ranks):
+    for rank in ranks:
+        v = rank["views"]
+        assert v["n_param_groups"] == 1  # all float32
+        assert v["ids_kept"] and v["same_objects_as_optimizer"] and v["ids_kept_after_round"]
+        assert v["shapes_after"] == v["shapes_before"] == [(4, 5), (4,), (4,), (4,), (3, 4), (3,)]
+        assert all(v["shares_param_storage"]) and all(v["shares_buffer_storage"])
+        # The optimizer step and the BN forward wrote through to the averager's flat buffers.
+        assert not torch.equal(v["flat_after_step"], v["flat_before"])
+        assert torch.equal(v["flat_after_step"], v["params_after_step"])
+        assert not torch.equal(v["buf_after_step"], v["buf_before"])
+        assert torch.equal(v["buf_after_step"], v["buffers_after_step"])
+
+
+def test_round_after_training_updates_the_models_parameters(ranks):
+    weights = hand_weights(VIEW_STEPS, 1.0)
+    pre = [r["views"]["pre_round"] for r in ranks]
+    want = {k: weighted([p["params"][k] for p in pre], weights) for k in pre[0]["params"]}
+    # Only the weights drift: around train-mode BN the biases get the same gradient on both ranks.
+    drifted = [k for k in want if rel_err(pre[0]["params"][k], pre[1]["params"][k]) > 1e-4]
+    assert len(drifted) >= 3
+    for rank in ranks:
+        got = rank["views"]["adopted"]["params"]
+        assert_rel(got, want)
+        for k in drifted:
+            assert not torch.equal(got[k], rank["views"]["pre_round"]["params"][k]), k
+        assert rank["views"]["outcome"]["total_steps"] == sum(VIEW_STEPS)
+    assert_bitwise(ranks[0]["views"]["adopted"]["params"], ranks[1]["views"]["adopted"]["params"])
