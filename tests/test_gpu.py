@@ -57,3 +57,18 @@ def test_local_sgd_over_nccl_balances_a_slowed_rank(tmp_path: Path, policy: str)
     assert fast_rank_share(records) == pytest.approx(0.75, rel=0.15)
     assert final_accuracy(records) >= 0.95
     assert "rank 1/2 on cuda:1 (nccl)" in (tmp_path / policy / "rank1.log").read_text()
+
+
+@needs_two
+@pytest.mark.parametrize(
+    ("policy", "extra"),
+    [
+        ("async", ("backend=cpu", "bf16_wire=true")),  # pinned snapshots, copy stream, gloo thread
+        ("cadence", ("bf16_wire=true", "outer=diloco")),  # bf16 deltas gathered over NCCL
+        ("sync", ("bf16_wire=true",)),  # DDP with the bf16 gradient hook over NCCL
+    ],
+)
+def test_averaging_backends_on_gpus(tmp_path: Path, policy: str, extra: tuple[str, ...]) -> None:
+    records = run_policy(tmp_path, policy, *extra, "launch.start_method=spawn", "epochs=8")
+    assert final_accuracy(records) >= 0.9
+    assert records[-1]["comm_bytes_total"] > 0
