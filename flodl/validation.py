@@ -155,6 +155,8 @@ def _cross_field_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
     for key in ("outer_lr", "outer_momentum"):
         if getattr(cfg, key) is not None and cfg.outer == "avg":
             yield _problem(key, getattr(cfg, key), "applies to outer=slowmo or diloco (outer=avg)")
+    if cfg.outer == "diloco" and cfg.outer_momentum == 0:
+        yield _problem("outer_momentum", 0.0, "DiLoCo's Nesterov step needs a momentum > 0")
     if cfg.divergence_guard == "msf" and cfg.divergence_threshold is not None:
         yield _problem(
             "divergence_threshold",

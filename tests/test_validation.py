@@ -410,3 +410,6 @@ def test_outer_optimizer_rules():
     assert_problem(bad, "outer_lr", -1.0, "must be finite and > 0")
     assert_problem(bad, "outer_momentum", 1.0, "must be in [0, 1)")
     assert problems_of(make(policy="async", outer="diloco", outer_lr=0.5, outer_momentum=0.8)) == []
+    nesterov = problems_of(make(policy="async", outer="diloco", outer_momentum=0.0))
+    assert_problem(nesterov, "outer_momentum", 0.0, "needs a momentum > 0")
+    assert problems_of(make(policy="async", outer="slowmo", outer_momentum=0.0)) == []

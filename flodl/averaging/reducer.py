@@ -19,6 +19,9 @@ from torch import Tensor
 
 from flodl.averaging.weights import prescale_factors, rank_contribution
 
+# torch 2.13 renamed all_gather_into_tensor (older torch only has the old name).
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 @dataclass(frozen=True)
 class ReduceResult:
@@ -74,7 +77,7 @@ class Reducer:
         payload = ((tensor - ref) * factor).to(torch.bfloat16)
         world = dist.get_world_size(self.group)
         gathered = torch.empty(world * payload.numel(), dtype=torch.bfloat16, device=payload.device)
-        dist.all_gather_into_tensor(gathered, payload.reshape(-1), group=self.group)
+        _all_gather_flat(gathered, payload.reshape(-1), group=self.group)
         # Accumulate in float32: ref + Σ_k w_k (θ_k - ref) = Σ_k w_k θ_k, since the weights sum to 1.
         summed = gathered.view(world, -1).float().sum(dim=0).view_as(tensor)
         torch.add(ref, summed, out=tensor)
