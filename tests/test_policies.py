@@ -79,3 +79,30 @@ def test_bf16_wire_halves_the_gradient_bytes_under_sync(tmp_path: Path) -> None:
     assert full[-1]["comm_bytes_total"] > 0
     assert half[-1]["comm_bytes_total"] * 2 == full[-1]["comm_bytes_total"]
     assert abs(final_accuracy(half) - final_accuracy(full)) <= 0.03
+
+
+LINEAR_DECAY = (
+    "+task.scheduler._target_=torch.optim.lr_scheduler.LinearLR",
+    "+task.scheduler._partial_=true",
+    "+task.scheduler.start_factor=1.0",
+    "+task.scheduler.end_factor=0.0",
+    "+task.scheduler.total_iters=100000",
+    "lr_scale_ratio=0",
+)
+
+
+def schedule_position(record: dict, base_lr: float = 0.001) -> float:
+    """LinearLR from 1 to 0 over 100000 steps: the lr tells how far the scheduler has been stepped."""
+    return (1 - record["lr"] / base_lr) * 100000
+
+
+@pytest.mark.parametrize("policy", ["sync", "cadence"])
+def test_lr_schedule_clock(tmp_path: Path, policy: str) -> None:
+    records = run_policy(tmp_path, policy, *LINEAR_DECAY, "epochs=2", "launch.start_method=fork")
+    position = schedule_position(records[-1])
+    if policy == "sync":  # one scheduler step per optimizer step, as with DDP
+        assert position == pytest.approx(records[-1]["step"], abs=0.5)
+    else:  # the original's clock: every rank's steps up to the last average, plus rank 0's since
+        trained = sum(r["samples"] for r in records) // 32
+        assert trained * 0.6 <= position <= trained
+        assert position > records[-1]["step"] * 1.2  # well past rank 0's own step count

@@ -51,6 +51,8 @@ class EpochMetrics:
     # Wall time from the previous epoch's completion (or the run's start) to this one's.
     epoch_s: float
     samples_per_s: float
+    # Rank 0's learning rate at the end of its last chunk of the epoch.
+    lr: float = 0.0
     # Bytes all ranks put on the wire this epoch, and since the start of the run.
     comm_bytes: int = 0
     comm_bytes_total: int = 0
@@ -109,6 +111,7 @@ def aggregate_epoch(
         samples=samples,
         epoch_s=wall_s,
         samples_per_s=samples / wall_s if wall_s > 0 else 0.0,
+        lr=max(chunks, key=lambda c: (c.rank == 0, c.steps_total)).lr,
         comm_bytes=comm,
         comm_bytes_total=comm_before + comm,
         eval=aggregate_eval(evals),

@@ -110,12 +110,9 @@ class LocalSgdWorker(WorkerBase):
         self._report_if_reached()
 
     def schedule_position(self) -> int:
-        """Steps on the LR schedule: the ranks' mean steps at the last reduce plus this rank's since.
-
-        (The original counts the sum over ranks; the mean keeps a schedule written in steps per epoch of
-        one rank valid under every policy and world size.)
-        """
-        return self.global_steps // self.world_size + self.steps_since_avg
+        """The LR schedule's clock, as in the original: every rank's steps up to the last reduce (shared by
+        all ranks) plus this rank's steps since."""
+        return self.global_steps + self.steps_since_avg
 
     def _finish_chunk(self, chunk: _Chunk) -> None:
         self.chunk = None
@@ -130,6 +127,7 @@ class LocalSgdWorker(WorkerBase):
                 wall_ms=chunk.busy_s * 1000,
                 data_ms=chunk.data_s * 1000,
                 steps_total=self.stepper.steps_total,
+                lr=self.stepper.lr,
             )
         )
 

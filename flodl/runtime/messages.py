@@ -58,6 +58,8 @@ class Metrics:
     steps_total: int = 0
     # Bytes this rank put on the wire during the chunk (sync: DDP's gradient all-reduces).
     comm_bytes: int = 0
+    # The learning rate (first param group) at the end of the chunk.
+    lr: float = 0.0
     scalars: dict[str, list[float]] = field(default_factory=dict)
 
 

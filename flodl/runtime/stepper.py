@@ -65,6 +65,10 @@ class Stepper:
             self._slow_down(started)
         return loss.detach()
 
+    @property
+    def lr(self) -> float:
+        return float(self.parts.optimizer.param_groups[0]["lr"])
+
     def schedule_to(self, position: int) -> None:
         """Advance the LR scheduler to `position` (steps it as often as needed; it is cheap)."""
         scheduler = self.parts.scheduler

@@ -109,4 +109,5 @@ class SyncWorker(WorkerBase):
             data_ms=data_s * 1000,
             steps_total=stepper.steps_total,
             comm_bytes=batches * self.gradient_bytes if self.world_size > 1 else 0,
+            lr=stepper.lr,
         )
