@@ -43,8 +43,16 @@ class TaskConfig:
 
 @dataclass
 class LoggerConfig:
-    # console: progress lines on rank 0 plus metrics.jsonl in the run dir (always written).
+    # console: a progress bar and epoch lines on rank 0, plus metrics.jsonl in the run dir (always).
+    # wandb: the same, and the metric and eval streams as one W&B run per job.
     name: str = "console"
+    # Live training metrics every this many steps per rank (0: per epoch only).
+    log_every: int = 50
+    # W&B: online, offline (written under the run dir, `wandb sync` later) or disabled.
+    mode: str = "online"
+    project: str = "flodl"
+    entity: str | None = None
+    tags: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -24,6 +24,7 @@ from flodl.checkpoint import MODEL_FILE, save_model
 from flodl.config import FlodlConfig, to_config
 from flodl.data.partition import equal_slices
 from flodl.logs import setup_rank_logging
+from flodl.metrics.run_info import RunInfo, from_hydra
 from flodl.runtime.assembly import METRICS_FILE, make_coordinator, make_worker
 from flodl.runtime.coordinator import Coordinator
 from flodl.runtime.distributed import (
@@ -48,28 +49,30 @@ def launch_from_hydra(cfg: DictConfig) -> None:
     """The @hydra.main body: validate, then run the ranks. Exits 2 on a config error."""
     from hydra.core.hydra_config import HydraConfig
 
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        launch(cfg, Path(HydraConfig.get().runtime.output_dir))
+        launch(cfg, from_hydra(run_dir))
     except (ConfigError, RankFailure) as err:
         print(f"flodl: {err}", file=sys.stderr)
         sys.exit(2 if isinstance(err, ConfigError) else 1)
 
 
-def launch(cfg: DictConfig, run_dir: Path) -> None:
+def launch(cfg: DictConfig, info: RunInfo) -> None:
     config: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
     typed = to_config(config)
     validate(typed, HostFacts.probe(typed))
     if RankEnv.from_environ().launched or typed.launch.nproc_per_node == 1:
-        run_rank(config, str(run_dir))
+        run_rank(config, info.as_dict())
     else:
-        self_launch(config, run_dir, typed)
+        self_launch(config, info, typed)
 
 
-def self_launch(config: dict[str, Any], run_dir: Path, cfg: FlodlConfig) -> None:
+def self_launch(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig) -> None:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    run_dir = Path(info.run_dir)
     launch_config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -83,9 +86,10 @@ def self_launch(config: dict[str, Any], run_dir: Path, cfg: FlodlConfig) -> None
         start_method=cfg.launch.start_method,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / ".launch")),
     )
+
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        elastic_launch(launch_config, run_rank)(config, str(run_dir))
+        elastic_launch(launch_config, run_rank)(config, info.as_dict())
     except ChildFailedError as err:
         failed = sorted(err.failures)
         logs = ", ".join(str(run_dir / f"rank{r}.log") for r in failed)
@@ -93,11 +97,12 @@ def self_launch(config: dict[str, Any], run_dir: Path, cfg: FlodlConfig) -> None
         raise RankFailure(f"rank(s) {failed} failed ({codes}); see the traceback above and {logs}") from None
 
 
-def run_rank(config: dict[str, Any], run_dir_text: str) -> None:
-    """The body of every rank, whichever way it was started."""
+def run_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
+    """The body of every rank, whichever way it was started (plain values only: it may be spawned)."""
     cfg = to_config(config)
+    info = RunInfo(**info_fields)
     env = RankEnv.from_environ()
-    run_dir = Path(run_dir_text)
+    run_dir = Path(info.run_dir)
     setup_rank_logging(env.rank, run_dir)
     device = pick_device(cfg, env.local_rank)
     backend = collective_backend(cfg, device)
@@ -117,8 +122,9 @@ def run_rank(config: dict[str, Any], run_dir_text: str) -> None:
             _log_plan(cfg, env.world_size)
             has_eval = parts.eval_data is not None
             reader = InboxReader(connect(COORDINATOR))
+            outbox = connect(COORDINATOR)
             coordinator = make_coordinator(
-                cfg, env.world_size, total_picks, has_eval, reader, connect(COORDINATOR), run_dir
+                cfg, config, info, env.world_size, total_picks, has_eval, reader, outbox
             )
             coordinator.start()
         worker = make_worker(
@@ -131,8 +137,9 @@ def run_rank(config: dict[str, Any], run_dir_text: str) -> None:
             save_model(parts.model, run_dir / MODEL_FILE)
             log.info("run dir %s: %s, %s", run_dir, METRICS_FILE, MODEL_FILE)
     except BaseException as err:
-        if coordinator is not None:
+        if coordinator is not None:  # it shares this process's store: let it stop before the store goes
             coordinator.stop_requested.set()
+            coordinator.join(timeout=10)
         log.error("rank %d failed: %s: %s", env.rank, type(err).__name__, err)
         raise
     finally:

@@ -18,6 +18,8 @@ from flodl.config import BACKENDS, DEVICES, GUARDS, POLICIES, FlodlConfig
 
 GIB = 1 << 30
 START_METHODS = ("spawn", "fork", "forkserver")
+LOGGERS = ("console", "wandb")
+WANDB_MODES = ("online", "offline", "disabled")
 
 # Knobs of local SGD (cadence/async): under sync every rank takes exactly one step per averaging,
 # so they would have no effect, and a silently ignored knob is a bug report waiting to happen.
@@ -29,7 +31,6 @@ LOCAL_SGD_KNOBS = (
 # Keys that exist in the schema but whose feature has not landed yet: a value that would need the
 # feature is refused rather than ignored. (key, the value that needs no feature, why)
 NOT_IMPLEMENTED: tuple[tuple[str, object, str], ...] = (
-    ("logger.name", "console", "not implemented yet: only logger=console runs in this version"),
     ("partition_ratios", None, "partition_ratios (static per-rank split) is not implemented yet"),
     ("vram_pool", True, "the VRAM sample pool is not implemented yet"),
     ("vram_max_usage", 0.90, "VRAM-aware device prefetch is not implemented yet"),
@@ -127,6 +128,9 @@ def _range_problems(cfg: FlodlConfig) -> Iterator[str]:
     yield from check("disk_stage_gb", lambda v: finite(v) and v >= 0, "must be finite and >= 0 (0: off)")
     yield from check("checkpoint_every", lambda v: v >= 1, "must be >= 1 (epochs)", True)
     yield from check("launch.nproc_per_node", lambda v: v >= 1, "must be >= 1")
+    yield from check("logger.name", lambda v: v in LOGGERS, f"must be one of {', '.join(LOGGERS)}")
+    yield from check("logger.mode", lambda v: v in WANDB_MODES, f"must be one of {', '.join(WANDB_MODES)}")
+    yield from check("logger.log_every", lambda v: v >= 0, "must be >= 0 steps (0: per epoch only)")
     yield from check("launch.start_method", lambda v: v in START_METHODS, f"must be one of {START_METHODS}")
     yield from check("launch.timeout_s", lambda v: v > 0, "must be > 0 seconds")
     yield from check("simulate.factor", lambda v: finite(v) and v >= 1, "must be finite and >= 1 (1: off)")

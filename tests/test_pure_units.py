@@ -23,6 +23,7 @@ from flodl.runtime.messages import (
     ExtendPartition,
     MessageError,
     Metrics,
+    Progress,
     Reached,
     Shutdown,
     StartEpoch,
@@ -119,6 +120,7 @@ MESSAGES = [
     ExtendPartition(slices=[[0, 64, 96], [1, 0, 32]], target=3),
     SyncNow(round=7, evaluate_epoch=2, final=True),
     SyncNow(round=1),
+    Progress(rank=1, epoch=0, step=50, loss=0.75, samples_per_s=1200.0, lr=0.001),
     Reached(rank=1, steps=12, busy_ms=40.5),
     SyncAck(
         rank=0,
@@ -378,3 +380,27 @@ def test_slice_is_frozen():
 
 def test_differences_tells_an_absent_key_from_a_null_one():
     assert _differences({"a": None}, {}) == ["a (rank 0: None, other: '<absent>')"]
+
+
+# --- record_scalar -------------------------------------------------------------------------------
+
+
+def test_record_scalar_accumulates_tensors_and_floats_until_drained():
+    from flodl import record_scalar
+    from flodl.metrics.scalars import drain_scalars, mean_scalars
+
+    drain_scalars()
+    record_scalar("grad_norm", torch.tensor(2.0))
+    record_scalar("grad_norm", 4.0)
+    record_scalar("acc", torch.tensor(0.5))
+    first = drain_scalars()
+    assert first == {"grad_norm": [6.0, 2.0], "acc": [0.5, 1.0]}
+    assert drain_scalars() == {}
+    assert mean_scalars([first, {"grad_norm": [3.0, 1.0]}]) == {"grad_norm": 3.0, "acc": 0.5}
+
+
+def test_epoch_scalars_are_means_over_every_ranks_records():
+    chunks = [chunk(0, 2, 1.0, 10.0, 2), chunk(1, 2, 1.0, 10.0, 2)]
+    chunks[0].scalars = {"x": [3.0, 3.0]}
+    chunks[1].scalars = {"x": [9.0, 1.0]}
+    assert aggregate_epoch(0, chunks, [], wall_s=1.0).scalars == {"x": 3.0}

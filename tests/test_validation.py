@@ -287,7 +287,6 @@ def test_disk_rules_skip_a_disabled_tier():
 
 # A value for every not-implemented key that would need the missing feature.
 NEEDS_FEATURE = {
-    "logger.name": "wandb",
     "partition_ratios": [1.0, 2.0],
     "vram_pool": False,
     "vram_max_usage": 0.8,
@@ -413,3 +412,12 @@ def test_outer_optimizer_rules():
     nesterov = problems_of(make(policy="async", outer="diloco", outer_momentum=0.0))
     assert_problem(nesterov, "outer_momentum", 0.0, "needs a momentum > 0")
     assert problems_of(make(policy="async", outer="slowmo", outer_momentum=0.0)) == []
+
+
+def test_logger_rules():
+    assert_problem(
+        problems_of(make(**{"logger.name": "tensorboard"})), "logger.name", "tensorboard", "must be one of"
+    )
+    assert_problem(problems_of(make(**{"logger.mode": "cloud"})), "logger.mode", "cloud", "must be one of")
+    assert_problem(problems_of(make(**{"logger.log_every": -1})), "logger.log_every", -1, "must be >= 0")
+    assert problems_of(make(**{"logger.name": "wandb", "logger.mode": "offline"})) == []

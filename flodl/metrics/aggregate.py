@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from flodl.metrics.scalars import mean_scalars
 from flodl.runtime.messages import EvalResult, Metrics
 
 
@@ -57,6 +58,8 @@ class EpochMetrics:
     comm_bytes: int = 0
     comm_bytes_total: int = 0
     eval: dict[str, float] = field(default_factory=dict)
+    # record_scalar values: per-epoch means over every rank's records.
+    scalars: dict[str, float] = field(default_factory=dict)
     per_rank: list[RankShare] = field(default_factory=list)
 
     def as_record(self) -> dict[str, Any]:
@@ -115,6 +118,7 @@ def aggregate_epoch(
         comm_bytes=comm,
         comm_bytes_total=comm_before + comm,
         eval=aggregate_eval(evals),
+        scalars=mean_scalars([c.scalars for c in chunks]),
         per_rank=shares,
     )
 

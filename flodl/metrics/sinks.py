@@ -1,28 +1,86 @@
-"""Where EpochMetrics go: rank 0's console and `metrics.jsonl` in the run dir."""
+"""Where metrics go on rank 0: the console (a progress bar and one line per epoch) and `metrics.jsonl`.
+
+Sinks get the live stream (`progress`, every `logger.log_every` steps of each rank) and the per-epoch
+records (`emit`). The W&B sink lives in `wandb_sink.py`.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+import sys
+import time
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TextIO
 
 from flodl.metrics.aggregate import EpochMetrics
+from flodl.runtime.messages import Progress
 
 log = logging.getLogger("flodl")
+BAR_WIDTH = 24
+# Without a terminal the bar becomes a plain line at most this often.
+PLAIN_EVERY_S = 10.0
 
 
 class Sink(Protocol):
+    def progress(self, report: Progress) -> None: ...
+
     def emit(self, metrics: EpochMetrics) -> None: ...
 
     def close(self) -> None: ...
 
 
+def format_duration(seconds: float) -> str:
+    seconds = max(int(seconds), 0)
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
 class ConsoleSink:
-    def __init__(self, epochs: int) -> None:
+    """Rank 0's view: a live bar (epoch, step, loss, samples/s, ETA) and a line per finished epoch."""
+
+    def __init__(self, epochs: int, total_batches: int, world_size: int, out: TextIO = sys.stdout) -> None:
         self.epochs = epochs
+        # Batches over all ranks in the whole run: the bar's 100%.
+        self.total_batches = total_batches
+        self.out = out
+        self.tty = out.isatty()
+        self.started = time.perf_counter()
+        self.steps = [0] * world_size
+        self.speed = [0.0] * world_size
+        self._last_plain = 0.0
+        self._bar_shown = False
+
+    def progress(self, report: Progress) -> None:
+        self.steps[report.rank] = report.step
+        self.speed[report.rank] = report.samples_per_s
+        if report.rank != 0:
+            return
+        line = self.render(report)
+        now = time.perf_counter()
+        if self.tty:
+            self.out.write("\r" + line)
+            self._bar_shown = True
+        elif now - self._last_plain >= PLAIN_EVERY_S:
+            self.out.write(line + "\n")
+            self._last_plain = now
+        self.out.flush()
+
+    def render(self, report: Progress) -> str:
+        done = min(sum(self.steps) / self.total_batches, 1.0) if self.total_batches else 0.0
+        elapsed = time.perf_counter() - self.started
+        eta = elapsed * (1 - done) / done if done > 0 else 0.0
+        filled = int(done * BAR_WIDTH)
+        bar = "#" * filled + "." * (BAR_WIDTH - filled)
+        return (
+            f"[r0] epoch {report.epoch + 1}/{self.epochs} [{bar}] {done:4.0%} step {report.step} "
+            f"loss {report.loss:.4f} {sum(self.speed):.0f} samples/s ETA {format_duration(eta)}"
+        )
 
     def emit(self, metrics: EpochMetrics) -> None:
+        if self._bar_shown:
+            self.out.write("\r\033[K")  # the epoch line replaces the bar
+            self.out.flush()
         evals = "".join(f"  eval/{k} {v:.4f}" for k, v in metrics.eval.items())
         log.info(
             "epoch %d/%d  step %d  loss %.4f%s  %.0f samples/s  %.2fs  wire %.1f MB",
@@ -39,6 +97,9 @@ class JsonlSink:
 
     def __init__(self, path: Path) -> None:
         self.file = path.open("a", encoding="utf-8")
+
+    def progress(self, report: Progress) -> None:
+        pass
 
     def emit(self, metrics: EpochMetrics) -> None:
         self.file.write(json.dumps(metrics.as_record()) + "\n")

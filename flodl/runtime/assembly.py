@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -16,6 +17,7 @@ from flodl.cadence.guard import make_guard
 from flodl.cadence.planner import LocalSgdPlanner
 from flodl.config import FlodlConfig
 from flodl.data.partition import equal_slices
+from flodl.metrics.run_info import RunInfo
 from flodl.metrics.sinks import ConsoleSink, JsonlSink, Sink
 from flodl.runtime.coordinator import Coordinator, Driver, EpochSchedule, SyncDriver
 from flodl.runtime.ledger import EpochLedger
@@ -85,15 +87,15 @@ def make_worker(
 
 def make_coordinator(
     cfg: FlodlConfig,
+    config: dict[str, Any],
+    info: RunInfo,
     world_size: int,
     total_picks: int,
     has_eval: bool,
     reader: InboxReader,
     outbox: Mailbox,
-    run_dir: Path,
 ) -> Coordinator:
     schedule = EpochSchedule(cfg.epochs, world_size, total_picks, cfg.batch_size, cfg.eval_every, has_eval)
-    sinks: list[Sink] = [ConsoleSink(cfg.epochs), JsonlSink(run_dir / METRICS_FILE)]
     driver: Driver
     if not averages_parameters(cfg):
         per_rank = equal_slices(total_picks, world_size, cfg.batch_size)[0].size // cfg.batch_size
@@ -103,6 +105,16 @@ def make_coordinator(
         batches_per_epoch = total_picks // cfg.batch_size
         ledger = EpochLedger(cfg.epochs, world_size, batches_per_epoch)
         driver = _local_sgd_driver(cfg, schedule, ledger, outbox, batches_per_epoch)
+    run_dir = Path(info.run_dir)
+    total_batches = cfg.epochs * ledger.batches_per_epoch
+    sinks: list[Sink] = [
+        ConsoleSink(cfg.epochs, total_batches, world_size),
+        JsonlSink(run_dir / METRICS_FILE),
+    ]
+    if cfg.logger.name == "wandb":
+        from flodl.metrics.wandb_sink import WandbSink
+
+        sinks.append(WandbSink(cfg.logger, info, config, cfg.policy))
     return Coordinator(reader, outbox, ledger, driver, sinks)
 
 

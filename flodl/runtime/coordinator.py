@@ -8,13 +8,14 @@ The local-SGD driver (cadence / async) decides when ranks average (see `local_sg
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
 from flodl.data.partition import equal_slices
 from flodl.metrics.sinks import Sink
 from flodl.runtime.ledger import EpochLedger
-from flodl.runtime.messages import EvalResult, Exiting, Message, Metrics, Shutdown, StartEpoch
+from flodl.runtime.messages import EvalResult, Exiting, Message, Metrics, Progress, Shutdown, StartEpoch
 from flodl.runtime.transport import InboxReader, Mailbox
 
 # Sync plans are sent this many epochs ahead of the one being aggregated, so no rank waits for a plan.
@@ -112,6 +113,7 @@ class Coordinator(threading.Thread):
     def run(self) -> None:
         try:
             self.reader.start()
+            self.ledger.started_at = time.perf_counter()  # the run starts now, not when sinks were set up
             self.driver.begin()
             while not (self.driver.done and self.ledger.all_emitted):
                 if self.stop_requested.is_set():
@@ -134,6 +136,9 @@ class Coordinator(threading.Thread):
                 self.driver.on_epoch_complete(message.epoch)
         elif isinstance(message, EvalResult):
             self.ledger.add_eval(message)
+        elif isinstance(message, Progress):
+            for sink in self.sinks:
+                sink.progress(message)
         elif isinstance(message, Exiting):
             raise CoordinatorError(f"rank {message.rank} exited before the run finished")
         else:

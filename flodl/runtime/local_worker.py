@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from flodl.averaging.consensus import DeviceAverager, HostAverager
+from flodl.metrics.scalars import drain_scalars
 from flodl.runtime.messages import ExtendPartition, Message, Metrics, Reached, SyncAck, SyncNow
 from flodl.runtime.stepper import Stepper
 from flodl.runtime.transport import InboxReader, Mailbox
@@ -97,10 +98,12 @@ class LocalSgdWorker(WorkerBase):
         started = time.perf_counter()
         batch = stepper.load(chunk.picks[chunk.done * batch_size : (chunk.done + 1) * batch_size])
         loaded = time.perf_counter()
-        chunk.loss_sum += stepper.step(batch)
+        loss = stepper.step(batch)
+        chunk.loss_sum += loss
         chunk.done += 1
         self.steps_since_avg += 1
         stepper.schedule_to(self.schedule_position())
+        self.observe(loss, chunk.epoch)
         finished = time.perf_counter()
         chunk.data_s += loaded - started
         chunk.busy_s += finished - started
@@ -128,6 +131,7 @@ class LocalSgdWorker(WorkerBase):
                 data_ms=chunk.data_s * 1000,
                 steps_total=self.stepper.steps_total,
                 lr=self.stepper.lr,
+                scalars=drain_scalars(),
             )
         )
 

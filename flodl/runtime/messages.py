@@ -60,7 +60,21 @@ class Metrics:
     comm_bytes: int = 0
     # The learning rate (first param group) at the end of the chunk.
     lr: float = 0.0
+    # record_scalar's (sum, count) per name over the chunk.
     scalars: dict[str, list[float]] = field(default_factory=dict)
+
+
+@dataclass
+class Progress:
+    """Every `logger.log_every` steps: the rank's recent loss and speed, for live curves and the bar."""
+
+    rank: int
+    epoch: int
+    step: int
+    # Mean loss over the steps since the previous Progress.
+    loss: float
+    samples_per_s: float
+    lr: float
 
 
 @dataclass
@@ -106,12 +120,18 @@ class Exiting:
 
 
 Message = (
-    StartEpoch | ExtendPartition | SyncNow | Shutdown | Metrics | Reached | SyncAck | EvalResult | Exiting
+    StartEpoch
+    | ExtendPartition
+    | SyncNow
+    | Shutdown
+    | Metrics
+    | Progress
+    | Reached
+    | SyncAck
+    | EvalResult
+    | Exiting
 )
-_TYPES: dict[str, type] = {
-    t.__name__: t
-    for t in (StartEpoch, ExtendPartition, SyncNow, Shutdown, Metrics, Reached, SyncAck, EvalResult, Exiting)
-}
+_TYPES: dict[str, type] = {t.__name__: t for t in Message.__args__}
 
 
 class MessageError(ValueError):

@@ -13,7 +13,8 @@ from collections.abc import Callable
 
 import torch
 
-from flodl.runtime.messages import Message, Metrics, Shutdown, StartEpoch
+from flodl.metrics.scalars import drain_scalars
+from flodl.runtime.messages import Message, Metrics, Progress, Shutdown, StartEpoch
 from flodl.runtime.stepper import Stepper
 from flodl.runtime.transport import COORDINATOR, InboxReader, Mailbox
 
@@ -31,6 +32,10 @@ class WorkerBase:
         self.world_size = world_size
         self.reader = reader
         self.outbox = outbox
+        self.log_every = stepper.cfg.logger.log_every
+        self._recent_loss: torch.Tensor | None = None
+        self._recent_steps = 0
+        self._recent_since = time.perf_counter()
 
     def run(self, alive: Callable[[], None]) -> None:
         """`alive` raises when this rank must stop waiting (rank 0: the coordinator failed)."""
@@ -51,6 +56,30 @@ class WorkerBase:
 
     def report(self, message: Message) -> None:
         self.outbox.send(COORDINATOR, message)
+
+    def observe(self, loss: torch.Tensor, epoch: int) -> None:
+        """After each step: every `logger.log_every` steps, report the recent loss and speed (the only
+        read-back from the device between chunk reports)."""
+        if not self.log_every:
+            return
+        self._recent_loss = loss if self._recent_loss is None else self._recent_loss + loss
+        self._recent_steps += 1
+        if self._recent_steps < self.log_every:
+            return
+        now = time.perf_counter()
+        stepper = self.stepper
+        samples = self._recent_steps * stepper.cfg.batch_size
+        self.report(
+            Progress(
+                rank=self.rank,
+                epoch=epoch,
+                step=stepper.steps_total,
+                loss=float(self._recent_loss) / self._recent_steps,
+                samples_per_s=samples / max(now - self._recent_since, 1e-9),
+                lr=stepper.lr,
+            )
+        )
+        self._recent_loss, self._recent_steps, self._recent_since = None, 0, now
 
     def has_work(self) -> bool:
         """Whether there is training to do without waiting for a message."""
@@ -97,8 +126,10 @@ class SyncWorker(WorkerBase):
             fetched = time.perf_counter()
             batch = stepper.load(picks[b * batch_size : (b + 1) * batch_size])
             data_s += time.perf_counter() - fetched
-            loss_sum += stepper.step(batch)
+            loss = stepper.step(batch)
+            loss_sum += loss
             stepper.schedule_to(stepper.steps_total)
+            self.observe(loss, plan.epoch)
         return Metrics(
             rank=self.rank,
             epoch=plan.epoch,
@@ -110,4 +141,5 @@ class SyncWorker(WorkerBase):
             steps_total=stepper.steps_total,
             comm_bytes=batches * self.gradient_bytes if self.world_size > 1 else 0,
             lr=stepper.lr,
+            scalars=drain_scalars(),
         )
