@@ -19,6 +19,7 @@ from flodl.config import FlodlConfig
 from flodl.data.partition import equal_slices
 from flodl.metrics.run_info import RunInfo
 from flodl.metrics.sinks import ConsoleSink, JsonlSink, Sink
+from flodl.metrics.timeline import Timeline
 from flodl.runtime.coordinator import Coordinator, Driver, EpochSchedule, SyncDriver
 from flodl.runtime.ledger import EpochLedger
 from flodl.runtime.local_sgd_driver import LocalSgdDriver
@@ -96,6 +97,7 @@ def make_coordinator(
     outbox: Mailbox,
 ) -> Coordinator:
     schedule = EpochSchedule(cfg.epochs, world_size, total_picks, cfg.batch_size, cfg.eval_every, has_eval)
+    timeline = Timeline(world_size)
     driver: Driver
     if not averages_parameters(cfg):
         per_rank = equal_slices(total_picks, world_size, cfg.batch_size)[0].size // cfg.batch_size
@@ -104,7 +106,7 @@ def make_coordinator(
     else:
         batches_per_epoch = total_picks // cfg.batch_size
         ledger = EpochLedger(cfg.epochs, world_size, batches_per_epoch)
-        driver = _local_sgd_driver(cfg, schedule, ledger, outbox, batches_per_epoch)
+        driver = _local_sgd_driver(cfg, schedule, ledger, outbox, batches_per_epoch, timeline)
     run_dir = Path(info.run_dir)
     total_batches = cfg.epochs * ledger.batches_per_epoch
     sinks: list[Sink] = [
@@ -115,11 +117,16 @@ def make_coordinator(
         from flodl.metrics.wandb_sink import WandbSink
 
         sinks.append(WandbSink(cfg.logger, info, config, cfg.policy))
-    return Coordinator(reader, outbox, ledger, driver, sinks)
+    return Coordinator(reader, outbox, ledger, driver, sinks, timeline, Path(info.run_dir))
 
 
 def _local_sgd_driver(
-    cfg: FlodlConfig, schedule: EpochSchedule, ledger: EpochLedger, outbox: Mailbox, batches_per_epoch: int
+    cfg: FlodlConfig,
+    schedule: EpochSchedule,
+    ledger: EpochLedger,
+    outbox: Mailbox,
+    batches_per_epoch: int,
+    timeline: Timeline,
 ) -> LocalSgdDriver:
     is_async = cfg.policy == "async"
     if cfg.policy == "sync":  # the cpu backend's sync: every rank averages after each step, in lockstep
@@ -150,4 +157,4 @@ def _local_sgd_driver(
         cfg.divergence_guard,
     )
     elche = ElChe(settings, epoch_batches=batches_per_epoch)
-    return LocalSgdDriver(planner, elche, guard, ledger, outbox)
+    return LocalSgdDriver(planner, elche, guard, ledger, outbox, timeline)

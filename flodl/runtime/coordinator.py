@@ -10,10 +10,12 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 from flodl.data.partition import equal_slices
 from flodl.metrics.sinks import Sink
+from flodl.metrics.timeline import Timeline
 from flodl.runtime.ledger import EpochLedger
 from flodl.runtime.messages import EvalResult, Exiting, Message, Metrics, Progress, Shutdown, StartEpoch
 from flodl.runtime.transport import InboxReader, Mailbox
@@ -100,8 +102,12 @@ class Coordinator(threading.Thread):
         ledger: EpochLedger,
         driver: Driver,
         sinks: list[Sink],
+        timeline: Timeline,
+        run_dir: Path,
     ) -> None:
         super().__init__(name="flodl-coordinator", daemon=True)
+        self.timeline = timeline
+        self.run_dir = run_dir
         self.reader = reader
         self.outbox = outbox
         self.ledger = ledger
@@ -113,7 +119,8 @@ class Coordinator(threading.Thread):
     def run(self) -> None:
         try:
             self.reader.start()
-            self.ledger.started_at = time.perf_counter()  # the run starts now, not when sinks were set up
+            # The run starts now, not when the sinks were set up.
+            self.ledger.started_at = self.timeline.started = time.perf_counter()
             self.driver.begin()
             while not (self.driver.done and self.ledger.all_emitted):
                 if self.stop_requested.is_set():
@@ -123,6 +130,7 @@ class Coordinator(threading.Thread):
                     self._handle(message)
             for rank in range(self.ledger.world_size):
                 self.outbox.send(rank, Shutdown())
+            self.timeline.save(self.run_dir)
         except BaseException as err:  # surfaced to rank 0's main thread through self.error
             self.error = err
         finally:
@@ -132,6 +140,7 @@ class Coordinator(threading.Thread):
 
     def _handle(self, message: Message) -> None:
         if isinstance(message, Metrics):
+            self.timeline.chunk(message.rank, message.epoch, message.wall_ms, message.batches)
             if self.ledger.add_chunk(message):
                 self.driver.on_epoch_complete(message.epoch)
         elif isinstance(message, EvalResult):
@@ -144,6 +153,7 @@ class Coordinator(threading.Thread):
         else:
             self.driver.on_message(message)
         for metrics in self.ledger.emit_ready():
+            self.timeline.epoch_done(metrics.epoch)
             for sink in self.sinks:
                 sink.emit(metrics)
             self.driver.on_epoch_emitted(metrics.epoch)

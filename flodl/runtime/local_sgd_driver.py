@@ -14,6 +14,7 @@ from flodl.cadence.guard import ConvergenceGuard, DivergenceReport
 from flodl.cadence.planner import AckReport as PlannerAck
 from flodl.cadence.planner import Average, Dispatch, LocalSgdPlanner, WindowReport
 from flodl.metrics.aggregate import RoundCost
+from flodl.metrics.timeline import Timeline
 from flodl.runtime.ledger import EpochLedger
 from flodl.runtime.messages import ExtendPartition, Message, Reached, SyncAck, SyncNow
 from flodl.runtime.transport import Mailbox
@@ -29,7 +30,9 @@ class LocalSgdDriver:
         guard: ConvergenceGuard,
         ledger: EpochLedger,
         outbox: Mailbox,
+        timeline: Timeline,
     ) -> None:
+        self.timeline = timeline
         self.planner = planner
         self.elche = elche
         self.guard = guard
@@ -61,6 +64,7 @@ class LocalSgdDriver:
                 message.rank, message.steps, message.divergence, message.pre_norm, message.post_norm,
                 message.sync_ms, message.queued,
             )  # fmt: skip
+            self.timeline.round_acked(message.round, message.rank, message.divergence)
             self._round_costs[message.rank] = RoundCost(
                 message.payload_bytes, message.sync_ms, message.steps_during_round
             )
@@ -93,6 +97,7 @@ class LocalSgdDriver:
         )
         for change in self.elche.apply_verdict(action.verdict, action.factor):
             log.info("anchor %d -> %d (%s)", change.old, change.new, change.reason)
+            self.timeline.anchor_changed(change.old, change.new, change.reason)
 
     def _open_window(self) -> None:
         self._carry(self.planner.open_window(self.elche.counts(), self.elche.overshoot))
@@ -105,6 +110,7 @@ class LocalSgdDriver:
             else:
                 self._decide_evals(action)
                 self.ledger.open_round(action.round)
+                self.timeline.round_started(action.round)
                 for rank in range(self.ledger.world_size):
                     self.outbox.send(rank, SyncNow(action.round, action.evaluate_epoch, action.final))
 
