@@ -16,7 +16,6 @@ from typing import Any
 import yaml
 
 from flodl.metrics.plots import plot_compare
-from flodl.metrics.timeline import TIMELINE_JSON
 
 REPORT_MD = "compare.md"
 REPORT_PNG = "compare.png"
@@ -30,16 +29,13 @@ def load_job(job_dir: Path) -> dict[str, Any]:
         record["wall_s"] = wall
     overrides = yaml.safe_load((job_dir / ".hydra" / "overrides.yaml").read_text()) or []
     config = yaml.safe_load((job_dir / ".hydra" / "config.yaml").read_text())
-    timeline = job_dir / TIMELINE_JSON
-    rounds = len(json.loads(timeline.read_text())["rounds"]) if timeline.exists() else 0
     return {
         "dir": job_dir,
         "label": ",".join(overrides) or job_dir.name,
         "policy": config.get("policy", "?"),
         "overrides": overrides,
         "records": records,
-        # Under sync (DDP) every optimizer step averages gradients: count those as its syncs.
-        "syncs": rounds or (records[-1]["step"] if config.get("policy") == "sync" and records else 0),
+        "syncs": sum(r["syncs"] for r in records),
     }
 
 
@@ -62,7 +58,7 @@ def report(sweep_dir: Path) -> str:
     lines = [
         f"# {sweep_dir}",
         "",
-        f"| job | policy | overrides | final loss | {metric} | wall s | samples/s | syncs | bytes on the wire |",
+        f"| job | policy | overrides | final loss | {metric} | wall s | samples/s | syncs | bytes on wire |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for job in jobs:

@@ -404,3 +404,7 @@ def test_epoch_scalars_are_means_over_every_ranks_records():
     chunks[0].scalars = {"x": [3.0, 3.0]}
     chunks[1].scalars = {"x": [9.0, 1.0]}
     assert aggregate_epoch(0, chunks, [], wall_s=1.0).scalars == {"x": 3.0}
+
+
+def test_epoch_reports_its_averaging_rounds():
+    assert aggregate_epoch(0, [chunk(0, 2, 1.0, 10.0, 2)], [], wall_s=1.0, syncs=4).syncs == 4

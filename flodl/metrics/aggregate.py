@@ -54,6 +54,8 @@ class EpochMetrics:
     samples_per_s: float
     # Rank 0's learning rate at the end of its last chunk of the epoch.
     lr: float = 0.0
+    # Averaging rounds this epoch (under sync: optimizer steps, each averages the gradients).
+    syncs: int = 0
     # Bytes all ranks put on the wire this epoch, and since the start of the run.
     comm_bytes: int = 0
     comm_bytes_total: int = 0
@@ -76,6 +78,7 @@ def aggregate_epoch(
     wall_s: float,
     rounds: dict[int, RoundCost] | None = None,
     comm_before: int = 0,
+    syncs: int = 0,
 ) -> EpochMetrics:
     """One epoch from its chunks and evals. `rounds`: per rank, the cost of the averaging rounds
     attributed to this epoch; `comm_before`: the run's bytes on the wire before this epoch."""
@@ -115,6 +118,7 @@ def aggregate_epoch(
         epoch_s=wall_s,
         samples_per_s=samples / wall_s if wall_s > 0 else 0.0,
         lr=max(chunks, key=lambda c: (c.rank == 0, c.steps_total)).lr,
+        syncs=syncs,
         comm_bytes=comm,
         comm_bytes_total=comm_before + comm,
         eval=aggregate_eval(evals),

@@ -26,6 +26,7 @@ class _Epoch:
     completed_at: float | None = None
     # Averaging rounds started while this epoch was the oldest open one, and what they cost each rank.
     rounds_open: int = 0
+    rounds_closed: int = 0
     rounds: dict[int, RoundCost] = field(default_factory=dict)
 
 
@@ -74,6 +75,7 @@ class EpochLedger:
     def close_round(self, round_id: int, costs: dict[int, RoundCost]) -> None:
         entry = self._epoch(self._round_epoch.pop(round_id))
         entry.rounds_open -= 1
+        entry.rounds_closed += 1
         for rank, cost in costs.items():
             entry.rounds[rank] = entry.rounds.get(rank, RoundCost()) + cost
 
@@ -99,12 +101,17 @@ class EpochLedger:
                 entry.completed_at - since,
                 entry.rounds,
                 self.comm_bytes_total,
+                entry.rounds_closed or self._ddp_steps(entry),
             )
             self.comm_bytes_total = metrics.comm_bytes_total
             ready.append(metrics)
             self._open.pop(self.next_to_emit - 1, None)
             self.next_to_emit += 1
         return ready
+
+    def _ddp_steps(self, entry: _Epoch) -> int:
+        """Without averaging rounds (sync over DDP) every optimizer step averages: one per batch per rank."""
+        return sum(c.batches for c in entry.chunks) // self.world_size
 
     @property
     def all_emitted(self) -> bool:
