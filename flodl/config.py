@@ -84,6 +84,9 @@ class FlodlConfig:
     # auto: one CUDA device per rank when CUDA is available, else CPU.
     device: str = "auto"
 
+    # Validate and print what the run would do (world, model size, bytes per round, budgets), start nothing.
+    plan: bool = False
+
     # --- training loop ---
     seed: int = 42
     epochs: int = 10

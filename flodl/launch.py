@@ -25,6 +25,7 @@ from flodl.config import FlodlConfig, to_config
 from flodl.data.partition import equal_slices
 from flodl.logs import setup_rank_logging
 from flodl.metrics.run_info import RunInfo, from_hydra
+from flodl.plan import describe
 from flodl.runtime.assembly import METRICS_FILE, make_coordinator, make_worker
 from flodl.runtime.coordinator import Coordinator
 from flodl.runtime.distributed import (
@@ -60,7 +61,12 @@ def launch_from_hydra(cfg: DictConfig) -> None:
 def launch(cfg: DictConfig, info: RunInfo) -> None:
     config: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
     typed = to_config(config)
-    validate(typed, HostFacts.probe(typed))
+    host = HostFacts.probe(typed)
+    validate(typed, host)
+    if typed.plan:
+        if RankEnv.from_environ().rank == 0:
+            print(describe(typed, host))
+        return
     if RankEnv.from_environ().launched or typed.launch.nproc_per_node == 1:
         run_rank(config, info.as_dict())
     else:

@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import sys
 from pathlib import Path
 
 LOGGER = "flodl"
+
+
+def rank_tag(rank: int) -> str:
+    """`rN`, or `host:rN` when the job spans several hosts (torchrun --nnodes > 1)."""
+    hosts = int(os.environ.get("WORLD_SIZE", "1")) > int(
+        os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))
+    )
+    return f"{socket.gethostname()}:r{rank}" if hosts else f"r{rank}"
 
 
 def setup_rank_logging(rank: int, run_dir: Path) -> logging.Logger:
@@ -18,10 +28,11 @@ def setup_rank_logging(rank: int, run_dir: Path) -> logging.Logger:
         logger.removeHandler(handler)
         handler.close()
     console = logging.StreamHandler(sys.stdout)
-    console.setFormatter(logging.Formatter(f"[r{rank}] %(message)s"))
+    tag = rank_tag(rank)
+    console.setFormatter(logging.Formatter(f"[{tag}] %(message)s"))
     logger.addHandler(console)
     run_dir.mkdir(parents=True, exist_ok=True)
     to_file = logging.FileHandler(run_dir / f"rank{rank}.log", encoding="utf-8")
-    to_file.setFormatter(logging.Formatter(f"%(asctime)s [r{rank}] %(levelname)s %(message)s"))
+    to_file.setFormatter(logging.Formatter(f"%(asctime)s [{tag}] %(levelname)s %(message)s"))
     logger.addHandler(to_file)
     return logger

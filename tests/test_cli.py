@@ -37,7 +37,7 @@ def assert_complete_run(run_dir: Path, world: int, epochs: int) -> list[dict]:
     assert set(state) == MODEL_KEYS
     assert all(t.dtype == torch.float32 and t.device.type == "cpu" for t in state.values())
     for rank in range(world):
-        assert f"[r{rank}]" in (run_dir / f"rank{rank}.log").read_text()
+        assert f"r{rank}] " in (run_dir / f"rank{rank}.log").read_text()  # [rN] or [host:rN]
     assert not (run_dir / f"rank{world}.log").exists()
     return records
 

@@ -408,3 +408,8 @@ def test_epoch_scalars_are_means_over_every_ranks_records():
 
 def test_epoch_reports_its_averaging_rounds():
     assert aggregate_epoch(0, [chunk(0, 2, 1.0, 10.0, 2)], [], wall_s=1.0, syncs=4).syncs == 4
+
+
+def test_every_rank_has_a_share_even_without_batches_this_epoch():
+    out = aggregate_epoch(3, [chunk(0, 4, 2.0, 10.0, 9)], [], wall_s=1.0, world_size=2)
+    assert [(s.rank, s.batches, s.batch_share) for s in out.per_rank] == [(0, 4, 1.0), (1, 0, 0.0)]

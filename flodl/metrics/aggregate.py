@@ -79,6 +79,7 @@ def aggregate_epoch(
     rounds: dict[int, RoundCost] | None = None,
     comm_before: int = 0,
     syncs: int = 0,
+    world_size: int = 0,
 ) -> EpochMetrics:
     """One epoch from its chunks and evals. `rounds`: per rank, the cost of the averaging rounds
     attributed to this epoch; `comm_before`: the run's bytes on the wire before this epoch."""
@@ -87,7 +88,8 @@ def aggregate_epoch(
     rounds = rounds or {}
     batches = sum(c.batches for c in chunks)
     samples = sum(c.samples for c in chunks)
-    per_rank: dict[int, list[Metrics]] = {r: [] for r in rounds}
+    # Every rank has an entry, also one that trained nothing this epoch (async may skip past an epoch).
+    per_rank: dict[int, list[Metrics]] = {r: [] for r in [*range(world_size), *rounds]}
     for chunk in chunks:
         per_rank.setdefault(chunk.rank, []).append(chunk)
     shares = []

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import yaml
-from torch.distributed import TCPStore
+from torch.distributed import PrefixStore, TCPStore
 
 from flodl.config import FlodlConfig
 
@@ -58,16 +58,38 @@ class GroupHandle:
     owned_store: TCPStore | None
 
 
+_groups_started = 0
+
+
 def init_group(env: RankEnv, backend: str, device: torch.device, timeout_s: float) -> GroupHandle:
+    """Join this job's process group.
+
+    Each group a process starts gets its own key prefix in the store: ranks that walk a multirun sweep
+    together under one torchrun share one store, and a later job must never see an earlier job's keys.
+    """
+    global _groups_started
     timeout = timedelta(seconds=timeout_s)
     device_id = device if device.type == "cuda" else None
     if env.launched:
-        dist.init_process_group(backend, timeout=timeout, device_id=device_id)
-        return GroupHandle(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None)
-    # A plain one-process run hosts its own store, so every code path has a group and mailboxes.
-    store = TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
-    dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout, device_id=device_id)
-    return GroupHandle("127.0.0.1", store.port, store)
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        # torchrun's agent hosts the store; otherwise rank 0 hosts it, as env:// would.
+        hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and env.rank == 0
+        store = TCPStore(host, port, env.world_size, is_master=hosts, timeout=timeout)
+        owned = store if hosts else None
+    else:
+        # A plain one-process run hosts its own store, so every code path has a group and mailboxes.
+        store = TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
+        host, port, owned = "127.0.0.1", store.port, store
+    _groups_started += 1
+    dist.init_process_group(
+        backend,
+        store=PrefixStore(f"flodl/group/{_groups_started}/", store),
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timeout,
+        device_id=device_id,
+    )
+    return GroupHandle(host, port, owned)
 
 
 class ConfigMismatchError(RuntimeError):

@@ -102,6 +102,7 @@ class EpochLedger:
                 entry.rounds,
                 self.comm_bytes_total,
                 entry.rounds_closed or self._ddp_steps(entry),
+                self.world_size,
             )
             self.comm_bytes_total = metrics.comm_bytes_total
             ready.append(metrics)

@@ -1,0 +1,73 @@
+"""Sweeps under torchrun, a 2-node job on one machine, and the pre-flight plan."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.procs import TORCHRUN, TRAIN, child_env, leftovers, torchrun, train
+from tests.test_cli import assert_complete_run, epochs_of
+
+pytestmark = pytest.mark.multiproc
+
+
+def test_torchrun_ranks_walk_a_multirun_sweep_together(tmp_path: Path) -> None:
+    torchrun(2, "-m", "seed=0,1", "epochs=1", cwd=tmp_path, timeout=240).check()
+    sweeps = list((tmp_path / "multirun").glob("*/*"))
+    assert len(sweeps) == 1, sweeps  # both ranks agreed on one sweep dir
+    jobs = sorted(p for p in sweeps[0].iterdir() if p.is_dir())
+    assert [j.name for j in jobs] == ["0", "1"]
+    for job in jobs:
+        assert_complete_run(job, world=2, epochs=1)
+    assert not leftovers(tmp_path)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_on_one_machine(tmp_path: Path) -> None:
+    endpoint = f"localhost:{free_port()}"
+    nodes = [
+        subprocess.Popen(
+            [
+                *TORCHRUN, "--nnodes=2", f"--node_rank={rank}", "--nproc_per_node=1", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={endpoint}", "--rdzv-id=two-nodes", TRAIN, "epochs=2",
+            ],
+            cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,
+        )
+        for rank in (0, 1)
+    ]  # fmt: skip
+    try:
+        outputs = [node.communicate(timeout=180)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    assert all(node.returncode == 0 for node in nodes), outputs
+    (run_dir,) = [p.parent for p in tmp_path.rglob("metrics.jsonl")]
+    records = assert_complete_run(run_dir, world=2, epochs=2)
+    assert records[-1]["per_rank"][1]["batches"] > 0
+    # Logs name the host once a job spans several hosts.
+    assert f"[{socket.gethostname()}:r1]" in (run_dir / "rank1.log").read_text()
+    assert not leftovers(tmp_path)
+
+
+def test_plan_prints_the_figures_and_starts_nothing(tmp_path: Path) -> None:
+    result = train("plan=true", "policy=cadence", "launch.nproc_per_node=2", "bf16_wire=true", cwd=tmp_path)
+    result.check()
+    assert "flodl plan (nothing was started)" in result.out
+    assert "2 in all, 2 on this host" in result.out
+    assert (
+        "26,122 parameters, 102.0 KiB" in result.out
+    )  # the digits MLP: 64*128+128 + 128*128+128 + 128*10+10
+    assert "102.0 KiB per rank per averaging round, 51.0 KiB with bf16_wire (on)" in result.out
+    assert "cadence on backend=nccl, batch 32/rank (global 64)" in result.out
+    assert not list(tmp_path.rglob("rank*.log")) and not list(tmp_path.rglob(".launch"))
+    assert not any(epochs_of(p.parent) for p in tmp_path.rglob("metrics.jsonl"))
