@@ -48,6 +48,7 @@ OVERRIDES = [
     ("divergence_threshold=0.2", "divergence_threshold", 0.2, float),
     ("divergence_guard=msf", "divergence_guard", "msf", str),
     ("outer=diloco", "outer", "diloco", str),
+    ("plan=true", "plan", True, bool),
     ("outer_lr=0.5", "outer_lr", 0.5, float),
     ("outer_momentum=0.8", "outer_momentum", 0.8, float),
     ("no_divergence_guard=true", "no_divergence_guard", True, bool),
