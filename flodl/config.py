@@ -139,7 +139,12 @@ class FlodlConfig:
 
 def register_configs() -> None:
     """Register the schema and flodl's resolvers. Idempotent."""
+    from flodl.slots import SlotLauncherConf
+
     ConfigStore.instance().store(name="flodl_schema", node=FlodlConfig)
+    ConfigStore.instance().store(
+        group="hydra/launcher", name="slots", node=SlotLauncherConf, provider="flodl"
+    )
     from flodl.run_dir import register_resolvers
 
     register_resolvers()

@@ -113,7 +113,11 @@ def run_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
     device = pick_device(cfg, env.local_rank)
     backend = collective_backend(cfg, device)
     group = init_group(env, backend, device, cfg.launch.timeout_s)
-    log.info("rank %d/%d on %s (%s), run dir %s", env.rank, env.world_size, device, backend, run_dir)
+    log.info(
+        "rank %d/%d on %s (%s), master port %s, CUDA_VISIBLE_DEVICES=%s, run dir %s",
+        env.rank, env.world_size, device, backend, group.store_port,
+        os.environ.get("CUDA_VISIBLE_DEVICES", "(all)"), run_dir,
+    )  # fmt: skip
     coordinator: Coordinator | None = None
     try:
         namespace = agree_on_config(config, env.rank)

@@ -72,3 +72,13 @@ def test_averaging_backends_on_gpus(tmp_path: Path, policy: str, extra: tuple[st
     records = run_policy(tmp_path, policy, *extra, "launch.start_method=spawn", "epochs=8")
     assert final_accuracy(records) >= 0.9
     assert records[-1]["comm_bytes_total"] > 0
+
+
+@needs_two
+def test_slots_launcher_gives_concurrent_jobs_disjoint_gpus(tmp_path: Path) -> None:
+    from tests.test_scaleout import rank0_line
+
+    sweep = ("-m", "hydra/launcher=slots", "seed=0,1", "epochs=3", "launch.nproc_per_node=1")
+    train(*sweep, "hydra.sweep.dir=sweep", cwd=tmp_path, timeout=300).check()
+    recorded = [rank0_line(tmp_path / "sweep" / str(i)) for i in range(2)]
+    assert sorted(visible for _, _, visible in recorded) == ["0", "1"]

@@ -71,3 +71,48 @@ def test_plan_prints_the_figures_and_starts_nothing(tmp_path: Path) -> None:
     assert "cadence on backend=nccl, batch 32/rank (global 64)" in result.out
     assert not list(tmp_path.rglob("rank*.log")) and not list(tmp_path.rglob(".launch"))
     assert not any(epochs_of(p.parent) for p in tmp_path.rglob("metrics.jsonl"))
+
+
+def rank0_line(job: Path) -> tuple[str, str, str]:
+    """(start time, master port, CUDA_VISIBLE_DEVICES) as the job's rank 0 recorded them."""
+    first = (job / "rank0.log").read_text().splitlines()[0]
+    port = first.split("master port ")[1].split(",")[0]
+    visible = first.split("CUDA_VISIBLE_DEVICES=")[1].split(",")[0]
+    return first[:23], port, visible
+
+
+def finished_at(job: Path) -> str:
+    return (job / "rank0.log").read_text().splitlines()[-1][:23]
+
+
+def test_slots_launcher_runs_jobs_side_by_side_on_their_own_ports(tmp_path: Path) -> None:
+    train(
+        "-m",
+        "hydra/launcher=slots",
+        "hydra.launcher.max_parallel=2",
+        "seed=0,1,2",
+        "epochs=2",
+        "launch.nproc_per_node=2",
+        "launch.start_method=fork",
+        "hydra.sweep.dir=sweep",
+        cwd=tmp_path,
+        timeout=300,
+    ).check()
+    jobs = [tmp_path / "sweep" / str(i) for i in range(3)]
+    for job in jobs:
+        assert_complete_run(job, world=2, epochs=2)
+    recorded = [rank0_line(job) for job in jobs]
+    assert len({port for _, port, _ in recorded}) == 3
+    # Jobs 0 and 1 ran at the same time (the slots launcher does not wait for one to end)...
+    assert recorded[1][0] < finished_at(jobs[0]) and recorded[0][0] < finished_at(jobs[1])
+    # ...and job 2 waited for a free slot.
+    assert recorded[2][0] >= min(finished_at(jobs[0]), finished_at(jobs[1]))
+    assert not leftovers(tmp_path)
+
+
+def test_gpu_slots_picks_the_lowest_free_indices() -> None:
+    from flodl.slots import gpu_slots
+
+    assert gpu_slots([3, 1, 2], 2) == [1, 2]
+    assert gpu_slots([0], 2) is None
+    assert gpu_slots([], 0) == []

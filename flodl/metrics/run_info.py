@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
@@ -35,10 +36,14 @@ def from_hydra(run_dir: Path) -> RunInfo:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from flodl.slots import SWEEP_GROUP_ENV
+
     hydra = HydraConfig.get()
     multirun = hydra.mode == RunMode.MULTIRUN
     sweep = Path(hydra.sweep.dir)
     group = "/".join(sweep.parts[-2:]) if multirun else "/".join(run_dir.parts[-2:])
+    # A job the slots launcher started runs as a single run: its sweep comes through the environment.
+    group = os.environ.get(SWEEP_GROUP_ENV, group)
     return RunInfo(
         run_dir=str(run_dir),
         group=group,
