@@ -27,7 +27,7 @@ from flodl.runtime.local_worker import LocalSgdWorker
 from flodl.runtime.stepper import Stepper
 from flodl.runtime.task_setup import TaskParts
 from flodl.runtime.transport import InboxReader, Mailbox
-from flodl.runtime.worker import SyncWorker, WorkerBase
+from flodl.runtime.worker import RankLink, SyncWorker, WorkerBase
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -68,10 +68,11 @@ def make_worker(
     outbox: Mailbox,
 ) -> WorkerBase:
     slow = cfg.simulate.factor if cfg.simulate.slow_rank == rank else 1.0
+    link = RankLink(rank, world_size, reader, outbox)
     if not averages_parameters(cfg):
         train_module = _ddp(cfg, parts, device) if world_size > 1 else parts.model
         stepper = Stepper(cfg, parts, device, train_module, slow)
-        return SyncWorker(stepper, rank, world_size, reader, outbox, cfg.bf16_wire)
+        return SyncWorker(stepper, link, cfg.bf16_wire)
     outer = OuterSettings.resolve(cfg.outer, cfg.outer_lr, cfg.outer_momentum)
     averager: DeviceAverager | HostAverager
     if cfg.backend == "cpu":
@@ -83,7 +84,7 @@ def make_worker(
     stepper = Stepper(cfg, parts, device, parts.model, slow)
     keep_training = cfg.backend == "cpu" and cfg.policy == "async"
     alpha = easgd_alpha_of(cfg)
-    return LocalSgdWorker(stepper, rank, world_size, reader, outbox, averager, alpha, keep_training)
+    return LocalSgdWorker(stepper, link, averager, alpha, keep_training)
 
 
 def make_coordinator(

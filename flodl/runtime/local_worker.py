@@ -21,8 +21,7 @@ from flodl.averaging.consensus import DeviceAverager, HostAverager
 from flodl.metrics.scalars import drain_scalars
 from flodl.runtime.messages import ExtendPartition, Message, Metrics, Reached, SyncAck, SyncNow
 from flodl.runtime.stepper import Stepper
-from flodl.runtime.transport import InboxReader, Mailbox
-from flodl.runtime.worker import WorkerBase
+from flodl.runtime.worker import RankLink, WorkerBase
 
 
 @dataclass
@@ -42,15 +41,12 @@ class LocalSgdWorker(WorkerBase):
     def __init__(
         self,
         stepper: Stepper,
-        rank: int,
-        world_size: int,
-        reader: InboxReader,
-        outbox: Mailbox,
+        link: RankLink,
         averager: DeviceAverager | HostAverager,
         easgd_alpha: float | None,
         keep_training: bool,
     ) -> None:
-        super().__init__(stepper, rank, world_size, reader, outbox)
+        super().__init__(stepper, link)
         self.averager = averager
         self.easgd_alpha = easgd_alpha
         # Train on while a (cpu-backend) round is in flight, instead of waiting for its consensus.

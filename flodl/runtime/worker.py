@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -21,17 +22,25 @@ from flodl.runtime.transport import COORDINATOR, InboxReader, Mailbox
 _WAIT_S = 0.5
 
 
+@dataclass(frozen=True)
+class RankLink:
+    """Who a worker is and how it talks to the coordinator."""
+
+    rank: int
+    world_size: int
+    reader: InboxReader
+    outbox: Mailbox
+
+
 class WorkerBase:
     """The message loop every worker shares: obey the coordinator until Shutdown."""
 
-    def __init__(
-        self, stepper: Stepper, rank: int, world_size: int, reader: InboxReader, outbox: Mailbox
-    ) -> None:
+    def __init__(self, stepper: Stepper, link: RankLink) -> None:
         self.stepper = stepper
-        self.rank = rank
-        self.world_size = world_size
-        self.reader = reader
-        self.outbox = outbox
+        self.rank = link.rank
+        self.world_size = link.world_size
+        self.reader = link.reader
+        self.outbox = link.outbox
         self.log_every = stepper.cfg.logger.log_every
         self._recent_loss: torch.Tensor | None = None
         self._recent_steps = 0
@@ -93,16 +102,8 @@ class WorkerBase:
 
 
 class SyncWorker(WorkerBase):
-    def __init__(
-        self,
-        stepper: Stepper,
-        rank: int,
-        world_size: int,
-        reader: InboxReader,
-        outbox: Mailbox,
-        bf16_wire: bool,
-    ) -> None:
-        super().__init__(stepper, rank, world_size, reader, outbox)
+    def __init__(self, stepper: Stepper, link: RankLink, bf16_wire: bool) -> None:
+        super().__init__(stepper, link)
         # What DDP all-reduces per step: every gradient, as bf16 under bf16_wire.
         self.gradient_bytes = sum(p.numel() * (2 if bf16_wire else p.element_size()) for p in stepper.params)
 
