@@ -106,7 +106,7 @@ def make_coordinator(
         driver = SyncDriver(schedule, ledger, outbox)
     else:
         batches_per_epoch = total_picks // cfg.batch_size
-        ledger = EpochLedger(cfg.epochs, world_size, batches_per_epoch)
+        ledger = EpochLedger(cfg.epochs, world_size, batches_per_epoch, hold_last=True)
         driver = _local_sgd_driver(cfg, schedule, ledger, outbox, batches_per_epoch, timeline)
     run_dir = Path(info.run_dir)
     total_batches = cfg.epochs * ledger.batches_per_epoch

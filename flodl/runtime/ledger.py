@@ -31,7 +31,9 @@ class _Epoch:
 
 
 class EpochLedger:
-    def __init__(self, epochs: int, world_size: int, batches_per_epoch: int) -> None:
+    def __init__(self, epochs: int, world_size: int, batches_per_epoch: int, hold_last: bool = False) -> None:
+        """`hold_last`: keep the last epoch back until `release()` — local SGD still runs averaging rounds
+        after the last batch (async drains its queues), and their bytes belong to the last epoch."""
         self.epochs = epochs
         self.world_size = world_size
         self.batches_per_epoch = batches_per_epoch
@@ -40,6 +42,7 @@ class EpochLedger:
         self.next_to_emit = 0
         self.comm_bytes_total = 0
         self._round_epoch: dict[int, int] = {}
+        self.hold_last = hold_last
 
     def _epoch(self, epoch: int) -> _Epoch:
         if epoch < self.next_to_emit or epoch >= self.epochs:
@@ -79,6 +82,10 @@ class EpochLedger:
         for rank, cost in costs.items():
             entry.rounds[rank] = entry.rounds.get(rank, RoundCost()) + cost
 
+    def release(self) -> None:
+        """The run's last round is done: the last epoch may be emitted."""
+        self.hold_last = False
+
     def is_complete(self, epoch: int) -> bool:
         entry = self._open.get(epoch)
         return entry is not None and entry.completed_at is not None
@@ -91,6 +98,8 @@ class EpochLedger:
             if entry is None or entry.completed_at is None or entry.eval_expected is None:
                 break
             if entry.rounds_open or (entry.eval_expected and len(entry.evals) < self.world_size):
+                break
+            if self.hold_last and self.next_to_emit == self.epochs - 1:
                 break
             previous = self._open.get(self.next_to_emit - 1)
             since = previous.completed_at if previous and previous.completed_at else self.started_at

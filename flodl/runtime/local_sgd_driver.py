@@ -73,7 +73,9 @@ class LocalSgdDriver:
                 self._round_costs = {}
                 if not message.skipped:  # a skip is the same on every rank: nobody moved
                     self._feed_round()
-                if not self.done:
+                if self.done:
+                    self.ledger.release()
+                else:
                     self._open_window()
         else:
             raise RuntimeError(f"unexpected message under local SGD: {message!r}")
