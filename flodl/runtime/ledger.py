@@ -86,10 +86,6 @@ class EpochLedger:
         """The run's last round is done: the last epoch may be emitted."""
         self.hold_last = False
 
-    def is_complete(self, epoch: int) -> bool:
-        entry = self._open.get(epoch)
-        return entry is not None and entry.completed_at is not None
-
     def emit_ready(self) -> list[EpochMetrics]:
         """Every epoch, in order, that is complete, has its eval (if any) and its rounds' bytes."""
         ready = []

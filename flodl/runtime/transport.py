@@ -12,7 +12,7 @@ import queue
 import threading
 from datetime import timedelta
 
-from torch.distributed import DistStoreError, PrefixStore, QueueEmptyError, Store, TCPStore
+from torch.distributed import DistStoreError, PrefixStore, Store, TCPStore
 
 from flodl.runtime.messages import Message, Shutdown, decode, encode
 
@@ -37,12 +37,6 @@ class Mailbox:
 
     def send(self, to: int | str, message: Message) -> None:
         self.store.queue_push(inbox(to), encode(message))
-
-    def poll(self) -> Message | None:
-        try:
-            return decode(self.store.queue_pop(inbox(self.owner), block=False))
-        except QueueEmptyError:
-            return None
 
     def wait(self, timeout_s: float) -> Message | None:
         """Block until a message arrives, or return None after `timeout_s`."""
