@@ -21,6 +21,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from flodl.checkpoint import MODEL_FILE, save_model
+from flodl.cluster_env import adopt_scheduler_environ
 from flodl.config import FlodlConfig, to_config
 from flodl.data.partition import equal_slices
 from flodl.logs import setup_rank_logging
@@ -59,6 +60,7 @@ def launch_from_hydra(cfg: DictConfig) -> None:
 
 
 def launch(cfg: DictConfig, info: RunInfo) -> None:
+    adopt_scheduler_environ()
     config: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
     typed = to_config(config)
     host = HostFacts.probe(typed)

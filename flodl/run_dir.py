@@ -13,11 +13,14 @@ from datetime import datetime, timedelta
 
 from omegaconf import OmegaConf
 
+from flodl.cluster_env import adopt_scheduler_environ
+
 STAMP_FORMAT = "%Y-%m-%d/%H-%M-%S"
 
 
 def env_rank() -> int:
-    """Global rank from torchrun's environment; 0 when not launched by torchrun."""
+    """Global rank from torchrun's (or the scheduler's) environment; 0 for a single process."""
+    adopt_scheduler_environ()  # Hydra resolves the output subdir before flodl's launch code runs
     return int(os.environ.get("RANK", "0"))
 
 

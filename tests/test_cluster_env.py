@@ -1,0 +1,92 @@
+"""Ranks started by a scheduler (Slurm's srun, submitit) instead of torchrun."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from flodl.cluster_env import PORT_BASE, expand_nodelist, scheduler_rank_environ
+from flodl.config import register_configs
+from tests.procs import leftovers, train
+from tests.test_cli import assert_complete_run
+from tests.test_config_compose import CONF
+
+
+@pytest.mark.parametrize(
+    ("nodelist", "hosts"),
+    [
+        ("head", ["head"]),
+        ("gpu[01-03]", ["gpu01", "gpu02", "gpu03"]),
+        ("gpu[08-10,12],login", ["gpu08", "gpu09", "gpu10", "gpu12", "login"]),
+        ("a1,b[7],c[2-3]", ["a1", "b7", "c2", "c3"]),
+    ],
+)
+def test_slurm_nodelists_expand_in_order(nodelist: str, hosts: list[str]) -> None:
+    assert expand_nodelist(nodelist) == hosts
+
+
+SLURM_TASK = {
+    "SLURM_NTASKS": "16",
+    "SLURM_STEP_ID": "0",
+    "SLURM_PROCID": "9",
+    "SLURM_LOCALID": "1",
+    "SLURM_TASKS_PER_NODE": "8(x2)",
+    "SLURM_JOB_NODELIST": "gpu[07-08]",
+    "SLURM_JOB_ID": "123456",
+}
+
+
+def test_a_slurm_task_becomes_a_rank_with_the_first_node_hosting_the_store() -> None:
+    assert scheduler_rank_environ(SLURM_TASK) == {
+        "RANK": "9",
+        "WORLD_SIZE": "16",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "8",
+        "MASTER_ADDR": "gpu07",
+        "MASTER_PORT": str(PORT_BASE + 123456 % 20000),
+    }
+
+
+def test_torchrun_variables_and_a_users_port_win() -> None:
+    assert scheduler_rank_environ({**SLURM_TASK, "RANK": "3", "WORLD_SIZE": "4"}) == {}
+    assert scheduler_rank_environ({**SLURM_TASK, "MASTER_PORT": "29500"})["MASTER_PORT"] == "29500"
+
+
+def test_processes_that_are_not_one_task_of_many_stay_single() -> None:
+    batch_script = {k: v for k, v in SLURM_TASK.items() if k != "SLURM_STEP_ID"}
+    assert scheduler_rank_environ(batch_script) == {}
+    assert scheduler_rank_environ({**SLURM_TASK, "SLURM_NTASKS": "1"}) == {}
+    assert scheduler_rank_environ({}) == {}
+
+
+@pytest.mark.multiproc
+def test_submitit_runs_each_sweep_job_as_two_tasks_that_form_one_job(tmp_path: Path) -> None:
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    sweep = tmp_path / "sweep"
+    train(
+        "-m", "hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2",
+        "hydra.launcher.timeout_min=4",
+        f"hydra.sweep.dir={sweep}", "device=cpu", "policy=cadence", "epochs=2", "seed=0,1",
+        cwd=tmp_path, timeout=240,
+    ).check()  # fmt: skip
+    ports = set()
+    for job in ("0", "1"):
+        assert_complete_run(sweep / job, world=2, epochs=2)
+        ports.add(re.search(r"master port (\d+)", (sweep / job / "rank0.log").read_text()).group(1))
+    assert len(ports) == 2  # the jobs ran side by side, each on its own store
+    assert not leftovers(tmp_path)
+
+
+def test_the_slurm_launcher_config_runs_one_task_per_gpu() -> None:
+    # Importing the plugin's config module registers `hydra/launcher=submitit_slurm` (the CLI discovers it).
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher.config")
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=["hydra/launcher=flodl_slurm"], return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert launcher.tasks_per_node == launcher.gpus_per_node == 8
+    assert cfg.launch.nproc_per_node == 1  # each task is one rank
