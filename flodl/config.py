@@ -39,6 +39,10 @@ class TaskConfig:
     optimizer: Any = MISSING
     # Optional partial LR scheduler: called with the optimizer, stepped once per optimizer step.
     scheduler: Any = None
+    # Optional partial callable (rows: list[Tensor], keys: list[ViewKey]) -> rows, applied to every
+    # training batch after the caches: makes the `augment` views differ. A key is (sample, view, epoch,
+    # seed) and `key.generator()` its own RNG, so views are identical across runs and ranks.
+    transform: Any = None
 
 
 @dataclass

@@ -32,12 +32,6 @@ LOCAL_SGD_KNOBS = (
 # feature is refused rather than ignored. (key, the value that needs no feature, why)
 NOT_IMPLEMENTED: tuple[tuple[str, object, str], ...] = (
     ("partition_ratios", None, "partition_ratios (static per-rank split) is not implemented yet"),
-    ("vram_pool", True, "the VRAM sample pool is not implemented yet"),
-    ("vram_max_usage", 0.90, "VRAM-aware device prefetch is not implemented yet"),
-    ("ram_max_usage", 0.50, "the RAM staging tier is not implemented yet"),
-    ("sample_cache", True, "the RAM sample cache is not implemented yet"),
-    ("disk_stage_gb", 0.0, "the disk stage tier is not implemented yet"),
-    ("disk_stage_dir", None, "the disk stage tier is not implemented yet"),
     ("checkpoint_every", None, "periodic checkpoints are not implemented yet"),
     ("save_path", None, "save_path (checkpoint bundles) is not implemented yet"),
 )
@@ -208,10 +202,16 @@ def _cross_field_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
 
 def _disk_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
     if cfg.disk_stage_gb <= 0:
+        if cfg.disk_stage_dir is not None:
+            yield _problem(
+                "disk_stage_dir", cfg.disk_stage_dir, "applies to the disk tier: set disk_stage_gb > 0"
+            )
         return
     stage_dir = stage_dir_of(cfg)
     if host.stage_dir_free_bytes is None:
-        yield _problem("disk_stage_dir", stage_dir, "directory does not exist; create it or point elsewhere")
+        yield _problem(
+            "disk_stage_dir", stage_dir, "is not an existing directory; create it or point elsewhere"
+        )
         return
     needed = cfg.disk_stage_gb * GIB * host.ranks_per_node
     if needed > host.stage_dir_free_bytes:

@@ -276,7 +276,7 @@ def test_disk_stage_free_space_reported_in_gib():
 def test_missing_disk_stage_dir():
     facts = host(stage_dir_free_bytes=None)
     problems = problems_of(make(disk_stage_gb=1.0, disk_stage_dir="/no/such/dir"), facts)
-    assert_problem(problems, "disk_stage_dir", "/no/such/dir", "directory does not exist")
+    assert_problem(problems, "disk_stage_dir", "/no/such/dir", "is not an existing directory")
     assert not [p for p in problems if "exceeds" in p]
 
 
@@ -285,15 +285,20 @@ def test_disk_rules_skip_a_disabled_tier():
     assert problems_of(BASE, host(stage_dir_free_bytes=0)) == []
 
 
+def test_disk_stage_dir_without_a_disk_tier_is_refused():
+    problems = problems_of(make(disk_stage_dir="/stage"))
+    assert_problem(problems, "disk_stage_dir", "/stage", "set disk_stage_gb > 0")
+
+
+def test_data_plane_values_in_range_pass():
+    cfg = make(vram_pool=False, vram_max_usage=0.8, ram_max_usage=0.0, sample_cache=False)
+    assert problems_of(cfg) == []
+    assert problems_of(make(disk_stage_gb=1.0, disk_stage_dir="/stage")) == []
+
+
 # A value for every not-implemented key that would need the missing feature.
 NEEDS_FEATURE = {
     "partition_ratios": [1.0, 2.0],
-    "vram_pool": False,
-    "vram_max_usage": 0.8,
-    "ram_max_usage": 0.3,
-    "sample_cache": False,
-    "disk_stage_gb": 1.0,
-    "disk_stage_dir": "/tmp",
     "checkpoint_every": 2,
     "save_path": "/tmp/model.pt",
 }

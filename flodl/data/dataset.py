@@ -24,6 +24,9 @@ class BatchDataSet(Protocol):
 class TensorDataSet:
     """Fields held as tensors with a common first dimension; batches are index gathers."""
 
+    # Already in process memory: the staging tiers would only copy it.
+    resident = True
+
     def __init__(self, *fields: Tensor) -> None:
         if not fields:
             raise ValueError("TensorDataSet needs at least one tensor")
@@ -71,3 +74,15 @@ def as_batch_dataset(data: Any, what: str) -> BatchDataSet:
     if len(dataset) == 0:
         raise ValueError(f"{what}: the dataset is empty")
     return dataset
+
+
+def check_purity(dataset: BatchDataSet, what: str, samples: int = 4) -> None:
+    """The purity contract, checked once (FLODL_DEBUG=1): fetching the same indices twice gives the same
+    bytes. Augmentation belongs in `task.transform`, never in the dataset."""
+    indices = torch.arange(min(samples, len(dataset)))
+    first, second = dataset.get_batch(indices), dataset.get_batch(indices)
+    if len(first) != len(second) or not all(torch.equal(a, b) for a, b in zip(first, second, strict=True)):
+        raise ValueError(
+            f"{what}: two reads of samples {indices.tolist()} differ; a dataset must give the same bytes "
+            "for the same index (augment in task.transform instead)"
+        )

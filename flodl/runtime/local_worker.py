@@ -68,6 +68,8 @@ class LocalSgdWorker(WorkerBase):
     def handle(self, message: Message) -> None:
         if isinstance(message, ExtendPartition):
             self.pending.extend((e, o, s) for e, o, s in message.slices)
+            for epoch, offset, size in message.slices:
+                self.stepper.advise(epoch, offset, size)
             self.target = message.target
             self._report_if_reached()
         elif isinstance(message, SyncNow):

@@ -6,13 +6,15 @@ on the device and read once per chunk.
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
 from torch import Tensor, nn
 
 from flodl.config import FlodlConfig
-from flodl.data.partition import epoch_permutation, picks_to_samples
+from flodl.data.feeder import BatchFeeder
+from flodl.data.partition import epoch_permutation
 from flodl.runtime.messages import EvalResult
 from flodl.runtime.task_setup import TaskParts
 
@@ -39,6 +41,9 @@ class Stepper:
         self.steps_total = 0
         self.schedule_position = 0
         self._permutations: dict[int, Tensor] = {}
+        # The data plane: staging tiers, prefetch, device pool (flodl/data/feeder.py).
+        ranks_on_host = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        self.feeder = BatchFeeder(cfg, parts.train_data, device, parts.transform, ranks_on_host)
 
     def picks(self, epoch: int, offset: int, size: int) -> Tensor:
         """Picks `[offset, offset + size)` of the epoch's shared permutation (cached per epoch)."""
@@ -47,9 +52,22 @@ class Stepper:
             self._permutations[epoch] = epoch_permutation(self.total_picks, self.cfg.seed, epoch)
         return self._permutations[epoch][offset : offset + size]
 
+    def advise(self, epoch: int, offset: int, size: int) -> None:
+        """This rank will train picks `[offset, offset + size)` of `epoch` next (after what it was advised
+        before): the plan the stager and the prefetcher follow."""
+        self.feeder.advise(epoch, self.picks(epoch, offset, size))
+
     def load(self, picks: Tensor) -> list[Tensor]:
-        rows = self.parts.train_data.get_batch(picks_to_samples(picks, self.cfg.augment))
-        return [t.to(self.device, non_blocking=True) for t in rows]
+        """The batch of `picks` (a slice of `picks(...)`) on the device."""
+        return self.feeder.load(picks, self._epoch_of(picks))
+
+    def _epoch_of(self, picks: Tensor) -> int | None:
+        # Picks are views into their epoch's permutation: its storage names the epoch (the transform's keys).
+        storage = picks.untyped_storage().data_ptr()
+        for epoch, permutation in self._permutations.items():
+            if permutation.untyped_storage().data_ptr() == storage:
+                return epoch
+        return None
 
     def step(self, batch: list[Tensor]) -> Tensor:
         started = time.perf_counter()

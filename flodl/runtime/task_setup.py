@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -11,7 +12,8 @@ from hydra.utils import instantiate
 from torch import Tensor, nn
 
 from flodl.config import FlodlConfig
-from flodl.data.dataset import BatchDataSet, as_batch_dataset
+from flodl.data.augment import Transform
+from flodl.data.dataset import BatchDataSet, as_batch_dataset, check_purity
 
 LossFn = Callable[[nn.Module, list[Tensor]], Tensor]
 EvalFn = Callable[[nn.Module, list[Tensor]], dict[str, Tensor]]
@@ -26,6 +28,8 @@ class TaskParts:
     eval_fn: EvalFn | None
     optimizer: torch.optim.Optimizer
     scheduler: Any
+    # (rows, keys) -> rows: makes each augment view different (flodl/data/augment.py); None: raw rows.
+    transform: Transform | None = None
 
 
 def lr_scale_factor(world_size: int, lr_scale_ratio: float) -> float:
@@ -44,14 +48,18 @@ def build_task(cfg: FlodlConfig, device: torch.device, world_size: int) -> TaskP
         group["lr"] *= factor
     scheduler = _built(task.scheduler, "task.scheduler", object)(optimizer) if task.scheduler else None
     eval_data = as_batch_dataset(instantiate(task.eval_data), "task.eval_data") if task.eval_data else None
+    train_data = as_batch_dataset(instantiate(task.train_data), "task.train_data")
+    if os.environ.get("FLODL_DEBUG"):
+        check_purity(train_data, "task.train_data")
     return TaskParts(
         model=model,
-        train_data=as_batch_dataset(instantiate(task.train_data), "task.train_data"),
+        train_data=train_data,
         eval_data=eval_data,
         loss_fn=_built(task.loss, "task.loss", object),
         eval_fn=_built(task.eval_fn, "task.eval_fn", object) if task.eval_fn else None,
         optimizer=optimizer,
         scheduler=scheduler,
+        transform=_built(task.transform, "task.transform", object) if task.transform else None,
     )
 
 

@@ -118,6 +118,7 @@ class SyncWorker(WorkerBase):
         stepper = self.stepper
         batch_size = stepper.cfg.batch_size
         picks = stepper.picks(plan.epoch, plan.offset, plan.size)
+        stepper.advise(plan.epoch, plan.offset, plan.size)
         batches = plan.size // batch_size
         stepper.train_module.train()
         loss_sum = torch.zeros((), device=stepper.device)

@@ -1,0 +1,70 @@
+"""Augment views: `augment=k` gives each sample k views; `task.transform` makes each view different.
+
+The caches hold raw samples; the transform runs after the lookup, on the assembled batch, and receives
+one `ViewKey(sample, view, epoch, seed)` per row. A key's generator is seeded from the key alone, so a view
+is the same bytes in every run and on every rank, whichever rank trains it and whatever tier served it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+_MASK = (1 << 64) - 1
+
+# (rows: list[Tensor], keys: list[ViewKey]) -> list[Tensor]
+Transform = Callable[[list[Tensor], list["ViewKey"]], list[Tensor]]
+
+
+class ViewKey(NamedTuple):
+    sample: int
+    view: int
+    epoch: int
+    seed: int
+
+    def rng_seed(self) -> int:
+        """A 63-bit seed mixed from every part of the key (splitmix64 steps), so nearby keys are unrelated."""
+        state = 0
+        for part in self:
+            state = _splitmix64((state ^ (part & _MASK)) & _MASK)
+        return state >> 1
+
+    def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
+        return torch.Generator(device=device).manual_seed(self.rng_seed())
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def view_keys(picks: Tensor, augment: int, epoch: int, seed: int) -> list[ViewKey]:
+    """The key of each pick: pick p is view p % augment of sample p // augment."""
+    k = max(augment, 1)
+    return [ViewKey(p // k, p % k, epoch, seed) for p in picks.tolist()]
+
+
+def apply_transform(
+    transform: Transform | None, rows: list[Tensor], picks: Tensor, augment: int, epoch: int, seed: int
+) -> list[Tensor]:
+    if transform is None:
+        return rows
+    return list(transform(rows, view_keys(picks, augment, epoch, seed)))
+
+
+def gaussian_jitter(
+    rows: list[Tensor], keys: list[ViewKey], std: float = 0.05, field: int = 0
+) -> list[Tensor]:
+    """Example transform: adds N(0, std²) noise to one field, drawn from each row's own key generator."""
+    x = rows[field]
+    noise = torch.stack(
+        [torch.randn(x.shape[1:], generator=key.generator(), dtype=torch.float32) for key in keys]
+    )
+    out = list(rows)
+    out[field] = x + (std * noise).to(device=x.device, dtype=x.dtype)
+    return out

@@ -1,0 +1,282 @@
+"""BatchFeeder: the data plane behind `Stepper.load` — the one place a worker gets its batches.
+
+    source ─▶ RAM tier ─▶ disk pack ─▶ (device pool) ─▶ transform ─▶ prefetch queue ─▶ step
+                  ▲ stager thread (follows the read plan)        ▲ prefetch thread (follows the read plan)
+
+`advise(epoch, picks)` adds a slice the worker was handed to the read plan; `load(picks, epoch)` returns
+the batch of exactly those picks: from the prefetch queue when it is the plan's next batch, else assembled
+on the spot. Correctness never depends on the advice. On CUDA batches are pinned, uploaded on a side stream
+and ordered before the step with an event; the first chunk runs without prefetch to measure the activation
+peak, later advice re-sizes the depth from the VRAM budget. Kill switches: `FLODL_STAGER=off` (no RAM or
+disk tier, no stager), `FLODL_VRAM_POOL=off` or `vram_pool=false` (no device pool).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing.util
+import os
+import time
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from flodl.config import FlodlConfig
+from flodl.data.advice import PlannedBatch, ReadPlan, batch_key
+from flodl.data.augment import Transform, apply_transform
+from flodl.data.dataset import BatchDataSet
+from flodl.data.device_pool import DevicePool, pool_env_off
+from flodl.data.memory import available_ram, pool_budget, prefetch_depth, ram_budget
+from flodl.data.pack import PackFile
+from flodl.data.partition import picks_to_samples
+from flodl.data.prefetch import CPU_DEPTH, Prefetcher
+from flodl.data.ram_cache import RamCache
+from flodl.data.stager import Stager
+from flodl.data.tiers import FeedStats, TieredSource
+from flodl.metrics.scalars import record_scalar
+
+log = logging.getLogger(__name__)
+
+STAGER_SWITCH = "FLODL_STAGER"
+GIB = 1 << 30
+
+
+def stager_env_off() -> bool:
+    return os.environ.get(STAGER_SWITCH, "").strip().lower() in ("off", "0")
+
+
+class BatchFeeder:
+    def __init__(
+        self,
+        cfg: FlodlConfig,
+        dataset: BatchDataSet,
+        device: torch.device,
+        transform: Transform | None = None,
+        ranks_on_host: int = 1,
+    ) -> None:
+        self.cfg = cfg
+        self.dataset = dataset
+        self.device = device
+        self.transform = transform
+        self.ranks_on_host = ranks_on_host
+        self.plan = ReadPlan(cfg.augment)
+        self.stats = FeedStats()
+        self.cuda = device.type == "cuda"
+        resident = bool(getattr(dataset, "resident", False))
+        self.tiers = self._tiers(resident)
+        self.stager = Stager(self.tiers, self.plan) if self.tiers is not None else None
+        # Whether anything between the source and the step exists (then the data/* metrics are recorded).
+        self.active = self.cuda or not resident
+        self.side = torch.cuda.Stream(device) if self.cuda else None
+        self.activation: int | None = None
+        self.batch_bytes = 0
+        self._template: list[Tensor] | None = None
+        self._loads = 0
+        self.pool: DevicePool | None = None
+        self._pool_wanted = self.cuda and cfg.vram_pool and not pool_env_off()
+        if self.cuda and cfg.vram_pool and pool_env_off():
+            log.info("device sample pool off (FLODL_VRAM_POOL=off)")
+        self.prefetcher: Prefetcher | None = None
+        if self.active:
+            self.prefetcher = Prefetcher(
+                self.plan, self._assemble_planned, 0 if self.cuda else CPU_DEPTH, self._setup
+            )
+        if self.stager is not None:
+            self.stager.start()
+        # Stop the threads at exit before the pack file goes (also in multiprocessing-spawned ranks).
+        multiprocessing.util.Finalize(self, _shutdown, args=(self.stager, self.prefetcher), exitpriority=20)
+
+    def advise(self, epoch: int, picks: Tensor) -> None:
+        """The worker will train these picks of `epoch` (after what it was advised before)."""
+        if not self.active:
+            return
+        self.plan.add(epoch, picks, self.cfg.batch_size)
+        ram = self.tiers.ram if self.tiers is not None else None
+        if ram is not None:
+            ram.budget = ram_budget(available_ram(), ram.bytes, self.cfg.ram_max_usage, self.ranks_on_host)
+        if self.cuda and self._loads > 0:
+            self._resize()
+
+    def load(self, picks: Tensor, epoch: int | None = None) -> list[Tensor]:
+        """The batch of exactly `picks` on the device. `epoch` keys the transform when the picks were not
+        advised (advised picks carry their epoch)."""
+        if not self.active:  # resident data on the CPU: nothing to stage or overlap
+            return self._assemble(picks, epoch)
+        started = time.perf_counter()
+        position = self.plan.find(batch_key(picks))
+        ready = None
+        if position is not None:
+            planned = self.plan.get(position)
+            epoch = planned.epoch if planned is not None else epoch
+            ready = self.prefetcher.take(position) if self.prefetcher is not None else None
+        if ready is None:
+            ready = self._assemble(picks, epoch)
+        if position is not None:
+            self.plan.take(position)
+        batch = self._finish(ready)
+        self._loads += 1
+        if self.cuda and self._loads == 1:  # the first chunk's peak prices the activations
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.stats.add("starve_ms", (time.perf_counter() - started) * 1000)
+        for name, value in self.stats.drain().items():
+            record_scalar(f"data/{name}", value)
+        return batch
+
+    def close(self) -> None:
+        _shutdown(self.stager, self.prefetcher)
+        if self.tiers is not None and self.tiers.pack is not None:
+            self.tiers.pack.close()
+
+    # --- building ---
+
+    def _tiers(self, resident: bool) -> TieredSource | None:
+        cfg = self.cfg
+        if stager_env_off():
+            log.info("stager off (%s=off): batches are read from the source", STAGER_SWITCH)
+            if cfg.disk_stage_gb > 0:
+                log.warning(
+                    "disk_stage_gb=%g ignored: the disk tier lives under the stager", cfg.disk_stage_gb
+                )
+            return None
+        if resident:
+            # A copy of data already in process memory would only double its footprint.
+            if cfg.disk_stage_gb > 0:
+                log.info("train data is resident in memory: the disk tier is not used")
+            return None
+        ram = None
+        if cfg.sample_cache and cfg.ram_max_usage > 0:
+            ram = RamCache(ram_budget(available_ram(), 0, cfg.ram_max_usage, self.ranks_on_host))
+        pack = None
+        if cfg.disk_stage_gb > 0:
+            from flodl.validation import stage_dir_of
+
+            pack = PackFile(stage_dir_of(cfg), int(cfg.disk_stage_gb * GIB))
+        if ram is None and pack is None:
+            return None
+        log.info(
+            "staging tiers: RAM %s, disk %s",
+            f"{ram.budget / 2**20:.3g} MiB" if ram is not None else "off",
+            f"{pack.budget / 2**20:.3g} MiB in {pack.path}" if pack is not None and pack.enabled else "off",
+        )
+        return TieredSource(self.dataset, ram, pack, self.stats)
+
+    def _setup(self) -> None:
+        if self.cuda:
+            torch.cuda.set_device(self.device)
+
+    # --- sizing (CUDA) ---
+
+    def _resize(self) -> None:
+        """Measure the activation peak since the last advice; size the pool (once) and the prefetch depth."""
+        dev = self.device
+        allocated = torch.cuda.memory_allocated(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - allocated
+        self.activation = max(self.activation or 0, peak)
+        torch.cuda.reset_peak_memory_stats(dev)
+        free, total = torch.cuda.mem_get_info(dev)
+        # Blocks the caching allocator holds but nobody uses are free for the prefetch queue.
+        used = total - free - (torch.cuda.memory_reserved(dev) - allocated)
+        cap = self.plan.pending()
+        depth = prefetch_depth(total, used, self.cfg.vram_max_usage, self.activation, self.batch_bytes, cap)
+        if self._pool_wanted and self._template is not None:
+            self._pool_wanted = False
+            headroom = int(total * self.cfg.vram_max_usage) - used - self.activation
+            self._make_pool(pool_budget(headroom, depth, self.batch_bytes))
+            if self.pool is not None:
+                used += self.pool.nbytes
+                depth = prefetch_depth(
+                    total, used, self.cfg.vram_max_usage, self.activation, self.batch_bytes, cap
+                )
+        if self.prefetcher is not None:
+            self.prefetcher.set_depth(depth)
+        log.debug("prefetch depth %d (activation %d B, batch %d B)", depth, self.activation, self.batch_bytes)
+
+    def _make_pool(self, budget: int) -> None:
+        assert self._template is not None
+        sample_bytes = max(sum(t.numel() * t.element_size() for t in self._template), 1)
+        capacity = min(budget // sample_bytes, len(self.dataset))
+        if capacity < 1:
+            log.info("device sample pool dormant: no VRAM budget left after the prefetch queue")
+            return
+        self.pool = DevicePool(self.device, capacity, self._template)
+        log.info(
+            "device sample pool: %d of %d samples (%.1f MiB)", capacity, len(self.dataset), budget / 2**20
+        )
+
+    # --- assembly ---
+
+    def _assemble_planned(self, planned: PlannedBatch) -> Any:
+        return self._assemble(planned.picks, planned.epoch)
+
+    def _assemble(self, picks: Tensor, epoch: int | None) -> Any:
+        if self.transform is not None and epoch is None:
+            raise ValueError(
+                "a batch with a transform needs its epoch (picks not advised and no epoch given)"
+            )
+        samples = picks_to_samples(picks, self.cfg.augment)
+        if not self.cuda:
+            rows = self._fetch(samples)
+            return apply_transform(self.transform, rows, picks, self.cfg.augment, epoch or 0, self.cfg.seed)
+        assert self.side is not None
+        with torch.cuda.stream(self.side):
+            raw = self._gather_or_upload(samples)
+            if self._template is None:
+                self._template = [torch.empty(t.shape[1:], dtype=t.dtype, device="meta") for t in raw]
+                self.batch_bytes = sum(t.numel() * t.element_size() for t in raw)
+            batch = apply_transform(self.transform, raw, picks, self.cfg.augment, epoch or 0, self.cfg.seed)
+            ready = torch.cuda.Event()
+            ready.record(self.side)
+        return batch, ready
+
+    def _gather_or_upload(self, samples: Tensor) -> list[Tensor]:
+        """The raw batch on the device (on the side stream): pool hits gathered, misses uploaded."""
+        ids = samples.tolist()
+        hits, slots, misses = self.pool.lookup(ids) if self.pool is not None else ([], [], ids)
+        if not hits:
+            raw = self._upload(self._fetch(samples))
+            if self.pool is not None:
+                self.pool.admit(ids, raw)
+            return raw
+        self.stats.add("hits_vram", len(hits))
+        gathered = self.pool.gather(self._index(slots))  # type: ignore[union-attr]
+        raw = [torch.empty((len(ids), *g.shape[1:]), dtype=g.dtype, device=self.device) for g in gathered]
+        for out, rows in zip(raw, gathered, strict=True):
+            out.index_copy_(0, self._index(hits), rows)
+        if misses:
+            uploaded = self._upload(self._fetch(samples[misses]))
+            for out, rows in zip(raw, uploaded, strict=True):
+                out.index_copy_(0, self._index(misses), rows)
+            self.pool.admit([ids[i] for i in misses], uploaded)  # type: ignore[union-attr]
+        return raw
+
+    def _fetch(self, samples: Tensor) -> list[Tensor]:
+        if self.tiers is not None:
+            return self.tiers.fetch(samples)
+        self.stats.add("source_reads", len(samples))
+        return self.dataset.get_batch(samples)
+
+    def _upload(self, rows: list[Tensor]) -> list[Tensor]:
+        # Pinned host memory makes the copy asynchronous; the caching host allocator keeps the pinned
+        # block until the side stream has read it.
+        return [(t if t.is_pinned() else t.pin_memory()).to(self.device, non_blocking=True) for t in rows]
+
+    def _index(self, positions: list[int]) -> Tensor:
+        return torch.tensor(positions, dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
+
+    def _finish(self, ready: Any) -> list[Tensor]:
+        if not self.cuda:
+            return list(ready)
+        batch, event = ready
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(event)
+        for t in batch:
+            t.record_stream(current)  # allocated on the side stream, used (and freed) on this one
+        return batch
+
+
+def _shutdown(stager: Stager | None, prefetcher: Prefetcher | None) -> None:
+    if prefetcher is not None:
+        prefetcher.stop()
+    if stager is not None:
+        stager.stop()

@@ -1,0 +1,152 @@
+"""The read-through over the staging tiers: RAM, then the disk pack, then the source.
+
+`fetch(samples)` serves each row from the first tier that holds it, reads every miss from the source in one
+bulk call, admits each fetched row (RAM while under budget, else disk) and stitches the rows back in the
+caller's order. `FeedStats` counts what each tier served, for the per-chunk data metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+from torch import Tensor
+
+from flodl.data.dataset import BatchDataSet
+from flodl.data.pack import PackFile
+from flodl.data.ram_cache import RamCache, Rows, rows_bytes
+
+log = logging.getLogger(__name__)
+
+STAT_NAMES = (
+    "hits_vram", "hits_ram", "hits_disk", "source_reads", "bytes_disk", "stage_reads", "stage_evictions",
+    "starve_ms",
+)  # fmt: skip
+
+
+class FeedStats:
+    """Counters added from the training, prefetch and stager threads; drained by the training thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(STAT_NAMES, 0.0)
+        self.totals = dict.fromkeys(STAT_NAMES, 0.0)
+
+    def add(self, name: str, value: float) -> None:
+        with self._lock:
+            self._counts[name] += value
+            self.totals[name] += value
+
+    def drain(self) -> dict[str, float]:
+        with self._lock:
+            counts, self._counts = self._counts, dict.fromkeys(STAT_NAMES, 0.0)
+        return counts
+
+
+class TieredSource:
+    def __init__(
+        self, source: BatchDataSet, ram: RamCache | None, pack: PackFile | None, stats: FeedStats
+    ) -> None:
+        self.source = source
+        self.ram = ram
+        self.pack = pack
+        self.stats = stats
+        # The largest sample seen: prices the stager's room checks.
+        self.sample_bytes = 0
+        self._warned_small_ram = False
+
+    def fetch(self, samples: Tensor) -> list[Tensor]:
+        ids = samples.tolist()
+        ram_pos: list[int] = []
+        ram_rows: list[Rows] = []
+        disk_pos: list[int] = []
+        for i, sample in enumerate(ids):
+            got = self.ram.get(sample) if self.ram is not None else None
+            if got is not None:
+                ram_pos.append(i)
+                ram_rows.append(got)
+            else:
+                disk_pos.append(i)
+        parts: list[tuple[list[int], list[Tensor]]] = []
+        if ram_rows:
+            self.stats.add("hits_ram", len(ram_rows))
+            parts.append((ram_pos, _stitch(ram_rows)))
+        miss_pos = self._from_disk(ids, disk_pos, parts) if self.pack is not None else disk_pos
+        if miss_pos:
+            parts.append(
+                (miss_pos, self.read_source(samples[miss_pos] if len(miss_pos) < len(ids) else samples))
+            )
+        if len(parts) == 1:  # one tier served all, in order
+            return parts[0][1]
+        first = parts[0][1]
+        out = [torch.empty((len(ids), *f.shape[1:]), dtype=f.dtype) for f in first]
+        for positions, fields in parts:
+            index = torch.as_tensor(positions)
+            for target, field in zip(out, fields, strict=True):
+                target.index_copy_(0, index, field)
+        return out
+
+    def _from_disk(self, ids: list[int], positions: list[int], parts: list) -> list[int]:
+        """Serve what the pack holds (appending to `parts`); returns the positions still missing."""
+        pack = self.pack
+        assert pack is not None
+        held = [i for i in positions if ids[i] in pack]
+        if not held:
+            return positions
+        missing = [i for i in positions if ids[i] not in pack]
+        stacked = pack.read_batch([ids[i] for i in held])
+        if stacked is None:  # records of different layouts: one by one
+            rows = [pack.get(ids[i]) for i in held]
+            good = [i for i, r in zip(held, rows, strict=True) if r is not None]
+            missing += [i for i, r in zip(held, rows, strict=True) if r is None]
+            fields = _stitch([r for r in rows if r is not None]) if good else []
+        else:
+            fields, bad = stacked
+            good = [i for j, i in enumerate(held) if j not in set(bad)]
+            missing += [held[j] for j in bad]
+        if good:
+            self.stats.add("hits_disk", len(good))
+            self.stats.add("bytes_disk", sum(f.numel() * f.element_size() for f in fields))
+            parts.append((good, fields))
+        return sorted(missing)
+
+    def read_source(self, samples: Tensor) -> list[Tensor]:
+        """One bulk read from the source; every row is admitted to a tier."""
+        fetched = self.source.get_batch(samples)
+        self.stats.add("source_reads", len(samples))
+        self.admit_batch(samples.tolist(), fetched)
+        return fetched
+
+    def admit_batch(self, samples: list[int], fields: list[Tensor], to_disk: bool = False) -> None:
+        if self.ram is None and self.pack is None:
+            return
+        for j, sample in enumerate(samples):
+            self.admit(sample, [field[j] for field in fields], to_disk)
+
+    def admit(self, sample: int, rows: Rows, to_disk: bool = False) -> bool:
+        """Hold the sample in RAM while under budget (as owned copies), else on disk (the pack copies)."""
+        size = rows_bytes(rows)
+        self.sample_bytes = max(self.sample_bytes, size)
+        ram = self.ram
+        if ram is not None and not to_disk:
+            if size <= ram.room() and ram.put(sample, [t.clone() for t in rows]):
+                return True
+            if 0 < ram.budget < size and not self._warned_small_ram:
+                self._warned_small_ram = True
+                log.warning(
+                    "RAM stage budget (%d bytes) is smaller than one sample (%d bytes): the RAM tier holds "
+                    "nothing; raise ram_max_usage or rely on the disk tier",
+                    ram.budget,
+                    size,
+                )
+        return self.pack is not None and self.pack.put(sample, rows)
+
+    def staged(self, sample: int) -> bool:
+        return (self.ram is not None and sample in self.ram) or (
+            self.pack is not None and sample in self.pack
+        )
+
+
+def _stitch(rows: list[Rows]) -> list[Tensor]:
+    return [torch.stack([r[k] for r in rows]) for k in range(len(rows[0]))]
