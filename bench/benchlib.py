@@ -1,0 +1,117 @@
+"""Shared by the benchmark scripts: the machine's description, flodl runs as subprocesses, throughput."""
+
+from __future__ import annotations
+
+import datetime as dt
+import itertools
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = REPO / "train.py"
+# NCCL's network transport over loopback (~3.5 GB/s on 2x H200): stands for training across hosts.
+SLOW_LINK_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
+
+
+def hardware(cpu: bool = False) -> str:
+    if torch.cuda.is_available() and not cpu:
+        return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
+    return f"CPU {platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
+
+
+def environment_lines(cpu: bool = False) -> list[str]:
+    """Markdown bullet lines: date, hardware, torch / CUDA / NCCL versions."""
+    versions = f"torch {torch.__version__}"
+    if torch.cuda.is_available() and not cpu:
+        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+        versions += f", CUDA {torch.version.cuda}, NCCL {nccl}"
+    return [f"- date: {dt.datetime.now():%Y-%m-%d %H:%M}", f"- hardware: {hardware(cpu)}", f"- {versions}"]
+
+
+def results_path(results_dir: Path, name: str, cpu: bool = False) -> Path:
+    tag = hardware(cpu).replace(" ", "-").replace("/", "-").replace("(", "").replace(")", "")
+    return results_dir / f"{dt.date.today()}-{name}-{tag}.md"
+
+
+def write_report(path: Path, text: str) -> None:
+    """Print the report and append it to `path` (one file per day collects that day's runs)."""
+    print(text)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(text + "\n")
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(extra or {})
+    return env
+
+
+@dataclass
+class Outcome:
+    ok: bool
+    output: str
+
+
+def run_child(args: list[str], cwd: Path, timeout: float, env: dict[str, str] | None = None) -> Outcome:
+    """Run `args` in its own process group; on timeout the whole group (launcher and ranks) is killed."""
+    proc = subprocess.Popen(
+        args,
+        cwd=cwd,
+        env=child_env(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+                proc.wait(timeout=10)
+                break
+            except ProcessLookupError:
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        out, _ = proc.communicate()
+        return Outcome(False, f"{out}\n[timed out after {timeout:.0f}s]")
+    return Outcome(proc.returncode == 0, out)
+
+
+def run_flodl(
+    overrides: list[str], run_dir: Path, timeout: float, env: dict[str, str] | None = None
+) -> list[dict] | None:
+    """One flodl run through its CLI; its metrics.jsonl records, or None (the output tail is printed)."""
+    args = [sys.executable, str(TRAIN), *overrides, "logger.log_every=0", f"hydra.run.dir={run_dir}"]
+    outcome = run_child(args, run_dir.parent, timeout, env)
+    metrics = run_dir / "metrics.jsonl"
+    if not outcome.ok or not metrics.exists():
+        print(f"FAILED: {' '.join(args)}\n{outcome.output[-4000:]}", file=sys.stderr)
+        return None
+    return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def steady_throughput(records: list[dict], skip: int) -> float:
+    """Samples/s over the epochs after the first `skip` (start-up, CUDA warm-up, ElChe calibration).
+
+    The window runs from the latest completion among the skipped epochs to the latest completion of all:
+    under async an epoch can complete before the one ahead of it (its epoch_s is then negative), so single
+    epochs are not windows, but the running sum of epoch_s is each epoch's completion since the start.
+    """
+    skip = min(skip, len(records) - 1)
+    done = list(itertools.accumulate(r["epoch_s"] for r in records))
+    start = max(done[:skip], default=0.0)
+    return sum(r["samples"] for r in records[skip:]) / (max(done) - start)

@@ -1,0 +1,175 @@
+"""The plain PyTorch baseline: a hand-written training loop on one of flodl's task configs.
+
+    python bench/plain_torch.py --task gpt_nano --seconds 3 --out one.json                 # 1 GPU
+    torchrun --standalone --nproc_per_node=2 bench/plain_torch.py --task gpt_nano --steps 200 --out ddp.json
+
+Same model, data, loss and optimizer as flodl builds from `conf/task/<task>.yaml` (the config is only read
+here; flodl's runtime is not used), wrapped in DistributedDataParallel when started by torchrun. Timing
+with CUDA events around the measured steps, warm-up excluded; the loss is read back once, at the end.
+Rank 0 writes {samples_per_s, step_ms, steps, world, loss} to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+from torch.nn.parallel import DistributedDataParallel
+
+REPO = Path(__file__).resolve().parents[1]
+PROBE_STEPS = 30  # timed after warm-up to size a --seconds run
+
+
+def load_task(name: str, overrides: list[str]) -> Any:
+    """conf/task/<name>.yaml (top-level keys: batch_size, task, ...) with dotted overrides applied."""
+    cfg = OmegaConf.merge(
+        OmegaConf.load(REPO / "conf" / "task" / f"{name}.yaml"), OmegaConf.from_dotlist(overrides)
+    )
+    OmegaConf.resolve(cfg)
+    return cfg
+
+
+class Clock:
+    """Elapsed seconds between start() and stop(): CUDA events on a GPU (no host sync in between)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.begin = torch.cuda.Event(enable_timing=True)
+            self.end = torch.cuda.Event(enable_timing=True)
+
+    def start(self) -> None:
+        if self.cuda:
+            self.begin.record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        if self.cuda:
+            self.end.record()
+            self.end.synchronize()
+            return self.begin.elapsed_time(self.end) / 1000
+        return time.perf_counter() - self.t0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--task", required=True, help="a config name under conf/task")
+    parser.add_argument("--override", action="append", default=[], help="dotted key=value, repeatable")
+    parser.add_argument("--steps", type=int, default=100, help="measured steps per rank")
+    parser.add_argument("--seconds", type=float, default=None, help="1 process only: measure about this long")
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--bf16-hook", action="store_true", help="DDP gradients as bf16 (torch's comm hook)")
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world > 1:
+        if device.type == "cuda":
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
+
+    cfg = load_task(args.task, args.override)
+    batch_size = int(cfg.batch_size)
+    torch.manual_seed(args.seed)
+    model = instantiate(cfg.task.model).to(device)
+    optimizer = instantiate(cfg.task.optimizer)(model.parameters())
+    loss_fn = instantiate(cfg.task.loss)
+    data = instantiate(cfg.task.train_data)
+    train_module: torch.nn.Module = model
+    if world > 1:
+        ddp = DistributedDataParallel(
+            model, device_ids=[local_rank] if device.type == "cuda" else None, gradient_as_bucket_view=True
+        )
+        if args.bf16_hook:
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            # torch's bf16 hook is NCCL-only; gloo (CPU smoke runs) takes the fp16 one, the same code path.
+            hook = (
+                default_hooks.bf16_compress_hook
+                if device.type == "cuda"
+                else default_hooks.fp16_compress_hook
+            )
+            ddp.register_comm_hook(dist.group.WORLD, hook)
+        train_module = ddp
+
+    # Each rank takes its own batches of a shared per-epoch permutation, as a DistributedSampler would.
+    batches_per_epoch = len(data) // (batch_size * world)
+    if batches_per_epoch == 0:
+        raise SystemExit(f"plain_torch: {len(data)} samples hold no batch of {batch_size} x {world} ranks")
+    order: dict[int, torch.Tensor] = {}
+
+    def batch_at(step: int) -> list[torch.Tensor]:
+        epoch, b = divmod(step, batches_per_epoch)
+        if epoch not in order:
+            order.clear()
+            order[epoch] = torch.randperm(
+                len(data), generator=torch.Generator().manual_seed(args.seed + epoch)
+            )
+        start = (b * world + rank) * batch_size
+        return [
+            t.to(device, non_blocking=True) for t in data.get_batch(order[epoch][start : start + batch_size])
+        ]
+
+    loss_sum = torch.zeros((), device=device)
+    step = 0
+
+    def train(steps: int) -> None:
+        nonlocal loss_sum, step
+        for _ in range(steps):
+            loss = loss_fn(train_module, batch_at(step))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            loss_sum += loss.detach()
+            step += 1
+
+    train_module.train()
+    clock = Clock(device)
+    train(args.warmup)
+    steps = args.steps
+    if args.seconds is not None:
+        if world > 1:
+            raise SystemExit("plain_torch: --seconds needs a single process (ranks must agree on the steps)")
+        clock.start()
+        train(PROBE_STEPS)
+        steps = max(PROBE_STEPS, round(args.seconds * PROBE_STEPS / clock.stop()))
+    if world > 1:
+        dist.barrier()
+    clock.start()
+    train(steps)
+    seconds = clock.stop()
+    mean_loss = float(loss_sum) / step
+    if rank == 0:
+        result = {
+            "samples_per_s": steps * batch_size * world / seconds,
+            "step_ms": seconds / steps * 1000,
+            "steps": steps,
+            "world": world,
+            "loss": mean_loss,
+        }
+        args.out.write_text(json.dumps(result))
+    if world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""A GPT language model and token datasets: synthetic tokens (throughput) and the Python standard library's
+own source files as bytes (a real char-level corpus present on every machine, no download).
+
+Batches are `[inputs, targets]`, both (batch, context) int64, targets shifted by one token.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+import zlib
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+VOCAB = 256  # bytes as tokens
+EVAL_PERCENT = 10  # of the stdlib's files (by a hash of the path) go to the eval split
+# Third-party packages installed under the stdlib's folder differ between machines: not part of the corpus.
+_INSTALLED = {"site-packages", "dist-packages"}
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        if dim % heads:
+            raise ValueError(f"CausalSelfAttention: dim={dim} is not a multiple of heads={heads}")
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        batch, length, dim = x.shape
+        q, k, v = self.qkv(x).view(batch, length, 3, self.heads, dim // self.heads).unbind(2)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        return self.proj(out.transpose(1, 2).reshape(batch, length, dim))
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.ln_attn = nn.LayerNorm(dim)
+        self.attn = CausalSelfAttention(dim, heads)
+        self.ln_mlp = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln_attn(x))
+        return x + self.mlp(self.ln_mlp(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer with learned positions and the output head tied to the token embedding.
+
+    `amp`: run the forward pass under bf16 autocast on CUDA (parameters and optimizer stay float32);
+    ignored on CPU, so tiny test configs run in float32 there.
+    """
+
+    def __init__(
+        self,
+        layers: int = 6,
+        dim: int = 384,
+        heads: int = 6,
+        context: int = 256,
+        vocab: int = VOCAB,
+        amp: bool = True,
+    ) -> None:
+        super().__init__()
+        self.context = context
+        self.amp = amp
+        self.tokens = nn.Embedding(vocab, dim)
+        self.positions = nn.Embedding(context, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.ln_out = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.tokens.weight
+        self.apply(_init_weights)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        """Logits (batch, length, vocab) for token ids (batch, length)."""
+        length = idx.shape[1]
+        if length > self.context:
+            raise ValueError(f"GPT: sequence of {length} tokens exceeds the context of {self.context}")
+        with torch.autocast(idx.device.type, dtype=torch.bfloat16, enabled=self.amp and idx.is_cuda):
+            x = self.tokens(idx) + self.positions(torch.arange(length, device=idx.device))
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.ln_out(x)).float()
+
+
+def _init_weights(module: nn.Module) -> None:
+    # Small normal init (as usual for GPTs): keeps the initial loss near ln(vocab).
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
+def next_token_loss(model: nn.Module, batch: list[Tensor]) -> Tensor:
+    inputs, targets = batch
+    logits = model(inputs)
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def next_token_sums(model: nn.Module, batch: list[Tensor]) -> dict[str, Tensor]:
+    """Per-sample sums (the framework divides by the number of windows): `loss` is the mean cross
+    entropy per token in nats, `accuracy` the share of next tokens predicted exactly."""
+    inputs, targets = batch
+    logits = model(inputs)
+    length = targets.shape[1]
+    ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+    hits = (logits.argmax(dim=-1) == targets).sum()
+    return {"loss": ce / length, "accuracy": hits.double() / length}
+
+
+class TokenWindows:
+    """Non-overlapping windows of `context + 1` tokens over one uint8 token stream (a BatchDataSet).
+
+    Sample i covers tokens [i·context, (i+1)·context]; pure, so the same index always gives the same batch.
+    """
+
+    def __init__(self, tokens: Tensor, context: int) -> None:
+        if tokens.dtype != torch.uint8 or tokens.dim() != 1:
+            raise ValueError(
+                f"TokenWindows: expected a 1-D uint8 tensor, got {tokens.dtype} {tuple(tokens.shape)}"
+            )
+        if tokens.numel() < context + 1:
+            raise ValueError(
+                f"TokenWindows: {tokens.numel()} tokens are fewer than one window of {context + 1}"
+            )
+        self.tokens = tokens
+        self.context = context
+        self._span = torch.arange(context + 1)
+
+    def __len__(self) -> int:
+        return (self.tokens.numel() - 1) // self.context
+
+    def get_batch(self, indices: Tensor) -> list[Tensor]:
+        windows = self.tokens[indices.view(-1, 1) * self.context + self._span].long()
+        return [windows[:, :-1], windows[:, 1:]]
+
+
+def synthetic_tokens(samples: int, context: int = 256, seed: int = 0) -> TokenWindows:
+    """`samples` windows of uniformly random bytes, the same for a given seed (throughput runs)."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (samples * context + 1,), generator=generator, dtype=torch.uint8)
+    return TokenWindows(tokens, context)
+
+
+def stdlib_files(split: str, root: str | None = None) -> list[Path]:
+    """The split's `*.py` files under the standard library (or `root`), in a fixed pseudo-random order.
+
+    Whole files go to one split (by a hash of the path relative to the root), so no text is shared.
+    """
+    if split not in ("train", "eval"):
+        raise ValueError(f"stdlib_files: split must be 'train' or 'eval', got {split!r}")
+    base = Path(root or sysconfig.get_paths()["stdlib"])
+    files = sorted(_python_files(base))
+    keys = {p: p.relative_to(base).as_posix().encode() for p in files}
+    chosen = [p for p in files if (zlib.crc32(b"split:" + keys[p]) % 100 < EVAL_PERCENT) == (split == "eval")]
+    # A hash order rather than sorted: a size cap then samples the whole library, not its first packages.
+    return sorted(chosen, key=lambda p: (zlib.crc32(b"order:" + keys[p]), keys[p]))
+
+
+def _python_files(base: Path) -> list[Path]:
+    found = []
+    for folder, dirs, names in os.walk(base):
+        dirs[:] = [d for d in dirs if d not in _INSTALLED]  # pruned: not walked at all
+        found += [Path(folder, n) for n in names if n.endswith(".py")]
+    return found
+
+
+def stdlib_text(
+    split: str, context: int = 256, max_bytes: int = 8_000_000, root: str | None = None
+) -> TokenWindows:
+    """The split's files as one byte stream (files separated by a blank line), cut at `max_bytes`."""
+    parts: list[bytes] = []
+    total = 0
+    for path in stdlib_files(split, root):
+        if total >= max_bytes:
+            break
+        data = path.read_bytes() + b"\n\n"
+        parts.append(data)
+        total += len(data)
+    stream = b"".join(parts)[:max_bytes]
+    return TokenWindows(torch.frombuffer(bytearray(stream), dtype=torch.uint8), context)

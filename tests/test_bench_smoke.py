@@ -1,0 +1,42 @@
+"""The GPU benchmark scripts end to end in their CPU smoke mode (tiny models, gloo), a few arms each."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.procs import PYTHON, REPO, run
+
+pytestmark = pytest.mark.multiproc
+
+
+def only_result(results: Path, name: str) -> str:
+    files = list(results.glob(f"*-{name}-*.md"))
+    assert len(files) == 1, files
+    return files[0].read_text()
+
+
+def test_gpu_suite_smoke_writes_arms_and_goals(tmp_path: Path) -> None:
+    # The plain 1-GPU arm always runs; plain DDP (torchrun) and a slowed flodl cadence run beside it.
+    script = str(REPO / "bench" / "gpu_suite.py")
+    arms = "--arms=torch-ddp-bf16,cadence-slow"
+    run([PYTHON, script, "--cpu-smoke", arms, f"--results-dir={tmp_path}"], cwd=tmp_path, timeout=150).check()
+    text = only_result(tmp_path, "suite-gpt_nano-nvlink")
+    for row in (
+        "| plain torch, 1 GPU |",
+        "| plain torch DDP + bf16 compress hook |",
+        "| flodl cadence, rank 1 slowed",
+    ):
+        assert row in text
+    assert "| measure | value | goal (issue 9) | verdict |" in text
+    assert "| flodl 1 GPU / plain torch 1 GPU | — | ≥ 0.97 | not measured" in text
+
+
+def test_charlm_smoke_times_each_policy_to_the_sync_loss(tmp_path: Path) -> None:
+    script = str(REPO / "bench" / "charlm_convergence.py")
+    args = [PYTHON, script, "--cpu-smoke", "--policies=sync,async", f"--results-dir={tmp_path}"]
+    run(args, cwd=tmp_path, timeout=150).check()
+    text = only_result(tmp_path, "charlm")
+    assert "| sync | 2 |" in text and "| async | 3 |" in text
+    assert "| wall time to sync's final eval loss: best of cadence/async / sync |" in text
