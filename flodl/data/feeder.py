@@ -201,7 +201,10 @@ class BatchFeeder:
             return
         self.pool = DevicePool(self.device, capacity, self._template)
         log.info(
-            "device sample pool: %d of %d samples (%.1f MiB)", capacity, len(self.dataset), budget / 2**20
+            "device sample pool: %d of %d samples (%.1f MiB)",
+            capacity,
+            len(self.dataset),
+            self.pool.nbytes / 2**20,
         )
 
     # --- assembly ---
