@@ -42,3 +42,14 @@ def test_async_two_ranks_stage_to_disk_and_leave_no_pack_file(tmp_path: Path):
     assert "staging tiers: RAM" in log and "flodl-stage-" in log
     assert list(stage.iterdir()) == []  # every pack file removed at exit
     assert not leftovers(tmp_path)
+
+
+def test_data_plane_benchmark_smoke(tmp_path: Path):
+    from tests.procs import PYTHON, REPO, run
+
+    out = run(
+        [PYTHON, str(REPO / "bench" / "data_plane.py"), "--quick", "--dir", str(tmp_path)], cwd=tmp_path
+    )
+    out.check()
+    assert "| 3 |" in out.out and "disk tier read" in out.out
+    assert list(tmp_path.iterdir()) == []  # source and pack file gone

@@ -101,6 +101,8 @@ def test_staging_fills_ram_then_disk_in_next_use_order():
     assert plan.to_ram == [5, 3]
     assert plan.to_disk == [9, 1]  # 7 is needed last and nothing has room: the walk stops
     assert plan.evict == []
+    assert not plan.complete
+    assert staging([5, 3, 5], ram_free=1, disk_free=1).complete
 
 
 def test_staging_skips_staged_samples():
@@ -112,6 +114,7 @@ def test_belady_evicts_the_farthest_next_use_first():
     # Residents: 10 is never used again, 11 is used last, 12 second; candidates 1 and 2 come first.
     plan = staging([1, 12, 2, 11, 3], in_ram=[11, 12, 10], ram_free=0)
     assert plan.evict == [10, 11]  # never-again first, then the farthest
+    assert plan.demote == [11]  # 11 is read again: it moves to disk; 10 is dropped
     assert plan.to_ram == [1, 2]
     # 3 is used after 12, the only resident left: 12 stays; 3 has no room anywhere.
     assert 12 not in plan.evict and 3 not in plan.to_ram

@@ -39,7 +39,7 @@ def feeder_for(dataset: NpyFolderDataSet, **changes: object) -> BatchFeeder:
     cfg = FlodlConfig(batch_size=BATCH, seed=1)
     for key, value in changes.items():
         setattr(cfg, key, value)
-    return BatchFeeder(cfg, dataset, torch.device("cuda:0"))
+    return BatchFeeder(cfg, dataset, torch.device("cuda"))  # no index: the feeder names it
 
 
 def run_chunk(feeder: BatchFeeder, dataset: NpyFolderDataSet, epoch: int) -> None:

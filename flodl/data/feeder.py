@@ -57,6 +57,8 @@ class BatchFeeder:
     ) -> None:
         self.cfg = cfg
         self.dataset = dataset
+        if device.type == "cuda" and device.index is None:  # the data threads must name the device
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.transform = transform
         self.ranks_on_host = ranks_on_host
@@ -112,8 +114,6 @@ class BatchFeeder:
             ready = self.prefetcher.take(position) if self.prefetcher is not None else None
         if ready is None:
             ready = self._assemble(picks, epoch)
-        if position is not None:
-            self.plan.take(position)
         batch = self._finish(ready)
         self._loads += 1
         if self.cuda and self._loads == 1:  # the first chunk's peak prices the activations
@@ -121,6 +121,10 @@ class BatchFeeder:
         self.stats.add("starve_ms", (time.perf_counter() - started) * 1000)
         for name, value in self.stats.drain().items():
             record_scalar(f"data/{name}", value)
+        if position is not None:
+            # Last: it wakes the data threads, which would otherwise hold the interpreter while this
+            # thread still has work before the step.
+            self.plan.take(position)
         return batch
 
     def close(self) -> None:

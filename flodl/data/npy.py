@@ -1,13 +1,14 @@
 """A BatchDataSet over a folder of `.npy` files, memory-mapped: for data larger than RAM.
 
 Each file is one field (sorted by file name), all with the same first dimension. Nothing is loaded up
-front: a batch reads its rows through the page cache. `read_mb_s` throttles reads to a fixed rate, to
-stand in for a slow source (network storage) in benchmarks.
+front: a batch reads its rows through the page cache. `read_mb_s` throttles reads to a fixed rate shared by
+all reading threads, to stand in for a slow source (network storage) in benchmarks.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -30,6 +31,9 @@ class NpyFolderDataSet:
         if len(lengths) != 1:
             raise ValueError(f"{self.folder}: the .npy files disagree on length: {sorted(lengths)}")
         self.read_mb_s = read_mb_s
+        # The throttle is one link shared by every reading thread: when it is next free.
+        self._link_free_at = 0.0
+        self._link = threading.Lock()
 
     def __len__(self) -> int:
         return len(self.fields[0])
@@ -47,9 +51,10 @@ class NpyFolderDataSet:
             rows.append(torch.from_numpy(out))
         if self.read_mb_s:
             nbytes = sum(r.numel() * r.element_size() for r in rows)
-            delay = nbytes / (self.read_mb_s * 1e6) - (time.perf_counter() - started)
-            if delay > 0:
-                time.sleep(delay)
+            with self._link:
+                self._link_free_at = max(self._link_free_at, started) + nbytes / (self.read_mb_s * 1e6)
+                done = self._link_free_at
+            time.sleep(max(done - time.perf_counter(), 0.0))
         return rows
 
 

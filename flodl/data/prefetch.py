@@ -80,7 +80,13 @@ class Prefetcher:
         return None
 
     def _run(self) -> None:
-        self._setup()
+        try:
+            self._setup()
+            self._loop()
+        except Exception:  # prefetch is an optimisation: take() keeps answering None, loads go on demand
+            log.exception("prefetch thread stopped; batches are loaded on demand")
+
+    def _loop(self) -> None:
         while True:
             with self._cond:
                 claimed = self._claim()

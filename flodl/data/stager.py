@@ -3,8 +3,9 @@
 What comes next is known: the read plan lists the advised batches of the shared epoch permutation. Each
 pass walks the not-yet-staged samples in order of next use; a sample goes to RAM while there is room, else
 it displaces the RAM resident whose next use is farthest (Belady) if that one is needed later than it, else
-it goes to the disk pack while that has room; the walk stops when neither tier can take it (everything
-further is needed even later). The decision (`plan_staging`) is pure; the thread only executes it.
+it goes to the disk pack while that has room (a displaced resident read again later moves to disk too, while
+there is room); the walk stops when neither tier can take it (everything further is needed even later). The
+decision (`plan_staging`) is pure; the thread only executes it.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ class StagePlan:
     to_disk: list[int] = field(default_factory=list)
     # RAM residents to evict, farthest next use first (one per sample in to_ram beyond the free slots).
     evict: list[int] = field(default_factory=list)
+    # The evicted residents that are read again later: worth moving to disk rather than dropping.
+    demote: list[int] = field(default_factory=list)
+    # Whether every upcoming sample has a place: then only new advice can give the stager work.
+    complete: bool = True
 
 
 def plan_staging(
@@ -62,12 +67,15 @@ def plan_staging(
             plan.to_ram.append(sample)
         elif v < len(victims) and victim_use[v] > use:
             plan.evict.append(victims[v])
+            if victim_use[v] != np.inf:
+                plan.demote.append(victims[v])
             v += 1
             plan.to_ram.append(sample)
         elif disk_free > 0:
             disk_free -= 1
             plan.to_disk.append(sample)
         else:
+            plan.complete = False
             break
     return plan
 
@@ -83,6 +91,8 @@ class Stager:
         # The plan's advice count and position at the last pass.
         self._advised = -1
         self._position = -REPLAN_EVERY
+        # The last pass placed every upcoming sample: progress alone gives no new work.
+        self._complete = False
 
     def start(self) -> None:
         self._thread.start()
@@ -108,12 +118,14 @@ class Stager:
     def _due(self) -> bool:
         """New advice always replans; progress alone only every few batches."""
         plan = self.plan
-        moved = plan.advised != self._advised or plan.position() - self._position >= REPLAN_EVERY
+        progressed = not self._complete and plan.position() - self._position >= REPLAN_EVERY
+        moved = plan.advised != self._advised or progressed
         return moved and plan.pending() > 0
 
     def stage_pass(self) -> None:
         """One walk over the plan; returns early when the plan changes or the stager is stopped."""
         self._advised, self._position = self.plan.advised, self.plan.position()
+        self._complete = False
         tiers = self.tiers
         upcoming = self.plan.upcoming_samples()
         if tiers.sample_bytes == 0 and len(upcoming):  # price a sample before planning room
@@ -126,9 +138,13 @@ class Stager:
         # A record carries a header and alignment besides the sample's bytes.
         disk_free = pack.room() // (size + RECORD_OVERHEAD) if pack is not None else 0
         plan = plan_staging(upcoming, in_ram, on_disk, ram_free, disk_free)
+        demote = set(plan.demote)
         for sample in plan.evict:
-            if ram is not None and ram.evict(sample) is not None:
+            rows = ram.evict(sample) if ram is not None else None
+            if rows is not None:
                 tiers.stats.add("stage_evictions", 1)
+                if sample in demote and pack is not None:
+                    pack.put(sample, rows)
         for targets, to_disk in ((plan.to_ram, False), (plan.to_disk, True)):
             for start in range(0, len(targets), FETCH_GROUP):
                 if self._stop.is_set() or self.plan.advised != self._advised:
@@ -136,8 +152,15 @@ class Stager:
                 group = [s for s in targets[start : start + FETCH_GROUP] if not tiers.staged(s)]
                 if group:
                     self._fetch(group, to_disk)
+        self._complete = plan.complete
 
     def _fetch(self, samples: list[int], to_disk: bool) -> None:
-        fetched = self.tiers.source.get_batch(torch.as_tensor(samples, dtype=torch.int64))
-        self.tiers.stats.add("stage_reads", len(samples))
-        self.tiers.admit_batch(samples, fetched, to_disk)
+        tiers = self.tiers
+        mine = tiers.claim(samples)  # the training thread may be reading some of them right now
+        try:
+            if mine:
+                fetched = tiers.source.get_batch(torch.as_tensor(mine, dtype=torch.int64))
+                tiers.stats.add("stage_reads", len(mine))
+                tiers.admit_batch(mine, fetched, to_disk)
+        finally:
+            tiers.release(mine)

@@ -19,6 +19,9 @@ from flodl.data.ram_cache import RamCache, Rows, rows_bytes
 
 log = logging.getLogger(__name__)
 
+# Longest wait for another thread's read of a sample before reading it again.
+_INFLIGHT_WAIT_S = 30.0
+
 STAT_NAMES = (
     "hits_vram", "hits_ram", "hits_disk", "source_reads", "bytes_disk", "stage_reads", "stage_evictions",
     "starve_ms",
@@ -55,6 +58,9 @@ class TieredSource:
         # The largest sample seen: prices the stager's room checks.
         self.sample_bytes = 0
         self._warned_small_ram = False
+        # Samples being read from the source by some thread, and the event set when they are admitted.
+        self._inflight: dict[int, threading.Event] = {}
+        self._inflight_lock = threading.Lock()
 
     def fetch(self, samples: Tensor) -> list[Tensor]:
         ids = samples.tolist()
@@ -74,9 +80,7 @@ class TieredSource:
             parts.append((ram_pos, _stitch(ram_rows)))
         miss_pos = self._from_disk(ids, disk_pos, parts) if self.pack is not None else disk_pos
         if miss_pos:
-            parts.append(
-                (miss_pos, self.read_source(samples[miss_pos] if len(miss_pos) < len(ids) else samples))
-            )
+            parts.append((miss_pos, self._read_misses([ids[i] for i in miss_pos])))
         if len(parts) == 1:  # one tier served all, in order
             return parts[0][1]
         first = parts[0][1]
@@ -86,6 +90,50 @@ class TieredSource:
             for target, field in zip(out, fields, strict=True):
                 target.index_copy_(0, index, field)
         return out
+
+    def _read_misses(self, misses: list[int]) -> list[Tensor]:
+        """The rows of samples no tier holds, in order. A sample the stager is reading right now is waited
+        for rather than read twice (the source is the scarce resource); the rest is read in one call."""
+        mine = self.claim(misses)
+        try:
+            fetched = self.read_source(torch.as_tensor(mine)) if mine else []
+        finally:
+            self.release(mine)
+        if len(mine) == len(misses):  # nothing in flight elsewhere, no repeats: already in order
+            return fetched
+        rows: dict[int, Rows] = {s: [f[j] for f in fetched] for j, s in enumerate(mine)}
+        for sample in misses:
+            if sample not in rows:
+                event = self._inflight.get(sample)
+                if event is not None:
+                    event.wait(_INFLIGHT_WAIT_S)
+                got = self._held(sample)
+                rows[sample] = (
+                    got if got is not None else [f[0] for f in self.read_source(torch.tensor([sample]))]
+                )
+        return _stitch([rows[s] for s in misses])
+
+    def _held(self, sample: int) -> Rows | None:
+        got = self.ram.get(sample) if self.ram is not None else None
+        if got is None and self.pack is not None:
+            got = self.pack.get(sample)
+        return got
+
+    def claim(self, samples: list[int]) -> list[int]:
+        """Mark the samples this thread will read from the source; returns those no other thread is
+        reading (each once)."""
+        mine = []
+        with self._inflight_lock:
+            for sample in samples:
+                if sample not in self._inflight:
+                    self._inflight[sample] = threading.Event()
+                    mine.append(sample)
+        return mine
+
+    def release(self, samples: list[int]) -> None:
+        with self._inflight_lock:
+            for sample in samples:
+                self._inflight.pop(sample).set()
 
     def _from_disk(self, ids: list[int], positions: list[int], parts: list) -> list[int]:
         """Serve what the pack holds (appending to `parts`); returns the positions still missing."""
