@@ -272,3 +272,16 @@ def _dead(pid: int) -> bool:
     import psutil
 
     return not psutil.pid_exists(pid)
+
+
+def test_purity_check_catches_a_dataset_that_augments_inside_get_batch(npy_folder):
+    from flodl.data.dataset import TensorDataSet, check_purity
+
+    check_purity(NpyFolderDataSet(npy_folder), "task.train_data")  # pure: passes
+
+    class Noisy(TensorDataSet):
+        def get_batch(self, indices: torch.Tensor) -> list[torch.Tensor]:
+            return [f.index_select(0, indices) + torch.rand(1) for f in self.fields]
+
+    with pytest.raises(ValueError, match="two reads of samples"):
+        check_purity(Noisy(torch.zeros(8, 2)), "task.train_data")
