@@ -1,26 +1,199 @@
-"""Writing model files atomically: a reader sees the old file or the new one, never half of one."""
+"""Checkpoints on disk: atomic files, complete-or-invisible checkpoint dirs, a `latest` pointer.
+
+A checkpoint is a dir `checkpoints/epoch-NNNNNN/` holding `model.pt` (the consensus, float32), one
+`rank{r}.pt` per rank (optimizer, scheduler, RNG, counters), `coordinator.pt` (epoch, ElChe, guard,
+planner) and, written last, `manifest.json` with every file's size and CRC32. Ranks write their parts into
+`epoch-NNNNNN.partial/`; rank 0 commits by writing the manifest and renaming the dir, then points
+`latest` at it. A dir without a valid manifest (a crash mid-write, a truncated file) is never loaded.
+Everything is loaded with `weights_only=True`.
+"""
 
 from __future__ import annotations
 
+import io
+import json
+import logging
 import os
+import re
+import shutil
+import zlib
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 MODEL_FILE = "model.pt"
+COORDINATOR_FILE = "coordinator.pt"
+MANIFEST_FILE = "manifest.json"
+LATEST_FILE = "latest"
+_DIR_PATTERN = re.compile(r"^epoch-(\d+)$")
+
+log = logging.getLogger("flodl")
 
 
-def atomic_save(obj: object, path: Path) -> None:
+class CheckpointError(RuntimeError):
+    pass
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(data: bytes, path: Path) -> None:
+    """Temp file, fsync, rename: a reader sees the old file or the new one, never half of one."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with tmp.open("wb") as f:
-        torch.save(obj, f)
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     tmp.replace(path)
+    _fsync_dir(path.parent)
+
+
+def serialize(obj: object) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def atomic_save(obj: object, path: Path) -> None:
+    atomic_write_bytes(serialize(obj), path)
+
+
+def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters and buffers as CPU tensors, loadable with weights_only=True."""
+    return {name: tensor.detach().cpu().clone() for name, tensor in model.state_dict().items()}
 
 
 def save_model(model: nn.Module, path: Path) -> None:
-    """The model's parameters and buffers as CPU tensors, loadable with weights_only=True."""
-    state = {name: tensor.detach().cpu().clone() for name, tensor in model.state_dict().items()}
-    atomic_save(state, path)
+    atomic_save(model_state(model), path)
+
+
+def dir_name(epoch: int) -> str:
+    return f"epoch-{epoch:06d}"
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank}.pt"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A committed checkpoint: taken after `epoch` (training resumes at epoch + 1)."""
+
+    path: Path
+    epoch: int
+    world_size: int
+
+    def load(self, name: str) -> Any:
+        return torch.load(self.path / name, map_location="cpu", weights_only=True)
+
+
+class CheckpointDir:
+    """The checkpoints of one run, under `<root>/checkpoints`."""
+
+    def __init__(self, root: Path, keep: int) -> None:
+        self.root = root / "checkpoints"
+        self.keep = keep
+
+    def partial(self, epoch: int) -> Path:
+        path = self.root / f"{dir_name(epoch)}.partial"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def write_part(self, epoch: int, name: str, obj: object) -> None:
+        """One rank's part (or the model, or the coordinator's), into the epoch's uncommitted dir."""
+        atomic_save(obj, self.partial(epoch) / name)
+
+    def commit(self, epoch: int, world_size: int) -> Checkpoint:
+        """Seal the epoch's dir (every part must be there), make it `latest`, drop the oldest."""
+        partial = self.partial(epoch)
+        expected = [MODEL_FILE, COORDINATOR_FILE, *(rank_file(r) for r in range(world_size))]
+        missing = [name for name in expected if not (partial / name).is_file()]
+        if missing:
+            raise CheckpointError(f"checkpoint {partial}: parts missing: {', '.join(missing)}")
+        files = {name: _fingerprint(partial / name) for name in expected}
+        manifest = {"epoch": epoch, "world_size": world_size, "files": files}
+        atomic_write_bytes(json.dumps(manifest, indent=1).encode(), partial / MANIFEST_FILE)
+        final = self.root / dir_name(epoch)
+        if final.exists():  # a resumed run re-reached this epoch: the new one wins
+            shutil.rmtree(final)
+        partial.rename(final)
+        _fsync_dir(self.root)
+        atomic_write_bytes(final.name.encode(), self.root / LATEST_FILE)
+        self._prune()
+        return Checkpoint(final, epoch, world_size)
+
+    def latest(self) -> Checkpoint | None:
+        """The newest checkpoint whose manifest and files check out; damaged ones are skipped with a
+        warning (the `latest` pointer is only a hint: a checkpoint dir is trusted on its manifest)."""
+        for path in sorted(self._committed(), key=lambda p: -_epoch_of(p)):
+            problem = verify(path)
+            if problem is None:
+                manifest = json.loads((path / MANIFEST_FILE).read_text())
+                return Checkpoint(path, int(manifest["epoch"]), int(manifest["world_size"]))
+            log.warning("skipping checkpoint %s: %s", path, problem)
+        return None
+
+    def _committed(self) -> list[Path]:
+        if not self.root.is_dir():
+            return []
+        return [p for p in self.root.iterdir() if p.is_dir() and _DIR_PATTERN.match(p.name)]
+
+    def _prune(self) -> None:
+        for path in sorted(self._committed(), key=_epoch_of)[: -self.keep]:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _epoch_of(path: Path) -> int:
+    match = _DIR_PATTERN.match(path.name)
+    assert match is not None
+    return int(match.group(1))
+
+
+def _fingerprint(path: Path) -> dict[str, int]:
+    crc = 0
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return {"bytes": path.stat().st_size, "crc32": crc}
+
+
+def verify(path: Path) -> str | None:
+    """Why the checkpoint dir at `path` cannot be trusted, or None when every file matches its manifest."""
+    try:
+        manifest = json.loads((path / MANIFEST_FILE).read_text())
+    except (OSError, ValueError) as err:
+        return f"no readable {MANIFEST_FILE} ({err})"
+    for name, expected in manifest.get("files", {}).items():
+        if not (path / name).is_file():
+            return f"{name} is missing"
+        if _fingerprint(path / name) != expected:
+            return f"{name} does not match its manifest (truncated or corrupted)"
+    return None
+
+
+def resolve_resume(resume: str, checkpoints: CheckpointDir) -> Checkpoint | None:
+    """The checkpoint `resume` names: `auto` (this run's newest, if any), `never`, or a checkpoint dir or a
+    checkpoints/ dir of another run."""
+    if resume == "never":
+        return None
+    if resume == "auto":
+        return checkpoints.latest()
+    path = Path(resume)
+    if _DIR_PATTERN.match(path.name):
+        problem = verify(path)
+        if problem is not None:
+            raise CheckpointError(f"resume={resume}: {problem}")
+        manifest = json.loads((path / MANIFEST_FILE).read_text())
+        return Checkpoint(path, int(manifest["epoch"]), int(manifest["world_size"]))
+    found = CheckpointDir(path.parent if path.name == "checkpoints" else path, keep=1).latest()
+    if found is None:
+        raise CheckpointError(f"resume={resume}: no complete checkpoint there")
+    return found

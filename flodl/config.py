@@ -18,6 +18,7 @@ POLICIES = ("sync", "cadence", "async")
 BACKENDS = ("nccl", "cpu")
 DEVICES = ("auto", "cpu", "cuda")
 GUARDS = ("trend", "msf")
+ON_NONFINITE = ("error", "skip")
 
 
 @dataclass
@@ -68,6 +69,9 @@ class LaunchConfig:
     start_method: str = "spawn"
     # Seconds a rank waits for the rendezvous and for control messages before it reports a stall.
     timeout_s: float = 300.0
+    # Self-launched ranks: restart the whole group this many times after a rank dies (each restart
+    # resumes from the last checkpoint). Under torchrun use its own --max-restarts.
+    max_restarts: int = 0
 
 
 @dataclass
@@ -78,6 +82,13 @@ class SimulateConfig:
     slow_rank: int | None = None
     # That rank's steps take this many times their real duration (it sleeps after real work).
     factor: float = 1.0
+    # Make the loss of rank `nan_rank` at its step `nan_at_step` (1-based) NaN: checks on_nonfinite.
+    nan_at_step: int | None = None
+    nan_rank: int = 0
+    # Freeze rank `hang_rank` (SIGSTOP: every thread stops) at its step `hang_at_step`: checks the
+    # heartbeat timeout. The frozen process is left for the launcher to kill.
+    hang_at_step: int | None = None
+    hang_rank: int = 0
 
 
 @dataclass
@@ -132,8 +143,22 @@ class FlodlConfig:
     disk_stage_dir: str | None = None
 
     # --- persistence ---
+    # Checkpoint every this many epochs and after the last one (null: no checkpoints).
     checkpoint_every: int | None = None
+    # Complete checkpoints kept; older ones are removed once a newer one is committed.
+    checkpoint_keep: int = 2
+    # Where checkpoints/ goes (null: the run dir).
     save_path: str | None = None
+    # auto: continue from this run's newest complete checkpoint, if there is one (what a torchrun or
+    # launch.max_restarts restart does); never: start fresh; or the path of a checkpoint dir or run dir.
+    resume: str = "auto"
+
+    # --- faults ---
+    # A rank not heard from for this long is reported as hung and the job stops.
+    heartbeat_timeout_s: float = 60.0
+    # A non-finite loss: error (stop, naming rank and step) or skip (cadence/async: the rank's window
+    # gets no weight in the next average and it restarts from the consensus).
+    on_nonfinite: str = "error"
 
     task: TaskConfig = field(default_factory=TaskConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)

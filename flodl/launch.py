@@ -10,6 +10,7 @@ The config is validated before any rank starts; every rank then checks it holds 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -27,7 +28,7 @@ from flodl.data.partition import equal_slices
 from flodl.logs import setup_rank_logging
 from flodl.metrics.run_info import RunInfo, from_hydra
 from flodl.plan import describe
-from flodl.runtime.assembly import METRICS_FILE, make_coordinator, make_worker
+from flodl.runtime.assembly import METRICS_FILE, checkpoint_dir, make_coordinator, make_worker
 from flodl.runtime.coordinator import Coordinator
 from flodl.runtime.distributed import (
     RankEnv,
@@ -35,6 +36,15 @@ from flodl.runtime.distributed import (
     collective_backend,
     init_group,
     pick_device,
+)
+from flodl.runtime.heartbeat import HeartbeatSender, beat_interval
+from flodl.runtime.messages import Exiting
+from flodl.runtime.resume import (
+    agree_on_checkpoint,
+    coordinator_state,
+    load_model,
+    restore_worker,
+    truncate_history,
 )
 from flodl.runtime.task_setup import build_task, lr_scale_factor
 from flodl.runtime.transport import COORDINATOR, InboxReader, Mailbox
@@ -89,7 +99,8 @@ def self_launch(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig) -> None
         # The default rendezvous needs etcd; c10d on port 0 takes a free port.
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",
-        max_restarts=0,
+        # Each restart starts every rank again; they resume from the run's last checkpoint (resume=auto).
+        max_restarts=cfg.launch.max_restarts,
         monitor_interval=0.1,
         start_method=cfg.launch.start_method,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / ".launch")),
@@ -102,7 +113,11 @@ def self_launch(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig) -> None
         failed = sorted(err.failures)
         logs = ", ".join(str(run_dir / f"rank{r}.log") for r in failed)
         codes = ", ".join(f"rank {r}: exit code {err.failures[r].exitcode}" for r in failed)
-        raise RankFailure(f"rank(s) {failed} failed ({codes}); see the traceback above and {logs}") from None
+        latest = checkpoint_dir(cfg, run_dir).latest()
+        where = f"the last checkpoint is {latest.path}" if latest else "no checkpoint was written"
+        raise RankFailure(
+            f"rank(s) {failed} failed ({codes}); {where}; see the traceback above and {logs}"
+        ) from None
 
 
 def run_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
@@ -116,16 +131,20 @@ def run_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
     backend = collective_backend(cfg, device)
     group = init_group(env, backend, device, cfg.launch.timeout_s)
     log.info(
-        "rank %d/%d on %s (%s), master port %s, CUDA_VISIBLE_DEVICES=%s, run dir %s",
-        env.rank, env.world_size, device, backend, group.store_port,
+        "rank %d/%d (pid %d) on %s (%s), master port %s, CUDA_VISIBLE_DEVICES=%s, run dir %s",
+        env.rank, env.world_size, os.getpid(), device, backend, group.store_port,
         os.environ.get("CUDA_VISIBLE_DEVICES", "(all)"), run_dir,
     )  # fmt: skip
     coordinator: Coordinator | None = None
+    outbox: Mailbox | None = None
     try:
         namespace = agree_on_config(config, env.rank)
         parts = build_task(cfg, device, env.world_size)
         total_picks = len(parts.train_data) * cfg.augment
         _check_epoch_fits(cfg, total_picks, env.world_size)
+        checkpoint = agree_on_checkpoint(cfg, run_dir, env.rank, env.world_size)
+        if checkpoint is not None:
+            load_model(checkpoint, parts.model)
 
         def connect(owner: int | str) -> Mailbox:
             return Mailbox.connect(group.store_host, group.store_port, namespace, owner, cfg.launch.timeout_s)
@@ -135,14 +154,26 @@ def run_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
             has_eval = parts.eval_data is not None
             reader = InboxReader(connect(COORDINATOR))
             outbox = connect(COORDINATOR)
+            resumed = coordinator_state(checkpoint) if checkpoint is not None else None
+            if checkpoint is not None:
+                truncate_history(run_dir / METRICS_FILE, checkpoint.epoch)
             coordinator = make_coordinator(
-                cfg, config, info, env.world_size, total_picks, has_eval, reader, outbox
+                cfg, config, info, env.world_size, total_picks, has_eval, reader, outbox, resumed
             )
             coordinator.start()
+        outbox = connect(env.rank)
         worker = make_worker(
-            cfg, parts, env.rank, env.world_size, device, InboxReader(connect(env.rank)), connect(env.rank)
+            cfg, parts, env.rank, env.world_size, device, InboxReader(connect(env.rank)), outbox, run_dir
         )
-        worker.run(alive=lambda: _raise_if_failed(coordinator))
+        if checkpoint is not None:
+            restore_worker(checkpoint, worker)
+        interval = beat_interval(cfg.heartbeat_timeout_s)
+        heartbeat = HeartbeatSender(env.rank, connect(env.rank), interval, lambda: worker.stepper.steps_total)
+        heartbeat.start()
+        try:
+            worker.run(alive=lambda: _raise_if_failed(coordinator))
+        finally:
+            heartbeat.stop()
         if coordinator is not None:
             coordinator.join()
             _raise_if_failed(coordinator)
@@ -152,6 +183,9 @@ def run_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
         if coordinator is not None:  # it shares this process's store: let it stop before the store goes
             coordinator.stop_requested.set()
             coordinator.join(timeout=10)
+        elif outbox is not None:  # tell the coordinator why, so rank 0 stops with this rank's reason
+            with contextlib.suppress(Exception):
+                outbox.send(COORDINATOR, Exiting(env.rank, f"{type(err).__name__}: {err}"))
         log.error("rank %d failed: %s: %s", env.rank, type(err).__name__, err)
         raise
     finally:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 
 from flodl.averaging.outer import OUTERS
-from flodl.config import BACKENDS, DEVICES, GUARDS, POLICIES, FlodlConfig
+from flodl.config import BACKENDS, DEVICES, GUARDS, ON_NONFINITE, POLICIES, FlodlConfig
 
 GIB = 1 << 30
 START_METHODS = ("spawn", "fork", "forkserver")
@@ -32,8 +32,6 @@ LOCAL_SGD_KNOBS = (
 # feature is refused rather than ignored. (key, the value that needs no feature, why)
 NOT_IMPLEMENTED: tuple[tuple[str, object, str], ...] = (
     ("partition_ratios", None, "partition_ratios (static per-rank split) is not implemented yet"),
-    ("checkpoint_every", None, "periodic checkpoints are not implemented yet"),
-    ("save_path", None, "save_path (checkpoint bundles) is not implemented yet"),
 )
 
 
@@ -121,6 +119,12 @@ def _range_problems(cfg: FlodlConfig) -> Iterator[str]:
     yield from check("ram_max_usage", lambda v: 0.0 <= v <= 0.9, "must be in [0, 0.9]")
     yield from check("disk_stage_gb", lambda v: finite(v) and v >= 0, "must be finite and >= 0 (0: off)")
     yield from check("checkpoint_every", lambda v: v >= 1, "must be >= 1 (epochs)", True)
+    yield from check("checkpoint_keep", lambda v: v >= 1, "must be >= 1")
+    yield from check("heartbeat_timeout_s", lambda v: finite(v) and v > 0, "must be finite and > 0 seconds")
+    yield from check("on_nonfinite", lambda v: v in ON_NONFINITE, f"must be one of {', '.join(ON_NONFINITE)}")
+    yield from check("launch.max_restarts", lambda v: v >= 0, "must be >= 0")
+    yield from check("simulate.nan_at_step", lambda v: v >= 1, "must be >= 1 (a 1-based step)", True)
+    yield from check("simulate.hang_at_step", lambda v: v >= 1, "must be >= 1 (a 1-based step)", True)
     yield from check("launch.nproc_per_node", lambda v: v >= 1, "must be >= 1")
     yield from check("logger.name", lambda v: v in LOGGERS, f"must be one of {', '.join(LOGGERS)}")
     yield from check("logger.mode", lambda v: v in WANDB_MODES, f"must be one of {', '.join(WANDB_MODES)}")
@@ -194,10 +198,34 @@ def _cross_field_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
             "fork",
             "CUDA cannot be used in forked ranks; use spawn or forkserver (or device=cpu)",
         )
-    slow = cfg.simulate.slow_rank
-    if slow is not None and not 0 <= slow < host.world_size:
-        yield _problem("simulate.slow_rank", slow, f"must be a rank of this job, 0..{host.world_size - 1}")
+    for key in ("simulate.slow_rank", "simulate.nan_rank", "simulate.hang_rank"):
+        rank = _get(cfg, key)
+        if rank is not None and not 0 <= rank < host.world_size:  # type: ignore[operator]
+            yield _problem(key, rank, f"must be a rank of this job, 0..{host.world_size - 1}")
+    if cfg.on_nonfinite == "skip" and cfg.policy == "sync" and cfg.backend != "cpu":
+        yield _problem(
+            "on_nonfinite",
+            "skip",
+            "policy=sync on the nccl backend mixes every step's gradients (DDP), so a bad window cannot "
+            "be dropped; use on_nonfinite=error, or policy=cadence/async",
+        )
+    if host.under_torchrun and cfg.launch.max_restarts:
+        yield _problem(
+            "launch.max_restarts", cfg.launch.max_restarts, "under torchrun use its own --max-restarts"
+        )
+    yield from _persistence_problems(cfg)
     yield from _disk_problems(cfg, host)
+
+
+def _persistence_problems(cfg: FlodlConfig) -> Iterator[str]:
+    if cfg.save_path is not None and os.path.exists(cfg.save_path) and not os.path.isdir(cfg.save_path):
+        yield _problem("save_path", cfg.save_path, "exists and is not a directory")
+    if cfg.resume not in ("auto", "never") and not os.path.isdir(cfg.resume):
+        yield _problem(
+            "resume",
+            cfg.resume,
+            "must be auto, never, or an existing checkpoint dir (checkpoints/epoch-NNNNNN) or run dir",
+        )
 
 
 def _disk_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:

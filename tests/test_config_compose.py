@@ -14,7 +14,8 @@ from flodl.config import FlodlConfig, LaunchConfig, LoggerConfig, TaskConfig, re
 from flodl.validation import HostFacts, validate
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
+# conf/hydra/ holds launcher options for Hydra's own groups, not flodl's.
+GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "hydra")
 GROUP_OPTIONS = [(group, p.stem) for group in GROUPS for p in sorted((CONF / group).glob("*.yaml"))]
 # Groups whose chosen option is recorded in the composed config, and where.
 SELECTED_AS = {
@@ -60,12 +61,17 @@ OVERRIDES = [
     ("disk_stage_gb=8", "disk_stage_gb", 8.0, float),
     ("disk_stage_dir=/tmp", "disk_stage_dir", "/tmp", str),
     ("checkpoint_every=2", "checkpoint_every", 2, int),
-    ("save_path=/tmp/model.pt", "save_path", "/tmp/model.pt", str),
+    ("save_path=/tmp/ckpts", "save_path", "/tmp/ckpts", str),
+    ("checkpoint_keep=5", "checkpoint_keep", 5, int),
+    ("resume=never", "resume", "never", str),
+    ("heartbeat_timeout_s=20", "heartbeat_timeout_s", 20.0, float),
+    ("on_nonfinite=skip", "on_nonfinite", "skip", str),
 ]
 NESTED_OVERRIDES = [
     ("launch.nproc_per_node=2", "nproc_per_node", 2, int),
     ("launch.start_method=fork", "start_method", "fork", str),
     ("launch.timeout_s=30", "timeout_s", 30.0, float),
+    ("launch.max_restarts=2", "max_restarts", 2, int),
 ]
 
 

@@ -21,10 +21,12 @@ from flodl.runtime.messages import (
     EvalResult,
     Exiting,
     ExtendPartition,
+    Heartbeat,
     MessageError,
     Metrics,
     Progress,
     Reached,
+    Saved,
     Shutdown,
     StartEpoch,
     SyncAck,
@@ -101,6 +103,10 @@ def test_augmented_epoch_reads_every_sample_augment_times(samples, augment):
 MESSAGES = [
     StartEpoch(epoch=3, offset=64, size=32, evaluate=True),
     StartEpoch(epoch=0, offset=0, size=8),
+    StartEpoch(epoch=5, offset=0, size=8, checkpoint=True),
+    Saved(rank=1, epoch=5),
+    Heartbeat(rank=0, step=123),
+    Exiting(rank=1, reason="NonFiniteError: rank 1: the training loss became non-finite at step 7"),
     Shutdown(),
     Shutdown(reason="rank 1 failed"),
     Metrics(
@@ -119,6 +125,7 @@ MESSAGES = [
     Exiting(rank=2),
     ExtendPartition(slices=[[0, 64, 96], [1, 0, 32]], target=3),
     SyncNow(round=7, evaluate_epoch=2, final=True),
+    SyncNow(round=9, final=True, checkpoint_epoch=3),
     SyncNow(round=1),
     Progress(rank=1, epoch=0, step=50, loss=0.75, samples_per_s=1200.0, lr=0.001),
     Reached(rank=1, steps=12, busy_ms=40.5),
@@ -150,7 +157,7 @@ def test_message_round_trip(message):
 
 
 def test_encoding_is_json_not_pickle():
-    assert encode(Exiting(rank=3)) == b'{"type": "Exiting", "body": {"rank": 3}}'
+    assert encode(Saved(rank=3, epoch=1)) == b'{"type": "Saved", "body": {"rank": 3, "epoch": 1}}'
 
 
 @pytest.mark.parametrize(

@@ -95,6 +95,16 @@ RANGE_CASES = [
     ("ram_max_usage", 0.95, "must be in [0, 0.9]"),
     ("disk_stage_gb", -1.0, "must be finite and >= 0"),
     ("checkpoint_every", 0, "must be >= 1"),
+    ("checkpoint_keep", 0, "must be >= 1"),
+    ("heartbeat_timeout_s", 0.0, "must be finite and > 0 seconds"),
+    ("heartbeat_timeout_s", INF, "must be finite and > 0 seconds"),
+    ("on_nonfinite", "ignore", "must be one of error, skip"),
+    ("resume", "/no/such/run", "must be auto, never, or an existing checkpoint dir"),
+    ("launch.max_restarts", -1, "must be >= 0"),
+    ("simulate.nan_at_step", 0, "must be >= 1 (a 1-based step)"),
+    ("simulate.hang_at_step", 0, "must be >= 1 (a 1-based step)"),
+    ("simulate.nan_rank", 3, "must be a rank of this job, 0..0"),
+    ("simulate.hang_rank", -1, "must be a rank of this job, 0..0"),
     ("launch.nproc_per_node", 0, "must be >= 1"),
     ("launch.start_method", "thread", "must be one of ('spawn', 'fork', 'forkserver')"),
     ("launch.timeout_s", 0.0, "must be > 0 seconds"),
@@ -299,8 +309,6 @@ def test_data_plane_values_in_range_pass():
 # A value for every not-implemented key that would need the missing feature.
 NEEDS_FEATURE = {
     "partition_ratios": [1.0, 2.0],
-    "checkpoint_every": 2,
-    "save_path": "/tmp/model.pt",
 }
 
 
@@ -426,3 +434,25 @@ def test_logger_rules():
     assert_problem(problems_of(make(**{"logger.mode": "cloud"})), "logger.mode", "cloud", "must be one of")
     assert_problem(problems_of(make(**{"logger.log_every": -1})), "logger.log_every", -1, "must be >= 0")
     assert problems_of(make(**{"logger.name": "wandb", "logger.mode": "offline"})) == []
+
+
+def test_on_nonfinite_skip_needs_windows_to_drop():
+    sync_ddp = problems_of(make(on_nonfinite="skip"))
+    assert_problem(sync_ddp, "on_nonfinite", "skip", "mixes every step's gradients (DDP)")
+    assert problems_of(make(on_nonfinite="skip", policy="cadence")) == []
+    assert problems_of(make(on_nonfinite="skip", backend="cpu")) == []  # sync on cpu averages windows
+
+
+def test_restarts_under_torchrun_are_torchruns_to_count():
+    facts = host(under_torchrun=True)
+    assert_problem(
+        problems_of(make(**{"launch.max_restarts": 2}), facts), "launch.max_restarts", 2, "--max-restarts"
+    )
+    assert problems_of(make(**{"launch.max_restarts": 2})) == []
+
+
+def test_save_path_must_not_be_a_file(tmp_path):
+    file = tmp_path / "model.pt"
+    file.write_bytes(b"")
+    assert_problem(problems_of(make(save_path=str(file))), "save_path", str(file), "is not a directory")
+    assert problems_of(make(save_path=str(tmp_path / "new"), resume=str(tmp_path))) == []

@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -59,7 +60,23 @@ class _AveragerBase:
         self._start_from_rank0()
         self.reducer = Reducer(gamma, bf16_wire, group)
         self.outer_settings = outer
+        self.outer: OuterOptimizer | None = None
         self.outcome: RoundOutcome | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The outer optimizer's momentum; its global parameters are the consensus a checkpoint holds."""
+        return {"outer": self.outer.optimizer.state_dict()} if self.outer is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.outer is not None and "outer" in state:
+            self.outer.optimizer.load_state_dict(state["outer"])
+
+    @torch.no_grad()
+    def discard_own(self) -> None:
+        """Zero this rank's parameters before a round it joins with no weight (its window went non-finite):
+        a NaN times a zero weight would still poison the sum."""
+        for group in self.params:
+            group.buffer.zero_()
 
     @property
     def resets_inner(self) -> bool:

@@ -9,11 +9,16 @@ time. Batches are handed out from one cursor over the epochs: batch i of epoch e
   an epoch splits what is left in proportion to the counts (epoch barrier).
 - async: rank r is kept supplied up to `counts[r] + overshoot` batches per window and may run into the
   next epoch; the reduce fires once every rank has done `counts[r]`.
+
+Barrier epochs (checkpoints) cut the run into segments: the cursor stops at a segment's end, every rank
+trains out its queue, and the segment's last reduce is exact (no EASGD blend), so every rank holds the
+same consensus when the checkpoint is taken. The next segment opens once that reduce is acknowledged.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from flodl.cadence.split import proportional_split
 
@@ -39,8 +44,10 @@ class Average:
     round: int
     # Evaluate the consensus of this round for that epoch (None: no eval this round).
     evaluate_epoch: int | None
-    # The last reduce of the run: every rank adopts the consensus exactly (no EASGD blend).
+    # The last reduce of a segment (or of the run): every rank adopts the consensus exactly (no EASGD blend).
     final: bool
+    # Take a checkpoint after this epoch once the round is done (None: no checkpoint).
+    checkpoint_epoch: int | None = None
 
 
 Action = Dispatch | Average
@@ -71,12 +78,13 @@ class Cursor:
     """The next undispatched batch, across epochs."""
 
     batches_per_epoch: int
-    epochs: int
+    # The end (exclusive) of the segment being handed out.
+    end: int
     epoch: int = 0
     batch: int = 0
 
     def exhausted(self) -> bool:
-        return self.epoch >= self.epochs
+        return self.epoch >= self.end
 
     def left_in_epoch(self) -> int:
         return 0 if self.exhausted() else self.batches_per_epoch - self.batch
@@ -104,6 +112,10 @@ class LocalSgdPlanner:
     is_async: bool
     # Which epochs want an eval (eval_every and the last epoch).
     eval_epochs: frozenset[int]
+    # Epochs after which every rank holds the consensus for a checkpoint.
+    barrier_epochs: frozenset[int] = frozenset()
+    # Where a resumed run starts.
+    first_epoch: int = 0
     cursor: Cursor = field(init=False)
     round: int = 0
     targets: list[int] = field(init=False)
@@ -116,7 +128,7 @@ class LocalSgdPlanner:
     final_round: bool = False
 
     def __post_init__(self) -> None:
-        self.cursor = Cursor(self.batches_per_epoch, self.epochs)
+        self.cursor = Cursor(self.batches_per_epoch, self._segment_end(self.first_epoch), self.first_epoch)
         self.targets = [0] * self.world_size
         self.queued = [0] * self.world_size
 
@@ -159,8 +171,34 @@ class LocalSgdPlanner:
         return True
 
     @property
-    def finished(self) -> bool:
+    def segment_done(self) -> bool:
+        """The segment's last reduce is acknowledged: every rank holds the same consensus."""
         return self.final_round and not self.averaging
+
+    @property
+    def finished(self) -> bool:
+        return self.segment_done and self.cursor.end == self.epochs
+
+    @property
+    def segment_end(self) -> int:
+        return self.cursor.end
+
+    def next_segment(self) -> None:
+        """Open the segment after a completed one (the caller opens its first window)."""
+        self.cursor.end = self._segment_end(self.cursor.end)
+        self.final_round = False
+
+    def _segment_end(self, start: int) -> int:
+        return min([e + 1 for e in self.barrier_epochs if e >= start] + [self.epochs])
+
+    def state(self) -> dict[str, Any]:
+        """What a resumed planner needs beyond its settings (taken between segments)."""
+        return {"round": self.round, "evaluated_epochs": sorted(self.evaluated_epochs)}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.round = int(state["round"])
+        self.evaluated_epochs = set(state["evaluated_epochs"])
+        self.completed_epochs = set(range(self.first_epoch))
 
     def window_acks(self) -> list[AckReport]:
         return [self.acks[r] for r in range(self.world_size)]
@@ -179,7 +217,10 @@ class LocalSgdPlanner:
         )
         due = sorted(e for e in self.completed_epochs - self.evaluated_epochs if e in self.eval_epochs)
         if self.final_round:
-            due = sorted(e for e in self.eval_epochs if e not in self.evaluated_epochs)
+            due = sorted(
+                e for e in self.eval_epochs if e not in self.evaluated_epochs and e < self.cursor.end
+            )
         evaluate = due[-1] if due else None
         self.evaluated_epochs.update(due)
-        return [Average(self.round, evaluate, self.final_round)]
+        barrier = self.final_round and self.cursor.end - 1 in self.barrier_epochs
+        return [Average(self.round, evaluate, self.final_round, self.cursor.end - 1 if barrier else None)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -13,14 +14,17 @@ from flodl.averaging.bf16_hook import bf16_gradient_hook
 from flodl.averaging.consensus import DeviceAverager, HostAverager
 from flodl.averaging.outer import OuterSettings
 from flodl.cadence.elche import ElChe, ElCheSettings
-from flodl.cadence.guard import make_guard
+from flodl.cadence.guard import guard_from_state, make_guard
 from flodl.cadence.planner import LocalSgdPlanner
+from flodl.checkpoint import CheckpointDir
 from flodl.config import FlodlConfig
 from flodl.data.partition import equal_slices
 from flodl.metrics.run_info import RunInfo
 from flodl.metrics.sinks import ConsoleSink, JsonlSink, Sink
 from flodl.metrics.timeline import Timeline
+from flodl.runtime.checkpointing import CheckpointCommitter, RankCheckpointer
 from flodl.runtime.coordinator import Coordinator, Driver, EpochSchedule, SyncDriver
+from flodl.runtime.heartbeat import HeartbeatMonitor
 from flodl.runtime.ledger import EpochLedger
 from flodl.runtime.local_sgd_driver import LocalSgdDriver
 from flodl.runtime.local_worker import LocalSgdWorker
@@ -30,6 +34,7 @@ from flodl.runtime.transport import InboxReader, Mailbox
 from flodl.runtime.worker import RankLink, SyncWorker, WorkerBase
 
 METRICS_FILE = "metrics.jsonl"
+log = logging.getLogger("flodl")
 
 
 def easgd_alpha_of(cfg: FlodlConfig) -> float | None:
@@ -58,6 +63,18 @@ def _ddp(cfg: FlodlConfig, parts: TaskParts, device: torch.device) -> Distribute
     return ddp
 
 
+def checkpoint_dir(cfg: FlodlConfig, run_dir: Path) -> CheckpointDir:
+    return CheckpointDir(Path(cfg.save_path) if cfg.save_path else run_dir, cfg.checkpoint_keep)
+
+
+def checkpoint_epochs(cfg: FlodlConfig) -> frozenset[int]:
+    """Every `checkpoint_every` epochs and after the last one."""
+    if cfg.checkpoint_every is None:
+        return frozenset()
+    every = cfg.checkpoint_every
+    return frozenset(e for e in range(cfg.epochs) if (e + 1) % every == 0 or e == cfg.epochs - 1)
+
+
 def make_worker(
     cfg: FlodlConfig,
     parts: TaskParts,
@@ -66,13 +83,20 @@ def make_worker(
     device: torch.device,
     reader: InboxReader,
     outbox: Mailbox,
+    run_dir: Path,
 ) -> WorkerBase:
     slow = cfg.simulate.factor if cfg.simulate.slow_rank == rank else 1.0
     link = RankLink(rank, world_size, reader, outbox)
+
+    def checkpointer(stepper: Stepper) -> RankCheckpointer | None:
+        if cfg.checkpoint_every is None:
+            return None
+        return RankCheckpointer(checkpoint_dir(cfg, run_dir), rank, parts.model, stepper)
+
     if not averages_parameters(cfg):
         train_module = _ddp(cfg, parts, device) if world_size > 1 else parts.model
-        stepper = Stepper(cfg, parts, device, train_module, slow)
-        return SyncWorker(stepper, link, cfg.bf16_wire)
+        stepper = Stepper(cfg, parts, device, train_module, slow, rank)
+        return SyncWorker(stepper, link, cfg.bf16_wire, checkpointer(stepper))
     outer = OuterSettings.resolve(cfg.outer, cfg.outer_lr, cfg.outer_momentum)
     averager: DeviceAverager | HostAverager
     if cfg.backend == "cpu":
@@ -81,10 +105,10 @@ def make_worker(
     else:
         keeps_own = guarded(cfg) or easgd_alpha_of(cfg) is not None
         averager = DeviceAverager(parts.model, cfg.gamma, device, cfg.bf16_wire, outer, keeps_own)
-    stepper = Stepper(cfg, parts, device, parts.model, slow)
+    stepper = Stepper(cfg, parts, device, parts.model, slow, rank)
     keep_training = cfg.backend == "cpu" and cfg.policy == "async"
     alpha = easgd_alpha_of(cfg)
-    return LocalSgdWorker(stepper, link, averager, alpha, keep_training)
+    return LocalSgdWorker(stepper, link, averager, alpha, keep_training, checkpointer(stepper))
 
 
 def make_coordinator(
@@ -96,20 +120,30 @@ def make_coordinator(
     has_eval: bool,
     reader: InboxReader,
     outbox: Mailbox,
+    resumed: dict[str, Any] | None,
 ) -> Coordinator:
+    """`resumed`: the coordinator state of the checkpoint this run continues from (None: a fresh run)."""
     schedule = EpochSchedule(cfg.epochs, world_size, total_picks, cfg.batch_size, cfg.eval_every, has_eval)
     timeline = Timeline(world_size)
+    run_dir = Path(info.run_dir)
+    first = resumed["epoch"] + 1 if resumed else 0
+    comm_total = resumed["comm_bytes_total"] if resumed else 0
+    committer = None
+    if cfg.checkpoint_every is not None:
+        due = {e for e in checkpoint_epochs(cfg) if e >= first}
+        committer = CheckpointCommitter(checkpoint_dir(cfg, run_dir), world_size, due)
     driver: Driver
     if not averages_parameters(cfg):
         per_rank = equal_slices(total_picks, world_size, cfg.batch_size)[0].size // cfg.batch_size
-        ledger = EpochLedger(cfg.epochs, world_size, per_rank * world_size)
-        driver = SyncDriver(schedule, ledger, outbox)
+        ledger = EpochLedger(cfg.epochs, world_size, per_rank * world_size, False, first, comm_total)
+        driver = SyncDriver(schedule, ledger, outbox, checkpoint_epochs(cfg), first)
     else:
         batches_per_epoch = total_picks // cfg.batch_size
-        ledger = EpochLedger(cfg.epochs, world_size, batches_per_epoch, hold_last=True)
-        driver = _local_sgd_driver(cfg, schedule, ledger, outbox, batches_per_epoch, timeline)
-    run_dir = Path(info.run_dir)
-    total_batches = cfg.epochs * ledger.batches_per_epoch
+        ledger = EpochLedger(cfg.epochs, world_size, batches_per_epoch, True, first, comm_total)
+        driver = _local_sgd_driver(
+            cfg, schedule, ledger, outbox, batches_per_epoch, timeline, committer, resumed
+        )
+    total_batches = (cfg.epochs - first) * ledger.batches_per_epoch
     sinks: list[Sink] = [
         ConsoleSink(cfg.epochs, total_batches, world_size),
         JsonlSink(run_dir / METRICS_FILE),
@@ -118,7 +152,8 @@ def make_coordinator(
         from flodl.metrics.wandb_sink import WandbSink
 
         sinks.append(WandbSink(cfg.logger, info, config, cfg.policy))
-    return Coordinator(reader, outbox, ledger, driver, sinks, timeline, Path(info.run_dir))
+    monitor = HeartbeatMonitor(world_size, cfg.heartbeat_timeout_s, started=0.0)
+    return Coordinator(reader, outbox, ledger, driver, sinks, timeline, run_dir, monitor, committer)
 
 
 def _local_sgd_driver(
@@ -128,6 +163,8 @@ def _local_sgd_driver(
     outbox: Mailbox,
     batches_per_epoch: int,
     timeline: Timeline,
+    committer: CheckpointCommitter | None,
+    resumed: dict[str, Any] | None,
 ) -> LocalSgdDriver:
     is_async = cfg.policy == "async"
     if cfg.policy == "sync":  # the cpu backend's sync: every rank averages after each step, in lockstep
@@ -150,6 +187,8 @@ def _local_sgd_driver(
         epochs=cfg.epochs,
         is_async=is_async,
         eval_epochs=schedule.eval_epochs(),
+        barrier_epochs=checkpoint_epochs(cfg),
+        first_epoch=ledger.first_epoch,
     )
     guard = make_guard(
         cfg.divergence_threshold,
@@ -158,4 +197,10 @@ def _local_sgd_driver(
         cfg.divergence_guard,
     )
     elche = ElChe(settings, epoch_batches=batches_per_epoch)
-    return LocalSgdDriver(planner, elche, guard, ledger, outbox, timeline)
+    if resumed is not None:  # ElChe's anchor and counts, the guard's history, the round clock
+        state = resumed["driver"]
+        planner.restore(state["planner"])
+        elche = ElChe.from_state(settings, state["elche"], epoch_batches=batches_per_epoch)
+        guard = guard_from_state(state["guard"])
+        log.info("ElChe resumed at anchor %d (round %d)", elche.anchor, planner.round)
+    return LocalSgdDriver(planner, elche, guard, ledger, outbox, timeline, committer)

@@ -7,18 +7,34 @@ The local-SGD driver (cadence / async) decides when ranks average (see `local_sg
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from flodl.data.partition import equal_slices
 from flodl.metrics.sinks import Sink
 from flodl.metrics.timeline import Timeline
+from flodl.runtime.checkpointing import CheckpointCommitter
+from flodl.runtime.heartbeat import HeartbeatMonitor
 from flodl.runtime.ledger import EpochLedger
-from flodl.runtime.messages import EvalResult, Exiting, Message, Metrics, Progress, Shutdown, StartEpoch
+from flodl.runtime.messages import (
+    EvalResult,
+    Exiting,
+    Heartbeat,
+    Message,
+    Metrics,
+    Progress,
+    Saved,
+    Shutdown,
+    StartEpoch,
+)
 from flodl.runtime.transport import InboxReader, Mailbox
+
+log = logging.getLogger("flodl")
 
 # Sync plans are sent this many epochs ahead of the one being aggregated, so no rank waits for a plan.
 PLAN_LOOKAHEAD = 1
@@ -47,10 +63,18 @@ class CoordinatorError(RuntimeError):
     pass
 
 
+class RankHung(CoordinatorError):
+    """A rank went silent for longer than heartbeat_timeout_s."""
+
+
 class Driver(Protocol):
     """A policy's decisions: what to send when the run starts and as reports arrive."""
 
     def begin(self) -> None: ...
+
+    def state(self) -> dict[str, Any]:
+        """What a resumed driver needs (taken at a checkpoint)."""
+        ...
 
     def on_message(self, message: Message) -> None: ...
 
@@ -63,15 +87,29 @@ class Driver(Protocol):
 
 
 class SyncDriver:
-    def __init__(self, schedule: EpochSchedule, ledger: EpochLedger, outbox: Mailbox) -> None:
+    def __init__(
+        self,
+        schedule: EpochSchedule,
+        ledger: EpochLedger,
+        outbox: Mailbox,
+        checkpoint_epochs: frozenset[int],
+        first_epoch: int,
+    ) -> None:
         self.schedule = schedule
         self.ledger = ledger
         self.outbox = outbox
         self.slices = equal_slices(schedule.total_picks, schedule.world_size, schedule.batch_size)
+        self.checkpoint_epochs = checkpoint_epochs
+        self.first_epoch = first_epoch
 
     def begin(self) -> None:
-        for epoch in range(min(self.schedule.epochs, PLAN_LOOKAHEAD + 1)):
+        for epoch in range(
+            self.first_epoch, min(self.schedule.epochs, self.first_epoch + PLAN_LOOKAHEAD + 1)
+        ):
             self._plan(epoch)
+
+    def state(self) -> dict[str, Any]:
+        return {}  # the epoch is all a sync run needs, and the checkpoint records it
 
     def on_message(self, message: Message) -> None:
         raise CoordinatorError(f"unexpected message under policy=sync: {message!r}")
@@ -90,8 +128,9 @@ class SyncDriver:
     def _plan(self, epoch: int) -> None:
         evaluate = self.schedule.evaluates_after(epoch)
         self.ledger.expect_eval(epoch, evaluate)
+        checkpoint = epoch in self.checkpoint_epochs
         for rank, part in enumerate(self.slices):
-            self.outbox.send(rank, StartEpoch(epoch, part.offset, part.size, evaluate))
+            self.outbox.send(rank, StartEpoch(epoch, part.offset, part.size, evaluate, checkpoint))
 
 
 class Coordinator(threading.Thread):
@@ -104,8 +143,13 @@ class Coordinator(threading.Thread):
         sinks: list[Sink],
         timeline: Timeline,
         run_dir: Path,
+        monitor: HeartbeatMonitor,
+        committer: CheckpointCommitter | None,
     ) -> None:
         super().__init__(name="flodl-coordinator", daemon=True)
+        self.monitor = monitor
+        # Commits checkpoints (None: checkpoint_every is off).
+        self.committer = committer
         self.timeline = timeline
         self.run_dir = run_dir
         self.reader = reader
@@ -122,12 +166,14 @@ class Coordinator(threading.Thread):
             # The run starts now, not when the sinks were set up.
             self.ledger.started_at = self.timeline.started = time.perf_counter()
             self.driver.begin()
-            while not (self.driver.done and self.ledger.all_emitted):
+            self.monitor.started = time.perf_counter()
+            while not (self.driver.done and self.ledger.all_emitted and self._checkpoints_committed):
                 if self.stop_requested.is_set():
                     raise CoordinatorError("stopped while waiting for rank reports")
                 message = self.reader.next_message(_WAIT_S)
                 if message is not None:
                     self._handle(message)
+                self._check_heartbeats(time.perf_counter())
             for rank in range(self.ledger.world_size):
                 self.outbox.send(rank, Shutdown())
             self.timeline.save(self.run_dir)
@@ -137,9 +183,42 @@ class Coordinator(threading.Thread):
             for sink in self.sinks:
                 sink.close()
             self.reader.stop(self.outbox)
+        if isinstance(self.error, RankHung):
+            # The ranks' training threads wait in collectives with the silent rank, which would hold them for
+            # the whole collective timeout: end this process now; the launcher stops the others.
+            log.error("%s", self.error)
+            logging.shutdown()
+            os._exit(1)
+
+    @property
+    def _checkpoints_committed(self) -> bool:
+        return self.committer is None or not self.committer.remaining
+
+    def last_checkpoint(self) -> str:
+        committed = self.committer.committed if self.committer is not None else None
+        return (
+            str(committed.path) if committed is not None else "none (checkpoint_every is off or none was due)"
+        )
+
+    def _check_heartbeats(self, now: float) -> None:
+        silent = self.monitor.silent(now)
+        if silent:
+            described = "; ".join(self.monitor.describe(rank, now) for rank in silent)
+            raise RankHung(
+                f"{described} (heartbeat_timeout_s={self.monitor.timeout_s:g}); stopping the job. "
+                f"Last checkpoint: {self.last_checkpoint()}"
+            )
 
     def _handle(self, message: Message) -> None:
-        if isinstance(message, Metrics):
+        rank = getattr(message, "rank", None)
+        if rank is not None:
+            self.monitor.heard(rank, time.perf_counter(), getattr(message, "step", None))
+        if isinstance(message, Heartbeat):
+            return
+        if isinstance(message, Saved):
+            assert self.committer is not None, "a Saved report without checkpoints"
+            self.committer.on_saved(message.epoch, message.rank)
+        elif isinstance(message, Metrics):
             self.timeline.chunk(message.rank, message.epoch, message.wall_ms, message.batches)
             if self.ledger.add_chunk(message):
                 self.driver.on_epoch_complete(message.epoch)
@@ -149,7 +228,8 @@ class Coordinator(threading.Thread):
             for sink in self.sinks:
                 sink.progress(message)
         elif isinstance(message, Exiting):
-            raise CoordinatorError(f"rank {message.rank} exited before the run finished")
+            why = f": {message.reason}" if message.reason else ""
+            raise CoordinatorError(f"rank {message.rank} exited before the run finished{why}")
         else:
             self.driver.on_message(message)
         for metrics in self.ledger.emit_ready():
@@ -157,3 +237,5 @@ class Coordinator(threading.Thread):
             for sink in self.sinks:
                 sink.emit(metrics)
             self.driver.on_epoch_emitted(metrics.epoch)
+        if self.committer is not None:
+            self.committer.poll(self.ledger, self.driver.state())

@@ -83,7 +83,10 @@ def init_group(env: RankEnv, backend: str, device: torch.device, timeout_s: floa
     _groups_started += 1
     dist.init_process_group(
         backend,
-        store=PrefixStore(f"flodl/group/{_groups_started}/", store),
+        # torchrun's agent store outlives a restart: a restarted group must not meet its predecessor's keys.
+        store=PrefixStore(
+            f"flodl/group/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_groups_started}/", store
+        ),
         rank=env.rank,
         world_size=env.world_size,
         timeout=timeout,

@@ -31,16 +31,26 @@ class _Epoch:
 
 
 class EpochLedger:
-    def __init__(self, epochs: int, world_size: int, batches_per_epoch: int, hold_last: bool = False) -> None:
+    def __init__(
+        self,
+        epochs: int,
+        world_size: int,
+        batches_per_epoch: int,
+        hold_last: bool = False,
+        first_epoch: int = 0,
+        comm_bytes_total: int = 0,
+    ) -> None:
         """`hold_last`: keep the last epoch back until `release()` — local SGD still runs averaging rounds
-        after the last batch (async drains its queues), and their bytes belong to the last epoch."""
+        after the last batch (async drains its queues), and their bytes belong to the last epoch.
+        `first_epoch` and `comm_bytes_total`: where a resumed run continues."""
         self.epochs = epochs
         self.world_size = world_size
         self.batches_per_epoch = batches_per_epoch
         self.started_at = time.perf_counter()
         self._open: dict[int, _Epoch] = {}
-        self.next_to_emit = 0
-        self.comm_bytes_total = 0
+        self.first_epoch = first_epoch
+        self.next_to_emit = first_epoch
+        self.comm_bytes_total = comm_bytes_total
         self._round_epoch: dict[int, int] = {}
         self.hold_last = hold_last
 

@@ -8,6 +8,7 @@ round, ElChe gets the window's timings and the guard's verdict, and the next win
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from flodl.cadence import elche as el
 from flodl.cadence.guard import ConvergenceGuard, DivergenceReport
@@ -15,6 +16,7 @@ from flodl.cadence.planner import AckReport as PlannerAck
 from flodl.cadence.planner import Average, Dispatch, LocalSgdPlanner, WindowReport
 from flodl.metrics.aggregate import RoundCost
 from flodl.metrics.timeline import Timeline
+from flodl.runtime.checkpointing import CheckpointCommitter
 from flodl.runtime.ledger import EpochLedger
 from flodl.runtime.messages import ExtendPartition, Message, Reached, SyncAck, SyncNow
 from flodl.runtime.transport import Mailbox
@@ -31,8 +33,12 @@ class LocalSgdDriver:
         ledger: EpochLedger,
         outbox: Mailbox,
         timeline: Timeline,
+        committer: CheckpointCommitter | None = None,
     ) -> None:
         self.timeline = timeline
+        self.committer = committer
+        # The epoch the round in flight checkpoints (None: not a checkpoint round).
+        self._checkpoint_epoch: int | None = None
         self.planner = planner
         self.elche = elche
         self.guard = guard
@@ -48,6 +54,9 @@ class LocalSgdDriver:
 
     def begin(self) -> None:
         self._open_window()
+
+    def state(self) -> dict[str, Any]:
+        return {"planner": self.planner.state(), "elche": self.elche.state(), "guard": self.guard.state()}
 
     def on_epoch_complete(self, epoch: int) -> None:
         self.planner.on_epoch_complete(epoch)
@@ -73,10 +82,15 @@ class LocalSgdDriver:
                 self._round_costs = {}
                 if not message.skipped:  # a skip is the same on every rank: nobody moved
                     self._feed_round()
+                if self._checkpoint_epoch is not None and self.committer is not None:
+                    self.committer.on_all_saved(self._checkpoint_epoch, self.state())
+                    self._checkpoint_epoch = None
                 if self.done:
                     self.ledger.release()
-                else:
-                    self._open_window()
+                    return
+                if self.planner.segment_done:
+                    self.planner.next_segment()
+                self._open_window()
         else:
             raise RuntimeError(f"unexpected message under local SGD: {message!r}")
 
@@ -111,16 +125,19 @@ class LocalSgdDriver:
                 self.outbox.send(action.rank, ExtendPartition(slices, action.target))
             else:
                 self._decide_evals(action)
+                self._checkpoint_epoch = action.checkpoint_epoch
                 self.ledger.open_round(action.round)
                 self.timeline.round_started(action.round)
+                order = SyncNow(action.round, action.evaluate_epoch, action.final, action.checkpoint_epoch)
                 for rank in range(self.ledger.world_size):
-                    self.outbox.send(rank, SyncNow(action.round, action.evaluate_epoch, action.final))
+                    self.outbox.send(rank, order)
 
     def _decide_evals(self, average: Average) -> None:
         """Epochs completed since the last reduce learn whether they get an eval (this round's)."""
         deciding = set(self._undecided_evals)
-        if average.final:  # every epoch not decided yet is decided now
-            deciding |= set(range(self.ledger.epochs)) - self._decided_evals
+        if average.final:  # every epoch of the segment not decided yet is decided now
+            first = self.ledger.first_epoch
+            deciding |= set(range(first, self.planner.segment_end)) - self._decided_evals
         for epoch in deciding:
             self.ledger.expect_eval(epoch, epoch == average.evaluate_epoch)
         self._undecided_evals -= deciding

@@ -11,17 +11,23 @@ window.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from flodl.averaging.consensus import DeviceAverager, HostAverager
 from flodl.metrics.scalars import drain_scalars
+from flodl.runtime.checkpointing import RankCheckpointer
 from flodl.runtime.messages import ExtendPartition, Message, Metrics, Reached, SyncAck, SyncNow
+from flodl.runtime.nonfinite import NonFiniteError
 from flodl.runtime.stepper import Stepper
 from flodl.runtime.worker import RankLink, WorkerBase
+
+log = logging.getLogger("flodl")
 
 
 @dataclass
@@ -45,8 +51,9 @@ class LocalSgdWorker(WorkerBase):
         averager: DeviceAverager | HostAverager,
         easgd_alpha: float | None,
         keep_training: bool,
+        checkpointer: RankCheckpointer | None = None,
     ) -> None:
-        super().__init__(stepper, link)
+        super().__init__(stepper, link, checkpointer)
         self.averager = averager
         self.easgd_alpha = easgd_alpha
         # Train on while a (cpu-backend) round is in flight, instead of waiting for its consensus.
@@ -61,6 +68,20 @@ class LocalSgdWorker(WorkerBase):
         self.window_busy_s = 0.0
         # Σ over ranks of the steps at every reduce so far (the LR schedule's clock, see schedule_position).
         self.global_steps = 0
+        # on_nonfinite=skip dropped this rank's window: it adopts the consensus exactly and starts afresh.
+        self.dropped_window = False
+
+    def state(self) -> dict[str, Any]:
+        return {"global_steps": self.global_steps, "averager": self.averager.state_dict()}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.global_steps = int(state["global_steps"])
+        self.averager.load_state_dict(state["averager"])
+
+    def on_nonfinite_progress(self) -> None:
+        if self.stepper.cfg.on_nonfinite == "error":
+            self.raise_if_nonfinite()
+        # skip: the window boundary handles it
 
     def has_work(self) -> bool:
         return self.round is not None or self.chunk is not None or bool(self.pending)
@@ -145,11 +166,21 @@ class LocalSgdWorker(WorkerBase):
         return self.chunk is not None or bool(self.pending)
 
     def _begin_round(self, order: SyncNow) -> None:
-        self.averager.begin(self.steps_since_avg)
+        steps = self.steps_since_avg
+        if self.stepper.cfg.on_nonfinite == "error":
+            self.raise_if_nonfinite()
+        else:
+            bad_step = self.first_nonfinite_step()
+            if bad_step is not None:
+                log.warning("rank %d: non-finite loss at step %d; its window is dropped", self.rank, bad_step)
+                self.averager.discard_own()
+                self.dropped_window = True
+                steps = 0  # no weight in the average
+        self.averager.begin(steps)
         self.round = order
         self.steps_at_snapshot = self.steps_since_avg
         self.busy_at_snapshot = self.window_busy_s
-        if not self.keep_training:
+        if not self.keep_training or self.dropped_window:
             self._finish_round(order)
 
     def _finish_round(self, order: SyncNow) -> None:
@@ -161,10 +192,19 @@ class LocalSgdWorker(WorkerBase):
             def evaluate() -> None:  # on the consensus itself, before an async rank blends it
                 self.report(self.stepper.evaluate(self.rank, self.world_size, epoch))
 
-        self.averager.adopt(None if order.final else self.easgd_alpha, evaluate)
-        if self.averager.resets_inner and not outcome.skipped:
+        if self.dropped_window and outcome.skipped:
+            raise NonFiniteError(
+                f"rank {self.rank}: every rank's window had a non-finite loss (round {order.round}); "
+                "there is no consensus to restart from"
+            )
+        exact = order.final or self.dropped_window
+        self.averager.adopt(None if exact else self.easgd_alpha, evaluate)
+        if (self.averager.resets_inner and not outcome.skipped) or self.dropped_window:
             self.stepper.parts.optimizer.state.clear()
+        self.dropped_window = False
         self.global_steps += outcome.total_steps
+        if order.checkpoint_epoch is not None and self.checkpointer is not None:
+            self.checkpointer.save(order.checkpoint_epoch, self.state())
         self.report(
             SyncAck(
                 rank=self.rank,

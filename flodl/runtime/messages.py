@@ -1,6 +1,6 @@
 """Typed control and report messages, encoded as JSON (never pickle).
 
-Worker -> coordinator: Metrics (one per chunk), Reached, SyncAck, EvalResult, Exiting.
+Worker -> coordinator: Metrics (one per chunk), Reached, SyncAck, EvalResult, Saved, Heartbeat, Exiting.
 Coordinator -> worker: StartEpoch (sync: the rank's slice of the epoch), ExtendPartition (local SGD: more
 batches and the count to report at), SyncNow, Shutdown.
 """
@@ -19,6 +19,8 @@ class StartEpoch:
     size: int
     # Evaluate the model after this epoch and report an EvalResult.
     evaluate: bool = False
+    # Write this rank's checkpoint part after the epoch and report Saved.
+    checkpoint: bool = False
 
 
 @dataclass
@@ -35,8 +37,10 @@ class SyncNow:
     round: int
     # Evaluate the consensus for this epoch before adopting it (None: no eval).
     evaluate_epoch: int | None = None
-    # The run's last reduce: adopt the consensus exactly (no EASGD blend).
+    # A segment's (or the run's) last reduce: adopt the consensus exactly (no EASGD blend).
     final: bool = False
+    # Write this rank's checkpoint part for that epoch after adopting, before acknowledging.
+    checkpoint_epoch: int | None = None
 
 
 @dataclass
@@ -115,8 +119,26 @@ class EvalResult:
 
 
 @dataclass
+class Saved:
+    """This rank's checkpoint part for the epoch is on disk (sync; local SGD says so with its SyncAck)."""
+
+    rank: int
+    epoch: int
+
+
+@dataclass
+class Heartbeat:
+    """Sent every few seconds by each rank's heartbeat thread: the process is alive and scheduling."""
+
+    rank: int
+    step: int
+
+
+@dataclass
 class Exiting:
     rank: int
+    # Why, when the rank knows (an error message).
+    reason: str = ""
 
 
 Message = (
@@ -129,6 +151,8 @@ Message = (
     | Reached
     | SyncAck
     | EvalResult
+    | Saved
+    | Heartbeat
     | Exiting
 )
 _TYPES: dict[str, type] = {t.__name__: t for t in Message.__args__}

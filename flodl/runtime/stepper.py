@@ -15,7 +15,9 @@ from torch import Tensor, nn
 from flodl.config import FlodlConfig
 from flodl.data.feeder import BatchFeeder
 from flodl.data.partition import epoch_permutation
+from flodl.runtime.faults import FaultInjection
 from flodl.runtime.messages import EvalResult
+from flodl.runtime.nonfinite import NonFiniteWatch
 from flodl.runtime.task_setup import TaskParts
 
 _SPIN_S = 0.002
@@ -29,6 +31,7 @@ class Stepper:
         device: torch.device,
         train_module: nn.Module,
         slow_factor: float,
+        rank: int = 0,
     ) -> None:
         self.cfg = cfg
         self.parts = parts
@@ -40,6 +43,9 @@ class Stepper:
         self.total_picks = len(parts.train_data) * cfg.augment
         self.steps_total = 0
         self.schedule_position = 0
+        # The first step with a non-finite loss, kept on the device until a window boundary reads it.
+        self.nonfinite = NonFiniteWatch(device)
+        self.fault = FaultInjection.for_rank(cfg.simulate, rank)
         self._permutations: dict[int, Tensor] = {}
         # The data plane: staging tiers, prefetch, device pool (flodl/data/feeder.py).
         ranks_on_host = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -72,13 +78,14 @@ class Stepper:
     def step(self, batch: list[Tensor]) -> Tensor:
         started = time.perf_counter()
         parts = self.parts
-        loss = parts.loss_fn(self.train_module, batch)
+        loss = self.fault.applied(parts.loss_fn(self.train_module, batch), self.steps_total + 1)
         parts.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if self.cfg.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
         parts.optimizer.step()
         self.steps_total += 1
+        self.nonfinite.observe(loss, self.steps_total)
         if self.slow_factor > 1.0:
             self._slow_down(started)
         return loss.detach()

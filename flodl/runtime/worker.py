@@ -8,14 +8,18 @@ read once per epoch, when the rank reports.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from flodl.metrics.scalars import drain_scalars
-from flodl.runtime.messages import Message, Metrics, Progress, Shutdown, StartEpoch
+from flodl.runtime.checkpointing import RankCheckpointer
+from flodl.runtime.messages import Message, Metrics, Progress, Saved, Shutdown, StartEpoch
+from flodl.runtime.nonfinite import NonFiniteError, nonfinite_message
 from flodl.runtime.stepper import Stepper
 from flodl.runtime.transport import COORDINATOR, InboxReader, Mailbox
 
@@ -35,8 +39,12 @@ class RankLink:
 class WorkerBase:
     """The message loop every worker shares: obey the coordinator until Shutdown."""
 
-    def __init__(self, stepper: Stepper, link: RankLink) -> None:
+    def __init__(
+        self, stepper: Stepper, link: RankLink, checkpointer: RankCheckpointer | None = None
+    ) -> None:
         self.stepper = stepper
+        # Writes this rank's checkpoint parts (None: checkpoint_every is off).
+        self.checkpointer = checkpointer
         self.rank = link.rank
         self.world_size = link.world_size
         self.reader = link.reader
@@ -78,12 +86,15 @@ class WorkerBase:
         now = time.perf_counter()
         stepper = self.stepper
         samples = self._recent_steps * stepper.cfg.batch_size
+        recent_loss = float(self._recent_loss) / self._recent_steps
+        if not math.isfinite(recent_loss):
+            self.on_nonfinite_progress()
         self.report(
             Progress(
                 rank=self.rank,
                 epoch=epoch,
                 step=stepper.steps_total,
-                loss=float(self._recent_loss) / self._recent_steps,
+                loss=recent_loss,
                 samples_per_s=samples / max(now - self._recent_since, 1e-9),
                 lr=stepper.lr,
             )
@@ -94,6 +105,26 @@ class WorkerBase:
         """Whether there is training to do without waiting for a message."""
         return False
 
+    def first_nonfinite_step(self) -> int | None:
+        """The first step with a non-finite loss since the last check (one read of the device)."""
+        return self.stepper.nonfinite.take()
+
+    def raise_if_nonfinite(self) -> None:
+        step = self.first_nonfinite_step()
+        if step is not None:
+            raise NonFiniteError(nonfinite_message(self.rank, step, self.stepper.cfg.on_nonfinite))
+
+    def on_nonfinite_progress(self) -> None:
+        """A live loss report read a non-finite value: stop now, rather than at the window's end."""
+        self.raise_if_nonfinite()
+
+    def state(self) -> dict[str, Any]:
+        """This worker's own state for a checkpoint (beyond the stepper's)."""
+        return {}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue from `state()` as saved in a checkpoint."""
+
     def work(self) -> None:
         """One unit of training between message checks."""
 
@@ -102,8 +133,10 @@ class WorkerBase:
 
 
 class SyncWorker(WorkerBase):
-    def __init__(self, stepper: Stepper, link: RankLink, bf16_wire: bool) -> None:
-        super().__init__(stepper, link)
+    def __init__(
+        self, stepper: Stepper, link: RankLink, bf16_wire: bool, checkpointer: RankCheckpointer | None
+    ) -> None:
+        super().__init__(stepper, link, checkpointer)
         # What DDP all-reduces per step: every gradient, as bf16 under bf16_wire.
         self.gradient_bytes = sum(p.numel() * (2 if bf16_wire else p.element_size()) for p in stepper.params)
 
@@ -113,6 +146,9 @@ class SyncWorker(WorkerBase):
         self.report(self.train_epoch(message))
         if message.evaluate and self.stepper.parts.eval_data is not None:
             self.report(self.stepper.evaluate(self.rank, self.world_size, message.epoch))
+        if message.checkpoint and self.checkpointer is not None:
+            self.checkpointer.save(message.epoch, self.state())
+            self.report(Saved(self.rank, message.epoch))
 
     def train_epoch(self, plan: StartEpoch) -> Metrics:
         stepper = self.stepper
@@ -132,6 +168,7 @@ class SyncWorker(WorkerBase):
             loss_sum += loss
             stepper.schedule_to(stepper.steps_total)
             self.observe(loss, plan.epoch)
+        self.raise_if_nonfinite()  # before the epoch is reported, and long before it is checkpointed
         return Metrics(
             rank=self.rank,
             epoch=plan.epoch,

@@ -1,0 +1,105 @@
+"""Taking and resuming checkpoints: each rank writes its part, rank 0's coordinator commits.
+
+A checkpoint is taken where every rank holds the same consensus: after a sync epoch, or after the exact
+reduce that ends a local-SGD segment. Each rank writes `rank{r}.pt` (rank 0 also the model) and says so;
+the coordinator, once every part is on disk and the epoch is emitted, writes its own state and commits
+(see flodl/checkpoint.py). Resuming loads the same parts back, with `weights_only=True`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from flodl.checkpoint import (
+    COORDINATOR_FILE,
+    MODEL_FILE,
+    Checkpoint,
+    CheckpointDir,
+    CheckpointError,
+    model_state,
+    rank_file,
+)
+from flodl.runtime.ledger import EpochLedger
+from flodl.runtime.rank_state import restore_stepper, stepper_state
+from flodl.runtime.stepper import Stepper
+
+log = logging.getLogger("flodl")
+
+
+class RankCheckpointer:
+    """A worker's side: write this rank's part of an epoch's checkpoint."""
+
+    def __init__(self, store: CheckpointDir, rank: int, model: nn.Module, stepper: Stepper) -> None:
+        self.store = store
+        self.rank = rank
+        self.model = model
+        self.stepper = stepper
+
+    def save(self, epoch: int, worker_state: dict[str, Any]) -> None:
+        if self.rank == 0:  # every rank holds the same consensus here: one copy is enough
+            self.store.write_part(epoch, MODEL_FILE, model_state(self.model))
+        part = {"stepper": stepper_state(self.stepper), "worker": worker_state}
+        self.store.write_part(epoch, rank_file(self.rank), part)
+
+
+def load_model_part(checkpoint: Checkpoint, model: nn.Module) -> None:
+    model.load_state_dict(checkpoint.load(MODEL_FILE))
+
+
+def restore_rank_part(checkpoint: Checkpoint, rank: int, stepper: Stepper) -> dict[str, Any]:
+    """Restore the stepper (optimizer, scheduler, RNG, counters); return the worker's own state."""
+    part = checkpoint.load(rank_file(rank))
+    restore_stepper(stepper, part["stepper"])
+    return part["worker"]
+
+
+def check_world_size(checkpoint: Checkpoint, world_size: int) -> None:
+    """Each rank's optimizer state and data position belong to its rank: a checkpoint resumes only at the
+    world size that wrote it."""
+    if checkpoint.world_size != world_size:
+        raise CheckpointError(
+            f"checkpoint {checkpoint.path} was written by {checkpoint.world_size} rank(s); this job has "
+            f"{world_size}. Resume with {checkpoint.world_size} ranks, or start fresh with resume=never "
+            "(its model.pt loads into any world size)."
+        )
+
+
+@dataclass
+class CheckpointCommitter:
+    """The coordinator's side: commit an epoch's checkpoint once every rank saved and it is emitted."""
+
+    store: CheckpointDir
+    world_size: int
+    # Epochs whose checkpoint is still to be committed: the run is not over before they are.
+    remaining: set[int]
+    saved: dict[int, set[int]] = field(default_factory=dict)
+    driver_state: dict[int, dict[str, Any]] = field(default_factory=dict)
+    committed: Checkpoint | None = None
+
+    def on_saved(self, epoch: int, rank: int) -> None:
+        self.saved.setdefault(epoch, set()).add(rank)
+
+    def on_all_saved(self, epoch: int, driver_state: dict[str, Any]) -> None:
+        """Every rank saved (local SGD: the checkpoint round is acknowledged); the driver's state then."""
+        self.saved[epoch] = set(range(self.world_size))
+        self.driver_state[epoch] = driver_state
+
+    def poll(self, ledger: EpochLedger, driver_state: dict[str, Any]) -> None:
+        """Commit every epoch whose parts are all saved and that the ledger has emitted."""
+        for epoch in sorted(self.saved):
+            if len(self.saved[epoch]) < self.world_size or ledger.next_to_emit <= epoch:
+                continue
+            state = {
+                "epoch": epoch,
+                "comm_bytes_total": ledger.comm_bytes_total,
+                "driver": self.driver_state.pop(epoch, driver_state),
+            }
+            self.store.write_part(epoch, COORDINATOR_FILE, state)
+            self.committed = self.store.commit(epoch, self.world_size)
+            del self.saved[epoch]
+            self.remaining.discard(epoch)
+            log.info("checkpoint after epoch %d: %s", epoch, self.committed.path)

@@ -1,0 +1,63 @@
+"""What one rank must keep to continue exactly: optimizer, scheduler, RNG streams and step counters."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+from flodl.runtime.stepper import Stepper
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    _, python_keys, python_gauss = random.getstate()
+    _, numpy_keys, numpy_pos, numpy_has_gauss, numpy_gauss = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": [list(python_keys), python_gauss],
+        # As plain values and tensors: checkpoints load with weights_only=True.
+        "numpy": [
+            torch.from_numpy(numpy_keys.astype(np.int64)),
+            int(numpy_pos),
+            int(numpy_has_gauss),
+            float(numpy_gauss),
+        ],
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    python_keys, python_gauss = state["python"]
+    random.setstate((3, tuple(python_keys), python_gauss))
+    numpy_keys, numpy_pos, numpy_has_gauss, numpy_gauss = state["numpy"]
+    np.random.set_state(
+        ("MT19937", numpy_keys.numpy().astype(np.uint32), numpy_pos, numpy_has_gauss, numpy_gauss)
+    )
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def stepper_state(stepper: Stepper) -> dict[str, Any]:
+    parts = stepper.parts
+    return {
+        "optimizer": parts.optimizer.state_dict(),
+        "scheduler": parts.scheduler.state_dict() if parts.scheduler is not None else None,
+        "steps_total": stepper.steps_total,
+        "schedule_position": stepper.schedule_position,
+        "rng": rng_state(stepper.device),
+    }
+
+
+def restore_stepper(stepper: Stepper, state: dict[str, Any]) -> None:
+    parts = stepper.parts
+    parts.optimizer.load_state_dict(state["optimizer"])
+    if parts.scheduler is not None and state["scheduler"] is not None:
+        parts.scheduler.load_state_dict(state["scheduler"])
+    stepper.steps_total = int(state["steps_total"])
+    stepper.schedule_position = int(state["schedule_position"])
+    set_rng_state(state["rng"], stepper.device)

@@ -1,0 +1,72 @@
+"""Which checkpoint a run continues from, agreed by every rank, and putting the run back there."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from flodl.checkpoint import COORDINATOR_FILE, Checkpoint, CheckpointError, resolve_resume
+from flodl.config import FlodlConfig
+from flodl.runtime.checkpointing import check_world_size, load_model_part, restore_rank_part
+from flodl.runtime.worker import WorkerBase
+
+log = logging.getLogger("flodl")
+
+
+def agree_on_checkpoint(cfg: FlodlConfig, store_root: Path, rank: int, world_size: int) -> Checkpoint | None:
+    """Rank 0 resolves `resume` (so every rank loads the same checkpoint, even while files change) and
+    broadcasts its choice; a bad choice fails on every rank with rank 0's reason."""
+    from flodl.runtime.assembly import checkpoint_dir
+
+    choice: list[Any] = [None]
+    if rank == 0:
+        try:
+            found = resolve_resume(cfg.resume, checkpoint_dir(cfg, store_root))
+            if found is not None:
+                check_world_size(found, world_size)
+                choice = [("ok", str(found.path), found.epoch, found.world_size)]
+        except CheckpointError as err:
+            choice = [("error", str(err))]
+    dist.broadcast_object_list(choice, src=0)
+    if choice[0] is None:
+        return None
+    if choice[0][0] == "error":
+        raise CheckpointError(choice[0][1])
+    _, path, epoch, saved_world = choice[0]
+    checkpoint = Checkpoint(Path(path), epoch, saved_world)
+    if not checkpoint.path.is_dir():
+        raise CheckpointError(
+            f"rank {rank} cannot see checkpoint {path} (rank 0 can): put save_path on storage every host sees"
+        )
+    return checkpoint
+
+
+def load_model(checkpoint: Checkpoint, model: nn.Module) -> None:
+    """Before the worker is built: DDP and the averagers start every rank from rank 0's parameters."""
+    load_model_part(checkpoint, model)
+
+
+def restore_worker(checkpoint: Checkpoint, worker: WorkerBase) -> None:
+    worker.restore(restore_rank_part(checkpoint, worker.rank, worker.stepper))
+    log.info("resumed from %s: training continues at epoch %d", checkpoint.path, checkpoint.epoch + 1)
+
+
+def coordinator_state(checkpoint: Checkpoint) -> dict[str, Any]:
+    return checkpoint.load(COORDINATOR_FILE)
+
+
+def truncate_history(metrics_path: Path, through_epoch: int) -> None:
+    """Keep the metric records of epochs the checkpoint covers: the resumed run writes the rest again."""
+    if not metrics_path.is_file():
+        return
+    kept = [
+        line
+        for line in metrics_path.read_text().splitlines()
+        if line.strip() and json.loads(line).get("epoch", -1) <= through_epoch
+    ]
+    metrics_path.write_text("".join(f"{line}\n" for line in kept))

@@ -1,0 +1,173 @@
+"""Faults end to end on 2 gloo ranks: a killed rank under restarts, a frozen rank, a NaN loss, resume."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.procs import PYTHON, TORCHRUN, TRAIN, child_env, leftovers, train
+from tests.test_cli import assert_complete_run, epochs_of
+
+pytestmark = pytest.mark.multiproc
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, f"the job ended before {path} appeared:\n{proc.communicate()[0][-4000:]}"
+        assert time.monotonic() < deadline, f"{path} did not appear within {timeout}s"
+        time.sleep(0.05)
+
+
+def _first_pid(log: Path) -> int:
+    return int(re.search(r"\(pid (\d+)\)", log.read_text()).group(1))
+
+
+def test_a_rank_killed_mid_epoch_is_restarted_and_the_job_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = [
+        *TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1", "--monitor-interval=0.1",
+        TRAIN, "epochs=24", "checkpoint_every=1", f"hydra.run.dir={run_dir}",
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        args, cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        _wait_for(run_dir / "checkpoints" / "epoch-000002", proc, timeout=120)
+        os.kill(_first_pid(run_dir / "rank1.log"), signal.SIGKILL)
+        out = proc.communicate(timeout=240)[0]
+    finally:
+        _kill_group(proc)
+    assert proc.returncode == 0, out[-6000:]
+    resumed = re.findall(r"resumed from \S+epoch-(\d+): training continues at epoch (\d+)", out)
+    assert resumed, out[-6000:]
+    checkpointed, continued = map(int, resumed[0])
+    assert checkpointed >= 2 and continued == checkpointed + 1
+    records = assert_complete_run(run_dir, world=2, epochs=24)  # every epoch exactly once, in order
+    steps = [r["step"] for r in records]
+    assert steps == sorted(steps) and steps[-1] == 24 * steps[0]  # the step count went on, not restarted
+    assert records[-1]["eval/accuracy"] > 0.9
+    assert not leftovers(tmp_path)
+
+
+def test_with_no_restarts_left_the_error_names_the_dead_rank_and_the_last_checkpoint(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [PYTHON, TRAIN, "launch.nproc_per_node=2", "epochs=24", "checkpoint_every=1",
+         f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        _wait_for(run_dir / "checkpoints" / "epoch-000001", proc, timeout=120)
+        os.kill(_first_pid(run_dir / "rank1.log"), signal.SIGKILL)
+        out = proc.communicate(timeout=120)[0]
+    finally:
+        _kill_group(proc)
+    assert proc.returncode == 1, out[-4000:]
+    assert re.search(
+        r"rank\(s\) \[1\] failed \(rank 1: exit code -9\); the last checkpoint is \S+epoch-0000", out
+    )
+
+
+def test_a_frozen_rank_is_reported_within_the_heartbeat_timeout(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [PYTHON, TRAIN, "launch.nproc_per_node=2", "epochs=200", "heartbeat_timeout_s=3",
+         "simulate.hang_rank=1", "simulate.hang_at_step=30", f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )  # fmt: skip
+    log = run_dir / "rank0.log"
+    try:
+        deadline = time.monotonic() + 120
+        while "stopped responding" not in (log.read_text() if log.exists() else ""):
+            assert time.monotonic() < deadline, "no hang report within 120 s"
+            time.sleep(0.1)
+        # Rank 0 stops itself (the launcher then stops the frozen rank, after its 30 s SIGTERM grace).
+        assert proc.wait(timeout=30) != 0
+    finally:
+        _kill_group(proc)
+    report = log.read_text()
+    assert re.search(r"rank 1 stopped responding: no heartbeat for [3-9] s", report), report[-3000:]
+    assert "Last checkpoint: none" in report
+
+
+def test_a_nan_injected_at_step_k_stops_the_run_naming_rank_and_step(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = train(
+        "launch.nproc_per_node=2", "policy=cadence", "epochs=6", "checkpoint_every=1", "simulate.nan_rank=1",
+        "simulate.nan_at_step=60", f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=150,
+    )  # fmt: skip
+    assert result.code != 0
+    assert "rank 1: the training loss became non-finite (NaN/Inf) at step 60" in result.out
+    # The last good checkpoint stays, and is finite.
+    latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text()
+    state = torch.load(latest / "model.pt", weights_only=True)
+    assert all(torch.isfinite(t).all() for t in state.values())
+
+
+def test_on_nonfinite_skip_drops_the_bad_window_and_training_goes_on(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    train(
+        "launch.nproc_per_node=2", "policy=cadence", "epochs=5", "on_nonfinite=skip", "simulate.nan_rank=1",
+        "simulate.nan_at_step=40", f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=150,
+    ).check()  # fmt: skip
+    assert "rank 1: non-finite loss at step 40; its window is dropped" in (run_dir / "rank1.log").read_text()
+    state = torch.load(run_dir / "model.pt", weights_only=True)
+    assert all(torch.isfinite(t).all() for t in state.values())
+    assert epochs_of(run_dir)[-1]["eval/accuracy"] > 0.85
+
+
+STEP_LR = "task.scheduler={_target_:torch.optim.lr_scheduler.StepLR,_partial_:true,step_size:40,gamma:0.7}"
+
+
+def test_a_resumed_sync_run_equals_the_uninterrupted_run(tmp_path: Path) -> None:
+    """Model, losses, step count and learning rate: resume continues exactly (CPU, deterministic)."""
+    common = ["checkpoint_every=2", STEP_LR]
+    train("epochs=6", *common, f"hydra.run.dir={tmp_path / 'whole'}", cwd=tmp_path).check()
+    train("epochs=4", *common, f"hydra.run.dir={tmp_path / 'split'}", cwd=tmp_path).check()
+    train("epochs=6", *common, f"hydra.run.dir={tmp_path / 'split'}", cwd=tmp_path).check()
+    whole, split = epochs_of(tmp_path / "whole"), epochs_of(tmp_path / "split")
+    assert [(r["epoch"], r["step"], r["lr"], r["loss"]) for r in split] == [
+        (r["epoch"], r["step"], r["lr"], r["loss"]) for r in whole
+    ]
+    assert whole[-1]["lr"] < whole[0]["lr"]  # the schedule did move
+    a = torch.load(tmp_path / "whole" / "model.pt", weights_only=True)
+    b = torch.load(tmp_path / "split" / "model.pt", weights_only=True)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("policy", ["cadence", "async"])
+def test_a_resumed_local_sgd_run_continues_its_step_clock_schedule_and_elche(
+    tmp_path: Path, policy: str
+) -> None:
+    run_dir = tmp_path / "run"
+    common = ["launch.nproc_per_node=2", f"policy={policy}", "checkpoint_every=2", STEP_LR,
+              f"hydra.run.dir={run_dir}"]  # fmt: skip
+    train("epochs=4", *common, cwd=tmp_path, timeout=150).check()
+    saved = torch.load(run_dir / "checkpoints" / "epoch-000003" / "coordinator.pt", weights_only=True)
+    before = epochs_of(run_dir)
+    result = train("epochs=6", *common, "logger.log_every=0", cwd=tmp_path, timeout=150).check()
+    after = epochs_of(run_dir)
+    assert [r["epoch"] for r in after] == list(range(6))
+    assert after[:4] == before
+    # ElChe continued from its saved anchor rather than from the configured one.
+    assert f"ElChe resumed at anchor {saved['driver']['elche']['anchor']}" in result.out
+    assert after[4]["step"] > before[3]["step"]
+    # The schedule's clock (Σ steps of every rank) went on: the lr did not jump back up.
+    assert after[4]["lr"] <= before[3]["lr"] < before[0]["lr"]
