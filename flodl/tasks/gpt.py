@@ -124,6 +124,9 @@ class TokenWindows:
     Sample i covers tokens [i·context, (i+1)·context]; pure, so the same index always gives the same batch.
     """
 
+    # One tensor in process memory: read directly by the step (flodl's data plane would only copy it).
+    resident = True
+
     def __init__(self, tokens: Tensor, context: int) -> None:
         if tokens.dtype != torch.uint8 or tokens.dim() != 1:
             raise ValueError(
