@@ -38,3 +38,18 @@ def test_an_epoch_waits_for_its_eval_from_every_rank() -> None:
     (metrics,) = ledger.emit_ready()
     assert metrics.eval == {"accuracy": 0.5}
     assert metrics.syncs == 1  # no rounds: under DDP each step averages, one per batch per rank
+
+
+def test_an_epoch_that_completes_before_the_one_ahead_of_it_never_gets_a_negative_time() -> None:
+    """Async epochs overlap: epoch 1 can be complete while epoch 0 still waits for its slow rank."""
+    ledger = EpochLedger(epochs=2, world_size=2, batches_per_epoch=2)
+    ledger.started_at = 0.0
+    ledger.add_chunk(chunk(0, 0, 1))
+    ledger.add_chunk(chunk(0, 1, 1))
+    ledger.add_chunk(chunk(1, 1, 1))  # epoch 1 complete first
+    ledger.add_chunk(chunk(1, 0, 1))  # then epoch 0
+    for epoch in (0, 1):
+        ledger.expect_eval(epoch, False)
+    first, second = ledger.emit_ready()
+    assert first.epoch_s > 0 and second.epoch_s == 0.0
+    assert second.samples_per_s == 0.0

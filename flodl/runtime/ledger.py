@@ -51,6 +51,7 @@ class EpochLedger:
         self.first_epoch = first_epoch
         self.next_to_emit = first_epoch
         self.comm_bytes_total = comm_bytes_total
+        self._last_finish: float | None = None
         self._round_epoch: dict[int, int] = {}
         self.hold_last = hold_last
 
@@ -107,13 +108,16 @@ class EpochLedger:
                 break
             if self.hold_last and self.next_to_emit == self.epochs - 1:
                 break
-            previous = self._open.get(self.next_to_emit - 1)
-            since = previous.completed_at if previous and previous.completed_at else self.started_at
+            since = self._last_finish if self._last_finish is not None else self.started_at
+            # Async epochs overlap: one can complete before the epoch ahead of it. Finishes are taken in
+            # epoch order (monotone), so every epoch_s is >= 0 and they sum to the run's wall time.
+            finished = max(entry.completed_at, since)
+            self._last_finish = finished
             metrics = aggregate_epoch(
                 self.next_to_emit,
                 entry.chunks,
                 entry.evals,
-                entry.completed_at - since,
+                finished - since,
                 entry.rounds,
                 self.comm_bytes_total,
                 entry.rounds_closed or self._ddp_steps(entry),
