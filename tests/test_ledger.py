@@ -12,7 +12,7 @@ def chunk(rank: int, epoch: int, batches: int) -> Metrics:
 
 
 def test_async_rounds_after_the_last_batch_belong_to_the_last_epoch() -> None:
-    ledger = EpochLedger(epochs=2, world_size=2, batches_per_epoch=4, hold_last=True)
+    ledger = EpochLedger(epochs=2, world_size=2, batches_per_epoch=4, local_sgd=True)
     for epoch in (0, 1):
         ledger.add_chunk(chunk(0, epoch, 3))
         assert ledger.add_chunk(chunk(1, epoch, 1))
@@ -53,3 +53,13 @@ def test_an_epoch_that_completes_before_the_one_ahead_of_it_never_gets_a_negativ
     first, second = ledger.emit_ready()
     assert first.epoch_s > 0 and second.epoch_s == 0.0
     assert second.samples_per_s == 0.0
+
+
+def test_a_local_sgd_epoch_without_a_round_reports_no_averaging() -> None:
+    ledger = EpochLedger(epochs=2, world_size=2, batches_per_epoch=2, local_sgd=True)
+    for epoch in (0, 1):
+        ledger.add_chunk(chunk(0, epoch, 1))
+        ledger.add_chunk(chunk(1, epoch, 1))
+        ledger.expect_eval(epoch, False)
+    (first,) = ledger.emit_ready()  # epoch 1 is held for the run's last round
+    assert (first.syncs, first.comm_bytes) == (0, 0)  # not DDP's one average per step

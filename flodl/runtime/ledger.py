@@ -36,12 +36,13 @@ class EpochLedger:
         epochs: int,
         world_size: int,
         batches_per_epoch: int,
-        hold_last: bool = False,
+        local_sgd: bool = False,
         first_epoch: int = 0,
         comm_bytes_total: int = 0,
     ) -> None:
-        """`hold_last`: keep the last epoch back until `release()` — local SGD still runs averaging rounds
-        after the last batch (async drains its queues), and their bytes belong to the last epoch.
+        """`local_sgd`: ranks average in rounds (cadence / async). The last epoch is held back until `release()`
+        (rounds run after the last batch: async drains its queues, and their bytes belong to the last epoch),
+        and an epoch no round fell into had no averaging. Otherwise DDP: every optimizer step averages.
         `first_epoch` and `comm_bytes_total`: where a resumed run continues."""
         self.epochs = epochs
         self.world_size = world_size
@@ -53,7 +54,8 @@ class EpochLedger:
         self.comm_bytes_total = comm_bytes_total
         self._last_finish: float | None = None
         self._round_epoch: dict[int, int] = {}
-        self.hold_last = hold_last
+        self.local_sgd = local_sgd
+        self.hold_last = local_sgd
 
     def _epoch(self, epoch: int) -> _Epoch:
         if epoch < self.next_to_emit or epoch >= self.epochs:
@@ -120,7 +122,7 @@ class EpochLedger:
                 finished - since,
                 entry.rounds,
                 self.comm_bytes_total,
-                entry.rounds_closed or self._ddp_steps(entry),
+                entry.rounds_closed if self.local_sgd else self._ddp_steps(entry),
                 self.world_size,
             )
             self.comm_bytes_total = metrics.comm_bytes_total

@@ -1,0 +1,40 @@
+"""The N-rank code paths with 4 gloo ranks (what a 4-GPU host runs): election, counts, weights, barriers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.procs import leftovers, train
+from tests.test_cli import assert_complete_run
+
+pytestmark = pytest.mark.multiproc
+
+
+@pytest.mark.parametrize("policy", ["cadence", "async"])
+def test_four_ranks_with_one_slowed_balance_and_checkpoint(tmp_path: Path, policy: str) -> None:
+    run_dir = tmp_path / "run"
+    train(
+        f"policy={policy}", "launch.nproc_per_node=4", "launch.start_method=fork", "simulate.slow_rank=3",
+        "simulate.factor=3", "epochs=6", "checkpoint_every=3", "logger.log_every=0",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path, timeout=240,
+    ).check()  # fmt: skip
+    records = assert_complete_run(run_dir, world=4, epochs=6)
+    later = records[2:]  # after ElChe's calibration
+    batches = [sum(r["per_rank"][rank]["batches"] for r in later) for rank in range(4)]
+    # The slowed rank trains clearly less than each fast one; every batch is trained exactly once.
+    assert all(batches[3] < 0.6 * batches[fast] for fast in range(3)), batches
+    per_epoch = sum(p["batches"] for p in records[0]["per_rank"])
+    assert all(sum(p["batches"] for p in r["per_rank"]) == per_epoch for r in records)
+    # Every rank sends the same payload in every round, slow or fast.
+    sent = {sum(r["per_rank"][rank]["comm_bytes"] for r in records) for rank in range(4)}
+    assert len(sent) == 1 and sent.pop() > 0
+    manifest = json.loads((run_dir / "checkpoints" / "epoch-000005" / "manifest.json").read_text())
+    assert sorted(manifest["files"]) == sorted(
+        ["model.pt", "coordinator.pt", "rank0.pt", "rank1.pt", "rank2.pt", "rank3.pt"]
+    )
+    assert records[-1]["eval/accuracy"] > 0.85
+    assert not leftovers(tmp_path)
