@@ -40,9 +40,9 @@ class EpochLedger:
         first_epoch: int = 0,
         comm_bytes_total: int = 0,
     ) -> None:
-        """`local_sgd`: ranks average in rounds (cadence / async). The last epoch is held back until `release()`
-        (rounds run after the last batch: async drains its queues, and their bytes belong to the last epoch),
-        and an epoch no round fell into had no averaging. Otherwise DDP: every optimizer step averages.
+        """`local_sgd`: ranks average in rounds (cadence / async). The last epoch is held back until
+        `release()` (rounds run after the last batch: async drains its queues, and their bytes belong to the
+        last epoch), and an epoch no round fell into had no averaging. Otherwise DDP: every optimizer step averages.
         `first_epoch` and `comm_bytes_total`: where a resumed run continues."""
         self.epochs = epochs
         self.world_size = world_size
