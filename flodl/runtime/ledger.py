@@ -42,7 +42,8 @@ class EpochLedger:
     ) -> None:
         """`local_sgd`: ranks average in rounds (cadence / async). The last epoch is held back until
         `release()` (rounds run after the last batch: async drains its queues, and their bytes belong to the
-        last epoch), and an epoch no round fell into had no averaging. Otherwise DDP: every optimizer step averages.
+        last epoch), and an epoch no round fell into had no averaging. Otherwise DDP: every optimizer step
+        averages.
         `first_epoch` and `comm_bytes_total`: where a resumed run continues."""
         self.epochs = epochs
         self.world_size = world_size
