@@ -14,7 +14,7 @@ import psutil
 import pytest
 import torch
 
-from tests.procs import PYTHON, TORCHRUN, TRAIN, child_env, leftovers, train
+from tests.procs import PYTHON, TORCHRUN, TRAIN, Result, child_env, leftovers, train
 from tests.test_cli import assert_complete_run, epochs_of
 
 pytestmark = pytest.mark.multiproc
@@ -37,23 +37,28 @@ def _first_pid(log: Path) -> int:
     return int(re.search(r"\(pid (\d+)\)", log.read_text()).group(1))
 
 
+def _kill_rank1_after(checkpoint: str, args: list[str], cwd: Path, run_dir: Path, timeout: float) -> Result:
+    """Start the job, SIGKILL rank 1 once `checkpoint` is committed, and wait for the job's end."""
+    proc = subprocess.Popen(
+        args, cwd=cwd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        _wait_for(run_dir / "checkpoints" / checkpoint, proc, timeout=120)
+        os.kill(_first_pid(run_dir / "rank1.log"), signal.SIGKILL)
+        out = proc.communicate(timeout=timeout)[0]
+    finally:
+        _kill_group(proc)
+    return Result(proc.returncode, out)
+
+
 def test_a_rank_killed_mid_epoch_is_restarted_and_the_job_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     args = [
         *TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1", "--monitor-interval=0.1",
         TRAIN, "epochs=24", "checkpoint_every=1", f"hydra.run.dir={run_dir}",
     ]  # fmt: skip
-    proc = subprocess.Popen(
-        args, cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        _wait_for(run_dir / "checkpoints" / "epoch-000002", proc, timeout=120)
-        os.kill(_first_pid(run_dir / "rank1.log"), signal.SIGKILL)
-        out = proc.communicate(timeout=240)[0]
-    finally:
-        _kill_group(proc)
-    assert proc.returncode == 0, out[-6000:]
+    out = _kill_rank1_after("epoch-000002", args, tmp_path, run_dir, timeout=240).check().out
     resumed = re.findall(r"resumed from \S+epoch-(\d+): training continues at epoch (\d+)", out)
     assert resumed, out[-6000:]
     checkpointed, continued = map(int, resumed[0])
@@ -67,22 +72,18 @@ def test_a_rank_killed_mid_epoch_is_restarted_and_the_job_resumes_from_its_check
 
 def test_with_no_restarts_left_the_error_names_the_dead_rank_and_the_last_checkpoint(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [PYTHON, TRAIN, "launch.nproc_per_node=2", "epochs=24", "checkpoint_every=1",
-         f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        _wait_for(run_dir / "checkpoints" / "epoch-000001", proc, timeout=120)
-        os.kill(_first_pid(run_dir / "rank1.log"), signal.SIGKILL)
-        out = proc.communicate(timeout=120)[0]
-    finally:
-        _kill_group(proc)
-    assert proc.returncode == 1, out[-4000:]
-    assert re.search(
-        r"rank\(s\) \[1\] failed \(rank 1: exit code -9\); the last checkpoint is \S+epoch-0000", out
-    )
+    args = [
+        PYTHON,
+        TRAIN,
+        "launch.nproc_per_node=2",
+        "epochs=24",
+        "checkpoint_every=1",
+        f"hydra.run.dir={run_dir}",
+    ]
+    result = _kill_rank1_after("epoch-000001", args, tmp_path, run_dir, timeout=120)
+    assert result.code == 1, result.out[-4000:]
+    failure = r"rank\(s\) \[1\] failed \(rank 1: exit code -9\); the last checkpoint is \S+epoch-0000"
+    assert re.search(failure, result.out), result.out[-4000:]
 
 
 def test_a_frozen_rank_is_reported_within_the_heartbeat_timeout(tmp_path: Path) -> None:
