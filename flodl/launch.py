@@ -21,7 +21,7 @@ from typing import Any
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from flodl.checkpoint import MODEL_FILE, save_model
+from flodl.checkpoint import MODEL_FILE, CheckpointError, save_model
 from flodl.cluster_env import adopt_scheduler_environ
 from flodl.config import FlodlConfig, to_config
 from flodl.data.partition import equal_slices
@@ -41,6 +41,7 @@ from flodl.runtime.heartbeat import HeartbeatSender, beat_interval
 from flodl.runtime.messages import Exiting
 from flodl.runtime.resume import (
     agree_on_checkpoint,
+    choose_checkpoint,
     coordinator_state,
     load_model,
     restore_worker,
@@ -82,6 +83,10 @@ def launch(cfg: DictConfig, info: RunInfo) -> None:
     if RankEnv.from_environ().launched or typed.launch.nproc_per_node == 1:
         run_rank(config, info.as_dict())
     else:
+        try:  # a checkpoint this job cannot resume is refused before any rank starts
+            choose_checkpoint(typed, Path(info.run_dir), host.world_size)
+        except CheckpointError as err:
+            raise ConfigError([f"resume={typed.resume!r}: {err}"]) from None
         self_launch(config, info, typed)
 
 
@@ -145,6 +150,13 @@ def run_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
         checkpoint = agree_on_checkpoint(cfg, run_dir, env.rank, env.world_size)
         if checkpoint is not None:
             load_model(checkpoint, parts.model)
+            if checkpoint.epoch + 1 >= cfg.epochs:
+                log.info(
+                    "checkpoint %s covers all %d epochs: nothing left to train", checkpoint.path, cfg.epochs
+                )
+                if env.rank == 0:
+                    save_model(parts.model, run_dir / MODEL_FILE)
+                return
 
         def connect(owner: int | str) -> Mailbox:
             return Mailbox.connect(group.store_host, group.store_port, namespace, owner, cfg.launch.timeout_s)

@@ -175,3 +175,20 @@ def test_a_resumed_local_sgd_run_continues_its_step_clock_schedule_and_elche(
     assert after[4]["step"] > before[3]["step"]
     # The schedule's clock (Σ steps of every rank) went on: the lr did not jump back up.
     assert after[4]["lr"] <= before[3]["lr"] < before[0]["lr"]
+
+
+def test_resuming_a_finished_run_trains_nothing_and_another_policy_is_refused_before_any_rank(
+    tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "run"
+    common = ["launch.nproc_per_node=2", "checkpoint_every=2", "epochs=2", f"hydra.run.dir={run_dir}"]
+    train("policy=cadence", *common, cwd=tmp_path, timeout=150).check()
+    records = epochs_of(run_dir)
+    again = train("policy=cadence", *common, cwd=tmp_path, timeout=150).check()
+    assert "covers all 2 epochs: nothing left to train" in again.out
+    assert epochs_of(run_dir) == records
+    (run_dir / "rank1.log").unlink()
+    refused = train("policy=sync", *common, cwd=tmp_path, timeout=150)
+    assert refused.code == 2
+    assert "was written under policy=cadence (local SGD: True); this run has policy=sync" in refused.out
+    assert not (run_dir / "rank1.log").exists()  # no rank was started

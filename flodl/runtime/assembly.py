@@ -22,7 +22,7 @@ from flodl.data.partition import equal_slices
 from flodl.metrics.run_info import RunInfo
 from flodl.metrics.sinks import ConsoleSink, JsonlSink, Sink
 from flodl.metrics.timeline import Timeline
-from flodl.runtime.checkpointing import CheckpointCommitter, RankCheckpointer
+from flodl.runtime.checkpointing import CheckpointCommitter, RankCheckpointer, run_kind
 from flodl.runtime.coordinator import Coordinator, Driver, EpochSchedule, SyncDriver
 from flodl.runtime.heartbeat import HeartbeatMonitor
 from flodl.runtime.ledger import EpochLedger
@@ -131,7 +131,8 @@ def make_coordinator(
     committer = None
     if cfg.checkpoint_every is not None:
         due = {e for e in checkpoint_epochs(cfg) if e >= first}
-        committer = CheckpointCommitter(checkpoint_dir(cfg, run_dir), world_size, due)
+        kind = run_kind(cfg.policy, averages_parameters(cfg))
+        committer = CheckpointCommitter(checkpoint_dir(cfg, run_dir), world_size, due, kind)
     driver: Driver
     if not averages_parameters(cfg):
         per_rank = equal_slices(total_picks, world_size, cfg.batch_size)[0].size // cfg.batch_size

@@ -57,6 +57,21 @@ def restore_rank_part(checkpoint: Checkpoint, rank: int, stepper: Stepper) -> di
     return part["worker"]
 
 
+def run_kind(policy: str, local_sgd: bool) -> dict[str, Any]:
+    return {"policy": policy, "local_sgd": local_sgd}
+
+
+def check_run_kind(checkpoint: Checkpoint, saved: dict[str, Any], kind: dict[str, Any]) -> None:
+    """The coordinator's state belongs to its policy (sync keeps none, local SGD keeps ElChe's)."""
+    theirs = {key: saved.get(key) for key in kind}
+    if theirs != kind:
+        raise CheckpointError(
+            f"checkpoint {checkpoint.path} was written under policy={theirs['policy']} (local SGD: "
+            f"{theirs['local_sgd']}); this run has policy={kind['policy']} (local SGD: {kind['local_sgd']}). "
+            "Resume with the policy that wrote it, or start fresh with resume=never."
+        )
+
+
 def check_world_size(checkpoint: Checkpoint, world_size: int) -> None:
     """Each rank's optimizer state and data position belong to its rank: a checkpoint resumes only at the
     world size that wrote it."""
@@ -76,6 +91,8 @@ class CheckpointCommitter:
     world_size: int
     # Epochs whose checkpoint is still to be committed: the run is not over before they are.
     remaining: set[int]
+    # What the driver's state means: the policy, and whether it averages in local-SGD rounds.
+    kind: dict[str, Any]
     saved: dict[int, set[int]] = field(default_factory=dict)
     driver_state: dict[int, dict[str, Any]] = field(default_factory=dict)
     committed: Checkpoint | None = None
@@ -94,6 +111,7 @@ class CheckpointCommitter:
             if len(self.saved[epoch]) < self.world_size or ledger.next_to_emit <= epoch:
                 continue
             state = {
+                **self.kind,
                 "epoch": epoch,
                 "comm_bytes_total": ledger.comm_bytes_total,
                 "driver": self.driver_state.pop(epoch, driver_state),

@@ -12,23 +12,37 @@ from torch import nn
 
 from flodl.checkpoint import COORDINATOR_FILE, Checkpoint, CheckpointError, resolve_resume
 from flodl.config import FlodlConfig
-from flodl.runtime.checkpointing import check_world_size, load_model_part, restore_rank_part
+from flodl.runtime.checkpointing import (
+    check_run_kind,
+    check_world_size,
+    load_model_part,
+    restore_rank_part,
+    run_kind,
+)
 from flodl.runtime.worker import WorkerBase
 
 log = logging.getLogger("flodl")
 
 
-def agree_on_checkpoint(cfg: FlodlConfig, store_root: Path, rank: int, world_size: int) -> Checkpoint | None:
-    """Rank 0 resolves `resume` (so every rank loads the same checkpoint, even while files change) and
-    broadcasts its choice; a bad choice fails on every rank with rank 0's reason."""
-    from flodl.runtime.assembly import checkpoint_dir
+def choose_checkpoint(cfg: FlodlConfig, store_root: Path, world_size: int) -> Checkpoint | None:
+    """The checkpoint `resume` names, checked against this run's world size and policy."""
+    from flodl.runtime.assembly import averages_parameters, checkpoint_dir
 
+    found = resolve_resume(cfg.resume, checkpoint_dir(cfg, store_root))
+    if found is not None:
+        check_world_size(found, world_size)
+        check_run_kind(found, coordinator_state(found), run_kind(cfg.policy, averages_parameters(cfg)))
+    return found
+
+
+def agree_on_checkpoint(cfg: FlodlConfig, store_root: Path, rank: int, world_size: int) -> Checkpoint | None:
+    """Rank 0 chooses (so every rank loads the same checkpoint, even while files change) and broadcasts its
+    choice; a bad choice fails on every rank with rank 0's reason."""
     choice: list[Any] = [None]
     if rank == 0:
         try:
-            found = resolve_resume(cfg.resume, checkpoint_dir(cfg, store_root))
+            found = choose_checkpoint(cfg, store_root, world_size)
             if found is not None:
-                check_world_size(found, world_size)
                 choice = [("ok", str(found.path), found.epoch, found.world_size)]
         except CheckpointError as err:
             choice = [("error", str(err))]
