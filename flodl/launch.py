@@ -170,8 +170,9 @@ def run_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
             if checkpoint is not None:
                 truncate_history(run_dir / METRICS_FILE, checkpoint.epoch)
             coordinator = make_coordinator(
-                cfg, config, info, env.world_size, total_picks, has_eval, reader, outbox, resumed
-            )
+                cfg, config, info, env.world_size, total_picks, has_eval, reader, outbox, resumed,
+                (parts.model, device),
+            )  # fmt: skip
             coordinator.start()
         outbox = connect(env.rank)
         worker = make_worker(

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.procs import PYTHON, TORCHRUN, TRAIN, Result, child_env, leftovers, train
-from tests.test_cli import assert_complete_run, epochs_of
+from tests.test_cli import MODEL_KEYS, assert_complete_run, epochs_of
 
 pytestmark = pytest.mark.multiproc
 
@@ -109,6 +109,10 @@ def test_a_frozen_rank_is_reported_within_the_heartbeat_timeout(tmp_path: Path) 
     report = log.read_text()
     assert re.search(r"rank 1 stopped responding: no heartbeat for [3-9] s", report), report[-3000:]
     assert "Last checkpoint: none" in report
+    # Under sync rank 0 holds the consensus: it is saved before the process ends.
+    assert "parameters at the hang (the consensus, policy=sync) saved to" in report
+    state = torch.load(run_dir / "model-at-hang.pt", weights_only=True)
+    assert set(state) == MODEL_KEYS and all(torch.isfinite(t).all() for t in state.values())
 
 
 def test_a_nan_injected_at_step_k_stops_the_run_naming_rank_and_step(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from flodl.averaging.bf16_hook import bf16_gradient_hook
@@ -22,7 +23,13 @@ from flodl.data.partition import equal_slices
 from flodl.metrics.run_info import RunInfo
 from flodl.metrics.sinks import ConsoleSink, JsonlSink, Sink
 from flodl.metrics.timeline import Timeline
-from flodl.runtime.checkpointing import CheckpointCommitter, RankCheckpointer, run_kind
+from flodl.runtime.checkpointing import (
+    HANG_MODEL_FILE,
+    CheckpointCommitter,
+    RankCheckpointer,
+    consensus_saver,
+    run_kind,
+)
 from flodl.runtime.coordinator import Coordinator, Driver, EpochSchedule, SyncDriver
 from flodl.runtime.heartbeat import HeartbeatMonitor
 from flodl.runtime.ledger import EpochLedger
@@ -121,8 +128,10 @@ def make_coordinator(
     reader: InboxReader,
     outbox: Mailbox,
     resumed: dict[str, Any] | None,
+    rank0_model: tuple[nn.Module, torch.device],
 ) -> Coordinator:
-    """`resumed`: the coordinator state of the checkpoint this run continues from (None: a fresh run)."""
+    """`resumed`: the coordinator state of the checkpoint this run continues from (None: a fresh run).
+    `rank0_model`: rank 0's model and device, saved if a peer hangs under sync (it is the consensus)."""
     schedule = EpochSchedule(cfg.epochs, world_size, total_picks, cfg.batch_size, cfg.eval_every, has_eval)
     timeline = Timeline(world_size)
     run_dir = Path(info.run_dir)
@@ -154,7 +163,8 @@ def make_coordinator(
 
         sinks.append(WandbSink(cfg.logger, info, config, cfg.policy))
     monitor = HeartbeatMonitor(world_size, cfg.heartbeat_timeout_s, started=0.0)
-    return Coordinator(reader, outbox, ledger, driver, sinks, timeline, run_dir, monitor, committer)
+    saver = None if averages_parameters(cfg) else consensus_saver(*rank0_model, run_dir / HANG_MODEL_FILE)
+    return Coordinator(reader, outbox, ledger, driver, sinks, timeline, run_dir, monitor, committer, saver)
 
 
 def _local_sgd_driver(

@@ -8,10 +8,14 @@ the coordinator, once every part is on disk and the epoch is emitted, writes its
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from flodl.checkpoint import (
@@ -20,6 +24,7 @@ from flodl.checkpoint import (
     Checkpoint,
     CheckpointDir,
     CheckpointError,
+    atomic_save,
     model_state,
     rank_file,
 )
@@ -44,6 +49,24 @@ class RankCheckpointer:
             self.store.write_part(epoch, MODEL_FILE, model_state(self.model))
         part = {"stepper": stepper_state(self.stepper), "worker": worker_state}
         self.store.write_part(epoch, rank_file(self.rank), part)
+
+
+HANG_MODEL_FILE = "model-at-hang.pt"
+
+
+def consensus_saver(model: nn.Module, device: torch.device, path: Path) -> Callable[[], None]:
+    """Under sync, rank 0's parameters are the consensus: a silent peer holds the next gradient all-reduce
+    open, so no optimizer step can change them any more. The copy runs on a CUDA stream of its own, because
+    the training stream waits for that all-reduce forever."""
+
+    def save() -> None:
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            state = {name: t.detach().to("cpu") for name, t in model.state_dict().items()}
+        atomic_save(state, path)
+        log.error("rank 0's parameters at the hang (the consensus, policy=sync) saved to %s", path)
+
+    return save
 
 
 def load_model_part(checkpoint: Checkpoint, model: nn.Module) -> None:

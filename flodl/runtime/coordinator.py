@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -145,9 +146,12 @@ class Coordinator(threading.Thread):
         run_dir: Path,
         monitor: HeartbeatMonitor,
         committer: CheckpointCommitter | None,
+        save_on_hang: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(name="flodl-coordinator", daemon=True)
         self.monitor = monitor
+        # Writes the consensus rank 0 holds when a peer goes silent (None: it holds none worth saving).
+        self.save_on_hang = save_on_hang
         # Commits checkpoints (None: checkpoint_every is off).
         self.committer = committer
         self.timeline = timeline
@@ -187,6 +191,10 @@ class Coordinator(threading.Thread):
             # The ranks' training threads wait in collectives with the silent rank, which would hold them for
             # the whole collective timeout: end this process now; the launcher stops the others.
             log.error("%s", self.error)
+            if self.save_on_hang is not None:  # bounded: nothing may keep this process from ending
+                saver = threading.Thread(target=self.save_on_hang, name="flodl-save-on-hang", daemon=True)
+                saver.start()
+                saver.join(timeout=30)
             logging.shutdown()
             os._exit(1)
 
