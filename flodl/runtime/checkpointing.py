@@ -69,10 +69,6 @@ def consensus_saver(model: nn.Module, device: torch.device, path: Path) -> Calla
     return save
 
 
-def load_model_part(checkpoint: Checkpoint, model: nn.Module) -> None:
-    model.load_state_dict(checkpoint.load(MODEL_FILE))
-
-
 def restore_rank_part(checkpoint: Checkpoint, rank: int, stepper: Stepper) -> dict[str, Any]:
     """Restore the stepper (optimizer, scheduler, RNG, counters); return the worker's own state."""
     part = checkpoint.load(rank_file(rank))

@@ -10,12 +10,11 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from flodl.checkpoint import COORDINATOR_FILE, Checkpoint, CheckpointError, resolve_resume
+from flodl.checkpoint import COORDINATOR_FILE, MODEL_FILE, Checkpoint, CheckpointError, resolve_resume
 from flodl.config import FlodlConfig
 from flodl.runtime.checkpointing import (
     check_run_kind,
     check_world_size,
-    load_model_part,
     restore_rank_part,
     run_kind,
 )
@@ -62,7 +61,7 @@ def agree_on_checkpoint(cfg: FlodlConfig, store_root: Path, rank: int, world_siz
 
 def load_model(checkpoint: Checkpoint, model: nn.Module) -> None:
     """Before the worker is built: DDP and the averagers start every rank from rank 0's parameters."""
-    load_model_part(checkpoint, model)
+    model.load_state_dict(checkpoint.load(MODEL_FILE))
 
 
 def restore_worker(checkpoint: Checkpoint, worker: WorkerBase) -> None:
