@@ -25,13 +25,17 @@ from flodl.averaging.outer import OuterSettings
 WORLD = 2
 CPU = torch.device("cpu")
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
+# make_model's 47 parameters (188 bytes) reduce as 3 chunks of at least this size.
+CHUNK_BYTES = 48
 # What a rank does to its parameters while a host round is in flight (async keeps training).
 TRAIN_DURING_ROUND = 0.25
 
 
 @dataclass(frozen=True)
 class Spec:
-    backend: str  # "device" (DeviceAverager) or "host" (HostAverager on its own gloo group)
+    # "device" (DeviceAverager), "chunked" (DeviceAverager reducing in CHUNKED_PIECES pipelined chunks)
+    # or "host" (HostAverager on its own gloo group)
+    backend: str
     gamma: float
     steps: tuple[int, int]
     alpha: float | None = None
@@ -44,7 +48,7 @@ class Spec:
 
 def _scenarios() -> dict[str, Spec]:
     specs: dict[str, Spec] = {}
-    for backend in ("device", "host"):
+    for backend in ("device", "chunked", "host"):
         base = {
             "work_weighted": Spec(backend, 1.0, (3, 1)),
             "plain_mean": Spec(backend, 0.0, (5, 2)),
@@ -118,7 +122,10 @@ def make_averager(spec: Spec, model: nn.Module, group: dist.ProcessGroup) -> Dev
     outer = OuterSettings.resolve(spec.outer, None, None)
     if spec.backend == "host":
         return HostAverager(model, spec.gamma, CPU, group, spec.bf16_wire, outer)
-    return DeviceAverager(model, spec.gamma, CPU, spec.bf16_wire, outer, keeps_own=spec.keeps_own)
+    averager = DeviceAverager(model, spec.gamma, CPU, spec.bf16_wire, outer, keeps_own=spec.keeps_own)
+    if spec.backend == "chunked":
+        averager.reducer.min_chunk_bytes = CHUNK_BYTES
+    return averager
 
 
 def round_scenario(rank: int, salt: int, spec: Spec, group: dist.ProcessGroup) -> dict[str, Any]:

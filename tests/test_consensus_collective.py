@@ -1,7 +1,7 @@
 """The averaging backends over a real 2-rank gloo group, checked against float64 hand computations.
 
 One spawn of 2 CPU ranks runs every scenario in tests/collective_ranks.py in sequence, for both
-DeviceAverager and HostAverager, and saves each rank's values around one round
+DeviceAverager (whole and in pipelined chunks) and HostAverager, and saves each rank's values around one round
 (`begin` → `finish` → `adopt`). The tests recompute the weighted consensus, the float32 buffer mean,
 the divergence triple, the EASGD blend, the bf16 wire and the outer optimizers by hand from those
 recorded values.
@@ -27,7 +27,7 @@ JOIN_TIMEOUT_S = 120.0
 REL = 1e-6
 F32_BUFFERS = ("1.running_mean", "1.running_var")
 COUNTER = "1.num_batches_tracked"
-BACKENDS = ("device", "host")
+BACKENDS = ("device", "chunked", "host")
 
 
 def _kill(proc) -> None:
@@ -266,7 +266,7 @@ def test_host_backend_leaves_the_ranks_state_alone_until_adopt(ranks, name):
         assert_bitwise(rec["after_finish"]["buffers"], rec["current"]["buffers"])
 
 
-@pytest.mark.parametrize("name", names(*AVG, "easgd", backends=("device",)))
+@pytest.mark.parametrize("name", names(*AVG, "easgd", backends=("device", "chunked")))
 def test_device_backend_reduces_in_place_during_begin(ranks, name):
     want = consensus(ranks, name)
     for rec in rounds(ranks, name):
@@ -320,7 +320,7 @@ def test_evaluate_runs_once_on_the_consensus_params(ranks, short):
             assert_rel(rec["evaluated"][0]["params"], want)
 
 
-@pytest.mark.parametrize("backend", ["device", "host"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_evaluate_sees_the_consensus_buffers(ranks, backend):
     for short in ("work_weighted", "easgd"):
         name = f"{backend}/{short}"
@@ -328,7 +328,7 @@ def test_evaluate_sees_the_consensus_buffers(ranks, backend):
             assert_rel(rec["evaluated"][0]["buffers"], buffer_mean(ranks, name))
 
 
-@pytest.mark.parametrize("backend", ["device", "host"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_evaluate_runs_on_a_skipped_round_too(ranks, backend):
     """A skipped round still carries the epoch's eval; the coordinator waits for every rank's result."""
     for rec in rounds(ranks, f"{backend}/all_idle_gamma1"):

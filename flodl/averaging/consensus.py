@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from flodl.averaging.divergence import DivergenceTriple, divergence_triple
+from flodl.averaging.divergence import DivergenceSums, DivergenceTriple, divergence_triple, triple_from_sums
 from flodl.averaging.flat import flatten_float32_buffers, flatten_parameters
 from flodl.averaging.outer import OuterOptimizer, OuterSettings
-from flodl.averaging.reducer import Reducer
+from flodl.averaging.reducer import Reducer, ReduceResult, read_total_steps
 
 _NO_DIVERGENCE = DivergenceTriple(0.0, 0.0, 0.0)
 
@@ -127,6 +127,7 @@ class DeviceAverager(_AveragerBase):
         # The rank's own parameters before the reduce, turned into `own - consensus` after it (the
         # divergence is measured in place, sparing a parameter-sized temporary and a pass over memory).
         self.drift = [torch.empty_like(t) for t in self._flat_params()] if keeps_own else None
+        self.sums = DivergenceSums(device) if keeps_own else None
         self.outer = OuterOptimizer(outer, self._flat_params()) if outer else None
         self.refs = _make_refs(self.outer, bf16_wire, self._flat_params())
 
@@ -134,19 +135,47 @@ class DeviceAverager(_AveragerBase):
     def begin(self, steps: int) -> None:
         start = time.perf_counter()
         flat = self._flat_params()
-        if self.drift is not None:
-            torch._foreach_copy_(self.drift, flat)
         buffers = self.buffers.buffer if self.buffers is not None else None
-        result = self.reducer.reduce(flat, self.refs, buffers, steps)
-        triple = _NO_DIVERGENCE
+        if self.sums is not None:
+            self.sums.reset()
+        # The guard's copy and norms ride along chunk by chunk while the reduce is on the wire. An outer
+        # optimizer's step needs the whole consensus first, so then they run before and after it.
+        stages = self if self.sums is not None and self.outer is None else None
+        if self.sums is not None and stages is None:
+            self._for_each_whole(self.before)
+        result = self.reducer.reduce(flat, self.refs, buffers, steps, stages)
+        triple, total_steps = _NO_DIVERGENCE, 0
         if not result.skipped:
             _after_reduce(self.outer, self.refs, flat)
-            if self.drift is not None:
-                triple = divergence_triple(self.drift, flat, in_place=True)
+            if self.sums is not None and stages is None:
+                self._for_each_whole(self.after)
+            total_steps, triple = self._read_round(result)
         blocked = (time.perf_counter() - start) * 1000
-        self.outcome = RoundOutcome(
-            steps, result.total_steps, result.skipped, triple, blocked, result.payload_bytes
-        )
+        self.outcome = RoundOutcome(steps, total_steps, result.skipped, triple, blocked, result.payload_bytes)
+
+    def before(self, index: int, span: slice) -> None:
+        """Keep the chunk's pre-reduce values (for the triple and the EASGD blend) and their norm."""
+        assert self.drift is not None and self.sums is not None
+        own = self.drift[index][span]
+        own.copy_(self.params[index].buffer[span])
+        self.sums.add_pre([own])
+
+    def after(self, index: int, span: slice) -> None:
+        """The chunk holds the consensus: its norm, and the kept copy becomes `own - consensus`."""
+        assert self.drift is not None and self.sums is not None
+        self.sums.add_post([self.drift[index][span]], [self.params[index].buffer[span]], in_place=True)
+
+    def _for_each_whole(self, stage: Callable[[int, slice], None]) -> None:
+        for index, group in enumerate(self.params):
+            stage(index, slice(0, group.buffer.numel()))
+
+    def _read_round(self, result: ReduceResult) -> tuple[int, DivergenceTriple]:
+        """The round's one host read: the cohort's step total and, with the guard's copy, the triple."""
+        if self.sums is None:
+            return read_total_steps(result), _NO_DIVERGENCE
+        assert result.totals is not None
+        total_steps, *sums = torch.cat([result.totals[2:], self.sums.sums]).tolist()
+        return round(total_steps), triple_from_sums(*sums)
 
     def ready(self) -> bool:
         return True
@@ -285,7 +314,7 @@ class HostAverager(_AveragerBase):
                 _after_reduce(self.outer, self.refs, self.host)
                 triple = divergence_triple(self.host_pre, self.host)
             self.outcome = RoundOutcome(
-                steps, result.total_steps, result.skipped, triple, 0.0, result.payload_bytes
+                steps, read_total_steps(result), result.skipped, triple, 0.0, result.payload_bytes
             )
         except BaseException as err:  # surfaced by finish()
             self.error = err

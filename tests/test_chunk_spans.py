@@ -1,0 +1,38 @@
+"""How a pipelined reduce cuts a flat buffer: contiguous, covering, few and large."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from flodl.averaging.reducer import MIN_CHUNK_BYTES, PIPELINE_CHUNKS, chunk_spans
+
+
+def covered(spans: list[slice]) -> list[int]:
+    return [i for span in spans for i in range(span.start, span.stop)]
+
+
+@pytest.mark.parametrize("numel", [1, 7, 1000, 10_485_760, 119_939_072])
+def test_spans_cover_every_element_once_in_order(numel):
+    spans = chunk_spans(numel, 4, chunks=4, min_bytes=64)
+    assert spans[0].start == 0 and spans[-1].stop == numel
+    assert all(a.stop == b.start for a, b in itertools.pairwise(spans))
+    assert all(s.stop > s.start for s in spans)
+    if numel <= 1000:
+        assert covered(spans) == list(range(numel))
+
+
+def test_small_buffers_are_one_chunk_and_large_ones_at_most_the_limit():
+    assert chunk_spans(1000, 4) == [slice(0, 1000)]  # 4 kB: chunking would only add launches
+    ten_m = chunk_spans(10_485_760, 4)  # 40 MiB: two chunks of at least 16 MiB
+    assert len(ten_m) == 2
+    big = chunk_spans(120_000_000, 4)
+    assert len(big) == PIPELINE_CHUNKS
+    assert all((s.stop - s.start) * 4 >= MIN_CHUNK_BYTES for s in ten_m + big)
+
+
+def test_element_size_counts():
+    # The same element count in bf16 is half the bytes: fewer chunks.
+    assert len(chunk_spans(12 << 20, 4)) == 3
+    assert len(chunk_spans(12 << 20, 2)) == 1
