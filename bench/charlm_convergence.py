@@ -2,6 +2,7 @@
 
     python bench/charlm_convergence.py                 # 2 GPUs, task=charlm (GPT-nano on the stdlib's *.py)
     python bench/charlm_convergence.py --quick
+    python bench/charlm_convergence.py --link slow     # NCCL's network transport (~ between hosts)
     python bench/charlm_convergence.py --cpu-smoke     # tiny model and corpus on CPU (gloo)
 
 sync trains --epochs epochs; cadence and async get --extra times as many, so they can reach sync's final
@@ -21,7 +22,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchlib import REPO, environment_lines, results_path, run_flodl, steady_throughput, write_report
+from benchlib import (
+    REPO,
+    SLOW_LINK_ENV,
+    environment_lines,
+    results_path,
+    run_flodl,
+    steady_throughput,
+    write_report,
+)
 
 POLICIES = ("sync", "cadence", "async")
 GOAL = 0.75
@@ -76,6 +85,7 @@ def main() -> None:
     )
     parser.add_argument("--policies", default=",".join(POLICIES), help="sync and any of cadence, async")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--link", choices=("nvlink", "slow"), default="nvlink")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny model and corpus on CPU (gloo)")
     parser.add_argument(
         "--timeout", type=float, default=None, help="seconds per run (default 600, smoke 120)"
@@ -96,6 +106,7 @@ def main() -> None:
         overrides.append(f"task.train_data.max_bytes={int(megabytes * 1e6)}")
     overrides += args.overrides
     timeout = args.timeout or (120 if args.cpu_smoke else 600)
+    env = dict(SLOW_LINK_ENV) if args.link == "slow" else None
 
     runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="flodl-charlm-") as tmp:
@@ -103,7 +114,7 @@ def main() -> None:
             epochs = sync_epochs if policy == "sync" else math.ceil(sync_epochs * args.extra)
             print(f"charlm: {policy}, {epochs} epochs ...", flush=True)
             records = run_flodl(
-                [*overrides, f"policy={policy}", f"epochs={epochs}"], Path(tmp) / policy, timeout
+                [*overrides, f"policy={policy}", f"epochs={epochs}"], Path(tmp) / policy, timeout, env
             )
             if records is not None:
                 runs[policy] = records
@@ -118,6 +129,7 @@ def main() -> None:
         f"- command: `{' '.join(['python', *sys.argv])}`",
         f"- ranks: {args.nproc}; sync {sync_epochs} epochs, cadence / async up to "
         f"{math.ceil(sync_epochs * args.extra)}; overrides: `{' '.join(overrides)}`",
+        f"- link: {args.link}" + (f" ({' '.join(f'{k}={v}' for k, v in env.items())})" if env else ""),
         f"- target: sync's final eval loss {target:.4f} nats/byte",
         "",
         "| policy | epochs | samples/s (epochs 2+) | final eval loss | eval loss per epoch "
@@ -148,7 +160,8 @@ def main() -> None:
     ]
     if missing:
         lines.append(f"\nFailed runs: {', '.join(missing)} (see the output above).")
-    write_report(results_path(args.results_dir, "charlm", args.cpu_smoke), "\n".join(lines) + "\n")
+    name = "charlm" if args.link == "nvlink" else "charlm-slow"
+    write_report(results_path(args.results_dir, name, args.cpu_smoke), "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

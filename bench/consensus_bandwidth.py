@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 from flodl.averaging.consensus import DeviceAverager, HostAverager
 
@@ -55,6 +55,38 @@ def one_round(averager: DeviceAverager | HostAverager) -> Callable[[], None]:
     return run
 
 
+def factor_paths(flat: Tensor, device: torch.device) -> dict[str, float]:
+    """Bare collectives on one flat tensor, for the three ways a weighted round can get its factor:
+    host: all-reduce the totals, read them, PreMulSum with a host scalar (what flodl runs);
+    device: divide the factor out on the device, PreMulSum reads it from device memory (no host read);
+    folded: the totals ride as the last elements of the one all-reduce (each rank scales by its own mass,
+    known locally), then one pass divides by the summed mass (no host read, no second collective)."""
+    mass, steps = 4.0, 4.0
+    own = torch.tensor([mass, 1.0, steps], dtype=torch.float64, device=device)
+
+    def host() -> None:
+        totals = own.clone()
+        dist.all_reduce(totals)
+        factor = mass / totals.tolist()[0]
+        dist.all_reduce(flat, op=dist._make_nccl_premul_sum(factor))
+
+    def on_device() -> None:
+        totals = own.clone()
+        dist.all_reduce(totals)
+        factor = (own[:1] / totals[:1]).float()
+        dist.all_reduce(flat, op=dist._make_nccl_premul_sum(factor))
+
+    folded_flat = torch.empty(flat.numel() + 3, device=device)
+    tail = torch.tensor([1.0, 1.0 / mass, steps / mass], device=device)
+
+    def folded() -> None:
+        folded_flat[-3:].copy_(tail)
+        dist.all_reduce(folded_flat, op=dist._make_nccl_premul_sum(mass))
+        folded_flat[:-3].div_(folded_flat[-3])
+
+    return {"host": timed(host, device), "device": timed(on_device, device), "folded": timed(folded, device)}
+
+
 def main() -> None:
     local_rank = int(os.environ["LOCAL_RANK"])
     device = torch.device("cuda", local_rank)
@@ -79,7 +111,8 @@ def main() -> None:
         bf16_model = model_of(width, layers, device)
         bf16 = timed(one_round(DeviceAverager(bf16_model, 1.0, device, bf16_wire=True)), device)
         host_s = timed(one_round(HostAverager(model_of(width, layers, device), 1.0, device, gloo)), device)
-        rows.append((name, numel, nbytes, plain, full, whole, lean, bf16, host_s))
+        paths = factor_paths(flat, device)
+        rows.append((name, numel, nbytes, plain, full, whole, lean, bf16, host_s, paths))
         del flat
         torch.cuda.empty_cache()
     if dist.get_rank() == 0:
@@ -99,7 +132,7 @@ def report(rows: list[tuple], world: int, bus: float) -> None:
         "| ratio | round (lean) GB/s | ratio | bf16 wire ms | cpu backend round trip ms |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, numel, nbytes, plain, full, whole, lean, bf16, host_s in rows:
+    for name, numel, nbytes, plain, full, whole, lean, bf16, host_s, _ in rows:
         gbs = [nbytes * bus / t / 1e9 for t in (plain, full, whole, lean)]
         cells = " | ".join(f"{g:.0f} | {g / gbs[0]:.2f}" for g in gbs[1:])
         times = f"{bf16 * 1e3:.2f} | {host_s * 1e3:.1f}"
@@ -110,7 +143,17 @@ def report(rows: list[tuple], world: int, bus: float) -> None:
         "reduced in chunks with the guard's work on one chunk overlapping the next chunk's transfer; one "
         "piece: the same without chunks; lean: `no_divergence_guard=true` without EASGD (the two "
         "all-reduces only).",
+        "",
+        "Factor paths, bare collectives on the same tensor (ms, and plain all-reduce time / path time):",
+        "",
+        "| model | plain ms | host read | device factor | folded totals |",
+        "|---|---|---|---|---|",
     ]
+    for name, _, _, plain, *_, paths in rows:
+        cells = " | ".join(
+            f"{paths[k] * 1e3:.3f} ({plain / paths[k]:.2f})" for k in ("host", "device", "folded")
+        )
+        lines.append(f"| {name} | {plain * 1e3:.3f} | {cells} |")
     text = "\n".join(lines) + "\n"
     print(text)
     tag = f"{world}x-{torch.cuda.get_device_name(0)}".replace(" ", "-")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -95,6 +96,8 @@ class Settings:
     plain_warmup: int
     timeout: float
     overrides: list[str]
+    # Where each flodl arm's run dir (metrics, logs; no model files) is copied (None: not kept).
+    keep_runs: Path | None = None
 
     @property
     def env(self) -> dict[str, str]:
@@ -106,6 +109,8 @@ class Measured:
     samples_per_s: float
     batch_share: float | None = None  # rank 0's share of the batches (flodl 2-GPU arms)
     syncs_per_epoch: float | None = None
+    # The plain 1-GPU arm is measured first and last; the faster counts (the stricter baseline).
+    spread: tuple[float, float] | None = None
 
 
 def batch_size_of(settings: Settings) -> int:
@@ -154,9 +159,12 @@ def run_flodl_arm(arm: Arm, settings: Settings, work: Path, steps: int, batch_si
         overrides += ["simulate.slow_rank=1", f"simulate.factor={SLOW_FACTOR}"]
     if settings.cpu:
         overrides += ["device=cpu", "launch.start_method=fork"]
-    records = run_flodl(overrides, work / arm.key, settings.timeout, settings.env)
+    run_dir = work / arm.key
+    records = run_flodl(overrides, run_dir, settings.timeout, settings.env)
     if records is None:
         return None
+    if settings.keep_runs is not None:
+        shutil.copytree(run_dir, settings.keep_runs / arm.key, ignore=shutil.ignore_patterns("*.pt"))
     steady = records[settings.skip :] or records[-1:]
     measured = Measured(steady_throughput(records, settings.skip))
     if arm.nproc > 1:
@@ -190,6 +198,12 @@ def run_arms(settings: Settings, chosen: list[str], work: Path) -> tuple[dict[st
             measured = run_flodl_arm(arm, settings, work, steps, batch_size)
         if measured is not None:
             results[arm.key] = measured
+    # The 1-GPU baseline once more, after the other arms: a cold first run would flatter every ratio.
+    again = run_plain(ARMS[0], settings, work, seconds=settings.plain_s, steps=0)
+    if base and again:
+        first, last = base["samples_per_s"], again["samples_per_s"]
+        print(f"gpu_suite: plain 1-GPU arm {first:,.1f} first, {last:,.1f} last")
+        results["torch-1"] = Measured(max(first, last), spread=(first, last))
     return results, steps
 
 
@@ -284,6 +298,12 @@ def report(results: dict[str, Measured], settings: Settings, steps: int, command
     lines += [
         "",
         "scaling efficiency = 2-GPU throughput / (2 x plain torch 1-GPU throughput)."
+        + (
+            f" The 1-GPU arm ran first and last ({base.spread[0]:,.1f} and {base.spread[1]:,.1f}); the "
+            "faster is the baseline."
+            if base and base.spread
+            else ""
+        )
         + (f" Not in this run (failed or not chosen): {', '.join(missing)}." if missing else ""),
         "",
         "| measure | value | goal (issue 9) | verdict |",
@@ -323,6 +343,9 @@ def main() -> None:
         "--timeout", type=float, default=None, help="seconds per arm (default 600, smoke 120)"
     )
     parser.add_argument("--results-dir", type=Path, default=REPO / "bench" / "results")
+    parser.add_argument(
+        "--keep-runs", type=Path, default=None, help="copy each flodl arm's run dir (no model files) here"
+    )
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every arm (after --)")
     args = parser.parse_args()
 
@@ -347,10 +370,12 @@ def main() -> None:
         epochs=args.epochs or (1 if args.cpu_smoke else 2),
         skip=1,
         epoch_s=args.epoch_s or (1.0 if args.quick else 1.5),
-        plain_s=0.3 if args.cpu_smoke else 1.0 if args.quick else 2.0,
+        # The plain 1-GPU arm measures about as long as a flodl epoch (short runs are the noisiest).
+        plain_s=0.3 if args.cpu_smoke else max(1.0 if args.quick else 2.0, args.epoch_s or 0.0),
         plain_warmup=2 if args.cpu_smoke else 20,
         timeout=args.timeout or (120 if args.cpu_smoke else 600),
         overrides=overrides,
+        keep_runs=args.keep_runs,
     )
     with tempfile.TemporaryDirectory(prefix="flodl-suite-") as tmp:
         results, steps = run_arms(settings, chosen, Path(tmp))

@@ -17,11 +17,6 @@ from flodl.averaging.weights import (
 )
 
 
-def own_row(steps, gamma):
-    """A rank's row of the small all-reduce, as the Reducer builds it."""
-    return torch.tensor([*rank_contribution(steps, gamma), steps], dtype=torch.float64)
-
-
 def approx_list(values, rel=1e-12, abs=1e-15):
     return pytest.approx(values, rel=rel, abs=abs)
 
@@ -78,8 +73,9 @@ def test_all_idle_skips_the_round(steps, gamma):
     assert w.skip
     assert w.weights == [0.0] * len(steps)
     assert w.buffer_weights == [0.0] * len(steps)
-    # No rank carries mass: the Reducer's one host read (only ranks without mass make it) sees 0 and skips.
-    assert all(rank_contribution(n, gamma)[0] == 0.0 for n in steps)
+    scale = prescale_factors(0, gamma, total_mass=0.0, total_movers=0.0)
+    assert scale.skip
+    assert (scale.param_factor, scale.buffer_factor) == (0.0, 0.0)
 
 
 def test_bad_gamma_and_overflow_are_refused():
@@ -118,30 +114,28 @@ def test_weights_sum_to_one_and_are_proportional_to_n_pow_gamma(steps, gamma):
 @settings(max_examples=300, deadline=None)
 @given(steps=steps_lists, gamma=gammas)
 def test_factors_from_reduced_totals_match_the_cohort_weights(steps, gamma):
-    rows = [own_row(n, gamma) for n in steps]
-    totals = torch.stack(rows).sum(0)  # the SUM all-reduce
+    contributions = [rank_contribution(n, gamma) for n in steps]
+    total_mass = math.fsum(c[0] for c in contributions)  # the SUM all-reduce
+    total_movers = math.fsum(c[1] for c in contributions)
     w = round_weights(steps, gamma)
-    assert (float(totals[0]) <= 0.0) == w.skip
-    if w.skip:
-        return
-    for k, row in enumerate(rows):
-        param_factor, buffer_factor = prescale_factors(row, totals).tolist()
-        assert param_factor == pytest.approx(w.weights[k], rel=1e-12, abs=1e-300)
-        assert buffer_factor == pytest.approx(w.buffer_weights[k], rel=1e-12, abs=1e-300)
+    for k, n in enumerate(steps):
+        scale = prescale_factors(n, gamma, total_mass, total_movers)
+        assert scale.skip == w.skip
+        assert scale.param_factor == pytest.approx(w.weights[k], rel=1e-12, abs=1e-300)
+        assert scale.buffer_factor == pytest.approx(w.buffer_weights[k], rel=1e-12, abs=1e-300)
 
 
 # --- the distributed recipe reproduces the weighted mean --------------------------------------
 
 
 def simulated_reduce(steps, gamma, tensors, kind):
-    """What the runtime does: SUM-reduce [n^gamma, mover, n], pre-scale locally, SUM-reduce the tensors."""
-    rows = [own_row(n, gamma) for n in steps]
-    totals = torch.stack(rows).sum(0)
-    assert float(totals[0]) > 0.0
+    """What the runtime does: SUM-reduce [n^gamma, mover], pre-scale locally, SUM-reduce the tensors."""
+    totals = torch.tensor([rank_contribution(n, gamma) for n in steps], dtype=torch.float64).sum(0)
     out = torch.zeros_like(tensors[0])
-    for row, t in zip(rows, tensors, strict=True):
-        param_factor, buffer_factor = prescale_factors(row, totals).float()
-        out += t * (param_factor if kind == "param" else buffer_factor)
+    for n, t in zip(steps, tensors, strict=True):
+        scale = prescale_factors(n, gamma, float(totals[0]), float(totals[1]))
+        assert not scale.skip
+        out += t * (scale.param_factor if kind == "param" else scale.buffer_factor)
     return out
 
 

@@ -9,7 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flodl.cadence.elche import AnchorChange, ElChe, ElCheSettings, Phase, Verdict, select_feed
+from flodl.cadence.elche import (
+    AnchorChange,
+    ElChe,
+    ElCheSettings,
+    Phase,
+    Verdict,
+    round_overhead_ms,
+    select_feed,
+)
 
 STABLE_REPORTS = 5  # calibrations to reach Phase.STABLE
 
@@ -474,3 +482,37 @@ def test_epoch_cap_property(ms, anchor, cap, remaining):
     counts = el.counts()
     assert sum(counts) <= cap and all(c >= 1 for c in counts)
     assert all(c <= remaining for c in el.counts(remaining))
+
+
+# --- what a round costs the anchor ---------------------------------------------------------------
+
+
+def test_round_overhead_is_the_reduce_when_the_control_plane_is_free():
+    # Both ranks idled about as long as the reduce held them: the reduce is the cost.
+    assert round_overhead_ms([2.0, 3.0], [2.5, 3.5]) == 3.0
+
+
+def test_round_overhead_counts_message_latency_the_reduce_time_misses():
+    # The reduce took 1 ms but each window lost 8-9 ms to messages and dispatch: 8 ms (the least idle).
+    assert round_overhead_ms([1.0, 1.0], [9.0, 8.0]) == 8.0
+
+
+def test_waiting_for_a_slow_peer_is_not_counted_as_round_overhead():
+    # Rank 0 waited 40 ms for rank 1; rank 1's own window lost 5 ms: the anchor amortizes 5, not 40.
+    assert round_overhead_ms([1.0, 1.0], [40.0, 5.0]) == 5.0
+
+
+def test_round_overhead_needs_one_entry_per_rank():
+    with pytest.raises(ValueError, match="one sync time and one idle time per rank"):
+        round_overhead_ms([1.0, 2.0], [3.0])
+
+
+def test_idle_overhead_grows_the_anchor_where_the_reduce_time_alone_would_not():
+    quiet, chatty = make(anchor=10), make(anchor=10)
+    for el in (quiet, chatty):
+        to_stable(el, [10.0, 10.0])
+    # 10 ms steps x anchor 10 = 100 ms windows; the reduce takes 1 ms (1%), the whole round 20 ms (~17%).
+    feed(quiet, [10.0, 10.0], reduce_ms=round_overhead_ms([1.0, 1.0], [1.0, 1.0]))
+    feed(chatty, [10.0, 10.0], reduce_ms=round_overhead_ms([1.0, 1.0], [20.0, 22.0]))
+    assert quiet.proposed_anchor is None
+    assert chatty.proposed_anchor is not None and chatty.proposed_anchor > 10

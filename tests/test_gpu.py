@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,11 @@ def test_one_gpu_run(tmp_path: Path) -> None:
     assert "rank 0/1 on cuda:0 (nccl)" in (run_dir / "rank0.log").read_text()
 
 
+def assert_rank_on_gpu(log: Path, rank: int) -> None:
+    """The rank's start line names its GPU and NCCL: `rank 1/2 (pid N) on cuda:1 (nccl), ...`."""
+    assert re.search(rf"rank {rank}/2 \(pid \d+\) on cuda:{rank} \(nccl\)", log.read_text()), log
+
+
 @needs_two
 @pytest.mark.parametrize("how", ["torchrun", "self-launch"])
 def test_two_ranks_over_nccl(tmp_path: Path, how: str) -> None:
@@ -37,7 +43,7 @@ def test_two_ranks_over_nccl(tmp_path: Path, how: str) -> None:
     records = assert_complete_run(run_dir, world=2, epochs=3)
     assert records[-1]["eval/accuracy"] >= 0.9
     for rank in (0, 1):
-        assert f"rank {rank}/2 on cuda:{rank} (nccl)" in (run_dir / f"rank{rank}.log").read_text()
+        assert_rank_on_gpu(run_dir / f"rank{rank}.log", rank)
     assert not leftovers(tmp_path)
 
 
@@ -56,7 +62,7 @@ def test_local_sgd_over_nccl_balances_a_slowed_rank(tmp_path: Path, policy: str)
     )
     assert fast_rank_share(records) == pytest.approx(0.75, rel=0.15)
     assert final_accuracy(records) >= 0.95
-    assert "rank 1/2 on cuda:1 (nccl)" in (tmp_path / policy / "rank1.log").read_text()
+    assert_rank_on_gpu(tmp_path / policy / "rank1.log", 1)
 
 
 @needs_two

@@ -139,6 +139,7 @@ MESSAGES = [
         post_norm=3.4,
         sync_ms=1.5,
         queued=2,
+        idle_ms=4.0,
     ),
 ]
 

@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from flodl.averaging.divergence import DivergenceSums, DivergenceTriple, divergence_triple, triple_from_sums
+from flodl.averaging.divergence import DivergenceSums, DivergenceTriple, divergence_triple
 from flodl.averaging.flat import flatten_float32_buffers, flatten_parameters
 from flodl.averaging.outer import OuterOptimizer, OuterSettings
-from flodl.averaging.reducer import Reducer, ReduceResult, read_total_steps
+from flodl.averaging.reducer import Reducer
 
 _NO_DIVERGENCE = DivergenceTriple(0.0, 0.0, 0.0)
 
@@ -127,7 +127,7 @@ class DeviceAverager(_AveragerBase):
         # The rank's own parameters before the reduce, turned into `own - consensus` after it (the
         # divergence is measured in place, sparing a parameter-sized temporary and a pass over memory).
         self.drift = [torch.empty_like(t) for t in self._flat_params()] if keeps_own else None
-        self.sums = DivergenceSums(device) if keeps_own else None
+        self.sums = DivergenceSums() if keeps_own else None
         self.outer = OuterOptimizer(outer, self._flat_params()) if outer else None
         self.refs = _make_refs(self.outer, bf16_wire, self._flat_params())
 
@@ -144,14 +144,17 @@ class DeviceAverager(_AveragerBase):
         if self.sums is not None and stages is None:
             self._for_each_whole(self.before)
         result = self.reducer.reduce(flat, self.refs, buffers, steps, stages)
-        triple, total_steps = _NO_DIVERGENCE, 0
+        triple = _NO_DIVERGENCE
         if not result.skipped:
             _after_reduce(self.outer, self.refs, flat)
-            if self.sums is not None and stages is None:
-                self._for_each_whole(self.after)
-            total_steps, triple = self._read_round(result)
+            if self.sums is not None:
+                if stages is None:
+                    self._for_each_whole(self.after)
+                triple = self.sums.read()
         blocked = (time.perf_counter() - start) * 1000
-        self.outcome = RoundOutcome(steps, total_steps, result.skipped, triple, blocked, result.payload_bytes)
+        self.outcome = RoundOutcome(
+            steps, result.total_steps, result.skipped, triple, blocked, result.payload_bytes
+        )
 
     def before(self, index: int, span: slice) -> None:
         """Keep the chunk's pre-reduce values (for the triple and the EASGD blend) and their norm."""
@@ -168,14 +171,6 @@ class DeviceAverager(_AveragerBase):
     def _for_each_whole(self, stage: Callable[[int, slice], None]) -> None:
         for index, group in enumerate(self.params):
             stage(index, slice(0, group.buffer.numel()))
-
-    def _read_round(self, result: ReduceResult) -> tuple[int, DivergenceTriple]:
-        """The round's one host read: the cohort's step total and, with the guard's copy, the triple."""
-        if self.sums is None:
-            return read_total_steps(result), _NO_DIVERGENCE
-        assert result.totals is not None
-        total_steps, *sums = torch.cat([result.totals[2:], self.sums.sums]).tolist()
-        return round(total_steps), triple_from_sums(*sums)
 
     def ready(self) -> bool:
         return True
@@ -314,7 +309,7 @@ class HostAverager(_AveragerBase):
                 _after_reduce(self.outer, self.refs, self.host)
                 triple = divergence_triple(self.host_pre, self.host)
             self.outcome = RoundOutcome(
-                steps, read_total_steps(result), result.skipped, triple, 0.0, result.payload_bytes
+                steps, result.total_steps, result.skipped, triple, 0.0, result.payload_bytes
             )
         except BaseException as err:  # surfaced by finish()
             self.error = err

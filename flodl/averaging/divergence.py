@@ -4,9 +4,9 @@
 norms alongside (reference §3.3 step 4, §5.1). It is defined once here so every backend reports
 numbers the guard can compare.
 
-The squared norms add up over any split of the parameters, so a backend can accumulate them piece by
+The squared norms add up over any split of the parameters, so a backend can take the norms piece by
 piece (`DivergenceSums`, on the device, no host read) while the pieces are still being reduced, and read
-them once at the end (`triple_from_sums`).
+them once at the end.
 """
 
 from __future__ import annotations
@@ -27,33 +27,45 @@ class DivergenceTriple(NamedTuple):
     post_norm: float
 
 
-def _sum_of_squares(tensors: Sequence[Tensor]) -> Tensor:
-    return torch.stack(torch._foreach_norm(list(tensors), 2, dtype=torch.float64)).square().sum()
+def _norms(tensors: Sequence[Tensor]) -> list[Tensor]:
+    return list(torch._foreach_norm(list(tensors), 2, dtype=torch.float64))
 
 
 class DivergenceSums:
-    """`[‖pre‖², ‖pre - post‖², ‖post‖²]` in float64 on the device, accumulated piece by piece."""
+    """The norms of `pre`, `pre - post` and `post`, piece by piece, kept on the device (float64) until
+    `read` turns them into the three global sums of squares with one host read."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.sums = torch.zeros(3, dtype=torch.float64, device=device)
+    def __init__(self) -> None:
+        self.pre: list[Tensor] = []
+        self.diff: list[Tensor] = []
+        self.post: list[Tensor] = []
 
     def reset(self) -> None:
-        self.sums.zero_()
+        self.pre, self.diff, self.post = [], [], []
 
     @torch.no_grad()
     def add_pre(self, pre: Sequence[Tensor]) -> None:
-        self.sums[0] += _sum_of_squares(pre)
+        self.pre += _norms(pre)
 
     @torch.no_grad()
     def add_post(self, pre: Sequence[Tensor], post: Sequence[Tensor], *, in_place: bool = False) -> None:
         """With `in_place=True`, `pre` is scratch and becomes `pre - post` (no model-sized temporary)."""
-        self.sums[2] += _sum_of_squares(post)
+        self.post += _norms(post)
         if in_place:
             torch._foreach_sub_(list(pre), list(post))
             diffs = pre
         else:
             diffs = torch._foreach_sub(list(pre), list(post))
-        self.sums[1] += _sum_of_squares(diffs)
+        self.diff += _norms(diffs)
+
+    def read(self) -> DivergenceTriple:
+        """Every piece's `add_pre` must have had its `add_post`."""
+        if not (len(self.pre) == len(self.diff) == len(self.post)):
+            raise ValueError(f"{len(self.pre)} pre pieces, {len(self.diff)} diffs, {len(self.post)} post")
+        if not self.pre:
+            return DivergenceTriple(0.0, 0.0, 0.0)
+        squares = torch.stack(self.pre + self.diff + self.post).view(3, -1).square().sum(dim=1)
+        return triple_from_sums(*squares.tolist())
 
 
 def triple_from_sums(pre_sq: float, diff_sq: float, post_sq: float) -> DivergenceTriple:
@@ -75,7 +87,7 @@ def divergence_triple(
         raise ValueError(f"pre has {len(pre)} tensors but post has {len(post)}")
     if not pre:
         return DivergenceTriple(0.0, 0.0, 0.0)
-    sums = DivergenceSums(pre[0].device)
+    sums = DivergenceSums()
     sums.add_pre(pre)  # first: the in-place subtraction overwrites pre
     sums.add_post(pre, post, in_place=in_place)
-    return triple_from_sums(*sums.sums.tolist())
+    return sums.read()

@@ -1,13 +1,14 @@
 """One weighted consensus over a process group, on whatever tensors it is handed (device or host).
 
-1. A float64 SUM all-reduce of `[n^gamma, mover, n]` gives every rank the same totals. Each rank's
-   factors `n^gamma / Σ n^gamma` (params) and `mover / Σ mover` (float32 buffers) are divided out on the
-   device, so a rank that moved never waits for the host between the two collectives. Only a rank with
-   no mass reads the totals first: if nobody moved, every rank is such a rank, and all skip the round.
-2. One SUM all-reduce of the pre-scaled tensors leaves the consensus (NCCL scales while it reduces:
-   PreMulSum with the factor read from device memory). With `stages`, each tensor is reduced in chunks
-   and the caller's per-chunk work (the guard's pre-reduce copy and norms) runs while the next chunk is
-   on the wire, instead of before and after the whole reduce.
+1. A float64 SUM all-reduce of `[n^gamma, mover, n]` gives every rank the same totals, so a round where
+   nobody moved is skipped everywhere and `Σ n` advances every rank's step clock. Reading them is the
+   round's one host read before the big collective; the first chunk's stage work is queued ahead of it,
+   so the device is busy while the host waits.
+2. Each rank scales by its weight `n^gamma / Σ n^gamma`; one SUM all-reduce leaves the consensus (NCCL
+   scales while it reduces: PreMulSum with a host scalar; a factor divided out on the device and read by
+   NCCL from device memory measured no faster on 2x H200). With `stages`, each tensor is reduced in chunks and
+   the caller's per-chunk work (the guard's pre-reduce copy and norms) runs while the next chunk is on the
+   wire, instead of before and after the whole reduce.
 3. With `bf16_wire`, float32 tensors travel as the bf16 difference from a reference every rank shares
    (the last global parameters), gathered and summed in float32: half the bytes, and the rounding falls on
    the small per-round change instead of on the parameters themselves.
@@ -29,10 +30,10 @@ from flodl.averaging.weights import prescale_factors, rank_contribution
 # torch 2.13 renamed all_gather_into_tensor (older torch only has the old name).
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-# Chunks of a pipelined reduce: enough to hide the per-chunk work behind the wire, few enough that
-# each chunk stays large (NCCL's bus bandwidth drops below tens of MB).
+# Chunks of a pipelined reduce: enough to hide the per-chunk work behind the wire, few and large enough
+# that NCCL keeps its bus bandwidth and the host its launch budget (a 10M-parameter model is one piece).
 PIPELINE_CHUNKS = 4
-MIN_CHUNK_BYTES = 16 << 20
+MIN_CHUNK_BYTES = 64 << 20
 
 
 class ChunkStages(Protocol):
@@ -46,15 +47,10 @@ class ChunkStages(Protocol):
 @dataclass(frozen=True)
 class ReduceResult:
     skipped: bool
-    # `[Σ n^gamma, Σ mover, Σ n]` on the tensors' device; Σ n advances every rank's step clock. Read it
-    # (`read_total_steps`) once the caller has nothing more to queue.
-    totals: Tensor | None
+    # Σ over ranks of the steps since the last reduce.
+    total_steps: int
     # What this rank put on the wire for the parameters and buffers (after compression).
     payload_bytes: int
-
-
-def read_total_steps(result: ReduceResult) -> int:
-    return 0 if result.totals is None else round(result.totals[2].item())
 
 
 def chunk_spans(
@@ -74,8 +70,6 @@ class Reducer:
         self.premul = dist.get_backend(group) == "nccl" and hasattr(dist, "_make_nccl_premul_sum")
         self.chunks = PIPELINE_CHUNKS
         self.min_chunk_bytes = MIN_CHUNK_BYTES
-        # The factors NCCL reads from device memory, kept alive while the round's collectives may still run.
-        self._factors: dict[tuple[int, torch.dtype], Tensor] = {}
 
     def reduce(
         self,
@@ -88,62 +82,69 @@ class Reducer:
         """Replace `params` (and `buffers`) in place by the cohort's weighted consensus.
 
         `refs` (same shapes as `params`, identical on every rank) is needed with bf16_wire. `params` must
-        be 1-D when `stages` is given (the flat parameter buffers).
+        be 1-D when `stages` is given (the flat parameter buffers). On a skipped round the stages may
+        have run `before` on the first chunk (nothing else).
         """
         mass, mover = rank_contribution(steps, self.gamma)
-        own = torch.tensor([mass, mover, steps], dtype=torch.float64, device=params[0].device)
-        totals = own.clone()
+        totals = torch.tensor([mass, mover, steps], dtype=torch.float64, device=params[0].device)
         dist.all_reduce(totals, group=self.group)
-        # A rank with mass knows the round happens; one without must learn whether anybody moved.
-        if mass <= 0.0 and totals[0].item() <= 0.0:
-            return ReduceResult(True, None, 0)
-        factors = prescale_factors(own, totals)
-        self._factors = {}
+        plans = [self._spans(t) for t in params]
+        if stages is not None:
+            stages.before(0, plans[0][0])
+        total_mass, total_movers, total_steps = totals.tolist()  # once per reduce, never per step
+        scale = prescale_factors(steps, self.gamma, total_mass, total_movers)
+        if scale.skip:
+            return ReduceResult(True, 0, 0)
         sent = 0
         for i, tensor in enumerate(params):
-            factor = self._factor(factors, 0, tensor.dtype)
-            if self.bf16_wire and tensor.dtype == torch.float32:
-                assert refs is not None, "bf16_wire needs the shared reference parameters"
-                whole = slice(0, tensor.numel())
-                if stages is not None:
-                    stages.before(i, whole)
-                sent += self._reduce_bf16_delta(tensor, refs[i], factor)
-                if stages is not None:
-                    stages.after(i, whole)
-            elif stages is not None:
-                sent += self._pipelined_sum(i, tensor, factor, stages)
+            if stages is None:
+                sent += self._reduce_whole(tensor, refs[i] if refs else None, scale.param_factor)
             else:
-                sent += self._weighted_sum(tensor, factor)
+                sent += self._reduce_staged(
+                    i, tensor, refs[i] if refs else None, scale.param_factor, plans[i], stages
+                )
         if buffers is not None:
-            sent += self._weighted_sum(buffers, self._factor(factors, 1, buffers.dtype))
-        return ReduceResult(False, totals, sent)
+            sent += self._weighted_sum(buffers, scale.buffer_factor)
+        return ReduceResult(False, round(total_steps), sent)
 
-    def _factor(self, factors: Tensor, which: int, dtype: torch.dtype) -> Tensor:
-        """`factors[which]` as a 1-element tensor of `dtype` (NCCL reads the factor in the tensor's type)."""
-        key = (which, dtype)
-        if key not in self._factors:
-            self._factors[key] = factors[which : which + 1].to(dtype)
-        return self._factors[key]
+    def _spans(self, tensor: Tensor) -> list[slice]:
+        if self._travels_bf16(tensor):  # gathered whole: no chunked path
+            return [slice(0, tensor.numel())]
+        return chunk_spans(tensor.numel(), tensor.element_size(), self.chunks, self.min_chunk_bytes)
 
-    def _sum_op(self, tensor: Tensor, factor: Tensor) -> dist.ReduceOp:
-        if self.premul:
-            return dist._make_nccl_premul_sum(factor)
-        tensor.mul_(factor)
-        return dist.ReduceOp.SUM
+    def _travels_bf16(self, tensor: Tensor) -> bool:
+        return self.bf16_wire and tensor.dtype == torch.float32
 
-    def _weighted_sum(self, tensor: Tensor, factor: Tensor) -> int:
-        dist.all_reduce(tensor, op=self._sum_op(tensor, factor), group=self.group)
-        return tensor.numel() * tensor.element_size()
+    def _reduce_whole(self, tensor: Tensor, ref: Tensor | None, factor: float) -> int:
+        if self._travels_bf16(tensor):
+            assert ref is not None, "bf16_wire needs the shared reference parameters"
+            return self._reduce_bf16_delta(tensor, ref, factor)
+        return self._weighted_sum(tensor, factor)
 
-    def _pipelined_sum(self, index: int, tensor: Tensor, factor: Tensor, stages: ChunkStages) -> int:
+    def _reduce_staged(
+        self,
+        index: int,
+        tensor: Tensor,
+        ref: Tensor | None,
+        factor: float,
+        spans: list[slice],
+        stages: ChunkStages,
+    ) -> int:
         """Chunk k+1 is prepared and put on the wire before chunk k's result is waited for and settled,
-        so the stages' work overlaps the transfer of the next chunk."""
+        so the stages' work overlaps the transfer of the next chunk. The first tensor's first chunk was
+        prepared while the host read the totals."""
+        if self._travels_bf16(tensor):
+            if index > 0:
+                stages.before(index, spans[0])
+            sent = self._reduce_whole(tensor, ref, factor)
+            stages.after(index, spans[0])
+            return sent
         in_flight: deque[tuple[slice, dist.Work]] = deque()
-        for span in chunk_spans(tensor.numel(), tensor.element_size(), self.chunks, self.min_chunk_bytes):
-            stages.before(index, span)
+        for k, span in enumerate(spans):
+            if index > 0 or k > 0:
+                stages.before(index, span)
             chunk = tensor[span]
-            work = dist.all_reduce(chunk, op=self._sum_op(chunk, factor), group=self.group, async_op=True)
-            in_flight.append((span, work))
+            in_flight.append((span, self._all_reduce(chunk, factor, async_op=True)))
             if len(in_flight) == 2:
                 self._settle(index, stages, *in_flight.popleft())
         while in_flight:
@@ -155,7 +156,19 @@ class Reducer:
         work.wait()  # on a GPU: the current stream waits for the chunk; the host does not
         stages.after(index, span)
 
-    def _reduce_bf16_delta(self, tensor: Tensor, ref: Tensor, factor: Tensor) -> int:
+    def _all_reduce(self, tensor: Tensor, factor: float, async_op: bool = False) -> dist.Work | None:
+        if self.premul:
+            op = dist._make_nccl_premul_sum(factor)
+        else:
+            tensor.mul_(factor)
+            op = dist.ReduceOp.SUM
+        return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+
+    def _weighted_sum(self, tensor: Tensor, factor: float) -> int:
+        self._all_reduce(tensor, factor)
+        return tensor.numel() * tensor.element_size()
+
+    def _reduce_bf16_delta(self, tensor: Tensor, ref: Tensor, factor: float) -> int:
         payload = ((tensor - ref) * factor).to(torch.bfloat16)
         world = dist.get_world_size(self.group)
         gathered = torch.empty(world * payload.numel(), dtype=torch.bfloat16, device=payload.device)

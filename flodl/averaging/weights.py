@@ -8,8 +8,8 @@ rank keeps its local state (reference §3.2, §3.4, pitfall 4).
 
 The distributed form needs two collectives: each rank all-reduces (SUM) its tiny
 `rank_contribution(n, gamma) = [n^gamma, mover]`, derives its own pre-scale factors from the totals with
-`prescale_factors` (on the device), and one big SUM all-reduce of the params scaled by them (NCCL's
-PreMulSum, as in the original) yields the consensus directly.
+`prescale_factors`, multiplies its params/buffers by them, and one big SUM all-reduce then yields
+the consensus directly (what NCCL PreMulSum does in the original).
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-from torch import Tensor
 
 
 def is_mover(steps: int) -> bool:
@@ -80,8 +78,24 @@ def rank_contribution(steps: int, gamma: float) -> tuple[float, float]:
     return gamma_mass(steps, gamma), 1.0 if is_mover(steps) else 0.0
 
 
-def prescale_factors(own: Tensor, totals: Tensor) -> Tensor:
-    """This rank's `[n^gamma / Σ n^gamma, mover / Σ mover]` from its `rank_contribution` row and the
-    SUM-reduced totals, computed where the tensors live (no host read). Only for a round that is not
-    skipped: then Σ n^gamma > 0, and Σ mover ≥ 1 since only movers carry mass."""
-    return own[:2] / totals[:2]
+@dataclass(frozen=True)
+class PreScale:
+    """One rank's multipliers before the big SUM all-reduce."""
+
+    # The cohort's total mass is 0: skip the param and buffer reduce on every rank (each rank
+    # sees the same totals, so the skip is collectively consistent).
+    skip: bool
+    # n^gamma / Σ n^gamma for params.
+    param_factor: float
+    # mover / Σ mover for float32 buffers.
+    buffer_factor: float
+
+
+def prescale_factors(steps: int, gamma: float, total_mass: float, total_movers: float) -> PreScale:
+    """Derive this rank's factors from the all-reduced `[Σ n^gamma, Σ mover]` totals."""
+    if total_mass <= 0.0:
+        return PreScale(skip=True, param_factor=0.0, buffer_factor=0.0)
+    mass, mover = rank_contribution(steps, gamma)
+    # total_movers >= 1 whenever total_mass > 0; the guard only keeps a float mishap from dividing by 0.
+    buffer_factor = mover / total_movers if total_movers > 0.0 else 0.0
+    return PreScale(skip=False, param_factor=mass / total_mass, buffer_factor=buffer_factor)

@@ -92,6 +92,17 @@ def select_feed(
     return ms, [d if h else n for d, n, h in zip(delivered_batches, steps, has, strict=True)]
 
 
+def round_overhead_ms(sync_ms: Sequence[float], idle_ms: Sequence[float]) -> float:
+    """The fixed cost of one round that the anchor amortizes: the averaging itself (the longest time a
+    rank was held up by it), or, when longer, what the round cost the rank that waited least: its
+    window's wall time not spent training (messages to and from the coordinator, the reduce, the next
+    window's dispatch). Waiting for a slower peer is balance's business, not the anchor's, hence the
+    least-idle rank."""
+    if not sync_ms or len(sync_ms) != len(idle_ms):
+        raise ValueError("round_overhead_ms needs one sync time and one idle time per rank")
+    return max(max(sync_ms), min(idle_ms))
+
+
 def _round(x: float) -> int:
     return math.floor(x + 0.5)  # half away from zero (x > 0), like Rust's f64::round
 

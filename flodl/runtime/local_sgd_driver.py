@@ -47,6 +47,7 @@ class LocalSgdDriver:
         self._undecided_evals: set[int] = set()
         self._decided_evals: set[int] = set()
         self._round_costs: dict[int, RoundCost] = {}
+        self._round_idle_ms: dict[int, float] = {}
 
     @property
     def done(self) -> bool:
@@ -77,11 +78,13 @@ class LocalSgdDriver:
             self._round_costs[message.rank] = RoundCost(
                 message.payload_bytes, message.sync_ms, message.steps_during_round
             )
+            self._round_idle_ms[message.rank] = message.idle_ms
             if self.planner.on_ack(ack):
                 self.ledger.close_round(message.round, self._round_costs)
                 self._round_costs = {}
+                idle_ms = [self._round_idle_ms.pop(rank) for rank in sorted(self._round_idle_ms)]
                 if not message.skipped:  # a skip is the same on every rank: nobody moved
-                    self._feed_round()
+                    self._feed_round(idle_ms)
                 if self._checkpoint_epoch is not None and self.committer is not None:
                     self.committer.on_all_saved(self._checkpoint_epoch, self.state())
                     self._checkpoint_epoch = None
@@ -94,7 +97,7 @@ class LocalSgdDriver:
         else:
             raise RuntimeError(f"unexpected message under local SGD: {message!r}")
 
-    def _feed_round(self) -> None:
+    def _feed_round(self, idle_ms: list[float]) -> None:
         """The guard reads the round's divergence; ElChe gets the window's timings and the verdict."""
         acks = self.planner.window_acks()
         reports = self.planner.window_reports()
@@ -109,7 +112,7 @@ class LocalSgdDriver:
         self.elche.report_timing(
             [r.busy_ms for r in reports],
             [r.steps for r in reports],
-            reduce_ms=max(a.sync_ms for a in acks),
+            reduce_ms=el.round_overhead_ms([a.sync_ms for a in acks], idle_ms),
         )
         for change in self.elche.apply_verdict(action.verdict, action.factor):
             log.info("anchor %d -> %d (%s)", change.old, change.new, change.reason)

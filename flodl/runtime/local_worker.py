@@ -66,6 +66,8 @@ class LocalSgdWorker(WorkerBase):
         self.steps_since_avg = 0
         self.target: int | None = None
         self.window_busy_s = 0.0
+        # When the current window began: the last round's end (the first window: the first dispatch).
+        self.window_started: float | None = None
         # Σ over ranks of the steps at every reduce so far (the LR schedule's clock, see schedule_position).
         self.global_steps = 0
         # on_nonfinite=skip dropped this rank's window: it adopts the consensus exactly and starts afresh.
@@ -88,6 +90,8 @@ class LocalSgdWorker(WorkerBase):
 
     def handle(self, message: Message) -> None:
         if isinstance(message, ExtendPartition):
+            if self.window_started is None:
+                self.window_started = time.perf_counter()
             self.pending.extend((e, o, s) for e, o, s in message.slices)
             for epoch, offset, size in message.slices:
                 self.stepper.advise(epoch, offset, size)
@@ -186,11 +190,16 @@ class LocalSgdWorker(WorkerBase):
     def _finish_round(self, order: SyncNow) -> None:
         outcome = self.averager.finish()
         evaluate = None
+        # Evals and checkpoints ride on some rounds; they are not the round's own cost (idle_ms).
+        epoch_work_s = 0.0
         if order.evaluate_epoch is not None and self.stepper.parts.eval_data is not None:
             epoch = order.evaluate_epoch
 
             def evaluate() -> None:  # on the consensus itself, before an async rank blends it
+                nonlocal epoch_work_s
+                started = time.perf_counter()
                 self.report(self.stepper.evaluate(self.rank, self.world_size, epoch))
+                epoch_work_s += time.perf_counter() - started
 
         if self.dropped_window and outcome.skipped:
             raise NonFiniteError(
@@ -204,7 +213,12 @@ class LocalSgdWorker(WorkerBase):
         self.dropped_window = False
         self.global_steps += outcome.total_steps
         if order.checkpoint_epoch is not None and self.checkpointer is not None:
+            started = time.perf_counter()
             self.checkpointer.save(order.checkpoint_epoch, self.state())
+            epoch_work_s += time.perf_counter() - started
+        now = time.perf_counter()
+        window_s = now - (self.window_started if self.window_started is not None else now)
+        idle_s = max(0.0, window_s - self.window_busy_s - epoch_work_s)
         self.report(
             SyncAck(
                 rank=self.rank,
@@ -218,10 +232,12 @@ class LocalSgdWorker(WorkerBase):
                 queued=self.queued_batches(),
                 steps_during_round=self.steps_since_avg - self.steps_at_snapshot,
                 payload_bytes=outcome.payload_bytes,
+                idle_ms=idle_s * 1000,
             )
         )
         # Steps taken while the round was in flight keep their weight (and time) for the next one.
         self.steps_since_avg -= self.steps_at_snapshot
         self.window_busy_s -= self.busy_at_snapshot
+        self.window_started = now - self.window_busy_s  # the carried steps belong to the next window
         self.target = None
         self.round = None

@@ -107,6 +107,8 @@ class SyncAck:
     steps_during_round: int = 0
     # Bytes this rank put on the wire for the round (after bf16 compression).
     payload_bytes: int = 0
+    # Wall time of the window (from the last round's end to this one's) this rank did not train.
+    idle_ms: float = 0.0
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Non-finite losses, caught without a host read per step.
 
-The first step whose loss is NaN or Inf is recorded on the device (a few scalar kernels per step); the
+The first step whose loss is NaN or Inf is recorded on the device (three scalar kernels per step); the
 worker reads it once at each window boundary or chunk end, where it reads the device anyway.
 """
 
@@ -14,21 +14,26 @@ class NonFiniteError(RuntimeError):
     """A rank's loss or the consensus stopped being finite; the message names rank and step."""
 
 
+# "No bad step yet": larger than any step a run reaches.
+_NONE = torch.iinfo(torch.long).max
+
+
 class NonFiniteWatch:
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.first_bad = torch.full((), -1, dtype=torch.long, device=device)
+        self.first_bad = torch.full((), _NONE, dtype=torch.long, device=device)
 
     def observe(self, loss: Tensor, step: int) -> None:
-        """Remember `step` if it is the first non-finite loss since the last `take`."""
-        fresh = ~torch.isfinite(loss) & (self.first_bad < 0)
-        self.first_bad = torch.where(fresh, torch.full_like(self.first_bad, step), self.first_bad)
+        """Remember `step` if it is the first non-finite loss since the last `take`. Steps only grow, so
+        the first bad one is the smallest: three kernels, no branch and no host read."""
+        bad_here = torch.where(torch.isfinite(loss), _NONE, step)
+        torch.minimum(self.first_bad, bad_here, out=self.first_bad)
 
     def take(self) -> int | None:
         """The first non-finite step since the last call (one host read), and start over."""
         step = int(self.first_bad)
-        self.first_bad.fill_(-1)
-        return step if step >= 0 else None
+        self.first_bad.fill_(_NONE)
+        return step if step != _NONE else None
 
 
 def nonfinite_message(rank: int, step: int, on_nonfinite: str) -> str:
