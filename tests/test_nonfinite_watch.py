@@ -33,3 +33,18 @@ def test_take_starts_over():
     watch.observe(torch.tensor(float("nan"), dtype=torch.bfloat16), 9)  # autocast losses
     assert watch.take() == 9
 
+
+def test_a_long_window_grows_the_buffer_and_keeps_every_step():
+    watch = NonFiniteWatch(CPU)
+    for step in range(101, 101 + 1000):  # past the initial slots, twice over
+        watch.observe(torch.tensor(float("nan") if step == 950 else 1.0), step)
+    assert watch.take() == 950
+    for step in range(1101, 1104):
+        watch.observe(torch.tensor(1.0, requires_grad=True) * 2, step)  # a loss with a graph
+    assert watch.take() is None
+    watch.observe(torch.tensor(float("inf")), 1104)
+    assert watch.take() == 1104
+
+
+def test_nothing_observed_reports_nothing():
+    assert NonFiniteWatch(CPU).take() is None

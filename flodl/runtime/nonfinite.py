@@ -1,7 +1,8 @@
 """Non-finite losses, caught without a host read per step.
 
-The first step whose loss is NaN or Inf is recorded on the device (three scalar kernels per step); the
-worker reads it once at each window boundary or chunk end, where it reads the device anyway.
+Each step's loss is copied into a device buffer (one kernel per step); the worker reads the buffer's
+finiteness once at each window boundary or chunk end, where it reads the device anyway, and only then
+looks for the first bad step.
 """
 
 from __future__ import annotations
@@ -9,31 +10,41 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+_INITIAL_SLOTS = 256
+
 
 class NonFiniteError(RuntimeError):
     """A rank's loss or the consensus stopped being finite; the message names rank and step."""
 
 
-# "No bad step yet": larger than any step a run reaches.
-_NONE = torch.iinfo(torch.long).max
-
-
 class NonFiniteWatch:
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.first_bad = torch.full((), _NONE, dtype=torch.long, device=device)
+        self.losses = torch.empty(_INITIAL_SLOTS, dtype=torch.float32, device=device)
+        self.count = 0
+        # The step of slot 0 (steps are consecutive between takes).
+        self.first_step = 0
 
     def observe(self, loss: Tensor, step: int) -> None:
-        """Remember `step` if it is the first non-finite loss since the last `take`. Steps only grow, so
-        the first bad one is the smallest: three kernels, no branch and no host read."""
-        bad_here = torch.where(torch.isfinite(loss), _NONE, step)
-        torch.minimum(self.first_bad, bad_here, out=self.first_bad)
+        """Keep the loss of `step` (the step after the last one observed) until the next `take`."""
+        if self.count == 0:
+            self.first_step = step
+        if self.count == self.losses.numel():  # rare: double, keeping what is there
+            grown = torch.empty(2 * self.count, dtype=torch.float32, device=self.device)
+            grown[: self.count].copy_(self.losses)
+            self.losses = grown
+        self.losses[self.count].copy_(loss.detach())
+        self.count += 1
 
     def take(self) -> int | None:
         """The first non-finite step since the last call (one host read), and start over."""
-        step = int(self.first_bad)
-        self.first_bad.fill_(_NONE)
-        return step if step != _NONE else None
+        kept, self.count = self.losses[: self.count], 0
+        if kept.numel() == 0:
+            return None
+        bad = ~torch.isfinite(kept)
+        if not bool(bad.any()):
+            return None
+        return self.first_step + int(bad.nonzero()[0, 0])
 
 
 def nonfinite_message(rank: int, step: int, on_nonfinite: str) -> str:
