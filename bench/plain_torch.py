@@ -12,6 +12,7 @@ Rank 0 writes {samples_per_s, step_ms, steps, world, loss} to --out.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -35,6 +36,14 @@ def load_task(name: str, overrides: list[str]) -> Any:
     )
     OmegaConf.resolve(cfg)
     return cfg
+
+
+def direct_callable(fn: Any) -> Any:
+    """The function a config partial binds, called directly as a plain torch loop would (Hydra 1.3.8
+    wraps `_partial_: true` targets in a partial that re-runs its target policy on every call)."""
+    if isinstance(fn, functools.partial):
+        return functools.partial(fn.func, *fn.args, **fn.keywords)
+    return fn
 
 
 class Clock:
@@ -92,7 +101,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
     model = instantiate(cfg.task.model).to(device)
     optimizer = instantiate(cfg.task.optimizer)(model.parameters())
-    loss_fn = instantiate(cfg.task.loss)
+    loss_fn = direct_callable(instantiate(cfg.task.loss))
     data = instantiate(cfg.task.train_data)
     train_module: torch.nn.Module = model
     if world > 1:

@@ -9,7 +9,8 @@ Each op a step dispatches is one the host has to issue, so on models whose steps
 of 2n are counted; the difference over n is the per-step count, so per-epoch work (the one loss read, the
 NaN check) drops out. Ops that read a value back to the host (`_local_scalar_dense`, behind `.item()`,
 `float()`, `.tolist()`) are listed on their own: flodl must add none per step (torch's own optimizers may
-read their CPU step counters, in both loops alike).
+read their CPU step counters, in both loops alike). `--time-steps N` also times both loops: on a small model
+on the CPU the difference is the host time flodl's loop adds outside the ops.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import collections
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -95,14 +97,14 @@ def flodl_run(task: str, overrides: list[str], device: torch.device) -> Callable
 
 def plain_run(task: str, overrides: list[str], device: torch.device) -> Callable[[int], None]:
     """`run(k)`: k steps of bench/plain_torch.py's loop (one process)."""
-    from plain_torch import load_task
+    from plain_torch import direct_callable, load_task
 
     cfg: Any = load_task(task, overrides)
     batch_size = int(cfg.batch_size)
     torch.manual_seed(0)
     model = instantiate(cfg.task.model).to(device)
     optimizer = instantiate(cfg.task.optimizer)(model.parameters())
-    loss_fn = instantiate(cfg.task.loss)
+    loss_fn = direct_callable(instantiate(cfg.task.loss))
     data = instantiate(cfg.task.train_data)
     order = torch.randperm(len(data))
     loss_sum = torch.zeros((), device=device)
@@ -128,6 +130,20 @@ def compare(task: str, overrides: list[str], device: torch.device, steps: int) -
     }
 
 
+def wall_ms_per_step(run: Callable[[int], None], steps: int, device: torch.device, repeats: int = 7) -> float:
+    """The fastest of `repeats` runs of `steps` steps, per step (the device drained at both ends)."""
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        run(steps)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best / steps * 1000
+
+
 def extra_host_reads(counts: dict[str, dict[str, float]]) -> float:
     return sum(counts["flodl"].get(op, 0) - counts["plain"].get(op, 0) for op in HOST_READS)
 
@@ -139,6 +155,12 @@ def main() -> None:
     parser.add_argument("--task", default="digits")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument(
+        "--time-steps",
+        type=int,
+        default=0,
+        help="also time both loops over this many steps (one epoch's worth)",
+    )
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for the task (after --)")
     args = parser.parse_args()
     counts = compare(args.task, args.overrides, torch.device(args.device), args.steps)
@@ -150,6 +172,16 @@ def main() -> None:
         if extra:
             print(f"  {extra:+6.2f}  {op}")
     print(f"host reads per step that flodl adds: {extra_host_reads(counts):g}")
+    if args.time_steps:
+        device = torch.device(args.device)
+        times = {
+            name: wall_ms_per_step(make(args.task, args.overrides, device), args.time_steps, device)
+            for name, make in (("plain", plain_run), ("flodl", flodl_run))
+        }
+        print(
+            f"wall per step (best of 7 x {args.time_steps} steps): plain torch {times['plain']:.3f} ms, "
+            f"flodl {times['flodl']:.3f} ms, flodl / plain {times['flodl'] / times['plain']:.3f}"
+        )
 
 
 if __name__ == "__main__":
