@@ -88,7 +88,7 @@ class Reducer:
         mass, mover = rank_contribution(steps, self.gamma)
         totals = torch.tensor([mass, mover, steps], dtype=torch.float64, device=params[0].device)
         dist.all_reduce(totals, group=self.group)
-        plans = [self._spans(t) for t in params]
+        plans = [self._spans(t) for t in params] if stages is not None else []
         if stages is not None:
             stages.before(0, plans[0][0])
         total_mass, total_movers, total_steps = totals.tolist()  # once per reduce, never per step
