@@ -16,6 +16,7 @@ import functools
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,58 @@ def direct_callable(fn: Any) -> Any:
     if isinstance(fn, functools.partial):
         return functools.partial(fn.func, *fn.args, **fn.keywords)
     return fn
+
+
+class PlainLoop:
+    """Plain torch's training loop, the baseline every benchmark compares with (bench/step_ops.py counts
+    its ops). Each rank takes its own batches of a shared per-epoch permutation, as a DistributedSampler
+    would; `wrap` turns the model into what trains (DDP for several ranks)."""
+
+    def __init__(
+        self,
+        cfg: Any,
+        device: torch.device,
+        seed: int,
+        world: int = 1,
+        rank: int = 0,
+        wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+    ) -> None:
+        self.batch_size = int(cfg.batch_size)
+        self.device, self.seed, self.world, self.rank = device, seed, world, rank
+        torch.manual_seed(seed)
+        model = instantiate(cfg.task.model).to(device)
+        self.optimizer = instantiate(cfg.task.optimizer)(model.parameters())
+        self.loss_fn = direct_callable(instantiate(cfg.task.loss))
+        self.data = instantiate(cfg.task.train_data)
+        self.train_module = wrap(model) if wrap is not None else model
+        self.train_module.train()
+        self.batches_per_epoch = len(self.data) // (self.batch_size * world)
+        if self.batches_per_epoch == 0:
+            raise SystemExit(
+                f"plain_torch: {len(self.data)} samples hold no batch of {self.batch_size} x {world} ranks"
+            )
+        self.order: dict[int, torch.Tensor] = {}
+        self.loss_sum = torch.zeros((), device=device)
+        self.step = 0
+
+    def batch_at(self, step: int) -> list[torch.Tensor]:
+        epoch, b = divmod(step, self.batches_per_epoch)
+        if epoch not in self.order:
+            self.order.clear()
+            generator = torch.Generator().manual_seed(self.seed + epoch)
+            self.order[epoch] = torch.randperm(len(self.data), generator=generator)
+        start = (b * self.world + self.rank) * self.batch_size
+        picks = self.order[epoch][start : start + self.batch_size]
+        return [t.to(self.device, non_blocking=True) for t in self.data.get_batch(picks)]
+
+    def train(self, steps: int) -> None:
+        for _ in range(steps):
+            loss = self.loss_fn(self.train_module, self.batch_at(self.step))
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
+            self.loss_sum += loss.detach()
+            self.step += 1
 
 
 class Clock:
@@ -97,14 +150,10 @@ def main() -> None:
             dist.init_process_group("gloo")
 
     cfg = load_task(args.task, args.override)
-    batch_size = int(cfg.batch_size)
-    torch.manual_seed(args.seed)
-    model = instantiate(cfg.task.model).to(device)
-    optimizer = instantiate(cfg.task.optimizer)(model.parameters())
-    loss_fn = direct_callable(instantiate(cfg.task.loss))
-    data = instantiate(cfg.task.train_data)
-    train_module: torch.nn.Module = model
-    if world > 1:
+
+    def wrap(model: torch.nn.Module) -> torch.nn.Module:
+        if world == 1:
+            return model
         ddp = DistributedDataParallel(
             model, device_ids=[local_rank] if device.type == "cuda" else None, gradient_as_bucket_view=True
         )
@@ -118,58 +167,27 @@ def main() -> None:
                 else default_hooks.fp16_compress_hook
             )
             ddp.register_comm_hook(dist.group.WORLD, hook)
-        train_module = ddp
+        return ddp
 
-    # Each rank takes its own batches of a shared per-epoch permutation, as a DistributedSampler would.
-    batches_per_epoch = len(data) // (batch_size * world)
-    if batches_per_epoch == 0:
-        raise SystemExit(f"plain_torch: {len(data)} samples hold no batch of {batch_size} x {world} ranks")
-    order: dict[int, torch.Tensor] = {}
-
-    def batch_at(step: int) -> list[torch.Tensor]:
-        epoch, b = divmod(step, batches_per_epoch)
-        if epoch not in order:
-            order.clear()
-            order[epoch] = torch.randperm(
-                len(data), generator=torch.Generator().manual_seed(args.seed + epoch)
-            )
-        start = (b * world + rank) * batch_size
-        return [
-            t.to(device, non_blocking=True) for t in data.get_batch(order[epoch][start : start + batch_size])
-        ]
-
-    loss_sum = torch.zeros((), device=device)
-    step = 0
-
-    def train(steps: int) -> None:
-        nonlocal loss_sum, step
-        for _ in range(steps):
-            loss = loss_fn(train_module, batch_at(step))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            loss_sum += loss.detach()
-            step += 1
-
-    train_module.train()
+    loop = PlainLoop(cfg, device, args.seed, world, rank, wrap)
     clock = Clock(device)
-    train(args.warmup)
+    loop.train(args.warmup)
     steps = args.steps
     if args.seconds is not None:
         if world > 1:
             raise SystemExit("plain_torch: --seconds needs a single process (ranks must agree on the steps)")
         clock.start()
-        train(PROBE_STEPS)
+        loop.train(PROBE_STEPS)
         steps = max(PROBE_STEPS, round(args.seconds * PROBE_STEPS / clock.stop()))
     if world > 1:
         dist.barrier()
     clock.start()
-    train(steps)
+    loop.train(steps)
     seconds = clock.stop()
-    mean_loss = float(loss_sum) / step
+    mean_loss = float(loop.loss_sum) / loop.step
     if rank == 0:
         result = {
-            "samples_per_s": steps * batch_size * world / seconds,
+            "samples_per_s": steps * loop.batch_size * world / seconds,
             "step_ms": seconds / steps * 1000,
             "steps": steps,
             "world": world,

@@ -21,11 +21,9 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 from hydra import compose, initialize_config_dir
-from hydra.utils import instantiate
 from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = Path(__file__).resolve().parents[1]
@@ -97,30 +95,9 @@ def flodl_run(task: str, overrides: list[str], device: torch.device) -> Callable
 
 def plain_run(task: str, overrides: list[str], device: torch.device) -> Callable[[int], None]:
     """`run(k)`: k steps of bench/plain_torch.py's loop (one process)."""
-    from plain_torch import direct_callable, load_task
+    from plain_torch import PlainLoop, load_task
 
-    cfg: Any = load_task(task, overrides)
-    batch_size = int(cfg.batch_size)
-    torch.manual_seed(0)
-    model = instantiate(cfg.task.model).to(device)
-    optimizer = instantiate(cfg.task.optimizer)(model.parameters())
-    loss_fn = direct_callable(instantiate(cfg.task.loss))
-    data = instantiate(cfg.task.train_data)
-    order = torch.randperm(len(data))
-    loss_sum = torch.zeros((), device=device)
-
-    def run(steps: int) -> None:
-        nonlocal loss_sum
-        for b in range(steps):
-            picks = order[(b * batch_size) % (len(data) - batch_size) :][:batch_size]
-            batch = [t.to(device, non_blocking=True) for t in data.get_batch(picks)]
-            loss = loss_fn(model, batch)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            loss_sum += loss.detach()
-
-    return run
+    return PlainLoop(load_task(task, overrides), device, seed=0).train
 
 
 def compare(task: str, overrides: list[str], device: torch.device, steps: int) -> dict[str, dict[str, float]]:

@@ -62,13 +62,11 @@ class DivergenceSums:
         """Every piece's `add_pre` must have had its `add_post`."""
         if not (len(self.pre) == len(self.diff) == len(self.post)):
             raise ValueError(f"{len(self.pre)} pre pieces, {len(self.diff)} diffs, {len(self.post)} post")
-        if not self.pre:
-            return DivergenceTriple(0.0, 0.0, 0.0)
         squares = torch.stack(self.pre + self.diff + self.post).view(3, -1).square().sum(dim=1)
-        return triple_from_sums(*squares.tolist())
+        return _triple_from_sums(*squares.tolist())
 
 
-def triple_from_sums(pre_sq: float, diff_sq: float, post_sq: float) -> DivergenceTriple:
+def _triple_from_sums(pre_sq: float, diff_sq: float, post_sq: float) -> DivergenceTriple:
     """The divergence is 0 when ‖post‖ ≤ POST_NORM_FLOOR; post_norm is still reported as measured."""
     pre_norm, diff_norm, post_norm = pre_sq**0.5, diff_sq**0.5, post_sq**0.5
     divergence = diff_norm / post_norm if post_norm > POST_NORM_FLOOR else 0.0

@@ -131,18 +131,15 @@ class Reducer:
         stages: ChunkStages,
     ) -> int:
         """Chunk k+1 is prepared and put on the wire before chunk k's result is waited for and settled,
-        so the stages' work overlaps the transfer of the next chunk. The first tensor's first chunk was
-        prepared while the host read the totals."""
+        so the stages' work overlaps the transfer of the next chunk."""
         if self._travels_bf16(tensor):
-            if index > 0:
-                stages.before(index, spans[0])
+            self._prepare(stages, index, 0, spans[0])
             sent = self._reduce_whole(tensor, ref, factor)
             stages.after(index, spans[0])
             return sent
         in_flight: deque[tuple[slice, dist.Work]] = deque()
         for k, span in enumerate(spans):
-            if index > 0 or k > 0:
-                stages.before(index, span)
+            self._prepare(stages, index, k, span)
             chunk = tensor[span]
             in_flight.append((span, self._all_reduce(chunk, factor, async_op=True)))
             if len(in_flight) == 2:
@@ -150,6 +147,11 @@ class Reducer:
         while in_flight:
             self._settle(index, stages, *in_flight.popleft())
         return tensor.numel() * tensor.element_size()
+
+    @staticmethod
+    def _prepare(stages: ChunkStages, index: int, k: int, span: slice) -> None:
+        if index > 0 or k > 0:  # the first tensor's first chunk was prepared while the host read the totals
+            stages.before(index, span)
 
     @staticmethod
     def _settle(index: int, stages: ChunkStages, span: slice, work: dist.Work) -> None:

@@ -71,6 +71,8 @@ class AckReport:
     sync_ms: float
     # Batches still queued on the rank (async overshoot not yet trained).
     queued: int
+    # The rank's window wall time not spent training (see elche.round_overhead_ms).
+    idle_ms: float = 0.0
 
 
 @dataclass

@@ -47,7 +47,6 @@ class LocalSgdDriver:
         self._undecided_evals: set[int] = set()
         self._decided_evals: set[int] = set()
         self._round_costs: dict[int, RoundCost] = {}
-        self._round_idle_ms: dict[int, float] = {}
 
     @property
     def done(self) -> bool:
@@ -72,19 +71,17 @@ class LocalSgdDriver:
         elif isinstance(message, SyncAck):
             ack = PlannerAck(
                 message.rank, message.steps, message.divergence, message.pre_norm, message.post_norm,
-                message.sync_ms, message.queued,
+                message.sync_ms, message.queued, message.idle_ms,
             )  # fmt: skip
             self.timeline.round_acked(message.round, message.rank, message.divergence)
             self._round_costs[message.rank] = RoundCost(
                 message.payload_bytes, message.sync_ms, message.steps_during_round
             )
-            self._round_idle_ms[message.rank] = message.idle_ms
             if self.planner.on_ack(ack):
                 self.ledger.close_round(message.round, self._round_costs)
                 self._round_costs = {}
-                idle_ms = [self._round_idle_ms.pop(rank) for rank in sorted(self._round_idle_ms)]
                 if not message.skipped:  # a skip is the same on every rank: nobody moved
-                    self._feed_round(idle_ms)
+                    self._feed_round()
                 if self._checkpoint_epoch is not None and self.committer is not None:
                     self.committer.on_all_saved(self._checkpoint_epoch, self.state())
                     self._checkpoint_epoch = None
@@ -97,7 +94,7 @@ class LocalSgdDriver:
         else:
             raise RuntimeError(f"unexpected message under local SGD: {message!r}")
 
-    def _feed_round(self, idle_ms: list[float]) -> None:
+    def _feed_round(self) -> None:
         """The guard reads the round's divergence; ElChe gets the window's timings and the verdict."""
         acks = self.planner.window_acks()
         reports = self.planner.window_reports()
@@ -112,7 +109,7 @@ class LocalSgdDriver:
         self.elche.report_timing(
             [r.busy_ms for r in reports],
             [r.steps for r in reports],
-            reduce_ms=el.round_overhead_ms([a.sync_ms for a in acks], idle_ms),
+            reduce_ms=el.round_overhead_ms([a.sync_ms for a in acks], [a.idle_ms for a in acks]),
         )
         for change in self.elche.apply_verdict(action.verdict, action.factor):
             log.info("anchor %d -> %d (%s)", change.old, change.new, change.reason)

@@ -43,7 +43,7 @@ class Stepper:
         self.total_picks = len(parts.train_data) * cfg.augment
         self.steps_total = 0
         self.schedule_position = 0
-        # The first step with a non-finite loss, kept on the device until a window boundary reads it.
+        # Each step's loss, kept on the device until a window boundary looks for the first non-finite one.
         self.nonfinite = NonFiniteWatch(device)
         self.fault = FaultInjection.for_rank(cfg.simulate, rank)
         self._permutations: dict[int, Tensor] = {}
