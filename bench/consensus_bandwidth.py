@@ -1,6 +1,7 @@
 """Bus bandwidth of one consensus round against a plain all-reduce of the same bytes, in one run.
 
     torchrun --standalone --nproc_per_node=2 bench/consensus_bandwidth.py
+    torchrun --standalone --nproc_per_node=2 bench/consensus_bandwidth.py --profile 10M   # + where it goes
 
 For each model size it times, on the same ranks and tensors: a plain NCCL all-reduce of the flat
 parameters; a device-backend round with the pre-reduce copy and divergence triple the guard reads
@@ -11,6 +12,7 @@ Bus bandwidth = bytes x 2(W-1)/W / time. Rank 0 prints a table and appends it to
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import os
 import statistics
@@ -32,12 +34,12 @@ def model_of(width: int, layers: int, device: torch.device) -> nn.Module:
     return nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)]).to(device)
 
 
-def timed(fn: Callable[[], None], device: torch.device) -> float:
-    """Median seconds of `fn` over ITERS runs, each fenced by device synchronisation."""
-    for _ in range(WARMUP):
+def timed(fn: Callable[[], None], device: torch.device, warmup: int = WARMUP, iters: int = ITERS) -> float:
+    """Median seconds of `fn` over `iters` runs, each fenced by device synchronisation."""
+    for _ in range(warmup):
         fn()
     samples = []
-    for _ in range(ITERS):
+    for _ in range(iters):
         torch.cuda.synchronize(device)
         start = time.perf_counter()
         fn()
@@ -53,6 +55,21 @@ def one_round(averager: DeviceAverager | HostAverager) -> Callable[[], None]:
         averager.adopt(None, None)
 
     return run
+
+
+def profile_round(run: Callable[[], None], label: str) -> str:
+    """torch profiler table of a few rounds: which kernels and host calls a round's time goes to."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(WARMUP):
+        run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(ITERS):
+            run()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=48)
+    return f"Profile of {ITERS} rounds: {label}\n\n```\n{table}\n```\n"
 
 
 def factor_paths(flat: Tensor, device: torch.device) -> dict[str, float]:
@@ -88,6 +105,9 @@ def factor_paths(flat: Tensor, device: torch.device) -> dict[str, float]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", choices=tuple(SIZES), help="also profile this size's guarded round")
+    args = parser.parse_args()
     local_rank = int(os.environ["LOCAL_RANK"])
     device = torch.device("cuda", local_rank)
     torch.cuda.set_device(device)
@@ -95,7 +115,7 @@ def main() -> None:
     gloo = dist.new_group(backend="gloo")
     world = dist.get_world_size()
     bus = 2 * (world - 1) / world
-    rows = []
+    rows, profiles = [], []
     for name, (width, layers) in SIZES.items():
         numel = width * width * layers
         nbytes = numel * 4
@@ -110,17 +130,25 @@ def main() -> None:
         lean = timed(one_round(DeviceAverager(lean_model, 1.0, device, keeps_own=False)), device)
         bf16_model = model_of(width, layers, device)
         bf16 = timed(one_round(DeviceAverager(bf16_model, 1.0, device, bf16_wire=True)), device)
-        host_s = timed(one_round(HostAverager(model_of(width, layers, device), 1.0, device, gloo)), device)
+        # Seconds per round over gloo: a few rounds tell its round trip.
+        host = HostAverager(model_of(width, layers, device), 1.0, device, gloo)
+        host_s = timed(one_round(host), device, warmup=1, iters=5)
         paths = factor_paths(flat, device)
+        if args.profile == name:
+            guarded = one_round(DeviceAverager(model_of(width, layers, device), 1.0, device))
+            profiles.append(profile_round(guarded, f"{name} guarded"))
+            profiles.append(
+                profile_round(lambda flat=flat: dist.all_reduce(flat), f"{name} plain all-reduce")
+            )
         rows.append((name, numel, nbytes, plain, full, whole, lean, bf16, host_s, paths))
         del flat
         torch.cuda.empty_cache()
     if dist.get_rank() == 0:
-        report(rows, world, bus)
+        report(rows, world, bus, profiles)
     dist.destroy_process_group()
 
 
-def report(rows: list[tuple], world: int, bus: float) -> None:
+def report(rows: list[tuple], world: int, bus: float, profiles: list[str]) -> None:
     lines = [
         f"# Consensus round bandwidth — {dt.date.today()}",
         "",
@@ -129,7 +157,7 @@ def report(rows: list[tuple], world: int, bus: float) -> None:
         "- bus bandwidth = fp32 parameter bytes x 2(W-1)/W / median time of 20 rounds (after 5 warm-up)",
         "",
         "| model | params | plain all-reduce GB/s | round (guarded) GB/s | ratio | guarded, one piece GB/s "
-        "| ratio | round (lean) GB/s | ratio | bf16 wire ms | cpu backend round trip ms |",
+        "| ratio | round (lean) GB/s | ratio | bf16 wire ms | cpu backend round trip ms (median of 5) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, numel, nbytes, plain, full, whole, lean, bf16, host_s, _ in rows:
@@ -154,6 +182,7 @@ def report(rows: list[tuple], world: int, bus: float) -> None:
             f"{paths[k] * 1e3:.3f} ({plain / paths[k]:.2f})" for k in ("host", "device", "folded")
         )
         lines.append(f"| {name} | {plain * 1e3:.3f} | {cells} |")
+    lines += ["", *profiles]
     text = "\n".join(lines) + "\n"
     print(text)
     tag = f"{world}x-{torch.cuda.get_device_name(0)}".replace(" ", "-")

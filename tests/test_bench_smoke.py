@@ -23,8 +23,9 @@ def test_gpu_suite_smoke_writes_arms_and_goals(tmp_path: Path) -> None:
     arms = "--arms=torch-ddp-bf16,cadence-slow"
     run([PYTHON, script, "--cpu-smoke", arms, f"--results-dir={tmp_path}"], cwd=tmp_path, timeout=150).check()
     text = only_result(tmp_path, "suite-gpt_nano-nvlink")
+    baseline = next(line for line in text.splitlines() if line.startswith("| plain torch, 1 GPU |"))
+    assert len(baseline.rstrip(" |").rsplit("|", 1)[1].split(", ")) == 2  # run first and last
     for row in (
-        "| plain torch, 1 GPU |",
         "| plain torch DDP + bf16 compress hook |",
         "| flodl cadence, rank 1 slowed",
     ):

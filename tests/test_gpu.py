@@ -24,12 +24,12 @@ def test_one_gpu_run(tmp_path: Path) -> None:
     run_dir = only_run_dir(tmp_path / "outputs")
     records = assert_complete_run(run_dir, world=1, epochs=15)
     assert records[-1]["eval/accuracy"] >= 0.95
-    assert "rank 0/1 on cuda:0 (nccl)" in (run_dir / "rank0.log").read_text()
+    assert_rank_on_gpu(run_dir / "rank0.log", rank=0, world=1)
 
 
-def assert_rank_on_gpu(log: Path, rank: int) -> None:
+def assert_rank_on_gpu(log: Path, rank: int, world: int = 2) -> None:
     """The rank's start line names its GPU and NCCL: `rank 1/2 (pid N) on cuda:1 (nccl), ...`."""
-    assert re.search(rf"rank {rank}/2 \(pid \d+\) on cuda:{rank} \(nccl\)", log.read_text()), log
+    assert re.search(rf"rank {rank}/{world} \(pid \d+\) on cuda:{rank} \(nccl\)", log.read_text()), log
 
 
 @needs_two

@@ -161,8 +161,12 @@ class LocalSgdWorker(WorkerBase):
     def _report_if_reached(self) -> None:
         if self.target is None or self.steps_since_avg < self.target:
             return
-        if self.stepper.device.type == "cuda":  # once per window: the busy time must include the device work
+        if self.stepper.device.type == "cuda":
+            # Once per window: the host runs steps ahead of the device, so the window's busy time ends when
+            # the device has finished them (counted as idle, the drain would inflate ElChe's overhead).
+            drain_started = time.perf_counter()
             torch.cuda.current_stream(self.stepper.device).synchronize()
+            self.window_busy_s += time.perf_counter() - drain_started
         self.report(Reached(self.rank, self.steps_since_avg, self.window_busy_s * 1000))
         self.target = None
 
