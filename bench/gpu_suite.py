@@ -386,6 +386,8 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every arm (after --)")
     args = parser.parse_args()
 
+    if args.repeat < 1:
+        parser.error(f"--repeat: {args.repeat} passes; give 1 or more")
     if args.arms in (None, ""):
         default = SMOKE_ARMS if args.cpu_smoke else ARM_KEYS
         default = [k for k in default if not (args.quick and k in QUICK_SKIPS)]
