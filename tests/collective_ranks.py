@@ -44,6 +44,8 @@ class Spec:
     rounds: int = 1
     train_during_round: bool = False
     keeps_own: bool = True  # device only: keep the pre-reduce copy (triple, EASGD)
+    exact: bool = False  # the last round of a run: every rank must end with the same state
+    kept: tuple[bool, bool] = (True, True)  # False: the rank dropped its window (non-finite loss)
 
 
 def _scenarios() -> dict[str, Spec]:
@@ -59,6 +61,8 @@ def _scenarios() -> dict[str, Spec]:
             "idle_rank0_gamma0": Spec(backend, 0.0, (0, 2)),
             "all_idle_gamma1": Spec(backend, 1.0, (0, 0)),
             "all_idle_gamma0": Spec(backend, 0.0, (0, 0)),
+            "all_idle_exact": Spec(backend, 1.0, (0, 0), exact=True),
+            "all_idle_exact_one_dropped": Spec(backend, 1.0, (0, 0), exact=True, kept=(True, False)),
             "easgd": Spec(backend, 1.0, (3, 1), alpha=0.3),
             "bf16_wire": Spec(backend, 1.0, (3, 1), bf16_wire=True),
             "slowmo": Spec(backend, 1.0, (3, 1), outer="slowmo", rounds=2),
@@ -137,7 +141,7 @@ def round_scenario(rank: int, salt: int, spec: Spec, group: dist.ProcessGroup) -
     for round_ in range(spec.rounds):
         make_distinct(model, rank, salt, round_)
         this: dict[str, Any] = {"before": snapshot(model), "evaluated": []}
-        averager.begin(spec.steps[rank])
+        averager.begin(spec.steps[rank], exact=spec.exact, kept=spec.kept[rank])
         this["after_begin"] = snapshot(model)
         if spec.train_during_round:
             with torch.no_grad():

@@ -253,6 +253,21 @@ def test_all_idle_round_is_skipped_and_changes_nothing(ranks, name):
             assert_bitwise(rec[stage]["buffers"], rec["before"]["buffers"])
 
 
+@pytest.mark.parametrize("name", names("all_idle_exact", "all_idle_exact_one_dropped"))
+def test_an_exact_round_nobody_moved_in_leaves_every_rank_the_same_state(ranks, name):
+    # The run's last round: ranks apart (EASGD) must end equal even when no rank trained since the last
+    # round. They take the plain mean, without a rank whose window was dropped (non-finite loss).
+    recs = rounds(ranks, name)
+    weights = [0.5, 0.5] if name.endswith("all_idle_exact") else [1.0, 0.0]
+    for key in recs[0]["before"]["params"]:
+        want = weighted([r["before"]["params"][key] for r in recs], weights)
+        for rec in recs:
+            assert rel_err(rec["adopted"]["params"][key], want) < 1e-6, key
+    assert_bitwise(recs[0]["adopted"]["params"], recs[1]["adopted"]["params"])
+    for rec in recs:
+        assert rec["outcome"]["skipped"] is False and rec["outcome"]["total_steps"] == 0
+
+
 # --- where the consensus lands, and when ----------------------------------------------------------
 
 

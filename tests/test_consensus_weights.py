@@ -78,6 +78,23 @@ def test_all_idle_skips_the_round(steps, gamma):
     assert (scale.param_factor, scale.buffer_factor) == (0.0, 0.0)
 
 
+@pytest.mark.parametrize("gamma", [0.0, 1.0, -1.0])
+def test_an_exact_round_nobody_moved_in_is_the_plain_mean_of_the_ranks_that_kept_their_window(gamma):
+    # The last round of a run must leave every rank with the same state (EASGD left them apart).
+    w = round_weights([0, 0, 0], gamma, exact=True)
+    assert not w.skip and w.weights == w.buffer_weights == [1 / 3] * 3
+    dropped = round_weights([0, 0, 0], gamma, exact=True, kept=[True, False, True])
+    assert dropped.weights == dropped.buffer_weights == [0.5, 0.0, 0.5]
+    assert round_weights([0, 0], gamma, exact=True, kept=[False, False]).skip  # nothing left to average
+    assert round_weights([2, 0], gamma, exact=True).weights == [1.0, 0.0]  # a mover: weights as ever
+    mine = prescale_factors(0, gamma, total_mass=0.0, total_movers=0.0, exact=True, kept=True, total_kept=2)
+    assert not mine.skip and (mine.param_factor, mine.buffer_factor) == (0.5, 0.5)
+    theirs = prescale_factors(0, gamma, 0.0, 0.0, exact=True, kept=False, total_kept=2)
+    assert not theirs.skip and (theirs.param_factor, theirs.buffer_factor) == (0.0, 0.0)
+    assert prescale_factors(0, gamma, 0.0, 0.0, exact=True, kept=False, total_kept=0).skip
+    assert prescale_factors(0, gamma, 0.0, 0.0, exact=False, total_kept=2).skip
+
+
 def test_bad_gamma_and_overflow_are_refused():
     with pytest.raises(ValueError, match="finite"):
         gamma_mass(3, math.nan)

@@ -132,7 +132,8 @@ class DeviceAverager(_AveragerBase):
         self.refs = _make_refs(self.outer, bf16_wire, self._flat_params())
 
     @torch.no_grad()
-    def begin(self, steps: int) -> None:
+    def begin(self, steps: int, exact: bool = False, kept: bool = True) -> None:
+        """Run the round in place; `exact` and `kept` as in `Reducer.reduce`."""
         start = time.perf_counter()
         flat = self._flat_params()
         buffers = self.buffers.buffer if self.buffers is not None else None
@@ -143,7 +144,7 @@ class DeviceAverager(_AveragerBase):
         stages = self if self.sums is not None and self.outer is None else None
         if self.sums is not None and stages is None:
             self._for_each_whole(self.before)
-        result = self.reducer.reduce(flat, self.refs, buffers, steps, stages)
+        result = self.reducer.reduce(flat, self.refs, buffers, steps, stages, exact=exact, kept=kept)
         triple = _NO_DIVERGENCE
         if not result.skipped:
             _after_reduce(self.outer, self.refs, flat)
@@ -222,10 +223,13 @@ class HostAverager(_AveragerBase):
         self._begin_ms = 0.0
 
     @torch.no_grad()
-    def begin(self, steps: int) -> None:
+    def begin(self, steps: int, exact: bool = False, kept: bool = True) -> None:
+        """Snapshot and start the round on a thread; `exact` and `kept` as in `Reducer.reduce`."""
         start = time.perf_counter()
         snapshot_done = self._to_host()
-        self.thread = threading.Thread(target=self._round, args=(steps, snapshot_done), daemon=True)
+        self.thread = threading.Thread(
+            target=self._round, args=(steps, exact, kept, snapshot_done), daemon=True
+        )
         self.thread.start()
         self._begin_ms = (time.perf_counter() - start) * 1000
 
@@ -298,12 +302,14 @@ class HostAverager(_AveragerBase):
         return done
 
     @torch.no_grad()
-    def _round(self, steps: int, snapshot_done: torch.cuda.Event | None) -> None:
+    def _round(self, steps: int, exact: bool, kept: bool, snapshot_done: torch.cuda.Event | None) -> None:
         try:
             if snapshot_done is not None:
                 snapshot_done.synchronize()
             torch._foreach_copy_(self.host_pre, self.host)
-            result = self.reducer.reduce(self.host, self.refs, self.host_buffers, steps)
+            result = self.reducer.reduce(
+                self.host, self.refs, self.host_buffers, steps, exact=exact, kept=kept
+            )
             triple = _NO_DIVERGENCE
             if not result.skipped:
                 _after_reduce(self.outer, self.refs, self.host)

@@ -1,6 +1,6 @@
 """One weighted consensus over a process group, on whatever tensors it is handed (device or host).
 
-1. A float64 SUM all-reduce of `[n^gamma, mover, n]` gives every rank the same totals, so a round where
+1. A float64 SUM all-reduce of `[n^gamma, mover, n, kept]` gives every rank the same totals, so a round where
    nobody moved is skipped everywhere and `Σ n` advances every rank's step clock. Reading them is the
    round's one host read before the big collective; the first chunk's stage work is queued ahead of it,
    so the device is busy while the host waits.
@@ -78,21 +78,29 @@ class Reducer:
         buffers: Tensor | None,
         steps: int,
         stages: ChunkStages | None = None,
+        *,
+        exact: bool = False,
+        kept: bool = True,
     ) -> ReduceResult:
         """Replace `params` (and `buffers`) in place by the cohort's weighted consensus.
+
+        `exact`: the round must leave every rank with the same state, so if nobody moved it averages the
+        ranks that `kept` their window (see `weights.py`) instead of being skipped.
 
         `refs` (same shapes as `params`, identical on every rank) is needed with bf16_wire. `params` must
         be 1-D when `stages` is given (the flat parameter buffers). On a skipped round the stages may
         have run `before` on the first chunk (nothing else).
         """
         mass, mover = rank_contribution(steps, self.gamma)
-        totals = torch.tensor([mass, mover, steps], dtype=torch.float64, device=params[0].device)
+        totals = torch.tensor([mass, mover, steps, kept], dtype=torch.float64, device=params[0].device)
         dist.all_reduce(totals, group=self.group)
         plans = [self._spans(t) for t in params] if stages is not None else []
         if stages is not None:
             stages.before(0, plans[0][0])
-        total_mass, total_movers, total_steps = totals.tolist()  # once per reduce, never per step
-        scale = prescale_factors(steps, self.gamma, total_mass, total_movers)
+        total_mass, total_movers, total_steps, total_kept = totals.tolist()  # once per reduce
+        scale = prescale_factors(
+            steps, self.gamma, total_mass, total_movers, exact=exact, kept=kept, total_kept=total_kept
+        )
         if scale.skip:
             return ReduceResult(True, 0, 0)
         sent = 0

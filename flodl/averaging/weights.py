@@ -4,12 +4,14 @@ For one window, n_k = optimizer steps rank k took since the last reduce (the tru
 floored to 1). Parameters average as θ = Σ n_k^gamma θ_k / Σ n_k^gamma; float32 buffers average with equal
 weight among the ranks that moved (n_k > 0); other buffers stay local. Idle ranks weigh 0 yet still
 join every collective, so nobody stalls; when the total mass is 0 the round is skipped and every
-rank keeps its local state (reference §3.2, §3.4, pitfall 4).
+rank keeps its local state (reference §3.2, §3.4, pitfall 4) — unless the round is exact (the last of a
+run or before a checkpoint), which must leave every rank with the same state: then the ranks take their
+plain mean, leaving out any rank whose window was dropped for a non-finite loss (`kept=False`).
 
 The distributed form needs two collectives: each rank all-reduces (SUM) its tiny
-`rank_contribution(n, gamma) = [n^gamma, mover]`, derives its own pre-scale factors from the totals with
-`prescale_factors`, multiplies its params/buffers by them, and one big SUM all-reduce then yields
-the consensus directly (what NCCL PreMulSum does in the original).
+`rank_contribution(n, gamma) = [n^gamma, mover]` (with n and kept beside it), derives its own pre-scale
+factors from the totals with `prescale_factors`, multiplies its params/buffers by them, and one big SUM
+all-reduce then yields the consensus directly (what NCCL PreMulSum does in the original).
 """
 
 from __future__ import annotations
@@ -59,11 +61,17 @@ class RoundWeights:
     skip: bool
 
 
-def round_weights(steps: Sequence[int], gamma: float) -> RoundWeights:
+def round_weights(
+    steps: Sequence[int], gamma: float, exact: bool = False, kept: Sequence[bool] | None = None
+) -> RoundWeights:
     masses = [gamma_mass(n, gamma) for n in steps]
     movers = [is_mover(n) for n in steps]
+    kept = [True] * len(steps) if kept is None else list(kept)
     total_mass = math.fsum(masses)
     movers_count = sum(movers)
+    if total_mass <= 0.0 and exact and any(kept):
+        mean = [1.0 / sum(kept) if k else 0.0 for k in kept]
+        return RoundWeights(mean, mean, movers, masses, total_mass, skip=False)
     skip = total_mass <= 0.0
     weights = [0.0 if skip else m / total_mass for m in masses]
     buffer_weights = [0.0 if skip or not moved else 1.0 / movers_count for moved in movers]
@@ -91,9 +99,22 @@ class PreScale:
     buffer_factor: float
 
 
-def prescale_factors(steps: int, gamma: float, total_mass: float, total_movers: float) -> PreScale:
-    """Derive this rank's factors from the all-reduced `[Σ n^gamma, Σ mover]` totals."""
+def prescale_factors(
+    steps: int,
+    gamma: float,
+    total_mass: float,
+    total_movers: float,
+    *,
+    exact: bool = False,
+    kept: bool = True,
+    total_kept: float = 0.0,
+) -> PreScale:
+    """Derive this rank's factors from the all-reduced `[Σ n^gamma, Σ mover]` totals (and `Σ kept`, the
+    ranks that kept their window, for an exact round nobody moved in)."""
     if total_mass <= 0.0:
+        if exact and total_kept > 0.0:
+            share = (1.0 if kept else 0.0) / total_kept
+            return PreScale(skip=False, param_factor=share, buffer_factor=share)
         return PreScale(skip=True, param_factor=0.0, buffer_factor=0.0)
     mass, mover = rank_contribution(steps, gamma)
     # total_movers >= 1 whenever total_mass > 0; the guard only keeps a float mishap from dividing by 0.

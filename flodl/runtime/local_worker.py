@@ -184,7 +184,8 @@ class LocalSgdWorker(WorkerBase):
                 self.averager.discard_own()
                 self.dropped_window = True
                 steps = 0  # no weight in the average
-        self.averager.begin(steps)
+        # The last round of a run or segment must leave every rank with the same state, even if nobody moved.
+        self.averager.begin(steps, exact=order.final, kept=not self.dropped_window)
         self.round = order
         self.steps_at_snapshot = self.steps_since_avg
         self.busy_at_snapshot = self.window_busy_s
