@@ -152,6 +152,13 @@ def run_plain(arm: Arm, settings: Settings, work: Path, seconds: float | None, s
     return json.loads(out.read_text())
 
 
+def run_plain_arm(arm: Arm, settings: Settings, work: Path, plain_steps: int = 0) -> dict | None:
+    """A plain torch arm: the 1-GPU baseline measures about `settings.plain_s`, DDP `plain_steps` steps."""
+    if arm.nproc == 1:
+        return run_plain(arm, settings, work, seconds=settings.plain_s, steps=0)
+    return run_plain(arm, settings, work, seconds=None, steps=plain_steps)
+
+
 def run_flodl_arm(
     arm: Arm, settings: Settings, work: Path, steps: int, batch_size: int, run_name: str
 ) -> Measured | None:
@@ -203,7 +210,7 @@ def run_arms(settings: Settings, chosen: list[str], work: Path) -> tuple[dict[st
     """Every chosen arm, `settings.repeat` passes (the 1-GPU plain arm always, first: it sizes the others,
     and once more at the end); flodl steps per epoch."""
     batch_size = batch_size_of(settings)
-    base = run_plain(ARMS[0], settings, work, seconds=settings.plain_s, steps=0)
+    base = run_plain_arm(ARMS[0], settings, work)
     if base is None and settings.steps is None:
         raise SystemExit("gpu_suite: the plain 1-GPU arm failed, so nothing can be sized (see above)")
     step_s = base["step_ms"] / 1000 if base else None
@@ -221,8 +228,7 @@ def run_arms(settings: Settings, chosen: list[str], work: Path) -> tuple[dict[st
                 continue
             print(f"gpu_suite: pass {rep + 1}/{settings.repeat}, arm {arm.key} ...", flush=True)
             if arm.policy is None:
-                seconds = settings.plain_s if arm.nproc == 1 else None
-                plain = run_plain(arm, settings, work, seconds=seconds, steps=0 if seconds else plain_steps)
+                plain = run_plain_arm(arm, settings, work, plain_steps)
                 measured = Measured(plain["samples_per_s"]) if plain else None
             else:
                 name = arm.key if rep == 0 else f"{arm.key}-{rep + 1}"
@@ -231,7 +237,7 @@ def run_arms(settings: Settings, chosen: list[str], work: Path) -> tuple[dict[st
                 runs[arm.key].append(measured)
                 announce(arm.key, measured.samples_per_s)
     # The 1-GPU baseline once more, after the other arms: a cold first run would flatter every ratio.
-    again = run_plain(ARMS[0], settings, work, seconds=settings.plain_s, steps=0)
+    again = run_plain_arm(ARMS[0], settings, work)
     if again:
         runs["torch-1"].append(Measured(again["samples_per_s"]))
         announce("torch-1", again["samples_per_s"])

@@ -1,7 +1,8 @@
 """One weighted consensus over a process group, on whatever tensors it is handed (device or host).
 
 1. A float64 SUM all-reduce of `[n^gamma, mover, n, kept]` gives every rank the same totals, so a round where
-   nobody moved is skipped everywhere and `Σ n` advances every rank's step clock. Reading them is the
+   nobody moved is skipped everywhere (an exact one averages the ranks that kept their window instead) and
+   `Σ n` advances every rank's step clock. Reading them is the
    round's one host read before the big collective; the first chunk's stage work is queued ahead of it,
    so the device is busy while the host waits.
 2. Each rank scales by its weight `n^gamma / Σ n^gamma`; one SUM all-reduce leaves the consensus (NCCL
