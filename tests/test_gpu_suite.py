@@ -1,7 +1,8 @@
-"""bench/gpu_suite.py's choice of each arm's result from its runs (pure)."""
+"""bench/gpu_suite.py: each arm's result from its runs (pure), and its refusal of a bad --repeat."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -34,3 +35,14 @@ def test_a_repeated_baseline_counts_its_upper_median():
 def test_a_single_run_is_the_result_without_a_range():
     chosen = combine(runs(42.0), baseline=False)
     assert chosen.samples_per_s == 42.0 and chosen.runs == ()
+
+
+def test_fewer_than_one_pass_is_refused_naming_the_flag():
+    done = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "gpu_suite.py"), "--repeat", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert "--repeat: 0 passes; give 1 or more" in done.stderr
