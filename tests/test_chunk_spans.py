@@ -1,12 +1,15 @@
-"""How a pipelined reduce cuts a flat buffer: contiguous, covering, few and large."""
+"""How a pipelined reduce cuts a flat buffer (contiguous, covering, few and large) and in which order the
+caller's per-chunk stages run around the chunks' collectives."""
 
 from __future__ import annotations
 
 import itertools
 
 import pytest
+import torch
+import torch.distributed as dist
 
-from flodl.averaging.reducer import MIN_CHUNK_BYTES, PIPELINE_CHUNKS, chunk_spans
+from flodl.averaging.reducer import MIN_CHUNK_BYTES, PIPELINE_CHUNKS, Reducer, chunk_spans
 
 
 def covered(spans: list[slice]) -> list[int]:
@@ -35,3 +38,51 @@ def test_element_size_counts():
     # The same element count in bf16 is half the bytes: fewer chunks.
     assert len(chunk_spans(48 << 20, 4)) == 3  # 192 MiB
     assert len(chunk_spans(48 << 20, 2)) == 1  # 96 MiB
+
+
+class Recorder:
+    """ChunkStages that logs each call as (stage, start of the chunk)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    def before(self, index: int, span: slice) -> None:
+        self.calls.append(("before", span.start))
+
+    def during(self, index: int, span: slice) -> None:
+        self.calls.append(("during", span.start))
+
+    def after(self, index: int, span: slice) -> None:
+        self.calls.append(("after", span.start))
+
+
+@pytest.fixture
+def solo_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_chunk_is_kept_before_its_reduce_and_settled_one_chunk_later(solo_group):
+    # Three chunks of 4 elements: chunk k+1 goes on the wire before chunk k is settled, and the work on
+    # what `before` kept runs while its own chunk is on the wire.
+    reducer = Reducer(gamma=1.0, bf16_wire=False)
+    reducer.min_chunk_bytes = 16
+    reducer.chunks = 3
+    flat = torch.arange(12, dtype=torch.float32)
+    stages = Recorder()
+    launch = reducer._all_reduce
+
+    def logged_launch(tensor: torch.Tensor, factor: float, async_op: bool = False):
+        stages.calls.append(("wire", tensor.storage_offset()))
+        return launch(tensor, factor, async_op)
+
+    reducer._all_reduce = logged_launch
+    reducer.reduce([flat], None, None, steps=2, stages=stages)
+    assert stages.calls == [
+        ("before", 0), ("wire", 0), ("during", 0),
+        ("before", 4), ("wire", 4), ("during", 4), ("after", 0),
+        ("before", 8), ("wire", 8), ("during", 8), ("after", 4),
+        ("after", 8),
+    ]  # fmt: skip
+    assert torch.equal(flat, torch.arange(12, dtype=torch.float32))  # one rank: its own weight is 1

@@ -144,6 +144,7 @@ class DeviceAverager(_AveragerBase):
         stages = self if self.sums is not None and self.outer is None else None
         if self.sums is not None and stages is None:
             self._for_each_whole(self.before)
+            self._for_each_whole(self.during)
         result = self.reducer.reduce(flat, self.refs, buffers, steps, stages, exact=exact, kept=kept)
         triple = _NO_DIVERGENCE
         if not result.skipped:
@@ -158,11 +159,14 @@ class DeviceAverager(_AveragerBase):
         )
 
     def before(self, index: int, span: slice) -> None:
-        """Keep the chunk's pre-reduce values (for the triple and the EASGD blend) and their norm."""
+        """Keep the chunk's pre-reduce values (for the triple and the EASGD blend)."""
+        assert self.drift is not None
+        self.drift[index][span].copy_(self.params[index].buffer[span])
+
+    def during(self, index: int, span: slice) -> None:
+        """The kept values' norm, while the chunk itself is on the wire."""
         assert self.drift is not None and self.sums is not None
-        own = self.drift[index][span]
-        own.copy_(self.params[index].buffer[span])
-        self.sums.add_pre([own])
+        self.sums.add_pre([self.drift[index][span]])
 
     def after(self, index: int, span: slice) -> None:
         """The chunk holds the consensus: its norm, and the kept copy becomes `own - consensus`."""

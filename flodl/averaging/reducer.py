@@ -8,8 +8,9 @@
 2. Each rank scales by its weight `n^gamma / Σ n^gamma`; one SUM all-reduce leaves the consensus (NCCL
    scales while it reduces: PreMulSum with a host scalar; a factor divided out on the device and read by
    NCCL from device memory measured no faster on 2x H200). With `stages`, each tensor is reduced in chunks and
-   the caller's per-chunk work (the guard's pre-reduce copy and norms) runs while the next chunk is on the
-   wire, instead of before and after the whole reduce.
+   the caller's per-chunk work (the guard's pre-reduce copy and norms) runs while the chunk itself (the
+   kept copy's norm) or the next chunk (the rest) is on the wire, instead of before and after the whole
+   reduce.
 3. With `bf16_wire`, float32 tensors travel as the bf16 difference from a reference every rank shares
    (the last global parameters), gathered and summed in float32: half the bytes, and the rounding falls on
    the small per-round change instead of on the parameters themselves.
@@ -38,9 +39,13 @@ MIN_CHUNK_BYTES = 64 << 20
 
 
 class ChunkStages(Protocol):
-    """Work done on each chunk `tensor[span]` of the i-th reduced tensor, before and after its reduce."""
+    """Work done on each chunk `tensor[span]` of the i-th reduced tensor: `before` its reduce is launched
+    (what must read the chunk first), `during` it (work on what `before` kept, which the device can overlap
+    with the transfer) and `after` it (on the result)."""
 
     def before(self, index: int, span: slice) -> None: ...
+
+    def during(self, index: int, span: slice) -> None: ...
 
     def after(self, index: int, span: slice) -> None: ...
 
@@ -92,8 +97,7 @@ class Reducer:
         be 1-D when `stages` is given (the flat parameter buffers). On a skipped round the stages may
         have run `before` on the first chunk (nothing else).
         """
-        mass, mover = rank_contribution(steps, self.gamma)
-        totals = torch.tensor([mass, mover, steps, kept], dtype=torch.float64, device=params[0].device)
+        totals = self._contribution(steps, kept, params[0].device)
         dist.all_reduce(totals, group=self.group)
         plans = [self._spans(t) for t in params] if stages is not None else []
         if stages is not None:
@@ -115,6 +119,15 @@ class Reducer:
         if buffers is not None:
             sent += self._weighted_sum(buffers, scale.buffer_factor)
         return ReduceResult(False, round(total_steps), sent)
+
+    def _contribution(self, steps: int, kept: bool, device: torch.device) -> Tensor:
+        """`[n^gamma, mover, n, kept]` on the device, queued behind the training steps: a copy from pageable
+        memory would make the host wait for them (a stream sync) before the round even began."""
+        mass, mover = rank_contribution(steps, self.gamma)
+        own = torch.tensor([mass, mover, steps, kept], dtype=torch.float64)
+        if device.type != "cuda":
+            return own
+        return own.pin_memory().to(device, non_blocking=True)
 
     def _spans(self, tensor: Tensor) -> list[slice]:
         if self._travels_bf16(tensor):  # gathered whole: no chunked path
@@ -143,6 +156,7 @@ class Reducer:
         so the stages' work overlaps the transfer of the next chunk."""
         if self._travels_bf16(tensor):
             self._prepare(stages, index, 0, spans[0])
+            stages.during(index, spans[0])
             sent = self._reduce_whole(tensor, ref, factor)
             stages.after(index, spans[0])
             return sent
@@ -151,6 +165,7 @@ class Reducer:
             self._prepare(stages, index, k, span)
             chunk = tensor[span]
             in_flight.append((span, self._all_reduce(chunk, factor, async_op=True)))
+            stages.during(index, span)
             if len(in_flight) == 2:
                 self._settle(index, stages, *in_flight.popleft())
         while in_flight:
