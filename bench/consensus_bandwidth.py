@@ -4,9 +4,10 @@
     torchrun --standalone --nproc_per_node=2 bench/consensus_bandwidth.py --profile 10M   # + where it goes
 
 For each model size it times, on the same ranks and tensors: a plain NCCL all-reduce of the flat
-parameters; a device-backend round with the pre-reduce copy and divergence triple the guard reads
-(pipelined in chunks as flodl runs it, and in one piece for comparison) and without them (lean); a
-bf16-wire round; and the cpu backend's round trip (snapshot, gloo reduce, staged consensus).
+parameters; a device-backend round as flodl runs it, with the pre-reduce copy and divergence triple the
+guard reads (guarded) and without them (lean), each also dispatched op by op instead of replayed from a
+CUDA graph (eager) and with its totals sent first (the float64 all-reduce read on the host before the
+payload); a bf16-wire round; and the cpu backend's round trip (snapshot, gloo reduce, staged consensus).
 Bus bandwidth = bytes x 2(W-1)/W / time. Rank 0 prints a table and appends it to bench/results/.
 """
 
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 
 from flodl.averaging.consensus import DeviceAverager, HostAverager
 
@@ -72,36 +73,31 @@ def profile_round(run: Callable[[], None], label: str) -> str:
     return f"Profile of {ITERS} rounds: {label}\n\n```\n{table}\n```\n"
 
 
-def factor_paths(flat: Tensor, device: torch.device) -> dict[str, float]:
-    """Bare collectives on one flat tensor, for the three ways a weighted round can get its factor:
-    host: all-reduce the totals, read them, PreMulSum with a host scalar (what flodl runs);
-    device: divide the factor out on the device, PreMulSum reads it from device memory (no host read);
-    folded: the totals ride as the last elements of the one all-reduce (each rank scales by its own mass,
-    known locally), then one pass divides by the summed mass (no host read, no second collective)."""
-    mass, steps = 4.0, 4.0
-    own = torch.tensor([mass, 1.0, steps], dtype=torch.float64, device=device)
+def device_averager(width: int, layers: int, device: torch.device, **tuning: object) -> DeviceAverager:
+    """A DeviceAverager; `keeps_own=False` makes it lean, the rest tunes its Reducer."""
+    keeps_own = bool(tuning.pop("keeps_own", True))
+    averager = DeviceAverager(model_of(width, layers, device), 1.0, device, keeps_own=keeps_own)
+    for key, value in tuning.items():
+        setattr(averager.reducer, key, value)
+    return averager
 
-    def host() -> None:
-        totals = own.clone()
-        dist.all_reduce(totals)
-        factor = mass / totals.tolist()[0]
-        dist.all_reduce(flat, op=dist._make_nccl_premul_sum(factor))
 
-    def on_device() -> None:
-        totals = own.clone()
-        dist.all_reduce(totals)
-        factor = (own[:1] / totals[:1]).float()
-        dist.all_reduce(flat, op=dist._make_nccl_premul_sum(factor))
+def measure(averager: DeviceAverager, how: Callable[[Callable[[], None]], object]) -> object:
+    """`how(one round)`, then free what the averager holds for the process group."""
+    try:
+        return how(one_round(averager))
+    finally:
+        averager.release()
 
-    folded_flat = torch.empty(flat.numel() + 3, device=device)
-    tail = torch.tensor([1.0, 1.0 / mass, steps / mass], device=device)
 
-    def folded() -> None:
-        folded_flat[-3:].copy_(tail)
-        dist.all_reduce(folded_flat, op=dist._make_nccl_premul_sum(mass))
-        folded_flat[:-3].div_(folded_flat[-3])
-
-    return {"host": timed(host, device), "device": timed(on_device, device), "folded": timed(folded, device)}
+VARIANTS = {  # column -> DeviceAverager tuning
+    "guarded": {},
+    "guarded, eager": {"capture_after": None},
+    "guarded, totals first": {"fold_totals": False},
+    "lean": {"keeps_own": False},
+    "lean, eager": {"keeps_own": False, "capture_after": None},
+    "lean, totals first": {"keeps_own": False, "fold_totals": False},
+}
 
 
 def main() -> None:
@@ -122,25 +118,29 @@ def main() -> None:
         flat = torch.randn(numel, device=device)
         plain = timed(lambda flat=flat: dist.all_reduce(flat), device)
 
-        full = timed(one_round(DeviceAverager(model_of(width, layers, device), 1.0, device)), device)
-        whole_averager = DeviceAverager(model_of(width, layers, device), 1.0, device)
-        whole_averager.reducer.chunks = 1
-        whole = timed(one_round(whole_averager), device)
-        lean_model = model_of(width, layers, device)
-        lean = timed(one_round(DeviceAverager(lean_model, 1.0, device, keeps_own=False)), device)
+        rounds = {
+            label: measure(
+                device_averager(width, layers, device, **dict(tuning)), lambda run: timed(run, device)
+            )
+            for label, tuning in VARIANTS.items()
+        }
         bf16_model = model_of(width, layers, device)
         bf16 = timed(one_round(DeviceAverager(bf16_model, 1.0, device, bf16_wire=True)), device)
         # Seconds per round over gloo: a few rounds tell its round trip.
         host = HostAverager(model_of(width, layers, device), 1.0, device, gloo)
         host_s = timed(one_round(host), device, warmup=1, iters=5)
-        paths = factor_paths(flat, device)
         if args.profile == name:
-            guarded = one_round(DeviceAverager(model_of(width, layers, device), 1.0, device))
-            profiles.append(profile_round(guarded, f"{name} guarded"))
+            for label in ("guarded", "lean", "lean, totals first"):
+                profiles.append(
+                    measure(
+                        device_averager(width, layers, device, **dict(VARIANTS[label])),
+                        lambda run, title=f"{name} {label}": profile_round(run, title),
+                    )
+                )
             profiles.append(
                 profile_round(lambda flat=flat: dist.all_reduce(flat), f"{name} plain all-reduce")
             )
-        rows.append((name, numel, nbytes, plain, full, whole, lean, bf16, host_s, paths))
+        rows.append((name, numel, nbytes, plain, rounds, bf16, host_s))
         del flat
         torch.cuda.empty_cache()
     if dist.get_rank() == 0:
@@ -154,35 +154,30 @@ def report(rows: list[tuple], world: int, bus: float, profiles: list[str]) -> No
         "",
         f"- hardware: {world}x {torch.cuda.get_device_name(0)}; torch {torch.__version__}; "
         f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}",
-        "- bus bandwidth = fp32 parameter bytes x 2(W-1)/W / median time of 20 rounds (after 5 warm-up)",
+        f"- bus bandwidth = fp32 parameter bytes x 2(W-1)/W / median time of {ITERS} rounds (after {WARMUP} "
+        "warm-up); each round's ratio is its bus bandwidth over the plain all-reduce's",
         "",
-        "| model | params | plain all-reduce GB/s | round (guarded) GB/s | ratio | guarded, one piece GB/s "
-        "| ratio | round (lean) GB/s | ratio | bf16 wire ms | cpu backend round trip ms (median of 5) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | params | plain all-reduce GB/s | "
+        + " | ".join(f"{label} GB/s (ratio)" for label in VARIANTS)
+        + " | bf16 wire ms | cpu backend round trip ms (median of 5) |",
+        "|---|---|---|" + "---|" * (len(VARIANTS) + 2),
     ]
-    for name, numel, nbytes, plain, full, whole, lean, bf16, host_s, _ in rows:
-        gbs = [nbytes * bus / t / 1e9 for t in (plain, full, whole, lean)]
-        cells = " | ".join(f"{g:.0f} | {g / gbs[0]:.2f}" for g in gbs[1:])
+    for name, numel, nbytes, plain, rounds, bf16, host_s in rows:
+        plain_gbs = nbytes * bus / plain / 1e9
+        cells = " | ".join(f"{nbytes * bus / t / 1e9:.0f} ({plain / t:.2f})" for t in rounds.values())
         times = f"{bf16 * 1e3:.2f} | {host_s * 1e3:.1f}"
-        lines.append(f"| {name} | {numel / 1e6:.1f}M | {gbs[0]:.0f} | {cells} | {times} |")
+        lines.append(f"| {name} | {numel / 1e6:.1f}M | {plain_gbs:.0f} | {cells} | {times} |")
     lines += [
         "",
-        "guarded: the default cadence/async round (pre-reduce copy + divergence triple for the guard), "
-        "reduced in chunks with the guard's work on one chunk overlapping the next chunk's transfer; one "
-        "piece: the same without chunks; lean: `no_divergence_guard=true` without EASGD (the two "
-        "all-reduces only).",
+        "guarded: the default cadence/async round (pre-reduce copy + divergence triple for the guard; over "
+        "128 MiB in chunks of at least 64 MiB, the guard's work on one chunk overlapping the next chunk's "
+        "transfer); lean: `no_divergence_guard=true` without EASGD. Under 128 MiB a round folds its totals "
+        "into the payload's all-reduce and, after 2 eager rounds, is replayed as one CUDA graph (eager: "
+        "never captured). Totals first: the round's float64 totals all-reduced and read on the host before "
+        "the payload (what flodl does for larger models, the cpu backend, bf16_wire and exact rounds).",
         "",
-        "Factor paths, bare collectives on the same tensor (ms, and plain all-reduce time / path time):",
-        "",
-        "| model | plain ms | host read | device factor | folded totals |",
-        "|---|---|---|---|---|",
+        *profiles,
     ]
-    for name, _, _, plain, *_, paths in rows:
-        cells = " | ".join(
-            f"{paths[k] * 1e3:.3f} ({plain / paths[k]:.2f})" for k in ("host", "device", "folded")
-        )
-        lines.append(f"| {name} | {plain * 1e3:.3f} | {cells} |")
-    lines += ["", *profiles]
     text = "\n".join(lines) + "\n"
     print(text)
     tag = f"{world}x-{torch.cuda.get_device_name(0)}".replace(" ", "-")

@@ -1,13 +1,14 @@
-"""Rank side of tests/test_consensus_collective.py: averaging rounds over 2 real gloo ranks.
+"""Rank side of tests/test_consensus_collective.py: averaging rounds over 2 real ranks.
 
-`worker` is the entry point of each spawned rank. It joins a process group through the parent's
-TCPStore, runs every scenario in sequence on a fresh model (all ranks run the same list in the same
-order, so the collectives line up) and saves plain tensors and numbers per scenario with torch.save.
-The parent does every hand computation; nothing here asserts.
+`worker` is the entry point of each spawned rank. It joins a process group (gloo on the CPU, or nccl
+with one GPU per rank) through the parent's TCPStore, runs every scenario in sequence on a fresh model
+(all ranks run the same list in the same order, so the collectives line up) and saves plain CPU tensors
+and numbers per scenario with torch.save. The parent does every hand computation; nothing here asserts.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 from dataclasses import dataclass
@@ -24,7 +25,11 @@ from flodl.averaging.outer import OuterSettings
 
 WORLD = 2
 CPU = torch.device("cpu")
+# The rank's device: the CPU over gloo, cuda:<rank> over nccl (set once by `worker`).
+DEVICE = CPU
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
+# Under the parent's join timeout, so that a stuck rank's stacks reach the report.
+STUCK_AFTER_S = 100
 # make_model's 47 parameters (188 bytes) reduce as 3 chunks of at least this size.
 CHUNK_BYTES = 48
 # What a rank does to its parameters while a host round is in flight (async keeps training).
@@ -46,6 +51,10 @@ class Spec:
     keeps_own: bool = True  # device only: keep the pre-reduce copy (triple, EASGD)
     exact: bool = False  # the last round of a run: every rank must end with the same state
     kept: tuple[bool, bool] = (True, True)  # False: the rank dropped its window (non-finite loss)
+    step_growth: tuple[int, int] = (0, 0)  # steps added per round after the first
+
+    def steps_in(self, rank: int, round_: int) -> int:
+        return self.steps[rank] + self.step_growth[rank] * round_
 
 
 def _scenarios() -> dict[str, Spec]:
@@ -55,6 +64,8 @@ def _scenarios() -> dict[str, Spec]:
             "work_weighted": Spec(backend, 1.0, (3, 1)),
             "plain_mean": Spec(backend, 0.0, (5, 2)),
             "inverse_work": Spec(backend, -1.0, (4, 1)),
+            # Beyond |gamma| 4 the device backend's totals come first (float64) instead of folded.
+            "steep_gamma": Spec(backend, 4.5, (2, 3)),
             "idle_rank1_gamma1": Spec(backend, 1.0, (3, 0)),
             "idle_rank1_gamma0": Spec(backend, 0.0, (3, 0)),
             "idle_rank1_gamma-1": Spec(backend, -1.0, (3, 0)),
@@ -72,6 +83,11 @@ def _scenarios() -> dict[str, Spec]:
     specs["host/train_during_round"] = Spec("host", 1.0, (3, 1), train_during_round=True)
     specs["host/easgd_train_during_round"] = Spec("host", 1.0, (3, 1), alpha=0.3, train_during_round=True)
     specs["device/without_own_copy"] = Spec("device", 1.0, (3, 1), keeps_own=False)
+    # Past CAPTURE_AFTER rounds a folded round is replayed from a CUDA graph (over nccl): each round's
+    # weights must still be that round's.
+    specs["device/replayed"] = Spec("device", 1.0, (3, 1), rounds=5, step_growth=(0, 2))
+    specs["device/replayed_lean"] = Spec("device", 0.5, (3, 1), rounds=5, step_growth=(0, 2), keeps_own=False)
+    specs["device/replayed_all_idle"] = Spec("device", 1.0, (0, 0), rounds=4)
     return specs
 
 
@@ -90,7 +106,7 @@ def make_model(rank: int, salt: int) -> nn.Sequential:
     bn.running_mean.normal_()
     bn.running_var.uniform_(0.5, 1.5)
     bn.num_batches_tracked.fill_(3 + rank)
-    return model
+    return model.to(DEVICE)
 
 
 @torch.no_grad()
@@ -107,8 +123,8 @@ def make_distinct(model: nn.Module, rank: int, salt: int, round_: int) -> None:
 
 def snapshot(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
     return {
-        "params": {k: v.detach().clone() for k, v in model.named_parameters()},
-        "buffers": {k: v.detach().clone() for k, v in model.named_buffers()},
+        "params": {k: v.detach().cpu().clone() for k, v in model.named_parameters()},
+        "buffers": {k: v.detach().cpu().clone() for k, v in model.named_buffers()},
     }
 
 
@@ -125,8 +141,8 @@ def outcome_record(outcome: RoundOutcome) -> dict[str, Any]:
 def make_averager(spec: Spec, model: nn.Module, group: dist.ProcessGroup) -> DeviceAverager | HostAverager:
     outer = OuterSettings.resolve(spec.outer, None, None)
     if spec.backend == "host":
-        return HostAverager(model, spec.gamma, CPU, group, spec.bf16_wire, outer)
-    averager = DeviceAverager(model, spec.gamma, CPU, spec.bf16_wire, outer, keeps_own=spec.keeps_own)
+        return HostAverager(model, spec.gamma, DEVICE, group, spec.bf16_wire, outer)
+    averager = DeviceAverager(model, spec.gamma, DEVICE, spec.bf16_wire, outer, keeps_own=spec.keeps_own)
     if spec.backend == "chunked":
         averager.reducer.min_chunk_bytes = CHUNK_BYTES
     return averager
@@ -141,7 +157,7 @@ def round_scenario(rank: int, salt: int, spec: Spec, group: dist.ProcessGroup) -
     for round_ in range(spec.rounds):
         make_distinct(model, rank, salt, round_)
         this: dict[str, Any] = {"before": snapshot(model), "evaluated": []}
-        averager.begin(spec.steps[rank], exact=spec.exact, kept=spec.kept[rank])
+        averager.begin(spec.steps_in(rank, round_), exact=spec.exact, kept=spec.kept[rank])
         this["after_begin"] = snapshot(model)
         if spec.train_during_round:
             with torch.no_grad():
@@ -154,6 +170,7 @@ def round_scenario(rank: int, salt: int, spec: Spec, group: dist.ProcessGroup) -
         this["adopted"] = snapshot(model)
         rounds.append(this)
     record["rounds"] = rounds
+    averager.release()  # as the worker does before its process group goes
     return record
 
 
@@ -164,14 +181,14 @@ def views_scenario(rank: int, salt: int) -> dict[str, Any]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     ids = [id(p) for p in model.parameters()]
     shapes = [tuple(p.shape) for p in model.parameters()]
-    averager = DeviceAverager(model, 1.0, CPU)
+    averager = DeviceAverager(model, 1.0, DEVICE)
     flat = averager.params[0].buffer
     buffers = averager.buffers.buffer if averager.buffers is not None else torch.empty(0)
-    flat_before, buf_before = flat.clone(), buffers.clone()
+    flat_before, buf_before = flat.cpu().clone(), buffers.cpu().clone()
 
     model.train()
     gen = torch.Generator().manual_seed(7 + rank)  # each rank its own batch: the replicas drift apart
-    loss = model(torch.randn(8, 5, generator=gen)).square().mean()
+    loss = model(torch.randn(8, 5, generator=gen).to(DEVICE)).square().mean()
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
@@ -185,14 +202,14 @@ def views_scenario(rank: int, salt: int) -> dict[str, Any]:
         "shapes_before": shapes,
         "shapes_after": [tuple(p.shape) for p in params],
         "flat_before": flat_before,
-        "flat_after_step": flat.clone(),
-        "params_after_step": torch.cat([p.detach().reshape(-1) for p in params]),
+        "flat_after_step": flat.cpu().clone(),
+        "params_after_step": torch.cat([p.detach().reshape(-1) for p in params]).cpu(),
         "shares_param_storage": [
             p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for p in params
         ],
         "buf_before": buf_before,
-        "buf_after_step": buffers.clone(),
-        "buffers_after_step": torch.cat([b.reshape(-1) for b in f32_buffers]),
+        "buf_after_step": buffers.cpu().clone(),
+        "buffers_after_step": torch.cat([b.reshape(-1) for b in f32_buffers]).cpu(),
         "shares_buffer_storage": [
             b.untyped_storage().data_ptr() == buffers.untyped_storage().data_ptr() for b in f32_buffers
         ],
@@ -215,14 +232,21 @@ def run_all(rank: int) -> dict[str, Any]:
     return results
 
 
-def worker(rank: int, port: int, out_dir: str) -> None:
+def worker(rank: int, port: int, out_dir: str, backend: str = "gloo") -> None:
     """One spawned rank (torch.multiprocessing.start_processes passes the index first)."""
+    global DEVICE
     # Own process group, so the parent can kill this rank and anything it started in one go.
     os.setpgrp()
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, WORLD, False, timeout=COLLECTIVE_TIMEOUT)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=COLLECTIVE_TIMEOUT)
+    if backend == "nccl":
+        DEVICE = torch.device("cuda", rank)
+        torch.cuda.set_device(DEVICE)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=WORLD, timeout=COLLECTIVE_TIMEOUT)
+    # A rank stuck past its budget leaves its threads' stacks for the parent's report, then exits.
+    stacks = open(Path(out_dir) / f"rank{rank}.stacks", "w")  # noqa: SIM115 (open until the process ends)
+    faulthandler.dump_traceback_later(STUCK_AFTER_S, exit=True, file=stacks)
     try:
         results = run_all(rank)
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")

@@ -7,7 +7,6 @@ import itertools
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from flodl.averaging.reducer import MIN_CHUNK_BYTES, PIPELINE_CHUNKS, Reducer, chunk_spans
 
@@ -56,33 +55,35 @@ class Recorder:
         self.calls.append(("after", span.start))
 
 
-@pytest.fixture
-def solo_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+def logged_wire(reducer: Reducer, stages: Recorder) -> None:
+    """Log each collective the reducer launches as ("wire", its storage offset, its length)."""
+    launch = reducer._all_reduce
+
+    def logged_launch(tensor: torch.Tensor, factor: float, async_op: bool = False):
+        stages.calls.append(("wire", tensor.storage_offset(), tensor.numel()))
+        return launch(tensor, factor, async_op)
+
+    reducer._all_reduce = logged_launch
 
 
 def test_a_chunk_is_kept_before_its_reduce_and_settled_one_chunk_later(solo_group):
     # Three chunks of 4 elements: chunk k+1 goes on the wire before chunk k is settled, and the work on
-    # what `before` kept runs while its own chunk is on the wire.
+    # what `before` kept runs while its own chunk is on the wire. In chunks, the totals go first: a carrier
+    # with room for them does not make the round fold.
     reducer = Reducer(gamma=1.0, bf16_wire=False)
     reducer.min_chunk_bytes = 16
     reducer.chunks = 3
-    flat = torch.arange(12, dtype=torch.float32)
+    storage = torch.cat([torch.full((3,), -1.0), torch.arange(12, dtype=torch.float32)])
+    flat = storage[3:]
     stages = Recorder()
-    launch = reducer._all_reduce
-
-    def logged_launch(tensor: torch.Tensor, factor: float, async_op: bool = False):
-        stages.calls.append(("wire", tensor.storage_offset()))
-        return launch(tensor, factor, async_op)
-
-    reducer._all_reduce = logged_launch
-    reducer.reduce([flat], None, None, steps=2, stages=stages)
+    logged_wire(reducer, stages)
+    result = reducer.reduce([flat], None, None, steps=2, stages=stages, carrier=storage)
     assert stages.calls == [
-        ("before", 0), ("wire", 0), ("during", 0),
-        ("before", 4), ("wire", 4), ("during", 4), ("after", 0),
-        ("before", 8), ("wire", 8), ("during", 8), ("after", 4),
+        ("before", 0), ("wire", 3, 4), ("during", 0),
+        ("before", 4), ("wire", 7, 4), ("during", 4), ("after", 0),
+        ("before", 8), ("wire", 11, 4), ("during", 8), ("after", 4),
         ("after", 8),
     ]  # fmt: skip
     assert torch.equal(flat, torch.arange(12, dtype=torch.float32))  # one rank: its own weight is 1
+    assert (result.skipped, result.total_steps, result.payload_bytes) == (False, 2, 48)
+    assert storage[:3].tolist() == [-1.0] * 3

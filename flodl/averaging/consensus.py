@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from flodl.averaging.divergence import DivergenceSums, DivergenceTriple, divergence_triple
 from flodl.averaging.flat import flatten_float32_buffers, flatten_parameters
 from flodl.averaging.outer import OuterOptimizer, OuterSettings
-from flodl.averaging.reducer import Reducer
+from flodl.averaging.reducer import TOTALS_HEAD, Reducer, ReduceResult
 
 _NO_DIVERGENCE = DivergenceTriple(0.0, 0.0, 0.0)
 
@@ -54,8 +54,9 @@ class _AveragerBase:
         bf16_wire: bool,
         outer: OuterSettings | None,
         group: dist.ProcessGroup | None,
+        head: int = 0,
     ) -> None:
-        self.params = flatten_parameters(model)
+        self.params = flatten_parameters(model, head)
         self.buffers = flatten_float32_buffers(model)
         self._start_from_rank0()
         self.reducer = Reducer(gamma, bf16_wire, group)
@@ -94,6 +95,10 @@ class _AveragerBase:
     def _flat_params(self) -> list[Tensor]:
         return [g.buffer for g in self.params]
 
+    def release(self) -> None:
+        """Free what the rounds hold on the device for the process group (before it is destroyed)."""
+        self.reducer.release()
+
 
 def _make_refs(outer: OuterOptimizer | None, bf16_wire: bool, tensors: list[Tensor]) -> list[Tensor] | None:
     """The shared reference parameters: the outer optimizer's global, or the last consensus for bf16."""
@@ -123,44 +128,45 @@ class DeviceAverager(_AveragerBase):
     ) -> None:
         """`keeps_own`: keep a pre-reduce copy of the rank's parameters, which the divergence triple and
         the EASGD blend need; without it a round is the two all-reduces and nothing else."""
-        super().__init__(model, gamma, bf16_wire, outer, group=None)
+        # Room for the round's totals in front of the parameters: they travel in the same all-reduce.
+        super().__init__(model, gamma, bf16_wire, outer, group=None, head=TOTALS_HEAD)
         # The rank's own parameters before the reduce, turned into `own - consensus` after it (the
         # divergence is measured in place, sparing a parameter-sized temporary and a pass over memory).
         self.drift = [torch.empty_like(t) for t in self._flat_params()] if keeps_own else None
         self.sums = DivergenceSums() if keeps_own else None
         self.outer = OuterOptimizer(outer, self._flat_params()) if outer else None
         self.refs = _make_refs(self.outer, bf16_wire, self._flat_params())
+        # Between begin and finish: the rank's steps, the reduce's result and begin's wall time (ms).
+        self.queued: tuple[int, ReduceResult, float] | None = None
 
     @torch.no_grad()
     def begin(self, steps: int, exact: bool = False, kept: bool = True) -> None:
-        """Run the round in place; `exact` and `kept` as in `Reducer.reduce`."""
+        """Queue the round, in place; `exact` and `kept` as in `Reducer.reduce`. What it measured (the
+        totals, the divergence triple) is read from the device in `finish`."""
         start = time.perf_counter()
         flat = self._flat_params()
         buffers = self.buffers.buffer if self.buffers is not None else None
-        if self.sums is not None:
-            self.sums.reset()
         # The guard's copy and norms ride along chunk by chunk while the reduce is on the wire. An outer
         # optimizer's step needs the whole consensus first, so then they run before and after it.
         stages = self if self.sums is not None and self.outer is None else None
         if self.sums is not None and stages is None:
             self._for_each_whole(self.before)
             self._for_each_whole(self.during)
-        result = self.reducer.reduce(flat, self.refs, buffers, steps, stages, exact=exact, kept=kept)
-        triple = _NO_DIVERGENCE
+        result = self.reducer.reduce(
+            flat, self.refs, buffers, steps, stages, exact=exact, kept=kept, carrier=self.params[0].storage
+        )
         if not result.skipped:
             _after_reduce(self.outer, self.refs, flat)
-            if self.sums is not None:
-                if stages is None:
-                    self._for_each_whole(self.after)
-                triple = self.sums.read()
-        blocked = (time.perf_counter() - start) * 1000
-        self.outcome = RoundOutcome(
-            steps, result.total_steps, result.skipped, triple, blocked, result.payload_bytes
-        )
+            if self.sums is not None and stages is None:
+                self._for_each_whole(self.after)
+        self.queued = (steps, result, (time.perf_counter() - start) * 1000)
 
     def before(self, index: int, span: slice) -> None:
-        """Keep the chunk's pre-reduce values (for the triple and the EASGD blend)."""
-        assert self.drift is not None
+        """Keep the chunk's pre-reduce values (for the triple and the EASGD blend). The first chunk starts
+        the round's sums; a round replayed from a CUDA graph runs no stages and refills the captured ones."""
+        assert self.drift is not None and self.sums is not None
+        if index == 0 and span.start == 0:
+            self.sums.reset()
         self.drift[index][span].copy_(self.params[index].buffer[span])
 
     def during(self, index: int, span: slice) -> None:
@@ -181,7 +187,16 @@ class DeviceAverager(_AveragerBase):
         return True
 
     def finish(self) -> RoundOutcome:
-        assert self.outcome is not None, "finish() without begin()"
+        """Read what the round measured (waiting for the device where it is not done yet)."""
+        start = time.perf_counter()
+        assert self.queued is not None, "finish() without begin()"
+        (steps, result, begin_ms), self.queued = self.queued, None
+        triple = _NO_DIVERGENCE
+        if self.sums is not None and not result.skipped:
+            triple = self.sums.read()
+        total_steps = result.total_steps
+        blocked = begin_ms + (time.perf_counter() - start) * 1000
+        self.outcome = RoundOutcome(steps, total_steps, result.skipped, triple, blocked, result.payload_bytes)
         return self.outcome
 
     @torch.no_grad()

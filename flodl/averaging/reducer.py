@@ -1,25 +1,34 @@
 """One weighted consensus over a process group, on whatever tensors it is handed (device or host).
 
-1. A float64 SUM all-reduce of `[n^gamma, mover, n, kept]` gives every rank the same totals, so a round where
-   nobody moved is skipped everywhere (an exact one averages the ranks that kept their window instead) and
-   `Σ n` advances every rank's step clock. Reading them is the
-   round's one host read before the big collective; the first chunk's stage work is queued ahead of it,
-   so the device is busy while the host waits.
-2. Each rank scales by its weight `n^gamma / Σ n^gamma`; one SUM all-reduce leaves the consensus (NCCL
-   scales while it reduces: PreMulSum with a host scalar; a factor divided out on the device and read by
-   NCCL from device memory measured no faster on 2x H200). With `stages`, each tensor is reduced in chunks and
-   the caller's per-chunk work (the guard's pre-reduce copy and norms) runs while the chunk itself (the
-   kept copy's norm) or the next chunk (the rest) is on the wire, instead of before and after the whole
-   reduce.
-3. With `bf16_wire`, float32 tensors travel as the bf16 difference from a reference every rank shares
-   (the last global parameters), gathered and summed in float32: half the bytes, and the rounding falls on
-   the small per-round change instead of on the parameters themselves.
-4. Float32 buffers average with equal weight among ranks that moved; they always travel as float32.
+Each rank's parameters count with weight `n^gamma / Σ n^gamma` (`weights.py`). Two ways to get there:
+
+- Folded (the device backend's round when its float32 parameters go in one piece, under 128 MiB): the
+  totals ride in front of the parameters in the same all-reduce. Each rank puts `[1, 1/m, n/m]` in the
+  spare elements ahead of its flat parameter buffer (`FlatGroup.storage`) and the whole thing goes on the
+  wire scaled by its own mass `m = n^gamma` (NCCL PreMulSum), so one SUM leaves `[Σ m, Σ mover, Σ n | Σ m
+  θ]`; the parameters are then divided by `Σ m`, read from device memory. No collective and no host read
+  stand before the payload, and on a GPU the round is replayed as one CUDA graph (`folded.py`). The
+  totals are read when asked for: a round where nobody moved had every rank scale by 0, and the idle
+  ranks (all of them then) put back the state they kept before.
+- Totals first (everything else: the cpu backend, bf16_wire, several parameter dtypes, a round in
+  chunks, an exact round, |gamma| > 4): a
+  float64 SUM all-reduce of `[n^gamma, mover, n, kept]`, read on the host, gives each rank its factor
+  before the payload's all-reduce (PreMulSum with a host scalar). A round where nobody moved is skipped
+  everywhere; an exact one (the last of a run) averages the ranks that kept their window instead.
+
+Either way `Σ n` advances every rank's step clock. With `stages`, each tensor is reduced in chunks and the
+caller's per-chunk work (the guard's pre-reduce copy and norms) runs while the chunk itself (the kept
+copy's norm) or the next chunk (the rest) is on the wire, instead of before and after the whole reduce.
+With `bf16_wire`, float32 tensors travel as the bf16 difference from a reference every rank shares (the
+last global parameters), gathered and summed in float32: half the bytes, and the rounding falls on the
+small per-round change instead of on the parameters themselves. Float32 buffers average with equal
+weight among ranks that moved; they always travel as float32.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from flodl.averaging.folded import FoldedRound
 from flodl.averaging.weights import prescale_factors, rank_contribution
 
 # torch 2.13 renamed all_gather_into_tensor (older torch only has the old name).
@@ -36,6 +46,14 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 # that NCCL keeps its bus bandwidth and the host its launch budget (a 10M-parameter model is one piece).
 PIPELINE_CHUNKS = 4
 MIN_CHUNK_BYTES = 64 << 20
+# Spare elements left ahead of a flat parameter buffer for the folded totals: 64 float32 keep the
+# parameters 256-byte aligned.
+TOTALS_HEAD = 64
+# Eager folded rounds before the round is captured as a CUDA graph (see `folded.py`).
+CAPTURE_AFTER = 2
+# Beyond this |gamma|, n^gamma, 1/n^gamma or n/n^gamma can leave float32's range for plausible step
+# counts (up to 2^24 per window): the float64 totals-first round is used instead.
+MAX_FOLDED_GAMMA = 4.0
 
 
 class ChunkStages(Protocol):
@@ -53,10 +71,18 @@ class ChunkStages(Protocol):
 @dataclass(frozen=True)
 class ReduceResult:
     skipped: bool
-    # Σ over ranks of the steps since the last reduce.
-    total_steps: int
     # What this rank put on the wire for the parameters and buffers (after compression).
     payload_bytes: int
+    # Σ over ranks of the steps since the last reduce, or the folded round whose totals hold it.
+    steps: int | FoldedRound
+
+    @property
+    def total_steps(self) -> int:
+        """A folded round's totals are read from the device when first asked for (the host can queue the
+        rest of the round's work before it waits)."""
+        if isinstance(self.steps, FoldedRound):
+            return round(self.steps.totals()[2])
+        return self.steps
 
 
 def chunk_spans(
@@ -76,6 +102,27 @@ class Reducer:
         self.premul = dist.get_backend(group) == "nccl" and hasattr(dist, "_make_nccl_premul_sum")
         self.chunks = PIPELINE_CHUNKS
         self.min_chunk_bytes = MIN_CHUNK_BYTES
+        # Off: every round sends its totals first (the benchmark compares the two).
+        self.fold_totals = True
+        # Rounds before a folded round is replayed from a CUDA graph (None: always eager).
+        self.capture_after: int | None = CAPTURE_AFTER
+        self._own_totals: Tensor | None = None
+        self._folded: FoldedRound | None = None
+
+    def folds(self, params: Sequence[Tensor], exact: bool) -> bool:
+        """Whether a round on these tensors carries its totals in the payload (the same answer on every
+        rank: it depends only on the model, the config and the coordinator's order). Only a round reduced
+        in one piece folds: in chunks, the division by `Σ m` is one more pass per chunk that the pipeline
+        does not hide (2x H200, 120M parameters: 0.54 of a plain all-reduce folded, 0.64 totals first)."""
+        return (
+            self.fold_totals
+            and not exact
+            and not self.bf16_wire
+            and len(params) == 1
+            and params[0].dtype == torch.float32
+            and abs(self.gamma) <= MAX_FOLDED_GAMMA
+            and len(self._spans(params[0])) == 1
+        )
 
     def reduce(
         self,
@@ -87,17 +134,23 @@ class Reducer:
         *,
         exact: bool = False,
         kept: bool = True,
+        carrier: Tensor | None = None,
     ) -> ReduceResult:
         """Replace `params` (and `buffers`) in place by the cohort's weighted consensus.
 
+        `carrier`: `params[0]` with `TOTALS_HEAD` spare elements in front (the same storage); with it,
+        a round that `folds` carries its totals there instead of in a separate all-reduce.
         `exact`: the round must leave every rank with the same state, so if nobody moved it averages the
         ranks that `kept` their window (see `weights.py`) instead of being skipped.
-
         `refs` (same shapes as `params`, identical on every rank) is needed with bf16_wire. `params` must
-        be 1-D when `stages` is given (the flat parameter buffers). On a skipped round the stages may
-        have run `before` on the first chunk (nothing else).
+        be 1-D when `stages` is given (the flat parameter buffers). On a skipped round the stages may have
+        run on garbage; their results mean nothing.
         """
-        totals = self._contribution(steps, kept, params[0].device)
+        if carrier is not None and self.folds(params, exact):
+            return self._reduce_folded(carrier, params[0], buffers, steps, stages)
+        device = params[0].device
+        own = self._pinned_totals([*rank_contribution(steps, self.gamma), steps, kept], device)
+        totals = own.to(device, non_blocking=True)
         dist.all_reduce(totals, group=self.group)
         plans = [self._spans(t) for t in params] if stages is not None else []
         if stages is not None:
@@ -110,24 +163,54 @@ class Reducer:
             return ReduceResult(True, 0, 0)
         sent = 0
         for i, tensor in enumerate(params):
+            ref = refs[i] if refs else None
+            if self._travels_bf16(tensor):
+                sent += self._reduce_bf16_delta(i, tensor, ref, scale.param_factor, stages)
+                continue
             if stages is None:
-                sent += self._reduce_whole(tensor, refs[i] if refs else None, scale.param_factor)
+                self._all_reduce(tensor, scale.param_factor)
             else:
-                sent += self._reduce_staged(
-                    i, tensor, refs[i] if refs else None, scale.param_factor, plans[i], stages
-                )
+                self._pipeline(i, tensor, scale.param_factor, plans[i], stages, first_prepared=i == 0)
+            sent += tensor.numel() * tensor.element_size()
         if buffers is not None:
             sent += self._weighted_sum(buffers, scale.buffer_factor)
-        return ReduceResult(False, round(total_steps), sent)
+        return ReduceResult(False, sent, round(total_steps))
 
-    def _contribution(self, steps: int, kept: bool, device: torch.device) -> Tensor:
-        """`[n^gamma, mover, n, kept]` on the device, queued behind the training steps: a copy from pageable
-        memory would make the host wait for them (a stream sync) before the round even began."""
-        mass, mover = rank_contribution(steps, self.gamma)
-        own = torch.tensor([mass, mover, steps, kept], dtype=torch.float64)
-        if device.type != "cuda":
-            return own
-        return own.pin_memory().to(device, non_blocking=True)
+    def _reduce_folded(
+        self, carrier: Tensor, tensor: Tensor, buffers: Tensor | None, steps: int, stages: ChunkStages | None
+    ) -> ReduceResult:
+        folded = self._folded
+        if folded is None or not (folded.carrier is carrier and folded.stages is stages):
+            self.release()
+            folded = FoldedRound(carrier, tensor, buffers, stages, self._all_reduce, self.capture_after)
+            self._folded = folded
+        mass, _ = rank_contribution(steps, self.gamma)
+        # Only a rank that did not move can be in a round nobody moved in, which zeroes every rank's state.
+        targets = [tensor] if buffers is None else [tensor, buffers]
+        saved = [t.clone() for t in targets] if mass <= 0.0 else []
+        folded.run(steps, self.gamma)
+        sent = sum(t.numel() * t.element_size() for t in targets)
+        # A rank that moved knows the round is not skipped; the others read the totals now.
+        if saved and folded.totals()[0] <= 0.0:
+            for target, own in zip(targets, saved, strict=True):
+                target.copy_(own)
+            return ReduceResult(True, 0, 0)
+        return ReduceResult(False, sent, folded)
+
+    def release(self) -> None:
+        """Free a captured round (before the process group is destroyed)."""
+        if self._folded is not None:
+            self._folded.release()
+            self._folded = None
+
+    def _pinned_totals(self, values: list[float], device: torch.device) -> Tensor:
+        """This rank's float64 totals in a host buffer kept for the purpose, pinned for a GPU: copied from
+        there, the round's first transfer does not wait for the queued training steps (from pageable
+        memory it would). The previous round's copy out of it is done: its totals were read since."""
+        if self._own_totals is None:
+            self._own_totals = torch.empty(len(values), dtype=torch.float64, pin_memory=device.type == "cuda")
+        self._own_totals.numpy()[:] = values
+        return self._own_totals
 
     def _spans(self, tensor: Tensor) -> list[slice]:
         if self._travels_bf16(tensor):  # gathered whole: no chunked path
@@ -137,52 +220,36 @@ class Reducer:
     def _travels_bf16(self, tensor: Tensor) -> bool:
         return self.bf16_wire and tensor.dtype == torch.float32
 
-    def _reduce_whole(self, tensor: Tensor, ref: Tensor | None, factor: float) -> int:
-        if self._travels_bf16(tensor):
-            assert ref is not None, "bf16_wire needs the shared reference parameters"
-            return self._reduce_bf16_delta(tensor, ref, factor)
-        return self._weighted_sum(tensor, factor)
-
-    def _reduce_staged(
+    def _pipeline(
         self,
         index: int,
         tensor: Tensor,
-        ref: Tensor | None,
         factor: float,
         spans: list[slice],
         stages: ChunkStages,
-    ) -> int:
+        *,
+        first_prepared: bool = False,
+    ) -> None:
         """Chunk k+1 is prepared and put on the wire before chunk k's result is waited for and settled,
         so the stages' work overlaps the transfer of the next chunk."""
-        if self._travels_bf16(tensor):
-            self._prepare(stages, index, 0, spans[0])
-            stages.during(index, spans[0])
-            sent = self._reduce_whole(tensor, ref, factor)
-            stages.after(index, spans[0])
-            return sent
         in_flight: deque[tuple[slice, dist.Work]] = deque()
         for k, span in enumerate(spans):
-            self._prepare(stages, index, k, span)
-            chunk = tensor[span]
-            in_flight.append((span, self._all_reduce(chunk, factor, async_op=True)))
+            if not (first_prepared and k == 0):
+                stages.before(index, span)
+            in_flight.append((span, self._all_reduce(tensor[span], factor, async_op=True)))
             stages.during(index, span)
             if len(in_flight) == 2:
                 self._settle(index, stages, *in_flight.popleft())
         while in_flight:
             self._settle(index, stages, *in_flight.popleft())
-        return tensor.numel() * tensor.element_size()
-
-    @staticmethod
-    def _prepare(stages: ChunkStages, index: int, k: int, span: slice) -> None:
-        if index > 0 or k > 0:  # the first tensor's first chunk was prepared while the host read the totals
-            stages.before(index, span)
 
     @staticmethod
     def _settle(index: int, stages: ChunkStages, span: slice, work: dist.Work) -> None:
         work.wait()  # on a GPU: the current stream waits for the chunk; the host does not
         stages.after(index, span)
 
-    def _all_reduce(self, tensor: Tensor, factor: float, async_op: bool = False) -> dist.Work | None:
+    def _all_reduce(self, tensor: Tensor, factor: float | Tensor, async_op: bool = False) -> dist.Work | None:
+        """SUM of `factor * tensor` over the group; a tensor `factor` (one element) is read on the device."""
         if self.premul:
             op = dist._make_nccl_premul_sum(factor)
         else:
@@ -194,7 +261,16 @@ class Reducer:
         self._all_reduce(tensor, factor)
         return tensor.numel() * tensor.element_size()
 
-    def _reduce_bf16_delta(self, tensor: Tensor, ref: Tensor, factor: float) -> int:
+    def _reduce_bf16_delta(
+        self, index: int, tensor: Tensor, ref: Tensor | None, factor: float, stages: ChunkStages | None
+    ) -> int:
+        """Gathered whole, so the stages run around the one collective."""
+        assert ref is not None, "bf16_wire needs the shared reference parameters"
+        whole = slice(0, tensor.numel())
+        if stages is not None:
+            if index > 0:  # the first tensor was prepared while the host read the totals
+                stages.before(index, whole)
+            stages.during(index, whole)
         payload = ((tensor - ref) * factor).to(torch.bfloat16)
         world = dist.get_world_size(self.group)
         gathered = torch.empty(world * payload.numel(), dtype=torch.bfloat16, device=payload.device)
@@ -202,4 +278,6 @@ class Reducer:
         # Accumulate in float32: ref + Σ_k w_k (θ_k - ref) = Σ_k w_k θ_k, since the weights sum to 1.
         summed = gathered.view(world, -1).float().sum(dim=0).view_as(tensor)
         torch.add(ref, summed, out=tensor)
+        if stages is not None:
+            stages.after(index, whole)
         return payload.numel() * payload.element_size()

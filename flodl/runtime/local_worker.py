@@ -80,6 +80,9 @@ class LocalSgdWorker(WorkerBase):
         self.global_steps = int(state["global_steps"])
         self.averager.load_state_dict(state["averager"])
 
+    def release(self) -> None:
+        self.averager.release()
+
     def on_nonfinite_progress(self) -> None:
         if self.stepper.cfg.on_nonfinite == "error":
             self.raise_if_nonfinite()

@@ -70,6 +70,10 @@ class WorkerBase:
                     alive()
         finally:
             self.reader.stop(self.outbox)
+            self.release()
+
+    def release(self) -> None:
+        """Free what this worker holds on the device for the process group (it is destroyed next)."""
 
     def report(self, message: Message) -> None:
         self.outbox.send(COORDINATOR, message)
