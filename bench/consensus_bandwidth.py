@@ -93,10 +93,10 @@ def measure(averager: DeviceAverager, how: Callable[[Callable[[], None]], object
 VARIANTS = {  # column -> DeviceAverager tuning
     "guarded": {},
     "guarded, eager": {"capture_after": None},
-    "guarded, totals first": {"fold_totals": False},
+    "guarded, totals first": {"weights_on_device": False},
     "lean": {"keeps_own": False},
     "lean, eager": {"keeps_own": False, "capture_after": None},
-    "lean, totals first": {"keeps_own": False, "fold_totals": False},
+    "lean, totals first": {"keeps_own": False, "weights_on_device": False},
 }
 
 
@@ -171,10 +171,11 @@ def report(rows: list[tuple], world: int, bus: float, profiles: list[str]) -> No
         "",
         "guarded: the default cadence/async round (pre-reduce copy + divergence triple for the guard; over "
         "128 MiB in chunks of at least 64 MiB, the guard's work on one chunk overlapping the next chunk's "
-        "transfer); lean: `no_divergence_guard=true` without EASGD. Under 128 MiB a round folds its totals "
-        "into the payload's all-reduce and, after 2 eager rounds, is replayed as one CUDA graph (eager: "
-        "never captured). Totals first: the round's float64 totals all-reduced and read on the host before "
-        "the payload (what flodl does for larger models, the cpu backend, bf16_wire and exact rounds).",
+        "transfer); lean: `no_divergence_guard=true` without EASGD. Under 128 MiB a round gets its weights "
+        "on the device (no host read before the payload) and, after 2 eager rounds, is replayed as one CUDA "
+        "graph (eager: never captured). Totals first: the round's float64 totals all-reduced and read on "
+        "the host before the payload (what flodl does for larger models, the cpu backend, bf16_wire and "
+        "exact rounds).",
         "",
         *profiles,
     ]

@@ -64,7 +64,7 @@ def _scenarios() -> dict[str, Spec]:
             "work_weighted": Spec(backend, 1.0, (3, 1)),
             "plain_mean": Spec(backend, 0.0, (5, 2)),
             "inverse_work": Spec(backend, -1.0, (4, 1)),
-            # Beyond |gamma| 4 the device backend's totals come first (float64) instead of folded.
+            # A steep gamma: one rank's weight dwarfs the other's.
             "steep_gamma": Spec(backend, 4.5, (2, 3)),
             "idle_rank1_gamma1": Spec(backend, 1.0, (3, 0)),
             "idle_rank1_gamma0": Spec(backend, 0.0, (3, 0)),
@@ -83,8 +83,8 @@ def _scenarios() -> dict[str, Spec]:
     specs["host/train_during_round"] = Spec("host", 1.0, (3, 1), train_during_round=True)
     specs["host/easgd_train_during_round"] = Spec("host", 1.0, (3, 1), alpha=0.3, train_during_round=True)
     specs["device/without_own_copy"] = Spec("device", 1.0, (3, 1), keeps_own=False)
-    # Past CAPTURE_AFTER rounds a folded round is replayed from a CUDA graph (over nccl): each round's
-    # weights must still be that round's.
+    # Past CAPTURE_AFTER rounds a round weighted on the device is replayed from a CUDA graph (over nccl):
+    # each round's weights must still be that round's.
     specs["device/replayed"] = Spec("device", 1.0, (3, 1), rounds=5, step_growth=(0, 2))
     specs["device/replayed_lean"] = Spec("device", 0.5, (3, 1), rounds=5, step_growth=(0, 2), keeps_own=False)
     specs["device/replayed_all_idle"] = Spec("device", 1.0, (0, 0), rounds=4)

@@ -3,7 +3,8 @@
 Both backends own the model's flat parameter storage (see `flat.py`) and expose one round as
 `begin(steps)` → `ready()` → `finish()` → `adopt(alpha, evaluate)`:
 
-- `DeviceAverager` (backend=nccl; gloo without a GPU): the reduce runs on the device in `begin`, in place.
+- `DeviceAverager` (backend=nccl; gloo without a GPU): `begin` queues the reduce on the device, in place
+  (a small model's round replayed as a CUDA graph, see `replayed.py`); `finish` reads what it measured.
 - `HostAverager` (backend=cpu): `begin` snapshots the parameters into host buffers and reduces them over a
   gloo group on a background thread; training goes on meanwhile (async) and the consensus is adopted at a
   later step boundary. Steps taken during the round keep their weight for the next one.
@@ -28,7 +29,7 @@ from torch import Tensor, nn
 from flodl.averaging.divergence import DivergenceSums, DivergenceTriple, divergence_triple
 from flodl.averaging.flat import flatten_float32_buffers, flatten_parameters
 from flodl.averaging.outer import OuterOptimizer, OuterSettings
-from flodl.averaging.reducer import TOTALS_HEAD, Reducer, ReduceResult
+from flodl.averaging.reducer import Reducer, ReduceResult
 
 _NO_DIVERGENCE = DivergenceTriple(0.0, 0.0, 0.0)
 
@@ -54,9 +55,8 @@ class _AveragerBase:
         bf16_wire: bool,
         outer: OuterSettings | None,
         group: dist.ProcessGroup | None,
-        head: int = 0,
     ) -> None:
-        self.params = flatten_parameters(model, head)
+        self.params = flatten_parameters(model)
         self.buffers = flatten_float32_buffers(model)
         self._start_from_rank0()
         self.reducer = Reducer(gamma, bf16_wire, group)
@@ -128,8 +128,7 @@ class DeviceAverager(_AveragerBase):
     ) -> None:
         """`keeps_own`: keep a pre-reduce copy of the rank's parameters, which the divergence triple and
         the EASGD blend need; without it a round is the two all-reduces and nothing else."""
-        # Room for the round's totals in front of the parameters: they travel in the same all-reduce.
-        super().__init__(model, gamma, bf16_wire, outer, group=None, head=TOTALS_HEAD)
+        super().__init__(model, gamma, bf16_wire, outer, group=None)
         # The rank's own parameters before the reduce, turned into `own - consensus` after it (the
         # divergence is measured in place, sparing a parameter-sized temporary and a pass over memory).
         self.drift = [torch.empty_like(t) for t in self._flat_params()] if keeps_own else None
@@ -152,9 +151,7 @@ class DeviceAverager(_AveragerBase):
         if self.sums is not None and stages is None:
             self._for_each_whole(self.before)
             self._for_each_whole(self.during)
-        result = self.reducer.reduce(
-            flat, self.refs, buffers, steps, stages, exact=exact, kept=kept, carrier=self.params[0].storage
-        )
+        result = self.reducer.reduce(flat, self.refs, buffers, steps, stages, exact=exact, kept=kept)
         if not result.skipped:
             _after_reduce(self.outer, self.refs, flat)
             if self.sums is not None and stages is None:

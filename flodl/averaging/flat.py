@@ -16,11 +16,8 @@ from torch import Tensor, nn
 
 @dataclass
 class FlatGroup:
-    # The parameters' elements, in order; views into `storage`.
     buffer: Tensor
     views: list[Tensor]
-    # `buffer` with the spare elements asked for in front (the same tensor without them).
-    storage: Tensor
 
 
 def _group_by_dtype(tensors: Iterable[Tensor]) -> dict[torch.dtype, list[Tensor]]:
@@ -30,10 +27,9 @@ def _group_by_dtype(tensors: Iterable[Tensor]) -> dict[torch.dtype, list[Tensor]
     return groups
 
 
-def _flatten(tensors: list[Tensor], repoint: Callable[[Tensor, Tensor], None], head: int = 0) -> FlatGroup:
+def _flatten(tensors: list[Tensor], repoint: Callable[[Tensor, Tensor], None]) -> FlatGroup:
     total = sum(t.numel() for t in tensors)
-    storage = torch.zeros(head + total, dtype=tensors[0].dtype, device=tensors[0].device)
-    buffer = storage[head:]
+    buffer = torch.empty(total, dtype=tensors[0].dtype, device=tensors[0].device)
     views, offset = [], 0
     for t in tensors:
         view = buffer[offset : offset + t.numel()].view_as(t)
@@ -41,13 +37,12 @@ def _flatten(tensors: list[Tensor], repoint: Callable[[Tensor, Tensor], None], h
         repoint(t, view)
         views.append(view)
         offset += t.numel()
-    return FlatGroup(buffer, views, storage)
+    return FlatGroup(buffer, views)
 
 
 @torch.no_grad()
-def flatten_parameters(model: nn.Module, head: int = 0) -> list[FlatGroup]:
-    """Re-point every trainable parameter into a flat buffer per dtype, each with `head` spare elements
-    in front (room for what travels with the parameters in one collective)."""
+def flatten_parameters(model: nn.Module) -> list[FlatGroup]:
+    """Re-point every trainable parameter into a flat buffer per dtype."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the model has no trainable parameters")
@@ -55,7 +50,7 @@ def flatten_parameters(model: nn.Module, head: int = 0) -> list[FlatGroup]:
     def repoint(param: Tensor, view: Tensor) -> None:
         param.data = view
 
-    return [_flatten(group, repoint, head) for group in _group_by_dtype(params).values()]
+    return [_flatten(group, repoint) for group in _group_by_dtype(params).values()]
 
 
 @torch.no_grad()

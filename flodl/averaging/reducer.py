@@ -2,19 +2,16 @@
 
 Each rank's parameters count with weight `n^gamma / Σ n^gamma` (`weights.py`). Two ways to get there:
 
-- Folded (the device backend's round when its float32 parameters go in one piece, under 128 MiB): the
-  totals ride in front of the parameters in the same all-reduce. Each rank puts `[1, 1/m, n/m]` in the
-  spare elements ahead of its flat parameter buffer (`FlatGroup.storage`) and the whole thing goes on the
-  wire scaled by its own mass `m = n^gamma` (NCCL PreMulSum), so one SUM leaves `[Σ m, Σ mover, Σ n | Σ m
-  θ]`; the parameters are then divided by `Σ m`, read from device memory. No collective and no host read
-  stand before the payload, and on a GPU the round is replayed as one CUDA graph (`folded.py`). The
-  totals are read when asked for: a round where nobody moved had every rank scale by 0, and the idle
-  ranks (all of them then) put back the state they kept before.
-- Totals first (everything else: the cpu backend, bf16_wire, several parameter dtypes, a round in
-  chunks, an exact round, |gamma| > 4): a
-  float64 SUM all-reduce of `[n^gamma, mover, n, kept]`, read on the host, gives each rank its factor
-  before the payload's all-reduce (PreMulSum with a host scalar). A round where nobody moved is skipped
-  everywhere; an exact one (the last of a run) averages the ranks that kept their window instead.
+- On the device (the device backend over NCCL when its float32 parameters go in one piece, under 128 MiB):
+  the float64 totals are all-reduced and the weights divided out on the device, and the payload's
+  all-reduce reads its PreMulSum factor from device memory; no host read stands before the payload, and
+  the round is replayed as one CUDA graph (`replayed.py`). The totals are read when asked for; a round
+  nobody moved in is undone by the idle ranks (all of them then) putting back the state they kept.
+- On the host (everything else: the cpu backend, bf16_wire, several parameter dtypes, a round in chunks,
+  an exact round): a float64 SUM all-reduce of `[n^gamma, mover, n, kept]`, read on the host, gives each
+  rank its factor before the payload's all-reduce (PreMulSum with a host scalar). A round where nobody
+  moved is skipped everywhere; an exact one (the last of a run) averages the ranks that kept their window
+  instead.
 
 Either way `Σ n` advances every rank's step clock. With `stages`, each tensor is reduced in chunks and the
 caller's per-chunk work (the guard's pre-reduce copy and norms) runs while the chunk itself (the kept
@@ -36,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from flodl.averaging.folded import FoldedRound
+from flodl.averaging.replayed import ReplayedRound
 from flodl.averaging.weights import prescale_factors, rank_contribution
 
 # torch 2.13 renamed all_gather_into_tensor (older torch only has the old name).
@@ -46,14 +43,8 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 # that NCCL keeps its bus bandwidth and the host its launch budget (a 10M-parameter model is one piece).
 PIPELINE_CHUNKS = 4
 MIN_CHUNK_BYTES = 64 << 20
-# Spare elements left ahead of a flat parameter buffer for the folded totals: 64 float32 keep the
-# parameters 256-byte aligned.
-TOTALS_HEAD = 64
-# Eager folded rounds before the round is captured as a CUDA graph (see `folded.py`).
+# Eager rounds before a round weighted on the device is captured as a CUDA graph (see `replayed.py`).
 CAPTURE_AFTER = 2
-# Beyond this |gamma|, n^gamma, 1/n^gamma or n/n^gamma can leave float32's range for plausible step
-# counts (up to 2^24 per window): the float64 totals-first round is used instead.
-MAX_FOLDED_GAMMA = 4.0
 
 
 class ChunkStages(Protocol):
@@ -73,15 +64,15 @@ class ReduceResult:
     skipped: bool
     # What this rank put on the wire for the parameters and buffers (after compression).
     payload_bytes: int
-    # Σ over ranks of the steps since the last reduce, or the folded round whose totals hold it.
-    steps: int | FoldedRound
+    # Σ over ranks of the steps since the last reduce, or the round weighted on the device that holds it.
+    steps: int | ReplayedRound
 
     @property
     def total_steps(self) -> int:
-        """A folded round's totals are read from the device when first asked for (the host can queue the
+        """A round weighted on the device has its totals read when first asked for (the host can queue the
         rest of the round's work before it waits)."""
-        if isinstance(self.steps, FoldedRound):
-            return round(self.steps.totals()[2])
+        if isinstance(self.steps, ReplayedRound):
+            return round(self.steps.read_totals()[2])
         return self.steps
 
 
@@ -102,25 +93,23 @@ class Reducer:
         self.premul = dist.get_backend(group) == "nccl" and hasattr(dist, "_make_nccl_premul_sum")
         self.chunks = PIPELINE_CHUNKS
         self.min_chunk_bytes = MIN_CHUNK_BYTES
-        # Off: every round sends its totals first (the benchmark compares the two).
-        self.fold_totals = True
-        # Rounds before a folded round is replayed from a CUDA graph (None: always eager).
+        # Off: every round reads its weights on the host (the benchmark compares the two).
+        self.weights_on_device = True
+        # Rounds before a round weighted on the device is replayed from a CUDA graph (None: always eager).
         self.capture_after: int | None = CAPTURE_AFTER
         self._own_totals: Tensor | None = None
-        self._folded: FoldedRound | None = None
+        self._replayed: ReplayedRound | None = None
 
-    def folds(self, params: Sequence[Tensor], exact: bool) -> bool:
-        """Whether a round on these tensors carries its totals in the payload (the same answer on every
-        rank: it depends only on the model, the config and the coordinator's order). Only a round reduced
-        in one piece folds: in chunks, the division by `Σ m` is one more pass per chunk that the pipeline
-        does not hide (2x H200, 120M parameters: 0.54 of a plain all-reduce folded, 0.64 totals first)."""
+    def weighs_on_device(self, params: Sequence[Tensor], exact: bool) -> bool:
+        """Whether a round on these tensors gets its weights on the device (the same answer on every rank:
+        it depends only on the model, the config and the coordinator's order). Only a round reduced in one
+        piece does: in chunks the host read before the payload is a small share of the round."""
         return (
-            self.fold_totals
+            self.weights_on_device
             and not exact
             and not self.bf16_wire
             and len(params) == 1
             and params[0].dtype == torch.float32
-            and abs(self.gamma) <= MAX_FOLDED_GAMMA
             and len(self._spans(params[0])) == 1
         )
 
@@ -134,20 +123,17 @@ class Reducer:
         *,
         exact: bool = False,
         kept: bool = True,
-        carrier: Tensor | None = None,
     ) -> ReduceResult:
         """Replace `params` (and `buffers`) in place by the cohort's weighted consensus.
 
-        `carrier`: `params[0]` with `TOTALS_HEAD` spare elements in front (the same storage); with it,
-        a round that `folds` carries its totals there instead of in a separate all-reduce.
         `exact`: the round must leave every rank with the same state, so if nobody moved it averages the
         ranks that `kept` their window (see `weights.py`) instead of being skipped.
         `refs` (same shapes as `params`, identical on every rank) is needed with bf16_wire. `params` must
         be 1-D when `stages` is given (the flat parameter buffers). On a skipped round the stages may have
         run on garbage; their results mean nothing.
         """
-        if carrier is not None and self.folds(params, exact):
-            return self._reduce_folded(carrier, params[0], buffers, steps, stages)
+        if self.weighs_on_device(params, exact):
+            return self._reduce_on_device(params[0], buffers, steps, stages)
         device = params[0].device
         own = self._pinned_totals([*rank_contribution(steps, self.gamma), steps, kept], device)
         totals = own.to(device, non_blocking=True)
@@ -176,32 +162,33 @@ class Reducer:
             sent += self._weighted_sum(buffers, scale.buffer_factor)
         return ReduceResult(False, sent, round(total_steps))
 
-    def _reduce_folded(
-        self, carrier: Tensor, tensor: Tensor, buffers: Tensor | None, steps: int, stages: ChunkStages | None
+    def _reduce_on_device(
+        self, tensor: Tensor, buffers: Tensor | None, steps: int, stages: ChunkStages | None
     ) -> ReduceResult:
-        folded = self._folded
-        if folded is None or not (folded.carrier is carrier and folded.stages is stages):
+        replayed = self._replayed
+        if replayed is None or not (replayed.tensor is tensor and replayed.stages is stages):
             self.release()
-            folded = FoldedRound(carrier, tensor, buffers, stages, self._all_reduce, self.capture_after)
-            self._folded = folded
+            capture_after = self.capture_after if self.premul else None  # gloo cannot be captured
+            replayed = ReplayedRound(tensor, buffers, stages, self._all_reduce, self.group, capture_after)
+            self._replayed = replayed
         mass, _ = rank_contribution(steps, self.gamma)
-        # Only a rank that did not move can be in a round nobody moved in, which zeroes every rank's state.
+        # Only a rank that did not move can be in a round nobody moved in, which turns every rank's state NaN.
         targets = [tensor] if buffers is None else [tensor, buffers]
         saved = [t.clone() for t in targets] if mass <= 0.0 else []
-        folded.run(steps, self.gamma)
+        replayed.run(steps, self.gamma)
         sent = sum(t.numel() * t.element_size() for t in targets)
         # A rank that moved knows the round is not skipped; the others read the totals now.
-        if saved and folded.totals()[0] <= 0.0:
+        if saved and replayed.read_totals()[0] <= 0.0:
             for target, own in zip(targets, saved, strict=True):
                 target.copy_(own)
             return ReduceResult(True, 0, 0)
-        return ReduceResult(False, sent, folded)
+        return ReduceResult(False, sent, replayed)
 
     def release(self) -> None:
         """Free a captured round (before the process group is destroyed)."""
-        if self._folded is not None:
-            self._folded.release()
-            self._folded = None
+        if self._replayed is not None:
+            self._replayed.release()
+            self._replayed = None
 
     def _pinned_totals(self, values: list[float], device: torch.device) -> Tensor:
         """This rank's float64 totals in a host buffer kept for the purpose, pinned for a GPU: copied from
