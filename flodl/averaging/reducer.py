@@ -2,16 +2,16 @@
 
 Each rank's parameters count with weight `n^gamma / Σ n^gamma` (`weights.py`). Two ways to get there:
 
-- On the device (the device backend over NCCL when its float32 parameters go in one piece, under 128 MiB):
-  the float64 totals are all-reduced and the weights divided out on the device, and the payload's
-  all-reduce reads its PreMulSum factor from device memory; no host read stands before the payload, and
-  the round is replayed as one CUDA graph (`replayed.py`). The totals are read when asked for; a round
-  nobody moved in is undone by the idle ranks (all of them then) putting back the state they kept.
-- On the host (everything else: the cpu backend, bf16_wire, several parameter dtypes, a round in chunks,
-  an exact round): a float64 SUM all-reduce of `[n^gamma, mover, n, kept]`, read on the host, gives each
-  rank its factor before the payload's all-reduce (PreMulSum with a host scalar). A round where nobody
-  moved is skipped everywhere; an exact one (the last of a run) averages the ranks that kept their window
-  instead.
+- Where the tensors are (float32 parameters in one piece, under 128 MiB): the float64 totals are
+  all-reduced and the weights divided out next to the parameters, and the payload's all-reduce reads its
+  factor from there (NCCL's PreMulSum from device memory); no host read stands before the payload, and on a
+  GPU over NCCL the round is replayed as one CUDA graph (`replayed.py`). The totals are read when asked
+  for; a round nobody moved in is undone by the idle ranks (all of them then) putting back the state they
+  kept. (The cpu backend's host tensors go this way too, on its gloo thread: no graph, the same weights.)
+- On the host first (bf16_wire, several parameter dtypes, a round in chunks, an exact round): a float64
+  SUM all-reduce of `[n^gamma, mover, n, kept]`, read on the host, gives each rank its factor before the
+  payload's all-reduce (PreMulSum with a host scalar). A round where nobody moved is skipped everywhere;
+  an exact one (the last of a run) averages the ranks that kept their window instead.
 
 Either way `Σ n` advances every rank's step clock. With `stages`, each tensor is reduced in chunks and the
 caller's per-chunk work (the guard's pre-reduce copy and norms) runs while the chunk itself (the kept
