@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from flodl.averaging.reducer import MIN_CHUNK_BYTES, PIPELINE_CHUNKS, Reducer, chunk_spans
+from tests.stage_log import Recorder, logged_wire
 
 
 def covered(spans: list[slice]) -> list[int]:
@@ -37,33 +38,6 @@ def test_element_size_counts():
     # The same element count in bf16 is half the bytes: fewer chunks.
     assert len(chunk_spans(48 << 20, 4)) == 3  # 192 MiB
     assert len(chunk_spans(48 << 20, 2)) == 1  # 96 MiB
-
-
-class Recorder:
-    """ChunkStages that logs each call as (stage, start of the chunk)."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, int]] = []
-
-    def before(self, index: int, span: slice) -> None:
-        self.calls.append(("before", span.start))
-
-    def during(self, index: int, span: slice) -> None:
-        self.calls.append(("during", span.start))
-
-    def after(self, index: int, span: slice) -> None:
-        self.calls.append(("after", span.start))
-
-
-def logged_wire(reducer: Reducer, stages: Recorder) -> None:
-    """Log each collective the reducer launches as ("wire", its storage offset, its length)."""
-    launch = reducer._all_reduce
-
-    def logged_launch(tensor: torch.Tensor, factor: float, async_op: bool = False):
-        stages.calls.append(("wire", tensor.storage_offset(), tensor.numel()))
-        return launch(tensor, factor, async_op)
-
-    reducer._all_reduce = logged_launch
 
 
 def test_a_chunk_is_kept_before_its_reduce_and_settled_one_chunk_later(solo_group):
