@@ -171,17 +171,9 @@ class Reducer:
             capture_after = self.capture_after if self.premul else None  # gloo cannot be captured
             replayed = ReplayedRound(tensor, buffers, stages, self._all_reduce, self.group, capture_after)
             self._replayed = replayed
-        mass, _ = rank_contribution(steps, self.gamma)
-        # Only a rank that did not move can be in a round nobody moved in, which turns every rank's state NaN.
-        targets = [tensor] if buffers is None else [tensor, buffers]
-        saved = [t.clone() for t in targets] if mass <= 0.0 else []
-        replayed.run(steps, self.gamma)
-        sent = sum(t.numel() * t.element_size() for t in targets)
-        # A rank that moved knows the round is not skipped; the others read the totals now.
-        if saved and replayed.read_totals()[0] <= 0.0:
-            for target, own in zip(targets, saved, strict=True):
-                target.copy_(own)
+        if replayed.run(steps, self.gamma):
             return ReduceResult(True, 0, 0)
+        sent = sum(t.numel() * t.element_size() for t in (tensor, buffers) if t is not None)
         return ReduceResult(False, sent, replayed)
 
     def release(self) -> None:

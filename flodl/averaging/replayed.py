@@ -11,7 +11,7 @@ each later round is one graph launch: a 10M-parameter round is latency-bound, an
 operations one by one from Python cost about a third of a plain all-reduce's time on 2x H200.
 
 A round nobody moved in divides 0 by 0: every rank's parameters turn NaN. Only an idle rank can be in one,
-so an idle rank keeps its state first and puts it back when the totals say nobody moved (`Reducer`).
+so an idle rank keeps its state first and puts it back when the totals say nobody moved.
 """
 
 from __future__ import annotations
@@ -57,9 +57,22 @@ class ReplayedRound:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.done = torch.cuda.Event() if cuda else None
 
-    def run(self, steps: int, gamma: float) -> None:
-        """Queue the round (the host does not wait for it)."""
-        self.own_values[:] = [*rank_contribution(steps, gamma), steps]
+    def run(self, steps: int, gamma: float) -> bool:
+        """Queue the round; True if it was skipped (nobody moved). A rank that moved knows it was not and
+        does not wait for the round; an idle one reads the totals."""
+        mass, mover = rank_contribution(steps, gamma)
+        targets = [self.tensor] if self.buffers is None else [self.tensor, self.buffers]
+        kept = [t.clone() for t in targets] if mass <= 0.0 else []
+        self.own_values[:] = [mass, mover, steps]
+        self._launch()
+        if kept and self.read_totals()[0] <= 0.0:
+            for target, own in zip(targets, kept, strict=True):
+                target.copy_(own)
+            return True
+        return False
+
+    def _launch(self) -> None:
+        """The round's launches: eagerly for the first rounds, then captured once and replayed."""
         if self.graph is None and self.capture_after is not None and self.eager_rounds >= self.capture_after:
             self.graph = torch.cuda.CUDAGraph()
             # thread_local: the data and heartbeat threads may use CUDA meanwhile.
