@@ -9,7 +9,7 @@ python train.py -m seed=0,1                       # multirun sweep
 import hydra
 from omegaconf import DictConfig
 
-from flodl.config import register_configs
+from flodl.config.schema import register_configs
 
 register_configs()
 

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from benchlib import environment_lines, results_path, write_report
 
-from flodl.config import FlodlConfig
+from flodl.config.schema import FlodlConfig
 from flodl.data.feeder import BatchFeeder
 from flodl.data.memory import available_ram
 from flodl.data.npy import NpyFolderDataSet, write_npy_folder

@@ -30,11 +30,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))  # plain_torch
 
-from flodl.config import register_configs, to_config  # noqa: E402
-from flodl.runtime.messages import StartEpoch  # noqa: E402
-from flodl.runtime.stepper import Stepper  # noqa: E402
-from flodl.runtime.task_setup import build_task  # noqa: E402
-from flodl.runtime.worker import RankLink, SyncWorker  # noqa: E402
+from flodl.config.schema import register_configs, to_config  # noqa: E402
+from flodl.wire.messages import StartEpoch  # noqa: E402
+from flodl.worker.base import RankLink  # noqa: E402
+from flodl.worker.stepper import Stepper  # noqa: E402
+from flodl.worker.sync import SyncWorker  # noqa: E402
+from flodl.worker.task_setup import build_task  # noqa: E402
 
 HOST_READS = ("aten._local_scalar_dense.default",)
 

@@ -21,25 +21,18 @@ from typing import Any
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from flodl.assembly import METRICS_FILE, checkpoint_dir, make_coordinator, make_worker
 from flodl.checkpoint import MODEL_FILE, CheckpointError, save_model
 from flodl.cluster_env import adopt_scheduler_environ
-from flodl.config import FlodlConfig, to_config
+from flodl.config.host import HostFacts, RankEnv
+from flodl.config.rules import ConfigError, validate
+from flodl.config.schema import FlodlConfig, to_config
+from flodl.coordinator.coordinator import Coordinator
 from flodl.data.partition import equal_slices
 from flodl.logs import setup_rank_logging
 from flodl.metrics.run_info import RunInfo, from_hydra
 from flodl.plan import describe
-from flodl.runtime.assembly import METRICS_FILE, checkpoint_dir, make_coordinator, make_worker
-from flodl.runtime.coordinator import Coordinator
-from flodl.runtime.distributed import (
-    RankEnv,
-    agree_on_config,
-    collective_backend,
-    init_group,
-    pick_device,
-)
-from flodl.runtime.heartbeat import HeartbeatSender, beat_interval
-from flodl.runtime.messages import Exiting
-from flodl.runtime.resume import (
+from flodl.resume import (
     agree_on_checkpoint,
     choose_checkpoint,
     coordinator_state,
@@ -47,9 +40,16 @@ from flodl.runtime.resume import (
     restore_worker,
     truncate_history,
 )
-from flodl.runtime.task_setup import build_task, lr_scale_factor
-from flodl.runtime.transport import COORDINATOR, InboxReader, Mailbox
-from flodl.validation import ConfigError, HostFacts, validate
+from flodl.wire.group import (
+    agree_on_config,
+    collective_backend,
+    init_group,
+    pick_device,
+)
+from flodl.wire.heartbeat import HeartbeatSender, beat_interval
+from flodl.wire.messages import Exiting
+from flodl.wire.transport import COORDINATOR, InboxReader, Mailbox
+from flodl.worker.task_setup import build_task, lr_scale_factor
 
 log = logging.getLogger("flodl")
 

@@ -13,8 +13,9 @@ import psutil
 import torch
 from hydra.utils import instantiate
 
-from flodl.config import FlodlConfig
-from flodl.validation import GIB, HostFacts, stage_dir_of
+from flodl.config.host import HostFacts, stage_dir_of
+from flodl.config.rules import GIB
+from flodl.config.schema import FlodlConfig
 
 
 def human_bytes(n: float) -> str:

@@ -18,8 +18,7 @@ from flodl.checkpoint import (
     rank_file,
     resolve_resume,
 )
-from flodl.runtime.checkpointing import check_world_size
-from flodl.runtime.resume import truncate_history
+from flodl.resume import check_world_size, truncate_history
 
 
 def write_checkpoint(store: CheckpointDir, epoch: int, world_size: int = 2, commit: bool = True) -> None:

@@ -10,8 +10,16 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from hydra.utils import get_object
 
-from flodl.config import FlodlConfig, LaunchConfig, LoggerConfig, TaskConfig, register_configs, to_config
-from flodl.validation import HostFacts, validate
+from flodl.config.host import HostFacts
+from flodl.config.rules import validate
+from flodl.config.schema import (
+    FlodlConfig,
+    LaunchConfig,
+    LoggerConfig,
+    TaskConfig,
+    register_configs,
+    to_config,
+)
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 # conf/hydra/ holds launcher options for Hydra's own groups, not flodl's.

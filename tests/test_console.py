@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 
 from flodl.metrics.sinks import ConsoleSink, format_duration
-from flodl.runtime.messages import Progress
+from flodl.wire.messages import Progress
 
 
 def test_bar_shows_the_share_of_all_ranks_batches_and_their_speed() -> None:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from flodl.config import FlodlConfig
+from flodl.config.schema import FlodlConfig
 from flodl.data.augment import gaussian_jitter
 from flodl.data.feeder import BatchFeeder
 from flodl.data.npy import NpyFolderDataSet, write_npy_folder

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flodl.cadence.elche import (
+from flodl.rounds.elche import (
     AnchorChange,
     ElChe,
     ElCheSettings,

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from flodl.config import FlodlConfig
+from flodl.config.schema import FlodlConfig
 from flodl.data.feeder import BatchFeeder
 from flodl.data.npy import NpyFolderDataSet, write_npy_folder
 from flodl.data.partition import epoch_permutation

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flodl.cadence.guard import (
+from flodl.rounds.guard import (
     STABLE,
     SUPPRESS_GROWTH,
     Action,

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from flodl.coordinator.ledger import EpochLedger
 from flodl.metrics.aggregate import RoundCost
-from flodl.runtime.ledger import EpochLedger
-from flodl.runtime.messages import EvalResult, Metrics
+from flodl.wire.messages import EvalResult, Metrics
 
 
 def chunk(rank: int, epoch: int, batches: int) -> Metrics:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from flodl.runtime.nonfinite import NonFiniteWatch
+from flodl.worker.nonfinite import NonFiniteWatch
 
 CPU = torch.device("cpu")
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
 
-from flodl.runtime.task_setup import per_step_callable
+from flodl.worker.task_setup import per_step_callable
 
 LOSS = {"_target_": "torch.nn.functional.cross_entropy", "_partial_": True, "label_smoothing": 0.1}
 

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flodl.cadence.planner import (
+from flodl.rounds.planner import (
     AckReport,
     Average,
     Dispatch,
@@ -19,7 +19,7 @@ from flodl.cadence.planner import (
     LocalSgdPlanner,
     WindowReport,
 )
-from flodl.cadence.split import proportional_split
+from flodl.rounds.split import proportional_split
 
 Batch = tuple[int, int]  # (epoch, batch index within the epoch)
 

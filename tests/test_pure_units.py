@@ -11,13 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import TensorDataset
 
+from flodl.coordinator.coordinator import EpochSchedule
 from flodl.data.dataset import BatchDataSet, MapDataSet, TensorDataSet, as_batch_dataset
 from flodl.data.partition import Slice, epoch_permutation, equal_slices, picks_to_samples
 from flodl.metrics.aggregate import aggregate_epoch, aggregate_eval
-from flodl.runtime import messages
-from flodl.runtime.coordinator import EpochSchedule
-from flodl.runtime.distributed import _differences
-from flodl.runtime.messages import (
+from flodl.wire import messages
+from flodl.wire.group import _differences
+from flodl.wire.messages import (
     EvalResult,
     Exiting,
     ExtendPartition,
@@ -34,7 +34,7 @@ from flodl.runtime.messages import (
     decode,
     encode,
 )
-from flodl.runtime.task_setup import lr_scale_factor
+from flodl.worker.task_setup import lr_scale_factor
 
 # --- partition ---------------------------------------------------------------------------------
 

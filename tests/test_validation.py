@@ -1,4 +1,4 @@
-"""flodl.validation: every rule, on typed configs and synthetic host facts."""
+"""flodl.config.rules: every rule, on typed configs and synthetic host facts."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flodl.config import FlodlConfig, to_config
-from flodl.validation import GIB, LOCAL_SGD_KNOBS, NOT_IMPLEMENTED, ConfigError, HostFacts, validate
+from flodl.config.host import HostFacts
+from flodl.config.rules import GIB, LOCAL_SGD_KNOBS, NOT_IMPLEMENTED, ConfigError, validate
+from flodl.config.schema import FlodlConfig, to_config
 
 TASK = {"name": "t", "model": "m", "train_data": "d", "loss": "l", "optimizer": "o"}
 HOST = HostFacts(gpus=0, ranks_per_node=1, world_size=1, under_torchrun=False, stage_dir_free_bytes=100 * GIB)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from flodl.config import LoggerConfig
+from flodl.config.schema import LoggerConfig
 from flodl.metrics.aggregate import EpochMetrics
 from flodl.metrics.run_info import RunInfo
 from flodl.metrics.wandb_sink import WandbSink

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-OUTERS = ("avg", "slowmo", "diloco")
 DEFAULTS = {"slowmo": (1.0, 0.9), "diloco": (0.7, 0.9)}
 
 

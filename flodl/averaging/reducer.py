@@ -27,13 +27,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from flodl.averaging.replayed import ReplayedRound
+from flodl.averaging.stages import ChunkStages
 from flodl.averaging.weights import prescale_factors, rank_contribution
 
 # torch 2.13 renamed all_gather_into_tensor (older torch only has the old name).
@@ -45,18 +45,6 @@ PIPELINE_CHUNKS = 4
 MIN_CHUNK_BYTES = 64 << 20
 # Eager rounds before a round weighted on the device is captured as a CUDA graph (see `replayed.py`).
 CAPTURE_AFTER = 2
-
-
-class ChunkStages(Protocol):
-    """Work done on each chunk `tensor[span]` of the i-th reduced tensor: `before` its reduce is launched
-    (what must read the chunk first), `during` it (work on what `before` kept, which the device can overlap
-    with the transfer) and `after` it (on the result)."""
-
-    def before(self, index: int, span: slice) -> None: ...
-
-    def during(self, index: int, span: slice) -> None: ...
-
-    def after(self, index: int, span: slice) -> None: ...
 
 
 @dataclass(frozen=True)

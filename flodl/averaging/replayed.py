@@ -17,16 +17,13 @@ so an idle rank keeps its state first and puts it back when the totals say nobod
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from flodl.averaging.stages import ChunkStages
 from flodl.averaging.weights import rank_contribution
-
-if TYPE_CHECKING:
-    from flodl.averaging.reducer import ChunkStages
 
 # (tensor, factor, async_op): the reducer's weighted SUM all-reduce.
 AllReduce = Callable[[Tensor, float | Tensor, bool], dist.Work | None]

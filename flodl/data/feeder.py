@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flodl.config import FlodlConfig
+from flodl.config.schema import FlodlConfig
 from flodl.data.advice import PlannedBatch, ReadPlan, batch_key
 from flodl.data.augment import Transform, apply_transform
 from flodl.data.dataset import BatchDataSet
@@ -164,7 +164,7 @@ class BatchFeeder:
             ram = RamCache(ram_budget(available_ram(), 0, cfg.ram_max_usage, self.ranks_on_host))
         pack = None
         if cfg.disk_stage_gb > 0:
-            from flodl.validation import stage_dir_of
+            from flodl.config.host import stage_dir_of
 
             pack = PackFile(stage_dir_of(cfg), int(cfg.disk_stage_gb * GIB))
         if ram is None and pack is None:

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from flodl.metrics.scalars import mean_scalars
-from flodl.runtime.messages import EvalResult, Metrics
+from flodl.wire.messages import EvalResult, Metrics
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Protocol, TextIO
 
 from flodl.metrics.aggregate import EpochMetrics
-from flodl.runtime.messages import Progress
+from flodl.wire.messages import Progress
 
 log = logging.getLogger("flodl")
 BAR_WIDTH = 24

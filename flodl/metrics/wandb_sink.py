@@ -17,10 +17,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from flodl.config import LoggerConfig
+from flodl.config.schema import LoggerConfig
 from flodl.metrics.aggregate import EpochMetrics
 from flodl.metrics.run_info import RunInfo
-from flodl.runtime.messages import Progress
+from flodl.wire.messages import Progress
 
 log = logging.getLogger("flodl")
 FINISH_TIMEOUT_S = 60.0

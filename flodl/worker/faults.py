@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from flodl.config import SimulateConfig
+from flodl.config.schema import SimulateConfig
 
 
 @dataclass(frozen=True)

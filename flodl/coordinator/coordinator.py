@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from flodl.coordinator.commit import CheckpointCommitter
+from flodl.coordinator.ledger import EpochLedger
 from flodl.data.partition import equal_slices
 from flodl.metrics.sinks import Sink
 from flodl.metrics.timeline import Timeline
-from flodl.runtime.checkpointing import CheckpointCommitter
-from flodl.runtime.heartbeat import HeartbeatMonitor
-from flodl.runtime.ledger import EpochLedger
-from flodl.runtime.messages import (
+from flodl.wire.heartbeat import HeartbeatMonitor
+from flodl.wire.messages import (
     EvalResult,
     Exiting,
     Heartbeat,
@@ -33,7 +33,7 @@ from flodl.runtime.messages import (
     Shutdown,
     StartEpoch,
 )
-from flodl.runtime.transport import InboxReader, Mailbox
+from flodl.wire.transport import InboxReader, Mailbox
 
 log = logging.getLogger("flodl")
 

@@ -12,13 +12,13 @@ import time
 import torch
 from torch import Tensor, nn
 
-from flodl.config import FlodlConfig
+from flodl.config.schema import FlodlConfig
 from flodl.data.feeder import BatchFeeder
 from flodl.data.partition import epoch_permutation
-from flodl.runtime.faults import FaultInjection
-from flodl.runtime.messages import EvalResult
-from flodl.runtime.nonfinite import NonFiniteWatch
-from flodl.runtime.task_setup import TaskParts
+from flodl.wire.messages import EvalResult
+from flodl.worker.faults import FaultInjection
+from flodl.worker.nonfinite import NonFiniteWatch
+from flodl.worker.task_setup import TaskParts
 
 _SPIN_S = 0.002
 

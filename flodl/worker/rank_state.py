@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from flodl.runtime.stepper import Stepper
+from flodl.worker.stepper import Stepper
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:

@@ -18,6 +18,7 @@ POLICIES = ("sync", "cadence", "async")
 BACKENDS = ("nccl", "cpu")
 DEVICES = ("auto", "cpu", "cuda")
 GUARDS = ("trend", "msf")
+OUTERS = ("avg", "slowmo", "diloco")
 ON_NONFINITE = ("error", "skip")
 
 

@@ -1,9 +1,9 @@
-"""Taking and resuming checkpoints: each rank writes its part, rank 0's coordinator commits.
+"""The coordinator's side of a checkpoint: commit an epoch once every rank wrote its part.
 
 A checkpoint is taken where every rank holds the same consensus: after a sync epoch, or after the exact
-reduce that ends a local-SGD segment. Each rank writes `rank{r}.pt` (rank 0 also the model) and says so;
-the coordinator, once every part is on disk and the epoch is emitted, writes its own state and commits
-(see flodl/checkpoint.py). Resuming loads the same parts back, with `weights_only=True`.
+reduce that ends a local-SGD segment. Each rank writes its part (flodl/worker/checkpoint_part.py) and says
+so; the coordinator, once every part is on disk and the epoch is emitted, writes its own state and commits
+(see flodl/checkpoint.py).
 """
 
 from __future__ import annotations
@@ -18,37 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from flodl.checkpoint import (
-    COORDINATOR_FILE,
-    MODEL_FILE,
-    Checkpoint,
-    CheckpointDir,
-    CheckpointError,
-    atomic_save,
-    model_state,
-    rank_file,
-)
-from flodl.runtime.ledger import EpochLedger
-from flodl.runtime.rank_state import restore_stepper, stepper_state
-from flodl.runtime.stepper import Stepper
+from flodl.checkpoint import COORDINATOR_FILE, Checkpoint, CheckpointDir, atomic_save
+from flodl.coordinator.ledger import EpochLedger
 
 log = logging.getLogger("flodl")
-
-
-class RankCheckpointer:
-    """A worker's side: write this rank's part of an epoch's checkpoint."""
-
-    def __init__(self, store: CheckpointDir, rank: int, model: nn.Module, stepper: Stepper) -> None:
-        self.store = store
-        self.rank = rank
-        self.model = model
-        self.stepper = stepper
-
-    def save(self, epoch: int, worker_state: dict[str, Any]) -> None:
-        if self.rank == 0:  # every rank holds the same consensus here: one copy is enough
-            self.store.write_part(epoch, MODEL_FILE, model_state(self.model))
-        part = {"stepper": stepper_state(self.stepper), "worker": worker_state}
-        self.store.write_part(epoch, rank_file(self.rank), part)
 
 
 HANG_MODEL_FILE = "model-at-hang.pt"
@@ -69,37 +42,8 @@ def consensus_saver(model: nn.Module, device: torch.device, path: Path) -> Calla
     return save
 
 
-def restore_rank_part(checkpoint: Checkpoint, rank: int, stepper: Stepper) -> dict[str, Any]:
-    """Restore the stepper (optimizer, scheduler, RNG, counters); return the worker's own state."""
-    part = checkpoint.load(rank_file(rank))
-    restore_stepper(stepper, part["stepper"])
-    return part["worker"]
-
-
 def run_kind(policy: str, local_sgd: bool) -> dict[str, Any]:
     return {"policy": policy, "local_sgd": local_sgd}
-
-
-def check_run_kind(checkpoint: Checkpoint, saved: dict[str, Any], kind: dict[str, Any]) -> None:
-    """The coordinator's state belongs to its policy (sync keeps none, local SGD keeps ElChe's)."""
-    theirs = {key: saved.get(key) for key in kind}
-    if theirs != kind:
-        raise CheckpointError(
-            f"checkpoint {checkpoint.path} was written under policy={theirs['policy']} (local SGD: "
-            f"{theirs['local_sgd']}); this run has policy={kind['policy']} (local SGD: {kind['local_sgd']}). "
-            "Resume with the policy that wrote it, or start fresh with resume=never."
-        )
-
-
-def check_world_size(checkpoint: Checkpoint, world_size: int) -> None:
-    """Each rank's optimizer state and data position belong to its rank: a checkpoint resumes only at the
-    world size that wrote it."""
-    if checkpoint.world_size != world_size:
-        raise CheckpointError(
-            f"checkpoint {checkpoint.path} was written by {checkpoint.world_size} rank(s); this job has "
-            f"{world_size}. Resume with {checkpoint.world_size} ranks, or start fresh with resume=never "
-            "(its model.pt loads into any world size)."
-        )
 
 
 @dataclass

@@ -10,16 +10,16 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from flodl.cadence import elche as el
-from flodl.cadence.guard import ConvergenceGuard, DivergenceReport
-from flodl.cadence.planner import AckReport as PlannerAck
-from flodl.cadence.planner import Average, Dispatch, LocalSgdPlanner, WindowReport
+from flodl.coordinator.commit import CheckpointCommitter
+from flodl.coordinator.ledger import EpochLedger
 from flodl.metrics.aggregate import RoundCost
 from flodl.metrics.timeline import Timeline
-from flodl.runtime.checkpointing import CheckpointCommitter
-from flodl.runtime.ledger import EpochLedger
-from flodl.runtime.messages import ExtendPartition, Message, Reached, SyncAck, SyncNow
-from flodl.runtime.transport import Mailbox
+from flodl.rounds import elche as el
+from flodl.rounds.guard import ConvergenceGuard, DivergenceReport
+from flodl.rounds.planner import AckReport as PlannerAck
+from flodl.rounds.planner import Average, Dispatch, LocalSgdPlanner, WindowReport
+from flodl.wire.messages import ExtendPartition, Message, Reached, SyncAck, SyncNow
+from flodl.wire.transport import Mailbox
 
 log = logging.getLogger("flodl")
 

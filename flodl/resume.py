@@ -10,23 +10,29 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from flodl.checkpoint import COORDINATOR_FILE, MODEL_FILE, Checkpoint, CheckpointError, resolve_resume
-from flodl.config import FlodlConfig
-from flodl.runtime.checkpointing import (
-    check_run_kind,
-    check_world_size,
-    restore_rank_part,
-    run_kind,
+from flodl.checkpoint import (
+    COORDINATOR_FILE,
+    MODEL_FILE,
+    Checkpoint,
+    CheckpointDir,
+    CheckpointError,
+    resolve_resume,
 )
-from flodl.runtime.worker import WorkerBase
+from flodl.config.policy import averages_parameters
+from flodl.config.schema import FlodlConfig
+from flodl.coordinator.commit import run_kind
+from flodl.worker.base import WorkerBase
+from flodl.worker.checkpoint_part import restore_rank_part
 
 log = logging.getLogger("flodl")
 
 
+def checkpoint_dir(cfg: FlodlConfig, run_dir: Path) -> CheckpointDir:
+    return CheckpointDir(Path(cfg.save_path) if cfg.save_path else run_dir, cfg.checkpoint_keep)
+
+
 def choose_checkpoint(cfg: FlodlConfig, store_root: Path, world_size: int) -> Checkpoint | None:
     """The checkpoint `resume` names, checked against this run's world size and policy."""
-    from flodl.runtime.assembly import averages_parameters, checkpoint_dir
-
     found = resolve_resume(cfg.resume, checkpoint_dir(cfg, store_root))
     if found is not None:
         check_world_size(found, world_size)
@@ -83,3 +89,25 @@ def truncate_history(metrics_path: Path, through_epoch: int) -> None:
         if line.strip() and json.loads(line).get("epoch", -1) <= through_epoch
     ]
     metrics_path.write_text("".join(f"{line}\n" for line in kept))
+
+
+def check_run_kind(checkpoint: Checkpoint, saved: dict[str, Any], kind: dict[str, Any]) -> None:
+    """The coordinator's state belongs to its policy (sync keeps none, local SGD keeps ElChe's)."""
+    theirs = {key: saved.get(key) for key in kind}
+    if theirs != kind:
+        raise CheckpointError(
+            f"checkpoint {checkpoint.path} was written under policy={theirs['policy']} (local SGD: "
+            f"{theirs['local_sgd']}); this run has policy={kind['policy']} (local SGD: {kind['local_sgd']}). "
+            "Resume with the policy that wrote it, or start fresh with resume=never."
+        )
+
+
+def check_world_size(checkpoint: Checkpoint, world_size: int) -> None:
+    """Each rank's optimizer state and data position belong to its rank: a checkpoint resumes only at the
+    world size that wrote it."""
+    if checkpoint.world_size != world_size:
+        raise CheckpointError(
+            f"checkpoint {checkpoint.path} was written by {checkpoint.world_size} rank(s); this job has "
+            f"{world_size}. Resume with {checkpoint.world_size} ranks, or start fresh with resume=never "
+            "(its model.pt loads into any world size)."
+        )

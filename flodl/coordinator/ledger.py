@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from flodl.metrics.aggregate import EpochMetrics, RoundCost, aggregate_epoch
-from flodl.runtime.messages import EvalResult, Metrics
+from flodl.wire.messages import EvalResult, Metrics
 
 
 class LedgerError(RuntimeError):

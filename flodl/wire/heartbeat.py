@@ -11,8 +11,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from flodl.runtime.messages import Heartbeat
-from flodl.runtime.transport import COORDINATOR, Mailbox
+from flodl.wire.messages import Heartbeat
+from flodl.wire.transport import COORDINATOR, Mailbox
 
 
 def beat_interval(timeout_s: float) -> float:

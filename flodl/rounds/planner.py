@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from flodl.cadence.split import proportional_split
+from flodl.rounds.split import proportional_split
 
 
 @dataclass(frozen=True)

@@ -21,11 +21,11 @@ import torch
 
 from flodl.averaging.consensus import DeviceAverager, HostAverager
 from flodl.metrics.scalars import drain_scalars
-from flodl.runtime.checkpointing import RankCheckpointer
-from flodl.runtime.messages import ExtendPartition, Message, Metrics, Reached, SyncAck, SyncNow
-from flodl.runtime.nonfinite import NonFiniteError
-from flodl.runtime.stepper import Stepper
-from flodl.runtime.worker import RankLink, WorkerBase
+from flodl.wire.messages import ExtendPartition, Message, Metrics, Reached, SyncAck, SyncNow
+from flodl.worker.base import RankLink, WorkerBase
+from flodl.worker.checkpoint_part import RankCheckpointer
+from flodl.worker.nonfinite import NonFiniteError
+from flodl.worker.stepper import Stepper
 
 log = logging.getLogger("flodl")
 

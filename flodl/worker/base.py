@@ -1,9 +1,7 @@
-"""The sync worker: one per rank. Runs the epochs the coordinator plans and reports what it did.
+"""The message loop every worker shares: one worker per rank obeys the coordinator until Shutdown.
 
-Policy `sync`: the model is wrapped in DistributedDataParallel (gradients all-reduced in buckets,
-overlapped with backward), so each optimizer step sees the mean gradient of the global batch.
 The step loop never reads a value back from the device: losses accumulate on the device and are
-read once per epoch, when the rank reports.
+read once per window or epoch, when the rank reports.
 """
 
 from __future__ import annotations
@@ -16,12 +14,11 @@ from typing import Any
 
 import torch
 
-from flodl.metrics.scalars import drain_scalars
-from flodl.runtime.checkpointing import RankCheckpointer
-from flodl.runtime.messages import Message, Metrics, Progress, Saved, Shutdown, StartEpoch
-from flodl.runtime.nonfinite import NonFiniteError, nonfinite_message
-from flodl.runtime.stepper import Stepper
-from flodl.runtime.transport import COORDINATOR, InboxReader, Mailbox
+from flodl.wire.messages import Message, Progress, Shutdown
+from flodl.wire.transport import COORDINATOR, InboxReader, Mailbox
+from flodl.worker.checkpoint_part import RankCheckpointer
+from flodl.worker.nonfinite import NonFiniteError, nonfinite_message
+from flodl.worker.stepper import Stepper
 
 _WAIT_S = 0.5
 
@@ -134,55 +131,3 @@ class WorkerBase:
 
     def handle(self, message: Message) -> None:
         raise NotImplementedError
-
-
-class SyncWorker(WorkerBase):
-    def __init__(
-        self, stepper: Stepper, link: RankLink, bf16_wire: bool, checkpointer: RankCheckpointer | None
-    ) -> None:
-        super().__init__(stepper, link, checkpointer)
-        # What DDP all-reduces per step: every gradient, as bf16 under bf16_wire.
-        self.gradient_bytes = sum(p.numel() * (2 if bf16_wire else p.element_size()) for p in stepper.params)
-
-    def handle(self, message: Message) -> None:
-        if not isinstance(message, StartEpoch):
-            raise RuntimeError(f"rank {self.rank}: unexpected message under policy=sync: {message!r}")
-        self.report(self.train_epoch(message))
-        if message.evaluate and self.stepper.parts.eval_data is not None:
-            self.report(self.stepper.evaluate(self.rank, self.world_size, message.epoch))
-        if message.checkpoint and self.checkpointer is not None:
-            self.checkpointer.save(message.epoch, self.state())
-            self.report(Saved(self.rank, message.epoch))
-
-    def train_epoch(self, plan: StartEpoch) -> Metrics:
-        stepper = self.stepper
-        batch_size = stepper.cfg.batch_size
-        picks = stepper.picks(plan.epoch, plan.offset, plan.size)
-        stepper.advise(plan.epoch, plan.offset, plan.size)
-        batches = plan.size // batch_size
-        stepper.train_module.train()
-        loss_sum = torch.zeros((), device=stepper.device)
-        data_s = 0.0
-        start = time.perf_counter()
-        for b in range(batches):
-            fetched = time.perf_counter()
-            batch = stepper.load(picks[b * batch_size : (b + 1) * batch_size])
-            data_s += time.perf_counter() - fetched
-            loss = stepper.step(batch)
-            loss_sum += loss
-            stepper.schedule_to(stepper.steps_total)
-            self.observe(loss, plan.epoch)
-        self.raise_if_nonfinite()  # before the epoch is reported, and long before it is checkpointed
-        return Metrics(
-            rank=self.rank,
-            epoch=plan.epoch,
-            batches=batches,
-            samples=batches * batch_size,
-            loss_sum=float(loss_sum),  # the epoch's one read-back from the device
-            wall_ms=(time.perf_counter() - start) * 1000,
-            data_ms=data_s * 1000,
-            steps_total=stepper.steps_total,
-            comm_bytes=batches * self.gradient_bytes if self.world_size > 1 else 0,
-            lr=stepper.lr,
-            scalars=drain_scalars(),
-        )

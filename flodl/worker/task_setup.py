@@ -12,7 +12,7 @@ import torch
 from hydra.utils import instantiate
 from torch import Tensor, nn
 
-from flodl.config import FlodlConfig
+from flodl.config.schema import FlodlConfig
 from flodl.data.augment import Transform
 from flodl.data.dataset import BatchDataSet, as_batch_dataset, check_purity
 

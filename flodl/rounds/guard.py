@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any, ClassVar
 
-from flodl.cadence.verdict import Verdict
+from flodl.rounds.verdict import Verdict
 
 # make_guard defaults: overwrite adoption vs the softer EASGD blend, whose replicas stay further apart.
 DEFAULT_THRESHOLD = 0.05

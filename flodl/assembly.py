@@ -14,52 +14,31 @@ from torch.nn.parallel import DistributedDataParallel
 from flodl.averaging.bf16_hook import bf16_gradient_hook
 from flodl.averaging.consensus import DeviceAverager, HostAverager
 from flodl.averaging.outer import OuterSettings
-from flodl.cadence.elche import ElChe, ElCheSettings
-from flodl.cadence.guard import guard_from_state, make_guard
-from flodl.cadence.planner import LocalSgdPlanner
-from flodl.checkpoint import CheckpointDir
-from flodl.config import FlodlConfig
+from flodl.config.policy import averages_parameters, checkpoint_epochs, easgd_alpha_of, guarded
+from flodl.config.schema import FlodlConfig
+from flodl.coordinator.commit import HANG_MODEL_FILE, CheckpointCommitter, consensus_saver, run_kind
+from flodl.coordinator.coordinator import Coordinator, Driver, EpochSchedule, SyncDriver
+from flodl.coordinator.ledger import EpochLedger
+from flodl.coordinator.local_sgd_driver import LocalSgdDriver
 from flodl.data.partition import equal_slices
 from flodl.metrics.run_info import RunInfo
 from flodl.metrics.sinks import ConsoleSink, JsonlSink, Sink
 from flodl.metrics.timeline import Timeline
-from flodl.runtime.checkpointing import (
-    HANG_MODEL_FILE,
-    CheckpointCommitter,
-    RankCheckpointer,
-    consensus_saver,
-    run_kind,
-)
-from flodl.runtime.coordinator import Coordinator, Driver, EpochSchedule, SyncDriver
-from flodl.runtime.heartbeat import HeartbeatMonitor
-from flodl.runtime.ledger import EpochLedger
-from flodl.runtime.local_sgd_driver import LocalSgdDriver
-from flodl.runtime.local_worker import LocalSgdWorker
-from flodl.runtime.stepper import Stepper
-from flodl.runtime.task_setup import TaskParts
-from flodl.runtime.transport import InboxReader, Mailbox
-from flodl.runtime.worker import RankLink, SyncWorker, WorkerBase
+from flodl.resume import checkpoint_dir
+from flodl.rounds.elche import ElChe, ElCheSettings
+from flodl.rounds.guard import guard_from_state, make_guard
+from flodl.rounds.planner import LocalSgdPlanner
+from flodl.wire.heartbeat import HeartbeatMonitor
+from flodl.wire.transport import InboxReader, Mailbox
+from flodl.worker.base import RankLink, WorkerBase
+from flodl.worker.checkpoint_part import RankCheckpointer
+from flodl.worker.local_sgd import LocalSgdWorker
+from flodl.worker.stepper import Stepper
+from flodl.worker.sync import SyncWorker
+from flodl.worker.task_setup import TaskParts
 
 METRICS_FILE = "metrics.jsonl"
 log = logging.getLogger("flodl")
-
-
-def easgd_alpha_of(cfg: FlodlConfig) -> float | None:
-    """EASGD blends only under async: the value can never reach a cadence or sync worker."""
-    return cfg.easgd_alpha if cfg.policy == "async" else None
-
-
-def averages_parameters(cfg: FlodlConfig) -> bool:
-    """Local SGD machinery: cadence and async, and sync on the cpu backend (a window of one step each).
-
-    Sync on the device backend is DDP instead.
-    """
-    return cfg.policy != "sync" or cfg.backend == "cpu"
-
-
-def guarded(cfg: FlodlConfig) -> bool:
-    """Whether a divergence guard reads the rounds (sync on the cpu backend has no windows to guard)."""
-    return not cfg.no_divergence_guard and cfg.policy != "sync"
 
 
 def _ddp(cfg: FlodlConfig, parts: TaskParts, device: torch.device) -> DistributedDataParallel:
@@ -68,18 +47,6 @@ def _ddp(cfg: FlodlConfig, parts: TaskParts, device: torch.device) -> Distribute
     if cfg.bf16_wire:  # gradients cross the wire as bf16
         ddp.register_comm_hook(dist.group.WORLD, bf16_gradient_hook)
     return ddp
-
-
-def checkpoint_dir(cfg: FlodlConfig, run_dir: Path) -> CheckpointDir:
-    return CheckpointDir(Path(cfg.save_path) if cfg.save_path else run_dir, cfg.checkpoint_keep)
-
-
-def checkpoint_epochs(cfg: FlodlConfig) -> frozenset[int]:
-    """Every `checkpoint_every` epochs and after the last one."""
-    if cfg.checkpoint_every is None:
-        return frozenset()
-    every = cfg.checkpoint_every
-    return frozenset(e for e in range(cfg.epochs) if (e + 1) % every == 0 or e == cfg.epochs - 1)
 
 
 def make_worker(

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, fields
+from dataclasses import fields
 
-from flodl.averaging.outer import OUTERS
-from flodl.config import BACKENDS, DEVICES, GUARDS, ON_NONFINITE, POLICIES, FlodlConfig
+from flodl.config.host import HostFacts, stage_dir_of
+from flodl.config.schema import BACKENDS, DEVICES, GUARDS, ON_NONFINITE, OUTERS, POLICIES, FlodlConfig
 
 GIB = 1 << 30
 START_METHODS = ("spawn", "fork", "forkserver")
@@ -41,35 +39,6 @@ class ConfigError(ValueError):
     def __init__(self, problems: list[str]) -> None:
         self.problems = problems
         super().__init__("invalid flodl config:\n" + "\n".join(f"  - {p}" for p in problems))
-
-
-@dataclass(frozen=True)
-class HostFacts:
-    """What the rules need to know about the host this config will run on."""
-
-    gpus: int
-    # Ranks this host will run (torchrun's LOCAL_WORLD_SIZE, or launch.nproc_per_node).
-    ranks_per_node: int
-    # Ranks in the whole job (torchrun's WORLD_SIZE, or launch.nproc_per_node).
-    world_size: int
-    under_torchrun: bool
-    # Free bytes in the disk stage dir; None when the dir does not exist.
-    stage_dir_free_bytes: int | None
-
-    @classmethod
-    def probe(cls, cfg: FlodlConfig) -> HostFacts:
-        import torch
-
-        under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if under_torchrun else cfg.launch.nproc_per_node
-        world = int(os.environ["WORLD_SIZE"]) if under_torchrun else cfg.launch.nproc_per_node
-        stage_dir = stage_dir_of(cfg)
-        free = shutil.disk_usage(stage_dir).free if os.path.isdir(stage_dir) else None
-        return cls(torch.cuda.device_count(), ranks, world, under_torchrun, free)
-
-
-def stage_dir_of(cfg: FlodlConfig) -> str:
-    return cfg.disk_stage_dir or tempfile.gettempdir()
 
 
 def validate(cfg: FlodlConfig, host: HostFacts) -> None:

@@ -14,26 +14,8 @@ import torch.distributed as dist
 import yaml
 from torch.distributed import PrefixStore, TCPStore
 
-from flodl.config import FlodlConfig
-
-
-@dataclass(frozen=True)
-class RankEnv:
-    rank: int
-    world_size: int
-    local_rank: int
-    # Set by torchrun / the elastic launcher; absent for a plain single-process run.
-    launched: bool
-
-    @classmethod
-    def from_environ(cls) -> RankEnv:
-        launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-        return cls(
-            rank=int(os.environ.get("RANK", "0")),
-            world_size=int(os.environ.get("WORLD_SIZE", "1")),
-            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-            launched=launched,
-        )
+from flodl.config.host import RankEnv
+from flodl.config.schema import FlodlConfig
 
 
 def pick_device(cfg: FlodlConfig, local_rank: int) -> torch.device:

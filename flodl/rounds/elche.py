@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
-from flodl.cadence.verdict import Verdict
+from flodl.rounds.verdict import Verdict
 
 TRUST_WINDOW = 5  # ms/batch samples kept per rank; also the zero-report streak that clears a window
 COHORT_BAND = 0.15  # ranks within 15% of the slowest are anchor candidates

@@ -1,1 +1,0 @@
-"""Pure cadence logic (ElChe balancer, convergence guards): no torch.distributed, no I/O."""

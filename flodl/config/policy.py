@@ -1,0 +1,31 @@
+"""Facts a policy implies, asked by the run and by `plan=true` alike; pure (no torch)."""
+
+from __future__ import annotations
+
+from flodl.config.schema import FlodlConfig
+
+
+def easgd_alpha_of(cfg: FlodlConfig) -> float | None:
+    """EASGD blends only under async: the value can never reach a cadence or sync worker."""
+    return cfg.easgd_alpha if cfg.policy == "async" else None
+
+
+def averages_parameters(cfg: FlodlConfig) -> bool:
+    """Local SGD machinery: cadence and async, and sync on the cpu backend (a window of one step each).
+
+    Sync on the device backend is DDP instead.
+    """
+    return cfg.policy != "sync" or cfg.backend == "cpu"
+
+
+def guarded(cfg: FlodlConfig) -> bool:
+    """Whether a divergence guard reads the rounds (sync on the cpu backend has no windows to guard)."""
+    return not cfg.no_divergence_guard and cfg.policy != "sync"
+
+
+def checkpoint_epochs(cfg: FlodlConfig) -> frozenset[int]:
+    """Every `checkpoint_every` epochs and after the last one."""
+    if cfg.checkpoint_every is None:
+        return frozenset()
+    every = cfg.checkpoint_every
+    return frozenset(e for e in range(cfg.epochs) if (e + 1) % every == 0 or e == cfg.epochs - 1)

@@ -1,0 +1,1 @@
+"""Pure round logic for local SGD (cadence and async): the window planner, ElChe, divergence guards."""

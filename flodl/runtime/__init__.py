@@ -1,1 +1,0 @@
-"""Rank runtime: worker, coordinator and the messages between them."""
