@@ -7,16 +7,16 @@ import itertools
 import json
 import os
 import platform
-import signal
-import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-TRAIN = REPO / "train.py"
+sys.path.insert(0, str(REPO))  # the process runner is the tests' (tests/helpers/procs.py)
+
+from tests.helpers.procs import TRAIN, Result, child_env, finish, start  # noqa: E402
+
 # NCCL's network transport over loopback (~3.5 GB/s on 2x H200): stands for training across hosts.
 SLOW_LINK_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
 
@@ -49,57 +49,25 @@ def write_report(path: Path, text: str) -> None:
         f.write(text + "\n")
 
 
-def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.update(extra or {})
-    return env
-
-
-@dataclass
-class Outcome:
-    ok: bool
-    output: str
-
-
-def run_child(args: list[str], cwd: Path, timeout: float, env: dict[str, str] | None = None) -> Outcome:
+def run_child(args: list[str], cwd: Path, timeout: float, env: dict[str, str] | None = None) -> Result:
     """Run `args` in its own process group; on timeout the whole group (launcher and ranks) is killed."""
-    proc = subprocess.Popen(
-        args,
-        cwd=cwd,
-        env=child_env(env),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(proc.pid, sig)
-                proc.wait(timeout=10)
-                break
-            except ProcessLookupError:
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        out, _ = proc.communicate()
-        return Outcome(False, f"{out}\n[timed out after {timeout:.0f}s]")
-    return Outcome(proc.returncode == 0, out)
+    # The caller's OpenMP setting stands here (the tests pin one thread).
+    threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    result = finish(start(args, cwd, child_env(**{**threads, **(env or {})})), timeout)
+    if result.timed_out:
+        result.out += f"\n[timed out after {timeout:.0f}s]"
+    return result
 
 
 def run_flodl(
     overrides: list[str], run_dir: Path, timeout: float, env: dict[str, str] | None = None
 ) -> list[dict] | None:
     """One flodl run through its CLI; its metrics.jsonl records, or None (the output tail is printed)."""
-    args = [sys.executable, str(TRAIN), *overrides, "logger.log_every=0", f"hydra.run.dir={run_dir}"]
+    args = [sys.executable, TRAIN, *overrides, "logger.log_every=0", f"hydra.run.dir={run_dir}"]
     outcome = run_child(args, run_dir.parent, timeout, env)
     metrics = run_dir / "metrics.jsonl"
     if not outcome.ok or not metrics.exists():
-        print(f"FAILED: {' '.join(args)}\n{outcome.output[-4000:]}", file=sys.stderr)
+        print(f"FAILED: {' '.join(args)}\n{outcome.out[-4000:]}", file=sys.stderr)
         return None
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 

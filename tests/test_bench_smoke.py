@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import PYTHON, REPO, run
+from tests.helpers.procs import PYTHON, REPO, run
 
 pytestmark = pytest.mark.multiproc
 

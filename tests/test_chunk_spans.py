@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flodl.averaging.reducer import MIN_CHUNK_BYTES, PIPELINE_CHUNKS, Reducer, chunk_spans
-from tests.stage_log import Recorder, logged_wire
+from tests.helpers.stage_log import Recorder, logged_wire
 
 
 def covered(spans: list[slice]) -> list[int]:

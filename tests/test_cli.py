@@ -2,44 +2,18 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from flodl.tasks.digits import digits_dataset
-from tests.procs import leftovers, torchrun, train
+from tests.helpers.procs import leftovers, torchrun, train
+from tests.helpers.runs import assert_complete_run, epochs_of, only_run_dir
 
 pytestmark = pytest.mark.multiproc
 
-MODEL_KEYS = {f"net.{i}.{p}" for i in (0, 2, 4) for p in ("weight", "bias")}
 SHORT = ("epochs=2",)
-
-
-def only_run_dir(root: Path) -> Path:
-    dirs = [p.parent for p in root.rglob("metrics.jsonl")]
-    assert len(dirs) == 1, f"expected one run dir under {root}, found {dirs}"
-    return dirs[0]
-
-
-def epochs_of(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def assert_complete_run(run_dir: Path, world: int, epochs: int) -> list[dict]:
-    assert (run_dir / ".hydra" / "config.yaml").is_file()
-    records = epochs_of(run_dir)
-    assert [r["epoch"] for r in records] == list(range(epochs))
-    assert all(len(r["per_rank"]) == world for r in records)
-    state = torch.load(run_dir / "model.pt", weights_only=True)
-    assert set(state) == MODEL_KEYS
-    assert all(t.dtype == torch.float32 and t.device.type == "cpu" for t in state.values())
-    for rank in range(world):
-        assert f"r{rank}] " in (run_dir / f"rank{rank}.log").read_text()  # [rN] or [host:rN]
-    assert not (run_dir / f"rank{world}.log").exists()
-    return records
 
 
 def test_default_run_reaches_95_percent_test_accuracy(tmp_path: Path) -> None:

@@ -10,9 +10,8 @@ from hydra import compose, initialize_config_dir
 
 from flodl.cluster_env import PORT_BASE, expand_nodelist, scheduler_rank_environ
 from flodl.config.schema import register_configs
-from tests.procs import leftovers, train
-from tests.test_cli import assert_complete_run
-from tests.test_config_compose import CONF
+from tests.helpers.procs import CONF, leftovers, train
+from tests.helpers.runs import assert_complete_run
 
 
 @pytest.mark.parametrize(

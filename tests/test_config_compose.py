@@ -1,9 +1,8 @@
-"""Hydra composition of conf/ against the typed schema (flodl/config.py)."""
+"""Hydra composition of conf/ against the typed schema (flodl/config/schema.py)."""
 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -20,8 +19,8 @@ from flodl.config.schema import (
     register_configs,
     to_config,
 )
+from tests.helpers.procs import CONF
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
 # conf/hydra/ holds launcher options for Hydra's own groups, not flodl's.
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "hydra")
 GROUP_OPTIONS = [(group, p.stem) for group in GROUPS for p in sorted((CONF / group).glob("*.yaml"))]

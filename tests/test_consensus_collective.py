@@ -1,7 +1,7 @@
 """The averaging backends over a real 2-rank group, checked against float64 hand computations.
 
 One spawn of 2 ranks (CPU over gloo; with 2 GPUs, also one GPU each over nccl) runs every scenario in
-tests/collective_ranks.py in sequence, for both DeviceAverager (whole and in pipelined chunks) and
+tests/helpers/collective_ranks.py in sequence, for both DeviceAverager (whole and in pipelined chunks) and
 HostAverager, and saves each rank's values around one round (`begin` → `finish` → `adopt`). The tests
 recompute the weighted consensus, the float32 buffer mean, the divergence triple, the EASGD blend, the
 bf16 wire and the outer optimizers by hand from those recorded values.
@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 
 from flodl.averaging.outer import OuterSettings
-from tests.collective_ranks import SCENARIOS, TRAIN_DURING_ROUND, VIEW_STEPS, WORLD, worker
+from tests.helpers.collective_ranks import SCENARIOS, TRAIN_DURING_ROUND, VIEW_STEPS, WORLD, worker
 
 pytestmark = pytest.mark.multiproc
 

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from tests.procs import leftovers, torchrun
-from tests.test_cli import only_run_dir
+from tests.helpers.procs import leftovers, torchrun
+from tests.helpers.runs import epochs_of, only_run_dir
 
 pytestmark = pytest.mark.multiproc
 
@@ -33,7 +32,7 @@ def test_async_two_ranks_stage_to_disk_and_leave_no_pack_file(tmp_path: Path):
         timeout=240,
     ).check()
     run_dir = only_run_dir(tmp_path / "outputs")
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = epochs_of(run_dir)
     epochs = [r for r in records if "data/hits_disk" in r.get("scalars", {})]
     assert len(epochs) == 2, records
     assert epochs[-1]["scalars"]["data/hits_disk"] > 0  # the second epoch reads what the first staged
@@ -45,7 +44,7 @@ def test_async_two_ranks_stage_to_disk_and_leave_no_pack_file(tmp_path: Path):
 
 
 def test_data_plane_benchmark_smoke(tmp_path: Path):
-    from tests.procs import PYTHON, REPO, run
+    from tests.helpers.procs import PYTHON, REPO, run
 
     out = run(
         [PYTHON, str(REPO / "bench" / "data_plane.py"), "--quick", "--dir", str(tmp_path)], cwd=tmp_path

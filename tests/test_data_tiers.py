@@ -20,7 +20,7 @@ from flodl.data.feeder import BatchFeeder
 from flodl.data.npy import NpyFolderDataSet, write_npy_folder
 from flodl.data.pack import PackFile
 from flodl.data.partition import epoch_permutation
-from tests.procs import REPO, child_env
+from tests.helpers.procs import REPO, child_env
 
 CPU = torch.device("cpu")
 SAMPLES = 600

@@ -14,15 +14,10 @@ import psutil
 import pytest
 import torch
 
-from tests.procs import PYTHON, TORCHRUN, TRAIN, Result, child_env, leftovers, train
-from tests.test_cli import MODEL_KEYS, assert_complete_run, epochs_of
+from tests.helpers.procs import PYTHON, TORCHRUN, TRAIN, Result, kill_group, leftovers, start, train
+from tests.helpers.runs import MODEL_KEYS, assert_complete_run, epochs_of
 
 pytestmark = pytest.mark.multiproc
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float) -> None:
@@ -39,16 +34,13 @@ def _first_pid(log: Path) -> int:
 
 def _kill_rank1_after(checkpoint: str, args: list[str], cwd: Path, run_dir: Path, timeout: float) -> Result:
     """Start the job, SIGKILL rank 1 once `checkpoint` is committed, and wait for the job's end."""
-    proc = subprocess.Popen(
-        args, cwd=cwd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
+    proc = start(args, cwd)
     try:
         _wait_for(run_dir / "checkpoints" / checkpoint, proc, timeout=120)
         os.kill(_first_pid(run_dir / "rank1.log"), signal.SIGKILL)
         out = proc.communicate(timeout=timeout)[0]
     finally:
-        _kill_group(proc)
+        kill_group(proc)
     return Result(proc.returncode, out)
 
 
@@ -88,11 +80,10 @@ def test_with_no_restarts_left_the_error_names_the_dead_rank_and_the_last_checkp
 
 def test_a_frozen_rank_is_reported_within_the_heartbeat_timeout(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
+    proc = start(
         [PYTHON, TRAIN, "launch.nproc_per_node=2", "epochs=200", "heartbeat_timeout_s=3",
          "simulate.hang_rank=1", "simulate.hang_at_step=30", f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True,
+        cwd=tmp_path, output=subprocess.DEVNULL,
     )  # fmt: skip
     log = run_dir / "rank0.log"
     try:
@@ -105,7 +96,7 @@ def test_a_frozen_rank_is_reported_within_the_heartbeat_timeout(tmp_path: Path) 
         with contextlib.suppress(psutil.NoSuchProcess):
             assert rank0.wait(timeout=20) != 0
     finally:
-        _kill_group(proc)
+        kill_group(proc, grace=0)  # the frozen rank would sit out the launcher's SIGTERM grace
     report = log.read_text()
     assert re.search(r"rank 1 stopped responding: no heartbeat for [3-9] s", report), report[-3000:]
     assert "Last checkpoint: none" in report

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import leftovers, train
-from tests.test_cli import assert_complete_run
+from tests.helpers.procs import leftovers, train
+from tests.helpers.runs import assert_complete_run
 
 pytestmark = pytest.mark.multiproc
 

@@ -8,9 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.procs import leftovers, torchrun, train
-from tests.test_cli import assert_complete_run, only_run_dir
-from tests.test_policies import fast_rank_share, final_accuracy, run_policy
+from tests.helpers.procs import leftovers, torchrun, train
+from tests.helpers.runs import (
+    assert_complete_run,
+    fast_rank_share,
+    final_accuracy,
+    only_run_dir,
+    rank0_line,
+    run_policy,
+)
 
 GPUS = torch.cuda.device_count()
 pytestmark = [pytest.mark.gpu, pytest.mark.multiproc]
@@ -82,8 +88,6 @@ def test_averaging_backends_on_gpus(tmp_path: Path, policy: str, extra: tuple[st
 
 @needs_two
 def test_slots_launcher_gives_concurrent_jobs_disjoint_gpus(tmp_path: Path) -> None:
-    from tests.test_scaleout import rank0_line
-
     sweep = ("-m", "hydra/launcher=slots", "seed=0,1", "epochs=3", "launch.nproc_per_node=1")
     train(*sweep, "hydra.sweep.dir=sweep", cwd=tmp_path, timeout=300).check()
     recorded = [rank0_line(tmp_path / "sweep" / str(i)) for i in range(2)]

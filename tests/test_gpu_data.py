@@ -134,8 +134,8 @@ def test_device_pool_kill_switch(dataset, monkeypatch):
 
 
 def test_one_gpu_run_with_the_disk_tier(tmp_path: Path):
-    from tests.procs import train
-    from tests.test_cli import only_run_dir
+    from tests.helpers.procs import train
+    from tests.helpers.runs import only_run_dir
 
     train(
         "task=npy_blobs",

@@ -2,44 +2,15 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from tests.procs import leftovers, train
+from tests.helpers.runs import fast_rank_share, final_accuracy, run_policy
 
 pytestmark = pytest.mark.multiproc
 
 SLOW = ("simulate.slow_rank=1", "simulate.factor=3", "launch.start_method=fork")
-
-
-def run_policy(tmp_path: Path, policy: str, *extra: str) -> list[dict]:
-    run_dir = tmp_path / policy
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    train(
-        f"policy={policy}",
-        "launch.nproc_per_node=2",
-        f"hydra.run.dir={run_dir}",
-        *extra,
-        cwd=tmp_path,
-        timeout=240,
-    ).check()
-    assert not leftovers(tmp_path)
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def fast_rank_share(records: list[dict]) -> float:
-    """Rank 0's share of the batches, after the first two epochs of calibration."""
-    fast = sum(r["per_rank"][0]["batches"] for r in records[2:])
-    slow = sum(r["per_rank"][1]["batches"] for r in records[2:])
-    return fast / (fast + slow)
-
-
-def final_accuracy(records: list[dict]) -> float:
-    """Mean test accuracy of the last three evaluated epochs (one epoch is noisy on 359 images)."""
-    evaluated = [r["eval/accuracy"] for r in records if "eval/accuracy" in r]
-    return sum(evaluated[-3:]) / len(evaluated[-3:])
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from flodl.averaging.reducer import Reducer
-from tests.stage_log import Recorder, logged_wire
+from tests.helpers.stage_log import Recorder, logged_wire
 
 
 def test_a_round_in_one_piece_runs_its_stages_around_the_one_payload_collective(solo_group):

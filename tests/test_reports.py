@@ -10,7 +10,7 @@ import pytest
 
 from flodl.compare import REPORT_MD, REPORT_PNG, load_job
 from flodl.metrics.plots import plot_compare, plot_timeline
-from tests.procs import PYTHON, leftovers, run, train
+from tests.helpers.procs import PYTHON, leftovers, run, train
 
 pytestmark = pytest.mark.multiproc
 POLICIES = ("sync", "cadence", "async")

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import socket
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.procs import TORCHRUN, TRAIN, child_env, leftovers, torchrun, train
-from tests.test_cli import assert_complete_run, epochs_of
+from tests.helpers.procs import TORCHRUN, TRAIN, finish, leftovers, start, torchrun, train
+from tests.helpers.runs import assert_complete_run, epochs_of, finished_at, rank0_line
 
 pytestmark = pytest.mark.multiproc
 
@@ -34,23 +33,17 @@ def free_port() -> int:
 def test_two_nodes_on_one_machine(tmp_path: Path) -> None:
     endpoint = f"localhost:{free_port()}"
     nodes = [
-        subprocess.Popen(
+        start(
             [
                 *TORCHRUN, "--nnodes=2", f"--node_rank={rank}", "--nproc_per_node=1", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint={endpoint}", "--rdzv-id=two-nodes", TRAIN, "epochs=2",
             ],
-            cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            start_new_session=True,
+            cwd=tmp_path,
         )
         for rank in (0, 1)
     ]  # fmt: skip
-    try:
-        outputs = [node.communicate(timeout=180)[0] for node in nodes]
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                node.kill()
-    assert all(node.returncode == 0 for node in nodes), outputs
+    for result in [finish(node, timeout=180) for node in nodes]:  # both finished (or killed) before a check
+        result.check()
     (run_dir,) = [p.parent for p in tmp_path.rglob("metrics.jsonl")]
     records = assert_complete_run(run_dir, world=2, epochs=2)
     assert records[-1]["per_rank"][1]["batches"] > 0
@@ -71,18 +64,6 @@ def test_plan_prints_the_figures_and_starts_nothing(tmp_path: Path) -> None:
     assert "cadence on backend=nccl, batch 32/rank (global 64)" in result.out
     assert not list(tmp_path.rglob("rank*.log")) and not list(tmp_path.rglob(".launch"))
     assert not any(epochs_of(p.parent) for p in tmp_path.rglob("metrics.jsonl"))
-
-
-def rank0_line(job: Path) -> tuple[str, str, str]:
-    """(start time, master port, CUDA_VISIBLE_DEVICES) as the job's rank 0 recorded them."""
-    first = (job / "rank0.log").read_text().splitlines()[0]
-    port = first.split("master port ")[1].split(",")[0]
-    visible = first.split("CUDA_VISIBLE_DEVICES=")[1].split(",")[0]
-    return first[:23], port, visible
-
-
-def finished_at(job: Path) -> str:
-    return (job / "rank0.log").read_text().splitlines()[-1][:23]
 
 
 def test_slots_launcher_runs_jobs_side_by_side_on_their_own_ports(tmp_path: Path) -> None:

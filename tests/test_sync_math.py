@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from flodl.data.partition import epoch_permutation, equal_slices
 from flodl.tasks.digits import DigitsMLP, digits_dataset
-from tests.procs import train
+from tests.helpers.procs import train
 
 pytestmark = pytest.mark.multiproc
 

@@ -14,7 +14,7 @@ from flodl.config.schema import LoggerConfig
 from flodl.metrics.aggregate import EpochMetrics
 from flodl.metrics.run_info import RunInfo
 from flodl.metrics.wandb_sink import WandbSink
-from tests.procs import child_env, leftovers, train
+from tests.helpers.procs import child_env, leftovers, train
 
 WANDB = str(Path(sys.executable).with_name("wandb"))
 
