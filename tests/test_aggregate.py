@@ -1,0 +1,116 @@
+"""An epoch's record from its chunk reports and evals; the scalars a task records."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flodl.metrics.aggregate import aggregate_epoch, aggregate_eval
+from flodl.wire.messages import EvalResult, Metrics
+
+
+def chunk(rank: int, batches: int, loss_sum: float, wall_ms: float, steps: int, data_ms: float = 1.0):
+    return Metrics(
+        rank=rank,
+        epoch=0,
+        batches=batches,
+        samples=batches * 32,
+        loss_sum=loss_sum,
+        wall_ms=wall_ms,
+        data_ms=data_ms,
+        steps_total=steps,
+    )
+
+
+def test_aggregate_epoch_across_ranks_with_different_batch_counts():
+    chunks = [
+        chunk(1, batches=1, loss_sum=2.0, wall_ms=2000.0, steps=6, data_ms=4.0),
+        chunk(0, batches=3, loss_sum=3.0, wall_ms=1000.0, steps=3, data_ms=1.0),
+        chunk(0, batches=2, loss_sum=1.0, wall_ms=500.0, steps=5, data_ms=2.0),
+    ]
+    evals = [EvalResult(0, 0, {"correct": 30.0}, 40), EvalResult(1, 0, {"correct": 50.0}, 60)]
+    out = aggregate_epoch(0, chunks, evals, wall_s=2.0)
+    assert out.epoch == 0
+    assert out.step == 6
+    # Batch-weighted: (2 + 3 + 1) / 6 batches (not a mean of chunk or rank means).
+    assert out.loss == pytest.approx(1.0)
+    assert out.samples == 192
+    # Rank 0 ran 1.5 s in total, rank 1 ran 2 s: the slowest rank sets the epoch time.
+    assert out.epoch_s == pytest.approx(2.0)
+    assert out.samples_per_s == pytest.approx(96.0)
+    assert out.eval == {"correct": pytest.approx(0.8)}
+    assert [s.rank for s in out.per_rank] == [0, 1]
+    r0, r1 = out.per_rank
+    assert (r0.batches, r0.samples, r1.batches, r1.samples) == (5, 160, 1, 32)
+    assert r0.batch_share == pytest.approx(5 / 6)
+    assert r1.batch_share == pytest.approx(1 / 6)
+    assert sum(s.batch_share for s in out.per_rank) == pytest.approx(1.0)
+    assert r0.samples_per_s == pytest.approx(160 / 1.5)
+    assert r1.samples_per_s == pytest.approx(16.0)
+    assert (r0.data_ms, r1.data_ms) == (3.0, 4.0)
+
+
+def test_aggregate_epoch_record_flattens_eval():
+    out = aggregate_epoch(2, [chunk(0, 2, 1.0, 100.0, 2)], [EvalResult(0, 2, {"acc": 9.0}, 10)], wall_s=0.1)
+    record = out.as_record()
+    assert "eval" not in record
+    assert record["eval/acc"] == pytest.approx(0.9)
+    assert record["epoch"] == 2
+    assert record["per_rank"][0]["rank"] == 0
+
+
+def test_aggregate_epoch_without_reports_fails():
+    with pytest.raises(ValueError, match="epoch 4"):
+        aggregate_epoch(4, [], [], wall_s=1.0)
+
+
+def test_aggregate_epoch_with_zero_batches_is_nan_loss():
+    out = aggregate_epoch(0, [chunk(0, 0, 0.0, 0.0, 0)], [], wall_s=0.0)
+    assert math.isnan(out.loss)
+    assert out.samples_per_s == 0.0
+    assert out.per_rank[0].batch_share == 0.0
+
+
+def test_aggregate_eval_divides_summed_metrics_by_total_count():
+    evals = [
+        EvalResult(rank=0, epoch=1, sums={"correct": 30.0, "loss": 12.0}, count=40),
+        EvalResult(rank=1, epoch=1, sums={"correct": 50.0, "loss": 8.0}, count=60),
+    ]
+    assert aggregate_eval(evals) == {"correct": pytest.approx(0.8), "loss": pytest.approx(0.2)}
+
+
+def test_aggregate_eval_empty():
+    assert aggregate_eval([]) == {}
+    assert aggregate_eval([EvalResult(0, 0, {"correct": 0.0}, 0)]) == {}
+
+
+def test_record_scalar_accumulates_tensors_and_floats_until_drained():
+    from flodl import record_scalar
+    from flodl.metrics.scalars import drain_scalars, mean_scalars
+
+    drain_scalars()
+    record_scalar("grad_norm", torch.tensor(2.0))
+    record_scalar("grad_norm", 4.0)
+    record_scalar("acc", torch.tensor(0.5))
+    first = drain_scalars()
+    assert first == {"grad_norm": [6.0, 2.0], "acc": [0.5, 1.0]}
+    assert drain_scalars() == {}
+    assert mean_scalars([first, {"grad_norm": [3.0, 1.0]}]) == {"grad_norm": 3.0, "acc": 0.5}
+
+
+def test_epoch_scalars_are_means_over_every_ranks_records():
+    chunks = [chunk(0, 2, 1.0, 10.0, 2), chunk(1, 2, 1.0, 10.0, 2)]
+    chunks[0].scalars = {"x": [3.0, 3.0]}
+    chunks[1].scalars = {"x": [9.0, 1.0]}
+    assert aggregate_epoch(0, chunks, [], wall_s=1.0).scalars == {"x": 3.0}
+
+
+def test_epoch_reports_its_averaging_rounds():
+    assert aggregate_epoch(0, [chunk(0, 2, 1.0, 10.0, 2)], [], wall_s=1.0, syncs=4).syncs == 4
+
+
+def test_every_rank_has_a_share_even_without_batches_this_epoch():
+    out = aggregate_epoch(3, [chunk(0, 4, 2.0, 10.0, 9)], [], wall_s=1.0, world_size=2)
+    assert [(s.rank, s.batches, s.batch_share) for s in out.per_rank] == [(0, 4, 1.0), (1, 0, 0.0)]

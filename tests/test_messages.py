@@ -1,0 +1,107 @@
+"""The messages between ranks: every type round-trips as JSON; garbage is refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from flodl.wire import messages
+from flodl.wire.messages import (
+    EvalResult,
+    Exiting,
+    ExtendPartition,
+    Heartbeat,
+    MessageError,
+    Metrics,
+    Progress,
+    Reached,
+    Saved,
+    Shutdown,
+    StartEpoch,
+    SyncAck,
+    SyncNow,
+    decode,
+    encode,
+)
+
+MESSAGES = [
+    StartEpoch(epoch=3, offset=64, size=32, evaluate=True),
+    StartEpoch(epoch=0, offset=0, size=8),
+    StartEpoch(epoch=5, offset=0, size=8, checkpoint=True),
+    Saved(rank=1, epoch=5),
+    Heartbeat(rank=0, step=123),
+    Exiting(rank=1, reason="NonFiniteError: rank 1: the training loss became non-finite at step 7"),
+    Shutdown(),
+    Shutdown(reason="rank 1 failed"),
+    Metrics(
+        rank=1,
+        epoch=2,
+        batches=5,
+        samples=160,
+        loss_sum=3.25,
+        wall_ms=812.5,
+        data_ms=12.0,
+        steps_total=40,
+        scalars={"lr": [0.001, 0.002]},
+    ),
+    Metrics(rank=0, epoch=0, batches=0, samples=0, loss_sum=0.0, wall_ms=0.0, data_ms=0.0),
+    EvalResult(rank=0, epoch=4, sums={"correct": 30.0, "loss": 11.5}, count=40),
+    Exiting(rank=2),
+    ExtendPartition(slices=[[0, 64, 96], [1, 0, 32]], target=3),
+    SyncNow(round=7, evaluate_epoch=2, final=True),
+    SyncNow(round=9, final=True, checkpoint_epoch=3),
+    SyncNow(round=1),
+    Progress(rank=1, epoch=0, step=50, loss=0.75, samples_per_s=1200.0, lr=0.001),
+    Reached(rank=1, steps=12, busy_ms=40.5),
+    SyncAck(
+        rank=0,
+        round=3,
+        steps=9,
+        skipped=False,
+        divergence=0.01,
+        pre_norm=3.5,
+        post_norm=3.4,
+        sync_ms=1.5,
+        queued=2,
+        idle_ms=4.0,
+    ),
+]
+
+
+def test_message_examples_cover_every_type():
+    assert {type(m) for m in MESSAGES} == set(messages._TYPES.values())
+
+
+@pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
+def test_message_round_trip(message):
+    raw = encode(message)
+    assert isinstance(raw, bytes)
+    back = decode(raw)
+    assert type(back) is type(message)
+    assert back == message
+
+
+def test_encoding_is_json_not_pickle():
+    assert encode(Saved(rank=3, epoch=1)) == b'{"type": "Saved", "body": {"rank": 3, "epoch": 1}}'
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"",
+        b"not json",
+        b"\xff\xfe\x00",
+        b"null",
+        b"[1, 2]",
+        b'"Shutdown"',
+        b"{}",
+        b'{"type": "Nope", "body": {}}',
+        b'{"type": "Shutdown"}',
+        b'{"type": "Shutdown", "body": {"bogus": 1}}',
+        b'{"type": "Metrics", "body": {"rank": 0}}',
+        b'{"type": "Exiting", "body": [1]}',
+        b'{"type": ["Exiting"], "body": {"rank": 0}}',
+    ],
+)
+def test_decode_garbage_raises_message_error(raw):
+    with pytest.raises(MessageError, match="undecodable flodl message"):
+        decode(raw)
