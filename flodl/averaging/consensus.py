@@ -1,5 +1,7 @@
 """Averaging backends for local SGD: how a round runs once the coordinator says when.
 
+The reduce itself is `reducer.py`'s (the mechanism: docs/architecture.md, "Local SGD reduce").
+
 Both backends own the model's flat parameter storage (see `flat.py`) and expose one round as
 `begin(steps)` → `ready()` → `finish()` → `adopt(alpha, evaluate)`:
 

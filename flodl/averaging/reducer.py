@@ -1,25 +1,11 @@
 """One weighted consensus over a process group, on whatever tensors it is handed (device or host).
 
-Each rank's parameters count with weight `n^gamma / Σ n^gamma` (`weights.py`). Two ways to get there:
-
-- Where the tensors are (float32 parameters in one piece, under 128 MiB): the float64 totals are
-  all-reduced and the weights divided out next to the parameters, and the payload's all-reduce reads its
-  factor from there (NCCL's PreMulSum from device memory); no host read stands before the payload, and on a
-  GPU over NCCL the round is replayed as one CUDA graph (`replayed.py`). The totals are read when asked
-  for; a round nobody moved in is undone by the idle ranks (all of them then) putting back the state they
-  kept. (The cpu backend's host tensors go this way too, on its gloo thread: no graph, the same weights.)
-- On the host first (bf16_wire, several parameter dtypes, a round in chunks, an exact round): a float64
-  SUM all-reduce of `[n^gamma, mover, n, kept]`, read on the host, gives each rank its factor before the
-  payload's all-reduce (PreMulSum with a host scalar). A round where nobody moved is skipped everywhere;
-  an exact one (the last of a run) averages the ranks that kept their window instead.
-
-Either way `Σ n` advances every rank's step clock. With `stages`, each tensor is reduced in chunks and the
-caller's per-chunk work (the guard's pre-reduce copy and norms) runs while the chunk itself (the kept
-copy's norm) or the next chunk (the rest) is on the wire, instead of before and after the whole reduce.
-With `bf16_wire`, float32 tensors travel as the bf16 difference from a reference every rank shares (the
-last global parameters), gathered and summed in float32: half the bytes, and the rounding falls on the
-small per-round change instead of on the parameters themselves. Float32 buffers average with equal
-weight among ranks that moved; they always travel as float32.
+The mechanism (the weights `n^gamma / Σ n^gamma`, their two ways: on the device, replayed as a CUDA graph
+on a GPU, or read on the host first; skipped and exact rounds; the chunks and the bf16 wire) is described
+once, in docs/architecture.md, "Local SGD reduce". Here `Reducer.weighs_on_device` picks the way for the
+tensors at hand (the same answer on every rank), `Reducer.reduce` runs it, whole or in `chunk_spans` with
+the caller's `ChunkStages` around each chunk's collective, and `ReduceResult` carries what the step clocks
+advance by.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """A round whose weights are computed on the device, so it can be replayed as a CUDA graph.
 
-The round on fixed tensors (the flat parameters, the float32 buffers): this rank's `[n^gamma, mover, n]`
-copied from a pinned host buffer, a float64 SUM all-reduce of them, the weights `n^gamma / Σ n^gamma` and
-`mover / Σ mover` divided out on the device, then the payload's all-reduce with NCCL's PreMulSum reading
-its factor from device memory, the caller's stages (the guard's copy and norms) around it, and the
-buffers'. The totals are copied to the host as soon as they land and read when asked for; nothing in the
-round waits for the host, so its launches are the same every round. On a GPU over NCCL it is captured
-once, after a few eager rounds (NCCL's and the kernels' lazy set-up must be done before a capture), and
-each later round is one graph launch: a 10M-parameter round is latency-bound, and dispatching its ~10
-operations one by one from Python cost about a third of a plain all-reduce's time on 2x H200.
+Why and when a round goes this way is in docs/architecture.md, "Local SGD reduce". The round works on fixed
+tensors (the flat parameters, the float32 buffers) and its only input is this rank's `[n^gamma, mover, n]`,
+copied from a pinned host buffer, so its launches are the same every round: on a GPU over NCCL it runs
+eagerly `capture_after` times, is captured once, and each later round is one graph launch. The totals are
+copied to the host as soon as they land and read when asked for.
 
 A round nobody moved in divides 0 by 0: every rank's parameters turn NaN. Only an idle rank can be in one,
 so an idle rank keeps its state first and puts it back when the totals say nobody moved.

@@ -1,1 +1,2 @@
-"""Per-epoch metrics: aggregation on rank 0 and the sinks they go to."""
+"""Metrics: `record_scalar`, the ranks' reports aggregated per epoch on rank 0, the sinks they go to
+(console, metrics.jsonl, W&B), the run's timeline and its plots."""

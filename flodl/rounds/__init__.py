@@ -1,1 +1,2 @@
-"""Pure round logic for local SGD (cadence and async): the window planner, ElChe, divergence guards."""
+"""Pure round logic for local SGD (cadence and async): the window planner, ElChe, the divergence guards and
+their verdicts."""

@@ -1,1 +1,2 @@
-"""Built-in tasks: model, dataset, loss and eval function for the default runs."""
+"""Built-in tasks (digits, the default; npy_blobs; resnet; gpt): model, dataset, loss and eval function,
+named by the `conf/task/` configs."""
