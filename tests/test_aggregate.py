@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from flodl.metrics.aggregate import aggregate_epoch, aggregate_eval
-from flodl.wire.messages import EvalResult, Metrics
+from flodl.wire.messages import ChunkReport, EvalResult
 
 
 def chunk(rank: int, batches: int, loss_sum: float, wall_ms: float, steps: int, data_ms: float = 1.0):
-    return Metrics(
+    return ChunkReport(
         rank=rank,
         epoch=0,
         batches=batches,

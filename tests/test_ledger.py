@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from flodl.coordinator.ledger import EpochLedger
 from flodl.metrics.aggregate import RoundCost
-from flodl.wire.messages import EvalResult, Metrics
+from flodl.wire.messages import ChunkReport, EvalResult
 
 
-def chunk(rank: int, epoch: int, batches: int) -> Metrics:
-    return Metrics(rank, epoch, batches, batches * 4, float(batches), 10.0, 1.0, steps_total=batches)
+def chunk(rank: int, epoch: int, batches: int) -> ChunkReport:
+    return ChunkReport(rank, epoch, batches, batches * 4, float(batches), 10.0, 1.0, steps_total=batches)
 
 
 def test_async_rounds_after_the_last_batch_belong_to_the_last_epoch() -> None:

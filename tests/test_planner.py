@@ -188,7 +188,7 @@ class Simulator:
         order = self.rng.sample(self.ranks, len(self.ranks))
         for i, rank in enumerate(order):
             assert not self.planner.finished, "finished before every rank acked"
-            ack = AckReport(rank.rank, rank.steps, 0.0, 1.0, 1.0, 0.0, len(rank.queue))
+            ack = AckReport(rank.rank, rank.steps, 0.0, 0.0, len(rank.queue))
             self.queued_at_ack[rank.rank] = len(rank.queue)
             rank.steps = 0
             assert self.planner.on_ack(ack) is (i == self.world_size - 1)
@@ -437,8 +437,8 @@ def test_async_window_by_hand():
     ]
     assert planner.on_reached(WindowReport(1, 3, 1.0)) == []
     assert planner.on_reached(WindowReport(0, 2, 1.0)) == [Average(1, None, False)]
-    assert not planner.on_ack(AckReport(0, 2, 0.0, 1.0, 1.0, 0.0, queued=1))
-    assert planner.on_ack(AckReport(1, 3, 0.0, 1.0, 1.0, 0.0, queued=1))
+    assert not planner.on_ack(AckReport(0, 2, 0.0, 0.0, queued=1))
+    assert planner.on_ack(AckReport(1, 3, 0.0, 0.0, queued=1))
     assert not planner.finished
 
     second = planner.open_window([2, 3], 1)
@@ -450,8 +450,8 @@ def test_async_window_by_hand():
     assert planner.on_reached(WindowReport(0, 2, 1.0)) == []
     # Rank 0 still holds (1, 3) past its target: not the last reduce yet.
     assert planner.on_reached(WindowReport(1, 2, 1.0)) == [Average(2, 0, False)]
-    assert not planner.on_ack(AckReport(1, 2, 0.0, 1.0, 1.0, 0.0, queued=0))
-    assert planner.on_ack(AckReport(0, 2, 0.0, 1.0, 1.0, 0.0, queued=1))
+    assert not planner.on_ack(AckReport(1, 2, 0.0, 0.0, queued=0))
+    assert planner.on_ack(AckReport(0, 2, 0.0, 0.0, queued=1))
     assert not planner.finished
 
     third = planner.open_window([2, 3], 1)
@@ -459,9 +459,9 @@ def test_async_window_by_hand():
     assert planner.on_reached(WindowReport(1, 0, 0.0)) == []
     planner.on_epoch_complete(1)
     assert planner.on_reached(WindowReport(0, 1, 1.0)) == [Average(3, 1, True)]
-    assert not planner.on_ack(AckReport(0, 1, 0.0, 1.0, 1.0, 0.0, queued=0))
+    assert not planner.on_ack(AckReport(0, 1, 0.0, 0.0, queued=0))
     assert not planner.finished
-    assert planner.on_ack(AckReport(1, 0, 0.0, 1.0, 1.0, 0.0, queued=0))
+    assert planner.on_ack(AckReport(1, 0, 0.0, 0.0, queued=0))
     assert planner.finished
 
 
@@ -470,8 +470,8 @@ def test_async_allocation_subtracts_queued_and_never_goes_negative():
     assert [a.target for a in planner.open_window([10, 4], 2)] == [10, 4]
     assert planner.on_reached(WindowReport(0, 10, 1.0)) == []
     assert len(planner.on_reached(WindowReport(1, 4, 1.0))) == 1
-    planner.on_ack(AckReport(0, 10, 0.0, 1.0, 1.0, 0.0, queued=2))
-    planner.on_ack(AckReport(1, 5, 0.0, 1.0, 1.0, 0.0, queued=1))
+    planner.on_ack(AckReport(0, 10, 0.0, 0.0, queued=2))
+    planner.on_ack(AckReport(1, 5, 0.0, 0.0, queued=1))
     # Rank 0: counts drop to 1, 1 + 0 - 2 < 0 -> nothing new; target min(1, 2).
     # Rank 1: 6 + 0 - 1 = 5 new, picks [18, 23); target min(6, 6).
     assert planner.open_window([1, 6], 0) == [
@@ -554,7 +554,7 @@ def test_average_waits_for_every_rank_and_fires_once():
         assert planner.on_reached(WindowReport(1, 2, 1.0)) == [Average(expected_round, None, False)]
         assert planner.on_reached(WindowReport(1, 2, 1.0)) == []  # a late duplicate: no second Average
         for r in range(3):
-            planner.on_ack(AckReport(r, 2, 0.0, 1.0, 1.0, 0.0, queued=0))
+            planner.on_ack(AckReport(r, 2, 0.0, 0.0, queued=0))
         assert not planner.finished
 
 
@@ -564,11 +564,11 @@ def test_acks_complete_the_round_only_with_every_rank(is_async):
     planner.open_window([1, 1, 1], 0)
     for r in range(3):
         planner.on_reached(WindowReport(r, 1 if r < 2 else 0, 1.0))
-    assert not planner.on_ack(AckReport(0, 1, 0.0, 1.0, 1.0, 0.0, queued=0))
-    assert not planner.on_ack(AckReport(0, 1, 0.0, 1.0, 1.0, 0.0, queued=0))  # a repeat is still one
-    assert not planner.on_ack(AckReport(2, 0, 0.0, 1.0, 1.0, 0.0, queued=0))
+    assert not planner.on_ack(AckReport(0, 1, 0.0, 0.0, queued=0))
+    assert not planner.on_ack(AckReport(0, 1, 0.0, 0.0, queued=0))  # a repeat is still one
+    assert not planner.on_ack(AckReport(2, 0, 0.0, 0.0, queued=0))
     assert not planner.finished
-    assert planner.on_ack(AckReport(1, 1, 0.0, 1.0, 1.0, 0.0, queued=0))
+    assert planner.on_ack(AckReport(1, 1, 0.0, 0.0, queued=0))
     assert planner.finished
 
 
@@ -637,7 +637,7 @@ def test_async_two_wanted_epochs_between_reduces_evaluate_the_later():
     # The rank trains its overshoot before the Average arrives: epochs 0 and 1 complete.
     planner.on_epoch_complete(0)
     planner.on_epoch_complete(1)
-    assert planner.on_ack(AckReport(0, 5, 0.0, 1.0, 1.0, 0.0, queued=0))
+    assert planner.on_ack(AckReport(0, 5, 0.0, 0.0, queued=0))
     assert planner.open_window([1], 4) == [
         Dispatch(0, (EpochSlice(2, 1, 1), EpochSlice(3, 0, 2), EpochSlice(4, 0, 2)), 1)
     ]
@@ -645,7 +645,7 @@ def test_async_two_wanted_epochs_between_reduces_evaluate_the_later():
     assert planner.on_reached(WindowReport(0, 1, 1.0)) == [Average(2, 1, False)]  # 0 is dropped
     planner.on_epoch_complete(3)
     planner.on_epoch_complete(4)
-    assert planner.on_ack(AckReport(0, 5, 0.0, 1.0, 1.0, 0.0, queued=0))
+    assert planner.on_ack(AckReport(0, 5, 0.0, 0.0, queued=0))
     assert planner.open_window([1], 4) == [Dispatch(0, (EpochSlice(5, 0, 2),), 2)]
     planner.on_epoch_complete(5)
     assert planner.on_reached(WindowReport(0, 2, 1.0)) == [Average(3, 5, True)]
@@ -671,7 +671,7 @@ def test_final_average_evaluates_a_wanted_epoch_left_undecided():
     planner.open_window([1], 1)  # (0, 0), (0, 1); target 1
     assert planner.on_reached(WindowReport(0, 1, 1.0)) == [Average(1, None, False)]
     planner.on_epoch_complete(0)  # overshoot after the Average left
-    planner.on_ack(AckReport(0, 2, 0.0, 1.0, 1.0, 0.0, queued=0))
+    planner.on_ack(AckReport(0, 2, 0.0, 0.0, queued=0))
     planner.open_window([2], 0)  # epoch 1 whole: the data runs out
     planner.on_epoch_complete(1)
     assert planner.on_reached(WindowReport(0, 2, 1.0)) == [Average(2, 0, True)]

@@ -23,11 +23,11 @@ from flodl.metrics.sinks import Sink
 from flodl.metrics.timeline import Timeline
 from flodl.wire.heartbeat import HeartbeatMonitor
 from flodl.wire.messages import (
+    ChunkReport,
     EvalResult,
     Exiting,
     Heartbeat,
     Message,
-    Metrics,
     Progress,
     Saved,
     Shutdown,
@@ -226,7 +226,7 @@ class Coordinator(threading.Thread):
         if isinstance(message, Saved):
             assert self.committer is not None, "a Saved report without checkpoints"
             self.committer.on_saved(message.epoch, message.rank)
-        elif isinstance(message, Metrics):
+        elif isinstance(message, ChunkReport):
             self.timeline.chunk(message.rank, message.epoch, message.wall_ms, message.batches)
             if self.ledger.add_chunk(message):
                 self.driver.on_epoch_complete(message.epoch)

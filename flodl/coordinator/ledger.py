@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from flodl.metrics.aggregate import EpochMetrics, RoundCost, aggregate_epoch
-from flodl.wire.messages import EvalResult, Metrics
+from flodl.wire.messages import ChunkReport, EvalResult
 
 
 class LedgerError(RuntimeError):
@@ -19,7 +19,7 @@ class LedgerError(RuntimeError):
 
 @dataclass
 class _Epoch:
-    chunks: list[Metrics] = field(default_factory=list)
+    chunks: list[ChunkReport] = field(default_factory=list)
     evals: list[EvalResult] = field(default_factory=list)
     # None: not known yet whether this epoch gets an eval (async decides at a later reduce).
     eval_expected: bool | None = None
@@ -63,7 +63,7 @@ class EpochLedger:
             raise LedgerError(f"a report for epoch {epoch}, outside the open epochs")
         return self._open.setdefault(epoch, _Epoch())
 
-    def add_chunk(self, chunk: Metrics) -> bool:
+    def add_chunk(self, chunk: ChunkReport) -> bool:
         """Record a chunk; True when it completes its epoch."""
         entry = self._epoch(chunk.epoch)
         entry.chunks.append(chunk)

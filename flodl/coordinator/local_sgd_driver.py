@@ -1,7 +1,7 @@
 """The coordinator's local-SGD driver: windows, reduces, ElChe and the divergence guard.
 
 A window opens with per-rank counts from ElChe; when every rank has reached its count the driver
-orders a reduce (SyncNow); once every rank has acknowledged it, the divergence guard reads the
+orders a reduce (AverageNow); once every rank has acknowledged it, the divergence guard reads the
 round, ElChe gets the window's timings and the guard's verdict, and the next window opens.
 """
 
@@ -18,7 +18,7 @@ from flodl.rounds import elche as el
 from flodl.rounds.guard import ConvergenceGuard, DivergenceReport
 from flodl.rounds.planner import AckReport as PlannerAck
 from flodl.rounds.planner import Average, Dispatch, LocalSgdPlanner, WindowReport
-from flodl.wire.messages import ExtendPartition, Message, Reached, SyncAck, SyncNow
+from flodl.wire.messages import AverageNow, ExtendPartition, Message, Reached, RoundAck
 from flodl.wire.transport import Mailbox
 
 log = logging.getLogger("flodl")
@@ -68,14 +68,18 @@ class LocalSgdDriver:
     def on_message(self, message: Message) -> None:
         if isinstance(message, Reached):
             self._carry(self.planner.on_reached(WindowReport(message.rank, message.steps, message.busy_ms)))
-        elif isinstance(message, SyncAck):
+        elif isinstance(message, RoundAck):
             ack = PlannerAck(
-                message.rank, message.steps, message.divergence, message.pre_norm, message.post_norm,
-                message.sync_ms, message.queued, message.idle_ms,
-            )  # fmt: skip
+                message.rank,
+                message.steps,
+                message.divergence,
+                message.round_ms,
+                message.queued,
+                message.idle_ms,
+            )
             self.timeline.round_acked(message.round, message.rank, message.divergence)
             self._round_costs[message.rank] = RoundCost(
-                message.payload_bytes, message.sync_ms, message.steps_during_round
+                message.payload_bytes, message.round_ms, message.steps_during_round
             )
             if self.planner.on_ack(ack):
                 self.ledger.close_round(message.round, self._round_costs)
@@ -98,18 +102,12 @@ class LocalSgdDriver:
         """The guard reads the round's divergence; ElChe gets the window's timings and the verdict."""
         acks = self.planner.window_acks()
         reports = self.planner.window_reports()
-        steps = [a.steps for a in acks]
-        report = DivergenceReport(
-            divergences=[a.divergence for a in acks],
-            pre_norms=[a.pre_norm for a in acks],
-            post_norm=acks[0].post_norm,
-            step=self.planner.round,
-        )
-        action = self.guard.report(report, k_used=sum(steps), k_max=max(steps))
+        report = DivergenceReport([a.divergence for a in acks])
+        action = self.guard.report(report, k_max=max(a.steps for a in acks))
         self.elche.report_timing(
             [r.busy_ms for r in reports],
             [r.steps for r in reports],
-            reduce_ms=el.round_overhead_ms([a.sync_ms for a in acks], [a.idle_ms for a in acks]),
+            reduce_ms=el.round_overhead_ms([a.round_ms for a in acks], [a.idle_ms for a in acks]),
         )
         for change in self.elche.apply_verdict(action.verdict, action.factor):
             log.info("anchor %d -> %d (%s)", change.old, change.new, change.reason)
@@ -128,7 +126,7 @@ class LocalSgdDriver:
                 self._checkpoint_epoch = action.checkpoint_epoch
                 self.ledger.open_round(action.round)
                 self.timeline.round_started(action.round)
-                order = SyncNow(action.round, action.evaluate_epoch, action.final, action.checkpoint_epoch)
+                order = AverageNow(action.round, action.evaluate_epoch, action.final, action.checkpoint_epoch)
                 for rank in range(self.ledger.world_size):
                     self.outbox.send(rank, order)
 

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from flodl.metrics.scalars import mean_scalars
-from flodl.wire.messages import EvalResult, Metrics
+from flodl.wire.messages import ChunkReport, EvalResult
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ class EpochMetrics:
 
 def aggregate_epoch(
     epoch: int,
-    chunks: list[Metrics],
+    chunks: list[ChunkReport],
     evals: list[EvalResult],
     wall_s: float,
     rounds: dict[int, RoundCost] | None = None,
@@ -89,7 +89,7 @@ def aggregate_epoch(
     batches = sum(c.batches for c in chunks)
     samples = sum(c.samples for c in chunks)
     # Every rank has an entry, also one that trained nothing this epoch (async may skip past an epoch).
-    per_rank: dict[int, list[Metrics]] = {r: [] for r in [*range(world_size), *rounds]}
+    per_rank: dict[int, list[ChunkReport]] = {r: [] for r in [*range(world_size), *rounds]}
     for chunk in chunks:
         per_rank.setdefault(chunk.rank, []).append(chunk)
     shares = []

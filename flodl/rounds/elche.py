@@ -1,4 +1,4 @@
-"""ElChe cadence balancer (reference §4): per-rank reduce-window sizes and anchor growth.
+"""ElChe cadence balancer: per-rank reduce-window sizes and anchor growth (docs/ported.md).
 
 "The column marches at the slowest one's pace": the slow (anchor) rank runs `anchor` batches per reduce
 window and faster ranks run proportionally more, so everyone reaches the reduce at about the same time.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import math
 from collections import deque
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
@@ -26,7 +26,7 @@ GROWTH_STEP_CAP = 2.0  # at most x2 per grow step: ride the amortization curve w
 GROWTH_REARM_STABLE = 5  # clean verdicts needed before growth may poke the convergence cliff again
 STABLE_AT, MATURE_AT = 5, 20  # calibrations
 OVERSHOOT_START, OVERSHOOT_MAX = 3, 15
-# Trajectory beyond the reference ElCheState, saved so a resume continues exactly (see ElChe.state).
+# Trajectory beyond the original's ElCheState, saved so a resume continues exactly (see ElChe.state).
 _RESUME = ("_zero_streak", "_counts", "_counts_anchor", "growth_enabled", "_stable_streak", "_auto_overshoot")
 
 
@@ -41,7 +41,7 @@ class Phase(IntEnum):
 class AnchorChange:
     old: int
     new: int
-    reason: str  # "grow" | "relax_up" | "nudge_down"
+    reason: str  # "grow" | "nudge_down"
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,6 @@ class ElCheSettings:
     max_batch_diff: int | None = None  # None: unlimited; 0: lockstep
     max_overshoot: int | None = None  # async only; None: auto 3 -> 15
     is_async: bool = False
-    relax_up: bool = False  # async only, as in the coordinator
     window_growth: bool = True  # False under Sync: it reduces every step, there is no window to amortize
 
     def __post_init__(self) -> None:
@@ -76,31 +75,15 @@ class ElCheSettings:
         return min(max(self.overhead_target, 0.01), 0.50)
 
 
-def select_feed(
-    wall_ms: Sequence[float],
-    steps: Sequence[int],
-    delivered_ms: Sequence[float],
-    delivered_batches: Sequence[int],
-    use_delivered: bool = True,
-) -> tuple[list[float], list[int]]:
-    """§4.1 all-or-none feed: the delivered scale only when every mover (steps > 0) has a delivered
-    sample this window, else the compute scale for everyone. Mixing scales inverts the allocation."""
-    has = [m > 0 and b > 0 for m, b in zip(delivered_ms, delivered_batches, strict=True)]
-    if not use_delivered or not all(has[r] for r, n in enumerate(steps) if n > 0):
-        return list(wall_ms), list(steps)
-    ms = [d if h else w for d, w, h in zip(delivered_ms, wall_ms, has, strict=True)]
-    return ms, [d if h else n for d, n, h in zip(delivered_batches, steps, has, strict=True)]
-
-
-def round_overhead_ms(sync_ms: Sequence[float], idle_ms: Sequence[float]) -> float:
+def round_overhead_ms(round_ms: Sequence[float], idle_ms: Sequence[float]) -> float:
     """The fixed cost of one round that the anchor amortizes: the averaging itself (the longest time a
     rank was held up by it), or, when longer, what the round cost the rank that waited least: its
     window's wall time not spent training (messages to and from the coordinator, the reduce, the next
     window's dispatch). Waiting for a slower peer is balance's business, not the anchor's, hence the
     least-idle rank."""
-    if not sync_ms or len(sync_ms) != len(idle_ms):
-        raise ValueError("round_overhead_ms needs one sync time and one idle time per rank")
-    return max(max(sync_ms), min(idle_ms))
+    if not round_ms or len(round_ms) != len(idle_ms):
+        raise ValueError("round_overhead_ms needs one round time and one idle time per rank")
+    return max(max(round_ms), min(idle_ms))
 
 
 def _round(x: float) -> int:
@@ -135,7 +118,6 @@ class ElChe:
         self.growth_enabled = True
         self._stable_streak = 0
         self._auto_overshoot = OVERSHOOT_START
-        self._slack_ms = [0.0] * n
 
     # --- queries ------------------------------------------------------------------------------------
 
@@ -155,54 +137,32 @@ class ElChe:
         w = self._windows[rank]
         return sum(w) / len(w) if w else None
 
-    def counts(self, remaining: int | None = None) -> list[int]:
-        """Per-rank batches for the next window: scaled to fit the epoch (floor, >= 1, remainder to the
-        largest), then, at the epoch tail (`remaining` < sum), each rank gets min(count, remaining)."""
+    def counts(self) -> list[int]:
+        """Per-rank batches for the next window, scaled to fit the epoch (floor, >= 1, remainder to the
+        largest). The planner splits an epoch's tail itself."""
         counts = list(self._counts)
         cap, total = self.epoch_batches, sum(counts)
         if cap is not None and 0 < cap < total:
             counts = [max(1, c * cap // total) for c in counts]
             counts[counts.index(max(counts))] += max(cap - sum(counts), 0)
-            # The floor of 1 can overshoot the cap: take the excess from the largest (the reference
+            # The floor of 1 can overshoot the cap: take the excess from the largest (the original
             # leaves it; it only stays over when there are more ranks than batches).
             while sum(counts) > cap and max(counts) > 1:
                 counts[counts.index(max(counts))] -= 1
-        if remaining is not None and remaining < sum(counts):
-            counts = [min(c, remaining) for c in counts]
         return counts
 
-    def budgets(self, remaining: int | None = None) -> list[int]:
-        """Steps each rank may take before it must wait for the reduce (Async: counts + overshoot)."""
-        return [c + self.overshoot for c in self.counts(remaining)]
-
-    def throttled_ranks(self, steps: Sequence[int], alive: Collection[int] | None = None) -> list[int]:
-        """Ranks leading the slowest alive rank by more than max_batch_diff (§4.4; CPU backend)."""
-        limit = self.settings.max_batch_diff
-        ranks = [r for r in range(len(steps)) if alive is None or r in alive]
-        if limit is None or not ranks:
-            return []
-        low = min(steps[r] for r in ranks)
-        return [r for r in ranks if steps[r] > low + limit]
-
     # --- timing feed -------------------------------------------------------------------------------
-
-    def set_callback_slack(self, slack_ms: Sequence[float]) -> None:
-        """One-shot: the next recompute shrinks rank r by ceil(slack_ms[r]/ms) so a callback fits (§9.3)."""
-        if len(slack_ms) != self.settings.world_size:
-            raise ValueError("slack_ms needs one entry per rank")
-        self._slack_ms = [max(0.0, float(s)) for s in slack_ms]
 
     def report_timing(
         self,
         wall_ms: Sequence[float],
         batches: Sequence[int],
         reduce_ms: float = 0.0,
-        fill_ms: Sequence[float] | None = None,
     ) -> None:
-        """One reduce window: per-rank wall (ms) over `batches`, the reduce that closed it, and the
-        per-rank first-batch fill excess. Pick the scale with `select_feed` first."""
+        """One reduce window: per-rank busy time (ms) over `batches`, and the fixed cost of the round
+        that closed it (`round_overhead_ms`)."""
         n = self.settings.world_size
-        if len(wall_ms) != n or len(batches) != n or (fill_ms is not None and len(fill_ms) != n):
+        if len(wall_ms) != n or len(batches) != n:
             raise ValueError(f"timing feed needs one entry per rank ({n})")
         readings = [
             w / b if b > 0 and w > 0 and math.isfinite(w) else None
@@ -232,8 +192,7 @@ class ElChe:
         if b is None or slow is None:
             return
         # A proposal lives for one window. The first report never proposes: one sample is not a trend.
-        fill = 0.0 if fill_ms is None else fill_ms[b]
-        self.proposed_anchor = self._propose(slow, reduce_ms, fill) if self.phase >= Phase.WARMUP else None
+        self.proposed_anchor = self._propose(slow, reduce_ms) if self.phase >= Phase.WARMUP else None
         self._recompute(slow)
         self.calibration_count += 1
         c = self.calibration_count
@@ -252,20 +211,19 @@ class ElChe:
         others = [r for r in cohort if r != cur]
         if not others:
             return cur
-        # Exact ties between challengers go to the lowest index (the reference leaves them unspecified).
+        # Exact ties between challengers go to the lowest index (the original leaves them unspecified).
         challenger = max(others, key=lambda r: ms[r])
         return challenger if ms[challenger] > ms[cur] * (1 + DOMINANCE_MARGIN) else cur
 
-    def _propose(self, slow: float, reduce_ms: float, fill: float) -> int | None:
-        """Window pressure: the anchor rank's fixed per-window cost (reduce + fill) as a fraction of
+    def _propose(self, slow: float, reduce_ms: float) -> int | None:
+        """Window pressure: the anchor rank's fixed per-window cost (the round's overhead) as a fraction of
         its window wall. Grow-only; the guard verdict decides whether it lands."""
         s = self.settings
         if not (s.window_growth and self.growth_enabled) or self.window_cap_binding:
             return None  # at the cap a larger anchor delivers nothing and detaches from the schedule
-        fixed = max(reduce_ms, 0.0) + max(fill, 0.0)
-        if fixed <= 0:
+        if reduce_ms <= 0:
             return None
-        overhead = fixed / (self.anchor * slow + fixed)
+        overhead = reduce_ms / (self.anchor * slow + reduce_ms)
         # Before Stable only an unambiguous signal acts (it is cap-clamped by construction).
         if overhead <= s.target * (1.0 if self.phase >= Phase.STABLE else GROWTH_STEP_CAP):
             return None
@@ -282,9 +240,7 @@ class ElChe:
                 target = self.anchor
             else:
                 target = max(1, _round(self.anchor * min(slow / ms, MAX_SPEED_RATIO)))
-            slack = math.ceil(self._slack_ms[r] / ms) if ms is not None and self._slack_ms[r] > 0 else 0
-            target = max(1, target - slack)
-            moved = abs(target - cur) > DEAD_ZONE * cur or self.calibration_count == 0 or slack > 0
+            moved = abs(target - cur) > DEAD_ZONE * cur or self.calibration_count == 0
             new = target if moved else cur
             if limit is not None:
                 # max_batch_diff bounds each rank's per-update change beyond the anchor's own move, from
@@ -294,7 +250,6 @@ class ElChe:
                 new = min(max(new, base - limit), base + limit)
             self._counts[r] = max(1, new)
         self._counts_anchor = self.anchor
-        self._slack_ms = [0.0] * self.settings.world_size
 
     # --- anchor moves ------------------------------------------------------------------------------
 
@@ -319,21 +274,11 @@ class ElChe:
         new = math.ceil(self.anchor * min(max(factor, 0.1), 1.0))
         return self._set_anchor(min(max(new, 1), self.anchor), "nudge_down")
 
-    def relax_anchor_up(self) -> AnchorChange | None:
-        """anchor += 1 unless at max_anchor or the projected fastest lead would exceed max_batch_diff."""
-        a, limit = self.anchor + 1, self.settings.max_batch_diff
-        if self.anchor >= self.settings.max_anchor:
-            return None
-        ms = [m for r in range(self.settings.world_size) if (m := self.smoothed_ms(r)) is not None]
-        if limit is not None and ms and max(1, _round(a * max(ms) / min(ms))) - a > limit:
-            return None
-        return self._set_anchor(a, "relax_up")
-
     def apply_verdict(self, verdict: Verdict, factor: float = 0.5) -> list[AnchorChange]:
-        """Settle the pending proposal with the guard's verdict (§4.3, §5.2 step 5). `factor` is
+        """Settle the pending proposal with the guard's verdict, once per round. `factor` is
         NudgeDown's shrink factor. Growth latches off on any non-Stable verdict and re-arms after 5
         consecutive Stables; async overshoot (auto) steps +1 per Stable and resets on NudgeDown."""
-        s, changes = self.settings, []
+        changes = []
         if verdict is Verdict.STABLE:
             self._stable_streak += 1
             if self._stable_streak >= GROWTH_REARM_STABLE:
@@ -341,8 +286,6 @@ class ElChe:
             if self.proposed_anchor is not None:
                 changes.append(self._set_anchor(self.proposed_anchor, "grow"))
                 self.proposed_anchor = None
-            if s.is_async and s.relax_up:
-                changes.append(self.relax_anchor_up())
             self._auto_overshoot = min(self._auto_overshoot + 1, OVERSHOOT_MAX)
         else:
             # Drop the proposal first: it was computed from the pre-nudge anchor.
@@ -352,12 +295,11 @@ class ElChe:
                 self._auto_overshoot = OVERSHOOT_START
         return [c for c in changes if c is not None]
 
-    # --- checkpoint (ElCheState, §4.5) -------------------------------------------------------------
+    # --- checkpoint ------------------------------------------------------------------------------
 
     def state(self) -> dict[str, Any]:
-        """JSON-able ElCheState. The reference fields come first; `resume` carries the rest of the
-        trajectory so a resume behaves exactly like the run it continues (the reference's 1-sample
-        seeding is the fallback). The guard's trend_history is the caller's to add."""
+        """JSON-able state. The original's ElCheState fields come first; `resume` carries the rest of the
+        trajectory so a resume behaves exactly like the run it continues. The guard saves its own."""
         return {
             "anchor": self.anchor,
             "anchor_rank": self.anchor_rank,
@@ -383,12 +325,7 @@ class ElChe:
         el._counts = [el.anchor] * n
         el.phase = Phase[str(state["phase"]).upper()]
         el.calibration_count = int(state["calibration_count"])
-        extra = state.get("resume")
-        if extra is None:
-            for r, ms in enumerate(smoothed):
-                if ms > 0:
-                    el._windows[r].append(float(ms))
-            return el
+        extra = state["resume"]
         for r, w in enumerate(extra["ms_windows"]):
             el._windows[r].extend(float(x) for x in w)
         for key in _RESUME:

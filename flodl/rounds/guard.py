@@ -1,9 +1,9 @@
 """Convergence guards: read each reduce's divergence and advise ElChe (pure: no torch.distributed, no I/O).
 
-The coordinator calls `guard.report(report, k_used, k_max)` once per reduce, with
-k_used = Σ steps across ranks and k_max = max per-rank steps since the last reduce, and applies the
-returned Action to ElChe: Stable commits a proposed anchor growth, SuppressGrowth drops it and
-latches growth off, NudgeDown also shrinks the anchor by `factor` (reference §4.3, §5.2).
+The coordinator calls `guard.report(report, k_max)` once per reduce, with k_max = the most steps any
+rank took since the last reduce, and applies the returned Action to ElChe: Stable commits a proposed
+anchor growth, SuppressGrowth drops it and latches growth off, NudgeDown also shrinks the anchor by
+`factor`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any, ClassVar
 
@@ -36,55 +36,23 @@ STABLE = Action(Verdict.STABLE)
 SUPPRESS_GROWTH = Action(Verdict.SUPPRESS_GROWTH)
 
 
-@dataclass
+@dataclass(frozen=True)
 class DivergenceReport:
-    """One reduce's divergence measurements, one entry per reporting rank."""
+    """One reduce's divergence measurements: ‖θ_k,pre - θ_post‖ / ‖θ_post‖, one entry per rank."""
 
-    # ‖θ_k,pre - θ_post‖ / ‖θ_post‖ per rank.
     divergences: list[float]
-    # ‖θ_k,pre‖ per rank.
-    pre_norms: list[float]
-    # ‖θ_post‖: the same on every rank after the reduce.
-    post_norm: float
-    # The global step (or reduce count) the report belongs to, for telemetry.
-    step: int = 0
 
     def max_divergence(self) -> float:
         """D = max_k d_k, the primary signal: the worst replica's drift. NaN entries are ignored and an
         empty report reads 0, like the original's fold over f64::max."""
         return max((d for d in self.divergences if not math.isnan(d)), default=0.0)
 
-    def cosine_similarities(self) -> list[float] | None:
-        """cos(θ_k,pre, θ_post) per rank from the law of cosines; None when ‖post‖ is ~0."""
-        post = self.post_norm
-        if post < 1e-10:
-            return None
-        out = []
-        for d, pre in zip(self.divergences, self.pre_norms, strict=True):
-            if pre < 1e-10:
-                out.append(0.0)
-                continue
-            cos = (pre * pre + post * post - (d * post) ** 2) / (2.0 * pre * post)
-            out.append(min(1.0, max(-1.0, cos)))
-        return out
-
-    def magnitude_shifts(self) -> list[float]:
-        """‖θ_k,pre‖ - ‖θ_post‖ per rank (positive: the replica was larger than the consensus)."""
-        return [pre - self.post_norm for pre in self.pre_norms]
-
 
 class ConvergenceGuard(ABC):
     kind: ClassVar[str]
 
     @abstractmethod
-    def report(self, report: DivergenceReport, k_used: int, k_max: int) -> Action: ...
-
-    def reset(self) -> None:  # noqa: B027 - optional hook: stateless guards have nothing to forget
-        """Forget history, at a mode or run boundary (not at epoch boundaries)."""
-
-    def telemetry(self) -> dict[str, float]:
-        """Diagnostic values of the latest observation, for the GuardTelemetry timeline event."""
-        return {}
+    def report(self, report: DivergenceReport, k_max: int) -> Action: ...
 
     @abstractmethod
     def state(self) -> dict[str, Any]:
@@ -100,7 +68,7 @@ class NoGuard(ConvergenceGuard):
 
     kind = "none"
 
-    def report(self, report: DivergenceReport, k_used: int, k_max: int) -> Action:
+    def report(self, report: DivergenceReport, k_max: int) -> Action:
         return STABLE
 
     def state(self) -> dict[str, Any]:
@@ -131,19 +99,13 @@ class TrendGuard(ConvergenceGuard):
         # Restoring the ring on resume spares the post-resume warm-up of `rises` silent reports.
         self.history: deque[float] = deque((float(d) for d in history), maxlen=max(TREND_HISTORY, rises))
 
-    def report(self, report: DivergenceReport, k_used: int, k_max: int) -> Action:
+    def report(self, report: DivergenceReport, k_max: int) -> Action:
         self.history.append(report.max_divergence())
         if len(self.history) < self.rises:
             return STABLE
         tail = list(self.history)[-self.rises :]
         rising = all(a < b for a, b in pairwise(tail))
         return SUPPRESS_GROWTH if rising and tail[-1] > self.threshold else STABLE
-
-    def reset(self) -> None:
-        self.history.clear()
-
-    def telemetry(self) -> dict[str, float]:
-        return {"d_history_last": self.history[-1]} if self.history else {}
 
     def state(self) -> dict[str, Any]:
         return {
@@ -185,7 +147,6 @@ class MsfGuard(ConvergenceGuard):
     ema_t: int = 0
     suppress_streak: int = 0
     nudge_streak: int = 0
-    last: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.alpha) and 0.0 < self.alpha <= 1.0):
@@ -199,21 +160,17 @@ class MsfGuard(ConvergenceGuard):
 
     def _observe(self, d: float, k_max: int) -> None:
         floor = self.noise_floor
-        self.last = {"d": d}
         if self.prev_d is not None and self.prev_d > floor and d > floor and k_max > 0:
             lam = math.log(d / self.prev_d) / k_max
             self.ema_raw = self.alpha * self.ema_raw + (1.0 - self.alpha) * lam
             self.ema_t += 1
-            self.last["lambda_raw"] = lam
         # Below the floor the pairing restarts: the next λ needs two readings above it again. The EMA
-        # itself is kept, as in the original's estimator (only a full reset() clears it).
+        # itself is kept, as in the original's estimator.
         self.prev_d = d if d > floor else None
 
-    def report(self, report: DivergenceReport, k_used: int, k_max: int) -> Action:
+    def report(self, report: DivergenceReport, k_max: int) -> Action:
         self._observe(report.max_divergence(), k_max)
         lam = self.lambda_ema()
-        if lam is not None:
-            self.last["lambda_ema"] = lam
         lam_v = -math.inf if lam is None else lam
         self.suppress_streak = self.suppress_streak + 1 if lam_v > self.suppress_threshold else 0
         nudging = self.nudge_threshold is not None and lam_v > self.nudge_threshold
@@ -226,17 +183,8 @@ class MsfGuard(ConvergenceGuard):
             return SUPPRESS_GROWTH
         return STABLE
 
-    def reset(self) -> None:
-        self.prev_d, self.ema_raw, self.ema_t = None, 0.0, 0
-        self.suppress_streak = self.nudge_streak = 0
-        self.last = {}
-
-    def telemetry(self) -> dict[str, float]:
-        return {k: v for k, v in self.last.items() if k != "d"}
-
     def state(self) -> dict[str, Any]:
-        names = [f for f in self.__dataclass_fields__ if f != "last"]
-        return {"kind": self.kind, **{f: getattr(self, f) for f in names}}
+        return {"kind": self.kind, **{f: getattr(self, f) for f in self.__dataclass_fields__}}
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> MsfGuard:

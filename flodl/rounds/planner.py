@@ -66,9 +66,7 @@ class AckReport:
     rank: int
     steps: int
     divergence: float
-    pre_norm: float
-    post_norm: float
-    sync_ms: float
+    round_ms: float
     # Batches still queued on the rank (async overshoot not yet trained).
     queued: int
     # The rank's window wall time not spent training (see elche.round_overhead_ms).

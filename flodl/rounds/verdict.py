@@ -1,4 +1,4 @@
-"""The guard's verdict on a reduce, as ElChe acts on it (reference §4.3, §5.2)."""
+"""The guard's verdict on a reduce, which ElChe acts on when it settles a proposed anchor growth."""
 
 from enum import Enum
 

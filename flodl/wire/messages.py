@@ -1,8 +1,8 @@
 """Typed control and report messages, encoded as JSON (never pickle).
 
-Worker -> coordinator: Metrics (one per chunk), Reached, SyncAck, EvalResult, Saved, Heartbeat, Exiting.
+Worker -> coordinator: ChunkReport (one per chunk), Reached, RoundAck, EvalResult, Saved, Heartbeat, Exiting.
 Coordinator -> worker: StartEpoch (sync: the rank's slice of the epoch), ExtendPartition (local SGD: more
-batches and the count to report at), SyncNow, Shutdown.
+batches and the count to report at), AverageNow, Shutdown.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class ExtendPartition:
 
 
 @dataclass
-class SyncNow:
+class AverageNow:
     round: int
     # Evaluate the consensus for this epoch before adopting it (None: no eval).
     evaluate_epoch: int | None = None
@@ -49,7 +49,7 @@ class Shutdown:
 
 
 @dataclass
-class Metrics:
+class ChunkReport:
     rank: int
     epoch: int
     batches: int
@@ -90,17 +90,15 @@ class Reached:
 
 
 @dataclass
-class SyncAck:
+class RoundAck:
     rank: int
     round: int
     # Steps this rank contributed (n_k) and whether the round had any mass at all.
     steps: int
     skipped: bool
     divergence: float
-    pre_norm: float
-    post_norm: float
     # How long the round held up this rank's training thread.
-    sync_ms: float
+    round_ms: float
     # Batches still queued on the rank (async overshoot not yet trained).
     queued: int
     # Steps the rank trained while the round was in flight (cpu backend, async).
@@ -122,7 +120,7 @@ class EvalResult:
 
 @dataclass
 class Saved:
-    """This rank's checkpoint part for the epoch is on disk (sync; local SGD says so with its SyncAck)."""
+    """This rank's checkpoint part for the epoch is on disk (sync; local SGD says so with its RoundAck)."""
 
     rank: int
     epoch: int
@@ -146,12 +144,12 @@ class Exiting:
 Message = (
     StartEpoch
     | ExtendPartition
-    | SyncNow
+    | AverageNow
     | Shutdown
-    | Metrics
+    | ChunkReport
     | Progress
     | Reached
-    | SyncAck
+    | RoundAck
     | EvalResult
     | Saved
     | Heartbeat

@@ -1,7 +1,7 @@
 """The local-SGD worker (cadence / async): trains the batches it is handed, averages when told.
 
 Policy-agnostic: the coordinator's messages carry the policy. `ExtendPartition` appends batches to the
-rank's queue and says at how many steps since the last reduce to report `Reached`; `SyncNow` starts a
+rank's queue and says at how many steps since the last reduce to report `Reached`; `AverageNow` starts a
 consensus round on the averaging backend. The device backend finishes it at once; the cpu backend runs
 it on a background thread, and when `keep_training` (async) the rank trains on and adopts the consensus
 at a later step boundary, so steps taken meanwhile count toward the next round. Between steps the worker
@@ -21,7 +21,7 @@ import torch
 
 from flodl.averaging.consensus import DeviceAverager, HostAverager
 from flodl.metrics.scalars import drain_scalars
-from flodl.wire.messages import ExtendPartition, Message, Metrics, Reached, SyncAck, SyncNow
+from flodl.wire.messages import AverageNow, ChunkReport, ExtendPartition, Message, Reached, RoundAck
 from flodl.worker.base import RankLink, WorkerBase
 from flodl.worker.checkpoint_part import RankCheckpointer
 from flodl.worker.nonfinite import NonFiniteError
@@ -58,7 +58,7 @@ class LocalSgdWorker(WorkerBase):
         self.easgd_alpha = easgd_alpha
         # Train on while a (cpu-backend) round is in flight, instead of waiting for its consensus.
         self.keep_training = keep_training
-        self.round: SyncNow | None = None
+        self.round: AverageNow | None = None
         self.steps_at_snapshot = 0
         self.busy_at_snapshot = 0.0
         self.pending: deque[tuple[int, int, int]] = deque()
@@ -100,7 +100,7 @@ class LocalSgdWorker(WorkerBase):
                 self.stepper.advise(epoch, offset, size)
             self.target = message.target
             self._report_if_reached()
-        elif isinstance(message, SyncNow):
+        elif isinstance(message, AverageNow):
             self._begin_round(message)
         else:
             raise RuntimeError(f"rank {self.rank}: unexpected message under local SGD: {message!r}")
@@ -147,7 +147,7 @@ class LocalSgdWorker(WorkerBase):
         self.chunk = None
         batches = chunk.done
         self.report(
-            Metrics(
+            ChunkReport(
                 rank=self.rank,
                 epoch=chunk.epoch,
                 batches=batches,
@@ -176,7 +176,7 @@ class LocalSgdWorker(WorkerBase):
     def _has_batches(self) -> bool:
         return self.chunk is not None or bool(self.pending)
 
-    def _begin_round(self, order: SyncNow) -> None:
+    def _begin_round(self, order: AverageNow) -> None:
         steps = self.steps_since_avg
         if self.stepper.cfg.on_nonfinite == "error":
             self.raise_if_nonfinite()
@@ -195,7 +195,7 @@ class LocalSgdWorker(WorkerBase):
         if not self.keep_training or self.dropped_window:
             self._finish_round(order)
 
-    def _finish_round(self, order: SyncNow) -> None:
+    def _finish_round(self, order: AverageNow) -> None:
         outcome = self.averager.finish()
         evaluate = None
         # Evals and checkpoints ride on some rounds; they are not the round's own cost (idle_ms).
@@ -228,15 +228,13 @@ class LocalSgdWorker(WorkerBase):
         window_s = now - (self.window_started if self.window_started is not None else now)
         idle_s = max(0.0, window_s - self.window_busy_s - epoch_work_s)
         self.report(
-            SyncAck(
+            RoundAck(
                 rank=self.rank,
                 round=order.round,
                 steps=outcome.steps,
                 skipped=outcome.skipped,
                 divergence=outcome.triple.divergence,
-                pre_norm=outcome.triple.pre_norm,
-                post_norm=outcome.triple.post_norm,
-                sync_ms=outcome.blocked_ms,
+                round_ms=outcome.blocked_ms,
                 queued=self.queued_batches(),
                 steps_during_round=self.steps_since_avg - self.steps_at_snapshot,
                 payload_bytes=outcome.payload_bytes,

@@ -11,7 +11,7 @@ import time
 import torch
 
 from flodl.metrics.scalars import drain_scalars
-from flodl.wire.messages import Message, Metrics, Saved, StartEpoch
+from flodl.wire.messages import ChunkReport, Message, Saved, StartEpoch
 from flodl.worker.base import RankLink, WorkerBase
 from flodl.worker.checkpoint_part import RankCheckpointer
 from flodl.worker.stepper import Stepper
@@ -35,7 +35,7 @@ class SyncWorker(WorkerBase):
             self.checkpointer.save(message.epoch, self.state())
             self.report(Saved(self.rank, message.epoch))
 
-    def train_epoch(self, plan: StartEpoch) -> Metrics:
+    def train_epoch(self, plan: StartEpoch) -> ChunkReport:
         stepper = self.stepper
         batch_size = stepper.cfg.batch_size
         picks = stepper.picks(plan.epoch, plan.offset, plan.size)
@@ -54,7 +54,7 @@ class SyncWorker(WorkerBase):
             stepper.schedule_to(stepper.steps_total)
             self.observe(loss, plan.epoch)
         self.raise_if_nonfinite()  # before the epoch is reported, and long before it is checkpointed
-        return Metrics(
+        return ChunkReport(
             rank=self.rank,
             epoch=plan.epoch,
             batches=batches,
