@@ -3,18 +3,48 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flodl.averaging.weights import (
-    gamma_mass,
-    prescale_factors,
-    rank_contribution,
-    round_weights,
-)
+from flodl.averaging.weights import gamma_mass, is_mover, prescale_factors, rank_contribution
+
+
+@dataclass(frozen=True)
+class RoundWeights:
+    """Every rank's share of one reduce, as the whole cohort sees it: the oracle the per-rank
+    `prescale_factors` (what the run uses) must reproduce."""
+
+    # Parameter weights n_k^gamma / Σ n^gamma: sum to 1, all 0 when the round is skipped.
+    weights: list[float]
+    # Float32 buffer weights: 1 / movers for each mover, 0 for idle ranks.
+    buffer_weights: list[float]
+    movers: list[bool]
+    masses: list[float]
+    total_mass: float
+    # No rank carries mass: skip the reduce, everyone keeps its local state.
+    skip: bool
+
+
+def round_weights(
+    steps: Sequence[int], gamma: float, exact: bool = False, kept: Sequence[bool] | None = None
+) -> RoundWeights:
+    masses = [gamma_mass(n, gamma) for n in steps]
+    movers = [is_mover(n) for n in steps]
+    kept = [True] * len(steps) if kept is None else list(kept)
+    total_mass = math.fsum(masses)
+    movers_count = sum(movers)
+    if total_mass <= 0.0 and exact and any(kept):
+        mean = [1.0 / sum(kept) if k else 0.0 for k in kept]
+        return RoundWeights(mean, mean, movers, masses, total_mass, skip=False)
+    skip = total_mass <= 0.0
+    weights = [0.0 if skip else m / total_mass for m in masses]
+    buffer_weights = [0.0 if skip or not moved else 1.0 / movers_count for moved in movers]
+    return RoundWeights(weights, buffer_weights, movers, masses, total_mass, skip)
 
 
 def approx_list(values, rel=1e-12, abs=1e-15):

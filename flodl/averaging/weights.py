@@ -4,20 +4,19 @@ For one window, n_k = optimizer steps rank k took since the last reduce (the tru
 floored to 1). Parameters average as θ = Σ n_k^gamma θ_k / Σ n_k^gamma; float32 buffers average with equal
 weight among the ranks that moved (n_k > 0); other buffers stay local. Idle ranks weigh 0 yet still
 join every collective, so nobody stalls; when the total mass is 0 the round is skipped and every
-rank keeps its local state (reference §3.2, §3.4, pitfall 4) — unless the round is exact (the last of a
+rank keeps its local state rather than adopt a mean of nothing — unless the round is exact (the last of a
 run or before a checkpoint), which must leave every rank with the same state: then the ranks take their
 plain mean, leaving out any rank whose window was dropped for a non-finite loss (`kept=False`).
 
 The distributed form needs two collectives: each rank all-reduces (SUM) its tiny
 `rank_contribution(n, gamma) = [n^gamma, mover]` (with n and kept beside it), derives its own pre-scale
 factors from the totals with `prescale_factors`, multiplies its params/buffers by them, and one big SUM
-all-reduce then yields the consensus directly (what NCCL PreMulSum does in the original).
+all-reduce then yields the consensus directly (the original does the pre-scaling with NCCL's PreMulSum).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -44,38 +43,6 @@ def gamma_mass(steps: int, gamma: float) -> float:
     if not math.isfinite(mass):
         raise ValueError(f"consensus mass {steps}^{gamma} overflows float64; use a smaller |gamma|")
     return mass
-
-
-@dataclass(frozen=True)
-class RoundWeights:
-    """Every rank's share of one reduce, as the whole cohort sees it."""
-
-    # Parameter weights n_k^gamma / Σ n^gamma: sum to 1, all 0 when the round is skipped.
-    weights: list[float]
-    # Float32 buffer weights: 1 / movers for each mover, 0 for idle ranks.
-    buffer_weights: list[float]
-    movers: list[bool]
-    masses: list[float]
-    total_mass: float
-    # No rank carries mass: skip the reduce, everyone keeps its local state.
-    skip: bool
-
-
-def round_weights(
-    steps: Sequence[int], gamma: float, exact: bool = False, kept: Sequence[bool] | None = None
-) -> RoundWeights:
-    masses = [gamma_mass(n, gamma) for n in steps]
-    movers = [is_mover(n) for n in steps]
-    kept = [True] * len(steps) if kept is None else list(kept)
-    total_mass = math.fsum(masses)
-    movers_count = sum(movers)
-    if total_mass <= 0.0 and exact and any(kept):
-        mean = [1.0 / sum(kept) if k else 0.0 for k in kept]
-        return RoundWeights(mean, mean, movers, masses, total_mass, skip=False)
-    skip = total_mass <= 0.0
-    weights = [0.0 if skip else m / total_mass for m in masses]
-    buffer_weights = [0.0 if skip or not moved else 1.0 / movers_count for moved in movers]
-    return RoundWeights(weights, buffer_weights, movers, masses, total_mass, skip)
 
 
 def rank_contribution(steps: int, gamma: float) -> tuple[float, float]:
