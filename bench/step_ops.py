@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))  # plain_torch
 
 from flodl.config.schema import register_configs, to_config  # noqa: E402
-from flodl.wire.messages import StartEpoch  # noqa: E402
+from flodl.wire.messages import EpochSlice, StartEpoch  # noqa: E402
 from flodl.worker.base import RankLink  # noqa: E402
 from flodl.worker.stepper import Stepper  # noqa: E402
 from flodl.worker.sync import SyncWorker  # noqa: E402
@@ -89,7 +89,7 @@ def flodl_run(task: str, overrides: list[str], device: torch.device) -> Callable
             raise SystemExit(
                 f"step_ops: {steps} steps need more than the {stepper.total_picks} samples of an epoch"
             )
-        worker.train_epoch(StartEpoch(next(epochs) % 2, 0, steps * cfg.batch_size))
+        worker.train_epoch(StartEpoch(EpochSlice(next(epochs) % 2, 0, steps * cfg.batch_size)))
 
     return run
 

@@ -8,6 +8,7 @@ from flodl.wire import messages
 from flodl.wire.messages import (
     AverageNow,
     ChunkReport,
+    EpochSlice,
     EvalResult,
     Exiting,
     ExtendPartition,
@@ -24,9 +25,9 @@ from flodl.wire.messages import (
 )
 
 MESSAGES = [
-    StartEpoch(epoch=3, offset=64, size=32, evaluate=True),
-    StartEpoch(epoch=0, offset=0, size=8),
-    StartEpoch(epoch=5, offset=0, size=8, checkpoint=True),
+    StartEpoch(EpochSlice(epoch=3, offset=64, size=32), evaluate=True),
+    StartEpoch(EpochSlice(epoch=0, offset=0, size=8)),
+    StartEpoch(EpochSlice(epoch=5, offset=0, size=8), checkpoint=True),
     Saved(rank=1, epoch=5),
     Heartbeat(rank=0, step=123),
     Exiting(rank=1, reason="NonFiniteError: rank 1: the training loss became non-finite at step 7"),
@@ -46,7 +47,8 @@ MESSAGES = [
     ChunkReport(rank=0, epoch=0, batches=0, samples=0, loss_sum=0.0, wall_ms=0.0, data_ms=0.0),
     EvalResult(rank=0, epoch=4, sums={"correct": 30.0, "loss": 11.5}, count=40),
     Exiting(rank=2),
-    ExtendPartition(slices=[[0, 64, 96], [1, 0, 32]], target=3),
+    ExtendPartition(slices=[EpochSlice(0, 64, 96), EpochSlice(1, 0, 32)], target=3),
+    ExtendPartition(slices=[], target=0),
     AverageNow(round=7, evaluate_epoch=2, final=True),
     AverageNow(round=9, final=True, checkpoint_epoch=3),
     AverageNow(round=1),
@@ -96,6 +98,8 @@ def test_encoding_is_json_not_pickle():
         b'{"type": "Shutdown"}',
         b'{"type": "Shutdown", "body": {"bogus": 1}}',
         b'{"type": "ChunkReport", "body": {"rank": 0}}',
+        b'{"type": "StartEpoch", "body": {"part": [0, 0, 8]}}',
+        b'{"type": "ExtendPartition", "body": {"slices": [{"epoch": 0}], "target": 1}}',
         b'{"type": "Exiting", "body": [1]}',
         b'{"type": ["Exiting"], "body": {"rank": 0}}',
     ],

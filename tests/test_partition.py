@@ -9,7 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flodl.data.partition import Slice, epoch_permutation, equal_slices, picks_to_samples
+from flodl.data.partition import epoch_permutation, equal_slices, picks_to_samples
+from flodl.wire.messages import EpochSlice
 
 
 @pytest.mark.parametrize("total", [1, 2, 17, 100])
@@ -45,7 +46,7 @@ def test_equal_slices_are_disjoint_consecutive_equal_whole_batches(picks, world,
     assert len(slices) == world
     size = (picks // (world * batch)) * batch
     for rank, piece in enumerate(slices):
-        assert piece == Slice(offset=rank * size, size=size)
+        assert piece == EpochSlice(epoch=0, offset=rank * size, size=size)
         assert piece.size % batch == 0
     covered = [p for s in slices for p in range(s.offset, s.offset + s.size)]
     assert len(covered) == len(set(covered)) == (picks // (world * batch)) * world * batch
@@ -54,8 +55,9 @@ def test_equal_slices_are_disjoint_consecutive_equal_whole_batches(picks, world,
 
 
 def test_equal_slices_example():
-    assert equal_slices(100, 3, 8) == [Slice(0, 32), Slice(32, 32), Slice(64, 32)]
-    assert equal_slices(10, 4, 4) == [Slice(0, 0)] * 4
+    assert equal_slices(100, 3, 8) == [EpochSlice(0, 0, 32), EpochSlice(0, 32, 32), EpochSlice(0, 64, 32)]
+    assert equal_slices(100, 3, 8, epoch=4)[2] == EpochSlice(4, 64, 32)
+    assert equal_slices(10, 4, 4) == [EpochSlice(0, 0, 0)] * 4
 
 
 def test_picks_to_samples():
@@ -73,4 +75,4 @@ def test_augmented_epoch_reads_every_sample_augment_times(samples, augment):
 
 def test_slice_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
-        Slice(0, 1).size = 2  # type: ignore[misc]
+        EpochSlice(0, 0, 1).size = 2  # type: ignore[misc]

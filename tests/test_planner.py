@@ -15,11 +15,11 @@ from flodl.rounds.planner import (
     AckReport,
     Average,
     Dispatch,
-    EpochSlice,
     LocalSgdPlanner,
     WindowReport,
 )
 from flodl.rounds.split import proportional_split
+from flodl.wire.messages import EpochSlice
 
 Batch = tuple[int, int]  # (epoch, batch index within the epoch)
 

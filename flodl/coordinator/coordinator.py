@@ -99,7 +99,6 @@ class SyncDriver:
         self.schedule = schedule
         self.ledger = ledger
         self.outbox = outbox
-        self.slices = equal_slices(schedule.total_picks, schedule.world_size, schedule.batch_size)
         self.checkpoint_epochs = checkpoint_epochs
         self.first_epoch = first_epoch
 
@@ -130,8 +129,10 @@ class SyncDriver:
         evaluate = self.schedule.evaluates_after(epoch)
         self.ledger.expect_eval(epoch, evaluate)
         checkpoint = epoch in self.checkpoint_epochs
-        for rank, part in enumerate(self.slices):
-            self.outbox.send(rank, StartEpoch(epoch, part.offset, part.size, evaluate, checkpoint))
+        schedule = self.schedule
+        parts = equal_slices(schedule.total_picks, schedule.world_size, schedule.batch_size, epoch)
+        for rank, part in enumerate(parts):
+            self.outbox.send(rank, StartEpoch(part, evaluate, checkpoint))
 
 
 class Coordinator(threading.Thread):

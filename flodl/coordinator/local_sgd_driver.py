@@ -119,8 +119,7 @@ class LocalSgdDriver:
     def _carry(self, actions: list[Dispatch | Average]) -> None:
         for action in actions:
             if isinstance(action, Dispatch):
-                slices = [[s.epoch, s.offset, s.size] for s in action.slices]
-                self.outbox.send(action.rank, ExtendPartition(slices, action.target))
+                self.outbox.send(action.rank, ExtendPartition(list(action.slices), action.target))
             else:
                 self._decide_evals(action)
                 self._checkpoint_epoch = action.checkpoint_epoch

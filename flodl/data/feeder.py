@@ -111,17 +111,14 @@ class BatchFeeder:
         if self.cuda and self._loads > 0:
             self._resize()
 
-    def load(self, picks: Tensor, epoch: int | None = None) -> list[Tensor]:
-        """The batch of exactly `picks` on the device. `epoch` keys the transform when the picks were not
-        advised (advised picks carry their epoch)."""
+    def load(self, picks: Tensor, epoch: int) -> list[Tensor]:
+        """The batch of exactly `picks` of `epoch` on the device (the epoch keys the transform)."""
         if not self.active:  # resident data on the CPU, or the plane switched off: nothing to overlap
             return [t.to(self.device, non_blocking=True) for t in self._assemble(picks, epoch)]
         started = time.perf_counter()
         position = self.plan.find(batch_key(picks))
         ready = None
         if position is not None:
-            planned = self.plan.get(position)
-            epoch = planned.epoch if planned is not None else epoch
             ready = self.prefetcher.take(position) if self.prefetcher is not None else None
         if ready is None:
             ready = self._assemble(picks, epoch)
@@ -227,22 +224,18 @@ class BatchFeeder:
     def _assemble_planned(self, planned: PlannedBatch) -> Any:
         return self._assemble(planned.picks, planned.epoch)
 
-    def _assemble(self, picks: Tensor, epoch: int | None) -> Any:
-        if self.transform is not None and epoch is None:
-            raise ValueError(
-                "a batch with a transform needs its epoch (picks not advised and no epoch given)"
-            )
+    def _assemble(self, picks: Tensor, epoch: int) -> Any:
         samples = picks_to_samples(picks, self.cfg.augment)
         if not self.cuda:
             rows = self._fetch(samples)
-            return apply_transform(self.transform, rows, picks, self.cfg.augment, epoch or 0, self.cfg.seed)
+            return apply_transform(self.transform, rows, picks, self.cfg.augment, epoch, self.cfg.seed)
         assert self.side is not None
         with torch.cuda.stream(self.side):
             raw = self._gather_or_upload(samples)
             if self._template is None:
                 self._template = [torch.empty(t.shape[1:], dtype=t.dtype, device="meta") for t in raw]
                 self.batch_bytes = sum(t.numel() * t.element_size() for t in raw)
-            batch = apply_transform(self.transform, raw, picks, self.cfg.augment, epoch or 0, self.cfg.seed)
+            batch = apply_transform(self.transform, raw, picks, self.cfg.augment, epoch, self.cfg.seed)
             ready = torch.cuda.Event()
             ready.record(self.side)
         return batch, ready

@@ -2,21 +2,15 @@
 
 The pick space is `len(dataset) * augment`; pick p reads sample `p // augment` (view `p % augment`).
 Each epoch shuffles the pick space with `seed + epoch` — identical on every rank, so a plan only
-needs `(offset, size)` per rank: consecutive disjoint slices of that permutation.
+needs an `EpochSlice` per rank: consecutive disjoint slices of that permutation.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
-
-@dataclass(frozen=True)
-class Slice:
-    offset: int
-    size: int
+from flodl.wire.messages import EpochSlice
 
 
 def epoch_permutation(total_picks: int, seed: int, epoch: int) -> Tensor:
@@ -24,14 +18,15 @@ def epoch_permutation(total_picks: int, seed: int, epoch: int) -> Tensor:
     return torch.randperm(total_picks, generator=generator)
 
 
-def equal_slices(total_picks: int, world_size: int, batch_size: int) -> list[Slice]:
-    """Equal whole-batch slices, one per rank; the sub-batch remainder of the epoch is dropped.
+def equal_slices(total_picks: int, world_size: int, batch_size: int, epoch: int = 0) -> list[EpochSlice]:
+    """Equal whole-batch slices of `epoch`, one per rank; the sub-batch remainder of the epoch is dropped.
 
-    Every rank gets the same number of batches, as lock-step gradient averaging requires.
+    Every rank gets the same number of batches, as lock-step gradient averaging requires; every epoch is
+    cut the same way.
     """
     batches_per_rank = total_picks // (world_size * batch_size)
     size = batches_per_rank * batch_size
-    return [Slice(offset=r * size, size=size) for r in range(world_size)]
+    return [EpochSlice(epoch, offset=r * size, size=size) for r in range(world_size)]
 
 
 def picks_to_samples(picks: Tensor, augment: int) -> Tensor:

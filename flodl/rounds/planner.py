@@ -21,14 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flodl.rounds.split import proportional_split
-
-
-@dataclass(frozen=True)
-class EpochSlice:
-    epoch: int
-    # In picks, within the epoch's permutation.
-    offset: int
-    size: int
+from flodl.wire.messages import EpochSlice
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Worker -> coordinator: ChunkReport (one per chunk), Reached, RoundAck, EvalResult, Saved, Heartbeat, Exiting.
 Coordinator -> worker: StartEpoch (sync: the rank's slice of the epoch), ExtendPartition (local SGD: more
-batches and the count to report at), AverageNow, Shutdown.
+batches and the count to report at), AverageNow (start an averaging round), Shutdown.
 """
 
 from __future__ import annotations
@@ -12,24 +12,42 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
-@dataclass
-class StartEpoch:
+@dataclass(frozen=True)
+class EpochSlice:
+    """Picks `[offset, offset + size)` of one epoch's shared permutation: what a rank is told to train,
+    from the planner (or the sync partition) down to the stepper."""
+
     epoch: int
     offset: int
     size: int
+
+
+def _as_slice(value: EpochSlice | dict[str, int]) -> EpochSlice:
+    return value if isinstance(value, EpochSlice) else EpochSlice(**value)  # JSON brings a dict back
+
+
+@dataclass
+class StartEpoch:
+    part: EpochSlice
     # Evaluate the model after this epoch and report an EvalResult.
     evaluate: bool = False
     # Write this rank's checkpoint part after the epoch and report Saved.
     checkpoint: bool = False
 
+    def __post_init__(self) -> None:
+        self.part = _as_slice(self.part)
+
 
 @dataclass
 class ExtendPartition:
-    """Local SGD: append these `[epoch, offset, size]` pick slices to the rank's queue."""
+    """Local SGD: append these slices to the rank's queue."""
 
-    slices: list[list[int]]
+    slices: list[EpochSlice]
     # Report Reached once this many steps were taken since the last reduce.
     target: int
+
+    def __post_init__(self) -> None:
+        self.slices = [_as_slice(s) for s in self.slices]
 
 
 @dataclass

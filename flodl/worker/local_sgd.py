@@ -21,7 +21,15 @@ import torch
 
 from flodl.averaging.consensus import DeviceAverager, HostAverager
 from flodl.metrics.scalars import drain_scalars
-from flodl.wire.messages import AverageNow, ChunkReport, ExtendPartition, Message, Reached, RoundAck
+from flodl.wire.messages import (
+    AverageNow,
+    ChunkReport,
+    EpochSlice,
+    ExtendPartition,
+    Message,
+    Reached,
+    RoundAck,
+)
 from flodl.worker.base import RankLink, WorkerBase
 from flodl.worker.checkpoint_part import RankCheckpointer
 from flodl.worker.nonfinite import NonFiniteError
@@ -61,7 +69,7 @@ class LocalSgdWorker(WorkerBase):
         self.round: AverageNow | None = None
         self.steps_at_snapshot = 0
         self.busy_at_snapshot = 0.0
-        self.pending: deque[tuple[int, int, int]] = deque()
+        self.pending: deque[EpochSlice] = deque()
         self.chunk: _Chunk | None = None
         self.steps_since_avg = 0
         self.target: int | None = None
@@ -95,9 +103,9 @@ class LocalSgdWorker(WorkerBase):
         if isinstance(message, ExtendPartition):
             if self.window_started is None:
                 self.window_started = time.perf_counter()
-            self.pending.extend((e, o, s) for e, o, s in message.slices)
-            for epoch, offset, size in message.slices:
-                self.stepper.advise(epoch, offset, size)
+            self.pending.extend(message.slices)
+            for part in message.slices:
+                self.stepper.advise(part)
             self.target = message.target
             self._report_if_reached()
         elif isinstance(message, AverageNow):
@@ -108,7 +116,7 @@ class LocalSgdWorker(WorkerBase):
     def queued_batches(self) -> int:
         batch_size = self.stepper.cfg.batch_size
         in_chunk = self.chunk.batches - self.chunk.done if self.chunk else 0
-        return in_chunk + sum(size // batch_size for _, _, size in self.pending)
+        return in_chunk + sum(part.size // batch_size for part in self.pending)
 
     def work(self) -> None:
         if self.round is not None and (self.averager.ready() or not self._has_batches()):
@@ -117,12 +125,14 @@ class LocalSgdWorker(WorkerBase):
         stepper = self.stepper
         batch_size = stepper.cfg.batch_size
         if self.chunk is None:
-            epoch, offset, size = self.pending.popleft()
+            part = self.pending.popleft()
             zero = torch.zeros((), device=stepper.device)
-            self.chunk = _Chunk(epoch, stepper.picks(epoch, offset, size), size // batch_size, zero)
+            self.chunk = _Chunk(part.epoch, stepper.picks(part), part.size // batch_size, zero)
         chunk = self.chunk
         started = time.perf_counter()
-        batch = stepper.load(chunk.picks[chunk.done * batch_size : (chunk.done + 1) * batch_size])
+        batch = stepper.load(
+            chunk.picks[chunk.done * batch_size : (chunk.done + 1) * batch_size], chunk.epoch
+        )
         loaded = time.perf_counter()
         loss = stepper.step(batch)
         chunk.loss_sum += loss

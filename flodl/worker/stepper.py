@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from flodl.config.schema import FlodlConfig
 from flodl.data.feeder import BatchFeeder
 from flodl.data.partition import epoch_permutation
-from flodl.wire.messages import EvalResult
+from flodl.wire.messages import EpochSlice, EvalResult
 from flodl.worker.faults import FaultInjection
 from flodl.worker.nonfinite import NonFiniteWatch
 from flodl.worker.task_setup import TaskParts
@@ -51,29 +51,22 @@ class Stepper:
         ranks_on_host = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         self.feeder = BatchFeeder(cfg, parts.train_data, device, parts.transform, ranks_on_host)
 
-    def picks(self, epoch: int, offset: int, size: int) -> Tensor:
-        """Picks `[offset, offset + size)` of the epoch's shared permutation (cached per epoch)."""
+    def picks(self, part: EpochSlice) -> Tensor:
+        """The slice's picks of its epoch's shared permutation (cached per epoch)."""
+        epoch = part.epoch
         if epoch not in self._permutations:
             self._permutations = {e: p for e, p in self._permutations.items() if e >= epoch - 1}
             self._permutations[epoch] = epoch_permutation(self.total_picks, self.cfg.seed, epoch)
-        return self._permutations[epoch][offset : offset + size]
+        return self._permutations[epoch][part.offset : part.offset + part.size]
 
-    def advise(self, epoch: int, offset: int, size: int) -> None:
-        """This rank will train picks `[offset, offset + size)` of `epoch` next (after what it was advised
-        before): the plan the stager and the prefetcher follow."""
-        self.feeder.advise(epoch, self.picks(epoch, offset, size))
+    def advise(self, part: EpochSlice) -> None:
+        """This rank will train `part` next (after what it was advised before): the plan the stager and
+        the prefetcher follow."""
+        self.feeder.advise(part.epoch, self.picks(part))
 
-    def load(self, picks: Tensor) -> list[Tensor]:
-        """The batch of `picks` (a slice of `picks(...)`) on the device."""
-        return self.feeder.load(picks, self._epoch_of(picks))
-
-    def _epoch_of(self, picks: Tensor) -> int | None:
-        # Picks are views into their epoch's permutation: its storage names the epoch (the transform's keys).
-        storage = picks.untyped_storage().data_ptr()
-        for epoch, permutation in self._permutations.items():
-            if permutation.untyped_storage().data_ptr() == storage:
-                return epoch
-        return None
+    def load(self, picks: Tensor, epoch: int) -> list[Tensor]:
+        """The batch of `picks` (a piece of `picks(part)` of that epoch) on the device."""
+        return self.feeder.load(picks, epoch)
 
     def step(self, batch: list[Tensor]) -> Tensor:
         started = time.perf_counter()

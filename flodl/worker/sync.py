@@ -30,33 +30,34 @@ class SyncWorker(WorkerBase):
             raise RuntimeError(f"rank {self.rank}: unexpected message under policy=sync: {message!r}")
         self.report(self.train_epoch(message))
         if message.evaluate and self.stepper.parts.eval_data is not None:
-            self.report(self.stepper.evaluate(self.rank, self.world_size, message.epoch))
+            self.report(self.stepper.evaluate(self.rank, self.world_size, message.part.epoch))
         if message.checkpoint and self.checkpointer is not None:
-            self.checkpointer.save(message.epoch, self.state())
-            self.report(Saved(self.rank, message.epoch))
+            self.checkpointer.save(message.part.epoch, self.state())
+            self.report(Saved(self.rank, message.part.epoch))
 
     def train_epoch(self, plan: StartEpoch) -> ChunkReport:
         stepper = self.stepper
         batch_size = stepper.cfg.batch_size
-        picks = stepper.picks(plan.epoch, plan.offset, plan.size)
-        stepper.advise(plan.epoch, plan.offset, plan.size)
-        batches = plan.size // batch_size
+        part = plan.part
+        picks = stepper.picks(part)
+        stepper.advise(part)
+        batches = part.size // batch_size
         stepper.train_module.train()
         loss_sum = torch.zeros((), device=stepper.device)
         data_s = 0.0
         start = time.perf_counter()
         for b in range(batches):
             fetched = time.perf_counter()
-            batch = stepper.load(picks[b * batch_size : (b + 1) * batch_size])
+            batch = stepper.load(picks[b * batch_size : (b + 1) * batch_size], part.epoch)
             data_s += time.perf_counter() - fetched
             loss = stepper.step(batch)
             loss_sum += loss
             stepper.schedule_to(stepper.steps_total)
-            self.observe(loss, plan.epoch)
+            self.observe(loss, part.epoch)
         self.raise_if_nonfinite()  # before the epoch is reported, and long before it is checkpointed
         return ChunkReport(
             rank=self.rank,
-            epoch=plan.epoch,
+            epoch=part.epoch,
             batches=batches,
             samples=batches * batch_size,
             loss_sum=float(loss_sum),  # the epoch's one read-back from the device
