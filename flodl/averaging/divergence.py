@@ -1,8 +1,8 @@
 """The per-rank divergence triple of one reduce (torch, no collectives).
 
 `divergence = ‖θ_pre - θ_post‖ / ‖θ_post‖` (global L2 over every parameter), with the pre and post
-norms alongside (reference §3.3 step 4, §5.1). It is defined once here so every backend reports
-numbers the guard can compare.
+norms alongside: how far this rank's replica had drifted from the consensus it adopts. It is defined
+once here so every backend reports numbers the guard can compare.
 
 The squared norms add up over any split of the parameters, so a backend can take the norms piece by
 piece (`DivergenceSums`, on the device, no host read) while the pieces are still being reduced, and read

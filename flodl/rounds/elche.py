@@ -34,7 +34,7 @@ class Phase(IntEnum):
     PROBE = 0  # no calibration yet: equal counts
     WARMUP = 1  # anchor pick held; growth only on an unambiguous signal
     STABLE = 2  # election and growth at the real target
-    MATURE = 3  # same ElChe behaviour; the LR meta-controller reads it
+    MATURE = 3  # same ElChe behaviour; kept so a saved phase reads as the original's
 
 
 @dataclass(frozen=True)
