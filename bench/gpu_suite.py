@@ -115,7 +115,7 @@ class Settings:
 class Measured:
     samples_per_s: float
     batch_share: float | None = None  # rank 0's share of the batches (flodl 2-GPU arms)
-    syncs_per_epoch: float | None = None
+    rounds_per_epoch: float | None = None
     # Every run's throughput, when the arm ran more than once (the plain 1-GPU arm: first and last, and
     # once per pass with --repeat).
     runs: tuple[float, ...] = ()
@@ -187,7 +187,7 @@ def run_flodl_arm(
     if arm.nproc > 1:
         mine = sum(r["per_rank"][0]["batches"] for r in steady)
         measured.batch_share = mine / max(1, sum(p["batches"] for r in steady for p in r["per_rank"]))
-        measured.syncs_per_epoch = sum(r["syncs"] for r in steady) / len(steady)
+        measured.rounds_per_epoch = sum(r["rounds"] for r in steady) / len(steady)
     return measured
 
 
@@ -329,10 +329,10 @@ def report(results: dict[str, Measured], settings: Settings, steps: int, command
         m = results[arm.key]
         eff = f"{m.samples_per_s / (arm.nproc * base.samples_per_s):.3f}" if base and arm.nproc > 1 else "—"
         share = "—" if m.batch_share is None else f"{m.batch_share:.3f}"
-        syncs = "—" if m.syncs_per_epoch is None else f"{m.syncs_per_epoch:.1f}"
+        rounds = "—" if m.rounds_per_epoch is None else f"{m.rounds_per_epoch:.1f}"
         tok = f" {m.samples_per_s * context:,.0f} |" if tokens else ""
         every = ", ".join(f"{r:,.0f}" for r in m.runs) or "—"
-        lines.append(f"| {arm.label} | {m.samples_per_s:,.1f} |{tok} {eff} | {share} | {syncs} | {every} |")
+        lines.append(f"| {arm.label} | {m.samples_per_s:,.1f} |{tok} {eff} | {share} | {rounds} | {every} |")
     missing = [a.key for a in ARMS if a.key not in results]
     lines += [
         "",

@@ -35,7 +35,7 @@ def load_job(job_dir: Path) -> dict[str, Any]:
         "policy": config.get("policy", "?"),
         "overrides": overrides,
         "records": records,
-        "syncs": sum(r["syncs"] for r in records),
+        "rounds": sum(r["rounds"] for r in records),
     }
 
 
@@ -58,7 +58,7 @@ def report(sweep_dir: Path) -> str:
     lines = [
         f"# {sweep_dir}",
         "",
-        f"| job | policy | overrides | final loss | {metric} | wall s | samples/s | syncs | bytes on wire |",
+        f"| job | policy | overrides | final loss | {metric} | wall s | samples/s | rounds | bytes on wire |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for job in jobs:
@@ -70,7 +70,7 @@ def report(sweep_dir: Path) -> str:
         lines.append(
             f"| {job['dir'].relative_to(sweep_dir)} | {job['policy']} | `{' '.join(job['overrides'])}` | "
             f"{last['loss']:.4f} | {evaluated[-1] if evaluated else float('nan'):.4f} | {wall:.2f} | "
-            f"{samples / wall if wall else 0:.0f} | {job['syncs']} | {last['comm_bytes_total']:,} |"
+            f"{samples / wall if wall else 0:.0f} | {job['rounds']} | {last['comm_bytes_total']:,} |"
         )
     text = "\n".join(lines) + "\n"
     (sweep_dir / REPORT_MD).write_text(text)

@@ -108,7 +108,7 @@ def test_epoch_scalars_are_means_over_every_ranks_records():
 
 
 def test_epoch_reports_its_averaging_rounds():
-    assert aggregate_epoch(0, [chunk(0, 2, 1.0, 10.0, 2)], [], wall_s=1.0, syncs=4).syncs == 4
+    assert aggregate_epoch(0, [chunk(0, 2, 1.0, 10.0, 2)], [], wall_s=1.0, rounds=4).rounds == 4
 
 
 def test_every_rank_has_a_share_even_without_batches_this_epoch():

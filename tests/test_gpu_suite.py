@@ -13,13 +13,13 @@ from gpu_suite import Measured, combine  # noqa: E402
 
 
 def runs(*throughputs: float) -> list[Measured]:
-    return [Measured(t, syncs_per_epoch=i) for i, t in enumerate(throughputs)]
+    return [Measured(t, rounds_per_epoch=i) for i, t in enumerate(throughputs)]
 
 
 def test_repeated_arms_count_their_median_run_and_keep_every_run():
     chosen = combine(runs(90.0, 120.0, 100.0), baseline=False)
     assert chosen.samples_per_s == 100.0
-    assert chosen.syncs_per_epoch == 2  # the median run itself, with its own details
+    assert chosen.rounds_per_epoch == 2  # the median run itself, with its own details
     assert chosen.runs == (90.0, 120.0, 100.0)
 
 

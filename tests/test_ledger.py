@@ -23,7 +23,7 @@ def test_async_rounds_after_the_last_batch_belong_to_the_last_epoch() -> None:
     assert ledger.emit_ready() == []
     ledger.release()
     (last,) = ledger.emit_ready()
-    assert (last.epoch, last.comm_bytes, last.syncs) == (1, 200, 1)
+    assert (last.epoch, last.comm_bytes, last.rounds) == (1, 200, 1)
     assert ledger.all_emitted
 
 
@@ -37,7 +37,7 @@ def test_an_epoch_waits_for_its_eval_from_every_rank() -> None:
     ledger.add_eval(EvalResult(1, 0, {"accuracy": 1.0}, 4))
     (metrics,) = ledger.emit_ready()
     assert metrics.eval == {"accuracy": 0.5}
-    assert metrics.syncs == 1  # no rounds: under DDP each step averages, one per batch per rank
+    assert metrics.rounds == 1  # no rounds: under DDP each step averages, one per batch per rank
 
 
 def test_an_epoch_that_completes_before_the_one_ahead_of_it_never_gets_a_negative_time() -> None:
@@ -62,4 +62,4 @@ def test_a_local_sgd_epoch_without_a_round_reports_no_averaging() -> None:
         ledger.add_chunk(chunk(1, epoch, 1))
         ledger.expect_eval(epoch, False)
     (first,) = ledger.emit_ready()  # epoch 1 is held for the run's last round
-    assert (first.syncs, first.comm_bytes) == (0, 0)  # not DDP's one average per step
+    assert (first.rounds, first.comm_bytes) == (0, 0)  # not DDP's one average per step

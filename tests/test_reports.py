@@ -62,8 +62,8 @@ def test_compare_report_lists_every_job_and_plots_a_line_each(sweep: Path) -> No
     assert [row.split(" | ")[1] for row in rows] == list(POLICIES)
     assert "eval/accuracy" in table.splitlines()[2]
     # Averaging rounds: DDP's steps for sync, coordinator rounds for the local-SGD policies.
-    syncs = {row.split(" | ")[1]: int(row.split(" | ")[7]) for row in rows}
-    assert syncs["sync"] == 3 * 22 and 0 < syncs["cadence"] < syncs["sync"]
+    rounds = {row.split(" | ")[1]: int(row.split(" | ")[7]) for row in rows}
+    assert rounds["sync"] == 3 * 22 and 0 < rounds["cadence"] < rounds["sync"]
     jobs = [load_job(job_of(sweep, p)) for p in POLICIES]
     figure = plot_compare(jobs, "eval/accuracy", sweep / "again.png")
     assert [len(ax.get_lines()) for ax in figure.axes] == [3, 3, 3]

@@ -55,7 +55,7 @@ class EpochMetrics:
     # Rank 0's learning rate at the end of its last chunk of the epoch.
     lr: float = 0.0
     # Averaging rounds this epoch (under sync: optimizer steps, each averages the gradients).
-    syncs: int = 0
+    rounds: int = 0
     # Bytes all ranks put on the wire this epoch, and since the start of the run.
     comm_bytes: int = 0
     comm_bytes_total: int = 0
@@ -76,20 +76,21 @@ def aggregate_epoch(
     chunks: list[ChunkReport],
     evals: list[EvalResult],
     wall_s: float,
-    rounds: dict[int, RoundCost] | None = None,
+    round_costs: dict[int, RoundCost] | None = None,
     comm_before: int = 0,
-    syncs: int = 0,
+    rounds: int = 0,
     world_size: int = 0,
 ) -> EpochMetrics:
-    """One epoch from its chunks and evals. `rounds`: per rank, the cost of the averaging rounds
-    attributed to this epoch; `comm_before`: the run's bytes on the wire before this epoch."""
+    """One epoch from its chunks and evals. `round_costs`: per rank, the cost of the averaging rounds
+    attributed to this epoch; `comm_before`: the run's bytes on the wire before this epoch; `rounds`: how
+    many averaging rounds the epoch counts."""
     if not chunks:
         raise ValueError(f"epoch {epoch}: no metrics reported")
-    rounds = rounds or {}
+    round_costs = round_costs or {}
     batches = sum(c.batches for c in chunks)
     samples = sum(c.samples for c in chunks)
     # Every rank has an entry, also one that trained nothing this epoch (async may skip past an epoch).
-    per_rank: dict[int, list[ChunkReport]] = {r: [] for r in [*range(world_size), *rounds]}
+    per_rank: dict[int, list[ChunkReport]] = {r: [] for r in [*range(world_size), *round_costs]}
     for chunk in chunks:
         per_rank.setdefault(chunk.rank, []).append(chunk)
     shares = []
@@ -97,7 +98,7 @@ def aggregate_epoch(
         busy_s = sum(c.wall_ms for c in mine) / 1000
         rank_batches = sum(c.batches for c in mine)
         rank_samples = sum(c.samples for c in mine)
-        cost = rounds.get(rank, RoundCost())
+        cost = round_costs.get(rank, RoundCost())
         shares.append(
             RankShare(
                 rank=rank,
@@ -120,7 +121,7 @@ def aggregate_epoch(
         epoch_s=wall_s,
         samples_per_s=samples / wall_s if wall_s > 0 else 0.0,
         lr=max(chunks, key=lambda c: (c.rank == 0, c.steps_total)).lr,
-        syncs=syncs,
+        rounds=rounds,
         comm_bytes=comm,
         comm_bytes_total=comm_before + comm,
         eval=aggregate_eval(evals),

@@ -78,7 +78,7 @@ class WandbSink:
             "epoch/samples_per_s": metrics.samples_per_s,
             "epoch/epoch_s": metrics.epoch_s,
             "epoch/lr": metrics.lr,
-            "epoch/syncs": metrics.syncs,
+            "epoch/rounds": metrics.rounds,
             "comm/bytes_total": metrics.comm_bytes_total,
             "comm/bytes": metrics.comm_bytes,
             "comm/loss": metrics.loss,
