@@ -50,6 +50,9 @@ class WindowLog:
     average: Average | None = None
     # Epochs completed when the Average was returned.
     completed_at_average: frozenset[int] = frozenset()
+    # Batches handed out once every rank was served, and what each rank still held untrained at the Average.
+    cursor_after: int = 0
+    queued_at_average: list[int] = field(default_factory=list)
 
 
 def expand(piece: EpochSlice, batch_size: int) -> list[Batch]:
@@ -180,6 +183,8 @@ class Simulator:
             average = self.report_if_reached(rank)
         log.average = average
         log.completed_at_average = frozenset(self.completed)
+        log.cursor_after = sum(self.dispatched.values())
+        log.queued_at_average = [len(r.queue) for r in self.ranks]
 
         for rank in self.ranks:  # the Average is on its way: an async rank keeps training
             while extra[rank.rank] > 0 and rank.queue:
@@ -246,7 +251,9 @@ def check_async_window(log: WindowLog, total: int, bpe: int, batch_size: int) ->
         # One slice per epoch touched (a slice never straddles an epoch boundary).
         assert [s.epoch for s in dispatch.slices] == sorted({e for e, _ in batches})
         cursor += n
-        queued = log.queued_at_ack[rank] + n
+    # Targets are set once every rank is served: when any rank's take ran the data out, all train out.
+    for rank, dispatch in enumerate(log.dispatches):
+        queued = log.queued_at_ack[rank] + given_batches(dispatch, batch_size)
         expected = queued if cursor == total else min(log.counts[rank], queued)
         assert dispatch.target == expected, (rank, log)
 
@@ -443,25 +450,17 @@ def test_async_window_by_hand():
 
     second = planner.open_window([2, 3], 1)
     assert second == [
-        Dispatch(0, (EpochSlice(1, 4, 4),), 2),  # 2 + 1 - 1 batches; target min(2, 3)
+        Dispatch(0, (EpochSlice(1, 4, 4),), 3),  # 2 + 1 - 1 batches; rank 1 runs the data out: all queued
         Dispatch(1, (EpochSlice(1, 8, 2),), 2),  # 1 batch left: the data ran out, target = all queued
     ]
     planner.on_epoch_complete(0)  # rank 0 trained (0, 2)
-    assert planner.on_reached(WindowReport(0, 2, 1.0)) == []
-    # Rank 0 still holds (1, 3) past its target: not the last reduce yet.
-    assert planner.on_reached(WindowReport(1, 2, 1.0)) == [Average(2, 0, False)]
-    assert not planner.on_ack(AckReport(1, 2, 0.0, 0.0, queued=0))
-    assert planner.on_ack(AckReport(0, 2, 0.0, 0.0, queued=1))
-    assert not planner.finished
-
-    third = planner.open_window([2, 3], 1)
-    assert third == [Dispatch(0, (), 1), Dispatch(1, (), 0)]  # drain
-    assert planner.on_reached(WindowReport(1, 0, 0.0)) == []
+    assert planner.on_reached(WindowReport(1, 2, 1.0)) == []
     planner.on_epoch_complete(1)
-    assert planner.on_reached(WindowReport(0, 1, 1.0)) == [Average(3, 1, True)]
-    assert not planner.on_ack(AckReport(0, 1, 0.0, 0.0, queued=0))
+    # Every rank trained all it held: this is the last reduce.
+    assert planner.on_reached(WindowReport(0, 3, 1.0)) == [Average(2, 1, True)]
+    assert not planner.on_ack(AckReport(1, 2, 0.0, 0.0, queued=0))
     assert not planner.finished
-    assert planner.on_ack(AckReport(1, 0, 0.0, 0.0, queued=0))
+    assert planner.on_ack(AckReport(0, 3, 0.0, 0.0, queued=0))
     assert planner.finished
 
 
@@ -480,8 +479,8 @@ def test_async_allocation_subtracts_queued_and_never_goes_negative():
     ]
 
 
-def test_async_exhaustion_mid_window_drains_in_the_next_window():
-    """Rank 0 takes what is left of epoch 0, rank 1 runs the data out: only rank 1 drains at once."""
+def test_async_exhaustion_by_a_later_rank_drains_every_rank_in_the_same_window():
+    """Rank 0 takes what is left of epoch 0, rank 1 runs the data out: both train out before the round."""
     sim = Simulator(
         world_size=2,
         batches_per_epoch=3,
@@ -492,17 +491,15 @@ def test_async_exhaustion_mid_window_drains_in_the_next_window():
         overshoot=2,
         eval_epochs={0, 1},
     )
-    sim.run(3)
+    sim.run(1)
     check_run(sim)
-    first, second = sim.windows
-    assert first.dispatches == [
-        Dispatch(0, (EpochSlice(0, 0, 3),), 1),
-        Dispatch(1, (EpochSlice(1, 0, 3),), 3),  # the data ran out: everything queued
+    (only,) = sim.windows
+    assert only.dispatches == [
+        Dispatch(0, (EpochSlice(0, 0, 3),), 3),  # rank 1's take ran the data out: rank 0 trains all too
+        Dispatch(1, (EpochSlice(1, 0, 3),), 3),
     ]
-    # Epoch 1 completed first (rank 1 trained all of it); epoch 0 waits on rank 0's queue.
-    assert first.average == Average(1, 1, False)
-    assert second.dispatches == [Dispatch(0, (), 2), Dispatch(1, (), 0)]
-    assert second.average == Average(2, 0, True)
+    # The first round is the exact last one: nobody's steps are blended into a round before it.
+    assert only.average == Average(1, 1, True)
 
 
 @settings(max_examples=200, deadline=None)
@@ -517,6 +514,39 @@ def test_async_drains_once_the_data_runs_out(sim):
     assert len(exhausted) <= 1
     assert sim.windows[-1].average.final
     assert not any(w.average.final for w in sim.windows[:-1])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    speeds=st.tuples(st.integers(1, 12), st.integers(1, 12)),
+    batches_per_epoch=st.integers(1, 40),
+    epochs=st.integers(1, 3),
+    overshoot=st.integers(0, 6),
+    max_extra=st.integers(0, 6),
+    rng=st.randoms(use_true_random=False),
+)
+def test_async_last_round_weighs_every_rank_s_steps_since_the_round_before(
+    speeds, batches_per_epoch, epochs, overshoot, max_extra, rng
+):
+    """Two ranks at many speed pairs (ElChe's counts follow the speeds): the window whose dispatch runs the
+    data out ends in the exact last round, taken once every rank has trained all it held, so its gamma
+    weights count every step since the round before and no step is left to a blended round."""
+    sim = Simulator(
+        world_size=2,
+        batches_per_epoch=batches_per_epoch,
+        batch_size=1,
+        epochs=epochs,
+        is_async=True,
+        counts=[list(speeds)],
+        overshoot=overshoot,
+        max_extra=max_extra,
+        rng=rng,
+    )
+    sim.run(window_bound(sim))
+    check_run(sim)
+    ran_out = next(i for i, w in enumerate(sim.windows) if w.cursor_after == sim.total)
+    assert ran_out == len(sim.windows) - 1, "a round after the data ran out was not the last"
+    assert sim.windows[-1].queued_at_average == [0, 0], "a rank still held batches at the last round"
 
 
 @settings(max_examples=100, deadline=None)

@@ -134,14 +134,21 @@ class LocalSgdPlanner:
             left = self.cursor.left_in_epoch()
             if sum(allocation) >= left:  # the epoch's last window: split the remainder
                 allocation = proportional_split(left, counts)
-        actions: list[Action] = []
+        taken = []
         for rank, want in enumerate(allocation):
             slices = self.cursor.take(max(want, 0), self.batch_size, cross_epochs=self.is_async)
             given = sum(s.size for s in slices) // self.batch_size
             self.queued[rank] += given
-            # Async: the count, or everything still to train once the data runs out.
-            target = min(counts[rank], self.queued[rank]) if self.is_async else given
-            self.targets[rank] = self.queued[rank] if self.cursor.exhausted() else target
+            taken.append((slices, given))
+        # Targets once every rank is served: a later rank's take may run the data out, and then every rank,
+        # earlier ones too, must train all it holds before this round, so that it is the exact last one.
+        exhausted = self.cursor.exhausted()
+        actions: list[Action] = []
+        for rank, (slices, given) in enumerate(taken):
+            if exhausted:
+                self.targets[rank] = self.queued[rank]
+            else:  # async: the count; cadence: what it was given
+                self.targets[rank] = min(counts[rank], self.queued[rank]) if self.is_async else given
             actions.append(Dispatch(rank, slices, self.targets[rank]))
         # Every rank reports Reached, even with a target of 0 (an epoch tail can leave a rank idle).
         self.reached = {}
