@@ -43,9 +43,14 @@ log = logging.getLogger("flodl")
 
 def _ddp(cfg: FlodlConfig, parts: TaskParts, device: torch.device) -> DistributedDataParallel:
     device_ids = [device.index] if device.type == "cuda" else None
-    ddp = DistributedDataParallel(parts.model, device_ids=device_ids, gradient_as_bucket_view=True)
+    # The cpu backend averages the gradients on the host: DDP over a gloo group, also for CUDA tensors
+    # (collective: every rank builds its worker in step).
+    group = dist.new_group(backend="gloo") if cfg.backend == "cpu" and device.type == "cuda" else None
+    ddp = DistributedDataParallel(
+        parts.model, device_ids=device_ids, gradient_as_bucket_view=True, process_group=group
+    )
     if cfg.bf16_wire:  # gradients cross the wire as bf16
-        ddp.register_comm_hook(dist.group.WORLD, bf16_gradient_hook)
+        ddp.register_comm_hook(group or dist.group.WORLD, bf16_gradient_hook)
     return ddp
 
 
@@ -145,19 +150,16 @@ def _local_sgd_driver(
     resumed: dict[str, Any] | None,
 ) -> LocalSgdDriver:
     is_async = cfg.policy == "async"
-    if cfg.policy == "sync":  # the cpu backend's sync: every rank averages after each step, in lockstep
-        settings = ElCheSettings(schedule.world_size, anchor=1, max_batch_diff=0, window_growth=False)
-    else:
-        settings = ElCheSettings(
-            world_size=schedule.world_size,
-            anchor=cfg.anchor,
-            min_anchor=cfg.min_anchor,
-            max_anchor=cfg.max_anchor,
-            overhead_target=cfg.overhead_target,
-            max_batch_diff=cfg.max_batch_diff,
-            max_overshoot=cfg.max_overshoot,
-            is_async=is_async,
-        )
+    settings = ElCheSettings(
+        world_size=schedule.world_size,
+        anchor=cfg.anchor,
+        min_anchor=cfg.min_anchor,
+        max_anchor=cfg.max_anchor,
+        overhead_target=cfg.overhead_target,
+        max_batch_diff=cfg.max_batch_diff,
+        max_overshoot=cfg.max_overshoot,
+        is_async=is_async,
+    )
     planner = LocalSgdPlanner(
         world_size=schedule.world_size,
         batches_per_epoch=batches_per_epoch,

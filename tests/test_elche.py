@@ -245,13 +245,6 @@ def test_growth_suppressed_while_the_window_cap_binds():
     assert el.proposed_anchor is None
 
 
-def test_growth_disabled_under_sync():
-    el = make(anchor=10, window_growth=False)
-    to_stable(el, [10.0, 10.0])
-    feed(el, [10.0, 10.0], reduce_ms=100.0)
-    assert el.proposed_anchor is None
-
-
 def test_growth_latch_rearms_after_five_stables():
     el = make(anchor=10)
     to_stable(el, [10.0, 10.0])

@@ -11,15 +11,12 @@ def easgd_alpha_of(cfg: FlodlConfig) -> float | None:
 
 
 def averages_parameters(cfg: FlodlConfig) -> bool:
-    """Local SGD machinery: cadence and async, and sync on the cpu backend (a window of one step each).
-
-    Sync on the device backend is DDP instead.
-    """
-    return cfg.policy != "sync" or cfg.backend == "cpu"
+    """Local SGD machinery: cadence and async. Sync is DDP on every backend (the mean gradient each step)."""
+    return cfg.policy != "sync"
 
 
 def guarded(cfg: FlodlConfig) -> bool:
-    """Whether a divergence guard reads the rounds (sync on the cpu backend has no windows to guard)."""
+    """Whether a divergence guard reads the rounds (sync has none to guard)."""
     return not cfg.no_divergence_guard and cfg.policy != "sync"
 
 

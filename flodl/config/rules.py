@@ -171,11 +171,11 @@ def _cross_field_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
         rank = _get(cfg, key)
         if rank is not None and not 0 <= rank < host.world_size:  # type: ignore[operator]
             yield _problem(key, rank, f"must be a rank of this job, 0..{host.world_size - 1}")
-    if cfg.on_nonfinite == "skip" and cfg.policy == "sync" and cfg.backend != "cpu":
+    if cfg.on_nonfinite == "skip" and cfg.policy == "sync":
         yield _problem(
             "on_nonfinite",
             "skip",
-            "policy=sync on the nccl backend mixes every step's gradients (DDP), so a bad window cannot "
+            "policy=sync mixes every step's gradients (DDP), so a bad window cannot "
             "be dropped; use on_nonfinite=error, or policy=cadence/async",
         )
     if host.under_torchrun and cfg.launch.max_restarts:

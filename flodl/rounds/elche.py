@@ -54,7 +54,6 @@ class ElCheSettings:
     max_batch_diff: int | None = None  # None: unlimited; 0: lockstep
     max_overshoot: int | None = None  # async only; None: auto 3 -> 15
     is_async: bool = False
-    window_growth: bool = True  # False under Sync: it reduces every step, there is no window to amortize
 
     def __post_init__(self) -> None:
         lows = {"world_size": 1, "anchor": 1, "max_anchor": 1, "min_anchor": 1}
@@ -219,7 +218,7 @@ class ElChe:
         """Window pressure: the anchor rank's fixed per-window cost (the round's overhead) as a fraction of
         its window wall. Grow-only; the guard verdict decides whether it lands."""
         s = self.settings
-        if not (s.window_growth and self.growth_enabled) or self.window_cap_binding:
+        if not self.growth_enabled or self.window_cap_binding:
             return None  # at the cap a larger anchor delivers nothing and detaches from the schedule
         if reduce_ms <= 0:
             return None
