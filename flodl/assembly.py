@@ -121,7 +121,8 @@ def make_coordinator(
         driver = SyncDriver(schedule, ledger, outbox, checkpoint_epochs(cfg), first)
     else:
         batches_per_epoch = total_picks // cfg.batch_size
-        ledger = EpochLedger(cfg.epochs, world_size, batches_per_epoch, True, first, comm_total)
+        overlapping = cfg.policy == "async"  # no epoch barrier
+        ledger = EpochLedger(cfg.epochs, world_size, batches_per_epoch, True, first, comm_total, overlapping)
         driver = _local_sgd_driver(
             cfg, schedule, ledger, outbox, batches_per_epoch, timeline, committer, resumed
         )

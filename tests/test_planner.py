@@ -259,7 +259,8 @@ def check_async_window(log: WindowLog, total: int, bpe: int, batch_size: int) ->
 
 
 def check_evals(sim: Simulator) -> None:
-    """At each Average: the latest completed wanted epoch not yet evaluated (final: any wanted one)."""
+    """At each Average: every completed wanted epoch not yet evaluated (final: every wanted one left), so each
+    wanted epoch gets exactly one eval."""
     evaluated: set[int] = set()
     for log in sim.windows:
         assert log.average is not None
@@ -267,7 +268,7 @@ def check_evals(sim: Simulator) -> None:
             due = sorted(sim.eval_epochs - evaluated)
         else:
             due = sorted((log.completed_at_average - evaluated) & sim.eval_epochs)
-        assert log.average.evaluate_epoch == (due[-1] if due else None), (log, evaluated)
+        assert log.average.evaluate_epochs == tuple(due), (log, evaluated)
         evaluated |= set(due)
     assert evaluated == sim.eval_epochs
 
@@ -340,7 +341,7 @@ def test_one_rank_one_batch_one_epoch(is_async):
     sim.run(2)
     check_run(sim)
     assert sim.windows[0].dispatches == [Dispatch(0, (EpochSlice(0, 0, 3),), 1)]
-    assert sim.windows[0].average == Average(1, None, True)
+    assert sim.windows[0].average == Average(1, (), True)
 
 
 # --- 2. cadence windows --------------------------------------------------------------------------
@@ -397,7 +398,7 @@ def test_cadence_tail_smaller_than_world_leaves_ranks_idle():
         Dispatch(2, (), 0),
         Dispatch(3, (), 0),
     ]
-    assert tail.average == Average(2, None, True)
+    assert tail.average == Average(2, (), True)
 
 
 def test_cadence_idle_ranks_report_with_zero_steps():
@@ -408,7 +409,7 @@ def test_cadence_idle_ranks_report_with_zero_steps():
     assert planner.on_reached(WindowReport(3, 0, 0.0)) == []
     assert planner.on_reached(WindowReport(0, 1, 1.0)) == []
     planner.on_epoch_complete(0)
-    assert planner.on_reached(WindowReport(1, 1, 1.0)) == [Average(1, 0, True)]
+    assert planner.on_reached(WindowReport(1, 1, 1.0)) == [Average(1, (0,), True)]
 
 
 @settings(max_examples=200, deadline=None)
@@ -443,7 +444,7 @@ def test_async_window_by_hand():
         Dispatch(1, (EpochSlice(0, 6, 4), EpochSlice(1, 0, 4)), 3),  # runs into epoch 1
     ]
     assert planner.on_reached(WindowReport(1, 3, 1.0)) == []
-    assert planner.on_reached(WindowReport(0, 2, 1.0)) == [Average(1, None, False)]
+    assert planner.on_reached(WindowReport(0, 2, 1.0)) == [Average(1, (), False)]
     assert not planner.on_ack(AckReport(0, 2, 0.0, 0.0, queued=1))
     assert planner.on_ack(AckReport(1, 3, 0.0, 0.0, queued=1))
     assert not planner.finished
@@ -457,7 +458,7 @@ def test_async_window_by_hand():
     assert planner.on_reached(WindowReport(1, 2, 1.0)) == []
     planner.on_epoch_complete(1)
     # Every rank trained all it held: this is the last reduce.
-    assert planner.on_reached(WindowReport(0, 3, 1.0)) == [Average(2, 1, True)]
+    assert planner.on_reached(WindowReport(0, 3, 1.0)) == [Average(2, (0, 1), True)]
     assert not planner.on_ack(AckReport(1, 2, 0.0, 0.0, queued=0))
     assert not planner.finished
     assert planner.on_ack(AckReport(0, 3, 0.0, 0.0, queued=0))
@@ -499,7 +500,7 @@ def test_async_exhaustion_by_a_later_rank_drains_every_rank_in_the_same_window()
         Dispatch(1, (EpochSlice(1, 0, 3),), 3),
     ]
     # The first round is the exact last one: nobody's steps are blended into a round before it.
-    assert only.average == Average(1, 1, True)
+    assert only.average == Average(1, (0, 1), True)
 
 
 @settings(max_examples=200, deadline=None)
@@ -581,7 +582,7 @@ def test_average_waits_for_every_rank_and_fires_once():
         assert planner.on_reached(WindowReport(2, 2, 1.0)) == []
         assert planner.on_reached(WindowReport(2, 2, 1.0)) == []  # the same rank twice is still one
         assert planner.on_reached(WindowReport(0, 2, 1.0)) == []  # last but one
-        assert planner.on_reached(WindowReport(1, 2, 1.0)) == [Average(expected_round, None, False)]
+        assert planner.on_reached(WindowReport(1, 2, 1.0)) == [Average(expected_round, (), False)]
         assert planner.on_reached(WindowReport(1, 2, 1.0)) == []  # a late duplicate: no second Average
         for r in range(3):
             planner.on_ack(AckReport(r, 2, 0.0, 0.0, queued=0))
@@ -637,7 +638,9 @@ def test_cadence_evaluates_each_epoch_at_its_last_window(counts):
     )
     sim.run(sim.total)
     check_run(sim)
-    assert [w.average.evaluate_epoch for w in sim.windows] == epoch_ends(sim)
+    assert [w.average.evaluate_epochs for w in sim.windows] == [
+        () if e is None else (e,) for e in epoch_ends(sim)
+    ]
     assert [e for e in epoch_ends(sim) if e is not None] == [0, 1, 2, 3]
 
 
@@ -654,16 +657,16 @@ def test_cadence_evaluates_only_the_wanted_epochs(epochs, wanted):
     )
     sim.run(sim.total)
     check_run(sim)
-    expected = [e if e in wanted else None for e in epoch_ends(sim)]
-    assert [w.average.evaluate_epoch for w in sim.windows] == expected
+    expected = [(e,) if e in wanted else () for e in epoch_ends(sim)]
+    assert [w.average.evaluate_epochs for w in sim.windows] == expected
 
 
-def test_async_two_wanted_epochs_between_reduces_evaluate_the_later():
+def test_async_two_wanted_epochs_between_reduces_both_get_the_round_s_eval():
     planner = LocalSgdPlanner(1, 2, 1, 6, True, frozenset({0, 1, 5}))
     assert planner.open_window([1], 4) == [
         Dispatch(0, (EpochSlice(0, 0, 2), EpochSlice(1, 0, 2), EpochSlice(2, 0, 1)), 1)
     ]
-    assert planner.on_reached(WindowReport(0, 1, 1.0)) == [Average(1, None, False)]
+    assert planner.on_reached(WindowReport(0, 1, 1.0)) == [Average(1, (), False)]
     # The rank trains its overshoot before the Average arrives: epochs 0 and 1 complete.
     planner.on_epoch_complete(0)
     planner.on_epoch_complete(1)
@@ -672,18 +675,20 @@ def test_async_two_wanted_epochs_between_reduces_evaluate_the_later():
         Dispatch(0, (EpochSlice(2, 1, 1), EpochSlice(3, 0, 2), EpochSlice(4, 0, 2)), 1)
     ]
     planner.on_epoch_complete(2)
-    assert planner.on_reached(WindowReport(0, 1, 1.0)) == [Average(2, 1, False)]  # 0 is dropped
+    assert planner.on_reached(WindowReport(0, 1, 1.0)) == [Average(2, (0, 1), False)]  # one eval, for both
     planner.on_epoch_complete(3)
     planner.on_epoch_complete(4)
     assert planner.on_ack(AckReport(0, 5, 0.0, 0.0, queued=0))
     assert planner.open_window([1], 4) == [Dispatch(0, (EpochSlice(5, 0, 2),), 2)]
     planner.on_epoch_complete(5)
-    assert planner.on_reached(WindowReport(0, 2, 1.0)) == [Average(3, 5, True)]
+    assert planner.on_reached(WindowReport(0, 2, 1.0)) == [Average(3, (5,), True)]
     assert planner.evaluated_epochs == {0, 1, 5}
 
 
-@pytest.mark.parametrize(("wanted", "expected"), [({0, 1, 2}, 2), ({0, 1}, 1), ({0}, 0), (set(), None)])
-def test_async_final_average_evaluates_the_last_wanted_epoch(wanted, expected):
+@pytest.mark.parametrize(
+    ("wanted", "expected"), [({0, 1, 2}, (0, 1, 2)), ({0, 1}, (0, 1)), ({0}, (0,)), (set(), ())]
+)
+def test_async_final_average_evaluates_every_wanted_epoch_left(wanted, expected):
     # One window takes the whole run: the final Average is the only chance to evaluate.
     planner = LocalSgdPlanner(1, 2, 1, 3, True, frozenset(wanted))
     assert planner.open_window([6], 0) == [
@@ -699,12 +704,12 @@ def test_final_average_evaluates_a_wanted_epoch_left_undecided():
     """An epoch completed before the final window but wanted, not yet evaluated: the final takes it."""
     planner = LocalSgdPlanner(1, 2, 1, 2, True, frozenset({0}))
     planner.open_window([1], 1)  # (0, 0), (0, 1); target 1
-    assert planner.on_reached(WindowReport(0, 1, 1.0)) == [Average(1, None, False)]
+    assert planner.on_reached(WindowReport(0, 1, 1.0)) == [Average(1, (), False)]
     planner.on_epoch_complete(0)  # overshoot after the Average left
     planner.on_ack(AckReport(0, 2, 0.0, 0.0, queued=0))
     planner.open_window([2], 0)  # epoch 1 whole: the data runs out
     planner.on_epoch_complete(1)
-    assert planner.on_reached(WindowReport(0, 2, 1.0)) == [Average(2, 0, True)]
+    assert planner.on_reached(WindowReport(0, 2, 1.0)) == [Average(2, (0,), True)]
 
 
 @pytest.mark.parametrize("is_async", [False, True])
@@ -712,7 +717,7 @@ def test_final_average_evaluates_without_waiting_for_completion_notices(is_async
     """The final Average decides from the wanted set alone, not from which epochs were reported done."""
     planner = LocalSgdPlanner(1, 2, 1, 1, is_async, frozenset({0}))
     assert planner.open_window([2], 0) == [Dispatch(0, (EpochSlice(0, 0, 2),), 2)]
-    assert planner.on_reached(WindowReport(0, 2, 1.0)) == [Average(1, 0, True)]
+    assert planner.on_reached(WindowReport(0, 2, 1.0)) == [Average(1, (0,), True)]
 
 
 # --- 6. proportional_split -----------------------------------------------------------------------

@@ -39,12 +39,14 @@ class EpochLedger:
         local_sgd: bool = False,
         first_epoch: int = 0,
         comm_bytes_total: int = 0,
+        overlapping: bool = False,
     ) -> None:
         """`local_sgd`: ranks average in rounds (cadence / async). The last epoch is held back until
         `release()` (rounds run after the last batch: async drains its queues, and their bytes belong to the
         last epoch), and an epoch no round fell into had no averaging. Otherwise DDP: every optimizer step
         averages.
-        `first_epoch` and `comm_bytes_total`: where a resumed run continues."""
+        `first_epoch` and `comm_bytes_total`: where a resumed run continues.
+        `overlapping`: epochs overlap (async): throughput over each epoch's common window."""
         self.epochs = epochs
         self.world_size = world_size
         self.batches_per_epoch = batches_per_epoch
@@ -57,6 +59,7 @@ class EpochLedger:
         self._round_epoch: dict[int, int] = {}
         self.local_sgd = local_sgd
         self.hold_last = local_sgd
+        self.overlapping = overlapping
 
     def _epoch(self, epoch: int) -> _Epoch:
         if epoch < self.next_to_emit or epoch >= self.epochs:
@@ -125,6 +128,7 @@ class EpochLedger:
                 self.comm_bytes_total,
                 entry.rounds_closed if self.local_sgd else self._ddp_steps(entry),
                 self.world_size,
+                self.overlapping,
             )
             self.comm_bytes_total = metrics.comm_bytes_total
             ready.append(metrics)

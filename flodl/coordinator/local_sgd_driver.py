@@ -125,7 +125,9 @@ class LocalSgdDriver:
                 self._checkpoint_epoch = action.checkpoint_epoch
                 self.ledger.open_round(action.round)
                 self.timeline.round_started(action.round)
-                order = AverageNow(action.round, action.evaluate_epoch, action.final, action.checkpoint_epoch)
+                order = AverageNow(
+                    action.round, list(action.evaluate_epochs), action.final, action.checkpoint_epoch
+                )
                 for rank in range(self.ledger.world_size):
                     self.outbox.send(rank, order)
 
@@ -136,6 +138,6 @@ class LocalSgdDriver:
             first = self.ledger.first_epoch
             deciding |= set(range(first, self.planner.segment_end)) - self._decided_evals
         for epoch in deciding:
-            self.ledger.expect_eval(epoch, epoch == average.evaluate_epoch)
+            self.ledger.expect_eval(epoch, epoch in average.evaluate_epochs)
         self._undecided_evals -= deciding
         self._decided_evals |= deciding

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -25,13 +26,41 @@ class RoundCost:
         )
 
 
+@dataclass(frozen=True)
+class WorkSpan:
+    """Samples one rank trained between two instants of its own clock, in `busy_s` of training time."""
+
+    rank: int
+    start: float
+    end: float
+    samples: int
+    busy_s: float
+
+
+def common_window_rate(spans: Sequence[WorkSpan]) -> float:
+    """Samples per second over the common window of `spans`: from the first start to the last end.
+
+    Every sample counted was trained inside the window (work of other spans that falls in it is not
+    counted, so the rate errs low), and the window is never shorter than any rank's own training time, so
+    the rate never exceeds the sum of the ranks' own rates (samples over busy time). Async epochs overlap,
+    so an epoch's clock on rank 0 (`epoch_s`) is no window for its samples.
+    """
+    if not spans:
+        return 0.0
+    busy: dict[int, float] = {}
+    for span in spans:
+        busy[span.rank] = busy.get(span.rank, 0.0) + span.busy_s
+    window = max(max(s.end for s in spans) - min(s.start for s in spans), *busy.values())
+    return sum(s.samples for s in spans) / window if window > 0 else 0.0
+
+
 @dataclass
 class RankShare:
     rank: int
     batches: int
     samples: int
     batch_share: float
-    # The rank's own speed: samples over the time it spent on them (waits excluded).
+    # The rank's own speed: samples over the time it spent on them (busy_s: waits excluded).
     samples_per_s: float
     data_ms: float
     # Bytes the rank put on the wire this epoch (after compression).
@@ -39,6 +68,7 @@ class RankShare:
     # Time averaging rounds held up the rank's training, and steps it trained while rounds were in flight.
     averaging_blocked_ms: float = 0.0
     steps_during_averaging: int = 0
+    busy_s: float = 0.0
 
 
 @dataclass
@@ -51,6 +81,7 @@ class EpochMetrics:
     samples: int
     # Wall time from the previous epoch's completion (or the run's start) to this one's.
     epoch_s: float
+    # samples / epoch_s; async (epochs overlap): over the common window of the epoch's work instead.
     samples_per_s: float
     # Rank 0's learning rate at the end of its last chunk of the epoch.
     lr: float = 0.0
@@ -60,14 +91,25 @@ class EpochMetrics:
     comm_bytes: int = 0
     comm_bytes_total: int = 0
     eval: dict[str, float] = field(default_factory=dict)
+    # What the evaluated model was trained on (see EvalResult); None without an eval. Under async the eval
+    # runs on the consensus of a later round than the epoch's end, and these say which.
+    eval_step: int | None = None
+    eval_samples: int | None = None
     # record_scalar values: per-epoch means over every rank's records.
     scalars: dict[str, float] = field(default_factory=dict)
     per_rank: list[RankShare] = field(default_factory=list)
+    # The epoch's work on the ranks' clocks (unix seconds): its first step's start, its last step's end.
+    window_start: float = 0.0
+    window_end: float = 0.0
 
     def as_record(self) -> dict[str, Any]:
         record = asdict(self)
         record.pop("eval")
         record.update({f"eval/{k}": v for k, v in self.eval.items()})
+        for key in ("eval_step", "eval_samples"):  # as eval/step, eval/samples, on eval rows only
+            value = record.pop(key)
+            if value is not None:
+                record[key.replace("_", "/")] = value
         return record
 
 
@@ -80,10 +122,12 @@ def aggregate_epoch(
     comm_before: int = 0,
     rounds: int = 0,
     world_size: int = 0,
+    overlapping: bool = False,
 ) -> EpochMetrics:
     """One epoch from its chunks and evals. `round_costs`: per rank, the cost of the averaging rounds
     attributed to this epoch; `comm_before`: the run's bytes on the wire before this epoch; `rounds`: how
-    many averaging rounds the epoch counts."""
+    many averaging rounds the epoch counts; `overlapping`: epochs overlap (async), so the throughput is
+    taken over the epoch's common window."""
     if not chunks:
         raise ValueError(f"epoch {epoch}: no metrics reported")
     round_costs = round_costs or {}
@@ -110,23 +154,31 @@ def aggregate_epoch(
                 comm_bytes=sum(c.comm_bytes for c in mine) + cost.payload_bytes,
                 averaging_blocked_ms=cost.blocked_ms,
                 steps_during_averaging=cost.steps_during,
+                busy_s=busy_s,
             )
         )
     comm = sum(share.comm_bytes for share in shares)
+    spans = [WorkSpan(c.rank, c.started_at, c.ended_at, c.samples, c.wall_ms / 1000) for c in chunks]
+    per_epoch_s = samples / wall_s if wall_s > 0 else 0.0
+    rate = common_window_rate(spans) if overlapping else per_epoch_s
     return EpochMetrics(
         epoch=epoch,
         step=max(c.steps_total for c in chunks),
         loss=sum(c.loss_sum for c in chunks) / batches if batches else float("nan"),
         samples=samples,
         epoch_s=wall_s,
-        samples_per_s=samples / wall_s if wall_s > 0 else 0.0,
+        samples_per_s=rate,
         lr=max(chunks, key=lambda c: (c.rank == 0, c.steps_total)).lr,
         rounds=rounds,
         comm_bytes=comm,
         comm_bytes_total=comm_before + comm,
         eval=aggregate_eval(evals),
+        eval_step=evals[0].step if evals else None,
+        eval_samples=evals[0].samples if evals else None,
         scalars=mean_scalars([c.scalars for c in chunks]),
         per_rank=shares,
+        window_start=min(s.start for s in spans),
+        window_end=max(s.end for s in spans),
     )
 
 

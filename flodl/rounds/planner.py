@@ -35,8 +35,8 @@ class Dispatch:
 @dataclass(frozen=True)
 class Average:
     round: int
-    # Evaluate the consensus of this round for that epoch (None: no eval this round).
-    evaluate_epoch: int | None
+    # Epochs whose eval is this round's consensus (one eval, reported for each: every wanted epoch gets one).
+    evaluate_epochs: tuple[int, ...]
     # The last reduce of a segment (or of the run): every rank adopts the consensus exactly (no EASGD blend).
     final: bool
     # Take a checkpoint after this epoch once the round is done (None: no checkpoint).
@@ -220,7 +220,6 @@ class LocalSgdPlanner:
             due = sorted(
                 e for e in self.eval_epochs if e not in self.evaluated_epochs and e < self.cursor.end
             )
-        evaluate = due[-1] if due else None
         self.evaluated_epochs.update(due)
         barrier = self.final_round and self.cursor.end - 1 in self.barrier_epochs
-        return [Average(self.round, evaluate, self.final_round, self.cursor.end - 1 if barrier else None)]
+        return [Average(self.round, tuple(due), self.final_round, self.cursor.end - 1 if barrier else None)]

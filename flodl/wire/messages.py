@@ -53,8 +53,8 @@ class ExtendPartition:
 @dataclass
 class AverageNow:
     round: int
-    # Evaluate the consensus for this epoch before adopting it (None: no eval).
-    evaluate_epoch: int | None = None
+    # Evaluate the consensus before adopting it, once, reported for each of these epochs.
+    evaluate_epochs: list[int] = field(default_factory=list)
     # A segment's (or the run's) last reduce: adopt the consensus exactly (no EASGD blend).
     final: bool = False
     # Write this rank's checkpoint part for that epoch after adopting, before acknowledging.
@@ -84,6 +84,9 @@ class ChunkReport:
     lr: float = 0.0
     # record_scalar's (sum, count) per name over the chunk.
     scalars: dict[str, list[float]] = field(default_factory=dict)
+    # When the chunk's first step began and its last ended, on the rank's own clock (unix seconds).
+    started_at: float = 0.0
+    ended_at: float = 0.0
 
 
 @dataclass
@@ -134,6 +137,10 @@ class EvalResult:
     # Per-metric sums over this rank's share of the eval set, and that share's size.
     sums: dict[str, float]
     count: int
+    # What the evaluated model was trained on: optimizer steps (sync: global-batch steps; cadence/async:
+    # every rank's steps up to the round it is the consensus of) and samples.
+    step: int = 0
+    samples: int = 0
 
 
 @dataclass

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -49,6 +49,8 @@ class _Chunk:
     done: int = 0
     busy_s: float = 0.0
     data_s: float = 0.0
+    # Unix seconds when the first step began (see ChunkReport.started_at).
+    started_at: float = 0.0
 
 
 class LocalSgdWorker(WorkerBase):
@@ -129,6 +131,8 @@ class LocalSgdWorker(WorkerBase):
             zero = torch.zeros((), device=stepper.device)
             self.chunk = _Chunk(part.epoch, stepper.picks(part), part.size // batch_size, zero)
         chunk = self.chunk
+        if chunk.done == 0:
+            chunk.started_at = time.time()
         started = time.perf_counter()
         batch = stepper.load(
             chunk.picks[chunk.done * batch_size : (chunk.done + 1) * batch_size], chunk.epoch
@@ -168,6 +172,8 @@ class LocalSgdWorker(WorkerBase):
                 steps_total=self.stepper.steps_total,
                 lr=self.stepper.lr,
                 scalars=drain_scalars(),
+                started_at=chunk.started_at,
+                ended_at=time.time(),
             )
         )
 
@@ -210,13 +216,20 @@ class LocalSgdWorker(WorkerBase):
         evaluate = None
         # Evals and checkpoints ride on some rounds; they are not the round's own cost (idle_ms).
         epoch_work_s = 0.0
-        if order.evaluate_epoch is not None and self.stepper.parts.eval_data is not None:
-            epoch = order.evaluate_epoch
+        if order.evaluate_epochs and self.stepper.parts.eval_data is not None:
+            # The consensus holds every rank's steps up to this round, and only those.
+            step = self.global_steps + outcome.total_steps
+            samples = step * self.stepper.cfg.batch_size
 
             def evaluate() -> None:  # on the consensus itself, before an async rank blends it
                 nonlocal epoch_work_s
                 started = time.perf_counter()
-                self.report(self.stepper.evaluate(self.rank, self.world_size, epoch))
+                result = self.stepper.evaluate(
+                    self.rank, self.world_size, order.evaluate_epochs[0], step, samples
+                )
+                # One eval of this consensus stands for every epoch it is due for.
+                for epoch in order.evaluate_epochs:
+                    self.report(replace(result, epoch=epoch))
                 epoch_work_s += time.perf_counter() - started
 
         if self.dropped_window and outcome.skipped:

@@ -107,8 +107,9 @@ class Stepper:
             pass
 
     @torch.no_grad()
-    def evaluate(self, rank: int, world_size: int, epoch: int) -> EvalResult:
-        """Evaluate this rank's contiguous share of the eval set; the coordinator sums the shares."""
+    def evaluate(self, rank: int, world_size: int, epoch: int, step: int, samples: int) -> EvalResult:
+        """Evaluate this rank's contiguous share of the eval set; the coordinator sums the shares.
+        `step` and `samples`: what the model was trained on (the eval row's label)."""
         data, eval_fn = self.parts.eval_data, self.parts.eval_fn
         assert data is not None
         n = len(data)
@@ -122,7 +123,8 @@ class Stepper:
             for name, value in (eval_fn(model, batch) if eval_fn else self._loss_sums(batch)).items():
                 sums[name] = sums.get(name, 0) + value.detach().double()
         model.train()
-        return EvalResult(rank=rank, epoch=epoch, sums={k: float(v) for k, v in sums.items()}, count=hi - lo)
+        totals = {k: float(v) for k, v in sums.items()}
+        return EvalResult(rank, epoch, totals, hi - lo, step, samples)
 
     def _loss_sums(self, batch: list[Tensor]) -> dict[str, Tensor]:
         """The eval metric of a task without an eval_fn: its own loss."""

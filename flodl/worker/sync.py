@@ -30,7 +30,10 @@ class SyncWorker(WorkerBase):
             raise RuntimeError(f"rank {self.rank}: unexpected message under policy=sync: {message!r}")
         self.report(self.train_epoch(message))
         if message.evaluate and self.stepper.parts.eval_data is not None:
-            self.report(self.stepper.evaluate(self.rank, self.world_size, message.part.epoch))
+            step = self.stepper.steps_total  # each step is one on the global batch
+            samples = step * self.stepper.cfg.batch_size * self.world_size
+            epoch = message.part.epoch
+            self.report(self.stepper.evaluate(self.rank, self.world_size, epoch, step, samples))
         if message.checkpoint and self.checkpointer is not None:
             self.checkpointer.save(message.part.epoch, self.state())
             self.report(Saved(self.rank, message.part.epoch))
@@ -45,6 +48,7 @@ class SyncWorker(WorkerBase):
         stepper.train_module.train()
         loss_sum = torch.zeros((), device=stepper.device)
         data_s = 0.0
+        started_at = time.time()
         start = time.perf_counter()
         for b in range(batches):
             fetched = time.perf_counter()
@@ -67,4 +71,6 @@ class SyncWorker(WorkerBase):
             comm_bytes=batches * self.gradient_bytes if self.world_size > 1 else 0,
             lr=stepper.lr,
             scalars=drain_scalars(),
+            started_at=started_at,
+            ended_at=time.time(),
         )
