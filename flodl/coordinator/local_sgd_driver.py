@@ -77,7 +77,7 @@ class LocalSgdDriver:
                 message.queued,
                 message.idle_ms,
             )
-            self.timeline.round_acked(message.round, message.rank, message.divergence)
+            self.timeline.round_acked(message.round, message.rank, message.divergence, message.steps)
             self._round_costs[message.rank] = RoundCost(
                 message.payload_bytes, message.round_ms, message.steps_during_round
             )

@@ -22,7 +22,8 @@ class Timeline:
     started: float = field(default_factory=time.perf_counter)
     # Per rank: [start, end, epoch] of each trained chunk.
     spans: list[dict[str, Any]] = field(default_factory=list)
-    # Averaging rounds: start (ordered), end (last rank acknowledged), per-rank divergence.
+    # Averaging rounds: start (ordered), end (last rank acknowledged), per-rank divergence and steps (the
+    # round's weights), and the epochs whose eval is the round's consensus.
     rounds: list[dict[str, Any]] = field(default_factory=list)
     anchors: list[dict[str, Any]] = field(default_factory=list)
     epochs: list[dict[str, Any]] = field(default_factory=list)
@@ -36,12 +37,22 @@ class Timeline:
             {"rank": rank, "epoch": epoch, "start": end - busy_ms / 1000, "end": end, "batches": batches}
         )
 
-    def round_started(self, number: int) -> None:
-        self.rounds.append({"round": number, "start": self.now(), "end": None, "divergence": {}})
+    def round_started(self, number: int, evaluates: tuple[int, ...] = ()) -> None:
+        self.rounds.append(
+            {
+                "round": number,
+                "start": self.now(),
+                "end": None,
+                "divergence": {},
+                "steps": {},
+                "evaluates": list(evaluates),
+            }
+        )
 
-    def round_acked(self, number: int, rank: int, divergence: float) -> None:
+    def round_acked(self, number: int, rank: int, divergence: float, steps: int) -> None:
         entry = next(r for r in reversed(self.rounds) if r["round"] == number)
         entry["divergence"][str(rank)] = divergence
+        entry["steps"][str(rank)] = steps
         entry["end"] = self.now()
 
     def anchor_changed(self, old: int, new: int, reason: str) -> None:
