@@ -15,6 +15,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the process runner is the tests' (tests/helpers/procs.py)
 
+from flodl.metrics.aggregate import WorkSpan, common_window_rate  # noqa: E402
 from tests.helpers.procs import TRAIN, Result, child_env, finish, start  # noqa: E402
 
 # NCCL's network transport over loopback (~3.5 GB/s on 2x H200): stands for training across hosts.
@@ -72,14 +73,23 @@ def run_flodl(
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
-def steady_throughput(records: list[dict], skip: int) -> float:
+def steady_throughput(records: list[dict], skip: int, overlapping: bool = False) -> float:
     """Samples/s over the epochs after the first `skip` (start-up, CUDA warm-up, ElChe calibration).
 
-    The window runs from the latest completion among the skipped epochs to the latest completion of all:
-    under async an epoch can complete before the one ahead of it (its epoch_s is then negative), so single
-    epochs are not windows, but the running sum of epoch_s is each epoch's completion since the start.
+    With an epoch barrier (sync, cadence) the window runs from the latest completion among the skipped
+    epochs to the latest completion of all (the running sum of epoch_s is each epoch's completion since
+    the start). `overlapping` (async, no barrier): a rank trains the measured epochs' batches before the
+    skipped ones complete, so that window would count work done before it opened; the window is instead the
+    measured epochs' own work on the ranks' clocks (see flodl.metrics.aggregate.common_window_rate).
     """
     skip = min(skip, len(records) - 1)
+    if overlapping:
+        spans = [
+            WorkSpan(p["rank"], r["window_start"], r["window_end"], p["samples"], p["busy_s"])
+            for r in records[skip:]
+            for p in r["per_rank"]
+        ]
+        return common_window_rate(spans)
     done = list(itertools.accumulate(r["epoch_s"] for r in records))
     start = max(done[:skip], default=0.0)
     return sum(r["samples"] for r in records[skip:]) / (max(done) - start)

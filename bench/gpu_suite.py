@@ -183,7 +183,7 @@ def run_flodl_arm(
     if settings.keep_runs is not None:
         shutil.copytree(run_dir, settings.keep_runs / run_name, ignore=shutil.ignore_patterns("*.pt"))
     steady = records[settings.skip :] or records[-1:]
-    measured = Measured(steady_throughput(records, settings.skip))
+    measured = Measured(steady_throughput(records, settings.skip, overlapping=arm.policy == "async"))
     if arm.nproc > 1:
         mine = sum(r["per_rank"][0]["batches"] for r in steady)
         measured.batch_share = mine / max(1, sum(p["batches"] for r in steady for p in r["per_rank"]))

@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from benchlib import steady_throughput
 
 REPO = Path(__file__).resolve().parents[1]
 POLICIES = ("sync", "cadence", "async")
@@ -34,14 +35,12 @@ def run(policy: str, nproc: int, slow_factor: float, overrides: list[str], out: 
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def summarize(records: list[dict]) -> dict[str, float]:
+def summarize(policy: str, records: list[dict]) -> dict[str, float]:
     steady = records[2:] or records
-    samples = sum(r["samples"] for r in steady)
-    seconds = sum(r["epoch_s"] for r in steady)
     batches = [sum(r["per_rank"][k]["batches"] for r in steady) for k in range(len(steady[0]["per_rank"]))]
     accuracy = [r["eval/accuracy"] for r in records if "eval/accuracy" in r]
     return {
-        "samples_per_s": samples / seconds,
+        "samples_per_s": steady_throughput(records, 2, overlapping=policy == "async"),
         "fast_share": batches[0] / sum(batches),
         "accuracy": accuracy[-1] if accuracy else float("nan"),
     }
@@ -63,7 +62,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         results = {
-            p: summarize(run(p, args.nproc, args.slow_factor, args.overrides, Path(tmp))) for p in POLICIES
+            p: summarize(p, run(p, args.nproc, args.slow_factor, args.overrides, Path(tmp))) for p in POLICIES
         }
     base = results["sync"]["samples_per_s"]
     lines = [

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from flodl.metrics.aggregate import aggregate_epoch, aggregate_eval
+from flodl.metrics.aggregate import WorkSpan, aggregate_epoch, aggregate_eval, common_window_rate
 from flodl.wire.messages import ChunkReport, EvalResult
 
 
@@ -59,6 +62,54 @@ def test_aggregate_epoch_record_flattens_eval():
     assert record["eval/acc"] == pytest.approx(0.9)
     assert record["epoch"] == 2
     assert record["per_rank"][0]["rank"] == 0
+
+
+def test_async_epoch_rate_is_over_its_common_window_not_rank_0s_epoch_clock():
+    # Rank 1 trained 4 batches in [100, 104] s, rank 0 its 2 in [101, 105] s; the epoch completed 0.5 s
+    # after the one before it on rank 0's clock.
+    chunks = [
+        dataclasses.replace(chunk(1, 4, 1.0, 4000.0, 4), started_at=100.0, ended_at=104.0),
+        dataclasses.replace(chunk(0, 2, 1.0, 3000.0, 2), started_at=101.0, ended_at=105.0),
+    ]
+    out = aggregate_epoch(0, chunks, [], wall_s=0.5, world_size=2, overlapping=True)
+    assert out.samples_per_s == pytest.approx(6 * 32 / 5.0)
+    assert (out.window_start, out.window_end) == (100.0, 105.0)
+    assert out.samples_per_s <= sum(s.samples_per_s for s in out.per_rank)
+    # With a barrier (sync, cadence) the epoch's clock is its window.
+    assert aggregate_epoch(0, chunks, [], wall_s=0.5, world_size=2).samples_per_s == pytest.approx(384.0)
+
+
+@st.composite
+def rank_chunks(draw, rank: int) -> list[ChunkReport]:
+    """One rank's chunks of an epoch, one after another on its own (possibly skewed) clock."""
+    clock = draw(st.floats(-5.0, 5.0))
+    out = []
+    for _ in range(draw(st.integers(0, 4))):
+        clock += draw(st.floats(0.0, 3.0))  # waits between chunks (rounds, other epochs' work)
+        busy = draw(st.floats(1e-3, 3.0))
+        span = busy + draw(st.floats(0.0, 1.0))  # the chunk's wall time: its steps and what ran between
+        batches = draw(st.integers(1, 20))
+        out.append(
+            ChunkReport(
+                rank, 0, batches, batches * 8, 1.0, busy * 1000, 0.0, started_at=clock, ended_at=clock + span
+            )
+        )
+        clock += span
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), world=st.integers(1, 4), wall_s=st.floats(1e-3, 10.0))
+def test_an_async_epoch_never_beats_the_ranks_own_speeds(data, world, wall_s):
+    chunks = [c for r in range(world) for c in data.draw(rank_chunks(r))]
+    if not chunks:
+        return
+    out = aggregate_epoch(0, chunks, [], wall_s=wall_s, world_size=world, overlapping=True)
+    assert out.samples_per_s <= sum(s.samples_per_s for s in out.per_rank) * (1 + 1e-9)
+    spans = [WorkSpan(c.rank, c.started_at, c.ended_at, c.samples, c.wall_ms / 1000) for c in chunks]
+    # The window is never shorter than the work's own span: the rate is at most samples over it.
+    window = max(c.ended_at for c in chunks) - min(c.started_at for c in chunks)
+    assert common_window_rate(spans) <= out.samples / window * (1 + 1e-9)
 
 
 def test_aggregate_epoch_without_reports_fails():
