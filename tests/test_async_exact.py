@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.procs import train
+from tests.helpers.procs import train
 
 pytestmark = pytest.mark.multiproc
 
@@ -31,7 +31,7 @@ def test_async_last_round_throughput_and_eval_labels(tmp_path: Path) -> None:
         f"batch_size={BATCH}",
         f"epochs={EPOCHS}",
         "eval_every=1",
-        "task.optimizer._target_=tests.recording.RecordingAdam",
+        "task.optimizer._target_=tests.helpers.recording.RecordingAdam",
         "hydra.run.dir=run",
         cwd=tmp_path,
         timeout=240,
