@@ -56,10 +56,14 @@ def test_aggregate_epoch_across_ranks_with_different_batch_counts():
 
 
 def test_aggregate_epoch_record_flattens_eval():
-    out = aggregate_epoch(2, [chunk(0, 2, 1.0, 100.0, 2)], [EvalResult(0, 2, {"acc": 9.0}, 10)], wall_s=0.1)
+    evals = [EvalResult(0, 2, {"acc": 9.0}, 10, step=40, samples=1280)]
+    out = aggregate_epoch(2, [chunk(0, 2, 1.0, 100.0, 2)], evals, wall_s=0.1)
     record = out.as_record()
     assert "eval" not in record
     assert record["eval/acc"] == pytest.approx(0.9)
+    # Labelled with what the evaluated model was trained on, not the epoch's own step.
+    assert (record["eval_step"], record["eval_samples"]) == (40, 1280)
+    assert aggregate_epoch(2, [chunk(0, 2, 1.0, 100.0, 2)], [], wall_s=0.1).as_record()["eval_step"] is None
     assert record["epoch"] == 2
     assert record["per_rank"][0]["rank"] == 0
 

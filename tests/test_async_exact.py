@@ -74,7 +74,7 @@ def test_async_last_round_throughput_and_eval_labels(tmp_path: Path) -> None:
     assert sorted(evaluated) == list(range(EPOCHS))
     for record in records:
         epoch = record["epoch"]
-        assert record["eval/step"] == evaluated[epoch]
-        assert record["eval/samples"] == evaluated[epoch] * BATCH
+        assert record["eval_step"] == evaluated[epoch]
+        assert record["eval_samples"] == evaluated[epoch] * BATCH
         # The round came after the epoch's last batch: the consensus has seen every epoch up to it.
-        assert record["eval/samples"] >= (epoch + 1) * samples_per_epoch
+        assert record["eval_samples"] >= (epoch + 1) * samples_per_epoch

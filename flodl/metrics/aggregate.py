@@ -106,10 +106,6 @@ class EpochMetrics:
         record = asdict(self)
         record.pop("eval")
         record.update({f"eval/{k}": v for k, v in self.eval.items()})
-        for key in ("eval_step", "eval_samples"):  # as eval/step, eval/samples, on eval rows only
-            value = record.pop(key)
-            if value is not None:
-                record[key.replace("_", "/")] = value
         return record
 
 

@@ -86,7 +86,7 @@ class WandbSink:
         row.update({f"eval/{name}": value for name, value in metrics.eval.items()})
         row.update({f"comm/eval_{name}": value for name, value in metrics.eval.items()})
         if metrics.eval_step is not None:
-            row["eval/step"], row["eval/samples"] = metrics.eval_step, metrics.eval_samples
+            row["epoch/eval_step"], row["epoch/eval_samples"] = metrics.eval_step, metrics.eval_samples
         row.update({f"epoch/{name}": value for name, value in metrics.scalars.items()})
         for share in metrics.per_rank:
             row[f"rank{share.rank}/batch_share"] = share.batch_share
