@@ -124,7 +124,7 @@ class LocalSgdDriver:
                 self._decide_evals(action)
                 self._checkpoint_epoch = action.checkpoint_epoch
                 self.ledger.open_round(action.round)
-                self.timeline.round_started(action.round)
+                self.timeline.round_started(action.round, action.evaluate_epochs)
                 order = AverageNow(
                     action.round, list(action.evaluate_epochs), action.final, action.checkpoint_epoch
                 )

@@ -37,7 +37,7 @@ class Timeline:
             {"rank": rank, "epoch": epoch, "start": end - busy_ms / 1000, "end": end, "batches": batches}
         )
 
-    def round_started(self, number: int, evaluates: tuple[int, ...] = ()) -> None:
+    def round_started(self, number: int, evaluates: tuple[int, ...]) -> None:
         self.rounds.append(
             {
                 "round": number,
