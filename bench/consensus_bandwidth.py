@@ -4,7 +4,7 @@
     torchrun --standalone --nproc_per_node=2 bench/consensus_bandwidth.py --profile 10M   # + where it goes
 
 For each model size it times, on the same ranks and tensors: a plain NCCL all-reduce of the flat
-parameters; a device-backend round as flodl runs it, with the pre-reduce copy and divergence triple the
+parameters; a device-backend round as flodl runs it, with the pre-reduce copy and divergence the
 guard reads (guarded) and without them (lean), each also dispatched op by op instead of replayed from a
 CUDA graph (eager) and with its totals sent first (the float64 all-reduce read on the host before the
 payload); a bf16-wire round; and the cpu backend's round trip (snapshot, gloo reduce, staged consensus).
@@ -169,7 +169,7 @@ def report(rows: list[tuple], world: int, bus: float, profiles: list[str]) -> No
         lines.append(f"| {name} | {numel / 1e6:.1f}M | {plain_gbs:.0f} | {cells} | {times} |")
     lines += [
         "",
-        "guarded: the default cadence/async round (pre-reduce copy + divergence triple for the guard; over "
+        "guarded: the default cadence/async round (pre-reduce copy + divergence for the guard; over "
         "128 MiB in chunks of at least 64 MiB, the guard's work on one chunk overlapping the next chunk's "
         "transfer); lean: `no_divergence_guard=true` without EASGD. Under 128 MiB a round gets its weights "
         "on the device (no host read before the payload) and, after 2 eager rounds, is replayed as one CUDA "

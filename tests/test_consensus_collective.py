@@ -3,7 +3,7 @@
 One spawn of 2 ranks (CPU over gloo; with 2 GPUs, also one GPU each over nccl) runs every scenario in
 tests/helpers/collective_ranks.py in sequence, for both DeviceAverager (whole and in pipelined chunks) and
 HostAverager, and saves each rank's values around one round (`begin` → `finish` → `adopt`). The tests
-recompute the weighted consensus, the float32 buffer mean, the divergence triple, the EASGD blend, the
+recompute the weighted consensus, the float32 buffer mean, the divergence, the EASGD blend, the
 bf16 wire and the outer optimizers by hand from those recorded values.
 """
 
@@ -148,10 +148,10 @@ def f32(buffers: dict) -> dict:
     return {b: buffers[b] for b in F32_BUFFERS}
 
 
-def hand_triple(pre: dict, post: dict) -> list[float]:
+def hand_divergence(pre: dict, post: dict) -> float:
     p = torch.cat([pre[k].double().reshape(-1) for k in pre])
     q = torch.cat([post[k].double().reshape(-1) for k in pre])
-    return [float((p - q).norm() / q.norm()), float(p.norm()), float(q.norm())]
+    return float((p - q).norm() / q.norm())
 
 
 def numel(tensors: dict) -> int:
@@ -234,7 +234,7 @@ def test_integer_counter_stays_each_ranks_own(ranks, name):
 
 
 @pytest.mark.parametrize("name", names(*AVG, "idle_rank1_gamma0", "easgd"))
-def test_outcome_totals_payload_and_divergence_triple(ranks, name):
+def test_outcome_totals_payload_and_divergence(ranks, name):
     spec = SCENARIOS[name]
     want = consensus(ranks, name)
     for r, rec in enumerate(rounds(ranks, name)):
@@ -244,10 +244,10 @@ def test_outcome_totals_payload_and_divergence_triple(ranks, name):
         assert out["skipped"] is False
         params, buffers = rec["before"]["params"], f32(rec["before"]["buffers"])
         assert out["payload_bytes"] == 4 * (numel(params) + numel(buffers))
-        assert out["triple"] == pytest.approx(hand_triple(params, want), rel=REL)
+        assert out["divergence"] == pytest.approx(hand_divergence(params, want), rel=REL)
     # Each rank measures its own distance to the common consensus: with two ranks, |own - avg| is
     # w_other |θ_0 - θ_1|, so the divergences differ unless the weights are equal (plain mean).
-    a, b = (rec["outcome"]["triple"][0] for rec in rounds(ranks, name))
+    a, b = (rec["outcome"]["divergence"] for rec in rounds(ranks, name))
     weights = hand_weights(spec.steps, spec.gamma)
     assert a / b == pytest.approx(weights[1] / weights[0], rel=1e-5)
 
@@ -271,11 +271,11 @@ def test_every_replayed_round_takes_that_rounds_weights(ranks, name):
             assert_rel(rec["adopted"]["buffers"], movers)
             assert rec["outcome"]["total_steps"] == sum(steps), i
             if spec.keeps_own:
-                assert rec["outcome"]["triple"] == pytest.approx(
-                    hand_triple(rec["before"]["params"], want), rel=REL
+                assert rec["outcome"]["divergence"] == pytest.approx(
+                    hand_divergence(rec["before"]["params"], want), rel=REL
                 )
             else:
-                assert rec["outcome"]["triple"] == [0.0, 0.0, 0.0]
+                assert rec["outcome"]["divergence"] == 0.0
 
 
 def test_a_replayed_round_nobody_moved_in_changes_nothing(ranks):
@@ -306,7 +306,7 @@ def test_all_idle_round_is_skipped_and_changes_nothing(ranks, name):
         assert out["skipped"] is True
         assert out["total_steps"] == 0
         assert out["payload_bytes"] == 0
-        assert out["triple"] == [0.0, 0.0, 0.0]
+        assert out["divergence"] == 0.0
         for stage in ("after_begin", "after_finish", "adopted"):
             assert_bitwise(rec[stage]["params"], rec["before"]["params"])
             assert_bitwise(rec[stage]["buffers"], rec["before"]["buffers"])
@@ -364,7 +364,7 @@ def test_host_round_averages_the_snapshot_taken_at_begin(ranks, alpha_name):
         assert_rel(rec["adopted"]["params"], want)
         assert_rel(rec["adopted"]["buffers"], buffer_mean(ranks, name))
         pre = rec["before"]["params"]
-        assert rec["outcome"]["triple"] == pytest.approx(hand_triple(pre, avg), rel=REL)
+        assert rec["outcome"]["divergence"] == pytest.approx(hand_divergence(pre, avg), rel=REL)
     assert TRAIN_DURING_ROUND != 0
 
 
@@ -411,13 +411,13 @@ def test_evaluate_runs_on_a_skipped_round_too(ranks, backend):
 
 
 def test_device_round_without_the_own_copy_still_averages(ranks):
-    """keeps_own=False: the same consensus, and no divergence triple (there is no pre-reduce copy)."""
+    """keeps_own=False: the same consensus, and no divergence (there is no pre-reduce copy)."""
     name = "device/without_own_copy"
     want = consensus(ranks, name)
     for rec in rounds(ranks, name):
         assert_rel(rec["adopted"]["params"], want)
         assert_rel(rec["adopted"]["buffers"], buffer_mean(ranks, name))
-        assert rec["outcome"]["triple"] == [0.0, 0.0, 0.0]
+        assert rec["outcome"]["divergence"] == 0.0
         assert rec["outcome"]["total_steps"] == 4 and rec["outcome"]["skipped"] is False
 
 

@@ -28,12 +28,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from flodl.averaging.divergence import DivergenceSums, DivergenceTriple, divergence_triple
+from flodl.averaging.divergence import DivergenceSums, divergence
 from flodl.averaging.flat import flatten_float32_buffers, flatten_parameters
 from flodl.averaging.outer import OuterOptimizer, OuterSettings
 from flodl.averaging.reducer import Reducer, ReduceResult
-
-_NO_DIVERGENCE = DivergenceTriple(0.0, 0.0, 0.0)
 
 
 @dataclass(frozen=True)
@@ -43,7 +41,8 @@ class RoundOutcome:
     total_steps: int
     # No rank moved since the last reduce: nothing was averaged, everyone kept its state.
     skipped: bool
-    triple: DivergenceTriple
+    # ‖own - consensus‖ / ‖consensus‖ (0 when the rank kept no pre-reduce copy or the round was skipped).
+    divergence: float
     # Time the round held up this rank's training thread.
     blocked_ms: float
     payload_bytes: int = 0
@@ -128,8 +127,8 @@ class DeviceAverager(_AveragerBase):
         outer: OuterSettings | None = None,
         keeps_own: bool = True,
     ) -> None:
-        """`keeps_own`: keep a pre-reduce copy of the rank's parameters, which the divergence triple and
-        the EASGD blend need; without it a round is the two all-reduces and nothing else."""
+        """`keeps_own`: keep a pre-reduce copy of the rank's parameters, which the divergence and the
+        EASGD blend need; without it a round is the two all-reduces and nothing else."""
         super().__init__(model, gamma, bf16_wire, outer, group=None)
         # The rank's own parameters before the reduce, turned into `own - consensus` after it (the
         # divergence is measured in place, sparing a parameter-sized temporary and a pass over memory).
@@ -143,7 +142,7 @@ class DeviceAverager(_AveragerBase):
     @torch.no_grad()
     def begin(self, steps: int, exact: bool = False, kept: bool = True) -> None:
         """Queue the round, in place; `exact` and `kept` as in `Reducer.reduce`. What it measured (the
-        totals, the divergence triple) is read from the device in `finish`."""
+        totals, the divergence) is read from the device in `finish`."""
         start = time.perf_counter()
         flat = self._flat_params()
         buffers = self.buffers.buffer if self.buffers is not None else None
@@ -152,7 +151,6 @@ class DeviceAverager(_AveragerBase):
         stages = self if self.sums is not None and self.outer is None else None
         if self.sums is not None and stages is None:
             self._for_each_whole(self.before)
-            self._for_each_whole(self.during)
         result = self.reducer.reduce(flat, self.refs, buffers, steps, stages, exact=exact, kept=kept)
         if not result.skipped:
             _after_reduce(self.outer, self.refs, flat)
@@ -161,22 +159,18 @@ class DeviceAverager(_AveragerBase):
         self.queued = (steps, result, (time.perf_counter() - start) * 1000)
 
     def before(self, index: int, span: slice) -> None:
-        """Keep the chunk's pre-reduce values (for the triple and the EASGD blend). The first chunk starts
+        """Keep the chunk's pre-reduce values (for the divergence and the EASGD blend). The first chunk starts
         the round's sums; a round replayed from a CUDA graph runs no stages and refills the captured ones."""
         assert self.drift is not None and self.sums is not None
         if index == 0 and span.start == 0:
             self.sums.reset()
         self.drift[index][span].copy_(self.params[index].buffer[span])
 
-    def during(self, index: int, span: slice) -> None:
-        """The kept values' norm, while the chunk itself is on the wire."""
-        assert self.drift is not None and self.sums is not None
-        self.sums.add_pre([self.drift[index][span]])
-
     def after(self, index: int, span: slice) -> None:
-        """The chunk holds the consensus: its norm, and the kept copy becomes `own - consensus`."""
+        """The chunk holds the consensus: the kept copy becomes `own - consensus`; the norms of the two are
+        the divergence's pieces."""
         assert self.drift is not None and self.sums is not None
-        self.sums.add_post([self.drift[index][span]], [self.params[index].buffer[span]], in_place=True)
+        self.sums.add([self.drift[index][span]], [self.params[index].buffer[span]], in_place=True)
 
     def _for_each_whole(self, stage: Callable[[int, slice], None]) -> None:
         for index, group in enumerate(self.params):
@@ -190,12 +184,14 @@ class DeviceAverager(_AveragerBase):
         start = time.perf_counter()
         assert self.queued is not None, "finish() without begin()"
         (steps, result, begin_ms), self.queued = self.queued, None
-        triple = _NO_DIVERGENCE
+        measured = 0.0
         if self.sums is not None and not result.skipped:
-            triple = self.sums.read()
+            measured = self.sums.read()
         total_steps = result.total_steps
         blocked = begin_ms + (time.perf_counter() - start) * 1000
-        self.outcome = RoundOutcome(steps, total_steps, result.skipped, triple, blocked, result.payload_bytes)
+        self.outcome = RoundOutcome(
+            steps, total_steps, result.skipped, measured, blocked, result.payload_bytes
+        )
         return self.outcome
 
     @torch.no_grad()
@@ -269,7 +265,7 @@ class HostAverager(_AveragerBase):
                 landing.copy_(host, non_blocking=True)
         blocked = self._begin_ms + (time.perf_counter() - start) * 1000
         return RoundOutcome(
-            self.outcome.steps, self.outcome.total_steps, self.outcome.skipped, self.outcome.triple,
+            self.outcome.steps, self.outcome.total_steps, self.outcome.skipped, self.outcome.divergence,
             blocked, self.outcome.payload_bytes,
         )  # fmt: skip
 
@@ -328,12 +324,12 @@ class HostAverager(_AveragerBase):
             result = self.reducer.reduce(
                 self.host, self.refs, self.host_buffers, steps, exact=exact, kept=kept
             )
-            triple = _NO_DIVERGENCE
+            measured = 0.0
             if not result.skipped:
                 _after_reduce(self.outer, self.refs, self.host)
-                triple = divergence_triple(self.host_pre, self.host)
+                measured = divergence(self.host_pre, self.host)
             self.outcome = RoundOutcome(
-                steps, result.total_steps, result.skipped, triple, 0.0, result.payload_bytes
+                steps, result.total_steps, result.skipped, measured, 0.0, result.payload_bytes
             )
         except BaseException as err:  # surfaced by finish()
             self.error = err

@@ -190,7 +190,6 @@ class Reducer:
             if not (first_prepared and k == 0):
                 stages.before(index, span)
             in_flight.append((span, self._all_reduce(tensor[span], factor, async_op=True)))
-            stages.during(index, span)
             if len(in_flight) == 2:
                 self._settle(index, stages, *in_flight.popleft())
         while in_flight:
@@ -220,10 +219,8 @@ class Reducer:
         """Gathered whole, so the stages run around the one collective."""
         assert ref is not None, "bf16_wire needs the shared reference parameters"
         whole = slice(0, tensor.numel())
-        if stages is not None:
-            if index > 0:  # the first tensor was prepared while the host read the totals
-                stages.before(index, whole)
-            stages.during(index, whole)
+        if stages is not None and index > 0:  # the first tensor was prepared while the host read the totals
+            stages.before(index, whole)
         payload = ((tensor - ref) * factor).to(torch.bfloat16)
         world = dist.get_world_size(self.group)
         gathered = torch.empty(world * payload.numel(), dtype=torch.bfloat16, device=payload.device)

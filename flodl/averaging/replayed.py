@@ -104,8 +104,6 @@ class ReplayedRound:
         if self.stages is not None:
             self.stages.before(0, self.whole)
         work = self.all_reduce(self.tensor, factors[0:1], True)
-        if self.stages is not None:
-            self.stages.during(0, self.whole)
         assert work is not None
         work.wait()  # on a GPU: the current stream waits for the collective; the host does not
         if self.stages is not None:

@@ -7,11 +7,8 @@ from typing import Protocol
 
 class ChunkStages(Protocol):
     """Work done on each chunk `tensor[span]` of the i-th reduced tensor: `before` its reduce is launched
-    (what must read the chunk first), `during` it (work on what `before` kept, which the device can overlap
-    with the transfer) and `after` it (on the result)."""
+    (what must read the chunk first) and `after` it (on the result)."""
 
     def before(self, index: int, span: slice) -> None: ...
-
-    def during(self, index: int, span: slice) -> None: ...
 
     def after(self, index: int, span: slice) -> None: ...

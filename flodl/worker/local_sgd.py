@@ -256,7 +256,7 @@ class LocalSgdWorker(WorkerBase):
                 round=order.round,
                 steps=outcome.steps,
                 skipped=outcome.skipped,
-                divergence=outcome.triple.divergence,
+                divergence=outcome.divergence,
                 round_ms=outcome.blocked_ms,
                 queued=self.queued_batches(),
                 steps_during_round=self.steps_since_avg - self.steps_at_snapshot,

@@ -48,7 +48,7 @@ class Spec:
     outer: str = "avg"
     rounds: int = 1
     train_during_round: bool = False
-    keeps_own: bool = True  # device only: keep the pre-reduce copy (triple, EASGD)
+    keeps_own: bool = True  # device only: keep the pre-reduce copy (divergence, EASGD)
     exact: bool = False  # the last round of a run: every rank must end with the same state
     kept: tuple[bool, bool] = (True, True)  # False: the rank dropped its window (non-finite loss)
     step_growth: tuple[int, int] = (0, 0)  # steps added per round after the first
@@ -133,7 +133,7 @@ def outcome_record(outcome: RoundOutcome) -> dict[str, Any]:
         "steps": outcome.steps,
         "total_steps": outcome.total_steps,
         "skipped": outcome.skipped,
-        "triple": [float(x) for x in outcome.triple],
+        "divergence": outcome.divergence,
         "payload_bytes": outcome.payload_bytes,
     }
 

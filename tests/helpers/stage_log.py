@@ -16,9 +16,6 @@ class Recorder:
     def before(self, index: int, span: slice) -> None:
         self.calls.append(("before", span.start))
 
-    def during(self, index: int, span: slice) -> None:
-        self.calls.append(("during", span.start))
-
     def after(self, index: int, span: slice) -> None:
         self.calls.append(("after", span.start))
 
