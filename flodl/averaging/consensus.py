@@ -327,7 +327,7 @@ class HostAverager(_AveragerBase):
             measured = 0.0
             if not result.skipped:
                 _after_reduce(self.outer, self.refs, self.host)
-                measured = divergence(self.host_pre, self.host)
+                measured = divergence(self.host_pre, self.host, in_place=True)  # host_pre is scratch
             self.outcome = RoundOutcome(
                 steps, result.total_steps, result.skipped, measured, 0.0, result.payload_bytes
             )
