@@ -171,7 +171,7 @@ def report(rows: list[tuple], world: int, bus: float, profiles: list[str]) -> No
         "",
         "guarded: the default cadence/async round (pre-reduce copy + divergence for the guard; over "
         "128 MiB in chunks of at least 64 MiB, the guard's work on one chunk overlapping the next chunk's "
-        "transfer); lean: `no_divergence_guard=true` without EASGD. Under 128 MiB a round gets its weights "
+        "transfer); lean: `divergence_guard=none` without EASGD. Under 128 MiB a round gets its weights "
         "on the device (no host read before the payload) and, after 2 eager rounds, is replayed as one CUDA "
         "graph (eager: never captured). Totals first: the round's float64 totals all-reduced and read on "
         "the host before the payload (what flodl does for larger models, the cpu backend, bf16_wire and "

@@ -171,12 +171,7 @@ def _local_sgd_driver(
         barrier_epochs=checkpoint_epochs(cfg),
         first_epoch=ledger.first_epoch,
     )
-    guard = make_guard(
-        cfg.divergence_threshold,
-        easgd_alpha_of(cfg) is not None,
-        cfg.no_divergence_guard,
-        cfg.divergence_guard,
-    )
+    guard = make_guard(cfg.divergence_guard, cfg.divergence_threshold, easgd_alpha_of(cfg) is not None)
     elche = ElChe(settings, epoch_batches=batches_per_epoch)
     if resumed is not None:  # ElChe's anchor and counts, the guard's history, the round clock
         state = resumed["driver"]

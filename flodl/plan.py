@@ -92,11 +92,7 @@ def describe(cfg: FlodlConfig, host: HostFacts) -> str:
             f"  local SGD       gamma={cfg.gamma} easgd_alpha={cfg.easgd_alpha} outer={cfg.outer} "
             f"anchor={cfg.anchor} (min {cfg.min_anchor or cfg.anchor}, max {cfg.max_anchor}) "
             f"overhead_target={cfg.overhead_target} max_batch_diff={cfg.max_batch_diff} "
-            f"max_overshoot={cfg.max_overshoot or 'auto 3-15'} guard="
-            + (
-                "off"
-                if cfg.no_divergence_guard
-                else f"{cfg.divergence_guard}({cfg.divergence_threshold or 'auto'})"
-            )
+            f"max_overshoot={cfg.max_overshoot or 'auto 3-15'} guard={cfg.divergence_guard}"
+            + (f"({cfg.divergence_threshold or 'auto'})" if cfg.divergence_guard == "trend" else "")
         )
     return "\n".join(lines)

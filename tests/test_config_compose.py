@@ -59,7 +59,6 @@ OVERRIDES = [
     ("plan=true", "plan", True, bool),
     ("outer_lr=0.5", "outer_lr", 0.5, float),
     ("outer_momentum=0.8", "outer_momentum", 0.8, float),
-    ("no_divergence_guard=true", "no_divergence_guard", True, bool),
     ("partition_ratios=[1,2]", "partition_ratios", [1.0, 2.0], list),
     ("vram_pool=false", "vram_pool", False, bool),
     ("vram_max_usage=0.8", "vram_max_usage", 0.8, float),

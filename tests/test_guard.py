@@ -121,19 +121,19 @@ def test_trend_rule_holds_for_any_sequence(values):
 
 
 def test_factory_defaults():
-    overwrite = make_guard(None, easgd=False, no_divergence_guard=False)
+    overwrite = make_guard("trend", None, easgd=False)
     assert isinstance(overwrite, TrendGuard) and overwrite.threshold == 0.05
-    easgd = make_guard(None, easgd=True, no_divergence_guard=False)
+    easgd = make_guard("trend", None, easgd=True)
     assert isinstance(easgd, TrendGuard) and easgd.threshold == 0.3
-    explicit = make_guard(0.2, easgd=True, no_divergence_guard=False)
+    explicit = make_guard("trend", 0.2, easgd=True)
     assert isinstance(explicit, TrendGuard) and explicit.threshold == 0.2
-    assert isinstance(make_guard(0.2, easgd=False, no_divergence_guard=True), NoGuard)
+    assert isinstance(make_guard("none", None, easgd=False), NoGuard)
 
 
 def test_easgd_guard_tolerates_rises_up_to_point_three():
-    assert verdicts(feed(make_guard(None, True, False), [0.1, 0.2, 0.29])) == [S, S, S]
-    assert verdicts(feed(make_guard(None, True, False), [0.1, 0.2, 0.31])) == [S, S, G]
-    assert verdicts(feed(make_guard(None, False, False), [0.1, 0.2, 0.29])) == [S, S, G]
+    assert verdicts(feed(make_guard("trend", None, True), [0.1, 0.2, 0.29])) == [S, S, S]
+    assert verdicts(feed(make_guard("trend", None, True), [0.1, 0.2, 0.31])) == [S, S, G]
+    assert verdicts(feed(make_guard("trend", None, False), [0.1, 0.2, 0.29])) == [S, S, G]
 
 
 # --- MsfGuard ---------------------------------------------------------------------------------
@@ -237,5 +237,4 @@ def test_unknown_guard_state_is_refused():
 
 
 def test_factory_builds_the_growth_rate_guard_on_request():
-    assert isinstance(make_guard(None, easgd=False, no_divergence_guard=False, kind="msf"), MsfGuard)
-    assert isinstance(make_guard(None, easgd=False, no_divergence_guard=True, kind="msf"), NoGuard)
+    assert isinstance(make_guard("msf", None, easgd=False), MsfGuard)

@@ -186,7 +186,6 @@ KNOB_VALUES = {
     "max_overshoot": 2,
     "divergence_threshold": 0.5,
     "divergence_guard": "msf",
-    "no_divergence_guard": True,
 }
 
 
@@ -409,6 +408,9 @@ def test_simulate_rules():
 def test_divergence_threshold_belongs_to_the_trend_guard():
     problems = problems_of(make(policy="cadence", divergence_guard="msf", divergence_threshold=0.1))
     assert_problem(problems, "divergence_threshold", 0.1, "applies to divergence_guard=trend")
+    problems = problems_of(make(policy="cadence", divergence_guard="none", divergence_threshold=0.1))
+    assert_problem(problems, "divergence_threshold", 0.1, "no guard reads it")
+    assert problems_of(make(policy="cadence", divergence_guard="none")) == []
     assert problems_of(make(policy="cadence", divergence_threshold=0.1)) == []
     assert_problem(problems_of(make(divergence_guard="bogus")), "divergence_guard", "bogus", "must be one of")
 

@@ -17,7 +17,7 @@ def averages_parameters(cfg: FlodlConfig) -> bool:
 
 def guarded(cfg: FlodlConfig) -> bool:
     """Whether a divergence guard reads the rounds (sync has none to guard)."""
-    return not cfg.no_divergence_guard and cfg.policy != "sync"
+    return cfg.divergence_guard != "none" and cfg.policy != "sync"
 
 
 def checkpoint_epochs(cfg: FlodlConfig) -> frozenset[int]:

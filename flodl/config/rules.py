@@ -23,7 +23,7 @@ WANDB_MODES = ("online", "offline", "disabled")
 # so they would have no effect, and a silently ignored knob is a bug report waiting to happen.
 LOCAL_SGD_KNOBS = (
     "gamma", "anchor", "min_anchor", "max_anchor", "overhead_target", "max_batch_diff",
-    "max_overshoot", "divergence_threshold", "divergence_guard", "no_divergence_guard",
+    "max_overshoot", "divergence_threshold", "divergence_guard",
 )  # fmt: skip
 
 # Keys that exist in the schema but whose feature has not landed yet: a value that would need the
@@ -128,11 +128,12 @@ def _cross_field_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
             yield _problem(key, getattr(cfg, key), "applies to outer=slowmo or diloco (outer=avg)")
     if cfg.outer == "diloco" and cfg.outer_momentum == 0:
         yield _problem("outer_momentum", 0.0, "DiLoCo's Nesterov step needs a momentum > 0")
-    if cfg.divergence_guard == "msf" and cfg.divergence_threshold is not None:
+    if cfg.divergence_guard != "trend" and cfg.divergence_threshold is not None:
         yield _problem(
             "divergence_threshold",
             cfg.divergence_threshold,
-            "applies to divergence_guard=trend; the msf guard reads the divergence growth rate",
+            f"applies to divergence_guard=trend (divergence_guard={cfg.divergence_guard}: "
+            + ("no guard reads it)" if cfg.divergence_guard == "none" else "the divergence growth rate)"),
         )
     if cfg.policy == "sync":
         defaults = _defaults()

@@ -17,7 +17,7 @@ from omegaconf import MISSING, OmegaConf
 POLICIES = ("sync", "cadence", "async")
 BACKENDS = ("nccl", "cpu")
 DEVICES = ("auto", "cpu", "cuda")
-GUARDS = ("trend", "msf")
+GUARDS = ("none", "trend", "msf")
 OUTERS = ("avg", "slowmo", "diloco")
 ON_NONFINITE = ("error", "skip")
 
@@ -130,9 +130,8 @@ class FlodlConfig:
     max_batch_diff: int | None = None
     max_overshoot: int | None = None
     divergence_threshold: float | None = None
-    # trend: 3 rises above divergence_threshold suppress growth; msf: the divergence growth rate.
+    # trend: 3 rises above divergence_threshold suppress growth; msf: the divergence growth rate; none: off.
     divergence_guard: str = "trend"
-    no_divergence_guard: bool = False
     partition_ratios: list[float] | None = None
 
     # --- data plane ---

@@ -64,7 +64,7 @@ class ConvergenceGuard(ABC):
 
 
 class NoGuard(ConvergenceGuard):
-    """Always Stable: the unconditioned baseline (`no_divergence_guard=true`)."""
+    """Always Stable: the unconditioned baseline (`divergence_guard=none`)."""
 
     kind = "none"
 
@@ -201,13 +201,11 @@ def guard_from_state(state: dict[str, Any]) -> ConvergenceGuard:
     return _GUARDS[kind].from_state(state)
 
 
-def make_guard(
-    divergence_threshold: float | None, easgd: bool, no_divergence_guard: bool, kind: str = "trend"
-) -> ConvergenceGuard:
-    """The run's guard from config: NoGuard when disabled; MsfGuard (growth rate) for kind="msf"; else a
+def make_guard(kind: str, divergence_threshold: float | None, easgd: bool) -> ConvergenceGuard:
+    """The run's guard from config: NoGuard for kind="none"; MsfGuard (growth rate) for kind="msf"; else a
     TrendGuard whose threshold defaults to 0.05, or 0.3 when EASGD blending is in effect (`easgd`:
     easgd_alpha is set and honoured)."""
-    if no_divergence_guard:
+    if kind == "none":
         return NoGuard()
     if kind == "msf":
         return MsfGuard()
