@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from benchlib import environment_lines, results_path, write_report
 
+from flodl.assembly import data_plane_settings
 from flodl.config.schema import FlodlConfig
 from flodl.data.feeder import BatchFeeder
 from flodl.data.memory import available_ram
@@ -85,7 +86,7 @@ def run(args: argparse.Namespace, work: Path) -> str:
         disk_stage_dir=str(work),
         vram_pool=args.vram_pool,
     )
-    feeder = BatchFeeder(cfg, dataset, device)
+    feeder = BatchFeeder(data_plane_settings(cfg, ranks_on_host=1), dataset, device)
     data_mb = args.samples * (width * 4 + 8) / MB
     lines = [
         "## data plane: slow source larger than the RAM budget",

@@ -30,6 +30,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))  # plain_torch
 
+from flodl.assembly import stepper_settings, task_settings, worker_settings  # noqa: E402
+from flodl.config.host import RankEnv  # noqa: E402
 from flodl.config.schema import register_configs, to_config  # noqa: E402
 from flodl.wire.messages import EpochSlice, StartEpoch  # noqa: E402
 from flodl.worker.base import RankLink  # noqa: E402
@@ -79,9 +81,10 @@ def flodl_run(task: str, overrides: list[str], device: torch.device) -> Callable
             ],
         )
     cfg = to_config(raw)
-    parts = build_task(cfg, device, 1)
-    stepper = Stepper(cfg, parts, device, parts.model, slow_factor=1.0)
-    worker = SyncWorker(stepper, RankLink(0, 1, None, None), bf16_wire=False, checkpointer=None)  # type: ignore[arg-type]
+    parts = build_task(task_settings(cfg), device, 1)
+    stepper = Stepper(stepper_settings(cfg, RankEnv(0, 1, 0, 1)), parts, device, parts.model)
+    link = RankLink(0, 1, None, None)  # type: ignore[arg-type]
+    worker = SyncWorker(stepper, link, worker_settings(cfg), bf16_wire=False, checkpointer=None)
     epochs = iter(range(1_000_000))
 
     def run(steps: int) -> None:

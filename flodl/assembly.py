@@ -1,7 +1,12 @@
-"""Put one rank together for its policy: the worker on every rank, the coordinator on rank 0."""
+"""Put one rank together for its policy: the worker on every rank, the coordinator on rank 0.
+
+Settings stop here: this module (and launch.py for what runs before it) maps the config to the small settings
+each room defines for itself, in the `*_settings` functions below; nothing under it reads the schema.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -14,31 +19,97 @@ from torch.nn.parallel import DistributedDataParallel
 from flodl.averaging.bf16_hook import bf16_gradient_hook
 from flodl.averaging.consensus import DeviceAverager, HostAverager
 from flodl.averaging.outer import OuterSettings
+from flodl.checkpoint import CheckpointDir
+from flodl.config.host import RankEnv, stage_dir_of
 from flodl.config.policy import averages_parameters, checkpoint_epochs, easgd_alpha_of, guarded
 from flodl.config.schema import FlodlConfig
 from flodl.coordinator.commit import HANG_MODEL_FILE, CheckpointCommitter, consensus_saver, run_kind
 from flodl.coordinator.coordinator import Coordinator, Driver, EpochSchedule, SyncDriver
 from flodl.coordinator.ledger import EpochLedger
 from flodl.coordinator.local_sgd_driver import LocalSgdDriver
+from flodl.data.feeder import DataPlaneSettings
 from flodl.data.partition import equal_slices
 from flodl.metrics.run_info import RunInfo
 from flodl.metrics.sinks import ConsoleSink, JsonlSink, Sink
 from flodl.metrics.timeline import Timeline
-from flodl.resume import checkpoint_dir
+from flodl.metrics.wandb_sink import WandbSettings
+from flodl.resume import ResumeSettings
 from flodl.rounds.elche import ElChe, ElCheSettings
 from flodl.rounds.guard import guard_from_state, make_guard
 from flodl.rounds.planner import LocalSgdPlanner
 from flodl.wire.heartbeat import HeartbeatMonitor
 from flodl.wire.transport import InboxReader, Mailbox
-from flodl.worker.base import RankLink, WorkerBase
+from flodl.worker.base import RankLink, WorkerBase, WorkerSettings
 from flodl.worker.checkpoint_part import RankCheckpointer
+from flodl.worker.faults import FaultInjection
 from flodl.worker.local_sgd import LocalSgdWorker
-from flodl.worker.stepper import Stepper
+from flodl.worker.stepper import Stepper, StepperSettings
 from flodl.worker.sync import SyncWorker
-from flodl.worker.task_setup import TaskParts
+from flodl.worker.task_setup import TaskParts, TaskSettings
 
 METRICS_FILE = "metrics.jsonl"
+GIB = 1 << 30
 log = logging.getLogger("flodl")
+
+
+# --- config -> settings, the one place ---
+
+
+def data_plane_settings(cfg: FlodlConfig, ranks_on_host: int) -> DataPlaneSettings:
+    return DataPlaneSettings(
+        batch_size=cfg.batch_size,
+        augment=cfg.augment,
+        seed=cfg.seed,
+        ram_max_usage=cfg.ram_max_usage,
+        vram_max_usage=cfg.vram_max_usage,
+        sample_cache=cfg.sample_cache,
+        vram_pool=cfg.vram_pool,
+        disk_stage_bytes=int(cfg.disk_stage_gb * GIB),
+        stage_dir=stage_dir_of(cfg),
+        stager=cfg.debug.stager,
+        data_plane=cfg.debug.data_plane,
+        ranks_on_host=ranks_on_host,
+    )
+
+
+def stepper_settings(cfg: FlodlConfig, env: RankEnv) -> StepperSettings:
+    sim = cfg.simulate
+    return StepperSettings(
+        data=data_plane_settings(cfg, env.local_world_size),
+        max_grad_norm=cfg.max_grad_norm,
+        slow_factor=sim.factor if sim.slow_rank == env.rank else 1.0,
+        fault=FaultInjection(
+            sim.nan_at_step if sim.nan_rank == env.rank else None,
+            sim.hang_at_step if sim.hang_rank == env.rank else None,
+        ),
+    )
+
+
+def worker_settings(cfg: FlodlConfig) -> WorkerSettings:
+    return WorkerSettings(log_every=cfg.logger.log_every, on_nonfinite=cfg.on_nonfinite)
+
+
+def task_settings(cfg: FlodlConfig) -> TaskSettings:
+    return TaskSettings(
+        targets=dataclasses.asdict(cfg.task),
+        seed=cfg.seed,
+        lr_scale_ratio=cfg.lr_scale_ratio,
+        check_purity=cfg.debug.check_purity,
+    )
+
+
+def resume_settings(cfg: FlodlConfig, run_dir: Path) -> ResumeSettings:
+    root = Path(cfg.save_path) if cfg.save_path else run_dir
+    kind = run_kind(cfg.policy, averages_parameters(cfg))
+    return ResumeSettings(cfg.resume, CheckpointDir(root, cfg.checkpoint_keep), kind)
+
+
+def wandb_settings(cfg: FlodlConfig) -> WandbSettings:
+    logger = cfg.logger
+    return WandbSettings(logger.mode, logger.project, logger.entity, tuple(logger.tags))
+
+
+# --- the rank's parts ---
 
 
 def _ddp(cfg: FlodlConfig, parts: TaskParts, device: torch.device) -> DistributedDataParallel:
@@ -57,25 +128,25 @@ def _ddp(cfg: FlodlConfig, parts: TaskParts, device: torch.device) -> Distribute
 def make_worker(
     cfg: FlodlConfig,
     parts: TaskParts,
-    rank: int,
-    world_size: int,
+    env: RankEnv,
     device: torch.device,
     reader: InboxReader,
     outbox: Mailbox,
     run_dir: Path,
 ) -> WorkerBase:
-    slow = cfg.simulate.factor if cfg.simulate.slow_rank == rank else 1.0
+    rank, world_size = env.rank, env.world_size
     link = RankLink(rank, world_size, reader, outbox)
+    settings = worker_settings(cfg)
 
     def checkpointer(stepper: Stepper) -> RankCheckpointer | None:
         if cfg.checkpoint_every is None:
             return None
-        return RankCheckpointer(checkpoint_dir(cfg, run_dir), rank, parts.model, stepper)
+        return RankCheckpointer(resume_settings(cfg, run_dir).checkpoints, rank, parts.model, stepper)
 
     if not averages_parameters(cfg):
         train_module = _ddp(cfg, parts, device) if world_size > 1 else parts.model
-        stepper = Stepper(cfg, parts, device, train_module, slow, rank)
-        return SyncWorker(stepper, link, cfg.bf16_wire, checkpointer(stepper))
+        stepper = Stepper(stepper_settings(cfg, env), parts, device, train_module)
+        return SyncWorker(stepper, link, settings, cfg.bf16_wire, checkpointer(stepper))
     outer = OuterSettings.resolve(cfg.outer, cfg.outer_lr, cfg.outer_momentum)
     averager: DeviceAverager | HostAverager
     if cfg.backend == "cpu":
@@ -84,10 +155,10 @@ def make_worker(
     else:
         keeps_own = guarded(cfg) or easgd_alpha_of(cfg) is not None
         averager = DeviceAverager(parts.model, cfg.gamma, device, cfg.bf16_wire, outer, keeps_own)
-    stepper = Stepper(cfg, parts, device, parts.model, slow, rank)
+    stepper = Stepper(stepper_settings(cfg, env), parts, device, parts.model)
     keep_training = cfg.backend == "cpu" and cfg.policy == "async"
     alpha = easgd_alpha_of(cfg)
-    return LocalSgdWorker(stepper, link, averager, alpha, keep_training, checkpointer(stepper))
+    return LocalSgdWorker(stepper, link, settings, averager, alpha, keep_training, checkpointer(stepper))
 
 
 def make_coordinator(
@@ -113,7 +184,7 @@ def make_coordinator(
     if cfg.checkpoint_every is not None:
         due = {e for e in checkpoint_epochs(cfg) if e >= first}
         kind = run_kind(cfg.policy, averages_parameters(cfg))
-        committer = CheckpointCommitter(checkpoint_dir(cfg, run_dir), world_size, due, kind)
+        committer = CheckpointCommitter(resume_settings(cfg, run_dir).checkpoints, world_size, due, kind)
     driver: Driver
     if not averages_parameters(cfg):
         per_rank = equal_slices(total_picks, world_size, cfg.batch_size)[0].size // cfg.batch_size
@@ -134,7 +205,7 @@ def make_coordinator(
     if cfg.logger.name == "wandb":
         from flodl.metrics.wandb_sink import WandbSink
 
-        sinks.append(WandbSink(cfg.logger, info, config, cfg.policy))
+        sinks.append(WandbSink(wandb_settings(cfg), info, config, cfg.policy))
     monitor = HeartbeatMonitor(world_size, cfg.heartbeat_timeout_s, started=0.0)
     saver = None if averages_parameters(cfg) else consensus_saver(*rank0_model, run_dir / HANG_MODEL_FILE)
     return Coordinator(reader, outbox, ledger, driver, sinks, timeline, run_dir, monitor, committer, saver)

@@ -21,10 +21,11 @@ from typing import Any
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from flodl.assembly import METRICS_FILE, checkpoint_dir, make_coordinator, make_worker
+from flodl.assembly import METRICS_FILE, make_coordinator, make_worker, resume_settings, task_settings
 from flodl.checkpoint import MODEL_FILE, CheckpointError, save_model
 from flodl.cluster_env import adopt_scheduler_environ
 from flodl.config.host import HostFacts, RankEnv
+from flodl.config.policy import collective_backend
 from flodl.config.rules import ConfigError, validate
 from flodl.config.schema import FlodlConfig, to_config
 from flodl.coordinator.coordinator import Coordinator
@@ -40,12 +41,7 @@ from flodl.resume import (
     restore_worker,
     truncate_history,
 )
-from flodl.wire.group import (
-    agree_on_config,
-    collective_backend,
-    init_group,
-    pick_device,
-)
+from flodl.wire.group import agree_on_config, init_group, pick_device
 from flodl.wire.heartbeat import HeartbeatSender, beat_interval
 from flodl.wire.messages import Exiting
 from flodl.wire.transport import COORDINATOR, InboxReader, Mailbox
@@ -64,7 +60,7 @@ def launch_from_hydra(cfg: DictConfig) -> None:
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        launch(cfg, from_hydra(run_dir))
+        launch(cfg, from_hydra(run_dir, cfg.logger.group))
     except (ConfigError, RankFailure) as err:
         print(f"flodl: {err}", file=sys.stderr)
         sys.exit(2 if isinstance(err, ConfigError) else 1)
@@ -84,7 +80,7 @@ def launch(cfg: DictConfig, info: RunInfo) -> None:
         run_rank(config, info.as_dict())
     else:
         try:  # a checkpoint this job cannot resume is refused before any rank starts
-            choose_checkpoint(typed, Path(info.run_dir), host.world_size)
+            choose_checkpoint(resume_settings(typed, Path(info.run_dir)), host.world_size)
         except CheckpointError as err:
             raise ConfigError([f"resume={typed.resume!r}: {err}"]) from None
         self_launch(config, info, typed)
@@ -118,7 +114,7 @@ def self_launch(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig) -> None
         failed = sorted(err.failures)
         logs = ", ".join(str(run_dir / f"rank{r}.log") for r in failed)
         codes = ", ".join(f"rank {r}: exit code {err.failures[r].exitcode}" for r in failed)
-        latest = checkpoint_dir(cfg, run_dir).latest()
+        latest = resume_settings(cfg, run_dir).checkpoints.latest()
         where = f"the last checkpoint is {latest.path}" if latest else "no checkpoint was written"
         raise RankFailure(
             f"rank(s) {failed} failed ({codes}); {where}; see the traceback above and {logs}"
@@ -132,8 +128,8 @@ def run_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
     env = RankEnv.from_environ()
     run_dir = Path(info.run_dir)
     setup_rank_logging(env.rank, run_dir)
-    device = pick_device(cfg, env.local_rank)
-    backend = collective_backend(cfg, device)
+    device = pick_device(cfg.device, env.local_rank)
+    backend = collective_backend(cfg.backend, device.type)
     group = init_group(env, backend, device, cfg.launch.timeout_s)
     log.info(
         "rank %d/%d (pid %d) on %s (%s), master port %s, CUDA_VISIBLE_DEVICES=%s, run dir %s",
@@ -144,10 +140,10 @@ def run_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
     outbox: Mailbox | None = None
     try:
         namespace = agree_on_config(config, env.rank)
-        parts = build_task(cfg, device, env.world_size)
+        parts = build_task(task_settings(cfg), device, env.world_size)
         total_picks = len(parts.train_data) * cfg.augment
         _check_epoch_fits(cfg, total_picks, env.world_size)
-        checkpoint = agree_on_checkpoint(cfg, run_dir, env.rank, env.world_size)
+        checkpoint = agree_on_checkpoint(resume_settings(cfg, run_dir), env.rank, env.world_size)
         if checkpoint is not None:
             load_model(checkpoint, parts.model)
             if checkpoint.epoch + 1 >= cfg.epochs:
@@ -175,9 +171,7 @@ def run_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
             )  # fmt: skip
             coordinator.start()
         outbox = connect(env.rank)
-        worker = make_worker(
-            cfg, parts, env.rank, env.world_size, device, InboxReader(connect(env.rank)), outbox, run_dir
-        )
+        worker = make_worker(cfg, parts, env, device, InboxReader(connect(env.rank)), outbox, run_dir)
         if checkpoint is not None:
             restore_worker(checkpoint, worker)
         interval = beat_interval(cfg.heartbeat_timeout_s)

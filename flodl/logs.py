@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import sys
 from pathlib import Path
+
+from flodl.config.host import RankEnv
 
 LOGGER = "flodl"
 
 
 def rank_tag(rank: int) -> str:
     """`rN`, or `host:rN` when the job spans several hosts (torchrun --nnodes > 1)."""
-    hosts = int(os.environ.get("WORLD_SIZE", "1")) > int(
-        os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))
-    )
-    return f"{socket.gethostname()}:r{rank}" if hosts else f"r{rank}"
+    return f"{socket.gethostname()}:r{rank}" if RankEnv.from_environ().spans_hosts else f"r{rank}"
 
 
 def setup_rank_logging(rank: int, run_dir: Path) -> logging.Logger:

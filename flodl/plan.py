@@ -1,21 +1,23 @@
 """`python train.py plan=true ...`: validate, then print what the run would do — and start nothing.
 
-The model is built on the meta device (no memory, no weights) only to count its parameters.
+The model is built on the meta device (no memory, no weights) only to count its parameters. Every figure
+comes from the function the run itself asks (backend, averaging, staging budgets), given the host's facts.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 from dataclasses import dataclass
 
-import psutil
 import torch
 from hydra.utils import instantiate
 
-from flodl.config.host import HostFacts, stage_dir_of
+from flodl.assembly import data_plane_settings
+from flodl.config.host import HostFacts
+from flodl.config.policy import averages_parameters, collective_backend
 from flodl.config.rules import GIB
 from flodl.config.schema import FlodlConfig
+from flodl.data.feeder import DataPlaneSettings, staging_budgets
+from flodl.data.memory import RAM_FRACTION_CAP
 
 
 def human_bytes(n: float) -> str:
@@ -65,11 +67,8 @@ def describe(cfg: FlodlConfig, host: HostFacts) -> str:
         if uses_gpu
         else "CPU"
     )
-    backend = "nccl" if uses_gpu and cfg.backend == "nccl" else "gloo"
-    unit = "step (DDP gradients)" if cfg.policy == "sync" and cfg.backend == "nccl" else "averaging round"
-    avail = psutil.virtual_memory().available
-    stage_dir = stage_dir_of(cfg)
-    free_disk = shutil.disk_usage(stage_dir).free if os.path.isdir(stage_dir) else 0
+    backend = collective_backend(cfg.backend, "cuda" if uses_gpu else "cpu")
+    unit = "averaging round" if averages_parameters(cfg) else "step (DDP gradients)"
     lines = [
         "flodl plan (nothing was started)",
         f"  ranks           {world} in all, {host.ranks_per_node} on this host; devices: {devices}; "
@@ -78,11 +77,9 @@ def describe(cfg: FlodlConfig, host: HostFacts) -> str:
         f"(+{human_bytes(buffer_bytes)} float32 buffers)",
         f"  on the wire     {human_bytes(param_bytes + buffer_bytes)} per rank per {unit}, "
         f"{human_bytes(bf16 + buffer_bytes)} with bf16_wire" + (" (on)" if cfg.bf16_wire else " (off)"),
-        f"  RAM budget      {cfg.ram_max_usage:.0%} of {avail / GIB:.1f} GiB available = "
-        f"{cfg.ram_max_usage * avail / GIB:.1f} GiB (the data stager is not in this version)",
-        f"  disk budget     {cfg.disk_stage_gb:g} GiB x {host.ranks_per_node} rank(s) in {stage_dir} "
-        f"({free_disk / GIB:.1f} GiB free)",
-        f"  VRAM budget     {cfg.vram_max_usage:.0%} of each GPU's memory for the data plane"
+        *staging_lines(data_plane_settings(cfg, host.ranks_per_node), host),
+        f"  VRAM budget     {cfg.vram_max_usage:.0%} of each GPU's memory for the data plane, device sample "
+        f"pool {'on' if cfg.vram_pool and cfg.debug.data_plane else 'off'}"
         + ("" if uses_gpu else " (no GPU in use)"),
         f"  policy          {cfg.policy} on backend={cfg.backend}, batch {cfg.batch_size}/rank "
         f"(global {cfg.batch_size * world}), {cfg.epochs} epochs, seed {cfg.seed}",
@@ -96,3 +93,35 @@ def describe(cfg: FlodlConfig, host: HostFacts) -> str:
             + (f"({cfg.divergence_threshold or 'auto'})" if cfg.divergence_guard == "trend" else "")
         )
     return "\n".join(lines)
+
+
+def staging_lines(settings: DataPlaneSettings, host: HostFacts) -> list[str]:
+    """What the run's data plane will do with the RAM and disk tiers on this host."""
+    if not settings.data_plane:
+        return ["  data plane      off (debug.data_plane=false): each batch is read and copied in the step"]
+    if not settings.stager:
+        return ["  staging         off (debug.stager=false): batches are read from the source"]
+    budgets = staging_budgets(settings, host.available_ram)
+    ranks = settings.ranks_on_host
+    if budgets.ram is None:
+        ram = "off (sample_cache=false)" if not settings.sample_cache else "off (ram_max_usage=0)"
+    else:
+        fraction = min(settings.ram_max_usage, RAM_FRACTION_CAP)
+        ram = (
+            f"{human_bytes(budgets.ram)} per rank = {fraction:.0%} of {host.available_ram / GIB:.1f} GiB "
+            f"available / {ranks} rank(s) on this host"
+        )
+    if budgets.disk is None:
+        disk = "off (disk_stage_gb=0)"
+    else:
+        free = host.stage_dir_free_bytes
+        disk = (
+            f"{human_bytes(budgets.disk)} per rank x {ranks} rank(s) in {settings.stage_dir} "
+            f"({'missing' if free is None else f'{free / GIB:.1f} GiB free'})"
+        )
+    return [
+        f"  RAM tier        {ram}",
+        f"  disk tier       {disk}",
+        "                  (a stager thread fills both ahead of the read plan; train data already in memory "
+        "skips them)",
+    ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,35 +19,40 @@ from flodl.checkpoint import (
     CheckpointError,
     resolve_resume,
 )
-from flodl.config.policy import averages_parameters
-from flodl.config.schema import FlodlConfig
-from flodl.coordinator.commit import run_kind
 from flodl.worker.base import WorkerBase
 from flodl.worker.checkpoint_part import restore_rank_part
 
 log = logging.getLogger("flodl")
 
 
-def checkpoint_dir(cfg: FlodlConfig, run_dir: Path) -> CheckpointDir:
-    return CheckpointDir(Path(cfg.save_path) if cfg.save_path else run_dir, cfg.checkpoint_keep)
+@dataclass(frozen=True)
+class ResumeSettings:
+    """Which checkpoint a run continues from, and what it must match (mapped once, by flodl/assembly.py)."""
+
+    # auto, never, or the path of a checkpoint dir or run dir.
+    resume: str
+    # This run's checkpoints (under save_path, or the run dir).
+    checkpoints: CheckpointDir
+    # The policy facts a checkpoint must share with this run (flodl/coordinator/commit.py's run_kind).
+    kind: dict[str, Any]
 
 
-def choose_checkpoint(cfg: FlodlConfig, store_root: Path, world_size: int) -> Checkpoint | None:
+def choose_checkpoint(settings: ResumeSettings, world_size: int) -> Checkpoint | None:
     """The checkpoint `resume` names, checked against this run's world size and policy."""
-    found = resolve_resume(cfg.resume, checkpoint_dir(cfg, store_root))
+    found = resolve_resume(settings.resume, settings.checkpoints)
     if found is not None:
         check_world_size(found, world_size)
-        check_run_kind(found, coordinator_state(found), run_kind(cfg.policy, averages_parameters(cfg)))
+        check_run_kind(found, coordinator_state(found), settings.kind)
     return found
 
 
-def agree_on_checkpoint(cfg: FlodlConfig, store_root: Path, rank: int, world_size: int) -> Checkpoint | None:
+def agree_on_checkpoint(settings: ResumeSettings, rank: int, world_size: int) -> Checkpoint | None:
     """Rank 0 chooses (so every rank loads the same checkpoint, even while files change) and broadcasts its
     choice; a bad choice fails on every rank with rank 0's reason."""
     choice: list[Any] = [None]
     if rank == 0:
         try:
-            found = choose_checkpoint(cfg, store_root, world_size)
+            found = choose_checkpoint(settings, world_size)
             if found is not None:
                 choice = [("ok", str(found.path), found.epoch, found.world_size)]
         except CheckpointError as err:

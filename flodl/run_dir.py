@@ -8,12 +8,12 @@ so it lands in the same dir). `flodl_output_subdir` lets only rank 0 write `.hyd
 
 from __future__ import annotations
 
-import os
 from datetime import datetime, timedelta
 
 from omegaconf import OmegaConf
 
 from flodl.cluster_env import adopt_scheduler_environ
+from flodl.config.host import RankEnv
 
 STAMP_FORMAT = "%Y-%m-%d/%H-%M-%S"
 
@@ -21,7 +21,7 @@ STAMP_FORMAT = "%Y-%m-%d/%H-%M-%S"
 def env_rank() -> int:
     """Global rank from torchrun's (or the scheduler's) environment; 0 for a single process."""
     adopt_scheduler_environ()  # Hydra resolves the output subdir before flodl's launch code runs
-    return int(os.environ.get("RANK", "0"))
+    return RankEnv.from_environ().rank
 
 
 def agreed_run_stamp() -> str:
@@ -29,17 +29,13 @@ def agreed_run_stamp() -> str:
     stamp = datetime.now().strftime(STAMP_FORMAT)
     # Only the agent's store exists before rank 0 calls init_process_group; without it, each
     # rank keeps its own stamp and users pass a fixed hydra.run.dir (see README).
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    env = RankEnv.from_environ()
+    if not env.agent_store or env.master_addr is None or env.master_port is None:
         return stamp
     from torch.distributed import TCPStore
 
-    store = TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        is_master=False,
-        timeout=timedelta(seconds=60),
-    )
-    key = f"flodl/run_stamp/{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
+    store = TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timedelta(seconds=60))
+    key = f"flodl/run_stamp/{env.run_id}"
     return store.compare_set(key, "", stamp).decode()
 
 

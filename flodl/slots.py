@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Tells a job the slots launcher started (a single run to Hydra) which sweep it belongs to.
-SWEEP_GROUP_ENV = "FLODL_SWEEP_GROUP"
+# The override that tells a job the slots launcher started (a single run to Hydra) which sweep it belongs to.
+GROUP_KEY = "logger.group"
 
 
 @dataclass

@@ -31,7 +31,7 @@ SELECTED_AS = {
     "task": lambda cfg: cfg.task.name,
     "logger": lambda cfg: cfg.logger.name,
 }
-NESTED = {"task", "logger", "launch", "simulate"}
+NESTED = {"task", "logger", "launch", "simulate", "debug"}
 GROUP_KEYS = {"policy", "backend"}
 
 # One command-line override per top-level schema key (groups aside): (override, field, value, type).
@@ -216,9 +216,21 @@ def test_default_composition_is_the_digits_task(hydra_compose):
 def test_default_composition_passes_validation(default_cfg):
     cfg = default_cfg
     host = HostFacts(
-        gpus=0, ranks_per_node=1, world_size=1, under_torchrun=False, stage_dir_free_bytes=100 << 30
+        gpus=0,
+        ranks_per_node=1,
+        world_size=1,
+        under_torchrun=False,
+        stage_dir_free_bytes=100 << 30,
+        available_ram=64 << 30,
     )
     validate(cfg, host)
+
+
+def test_debug_switches_override_from_the_command_line(hydra_compose):
+    default = to_config(hydra_compose()).debug
+    assert (default.stager, default.data_plane, default.check_purity) == (True, True, False)
+    cfg = to_config(hydra_compose("debug.stager=false", "debug.data_plane=false", "debug.check_purity=true"))
+    assert (cfg.debug.stager, cfg.debug.data_plane, cfg.debug.check_purity) == (False, False, True)
 
 
 def test_simulate_knobs_override_from_the_command_line(hydra_compose):

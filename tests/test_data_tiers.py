@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -14,9 +15,10 @@ import numpy as np
 import pytest
 import torch
 
+from flodl.assembly import data_plane_settings
 from flodl.config.schema import FlodlConfig
 from flodl.data.augment import gaussian_jitter
-from flodl.data.feeder import BatchFeeder
+from flodl.data.feeder import BatchFeeder, DataPlaneSettings, StagingBudgets, staging_budgets
 from flodl.data.npy import NpyFolderDataSet, write_npy_folder
 from flodl.data.pack import PackFile
 from flodl.data.partition import epoch_permutation
@@ -37,11 +39,13 @@ def npy_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
-def config(**changes: object) -> FlodlConfig:
+def config(stager: bool = True, data_plane: bool = True, **changes: object) -> DataPlaneSettings:
+    """A one-rank run's data plane settings for these keys (`stager`, `data_plane`: the debug.* switches)."""
     cfg = FlodlConfig(batch_size=BATCH, seed=3)
+    cfg.debug.stager, cfg.debug.data_plane = stager, data_plane
     for key, value in changes.items():
         setattr(cfg, key, value)
-    return cfg
+    return data_plane_settings(cfg, ranks_on_host=1)
 
 
 def ram_fraction_for(samples: int) -> float:
@@ -156,24 +160,42 @@ def test_budgets_smaller_than_one_sample_warn_once_and_training_goes_on(npy_fold
     assert feeder.stats.totals["hits_ram"] == feeder.stats.totals["hits_disk"] == 0
 
 
-def test_stager_kill_switch_removes_the_tiers(npy_folder, tmp_path, monkeypatch):
-    monkeypatch.setenv("FLODL_STAGER", "OFF")
+def test_stager_switch_removes_the_tiers(npy_folder, tmp_path):
     dataset = NpyFolderDataSet(npy_folder)
-    feeder = BatchFeeder(config(disk_stage_gb=1.0, disk_stage_dir=str(tmp_path)), dataset, CPU)
-    assert feeder.tiers is None and feeder.stager is None
+    feeder = BatchFeeder(config(stager=False, disk_stage_gb=1.0, disk_stage_dir=str(tmp_path)), dataset, CPU)
+    assert feeder.active and feeder.tiers is None and feeder.stager is None
     assert_same(epochs_of(feeder, 1, SAMPLES), reference(dataset, 1))
     assert feeder.stats.totals["source_reads"] == SAMPLES // BATCH * BATCH
     assert not list(tmp_path.glob("*.pack"))
     feeder.close()
 
 
-def test_vram_pool_kill_switch(monkeypatch):
-    from flodl.data.device_pool import pool_env_off
+def test_data_plane_switch_reads_each_batch_in_the_step(npy_folder, tmp_path):
+    dataset = NpyFolderDataSet(npy_folder)
+    feeder = BatchFeeder(
+        config(data_plane=False, disk_stage_gb=1.0, disk_stage_dir=str(tmp_path)), dataset, CPU
+    )
+    assert not feeder.active and feeder.tiers is None and feeder.stager is None and feeder.prefetcher is None
+    assert_same(epochs_of(feeder, 1, SAMPLES), reference(dataset, 1))
+    assert not list(tmp_path.glob("*.pack"))
+    feeder.close()
 
-    assert not pool_env_off()
-    for value in ("off", "0", "Off"):
-        monkeypatch.setenv("FLODL_VRAM_POOL", value)
-        assert pool_env_off()
+
+def test_staging_budgets_follow_the_switches_and_split_the_host_ram():
+    settings = dataclasses.replace(config(ram_max_usage=0.5, disk_stage_gb=2.0), ranks_on_host=4)
+    assert staging_budgets(settings, available=8 << 30) == StagingBudgets(
+        1 << 30, 2 << 30
+    )  # 50% of 8 GiB over 4 ranks
+    assert (
+        staging_budgets(dataclasses.replace(settings, ram_max_usage=1.0), 8 << 30).ram
+        == int(0.9 * (8 << 30)) // 4
+    )
+    assert staging_budgets(dataclasses.replace(settings, sample_cache=False), 8 << 30) == StagingBudgets(
+        None, 2 << 30
+    )
+    assert staging_budgets(dataclasses.replace(settings, disk_stage_bytes=0), 8 << 30).disk is None
+    for off in ({"stager": False}, {"data_plane": False}):
+        assert staging_budgets(dataclasses.replace(settings, **off), 8 << 30) == StagingBudgets(None, None)
 
 
 def test_resident_data_bypasses_the_plane(npy_folder):
@@ -215,11 +237,7 @@ def test_augment_views_are_deterministic_across_runs_ranks_and_tiers(npy_folder,
     half = 2 * BATCH
     rank0 = BatchFeeder(cfg, dataset, CPU, transform=gaussian_jitter)
     rank0.advise(1, picks[:half])
-    os.environ["FLODL_STAGER"] = "off"
-    try:
-        rank1 = BatchFeeder(cfg, dataset, CPU, transform=gaussian_jitter)
-    finally:
-        del os.environ["FLODL_STAGER"]
+    rank1 = BatchFeeder(dataclasses.replace(cfg, stager=False), dataset, CPU, transform=gaussian_jitter)
     rank1.advise(1, picks[half : 2 * half])
     two_ranks = torch.cat(
         [rank0.load(picks[b * BATCH : (b + 1) * BATCH], 1)[0] for b in range(2)]

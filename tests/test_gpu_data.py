@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from flodl.assembly import data_plane_settings
 from flodl.config.schema import FlodlConfig
 from flodl.data.feeder import BatchFeeder
 from flodl.data.npy import NpyFolderDataSet, write_npy_folder
@@ -39,7 +40,8 @@ def feeder_for(dataset: NpyFolderDataSet, **changes: object) -> BatchFeeder:
     cfg = FlodlConfig(batch_size=BATCH, seed=1)
     for key, value in changes.items():
         setattr(cfg, key, value)
-    return BatchFeeder(cfg, dataset, torch.device("cuda"))  # no index: the feeder names it
+    settings = data_plane_settings(cfg, ranks_on_host=1)
+    return BatchFeeder(settings, dataset, torch.device("cuda"))  # no index: the feeder names it
 
 
 def run_chunk(feeder: BatchFeeder, dataset: NpyFolderDataSet, epoch: int) -> None:
@@ -122,9 +124,8 @@ def test_device_pool_serves_hits_on_the_device(dataset):
         feeder.close()
 
 
-def test_device_pool_kill_switch(dataset, monkeypatch):
-    monkeypatch.setenv("FLODL_VRAM_POOL", "off")
-    feeder = feeder_for(dataset, vram_pool=True)
+def test_device_pool_switch(dataset):
+    feeder = feeder_for(dataset, vram_pool=False)
     try:
         for epoch in range(3):
             run_chunk(feeder, dataset, epoch)

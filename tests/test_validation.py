@@ -13,7 +13,14 @@ from flodl.config.rules import GIB, LOCAL_SGD_KNOBS, NOT_IMPLEMENTED, ConfigErro
 from flodl.config.schema import FlodlConfig, to_config
 
 TASK = {"name": "t", "model": "m", "train_data": "d", "loss": "l", "optimizer": "o"}
-HOST = HostFacts(gpus=0, ranks_per_node=1, world_size=1, under_torchrun=False, stage_dir_free_bytes=100 * GIB)
+HOST = HostFacts(
+    gpus=0,
+    ranks_per_node=1,
+    world_size=1,
+    under_torchrun=False,
+    stage_dir_free_bytes=100 * GIB,
+    available_ram=64 * GIB,
+)
 INF = float("inf")
 NAN = float("nan")
 
@@ -298,6 +305,15 @@ def test_disk_rules_skip_a_disabled_tier():
 def test_disk_stage_dir_without_a_disk_tier_is_refused():
     problems = problems_of(make(disk_stage_dir="/stage"))
     assert_problem(problems, "disk_stage_dir", "/stage", "set disk_stage_gb > 0")
+
+
+@pytest.mark.parametrize("switch", ["debug.stager", "debug.data_plane"])
+def test_disk_tier_beside_a_switched_off_stager_is_refused(switch):
+    problems = problems_of(make(disk_stage_gb=1.0, **{switch: False}))
+    assert_problem(
+        problems, "disk_stage_gb", 1.0, f"the disk tier is part of the stager, which {switch}=false"
+    )
+    assert problems_of(make(**{switch: False})) == []
 
 
 def test_data_plane_values_in_range_pass():

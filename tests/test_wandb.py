@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from flodl.config.schema import LoggerConfig
 from flodl.metrics.aggregate import EpochMetrics
 from flodl.metrics.run_info import RunInfo
-from flodl.metrics.wandb_sink import WandbSink
+from flodl.metrics.wandb_sink import WandbSettings, WandbSink
 from tests.helpers.procs import child_env, leftovers, train
 
 WANDB = str(Path(sys.executable).with_name("wandb"))
@@ -132,7 +131,7 @@ class FailingRun:
 
 
 def test_a_failing_log_is_reported_once_and_then_skipped(caplog: pytest.LogCaptureFixture) -> None:
-    sink = WandbSink(LoggerConfig(name="wandb", mode="disabled"), RunInfo("/tmp/x", "g", "n"), {}, "sync")
+    sink = WandbSink(WandbSettings("disabled", "flodl", None, ()), RunInfo("/tmp/x", "g", "n"), {}, "sync")
     failing = FailingRun()
     sink.run = failing
     metrics = EpochMetrics(epoch=0, step=1, loss=1.0, samples=1, epoch_s=1.0, samples_per_s=1.0)

@@ -1,6 +1,7 @@
 """What this host and its launcher say: the one reader of the torchrun environment, and the host probe.
 
-Every place that needs RANK, LOCAL_RANK, WORLD_SIZE or LOCAL_WORLD_SIZE asks `RankEnv.from_environ()`.
+Every place that needs torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT, TORCHELASTIC_*) asks `RankEnv.from_environ()`; flodl/cluster_env.py writes them from Slurm's.
 """
 
 from __future__ import annotations
@@ -23,18 +24,38 @@ class RankEnv:
     # Ranks on this host (torchrun's LOCAL_WORLD_SIZE; 1 for a plain run).
     local_world_size: int
     # Set by torchrun / the elastic launcher; absent for a plain single-process run.
-    launched: bool
+    launched: bool = False
+    # The rendezvous store (MASTER_ADDR / MASTER_PORT; None outside a launcher).
+    master_addr: str | None = None
+    master_port: int | None = None
+    # torchrun's agent hosts the store (TORCHELASTIC_USE_AGENT_STORE=True, the default since torch 2.3).
+    agent_store: bool = False
+    # TORCHELASTIC_RESTART_COUNT: how often the elastic agent restarted this group.
+    restart_count: int = 0
+    # TORCHELASTIC_RUN_ID: the same across the restarts of one torchrun launch.
+    run_id: str = ""
 
     @classmethod
     def from_environ(cls) -> RankEnv:
-        launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+        env = os.environ
+        world_size = int(env.get("WORLD_SIZE", "1"))
         return cls(
-            rank=int(os.environ.get("RANK", "0")),
-            world_size=int(os.environ.get("WORLD_SIZE", "1")),
-            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))),
-            launched=launched,
+            rank=int(env.get("RANK", "0")),
+            world_size=world_size,
+            local_rank=int(env.get("LOCAL_RANK", "0")),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", world_size)),
+            launched="RANK" in env and "WORLD_SIZE" in env,
+            master_addr=env.get("MASTER_ADDR"),
+            master_port=int(env["MASTER_PORT"]) if "MASTER_PORT" in env else None,
+            agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+            restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            run_id=env.get("TORCHELASTIC_RUN_ID", ""),
         )
+
+    @property
+    def spans_hosts(self) -> bool:
+        """The job has ranks on more than this host (torchrun --nnodes > 1)."""
+        return self.world_size > self.local_world_size
 
 
 @dataclass(frozen=True)
@@ -49,10 +70,14 @@ class HostFacts:
     under_torchrun: bool
     # Free bytes in the disk stage dir; None when the dir does not exist.
     stage_dir_free_bytes: int | None
+    # RAM available to this host's ranks (the cgroup limit honoured), as the data plane reads it.
+    available_ram: int
 
     @classmethod
     def probe(cls, cfg: FlodlConfig) -> HostFacts:
         import torch
+
+        from flodl.data.memory import available_ram
 
         env = RankEnv.from_environ()
         under_torchrun = env.launched
@@ -60,7 +85,7 @@ class HostFacts:
         world = env.world_size if under_torchrun else cfg.launch.nproc_per_node
         stage_dir = stage_dir_of(cfg)
         free = shutil.disk_usage(stage_dir).free if os.path.isdir(stage_dir) else None
-        return cls(torch.cuda.device_count(), ranks, world, under_torchrun, free)
+        return cls(torch.cuda.device_count(), ranks, world, under_torchrun, free, available_ram())
 
 
 def stage_dir_of(cfg: FlodlConfig) -> str:

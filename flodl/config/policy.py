@@ -15,6 +15,11 @@ def averages_parameters(cfg: FlodlConfig) -> bool:
     return cfg.policy != "sync"
 
 
+def collective_backend(backend: str, device_type: str) -> str:
+    """The process group's backend: NCCL for backend=nccl on GPUs; gloo on CPU (where NCCL does not exist)."""
+    return "nccl" if backend == "nccl" and device_type == "cuda" else "gloo"
+
+
 def guarded(cfg: FlodlConfig) -> bool:
     """Whether a divergence guard reads the rounds (sync has none to guard)."""
     return cfg.divergence_guard != "none" and cfg.policy != "sync"

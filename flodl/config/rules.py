@@ -184,6 +184,7 @@ def _cross_field_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
             "launch.max_restarts", cfg.launch.max_restarts, "under torchrun use its own --max-restarts"
         )
     yield from _persistence_problems(cfg)
+    yield from _debug_problems(cfg)
     yield from _disk_problems(cfg, host)
 
 
@@ -196,6 +197,19 @@ def _persistence_problems(cfg: FlodlConfig) -> Iterator[str]:
             cfg.resume,
             "must be auto, never, or an existing checkpoint dir (checkpoints/epoch-NNNNNN) or run dir",
         )
+
+
+def _debug_problems(cfg: FlodlConfig) -> Iterator[str]:
+    # The disk tier lives under the stager: a switched-off stager would silently ignore it.
+    for switch in ("debug.data_plane", "debug.stager"):
+        if not _get(cfg, switch) and cfg.disk_stage_gb > 0:
+            yield _problem(
+                "disk_stage_gb",
+                cfg.disk_stage_gb,
+                f"the disk tier is part of the stager, which {switch}=false turns off; set disk_stage_gb=0 "
+                f"or {switch}=true",
+            )
+            return
 
 
 def _disk_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:

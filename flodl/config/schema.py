@@ -59,6 +59,9 @@ class LoggerConfig:
     project: str = "flodl"
     entity: str | None = None
     tags: list[str] = field(default_factory=list)
+    # The W&B group (null: the sweep's stamp under multirun, else the run's). The slots launcher sets it to
+    # its sweep's for each job it starts.
+    group: str | None = None
 
 
 @dataclass
@@ -90,6 +93,20 @@ class SimulateConfig:
     # heartbeat timeout. The frozen process is left for the launcher to kill.
     hang_at_step: int | None = None
     hang_rank: int = 0
+
+
+@dataclass
+class DebugConfig:
+    """Switches for A/B measurements and checks (recorded and agreed across ranks like every key)."""
+
+    # false: no RAM or disk tier and no stager thread; batches are read from the source.
+    stager: bool = True
+    # false: no tiers, stager, prefetch or device pool; each batch is read and copied in the step's thread,
+    # as a plain loop would (the baseline for the whole data plane).
+    data_plane: bool = True
+    # Read a few training samples twice at start and refuse a dataset whose bytes differ (augment belongs in
+    # task.transform).
+    check_purity: bool = False
 
 
 @dataclass
@@ -164,6 +181,7 @@ class FlodlConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     simulate: SimulateConfig = field(default_factory=SimulateConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
 
 def register_configs() -> None:

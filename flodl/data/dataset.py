@@ -77,8 +77,8 @@ def as_batch_dataset(data: Any, what: str) -> BatchDataSet:
 
 
 def check_purity(dataset: BatchDataSet, what: str, samples: int = 4) -> None:
-    """The purity contract, checked once (FLODL_DEBUG=1): fetching the same indices twice gives the same
-    bytes. Augmentation belongs in `task.transform`, never in the dataset."""
+    """The purity contract, checked once (debug.check_purity=true): fetching the same indices twice gives the
+    same bytes. Augmentation belongs in `task.transform`, never in the dataset."""
     indices = torch.arange(min(samples, len(dataset)))
     first, second = dataset.get_batch(indices), dataset.get_batch(indices)
     if len(first) != len(second) or not all(torch.equal(a, b) for a, b in zip(first, second, strict=True)):

@@ -7,17 +7,10 @@ eviction, no extra host transfer. The pool holds raw rows: the transform runs af
 
 from __future__ import annotations
 
-import os
 import threading
 
 import torch
 from torch import Tensor
-
-ENV_SWITCH = "FLODL_VRAM_POOL"
-
-
-def pool_env_off() -> bool:
-    return os.environ.get(ENV_SWITCH, "").strip().lower() in ("off", "0")
 
 
 class DevicePool:

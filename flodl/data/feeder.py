@@ -7,26 +7,25 @@
 the batch of exactly those picks: from the prefetch queue when it is the plan's next batch, else assembled
 on the spot. Correctness never depends on the advice. On CUDA batches are pinned, uploaded on a side stream
 and ordered before the step with an event; the first chunk runs without prefetch to measure the activation
-peak, later advice re-sizes the depth from the VRAM budget. Kill switches: `FLODL_STAGER=off` (no RAM or
-disk tier, no stager), `FLODL_VRAM_POOL=off` or `vram_pool=false` (no device pool).
+peak, later advice re-sizes the depth from the VRAM budget. Switches for A/B runs: `debug.stager=false` (no
+RAM or disk tier, no stager), `vram_pool=false` (no device pool), `debug.data_plane=false` (none of it).
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing.util
-import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from flodl.config.schema import FlodlConfig
 from flodl.data.advice import PlannedBatch, ReadPlan, batch_key
 from flodl.data.augment import Transform, apply_transform
 from flodl.data.dataset import BatchDataSet
-from flodl.data.device_pool import DevicePool, pool_env_off
+from flodl.data.device_pool import DevicePool
 from flodl.data.memory import available_ram, pool_budget, prefetch_depth, ram_budget
 from flodl.data.pack import PackFile
 from flodl.data.partition import picks_to_samples
@@ -38,42 +37,66 @@ from flodl.metrics.scalars import record_scalar
 
 log = logging.getLogger(__name__)
 
-STAGER_SWITCH = "FLODL_STAGER"
-GIB = 1 << 30
+
+@dataclass(frozen=True)
+class DataPlaneSettings:
+    """What the data plane reads of the run's config (mapped once, by flodl/assembly.py)."""
+
+    batch_size: int
+    augment: int
+    seed: int
+    ram_max_usage: float
+    vram_max_usage: float
+    sample_cache: bool
+    vram_pool: bool
+    # The disk tier's bytes per rank (0: off) and the folder its pack file goes in.
+    disk_stage_bytes: int
+    stage_dir: str
+    # debug.stager: the RAM and disk tiers and the stager thread.
+    stager: bool
+    # debug.data_plane: false reads and copies each batch in the step's thread, as a plain loop would (the A/B
+    # baseline for the whole plane).
+    data_plane: bool
+    # Ranks on this host: they share its RAM.
+    ranks_on_host: int
 
 
-PLANE_SWITCH = "FLODL_DATA_PLANE"
+@dataclass(frozen=True)
+class StagingBudgets:
+    """The staging tiers a rank gets for data not already in memory, in bytes (None: the tier is off)."""
+
+    ram: int | None
+    disk: int | None
 
 
-def stager_env_off() -> bool:
-    return os.environ.get(STAGER_SWITCH, "").strip().lower() in ("off", "0")
-
-
-def plane_env_off() -> bool:
-    """`FLODL_DATA_PLANE=off`: no tiers, stager, prefetch or pool; each batch is read and copied in the step's
-    thread, as a plain loop would (the A/B baseline for the whole data plane)."""
-    return os.environ.get(PLANE_SWITCH, "").strip().lower() in ("off", "0")
+def staging_budgets(settings: DataPlaneSettings, available: int, held: int = 0) -> StagingBudgets:
+    """The run's staging tiers given `available` RAM (and `held`, what the RAM tier holds already); what
+    `plan=true` prints for the same host facts."""
+    if not (settings.data_plane and settings.stager):
+        return StagingBudgets(None, None)
+    ram = None
+    if settings.sample_cache and settings.ram_max_usage > 0:
+        ram = ram_budget(available, held, settings.ram_max_usage, settings.ranks_on_host)
+    return StagingBudgets(ram, settings.disk_stage_bytes or None)
 
 
 class BatchFeeder:
     def __init__(
         self,
-        cfg: FlodlConfig,
+        settings: DataPlaneSettings,
         dataset: BatchDataSet,
         device: torch.device,
         transform: Transform | None = None,
-        ranks_on_host: int = 1,
     ) -> None:
-        self.cfg = cfg
+        self.settings = settings
         self.dataset = dataset
         if device.type == "cuda" and device.index is None:  # the data threads must name the device
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.transform = transform
-        self.ranks_on_host = ranks_on_host
-        self.plan = ReadPlan(cfg.augment)
+        self.plan = ReadPlan(settings.augment)
         self.stats = FeedStats()
-        resident = plane_env_off() or bool(getattr(dataset, "resident", False))
+        resident = not settings.data_plane or bool(getattr(dataset, "resident", False))
         # Whether anything between the source and the step exists (then the data/* metrics are recorded).
         # Data already in process memory goes straight to the step: gathering it in the step's thread is
         # cheaper than handing it over from a pipeline (GPT-nano on an H200: 2,712 vs 2,157 samples/s).
@@ -87,9 +110,7 @@ class BatchFeeder:
         self._template: list[Tensor] | None = None
         self._loads = 0
         self.pool: DevicePool | None = None
-        self._pool_wanted = self.cuda and cfg.vram_pool and not pool_env_off()
-        if self.cuda and cfg.vram_pool and pool_env_off():
-            log.info("device sample pool off (FLODL_VRAM_POOL=off)")
+        self._pool_wanted = self.cuda and settings.vram_pool
         self.prefetcher: Prefetcher | None = None
         if self.active:
             self.prefetcher = Prefetcher(
@@ -104,10 +125,10 @@ class BatchFeeder:
         """The worker will train these picks of `epoch` (after what it was advised before)."""
         if not self.active:
             return
-        self.plan.add(epoch, picks, self.cfg.batch_size)
+        self.plan.add(epoch, picks, self.settings.batch_size)
         ram = self.tiers.ram if self.tiers is not None else None
         if ram is not None:
-            ram.budget = ram_budget(available_ram(), ram.bytes, self.cfg.ram_max_usage, self.ranks_on_host)
+            ram.budget = staging_budgets(self.settings, available_ram(), ram.bytes).ram or 0
         if self.cuda and self._loads > 0:
             self._resize()
 
@@ -143,27 +164,18 @@ class BatchFeeder:
     # --- building ---
 
     def _tiers(self, resident: bool) -> TieredSource | None:
-        cfg = self.cfg
-        if stager_env_off():
-            log.info("stager off (%s=off): batches are read from the source", STAGER_SWITCH)
-            if cfg.disk_stage_gb > 0:
-                log.warning(
-                    "disk_stage_gb=%g ignored: the disk tier lives under the stager", cfg.disk_stage_gb
-                )
+        settings = self.settings
+        if not settings.stager:
+            log.info("stager off (debug.stager=false): batches are read from the source")
             return None
+        budgets = staging_budgets(settings, available_ram())
         if resident:
             # A copy of data already in process memory would only double its footprint.
-            if cfg.disk_stage_gb > 0:
+            if budgets.disk is not None:
                 log.info("train data is resident in memory: the disk tier is not used")
             return None
-        ram = None
-        if cfg.sample_cache and cfg.ram_max_usage > 0:
-            ram = RamCache(ram_budget(available_ram(), 0, cfg.ram_max_usage, self.ranks_on_host))
-        pack = None
-        if cfg.disk_stage_gb > 0:
-            from flodl.config.host import stage_dir_of
-
-            pack = PackFile(stage_dir_of(cfg), int(cfg.disk_stage_gb * GIB))
+        ram = RamCache(budgets.ram) if budgets.ram is not None else None
+        pack = PackFile(settings.stage_dir, budgets.disk) if budgets.disk is not None else None
         if ram is None and pack is None:
             return None
         log.info(
@@ -190,16 +202,15 @@ class BatchFeeder:
         # Blocks the caching allocator holds but nobody uses are free for the prefetch queue.
         used = total - free - (torch.cuda.memory_reserved(dev) - allocated)
         cap = self.plan.pending()
-        depth = prefetch_depth(total, used, self.cfg.vram_max_usage, self.activation, self.batch_bytes, cap)
+        max_usage = self.settings.vram_max_usage
+        depth = prefetch_depth(total, used, max_usage, self.activation, self.batch_bytes, cap)
         if self._pool_wanted and self._template is not None:
             self._pool_wanted = False
-            headroom = int(total * self.cfg.vram_max_usage) - used - self.activation
+            headroom = int(total * max_usage) - used - self.activation
             self._make_pool(pool_budget(headroom, depth, self.batch_bytes))
             if self.pool is not None:
                 used += self.pool.nbytes
-                depth = prefetch_depth(
-                    total, used, self.cfg.vram_max_usage, self.activation, self.batch_bytes, cap
-                )
+                depth = prefetch_depth(total, used, max_usage, self.activation, self.batch_bytes, cap)
         if self.prefetcher is not None:
             self.prefetcher.set_depth(depth)
         log.debug("prefetch depth %d (activation %d B, batch %d B)", depth, self.activation, self.batch_bytes)
@@ -225,17 +236,18 @@ class BatchFeeder:
         return self._assemble(planned.picks, planned.epoch)
 
     def _assemble(self, picks: Tensor, epoch: int) -> Any:
-        samples = picks_to_samples(picks, self.cfg.augment)
+        augment, seed = self.settings.augment, self.settings.seed
+        samples = picks_to_samples(picks, augment)
         if not self.cuda:
             rows = self._fetch(samples)
-            return apply_transform(self.transform, rows, picks, self.cfg.augment, epoch, self.cfg.seed)
+            return apply_transform(self.transform, rows, picks, augment, epoch, seed)
         assert self.side is not None
         with torch.cuda.stream(self.side):
             raw = self._gather_or_upload(samples)
             if self._template is None:
                 self._template = [torch.empty(t.shape[1:], dtype=t.dtype, device="meta") for t in raw]
                 self.batch_bytes = sum(t.numel() * t.element_size() for t in raw)
-            batch = apply_transform(self.transform, raw, picks, self.cfg.augment, epoch, self.cfg.seed)
+            batch = apply_transform(self.transform, raw, picks, augment, epoch, seed)
             ready = torch.cuda.Event()
             ready.record(self.side)
         return batch, ready

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
@@ -31,19 +30,17 @@ class RunInfo:
         return asdict(self)
 
 
-def from_hydra(run_dir: Path) -> RunInfo:
-    """Build the job's RunInfo inside @hydra.main (HydraConfig is only available there)."""
+def from_hydra(run_dir: Path, group: str | None = None) -> RunInfo:
+    """Build the job's RunInfo inside @hydra.main (HydraConfig is only available there). `group`:
+    `logger.group` (null: the sweep's stamp under multirun, else the run's; the slots launcher passes its
+    sweep's to each job, which runs as a single run)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from flodl.slots import SWEEP_GROUP_ENV
-
     hydra = HydraConfig.get()
-    multirun = hydra.mode == RunMode.MULTIRUN
-    sweep = Path(hydra.sweep.dir)
-    group = "/".join(sweep.parts[-2:]) if multirun else "/".join(run_dir.parts[-2:])
-    # A job the slots launcher started runs as a single run: its sweep comes through the environment.
-    group = os.environ.get(SWEEP_GROUP_ENV, group)
+    if group is None:
+        multirun = hydra.mode == RunMode.MULTIRUN
+        group = "/".join((Path(hydra.sweep.dir) if multirun else run_dir).parts[-2:])
     return RunInfo(
         run_dir=str(run_dir),
         group=group,

@@ -14,10 +14,10 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flodl.config.schema import LoggerConfig
 from flodl.metrics.aggregate import EpochMetrics
 from flodl.metrics.run_info import RunInfo
 from flodl.wire.messages import Progress
@@ -26,13 +26,24 @@ log = logging.getLogger("flodl")
 FINISH_TIMEOUT_S = 60.0
 
 
+@dataclass(frozen=True)
+class WandbSettings:
+    """The `logger` keys W&B reads (mapped once, by flodl/assembly.py)."""
+
+    # online, offline (written under the run dir, `wandb sync` later) or disabled.
+    mode: str
+    project: str
+    entity: str | None
+    tags: tuple[str, ...]
+
+
 class WandbSink:
-    def __init__(self, settings: LoggerConfig, info: RunInfo, config: dict[str, Any], policy: str) -> None:
+    def __init__(self, settings: WandbSettings, info: RunInfo, config: dict[str, Any], policy: str) -> None:
         self.run: Any = None
         self._failed = False
         self._guard(lambda: self._start(settings, info, config, policy), "could not start the W&B run")
 
-    def _start(self, settings: LoggerConfig, info: RunInfo, config: dict[str, Any], policy: str) -> None:
+    def _start(self, settings: WandbSettings, info: RunInfo, config: dict[str, Any], policy: str) -> None:
         import wandb
 
         self.run = wandb.init(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
@@ -15,20 +14,15 @@ import yaml
 from torch.distributed import PrefixStore, TCPStore
 
 from flodl.config.host import RankEnv
-from flodl.config.schema import FlodlConfig
 
 
-def pick_device(cfg: FlodlConfig, local_rank: int) -> torch.device:
-    if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
+def pick_device(wanted: str, local_rank: int) -> torch.device:
+    """The rank's device for the `device` key (auto, cpu or cuda): cuda:LOCAL_RANK unless on the CPU."""
+    if wanted == "cpu" or (wanted == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     device = torch.device("cuda", local_rank)
     torch.cuda.set_device(device)
     return device
-
-
-def collective_backend(cfg: FlodlConfig, device: torch.device) -> str:
-    """NCCL for backend=nccl on GPUs; gloo on CPU (where NCCL does not exist)."""
-    return "nccl" if cfg.backend == "nccl" and device.type == "cuda" else "gloo"
 
 
 @dataclass
@@ -53,9 +47,13 @@ def init_group(env: RankEnv, backend: str, device: torch.device, timeout_s: floa
     timeout = timedelta(seconds=timeout_s)
     device_id = device if device.type == "cuda" else None
     if env.launched:
-        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        if env.master_addr is None or env.master_port is None:
+            raise RuntimeError(
+                "RANK and WORLD_SIZE are set but MASTER_ADDR or MASTER_PORT is not: launch with torchrun"
+            )
+        host, port = env.master_addr, env.master_port
         # torchrun's agent hosts the store; otherwise rank 0 hosts it, as env:// would.
-        hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and env.rank == 0
+        hosts = not env.agent_store and env.rank == 0
         store = TCPStore(host, port, env.world_size, is_master=hosts, timeout=timeout)
         owned = store if hosts else None
     else:
@@ -66,9 +64,7 @@ def init_group(env: RankEnv, backend: str, device: torch.device, timeout_s: floa
     dist.init_process_group(
         backend,
         # torchrun's agent store outlives a restart: a restarted group must not meet its predecessor's keys.
-        store=PrefixStore(
-            f"flodl/group/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_groups_started}/", store
-        ),
+        store=PrefixStore(f"flodl/group/{env.restart_count}/{_groups_started}/", store),
         rank=env.rank,
         world_size=env.world_size,
         timeout=timeout,

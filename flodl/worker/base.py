@@ -33,20 +33,35 @@ class RankLink:
     outbox: Mailbox
 
 
+@dataclass(frozen=True)
+class WorkerSettings:
+    """What a worker reads of the run's config (mapped once, by flodl/assembly.py)."""
+
+    # logger.log_every: live loss and speed every this many steps (0: per chunk only).
+    log_every: int
+    # error (stop, naming rank and step) or skip (drop the rank's window; local SGD only).
+    on_nonfinite: str
+
+
 class WorkerBase:
     """The message loop every worker shares: obey the coordinator until Shutdown."""
 
     def __init__(
-        self, stepper: Stepper, link: RankLink, checkpointer: RankCheckpointer | None = None
+        self,
+        stepper: Stepper,
+        link: RankLink,
+        settings: WorkerSettings,
+        checkpointer: RankCheckpointer | None = None,
     ) -> None:
         self.stepper = stepper
+        self.on_nonfinite = settings.on_nonfinite
         # Writes this rank's checkpoint parts (None: checkpoint_every is off).
         self.checkpointer = checkpointer
         self.rank = link.rank
         self.world_size = link.world_size
         self.reader = link.reader
         self.outbox = link.outbox
-        self.log_every = stepper.cfg.logger.log_every
+        self.log_every = settings.log_every
         self._recent_loss: torch.Tensor | None = None
         self._recent_steps = 0
         self._recent_since = time.perf_counter()
@@ -86,7 +101,7 @@ class WorkerBase:
             return
         now = time.perf_counter()
         stepper = self.stepper
-        samples = self._recent_steps * stepper.cfg.batch_size
+        samples = self._recent_steps * stepper.batch_size
         recent_loss = float(self._recent_loss) / self._recent_steps
         if not math.isfinite(recent_loss):
             self.on_nonfinite_progress()
@@ -113,7 +128,7 @@ class WorkerBase:
     def raise_if_nonfinite(self) -> None:
         step = self.first_nonfinite_step()
         if step is not None:
-            raise NonFiniteError(nonfinite_message(self.rank, step, self.stepper.cfg.on_nonfinite))
+            raise NonFiniteError(nonfinite_message(self.rank, step, self.on_nonfinite))
 
     def on_nonfinite_progress(self) -> None:
         """A live loss report read a non-finite value: stop now, rather than at the window's end."""

@@ -9,20 +9,13 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from flodl.config.schema import SimulateConfig
-
 
 @dataclass(frozen=True)
 class FaultInjection:
+    """The faults of one rank (the assembly keeps `simulate`'s only where they name this rank)."""
+
     nan_at_step: int | None = None
     hang_at_step: int | None = None
-
-    @classmethod
-    def for_rank(cls, simulate: SimulateConfig, rank: int) -> FaultInjection:
-        return cls(
-            simulate.nan_at_step if simulate.nan_rank == rank else None,
-            simulate.hang_at_step if simulate.hang_rank == rank else None,
-        )
 
     def applied(self, loss: Tensor, step: int) -> Tensor:
         """The loss of 1-based `step`, made NaN (so its gradients and parameters go bad too) or with the

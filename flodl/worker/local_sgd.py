@@ -30,7 +30,7 @@ from flodl.wire.messages import (
     Reached,
     RoundAck,
 )
-from flodl.worker.base import RankLink, WorkerBase
+from flodl.worker.base import RankLink, WorkerBase, WorkerSettings
 from flodl.worker.checkpoint_part import RankCheckpointer
 from flodl.worker.nonfinite import NonFiniteError
 from flodl.worker.stepper import Stepper
@@ -58,12 +58,13 @@ class LocalSgdWorker(WorkerBase):
         self,
         stepper: Stepper,
         link: RankLink,
+        settings: WorkerSettings,
         averager: DeviceAverager | HostAverager,
         easgd_alpha: float | None,
         keep_training: bool,
         checkpointer: RankCheckpointer | None = None,
     ) -> None:
-        super().__init__(stepper, link, checkpointer)
+        super().__init__(stepper, link, settings, checkpointer)
         self.averager = averager
         self.easgd_alpha = easgd_alpha
         # Train on while a (cpu-backend) round is in flight, instead of waiting for its consensus.
@@ -94,7 +95,7 @@ class LocalSgdWorker(WorkerBase):
         self.averager.release()
 
     def on_nonfinite_progress(self) -> None:
-        if self.stepper.cfg.on_nonfinite == "error":
+        if self.on_nonfinite == "error":
             self.raise_if_nonfinite()
         # skip: the window boundary handles it
 
@@ -116,7 +117,7 @@ class LocalSgdWorker(WorkerBase):
             raise RuntimeError(f"rank {self.rank}: unexpected message under local SGD: {message!r}")
 
     def queued_batches(self) -> int:
-        batch_size = self.stepper.cfg.batch_size
+        batch_size = self.stepper.batch_size
         in_chunk = self.chunk.batches - self.chunk.done if self.chunk else 0
         return in_chunk + sum(part.size // batch_size for part in self.pending)
 
@@ -125,7 +126,7 @@ class LocalSgdWorker(WorkerBase):
             self._finish_round(self.round)
             return
         stepper = self.stepper
-        batch_size = stepper.cfg.batch_size
+        batch_size = stepper.batch_size
         if self.chunk is None:
             part = self.pending.popleft()
             zero = torch.zeros((), device=stepper.device)
@@ -165,7 +166,7 @@ class LocalSgdWorker(WorkerBase):
                 rank=self.rank,
                 epoch=chunk.epoch,
                 batches=batches,
-                samples=batches * self.stepper.cfg.batch_size,
+                samples=batches * self.stepper.batch_size,
                 loss_sum=float(chunk.loss_sum),  # the chunk's one read-back from the device
                 wall_ms=chunk.busy_s * 1000,
                 data_ms=chunk.data_s * 1000,
@@ -194,7 +195,7 @@ class LocalSgdWorker(WorkerBase):
 
     def _begin_round(self, order: AverageNow) -> None:
         steps = self.steps_since_avg
-        if self.stepper.cfg.on_nonfinite == "error":
+        if self.on_nonfinite == "error":
             self.raise_if_nonfinite()
         else:
             bad_step = self.first_nonfinite_step()

@@ -6,14 +6,13 @@ on the device and read once per chunk.
 
 from __future__ import annotations
 
-import os
 import time
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from flodl.config.schema import FlodlConfig
-from flodl.data.feeder import BatchFeeder
+from flodl.data.feeder import BatchFeeder, DataPlaneSettings
 from flodl.data.partition import epoch_permutation
 from flodl.wire.messages import EpochSlice, EvalResult
 from flodl.worker.faults import FaultInjection
@@ -23,40 +22,45 @@ from flodl.worker.task_setup import TaskParts
 _SPIN_S = 0.002
 
 
+@dataclass(frozen=True)
+class StepperSettings:
+    """What one rank's stepper reads of the run's config (mapped once, by flodl/assembly.py)."""
+
+    # Batch size, augment views and seed live with the data plane, which reads them too.
+    data: DataPlaneSettings
+    max_grad_norm: float | None
+    # simulate.factor for the slowed rank (1.0 elsewhere): each step takes this many times its real duration.
+    slow_factor: float
+    # simulate.nan_at_step / hang_at_step, when they name this rank.
+    fault: FaultInjection
+
+
 class Stepper:
     def __init__(
-        self,
-        cfg: FlodlConfig,
-        parts: TaskParts,
-        device: torch.device,
-        train_module: nn.Module,
-        slow_factor: float,
-        rank: int = 0,
+        self, settings: StepperSettings, parts: TaskParts, device: torch.device, train_module: nn.Module
     ) -> None:
-        self.cfg = cfg
+        self.settings = settings
+        self.batch_size = settings.data.batch_size
         self.parts = parts
         self.device = device
         self.train_module = train_module
-        # simulate.factor for the slowed rank: each step takes this many times its real duration.
-        self.slow_factor = slow_factor
         self.params = [p for p in parts.model.parameters() if p.requires_grad]
-        self.total_picks = len(parts.train_data) * cfg.augment
+        self.total_picks = len(parts.train_data) * settings.data.augment
         self.steps_total = 0
         self.schedule_position = 0
         # Each step's loss, kept on the device until a window boundary looks for the first non-finite one.
         self.nonfinite = NonFiniteWatch(device)
-        self.fault = FaultInjection.for_rank(cfg.simulate, rank)
+        self.fault = settings.fault
         self._permutations: dict[int, Tensor] = {}
         # The data plane: staging tiers, prefetch, device pool (flodl/data/feeder.py).
-        ranks_on_host = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        self.feeder = BatchFeeder(cfg, parts.train_data, device, parts.transform, ranks_on_host)
+        self.feeder = BatchFeeder(settings.data, parts.train_data, device, parts.transform)
 
     def picks(self, part: EpochSlice) -> Tensor:
         """The slice's picks of its epoch's shared permutation (cached per epoch)."""
         epoch = part.epoch
         if epoch not in self._permutations:
             self._permutations = {e: p for e, p in self._permutations.items() if e >= epoch - 1}
-            self._permutations[epoch] = epoch_permutation(self.total_picks, self.cfg.seed, epoch)
+            self._permutations[epoch] = epoch_permutation(self.total_picks, self.settings.data.seed, epoch)
         return self._permutations[epoch][part.offset : part.offset + part.size]
 
     def advise(self, part: EpochSlice) -> None:
@@ -74,12 +78,12 @@ class Stepper:
         loss = self.fault.applied(parts.loss_fn(self.train_module, batch), self.steps_total + 1)
         parts.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        if self.cfg.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
+        if self.settings.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.params, self.settings.max_grad_norm)
         parts.optimizer.step()
         self.steps_total += 1
         self.nonfinite.observe(loss, self.steps_total)
-        if self.slow_factor > 1.0:
+        if self.settings.slow_factor > 1.0:
             self._slow_down(started)
         return loss.detach()
 
@@ -99,7 +103,7 @@ class Stepper:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         now = time.perf_counter()
-        deadline = now + (now - started) * (self.slow_factor - 1.0)
+        deadline = now + (now - started) * (self.settings.slow_factor - 1.0)
         # Sleep overshoots by ~0.1 ms, which would distort sub-millisecond steps: spin the last stretch.
         if deadline - now > _SPIN_S:
             time.sleep(deadline - now - _SPIN_S)
@@ -117,8 +121,8 @@ class Stepper:
         sums: dict[str, Tensor] = {}
         model = self.parts.model
         model.eval()
-        for start in range(lo, hi, self.cfg.batch_size):
-            indices = torch.arange(start, min(start + self.cfg.batch_size, hi))
+        for start in range(lo, hi, self.batch_size):
+            indices = torch.arange(start, min(start + self.batch_size, hi))
             batch = [t.to(self.device, non_blocking=True) for t in data.get_batch(indices)]
             for name, value in (eval_fn(model, batch) if eval_fn else self._loss_sums(batch)).items():
                 sums[name] = sums.get(name, 0) + value.detach().double()

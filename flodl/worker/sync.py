@@ -12,16 +12,21 @@ import torch
 
 from flodl.metrics.scalars import drain_scalars
 from flodl.wire.messages import ChunkReport, Message, Saved, StartEpoch
-from flodl.worker.base import RankLink, WorkerBase
+from flodl.worker.base import RankLink, WorkerBase, WorkerSettings
 from flodl.worker.checkpoint_part import RankCheckpointer
 from flodl.worker.stepper import Stepper
 
 
 class SyncWorker(WorkerBase):
     def __init__(
-        self, stepper: Stepper, link: RankLink, bf16_wire: bool, checkpointer: RankCheckpointer | None
+        self,
+        stepper: Stepper,
+        link: RankLink,
+        settings: WorkerSettings,
+        bf16_wire: bool,
+        checkpointer: RankCheckpointer | None,
     ) -> None:
-        super().__init__(stepper, link, checkpointer)
+        super().__init__(stepper, link, settings, checkpointer)
         # What DDP all-reduces per step: every gradient, as bf16 under bf16_wire.
         self.gradient_bytes = sum(p.numel() * (2 if bf16_wire else p.element_size()) for p in stepper.params)
 
@@ -40,7 +45,7 @@ class SyncWorker(WorkerBase):
 
     def train_epoch(self, plan: StartEpoch) -> ChunkReport:
         stepper = self.stepper
-        batch_size = stepper.cfg.batch_size
+        batch_size = stepper.batch_size
         part = plan.part
         picks = stepper.picks(part)
         stepper.advise(part)

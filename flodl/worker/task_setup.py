@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import functools
-import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,7 +11,6 @@ import torch
 from hydra.utils import instantiate
 from torch import Tensor, nn
 
-from flodl.config.schema import FlodlConfig
 from flodl.data.augment import Transform
 from flodl.data.dataset import BatchDataSet, as_batch_dataset, check_purity
 
@@ -38,32 +36,48 @@ def lr_scale_factor(world_size: int, lr_scale_ratio: float) -> float:
     return 1.0 + (world_size - 1) * lr_scale_ratio
 
 
-def build_task(cfg: FlodlConfig, device: torch.device, world_size: int) -> TaskParts:
-    task = cfg.task
+@dataclass(frozen=True)
+class TaskSettings:
+    """What building a task reads of the run's config (mapped once, by flodl/assembly.py)."""
+
+    # The task's Hydra `_target_` nodes as plain data, by key (model, train_data, loss, ...; None: absent).
+    targets: Mapping[str, Any]
+    seed: int
+    lr_scale_ratio: float
+    # debug.check_purity: read a few train samples twice and refuse data that differs.
+    check_purity: bool
+
+
+def build_task(settings: TaskSettings, device: torch.device, world_size: int) -> TaskParts:
+    task = settings.targets
     # Same seed on every rank: identical initial weights even before DDP broadcasts rank 0's.
-    torch.manual_seed(cfg.seed)
-    model = _built(task.model, "task.model", nn.Module).to(device)
-    optimizer = _built(task.optimizer, "task.optimizer", object)(model.parameters())
-    factor = lr_scale_factor(world_size, cfg.lr_scale_ratio)
+    torch.manual_seed(settings.seed)
+    model = _built(task["model"], "task.model", nn.Module).to(device)
+    optimizer = _built(task["optimizer"], "task.optimizer", object)(model.parameters())
+    factor = lr_scale_factor(world_size, settings.lr_scale_ratio)
     for group in optimizer.param_groups:
         group["lr"] *= factor
-    scheduler = _built(task.scheduler, "task.scheduler", object)(optimizer) if task.scheduler else None
-    eval_data = as_batch_dataset(instantiate(task.eval_data), "task.eval_data") if task.eval_data else None
-    train_data = as_batch_dataset(instantiate(task.train_data), "task.train_data")
-    if os.environ.get("FLODL_DEBUG"):
+    scheduler = _built(task["scheduler"], "task.scheduler", object)(optimizer) if task["scheduler"] else None
+    eval_data = (
+        as_batch_dataset(instantiate(task["eval_data"]), "task.eval_data") if task["eval_data"] else None
+    )
+    train_data = as_batch_dataset(instantiate(task["train_data"]), "task.train_data")
+    if settings.check_purity:
         check_purity(train_data, "task.train_data")
     return TaskParts(
         model=model,
         train_data=train_data,
         eval_data=eval_data,
-        loss_fn=per_step_callable(_built(task.loss, "task.loss", object)),
-        eval_fn=per_step_callable(_built(task.eval_fn, "task.eval_fn", object)) if task.eval_fn else None,
+        loss_fn=per_step_callable(_built(task["loss"], "task.loss", object)),
+        eval_fn=_step_callable_of(task["eval_fn"], "task.eval_fn"),
         optimizer=optimizer,
         scheduler=scheduler,
-        transform=per_step_callable(_built(task.transform, "task.transform", object))
-        if task.transform
-        else None,
+        transform=_step_callable_of(task["transform"], "task.transform"),
     )
+
+
+def _step_callable_of(node: Any, key: str) -> Any:
+    return per_step_callable(_built(node, key, object)) if node else None
 
 
 class _AuthorizedOnce:

@@ -22,7 +22,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.launcher import Launcher
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from flodl.slots import SWEEP_GROUP_ENV, gpu_slots
+from flodl.slots import GROUP_KEY, gpu_slots
 
 log = logging.getLogger("flodl")
 _POLL_S = 0.2
@@ -99,10 +99,11 @@ class SlotLauncher(Launcher):
         self, index: int, overrides: list[str], gpus: list[int], job_dir: Path, sweep: Path
     ) -> _Running:
         env = dict(os.environ)
-        env[SWEEP_GROUP_ENV] = "/".join(sweep.parts[-2:])
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
         command = [sys.executable, sys.argv[0], *overrides, f"hydra.run.dir={job_dir}"]
+        if not any(o.startswith(f"{GROUP_KEY}=") for o in overrides):  # a group the user chose stays theirs
+            command.append(f"{GROUP_KEY}={'/'.join(sweep.parts[-2:])}")
         job_dir.mkdir(parents=True, exist_ok=True)
         log.info("job %d on %s: %s", index, f"GPUs {gpus}" if gpus else "CPU", " ".join(overrides))
         output = (job_dir / "job.out").open("w")

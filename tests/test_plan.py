@@ -1,0 +1,58 @@
+"""`plan=true` prints what the run will do: its figures come from the functions the run asks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from flodl.assembly import data_plane_settings
+from flodl.config.host import HostFacts
+from flodl.config.rules import GIB
+from flodl.config.schema import to_config
+from flodl.data.feeder import staging_budgets
+from flodl.plan import describe
+
+DIGITS = {
+    "name": "digits",
+    "model": {"_target_": "flodl.tasks.digits.DigitsMLP", "hidden": 128},
+    "train_data": {"_target_": "flodl.tasks.digits.digits_dataset", "split": "train"},
+    "loss": {"_target_": "flodl.tasks.classification.cross_entropy_loss", "_partial_": True},
+    "optimizer": {"_target_": "torch.optim.Adam", "_partial_": True},
+}
+HOST = HostFacts(
+    gpus=0,
+    ranks_per_node=4,
+    world_size=4,
+    under_torchrun=True,
+    stage_dir_free_bytes=50 * GIB,
+    available_ram=64 * GIB,
+)
+
+
+def plan_of(host: HostFacts = HOST, **keys: object) -> str:
+    return describe(to_config({"task": DIGITS, **keys}), host)
+
+
+def test_plan_ram_budget_is_the_runs_for_the_same_host_facts():
+    cfg = to_config({"task": DIGITS, "ram_max_usage": 0.5})
+    run = staging_budgets(data_plane_settings(cfg, HOST.ranks_per_node), HOST.available_ram).ram
+    assert run == 8 * GIB  # 50% of 64 GiB, shared by the host's 4 ranks
+    assert "RAM tier        8.0 GiB per rank = 50% of 64.0 GiB available / 4 rank(s)" in describe(cfg, HOST)
+    # The run caps the fraction at 90%, and so does the plan.
+    capped = plan_of(dataclasses.replace(HOST, ranks_per_node=1), ram_max_usage=0.9, sample_cache=True)
+    assert "RAM tier        57.6 GiB per rank = 90% of 64.0 GiB" in capped
+
+
+def test_plan_says_what_the_stager_and_disk_tier_will_do():
+    text = plan_of(disk_stage_gb=2.0)
+    assert "disk tier       2.0 GiB per rank x 4 rank(s)" in text and "(50.0 GiB free)" in text
+    assert "disk tier       off (disk_stage_gb=0)" in plan_of()
+    assert "RAM tier        off (sample_cache=false)" in plan_of(sample_cache=False)
+    assert "staging         off (debug.stager=false)" in plan_of(debug={"stager": False})
+    assert "data plane      off (debug.data_plane=false)" in plan_of(debug={"data_plane": False})
+    assert "not in this version" not in text
+
+
+def test_plan_asks_the_runs_backend_and_averaging():
+    assert "collectives: gloo" in plan_of()  # no GPU: gloo, whatever backend says
+    assert "per rank per step (DDP gradients)" in plan_of()
+    assert "per rank per averaging round" in plan_of(policy="cadence")
