@@ -6,6 +6,7 @@ import socket
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.helpers.procs import TORCHRUN, TRAIN, finish, leftovers, start, torchrun, train
 from tests.helpers.runs import assert_complete_run, epochs_of, finished_at, rank0_line
@@ -88,6 +89,11 @@ def test_slots_launcher_runs_jobs_side_by_side_on_their_own_ports(tmp_path: Path
     assert recorded[1][0] < finished_at(jobs[0]) and recorded[0][0] < finished_at(jobs[1])
     # ...and job 2 waited for a free slot.
     assert recorded[2][0] >= min(finished_at(jobs[0]), finished_at(jobs[1]))
+    # Each job learns its sweep's group through logger.group (recorded with its config), not in its name.
+    config = yaml.safe_load((jobs[1] / ".hydra" / "config.yaml").read_text())
+    assert config["logger"]["group"] == f"{tmp_path.name}/sweep"
+    name = yaml.safe_load((jobs[1] / ".hydra" / "hydra.yaml").read_text())["hydra"]["job"]["override_dirname"]
+    assert name == "epochs=2,launch.nproc_per_node=2,launch.start_method=fork,seed=1"
     assert not leftovers(tmp_path)
 
 
