@@ -22,6 +22,7 @@ from flodl.averaging.outer import OuterSettings
 from flodl.checkpoint import CheckpointDir
 from flodl.config.host import RankEnv, stage_dir_of
 from flodl.config.policy import averages_parameters, checkpoint_epochs, easgd_alpha_of, guarded
+from flodl.config.rules import GIB
 from flodl.config.schema import FlodlConfig
 from flodl.coordinator.commit import HANG_MODEL_FILE, CheckpointCommitter, consensus_saver, run_kind
 from flodl.coordinator.coordinator import Coordinator, Driver, EpochSchedule, SyncDriver
@@ -48,7 +49,6 @@ from flodl.worker.sync import SyncWorker
 from flodl.worker.task_setup import TaskParts, TaskSettings
 
 METRICS_FILE = "metrics.jsonl"
-GIB = 1 << 30
 log = logging.getLogger("flodl")
 
 
