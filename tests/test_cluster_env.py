@@ -9,6 +9,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from flodl.cluster_env import PORT_BASE, expand_nodelist, scheduler_rank_environ
+from flodl.config.host import RankEnv
 from flodl.config.schema import register_configs
 from tests.helpers.procs import CONF, leftovers, train
 from tests.helpers.runs import assert_complete_run
@@ -52,6 +53,31 @@ def test_a_slurm_task_becomes_a_rank_with_the_first_node_hosting_the_store() -> 
 def test_torchrun_variables_and_a_users_port_win() -> None:
     assert scheduler_rank_environ({**SLURM_TASK, "RANK": "3", "WORLD_SIZE": "4"}) == {}
     assert scheduler_rank_environ({**SLURM_TASK, "MASTER_PORT": "29500"})["MASTER_PORT"] == "29500"
+
+
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+ELASTIC_VARIABLES = ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID")
+
+
+def test_rank_env_reads_what_torchrun_sets(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in TORCHRUN_VARIABLES + ELASTIC_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert RankEnv.from_environ() == RankEnv(rank=0, world_size=1, local_rank=0, local_world_size=1)
+    values = ("5", "8", "1", "4", "head", "29400", "True", "2", "job-7")
+    for name, value in zip(TORCHRUN_VARIABLES + ELASTIC_VARIABLES, values, strict=True):
+        monkeypatch.setenv(name, value)
+    env = RankEnv.from_environ()
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size, env.launched) == (
+        5,
+        8,
+        1,
+        4,
+        True,
+    )
+    assert (env.master_addr, env.master_port, env.agent_store) == ("head", 29400, True)
+    assert (env.restart_count, env.run_id, env.spans_hosts) == (2, "job-7", True)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")  # one host unless torchrun says otherwise
+    assert RankEnv.from_environ().local_world_size == 8 and not RankEnv.from_environ().spans_hosts
 
 
 def test_processes_that_are_not_one_task_of_many_stay_single() -> None:

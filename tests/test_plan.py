@@ -6,6 +6,7 @@ import dataclasses
 
 from flodl.assembly import data_plane_settings
 from flodl.config.host import HostFacts
+from flodl.config.policy import collective_backend
 from flodl.config.rules import GIB
 from flodl.config.schema import to_config
 from flodl.data.feeder import staging_budgets
@@ -53,6 +54,8 @@ def test_plan_says_what_the_stager_and_disk_tier_will_do():
 
 
 def test_plan_asks_the_runs_backend_and_averaging():
+    assert collective_backend("nccl", "cuda") == "nccl"
+    assert collective_backend("nccl", "cpu") == collective_backend("cpu", "cuda") == "gloo"
     assert "collectives: gloo" in plan_of()  # no GPU: gloo, whatever backend says
     assert "per rank per step (DDP gradients)" in plan_of()
     assert "per rank per averaging round" in plan_of(policy="cadence")
