@@ -15,13 +15,15 @@ import numpy as np
 import pytest
 import torch
 
-from flodl.assembly import data_plane_settings
-from flodl.config.schema import FlodlConfig
+from flodl.assembly import data_plane_settings, task_settings
+from flodl.config.schema import FlodlConfig, TaskConfig
 from flodl.data.augment import gaussian_jitter
+from flodl.data.dataset import TensorDataSet, check_purity
 from flodl.data.feeder import BatchFeeder, DataPlaneSettings, StagingBudgets, staging_budgets
 from flodl.data.npy import NpyFolderDataSet, write_npy_folder
 from flodl.data.pack import PackFile
 from flodl.data.partition import epoch_permutation
+from flodl.worker.task_setup import build_task
 from tests.helpers.procs import REPO, child_env
 
 CPU = torch.device("cpu")
@@ -199,8 +201,6 @@ def test_staging_budgets_follow_the_switches_and_split_the_host_ram():
 
 
 def test_resident_data_bypasses_the_plane(npy_folder):
-    from flodl.data.dataset import TensorDataSet
-
     dataset = NpyFolderDataSet(npy_folder)
     resident = TensorDataSet(*dataset.get_batch(torch.arange(SAMPLES)))
     feeder = BatchFeeder(config(), resident, CPU)
@@ -292,14 +292,32 @@ def _dead(pid: int) -> bool:
     return not psutil.pid_exists(pid)
 
 
+class NoisyData(TensorDataSet):
+    """Augments inside get_batch: breaks the purity contract."""
+
+    def get_batch(self, indices: torch.Tensor) -> list[torch.Tensor]:
+        return [f.index_select(0, indices) + torch.rand(1) for f in self.fields]
+
+
+def noisy_data() -> NoisyData:
+    return NoisyData(torch.zeros(8, 2))
+
+
 def test_purity_check_catches_a_dataset_that_augments_inside_get_batch(npy_folder):
-    from flodl.data.dataset import TensorDataSet, check_purity
-
     check_purity(NpyFolderDataSet(npy_folder), "task.train_data")  # pure: passes
-
-    class Noisy(TensorDataSet):
-        def get_batch(self, indices: torch.Tensor) -> list[torch.Tensor]:
-            return [f.index_select(0, indices) + torch.rand(1) for f in self.fields]
-
     with pytest.raises(ValueError, match="two reads of samples"):
-        check_purity(Noisy(torch.zeros(8, 2)), "task.train_data")
+        check_purity(noisy_data(), "task.train_data")
+
+
+def test_debug_check_purity_runs_the_check_when_the_task_is_built():
+    task = {
+        "model": {"_target_": "torch.nn.Linear", "in_features": 2, "out_features": 1},
+        "train_data": {"_target_": f"{__name__}.noisy_data"},
+        "loss": {"_target_": "flodl.tasks.classification.cross_entropy_loss", "_partial_": True},
+        "optimizer": {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1},
+    }
+    cfg = FlodlConfig(task=TaskConfig(name="noisy", **task))
+    assert build_task(task_settings(cfg), CPU, world_size=1).train_data is not None  # off by default
+    cfg.debug.check_purity = True
+    with pytest.raises(ValueError, match=r"task\.train_data: two reads of samples"):
+        build_task(task_settings(cfg), CPU, world_size=1)
