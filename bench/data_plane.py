@@ -28,9 +28,9 @@ import torch
 from benchlib import environment_lines, results_path, write_report
 
 from flodl.assembly import data_plane_settings
+from flodl.config.host import available_ram
 from flodl.config.schema import FlodlConfig
 from flodl.data.feeder import BatchFeeder
-from flodl.data.memory import available_ram
 from flodl.data.npy import NpyFolderDataSet, write_npy_folder
 from flodl.data.pack import PackFile
 from flodl.data.partition import epoch_permutation

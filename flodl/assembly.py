@@ -65,7 +65,7 @@ def data_plane_settings(cfg: FlodlConfig, ranks_on_host: int) -> DataPlaneSettin
         sample_cache=cfg.sample_cache,
         vram_pool=cfg.vram_pool,
         disk_stage_bytes=int(cfg.disk_stage_gb * GIB),
-        stage_dir=stage_dir_of(cfg),
+        stage_dir=stage_dir_of(cfg.disk_stage_dir),
         stager=cfg.debug.stager,
         data_plane=cfg.debug.data_plane,
         ranks_on_host=ranks_on_host,

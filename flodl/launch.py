@@ -21,7 +21,14 @@ from typing import Any
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from flodl.assembly import METRICS_FILE, make_coordinator, make_worker, resume_settings, task_settings
+from flodl.assembly import (
+    METRICS_FILE,
+    data_plane_settings,
+    make_coordinator,
+    make_worker,
+    resume_settings,
+    task_settings,
+)
 from flodl.checkpoint import MODEL_FILE, CheckpointError, save_model
 from flodl.cluster_env import adopt_scheduler_environ
 from flodl.config.host import HostFacts, RankEnv
@@ -70,11 +77,11 @@ def launch(cfg: DictConfig, info: RunInfo) -> None:
     adopt_scheduler_environ()
     config: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
     typed = to_config(config)
-    host = HostFacts.probe(typed)
+    host = HostFacts.probe(typed.launch.nproc_per_node, typed.disk_stage_dir)
     validate(typed, host)
     if typed.plan:
         if RankEnv.from_environ().rank == 0:
-            print(describe(typed, host))
+            print(describe(typed, host, data_plane_settings(typed, host.ranks_per_node)))
         return
     if RankEnv.from_environ().launched or typed.launch.nproc_per_node == 1:
         run_rank(config, info.as_dict())

@@ -1,7 +1,8 @@
 """`python train.py plan=true ...`: validate, then print what the run would do — and start nothing.
 
 The model is built on the meta device (no memory, no weights) only to count its parameters. Every figure
-comes from the function the run itself asks (backend, averaging, staging budgets), given the host's facts.
+comes from the function the run itself asks (backend, averaging, staging budgets), given the host's facts
+and the data plane settings the assembly maps.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from dataclasses import dataclass
 import torch
 from hydra.utils import instantiate
 
-from flodl.assembly import data_plane_settings
 from flodl.config.host import HostFacts
 from flodl.config.policy import averages_parameters, collective_backend
 from flodl.config.rules import GIB
@@ -52,7 +52,8 @@ def model_size(cfg: FlodlConfig) -> ModelSize:
     )
 
 
-def describe(cfg: FlodlConfig, host: HostFacts) -> str:
+def describe(cfg: FlodlConfig, host: HostFacts, data: DataPlaneSettings) -> str:
+    """`data`: the data plane settings the run would map for this host (flodl/assembly.py)."""
     size = model_size(cfg)
     numel, param_bytes, buffer_bytes, bf16 = (
         size.params,
@@ -77,7 +78,7 @@ def describe(cfg: FlodlConfig, host: HostFacts) -> str:
         f"(+{human_bytes(buffer_bytes)} float32 buffers)",
         f"  on the wire     {human_bytes(param_bytes + buffer_bytes)} per rank per {unit}, "
         f"{human_bytes(bf16 + buffer_bytes)} with bf16_wire" + (" (on)" if cfg.bf16_wire else " (off)"),
-        *staging_lines(data_plane_settings(cfg, host.ranks_per_node), host),
+        *staging_lines(data, host),
         f"  VRAM budget     {cfg.vram_max_usage:.0%} of each GPU's memory for the data plane, device sample "
         f"pool {'on' if cfg.vram_pool and cfg.debug.data_plane else 'off'}"
         + ("" if uses_gpu else " (no GPU in use)"),

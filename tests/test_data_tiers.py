@@ -52,7 +52,7 @@ def config(stager: bool = True, data_plane: bool = True, **changes: object) -> D
 
 def ram_fraction_for(samples: int) -> float:
     """ram_max_usage giving a RAM tier of about `samples` samples on this machine."""
-    from flodl.data.memory import available_ram
+    from flodl.config.host import available_ram
 
     return samples * SAMPLE_BYTES / available_ram()
 

@@ -8,15 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from flodl.config.host import parse_cgroup_available
 from flodl.data.augment import ViewKey, gaussian_jitter, view_keys
-from flodl.data.memory import (
-    POOL_HEADROOM_BYTES,
-    POOL_MIN_BYTES,
-    parse_cgroup_available,
-    pool_budget,
-    prefetch_depth,
-    ram_budget,
-)
+from flodl.data.memory import POOL_HEADROOM_BYTES, POOL_MIN_BYTES, pool_budget, prefetch_depth, ram_budget
 from flodl.data.pack import decode, encode, filesystem_of
 from flodl.data.stager import plan_staging
 

@@ -30,14 +30,18 @@ HOST = HostFacts(
 
 
 def plan_of(host: HostFacts = HOST, **keys: object) -> str:
-    return describe(to_config({"task": DIGITS, **keys}), host)
+    """What plan=true prints for these keys on this host, with the data plane settings launch maps for it."""
+    cfg = to_config({"task": DIGITS, **keys})
+    return describe(cfg, host, data_plane_settings(cfg, host.ranks_per_node))
 
 
 def test_plan_ram_budget_is_the_runs_for_the_same_host_facts():
     cfg = to_config({"task": DIGITS, "ram_max_usage": 0.5})
     run = staging_budgets(data_plane_settings(cfg, HOST.ranks_per_node), HOST.available_ram).ram
     assert run == 8 * GIB  # 50% of 64 GiB, shared by the host's 4 ranks
-    assert "RAM tier        8.0 GiB per rank = 50% of 64.0 GiB available / 4 rank(s)" in describe(cfg, HOST)
+    assert "RAM tier        8.0 GiB per rank = 50% of 64.0 GiB available / 4 rank(s)" in plan_of(
+        ram_max_usage=0.5
+    )
     # The run caps the fraction at 90%, and so does the plan.
     capped = plan_of(dataclasses.replace(HOST, ranks_per_node=1), ram_max_usage=0.9, sample_cache=True)
     assert "RAM tier        57.6 GiB per rank = 90% of 64.0 GiB" in capped

@@ -10,10 +10,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from flodl.config.schema import FlodlConfig
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -74,19 +71,93 @@ class HostFacts:
     available_ram: int
 
     @classmethod
-    def probe(cls, cfg: FlodlConfig) -> HostFacts:
+    def probe(cls, nproc_per_node: int, disk_stage_dir: str | None) -> HostFacts:
+        """This host, for a run of `launch.nproc_per_node` staging under `disk_stage_dir` (plain values: the
+        host knows nothing of the schema, which imports the CLI's resolvers that ask RankEnv)."""
         import torch
-
-        from flodl.data.memory import available_ram
 
         env = RankEnv.from_environ()
         under_torchrun = env.launched
-        ranks = env.local_world_size if under_torchrun else cfg.launch.nproc_per_node
-        world = env.world_size if under_torchrun else cfg.launch.nproc_per_node
-        stage_dir = stage_dir_of(cfg)
+        ranks = env.local_world_size if under_torchrun else nproc_per_node
+        world = env.world_size if under_torchrun else nproc_per_node
+        stage_dir = stage_dir_of(disk_stage_dir)
         free = shutil.disk_usage(stage_dir).free if os.path.isdir(stage_dir) else None
         return cls(torch.cuda.device_count(), ranks, world, under_torchrun, free, available_ram())
 
 
-def stage_dir_of(cfg: FlodlConfig) -> str:
-    return cfg.disk_stage_dir or tempfile.gettempdir()
+def stage_dir_of(disk_stage_dir: str | None) -> str:
+    """Where the disk tier goes: `disk_stage_dir`, or the temp dir."""
+    return disk_stage_dir or tempfile.gettempdir()
+
+
+# --- available RAM ---
+# A container's cgroup limit counts (v2 `memory.max`, v1 `memory.limit_in_bytes`): psutil alone reports the
+# host's memory, and caches sized from it OOM-kill containers (deeplake#2987).
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+# v1 reports "no limit" as a huge page-aligned number; anything above this is no limit.
+_UNLIMITED = 1 << 60
+
+
+def parse_cgroup_available(root: Path, own_path: str = "/") -> int | None:
+    """Bytes left under this process's cgroup memory limit (limit - usage + reclaimable page cache), or None
+    without a limit. `root` is the cgroup mount, `own_path` the process's group from /proc/self/cgroup."""
+    candidates = [
+        # v2 (unified): memory.max in the process's own group, or at the mount root inside a container.
+        (root / own_path.lstrip("/"), "memory.max", "memory.current", "inactive_file"),
+        (root, "memory.max", "memory.current", "inactive_file"),
+        # v1: the memory controller's own hierarchy.
+        (root / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
+    ]
+    for folder, limit_file, usage_file, reclaimable in candidates:
+        limit = _read_int(folder / limit_file)
+        usage = _read_int(folder / usage_file)
+        if limit is None or usage is None:
+            continue
+        if limit >= _UNLIMITED:
+            return None
+        return max(limit - usage + _stat_value(folder / "memory.stat", reclaimable), 0)
+    return None
+
+
+def available_ram(root: Path = CGROUP_ROOT) -> int:
+    """Available RAM: psutil's MemAvailable, lowered to the cgroup's headroom when a limit is set."""
+    import psutil
+
+    available = int(psutil.virtual_memory().available)
+    limited = parse_cgroup_available(root, _own_cgroup_v2_path())
+    return available if limited is None else min(available, limited)
+
+
+def _own_cgroup_v2_path() -> str:
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            if line.startswith("0::"):
+                return line[3:] or "/"
+    except OSError:
+        pass
+    return "/"
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    if text == "max":
+        return _UNLIMITED
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def _stat_value(path: Path, key: str) -> int:
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0

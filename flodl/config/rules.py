@@ -219,7 +219,7 @@ def _disk_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
                 "disk_stage_dir", cfg.disk_stage_dir, "applies to the disk tier: set disk_stage_gb > 0"
             )
         return
-    stage_dir = stage_dir_of(cfg)
+    stage_dir = stage_dir_of(cfg.disk_stage_dir)
     if host.stage_dir_free_bytes is None:
         yield _problem(
             "disk_stage_dir", stage_dir, "is not an existing directory; create it or point elsewhere"

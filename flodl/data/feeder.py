@@ -22,11 +22,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from flodl.config.host import available_ram
 from flodl.data.advice import PlannedBatch, ReadPlan, batch_key
 from flodl.data.augment import Transform, apply_transform
 from flodl.data.dataset import BatchDataSet
 from flodl.data.device_pool import DevicePool
-from flodl.data.memory import available_ram, pool_budget, prefetch_depth, ram_budget
+from flodl.data.memory import pool_budget, prefetch_depth, ram_budget
 from flodl.data.pack import PackFile
 from flodl.data.partition import picks_to_samples
 from flodl.data.prefetch import CPU_DEPTH, Prefetcher
