@@ -5,6 +5,7 @@ Skipped without CUDA; run on a GPU machine with `python -m pytest tests/test_gpu
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -84,7 +85,7 @@ def test_first_chunk_is_synchronous_then_prefetch_depth_is_sized_from_vram(datas
             got = feeder.load(chunk, 1)
             assert torch.equal(got[1].cpu(), chunk)
         # A tighter VRAM budget at the next advice re-sizes the queue.
-        feeder.cfg.vram_max_usage = 0.5
+        feeder.settings = dataclasses.replace(feeder.settings, vram_max_usage=0.5)
         free, total = torch.cuda.mem_get_info()
         feeder.advise(2, epoch_permutation(SAMPLES, 1, 2))
         if total - free > total * 0.5:
