@@ -1,0 +1,91 @@
+"""Bring-your-own-data fixtures the ranks of an end-to-end test import: map-style datasets that augment in
+`__getitem__` and log every read, dict samples, and a custom collate.
+
+Every read appends `index value` to `<log>/reads-<pid>.txt` (one file per process: DataLoader workers
+included), so a test counts how often each sample was read and whether two reads gave different bytes.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import Dataset
+
+DIM = 8
+
+
+def _points(n: int, seed: int) -> tuple[Tensor, Tensor]:
+    """Two separable blobs of `n` points."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.arange(n) % 2
+    x = torch.randn(n, DIM, generator=g) * 0.5 + (y.float() * 2 - 1).unsqueeze(1)
+    return x, y
+
+
+class NoisyPoints(Dataset):
+    """Random augmentation in `__getitem__` (fresh noise from the global RNG on every read)."""
+
+    def __init__(self, n: int = 192, log: str | None = None, dicts: bool = False, seed: int = 0) -> None:
+        self.x, self.y = _points(n, seed)
+        self.log = Path(log) if log else None
+        self.dicts = dicts
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> Any:
+        x = self.x[i] + 0.1 * torch.randn(DIM)
+        if self.log is not None:
+            self.log.mkdir(parents=True, exist_ok=True)
+            with open(self.log / f"reads-{os.getpid()}.txt", "a") as f:
+                f.write(f"{i} {float(x.sum()):.9f}\n")
+        if self.dicts:
+            return {"x": x, "y": int(self.y[i]), "name": f"s{i}", "meta": {"weight": 1.0}}
+        return x, self.y[i]
+
+
+def reads(log: Path) -> dict[int, list[str]]:
+    """Every logged read per sample index."""
+    out: dict[int, list[str]] = {}
+    for path in log.glob("reads-*.txt"):
+        for line in path.read_text().splitlines():
+            index, value = line.split()
+            out.setdefault(int(index), []).append(value)
+    return out
+
+
+def dict_collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """A custom collate: stacked inputs, labels, the names kept as a list of strings."""
+    return {
+        "x": torch.stack([s["x"] for s in samples]),
+        "y": torch.tensor([s["y"] for s in samples]),
+        "names": [s["name"] for s in samples],
+        "weight": torch.tensor([s["meta"]["weight"] for s in samples]),
+    }
+
+
+def _check(batch: dict[str, Any]) -> None:
+    # What a DataLoader with dict_collate would give, on the model's device.
+    assert isinstance(batch, dict) and isinstance(batch["names"], list), type(batch)
+    assert all(isinstance(n, str) for n in batch["names"]), batch["names"]
+
+
+def dict_loss(model: nn.Module, batch: dict[str, Any]) -> Tensor:
+    _check(batch)
+    losses = F.cross_entropy(model(batch["x"]), batch["y"], reduction="none")
+    return (losses * batch["weight"]).mean()
+
+
+def dict_sums(model: nn.Module, batch: dict[str, Any]) -> dict[str, Tensor]:
+    _check(batch)
+    logits = model(batch["x"])
+    return {"accuracy": (logits.argmax(dim=1) == batch["y"]).sum()}
+
+
+def linear() -> nn.Module:
+    return nn.Linear(DIM, 2)
