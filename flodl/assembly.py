@@ -69,6 +69,10 @@ def data_plane_settings(cfg: FlodlConfig, ranks_on_host: int) -> DataPlaneSettin
         stager=cfg.debug.stager,
         data_plane=cfg.debug.data_plane,
         ranks_on_host=ranks_on_host,
+        num_workers=cfg.num_workers,
+        prefetch_factor=cfg.prefetch_factor,
+        persistent_workers=cfg.persistent_workers,
+        pin_memory=cfg.pin_memory,
     )
 
 
@@ -95,6 +99,7 @@ def task_settings(cfg: FlodlConfig) -> TaskSettings:
         seed=cfg.seed,
         lr_scale_ratio=cfg.lr_scale_ratio,
         check_purity=cfg.debug.check_purity,
+        num_workers=cfg.num_workers,
     )
 
 

@@ -35,6 +35,7 @@ from flodl.config.host import HostFacts, RankEnv
 from flodl.config.policy import collective_backend
 from flodl.config.rules import ConfigError, validate
 from flodl.config.schema import FlodlConfig, to_config
+from flodl.config.targets import target_problems
 from flodl.coordinator.coordinator import Coordinator
 from flodl.data.partition import equal_slices
 from flodl.logs import setup_rank_logging
@@ -79,6 +80,9 @@ def launch(cfg: DictConfig, info: RunInfo) -> None:
     typed = to_config(config)
     host = HostFacts.probe(typed.launch.nproc_per_node, typed.disk_stage_dir)
     validate(typed, host)
+    problems = target_problems(typed)
+    if problems:
+        raise ConfigError(problems)
     if typed.plan:
         if RankEnv.from_environ().rank == 0:
             print(describe(typed, host, data_plane_settings(typed, host.ranks_per_node)))

@@ -183,6 +183,17 @@ def test_data_plane_switch_reads_each_batch_in_the_step(npy_folder, tmp_path):
     feeder.close()
 
 
+def test_a_batch_dataset_declared_uncacheable_is_read_from_its_source_every_epoch(npy_folder, tmp_path):
+    dataset = NpyFolderDataSet(npy_folder)
+    cfg = config(disk_stage_gb=1.0, disk_stage_dir=str(tmp_path))
+    feeder = BatchFeeder(cfg, dataset, CPU, cacheable=False)
+    assert feeder.tiers is None and feeder.stager is None
+    assert_same(epochs_of(feeder, 2, SAMPLES), reference(dataset, 2))
+    assert feeder.stats.totals["source_reads"] == 2 * (SAMPLES // BATCH * BATCH)
+    assert not list(tmp_path.glob("*.pack"))
+    feeder.close()
+
+
 def test_staging_budgets_follow_the_switches_and_split_the_host_ram():
     settings = dataclasses.replace(config(ram_max_usage=0.5, disk_stage_gb=2.0), ranks_on_host=4)
     assert staging_budgets(settings, available=8 << 30) == StagingBudgets(

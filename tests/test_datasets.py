@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, Subset, TensorDataset, default_collate
 
-from flodl.data.dataset import BatchDataSet, MapDataSet, TensorDataSet, as_batch_dataset
+from flodl.data.dataset import BatchDataSet, TensorDataSet, as_dataset, read_batch
 
 
 def test_tensor_dataset_rejects_mismatched_lengths():
@@ -29,41 +29,33 @@ def test_tensor_dataset_get_batch_gathers_rows():
     assert by.tolist() == [40, 0, 40]
 
 
-def test_as_batch_dataset_keeps_a_batch_dataset():
+def test_as_dataset_keeps_a_batch_dataset():
     data = TensorDataSet(torch.zeros(2))
     assert isinstance(data, BatchDataSet)
-    assert as_batch_dataset(data, "task.train_data") is data
+    assert as_dataset(data, "task.train_data") is data
 
 
-def test_as_batch_dataset_adapts_a_torch_dataset():
+def test_a_torch_dataset_batch_is_what_a_dataloader_gives():
     x = torch.arange(12, dtype=torch.float32).view(6, 2)
     y = torch.arange(6)
-    data = as_batch_dataset(TensorDataset(x, y), "task.train_data")
-    assert isinstance(data, MapDataSet)
-    assert len(data) == 6
+    data = as_dataset(TensorDataset(x, y), "task.train_data")
     idx = torch.tensor([5, 1, 1])
-    bx, by = data.get_batch(idx)
-    assert torch.equal(bx, x[idx])
-    assert torch.equal(by, y[idx])
+    bx, by = read_batch(data, idx, default_collate)
+    (lx, ly) = next(iter(DataLoader(Subset(data, idx.tolist()), batch_size=3)))
+    assert torch.equal(bx, lx) and torch.equal(by, ly) and torch.equal(bx, x[idx])
 
 
-def test_as_batch_dataset_adapts_single_field_items():
-    data = as_batch_dataset([torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])], "task.eval_data")
-    (batch,) = data.get_batch(torch.tensor([1, 0]))
-    assert batch.tolist() == [[3.0, 4.0], [1.0, 2.0]]
-
-
-def test_as_batch_dataset_rejects_an_empty_dataset():
+def test_as_dataset_rejects_an_empty_dataset():
     with pytest.raises(ValueError, match=r"task\.train_data: the dataset is empty"):
-        as_batch_dataset(TensorDataset(torch.empty(0, 2)), "task.train_data")
+        as_dataset(TensorDataset(torch.empty(0, 2)), "task.train_data")
     with pytest.raises(ValueError, match=r"task\.eval_data: the dataset is empty"):
-        as_batch_dataset(TensorDataSet(torch.empty(0)), "task.eval_data")
+        as_dataset(TensorDataSet(torch.empty(0)), "task.eval_data")
 
 
 @pytest.mark.parametrize("data", [42, object(), None])
-def test_as_batch_dataset_rejects_a_non_dataset(data):
+def test_as_dataset_rejects_a_non_dataset(data):
     with pytest.raises(TypeError) as info:
-        as_batch_dataset(data, "task.eval_data")
+        as_dataset(data, "task.eval_data")
     message = str(info.value)
     assert message.startswith("task.eval_data: ")
     assert type(data).__name__ in message

@@ -153,3 +153,38 @@ def test_one_gpu_run_with_the_disk_tier(tmp_path: Path):
     ).check()
     assert "flodl-stage-" in (only_run_dir(tmp_path / "outputs") / "rank0.log").read_text()
     assert not list(tmp_path.glob("*.pack"))
+
+
+def test_map_style_dict_batches_from_pinned_workers_arrive_on_the_device_exactly():
+    from flodl.assembly import data_plane_settings
+    from flodl.data.sample_feed import SampleFeeder
+    from tests.helpers.byo_data import dict_collate
+
+    class Points(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return SAMPLES
+
+        def __getitem__(self, i: int) -> dict:
+            return {"x": torch.full((8,), float(i)), "y": i, "name": f"s{i}", "meta": {"weight": 0.5}}
+
+    data = Points()
+    feeder = SampleFeeder(
+        data_plane_settings(FlodlConfig(batch_size=BATCH, seed=1, num_workers=2), ranks_on_host=1),
+        data,
+        torch.device("cuda"),
+        dict_collate,
+    )
+    try:
+        for epoch in range(2):
+            picks = epoch_permutation(SAMPLES, 1, epoch)
+            feeder.advise(epoch, picks)
+            for b in range(SAMPLES // BATCH):
+                chunk = picks[b * BATCH : (b + 1) * BATCH]
+                batch = feeder.load(chunk, epoch)
+                total = batch["x"].sum() + batch["weight"].sum()  # a consumer on the compute stream
+                want = dict_collate([data[i] for i in chunk.tolist()])
+                assert batch["x"].device.type == "cuda" and batch["y"].device.type == "cuda"
+                assert torch.equal(batch["x"].cpu(), want["x"]) and torch.equal(batch["y"].cpu(), want["y"])
+                assert batch["names"] == want["names"] and torch.isfinite(total)
+    finally:
+        feeder.close()

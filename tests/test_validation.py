@@ -65,6 +65,13 @@ def assert_problem(problems: list[str], key: str, value: object, rule: str) -> s
 
 def test_default_config_passes():
     validate(BASE, HOST)
+
+
+def test_loader_keys_that_make_no_sense_are_refused():
+    problems = problems_of(make(num_workers=2, **{"task.cacheable": True}))
+    assert_problem(problems, "num_workers", 2, "task.cacheable=true serves samples from this rank's RAM")
+    assert_problem(problems_of(make(prefetch_factor=4)), "prefetch_factor", 4, "applies to num_workers > 0")
+    assert problems_of(make(num_workers=2, prefetch_factor=4)) == []
     assert problems_of(BASE) == []
 
 
@@ -102,6 +109,8 @@ RANGE_CASES = [
     ("ram_max_usage", -0.1, "must be in [0, 0.9]"),
     ("ram_max_usage", 0.95, "must be in [0, 0.9]"),
     ("disk_stage_gb", -1.0, "must be finite and >= 0"),
+    ("num_workers", -1, "must be >= 0"),
+    ("prefetch_factor", 0, "must be >= 1"),
     ("checkpoint_every", 0, "must be >= 1"),
     ("checkpoint_keep", 0, "must be >= 1"),
     ("heartbeat_timeout_s", 0.0, "must be finite and > 0 seconds"),

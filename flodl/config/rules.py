@@ -87,6 +87,10 @@ def _range_problems(cfg: FlodlConfig) -> Iterator[str]:
     yield from check("vram_max_usage", lambda v: 0.5 <= v <= 0.99, "must be in [0.5, 0.99]")
     yield from check("ram_max_usage", lambda v: 0.0 <= v <= 0.9, "must be in [0, 0.9]")
     yield from check("disk_stage_gb", lambda v: finite(v) and v >= 0, "must be finite and >= 0 (0: off)")
+    yield from check("num_workers", lambda v: v >= 0, "must be >= 0 (0: read in the rank's process)")
+    yield from check(
+        "prefetch_factor", lambda v: v >= 1, "must be >= 1 (batches each worker reads ahead)", True
+    )
     yield from check("checkpoint_every", lambda v: v >= 1, "must be >= 1 (epochs)", True)
     yield from check("checkpoint_keep", lambda v: v >= 1, "must be >= 1")
     yield from check("heartbeat_timeout_s", lambda v: finite(v) and v > 0, "must be finite and > 0 seconds")
@@ -186,6 +190,20 @@ def _cross_field_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
     yield from _persistence_problems(cfg)
     yield from _debug_problems(cfg)
     yield from _disk_problems(cfg, host)
+    yield from _loader_problems(cfg)
+
+
+def _loader_problems(cfg: FlodlConfig) -> Iterator[str]:
+    if cfg.prefetch_factor is not None and cfg.num_workers == 0:
+        yield _problem("prefetch_factor", cfg.prefetch_factor, "applies to num_workers > 0 (as in torch)")
+    if cfg.num_workers > 0 and cfg.task.cacheable:
+        yield _problem(
+            "num_workers",
+            cfg.num_workers,
+            "task.cacheable=true serves samples from this rank's RAM and disk tiers, which worker processes "
+            "cannot fill; use num_workers=0 (after the first read every sample comes from the tiers), or "
+            "task.cacheable=false to read afresh in workers",
+        )
 
 
 def _persistence_problems(cfg: FlodlConfig) -> Iterator[str]:

@@ -29,11 +29,12 @@ class TaskConfig:
     name: str = MISSING
     # nn.Module, built identically on every rank (seeded) before DDP broadcasts rank 0's copy.
     model: Any = MISSING
-    # A BatchDataSet or any torch map-style Dataset.
+    # A BatchDataSet or any torch map-style Dataset (samples: tensors, numbers, strings in lists, dicts).
     train_data: Any = MISSING
     # Held-out data for the eval stream; null disables eval.
     eval_data: Any = None
-    # Callable (model, batch: list[Tensor]) -> scalar mean loss tensor. Use `_partial_: true`.
+    # Callable (model, batch) -> scalar mean loss tensor. Use `_partial_: true`. The batch: a BatchDataSet's
+    # list[Tensor], or what collate_fn made of a map-style Dataset's samples; on the rank's device.
     loss: Any = MISSING
     # Callable (model, batch) -> dict[name, tensor sum over the batch]; reported as mean per sample.
     eval_fn: Any = None
@@ -41,10 +42,18 @@ class TaskConfig:
     optimizer: Any = MISSING
     # Optional partial LR scheduler: called with the optimizer, stepped once per optimizer step.
     scheduler: Any = None
-    # Optional partial callable (rows: list[Tensor], keys: list[ViewKey]) -> rows, applied to every
-    # training batch after the caches: makes the `augment` views differ. A key is (sample, view, epoch,
-    # seed) and `key.generator()` its own RNG, so views are identical across runs and ranks.
+    # Optional partial callable (batch, keys: list[ViewKey]) -> batch, applied to every training batch after
+    # the caches: makes the `augment` views differ. A key is (sample, view, epoch, seed) and
+    # `key.generator()` its own RNG, so views are identical across runs and ranks.
     transform: Any = None
+    # Map-style Datasets: builds a batch from a list of samples (null: torch's default_collate). A function
+    # needs `_partial_: true`.
+    collate_fn: Any = None
+    # Whether the training data's reads are deterministic, so the RAM tier, disk pack and device pool may
+    # keep them. null: BatchDataSets are (their contract), map-style Datasets are not (read afresh every
+    # epoch: augmentation in __getitem__ stays random). true: cache a map-style Dataset (augment in
+    # transform); false: read a BatchDataSet afresh too.
+    cacheable: bool | None = None
 
 
 @dataclass
@@ -158,6 +167,13 @@ class FlodlConfig:
     sample_cache: bool = True
     disk_stage_gb: float = 0.0
     disk_stage_dir: str | None = None
+    # torch DataLoader knobs for a map-style Dataset read afresh (see task.cacheable).
+    num_workers: int = 0
+    prefetch_factor: int | None = None
+    # Unlike torch's default: the workers otherwise restart for every slice a rank is handed.
+    persistent_workers: bool = True
+    # Pin host batches (CUDA only) so their upload is asynchronous.
+    pin_memory: bool = True
 
     # --- persistence ---
     # Checkpoint every this many epochs and after the last one (null: no checkpoints).

@@ -28,6 +28,8 @@ class PlannedBatch:
     epoch: int
     picks: Tensor
     samples: np.ndarray
+    # Absolute position in the plan.
+    position: int
 
 
 class ReadPlan:
@@ -43,13 +45,13 @@ class ReadPlan:
 
     def add(self, epoch: int, picks: Tensor, batch_size: int) -> None:
         """Plan the whole batches of one advised slice."""
-        batches = [
-            PlannedBatch(batch_key(chunk), epoch, chunk, picks_to_samples(chunk, self.augment).numpy())
-            for chunk in picks.split(batch_size)
-            if len(chunk) == batch_size
-        ]
+        chunks = [chunk for chunk in picks.split(batch_size) if len(chunk) == batch_size]
         with self.changed:
-            self._batches.extend(batches)
+            end = self._base + len(self._batches)
+            self._batches.extend(
+                PlannedBatch(batch_key(c), epoch, c, picks_to_samples(c, self.augment).numpy(), end + i)
+                for i, c in enumerate(chunks)
+            )
             self.advised += 1
             self.changed.notify_all()
 

@@ -1,17 +1,20 @@
-"""BatchDataSet: a dataset that serves whole batches by index.
+"""The two kinds of training data.
 
-Contract: `len()` samples, `get_batch(indices) -> list[Tensor]` (one tensor per field, first dim =
-len(indices)), and purity: the same index always gives the same bytes. Any torch map-style Dataset
-adapts to it with `as_batch_dataset`.
+A BatchDataSet serves whole batches by index: `len()` samples, `get_batch(indices) -> list[Tensor]` (one
+tensor per field, first dim = len(indices)), and purity: the same index always gives the same bytes, so
+its samples are cached. A torch map-style Dataset serves samples of any structure through `__getitem__`,
+batched by `task.collate_fn`; it is read afresh every epoch unless declared cacheable (`task.cacheable`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
+
+from flodl.data.sample import same
 
 
 @runtime_checkable
@@ -42,47 +45,40 @@ class TensorDataSet:
         return [f.index_select(0, indices) for f in self.fields]
 
 
-class MapDataSet:
-    """Adapts a torch map-style Dataset whose items are tensors or tuples of tensors."""
-
-    def __init__(self, dataset: Any) -> None:
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def get_batch(self, indices: Tensor) -> list[Tensor]:
-        rows = [_as_fields(self.dataset[int(i)]) for i in indices.tolist()]
-        return [torch.stack([torch.as_tensor(r[k]) for r in rows]) for k in range(len(rows[0]))]
+def is_batch_dataset(data: Any) -> bool:
+    return isinstance(data, BatchDataSet)
 
 
-def _as_fields(item: Any) -> Sequence[Any]:
-    return item if isinstance(item, (tuple, list)) else (item,)
-
-
-def as_batch_dataset(data: Any, what: str) -> BatchDataSet:
-    """The BatchDataSet for a user-provided dataset; `what` names the config key in errors."""
-    if isinstance(data, BatchDataSet):
-        dataset = data
-    elif hasattr(data, "__getitem__") and hasattr(data, "__len__"):
-        dataset = MapDataSet(data)
-    else:
+def as_dataset(data: Any, what: str) -> Any:
+    """A user-provided dataset, checked: a BatchDataSet, or a torch map-style Dataset (len + __getitem__)
+    whose samples `collate_fn` batches; `what` names the config key in errors."""
+    if not is_batch_dataset(data) and not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
         raise TypeError(
             f"{what}: {type(data).__name__} is neither a BatchDataSet (len + get_batch) nor a "
             "map-style Dataset (len + __getitem__)"
         )
-    if len(dataset) == 0:
+    if len(data) == 0:
         raise ValueError(f"{what}: the dataset is empty")
-    return dataset
+    return data
 
 
-def check_purity(dataset: BatchDataSet, what: str, samples: int = 4) -> None:
-    """The purity contract, checked once (debug.check_purity=true): fetching the same indices twice gives the
-    same bytes. Augmentation belongs in `task.transform`, never in the dataset."""
+def read_batch(data: Any, indices: Tensor, collate: Callable[[list[Any]], Any]) -> Any:
+    """The batch of `indices` on the host: a BatchDataSet's get_batch, else the collated samples."""
+    if is_batch_dataset(data):
+        return data.get_batch(indices)
+    return collate([data[i] for i in indices.tolist()])
+
+
+def check_purity(dataset: Any, what: str, samples: int = 4) -> None:
+    """The purity contract of a cached dataset, checked once (debug.check_purity=true): reading the same
+    samples twice gives the same bytes. Augmentation belongs in `task.transform`, or leave it uncached."""
     indices = torch.arange(min(samples, len(dataset)))
-    first, second = dataset.get_batch(indices), dataset.get_batch(indices)
-    if len(first) != len(second) or not all(torch.equal(a, b) for a, b in zip(first, second, strict=True)):
+    if is_batch_dataset(dataset):
+        first, second = dataset.get_batch(indices), dataset.get_batch(indices)
+    else:
+        first, second = [dataset[i] for i in indices.tolist()], [dataset[i] for i in indices.tolist()]
+    if not same(first, second):
         raise ValueError(
-            f"{what}: two reads of samples {indices.tolist()} differ; a dataset must give the same bytes "
-            "for the same index (augment in task.transform instead)"
+            f"{what}: two reads of samples {indices.tolist()} differ; a cached dataset must give the same "
+            "bytes for the same index (augment in task.transform, or set task.cacheable=false)"
         )

@@ -60,6 +60,11 @@ class DataPlaneSettings:
     data_plane: bool
     # Ranks on this host: they share its RAM.
     ranks_on_host: int
+    # torch DataLoader knobs for a map-style Dataset read afresh (flodl/data/sample_feed.py).
+    num_workers: int = 0
+    prefetch_factor: int | None = None
+    persistent_workers: bool = True
+    pin_memory: bool = True
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,24 @@ def staging_budgets(settings: DataPlaneSettings, available: int, held: int = 0) 
     return StagingBudgets(ram, settings.disk_stage_bytes or None)
 
 
+def staging_tiers(settings: DataPlaneSettings) -> tuple[RamCache | None, PackFile | None] | None:
+    """The RAM tier and disk pack the settings ask for (None: neither)."""
+    if not settings.stager:
+        log.info("stager off (debug.stager=false): batches are read from the source")
+        return None
+    budgets = staging_budgets(settings, available_ram())
+    ram = RamCache(budgets.ram) if budgets.ram is not None else None
+    pack = PackFile(settings.stage_dir, budgets.disk) if budgets.disk is not None else None
+    if ram is None and pack is None:
+        return None
+    log.info(
+        "staging tiers: RAM %s, disk %s",
+        f"{ram.budget / 2**20:.3g} MiB" if ram is not None else "off",
+        f"{pack.budget / 2**20:.3g} MiB in {pack.path}" if pack is not None and pack.enabled else "off",
+    )
+    return ram, pack
+
+
 class BatchFeeder:
     def __init__(
         self,
@@ -88,8 +111,11 @@ class BatchFeeder:
         dataset: BatchDataSet,
         device: torch.device,
         transform: Transform | None = None,
+        cacheable: bool = True,
     ) -> None:
+        """`cacheable`: the dataset's reads are deterministic: the tiers and the device pool may keep them."""
         self.settings = settings
+        self.cacheable = cacheable
         self.dataset = dataset
         if device.type == "cuda" and device.index is None:  # the data threads must name the device
             device = torch.device("cuda", torch.cuda.current_device())
@@ -111,7 +137,7 @@ class BatchFeeder:
         self._template: list[Tensor] | None = None
         self._loads = 0
         self.pool: DevicePool | None = None
-        self._pool_wanted = self.cuda and settings.vram_pool
+        self._pool_wanted = self.cuda and cacheable and settings.vram_pool
         self.prefetcher: Prefetcher | None = None
         if self.active:
             self.prefetcher = Prefetcher(
@@ -165,26 +191,16 @@ class BatchFeeder:
     # --- building ---
 
     def _tiers(self, resident: bool) -> TieredSource | None:
-        settings = self.settings
-        if not settings.stager:
-            log.info("stager off (debug.stager=false): batches are read from the source")
+        if not self.cacheable:
+            log.info("train data read afresh every epoch (task.cacheable=false): no RAM or disk tier")
             return None
-        budgets = staging_budgets(settings, available_ram())
         if resident:
             # A copy of data already in process memory would only double its footprint.
-            if budgets.disk is not None:
+            if self.settings.disk_stage_bytes:
                 log.info("train data is resident in memory: the disk tier is not used")
             return None
-        ram = RamCache(budgets.ram) if budgets.ram is not None else None
-        pack = PackFile(settings.stage_dir, budgets.disk) if budgets.disk is not None else None
-        if ram is None and pack is None:
-            return None
-        log.info(
-            "staging tiers: RAM %s, disk %s",
-            f"{ram.budget / 2**20:.3g} MiB" if ram is not None else "off",
-            f"{pack.budget / 2**20:.3g} MiB in {pack.path}" if pack is not None and pack.enabled else "off",
-        )
-        return TieredSource(self.dataset, ram, pack, self.stats)
+        tiers = staging_tiers(self.settings)
+        return TieredSource(self.dataset, *tiers, self.stats) if tiers is not None else None
 
     def _setup(self) -> None:
         if self.cuda:

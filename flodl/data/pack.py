@@ -1,8 +1,10 @@
 """The disk tier: one append-only pack file of raw samples per process, with an in-memory index.
 
 File `flodl-stage-<pid>-<seq>.pack` in the stage dir, so co-hosted ranks share the folder. A record is a
-16-byte header (payload length, crc32 of the payload, sample index) and the payload: the field count, per
-field (dtype code, ndim, shape), then each field's bytes 16-byte aligned (read back as views, no copy).
+16-byte header (payload length, crc32 of the payload, sample index) and the payload: the tensor count, per
+tensor (dtype code, ndim, shape), the sample's tree spec as JSON (flodl/data/sample.py: where each tensor,
+number and string sits in its lists, tuples and dicts; no pickle), then each tensor's bytes 16-byte aligned
+(read back as views, no copy). A BatchDataSet's sample is the list of its fields' rows.
 Samples are admitted until the byte budget is full, never evicted. A record failing its checksum is
 dropped (the caller reads the source again); a write error turns the tier off with one warning. The file
 is removed at exit (also in spawned ranks) and files of dead processes are removed at the next start.
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import logging
 import math
 import multiprocessing.util
@@ -23,11 +26,12 @@ import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from flodl.data.ram_cache import Rows
+from flodl.data.sample import flatten, unflatten
 
 log = logging.getLogger(__name__)
 
@@ -42,15 +46,18 @@ _CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
 _NAME = re.compile(r"^flodl-stage-(\d+)-(\d+)\.pack$")
 _SEQ = itertools.count()
 RAM_FILESYSTEMS = ("tmpfs", "ramfs")
-# Upper bound of a record's bytes besides the tensors' own (header, field specs, alignment) for 8 fields.
-RECORD_OVERHEAD = 256
+# Upper bound of a record's bytes besides the tensors' own (header, specs, alignment) for 8 fields.
+RECORD_OVERHEAD = 384
 
 
-def encode(sample: int, rows: Rows) -> bytes:
-    """One record: header + payload, padded to a multiple of 16 bytes (pure)."""
+def encode(sample: int, value: Any) -> bytes:
+    """One record of a sample's value: header + payload, padded to a multiple of 16 bytes (pure)."""
+    spec, rows = flatten(value)
     meta = bytearray(struct.pack("<I", len(rows)))
     for t in rows:
         meta += _FIELD.pack(_CODES[t.dtype], t.dim()) + struct.pack(f"<{t.dim()}q", *t.shape)
+    tree = json.dumps(spec, separators=(",", ":")).encode()
+    meta += struct.pack("<I", len(tree)) + tree
     parts = [bytes(meta)]
     size = len(meta)
     for t in rows:
@@ -72,38 +79,46 @@ def intact(record: memoryview, sample: int) -> bool:
     return stored == sample and length == len(payload) and zlib.crc32(payload) == crc
 
 
-def layout(record: memoryview) -> tuple[list[tuple[torch.dtype, tuple[int, ...], int, int]], int]:
-    """Per field (dtype, shape, byte offset in the record, bytes), and the bytes the field specs take."""
+Layout = tuple[list[tuple[torch.dtype, tuple[int, ...], int, int]], int, slice]
+
+
+def layout(record: memoryview) -> Layout:
+    """Per tensor (dtype, shape, byte offset in the record, bytes), where the specs end, the tree spec's
+    bytes."""
     (count,) = struct.unpack_from("<I", record, _HEADER.size)
     at, specs = _HEADER.size + 4, []
     for _ in range(count):
         code, ndim = _FIELD.unpack_from(record, at)
         specs.append((_DTYPES[code], struct.unpack_from(f"<{ndim}q", record, at + _FIELD.size)))
         at += _FIELD.size + 8 * ndim
+    (tree_bytes,) = struct.unpack_from("<I", record, at)
+    tree = slice(at + 4, at + 4 + tree_bytes)
+    at = tree.stop
     meta_end, fields = at, []
     for dtype, shape in specs:
         at += -at % _ALIGN
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         fields.append((dtype, shape, at, nbytes))
         at += nbytes
-    return fields, meta_end
+    return fields, meta_end, tree
 
 
-def decode(record: bytearray, sample: int) -> Rows | None:
-    """The rows of one record (tensors are views into `record`), or None when it is not intact."""
+def decode(record: bytearray, sample: int) -> Any | None:
+    """The value of one record (its tensors are views into `record`), or None when it is not intact."""
     view = memoryview(record)
     if not intact(view, sample):
         return None
-    fields, _ = layout(view)
-    return [
+    fields, _, tree = layout(view)
+    leaves = [
         torch.frombuffer(record, dtype=torch.uint8, offset=at, count=n).view(dtype).reshape(shape)
         for dtype, shape, at, n in fields
     ]
+    return unflatten(json.loads(bytes(view[tree])), leaves)
 
 
 def decode_stacked(buffer: bytearray, length: int, count: int) -> list[Tensor]:
     """`count` intact records of one layout, `length` bytes each, back to back: the stacked fields."""
-    fields, _ = layout(memoryview(buffer)[:length])
+    fields, _, _ = layout(memoryview(buffer)[:length])
     table = torch.frombuffer(buffer, dtype=torch.uint8).view(count, length)
     return [table[:, at : at + n].view(dtype).reshape(count, *shape) for dtype, shape, at, n in fields]
 
@@ -194,13 +209,13 @@ class PackFile:
         with self._lock:
             return list(self._index)
 
-    def put(self, sample: int, rows: Rows) -> bool:
+    def put(self, sample: int, value: Any) -> bool:
         """Append the sample unless it is held or the budget is full; True when it is held after the call."""
         if not self.enabled:
             return False
         if sample in self._index:
             return True
-        record = encode(sample, rows)
+        record = encode(sample, value)
         with self._lock:
             if not self.enabled or self.used + len(record) > self.budget:
                 if self.used == 0 and self.enabled:
@@ -216,8 +231,8 @@ class PackFile:
             self._index[sample] = (offset, len(record))
             return True
 
-    def get(self, sample: int) -> Rows | None:
-        """The sample's rows, or None when absent or corrupt (a corrupt record is dropped from the index)."""
+    def get(self, sample: int) -> Any | None:
+        """The sample's value, or None when absent or corrupt (a corrupt record is dropped from the index)."""
         span = self._index.get(sample)
         if span is None or not self.enabled:
             return None
@@ -227,10 +242,10 @@ class PackFile:
             got = os.preadv(self._fd(), [record], offset)
         except (OSError, TypeError):
             got = -1
-        rows = decode(record, sample) if got == length else None
-        if rows is None:
+        value = decode(record, sample) if got == length else None
+        if value is None:
             self._drop([sample])
-        return rows
+        return value
 
     def _drop(self, samples: list[int]) -> None:
         """Forget records that failed their checksum: the caller reads the source again."""

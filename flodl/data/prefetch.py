@@ -47,18 +47,22 @@ class Prefetcher:
             self.depth = depth
             self._cond.notify_all()
 
-    def take(self, position: int) -> Any | None:
-        """The assembled batch at `position`, or None when the caller must assemble it."""
+    def take(self, position: int, wait: bool = False) -> Any | None:
+        """The assembled batch at `position`, or None when the caller must assemble it. `wait`: unless the
+        pipeline is off or stopped, wait for it to assemble `position` (which must be the plan's next)."""
         with self._cond:
             for stale in [p for p in self._ready if p < position]:
                 del self._ready[stale]
-            while self._busy == position and position not in self._ready:
-                self._cond.wait()
+            while position not in self._ready and (self._busy == position or (wait and self._running())):
+                self._cond.wait(0.5)
             self._next = max(self._next, position + 1)
             ready = self._ready.pop(position, None)
         if isinstance(ready, _Failed):
             raise ready.error
         return ready
+
+    def _running(self) -> bool:
+        return self.depth > 0 and not self._stop and self._thread.is_alive()
 
     def stop(self) -> None:
         with self._cond:

@@ -15,7 +15,8 @@ from torch import Tensor
 
 from flodl.data.dataset import BatchDataSet
 from flodl.data.pack import PackFile
-from flodl.data.ram_cache import RamCache, Rows, rows_bytes
+from flodl.data.ram_cache import RamCache, Rows
+from flodl.data.sample import nbytes
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +175,7 @@ class TieredSource:
 
     def admit(self, sample: int, rows: Rows, to_disk: bool = False) -> bool:
         """Hold the sample in RAM while under budget (as owned copies), else on disk (the pack copies)."""
-        size = rows_bytes(rows)
+        size = nbytes(rows)
         self.sample_bytes = max(self.sample_bytes, size)
         ram = self.ram
         if ram is not None and not to_disk:

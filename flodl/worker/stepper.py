@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from flodl.data.feeder import BatchFeeder, DataPlaneSettings
+from flodl.data.dataset import is_batch_dataset, read_batch
+from flodl.data.feeder import BatchFeeder, DataPlaneSettings, staging_tiers
 from flodl.data.partition import epoch_permutation
+from flodl.data.sample import check_movable, to_device
+from flodl.data.sample_feed import SampleFeeder
 from flodl.wire.messages import EpochSlice, EvalResult
 from flodl.worker.faults import FaultInjection
 from flodl.worker.nonfinite import NonFiniteWatch
@@ -52,8 +56,18 @@ class Stepper:
         self.nonfinite = NonFiniteWatch(device)
         self.fault = settings.fault
         self._permutations: dict[int, Tensor] = {}
-        # The data plane: staging tiers, prefetch, device pool (flodl/data/feeder.py).
-        self.feeder = BatchFeeder(settings.data, parts.train_data, device, parts.transform)
+        # The data plane: staging tiers, prefetch, device pool (flodl/data/feeder.py), or torch's DataLoader
+        # for a map-style Dataset (flodl/data/sample_feed.py).
+        self.feeder: BatchFeeder | SampleFeeder
+        if is_batch_dataset(parts.train_data):
+            self.feeder = BatchFeeder(
+                settings.data, parts.train_data, device, parts.transform, parts.cacheable
+            )
+        else:
+            tiers = staging_tiers(settings.data) if parts.cacheable else None
+            self.feeder = SampleFeeder(
+                settings.data, parts.train_data, device, parts.collate, tiers, parts.transform
+            )
 
     def picks(self, part: EpochSlice) -> Tensor:
         """The slice's picks of its epoch's shared permutation (cached per epoch)."""
@@ -68,11 +82,11 @@ class Stepper:
         the prefetcher follow."""
         self.feeder.advise(part.epoch, self.picks(part))
 
-    def load(self, picks: Tensor, epoch: int) -> list[Tensor]:
+    def load(self, picks: Tensor, epoch: int) -> Any:
         """The batch of `picks` (a piece of `picks(part)` of that epoch) on the device."""
         return self.feeder.load(picks, epoch)
 
-    def step(self, batch: list[Tensor]) -> Tensor:
+    def step(self, batch: Any) -> Tensor:
         started = time.perf_counter()
         parts = self.parts
         loss = self.fault.applied(parts.loss_fn(self.train_module, batch), self.steps_total + 1)
@@ -123,13 +137,18 @@ class Stepper:
         model.eval()
         for start in range(lo, hi, self.batch_size):
             indices = torch.arange(start, min(start + self.batch_size, hi))
-            batch = [t.to(self.device, non_blocking=True) for t in data.get_batch(indices)]
-            for name, value in (eval_fn(model, batch) if eval_fn else self._loss_sums(batch)).items():
+            batch = read_batch(data, indices, self.parts.collate)
+            if start == lo:
+                check_movable(batch, "task.eval_data")
+            batch = to_device(batch, self.device, non_blocking=True)
+            for name, value in (
+                eval_fn(model, batch) if eval_fn else self._loss_sums(batch, len(indices))
+            ).items():
                 sums[name] = sums.get(name, 0) + value.detach().double()
         model.train()
         totals = {k: float(v) for k, v in sums.items()}
         return EvalResult(rank, epoch, totals, hi - lo, step, samples)
 
-    def _loss_sums(self, batch: list[Tensor]) -> dict[str, Tensor]:
+    def _loss_sums(self, batch: Any, count: int) -> dict[str, Tensor]:
         """The eval metric of a task without an eval_fn: its own loss."""
-        return {"loss": self.parts.loss_fn(self.parts.model, batch) * batch[0].shape[0]}
+        return {"loss": self.parts.loss_fn(self.parts.model, batch) * count}

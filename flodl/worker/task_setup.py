@@ -10,25 +10,33 @@ from typing import Any
 import torch
 from hydra.utils import instantiate
 from torch import Tensor, nn
+from torch.utils.data import default_collate
 
+from flodl.config.targets import batch_dataset_problems
 from flodl.data.augment import Transform
-from flodl.data.dataset import BatchDataSet, as_batch_dataset, check_purity
+from flodl.data.dataset import as_dataset, check_purity, is_batch_dataset
 
-LossFn = Callable[[nn.Module, list[Tensor]], Tensor]
-EvalFn = Callable[[nn.Module, list[Tensor]], dict[str, Tensor]]
+# The batch: a BatchDataSet's list[Tensor], or what collate_fn made of a map-style Dataset's samples.
+LossFn = Callable[[nn.Module, Any], Tensor]
+EvalFn = Callable[[nn.Module, Any], dict[str, Tensor]]
 
 
 @dataclass
 class TaskParts:
     model: nn.Module
-    train_data: BatchDataSet
-    eval_data: BatchDataSet | None
+    # A BatchDataSet or a map-style Dataset (flodl/data/dataset.py).
+    train_data: Any
+    eval_data: Any | None
     loss_fn: LossFn
     eval_fn: EvalFn | None
     optimizer: torch.optim.Optimizer
     scheduler: Any
-    # (rows, keys) -> rows: makes each augment view different (flodl/data/augment.py); None: raw rows.
+    # (batch, keys) -> batch: makes each augment view different (flodl/data/augment.py); None: raw batches.
     transform: Transform | None = None
+    # Builds a map-style Dataset's batch from its samples.
+    collate: Callable[[list[Any]], Any] = default_collate
+    # Whether the training data's reads may be cached (task.cacheable; flodl/data/dataset.py).
+    cacheable: bool = True
 
 
 def lr_scale_factor(world_size: int, lr_scale_ratio: float) -> float:
@@ -44,8 +52,10 @@ class TaskSettings:
     targets: Mapping[str, Any]
     seed: int
     lr_scale_ratio: float
-    # debug.check_purity: read a few train samples twice and refuse data that differs.
+    # debug.check_purity: read a few train samples twice and refuse cached data that differs.
     check_purity: bool
+    # DataLoader worker processes (refused for a BatchDataSet).
+    num_workers: int = 0
 
 
 def build_task(settings: TaskSettings, device: torch.device, world_size: int) -> TaskParts:
@@ -58,11 +68,16 @@ def build_task(settings: TaskSettings, device: torch.device, world_size: int) ->
     for group in optimizer.param_groups:
         group["lr"] *= factor
     scheduler = _built(task["scheduler"], "task.scheduler", object)(optimizer) if task["scheduler"] else None
-    eval_data = (
-        as_batch_dataset(instantiate(task["eval_data"]), "task.eval_data") if task["eval_data"] else None
-    )
-    train_data = as_batch_dataset(instantiate(task["train_data"]), "task.train_data")
-    if settings.check_purity:
+    eval_data = as_dataset(instantiate(task["eval_data"]), "task.eval_data") if task["eval_data"] else None
+    train_data = as_dataset(instantiate(task["train_data"]), "task.train_data")
+    batches = is_batch_dataset(train_data)
+    # A factory's dataset: its kind is known only now (a dataset class was checked before the ranks started).
+    kind = type(train_data).__qualname__
+    problems = batch_dataset_problems(settings.num_workers, task["collate_fn"], kind) if batches else []
+    if problems:
+        raise ValueError("; ".join(problems))
+    cacheable = task["cacheable"] if task["cacheable"] is not None else batches
+    if cacheable and settings.check_purity:
         check_purity(train_data, "task.train_data")
     return TaskParts(
         model=model,
@@ -73,6 +88,8 @@ def build_task(settings: TaskSettings, device: torch.device, world_size: int) ->
         optimizer=optimizer,
         scheduler=scheduler,
         transform=_step_callable_of(task["transform"], "task.transform"),
+        collate=_step_callable_of(task["collate_fn"], "task.collate_fn") or default_collate,
+        cacheable=cacheable,
     )
 
 

@@ -49,13 +49,15 @@ class NoisyPoints(Dataset):
         return x, self.y[i]
 
 
-def reads(log: Path) -> dict[int, list[str]]:
-    """Every logged read per sample index."""
-    out: dict[int, list[str]] = {}
-    for path in log.glob("reads-*.txt"):
+def reads(log: Path) -> list[dict[int, list[str]]]:
+    """Per process that read (a rank, or a DataLoader worker), every logged read per sample index."""
+    out = []
+    for path in sorted(log.glob("reads-*.txt")):
+        mine: dict[int, list[str]] = {}
         for line in path.read_text().splitlines():
             index, value = line.split()
-            out.setdefault(int(index), []).append(value)
+            mine.setdefault(int(index), []).append(value)
+        out.append(mine)
     return out
 
 
