@@ -106,3 +106,15 @@ def test_the_readme_examples_run_as_written(tmp_path: Path):
         last = epochs_of(only_run_dir(cwd / "outputs"))[-1]
         assert last["eval/accuracy"] >= goal, (command, last)
         assert not leftovers(cwd)  # DataLoader workers included
+
+
+def test_a_collate_fn_that_does_not_import_stops_the_run_before_any_rank_starts(tmp_path: Path):
+    out = train(
+        "+task.collate_fn._target_=mypkg.collate",
+        "+task.collate_fn._partial_=true",
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert out.code == 2, out.out
+    assert "task.collate_fn._target_='mypkg.collate': does not import (ModuleNotFoundError" in out.out
+    assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("rank0.log"))
