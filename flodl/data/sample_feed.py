@@ -12,7 +12,6 @@ dataset declared cacheable (`task.cacheable=true`) is read through the RAM tier 
 
 from __future__ import annotations
 
-import logging
 import multiprocessing.util
 import time
 from collections.abc import Callable, Iterator
@@ -33,8 +32,6 @@ from flodl.data.ram_cache import RamCache
 from flodl.data.sample import check_movable, nbytes, owned, to_device
 from flodl.data.tiers import FeedStats
 from flodl.metrics.scalars import record_scalar
-
-log = logging.getLogger(__name__)
 
 Collate = Callable[[list[Any]], Any]
 
@@ -131,11 +128,11 @@ class SampleFeeder:
         multiprocessing.util.Finalize(self, self.prefetcher.stop, exitpriority=20)
 
     def advise(self, epoch: int, picks: Tensor) -> None:
+        """The worker will train these picks of `epoch` (after what it was advised before)."""
         self.plan.add(epoch, picks, self.settings.batch_size)
         ram = self.cached.ram if self.cached is not None else None
-        budget = staging_budgets(self.settings, available_ram(), ram.bytes).ram if ram is not None else None
-        if ram is not None and budget is not None:
-            ram.budget = budget
+        if ram is not None:
+            ram.budget = staging_budgets(self.settings, available_ram(), ram.bytes).ram or 0
 
     def load(self, picks: Tensor, epoch: int) -> Any:
         """The batch of exactly `picks` of `epoch` (its transform's key), as `collate_fn` built it, on the
