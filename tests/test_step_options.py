@@ -129,6 +129,7 @@ def test_compile_under_local_sgd(tmp_path: Path, policy: str, extra: tuple[str, 
     steps_per_epoch = 1437 // 32
     assert [sum(p["batches"] for p in r["per_rank"]) for r in (first, second)] == [steps_per_epoch] * 2
     assert second["samples"] == steps_per_epoch * 32
+    assert second["eval_samples"] == second["eval_step"] * 32  # what the evaluated consensus trained on
     # Rounds updated the flat buffers in place, under the compiled model: the consensus learned.
     assert second["eval/accuracy"] >= 0.8
 

@@ -228,7 +228,7 @@ class LocalSgdWorker(WorkerBase):
         if order.evaluate_epochs and self.stepper.parts.eval_data is not None:
             # The consensus holds every rank's steps up to this round, and only those.
             step = self.global_steps + outcome.total_steps
-            samples = step * self.stepper.batch_size
+            samples = step * self.stepper.step_samples
 
             def evaluate() -> None:  # on the consensus itself, before an async rank blends it
                 nonlocal epoch_work_s

@@ -37,7 +37,7 @@ class SyncWorker(WorkerBase):
         self.report(self.train_epoch(message))
         if message.evaluate and self.stepper.parts.eval_data is not None:
             step = self.stepper.steps_total  # each step is one on the global batch
-            samples = step * self.stepper.batch_size * self.world_size
+            samples = step * self.stepper.step_samples * self.world_size
             epoch = message.part.epoch
             self.report(self.stepper.evaluate(self.rank, self.world_size, epoch, step, samples))
         if message.checkpoint and self.checkpointer is not None:
