@@ -1,6 +1,7 @@
 """The plain PyTorch baseline: a hand-written training loop on one of flodl's task configs.
 
     python bench/plain_torch.py --task gpt_nano --seconds 3 --out one.json                 # 1 GPU
+    python bench/plain_torch.py --task resnet20 --seconds 3 --compile --out one.json       # compiled
     torchrun --standalone --nproc_per_node=2 bench/plain_torch.py --task gpt_nano --steps 200 --out ddp.json
 
 Same model, data, loss and optimizer as flodl builds from `conf/task/<task>.yaml` (the config is only read
@@ -133,6 +134,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--bf16-hook", action="store_true", help="DDP gradients as bf16 (torch's comm hook)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model (in the warm-up)")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -153,7 +155,7 @@ def main() -> None:
 
     def wrap(model: torch.nn.Module) -> torch.nn.Module:
         if world == 1:
-            return model
+            return torch.compile(model) if args.compile else model
         ddp = DistributedDataParallel(
             model, device_ids=[local_rank] if device.type == "cuda" else None, gradient_as_bucket_view=True
         )
@@ -167,7 +169,7 @@ def main() -> None:
                 else default_hooks.fp16_compress_hook
             )
             ddp.register_comm_hook(dist.group.WORLD, hook)
-        return ddp
+        return torch.compile(ddp) if args.compile else ddp
 
     loop = PlainLoop(cfg, device, args.seed, world, rank, wrap)
     clock = Clock(device)

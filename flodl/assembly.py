@@ -21,7 +21,13 @@ from flodl.averaging.consensus import DeviceAverager, HostAverager
 from flodl.averaging.outer import OuterSettings
 from flodl.checkpoint import CheckpointDir
 from flodl.config.host import RankEnv, stage_dir_of
-from flodl.config.policy import averages_parameters, checkpoint_epochs, easgd_alpha_of, guarded
+from flodl.config.policy import (
+    averages_parameters,
+    checkpoint_epochs,
+    easgd_alpha_of,
+    guarded,
+    step_samples,
+)
 from flodl.config.rules import GIB
 from flodl.config.schema import FlodlConfig
 from flodl.coordinator.commit import HANG_MODEL_FILE, CheckpointCommitter, consensus_saver, run_kind
@@ -86,6 +92,9 @@ def stepper_settings(cfg: FlodlConfig, env: RankEnv) -> StepperSettings:
             sim.nan_at_step if sim.nan_rank == env.rank else None,
             sim.hang_at_step if sim.hang_rank == env.rank else None,
         ),
+        grad_accum=cfg.grad_accum,
+        precision=cfg.precision,
+        compile_mode=cfg.compile_mode if cfg.compile else None,
     )
 
 
@@ -160,6 +169,8 @@ def make_worker(
     else:
         keeps_own = guarded(cfg) or easgd_alpha_of(cfg) is not None
         averager = DeviceAverager(parts.model, cfg.gamma, device, cfg.bf16_wire, outer, keeps_own)
+    # Built (and compiled) after the averager re-pointed the parameters into its flat buffers: compiled
+    # graphs read them there, so each round's in-place update is what the next step sees.
     stepper = Stepper(stepper_settings(cfg, env), parts, device, parts.model)
     keep_training = cfg.backend == "cpu" and cfg.policy == "async"
     alpha = easgd_alpha_of(cfg)
@@ -180,7 +191,8 @@ def make_coordinator(
 ) -> Coordinator:
     """`resumed`: the coordinator state of the checkpoint this run continues from (None: a fresh run).
     `rank0_model`: rank 0's model and device, saved if a peer hangs under sync (it is the consensus)."""
-    schedule = EpochSchedule(cfg.epochs, world_size, total_picks, cfg.batch_size, cfg.eval_every, has_eval)
+    step_size = step_samples(cfg)
+    schedule = EpochSchedule(cfg.epochs, world_size, total_picks, step_size, cfg.eval_every, has_eval)
     timeline = Timeline(world_size)
     run_dir = Path(info.run_dir)
     first = resumed["epoch"] + 1 if resumed else 0
@@ -192,11 +204,11 @@ def make_coordinator(
         committer = CheckpointCommitter(resume_settings(cfg, run_dir).checkpoints, world_size, due, kind)
     driver: Driver
     if not averages_parameters(cfg):
-        per_rank = equal_slices(total_picks, world_size, cfg.batch_size)[0].size // cfg.batch_size
+        per_rank = equal_slices(total_picks, world_size, step_size)[0].size // step_size
         ledger = EpochLedger(cfg.epochs, world_size, per_rank * world_size, False, first, comm_total)
         driver = SyncDriver(schedule, ledger, outbox, checkpoint_epochs(cfg), first)
     else:
-        batches_per_epoch = total_picks // cfg.batch_size
+        batches_per_epoch = total_picks // step_size
         overlapping = cfg.policy == "async"  # no epoch barrier
         ledger = EpochLedger(cfg.epochs, world_size, batches_per_epoch, True, first, comm_total, overlapping)
         driver = _local_sgd_driver(
@@ -240,7 +252,7 @@ def _local_sgd_driver(
     planner = LocalSgdPlanner(
         world_size=schedule.world_size,
         batches_per_epoch=batches_per_epoch,
-        batch_size=cfg.batch_size,
+        batch_size=schedule.batch_size,
         epochs=cfg.epochs,
         is_async=is_async,
         eval_epochs=schedule.eval_epochs(),

@@ -32,7 +32,7 @@ from flodl.assembly import (
 from flodl.checkpoint import MODEL_FILE, CheckpointError, save_model
 from flodl.cluster_env import adopt_scheduler_environ
 from flodl.config.host import HostFacts, RankEnv
-from flodl.config.policy import collective_backend
+from flodl.config.policy import collective_backend, step_samples
 from flodl.config.rules import ConfigError, validate
 from flodl.config.schema import FlodlConfig, to_config
 from flodl.config.targets import target_problems
@@ -213,17 +213,20 @@ def run_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
 def _log_plan(cfg: FlodlConfig, world_size: int) -> None:
     factor = lr_scale_factor(world_size, cfg.lr_scale_ratio)
     log.info(
-        "policy=%s world=%d batch=%d/rank (global %d) lr x%.3g (lr_scale_ratio=%g)",
-        cfg.policy, world_size, cfg.batch_size, cfg.batch_size * world_size, factor, cfg.lr_scale_ratio,
+        "policy=%s world=%d batch=%d/rank x grad_accum %d (global %d) lr x%.3g (lr_scale_ratio=%g) "
+        "precision=%s compile=%s",
+        cfg.policy, world_size, cfg.batch_size, cfg.grad_accum, step_samples(cfg) * world_size, factor,
+        cfg.lr_scale_ratio, cfg.precision, cfg.compile_mode if cfg.compile else "off",
     )  # fmt: skip
 
 
 def _check_epoch_fits(cfg: FlodlConfig, total_picks: int, world_size: int) -> None:
-    if equal_slices(total_picks, world_size, cfg.batch_size)[0].size == 0:
+    if equal_slices(total_picks, world_size, step_samples(cfg))[0].size == 0:
         raise ConfigError(
             [
-                f"batch_size={cfg.batch_size}: {world_size} rank(s) x {cfg.batch_size} exceeds the "
-                f"{total_picks} training picks (task.train_data x augment), so an epoch has no batch"
+                f"batch_size={cfg.batch_size}: {world_size} rank(s) x {cfg.batch_size} x grad_accum "
+                f"{cfg.grad_accum} exceeds the {total_picks} training picks (task.train_data x augment), "
+                "so an epoch has no optimizer step"
             ]
         )
 

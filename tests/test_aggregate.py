@@ -169,3 +169,12 @@ def test_epoch_reports_its_averaging_rounds():
 def test_every_rank_has_a_share_even_without_batches_this_epoch():
     out = aggregate_epoch(3, [chunk(0, 4, 2.0, 10.0, 9)], [], wall_s=1.0, world_size=2)
     assert [(s.rank, s.batches, s.batch_share) for s in out.per_rank] == [(0, 4, 1.0), (1, 0, 0.0)]
+
+
+def test_the_longest_compilation_is_reported_apart_from_the_throughput():
+    compiled = [chunk(0, 4, 4.0, 500.0, 4), chunk(1, 4, 4.0, 500.0, 4)]
+    compiled[0].compile_s, compiled[1].compile_s = 3.0, 2.5
+    out = aggregate_epoch(0, compiled, [], wall_s=4.0)
+    assert out.compile_s == 3.0 and out.epoch_s == 4.0
+    assert out.samples_per_s == pytest.approx(256 / 1.0)
+    assert aggregate_epoch(0, [chunk(0, 4, 4.0, 500.0, 4)], [], wall_s=4.0).compile_s == 0.0

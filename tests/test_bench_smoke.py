@@ -41,3 +41,21 @@ def test_charlm_smoke_times_each_policy_to_the_sync_loss(tmp_path: Path) -> None
     text = only_result(tmp_path, "charlm")
     assert "| sync | 2 |" in text and "| async | 3 |" in text
     assert "| wall time to sync's final eval loss: best of cadence/async / sync |" in text
+
+
+def test_compile_precision_smoke_pairs_two_compiled_runs_against_cadence(tmp_path: Path) -> None:
+    # GPT only: torch 2.13's CPU inductor crashes in a tiny ResNet's compiled convolution_backward.
+    script = str(REPO / "bench" / "compile_precision.py")
+    args = [PYTHON, script, "--smoke", "--models=gpt_nano", "--arms=pair-compile,cadence-compile"]
+    run([*args, f"--results-dir={tmp_path}"], cwd=tmp_path, timeout=500).check()
+    text = only_result(tmp_path, "compile-precision")
+    for row in (
+        "| plain torch, 1 GPU, eager |",
+        "| 2 independent flodl runs, 1 GPU each, compile=true |",
+        "| flodl cadence, 2 GPUs, compile=true |",
+    ):
+        assert row in text
+    ratio = next(
+        line for line in text.splitlines() if line.startswith("| cadence compiled, 2 GPUs / 2 indep")
+    )
+    assert "not measured" not in ratio and "| ≥ 0.95 |" in ratio

@@ -3,7 +3,6 @@ step for step."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -13,20 +12,24 @@ import torch.nn.functional as F
 from flodl.data.partition import epoch_permutation, equal_slices
 from flodl.tasks.digits import DigitsMLP, digits_dataset
 from tests.helpers.procs import train
+from tests.helpers.runs import epochs_of
 
 pytestmark = pytest.mark.multiproc
 
 WORLD, BATCH, LR, SEED = 2, 8, 1e-3, 42
+# SGD's step is linear in the gradient: micro-batches summed in another order stay within rounding.
+SGD_LR = 0.1
 # A StepLR that halves the LR every STEP_SIZE optimizer steps: the LR clock must count global-batch steps.
 STEP_SIZE, LR_GAMMA = 20, 0.5
 
 
-def reference_run(steps_expected: int) -> tuple[dict[str, torch.Tensor], float]:
-    """One process, plain torch Adam and StepLR, on the union of what the ranks see at each step."""
+def reference_run(steps_expected: int, sgd: bool) -> tuple[dict[str, torch.Tensor], float]:
+    """One process, plain torch Adam (or SGD) and StepLR, on the union of what the ranks see at each step."""
     data = digits_dataset("train")
     torch.manual_seed(SEED)
     model = DigitsMLP(hidden=128)
-    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    params = model.parameters()
+    optimizer = torch.optim.SGD(params, lr=SGD_LR) if sgd else torch.optim.Adam(params, lr=LR)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=STEP_SIZE, gamma=LR_GAMMA)
     perm = epoch_permutation(len(data), SEED, 0)
     slices = equal_slices(len(data), WORLD, BATCH)
@@ -57,37 +60,72 @@ def gpu_case(backend: str) -> object:
 # The cpu backend averages the gradients on the host (DDP over gloo): the same math as the device backend.
 @pytest.mark.parametrize(("device", "backend"), [("cpu", "cpu"), gpu_case("nccl"), gpu_case("cpu")])
 def test_two_ranks_match_one_process_on_the_global_batch(tmp_path: Path, device: str, backend: str) -> None:
+    # Forked ranks start fastest, but CUDA needs spawned ones.
+    start = "fork" if device == "cpu" else "spawn"
+    assert_matches_reference(
+        tmp_path, 1e-5, f"device={device}", f"backend={backend}", f"launch.start_method={start}"
+    )
+
+
+def test_grad_accum_of_micro_batches_is_one_step_on_their_union(tmp_path: Path) -> None:
+    # 4 micro-batches of BATCH/4 per step, the first 3 backward passes without DDP's all-reduce: the same
+    # steps as batches of BATCH, and the LR clock (checked against StepLR) counts optimizer steps.
+    accum = ("device=cpu", "launch.start_method=fork", f"batch_size={BATCH // 4}", "grad_accum=4")
+    (record,) = assert_matches_reference(tmp_path, 1e-5, *accum, sgd=True)
+    steps = len(digits_dataset("train")) // (WORLD * BATCH)
+    assert record["step"] == steps
+    assert record["samples"] == steps * WORLD * BATCH  # every micro-batch's samples
+
+
+def test_compiled_ddp_with_accumulation_matches_one_process(tmp_path: Path) -> None:
+    # torch.compile around DDP: its graphs split at the gradient buckets and no_sync still skips the
+    # all-reduce of the first micro-batch. Compiled kernels round differently: 1e-4.
+    compiled = ("device=cpu", "launch.start_method=fork", f"batch_size={BATCH // 2}", "grad_accum=2")
+    (record,) = assert_matches_reference(tmp_path, 1e-4, *compiled, "compile=true", sgd=True)
+    # The first step's compilation is reported apart and kept out of the throughput.
+    assert record["compile_s"] > 0
+    assert record["samples_per_s"] == pytest.approx(
+        record["samples"] / (record["epoch_s"] - record["compile_s"])
+    )
+
+
+def assert_matches_reference(
+    tmp_path: Path, tolerance: float, *overrides: str, sgd: bool = False
+) -> list[dict]:
+    """A 2-rank epoch under `overrides` ends where plain torch on the global batches of BATCH does (model
+    and LR); its metrics records."""
+    optimizer = ("task.optimizer._target_=torch.optim.SGD",) if sgd else ()
     train(
-        f"device={device}",
-        f"backend={backend}",
         f"launch.nproc_per_node={WORLD}",
-        # Forked ranks start fastest, but CUDA needs spawned ones.
-        f"launch.start_method={'fork' if device == 'cpu' else 'spawn'}",
         f"batch_size={BATCH}",
         "epochs=1",
         "eval_every=0",
         f"seed={SEED}",
         "lr_scale_ratio=0",
-        f"task.optimizer.lr={LR}",
+        f"task.optimizer.lr={SGD_LR if sgd else LR}",
         "+task.scheduler._target_=torch.optim.lr_scheduler.StepLR",
         "+task.scheduler._partial_=true",
         f"+task.scheduler.step_size={STEP_SIZE}",
         f"+task.scheduler.gamma={LR_GAMMA}",
         "hydra.run.dir=run",
+        *optimizer,
+        *overrides,
         cwd=tmp_path,
+        timeout=400,
     ).check()
     steps = len(digits_dataset("train")) // (WORLD * BATCH)
     assert steps >= 20
     trained = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
-    expected, expected_lr = reference_run(steps)
-    (record,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert record["lr"] == pytest.approx(expected_lr, rel=1e-9)
-    assert expected_lr < LR * LR_GAMMA**3  # the schedule really decayed
+    expected, expected_lr = reference_run(steps, sgd)
+    records = epochs_of(tmp_path / "run")
+    assert records[-1]["lr"] == pytest.approx(expected_lr, rel=1e-9)
+    assert expected_lr < (SGD_LR if sgd else LR) * LR_GAMMA**3  # the schedule really decayed
     torch.manual_seed(SEED)
     initial = DigitsMLP(hidden=128).state_dict()
     for name, want in expected.items():
         got = trained[name]
         rel = ((got - want).norm() / want.norm()).item()
-        assert rel <= 1e-5, f"{name}: relative difference {rel:.2e}"
+        assert rel <= tolerance, f"{name}: relative difference {rel:.2e}"
         # And training moved the weights far more than that tolerance.
         assert ((want - initial[name]).norm() / want.norm()).item() > 1e-2
+    return records

@@ -84,6 +84,9 @@ RANGE_CASES = [
     ("epochs", 0, "must be >= 1"),
     ("batch_size", 0, "must be >= 1"),
     ("augment", 0, "must be >= 1"),
+    ("grad_accum", 0, "must be >= 1 micro-batches per optimizer step"),
+    ("precision", "fp8", "must be one of fp32, bf16, fp16"),
+    ("compile_mode", "fastest", "must be one of default, lite, reduce-overhead"),
     ("eval_every", -1, "must be >= 0"),
     ("max_grad_norm", 0.0, "must be a finite value > 0"),
     ("max_grad_norm", -1.0, "must be a finite value > 0"),
@@ -485,3 +488,19 @@ def test_save_path_must_not_be_a_file(tmp_path):
     file.write_bytes(b"")
     assert_problem(problems_of(make(save_path=str(file))), "save_path", str(file), "is not a directory")
     assert problems_of(make(save_path=str(tmp_path / "new"), resume=str(tmp_path))) == []
+
+
+def test_fp16_needs_cuda_and_says_to_use_bf16():
+    gpu = host(gpus=1)
+    for cfg, facts in ((make(precision="fp16"), HOST), (make(precision="fp16", device="cpu"), gpu)):
+        assert_problem(problems_of(cfg, facts), "precision", "fp16", "use precision=bf16 on CPU")
+    assert problems_of(make(precision="fp16"), gpu) == []  # device=auto takes the GPU
+    assert problems_of(make(precision="bf16")) == []  # bf16 autocast runs on CPU
+
+
+def test_compile_mode_needs_compile():
+    problem = assert_problem(
+        problems_of(make(compile_mode="max-autotune")), "compile_mode", "max-autotune", "set compile=true"
+    )
+    assert "applies to compile=true" in problem
+    assert problems_of(make(compile_mode="max-autotune", compile=True)) == []

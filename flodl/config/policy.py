@@ -20,6 +20,12 @@ def collective_backend(backend: str, device_type: str) -> str:
     return "nccl" if backend == "nccl" and device_type == "cuda" else "gloo"
 
 
+def step_samples(cfg: FlodlConfig) -> int:
+    """Samples per rank per optimizer step: the batch the coordinator plans in (ElChe, windows, metrics and
+    the LR clock count optimizer steps); a worker trains it as `grad_accum` micro-batches of batch_size."""
+    return cfg.batch_size * cfg.grad_accum
+
+
 def guarded(cfg: FlodlConfig) -> bool:
     """Whether a divergence guard reads the rounds (sync has none to guard)."""
     return cfg.divergence_guard != "none" and cfg.policy != "sync"

@@ -12,7 +12,17 @@ from collections.abc import Callable, Iterator
 from dataclasses import fields
 
 from flodl.config.host import HostFacts, stage_dir_of
-from flodl.config.schema import BACKENDS, DEVICES, GUARDS, ON_NONFINITE, OUTERS, POLICIES, FlodlConfig
+from flodl.config.schema import (
+    BACKENDS,
+    COMPILE_MODES,
+    DEVICES,
+    GUARDS,
+    ON_NONFINITE,
+    OUTERS,
+    POLICIES,
+    PRECISIONS,
+    FlodlConfig,
+)
 
 GIB = 1 << 30
 START_METHODS = ("spawn", "fork", "forkserver")
@@ -70,8 +80,15 @@ def _range_problems(cfg: FlodlConfig) -> Iterator[str]:
     yield from check("outer_momentum", lambda v: 0 <= v < 1, "must be in [0, 1)", True)
     yield from check("seed", lambda v: v >= 0, "must be >= 0")
     yield from check("epochs", lambda v: v >= 1, "must be >= 1")
-    yield from check("batch_size", lambda v: v >= 1, "must be >= 1 (samples per rank per step)")
+    yield from check("batch_size", lambda v: v >= 1, "must be >= 1 (samples per rank per micro-batch)")
     yield from check("augment", lambda v: v >= 1, "must be >= 1 (views per sample)")
+    yield from check(
+        "grad_accum", lambda v: v >= 1, "must be >= 1 micro-batches per optimizer step (1: no accumulation)"
+    )
+    yield from check("precision", lambda v: v in PRECISIONS, f"must be one of {', '.join(PRECISIONS)}")
+    yield from check(
+        "compile_mode", lambda v: v in COMPILE_MODES, f"must be one of {', '.join(COMPILE_MODES)}"
+    )
     yield from check("eval_every", lambda v: v >= 0, "must be >= 0 (0 disables eval)")
     yield from check("max_grad_norm", lambda v: finite(v) and v > 0, "must be a finite value > 0", True)
     yield from check("lr_scale_ratio", lambda v: finite(v) and v >= 0, "must be finite and >= 0")
@@ -182,6 +199,18 @@ def _cross_field_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
             "skip",
             "policy=sync mixes every step's gradients (DDP), so a bad window cannot "
             "be dropped; use on_nonfinite=error, or policy=cadence/async",
+        )
+    if cfg.precision == "fp16" and not uses_gpus:
+        yield _problem(
+            "precision",
+            "fp16",
+            f"fp16 autocast with a GradScaler needs CUDA (device={cfg.device}, {host.gpus} GPU(s) visible); "
+            "use precision=bf16 on CPU",
+        )
+    chosen_mode = cfg.compile_mode != "default" and cfg.compile_mode in COMPILE_MODES  # unknown: named above
+    if chosen_mode and not cfg.compile:
+        yield _problem(
+            "compile_mode", cfg.compile_mode, "applies to compile=true; set compile=true or drop it"
         )
     if host.under_torchrun and cfg.launch.max_restarts:
         yield _problem(

@@ -20,6 +20,9 @@ DEVICES = ("auto", "cpu", "cuda")
 GUARDS = ("none", "trend", "msf")
 OUTERS = ("avg", "slowmo", "diloco")
 ON_NONFINITE = ("error", "skip")
+PRECISIONS = ("fp32", "bf16", "fp16")
+# torch.compile's modes (torch._inductor.list_mode_options()).
+COMPILE_MODES = ("default", "lite", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 @dataclass
@@ -135,6 +138,14 @@ class FlodlConfig:
     batch_size: int = 32
     augment: int = 1
     max_grad_norm: float | None = None
+    # Micro-batches of batch_size per optimizer step (the global batch is world x grad_accum x batch_size).
+    grad_accum: int = 1
+    # Autocast of the forward pass: fp32 (off), bf16, or fp16 with a GradScaler (CUDA only). Parameters,
+    # optimizer state, the consensus and checkpoints stay float32.
+    precision: str = "fp32"
+    # torch.compile the training module (DDP under sync); compile_mode is torch.compile's `mode`.
+    compile: bool = False
+    compile_mode: str = "default"
     lr_scale_ratio: float = 1.0
     eval_every: int = 1
 

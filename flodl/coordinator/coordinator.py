@@ -47,6 +47,7 @@ class EpochSchedule:
     epochs: int
     world_size: int
     total_picks: int
+    # Samples per rank per optimizer step (batch_size x grad_accum): what the plans are cut in.
     batch_size: int
     eval_every: int
     has_eval: bool

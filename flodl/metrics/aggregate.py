@@ -81,8 +81,12 @@ class EpochMetrics:
     samples: int
     # Wall time from the previous epoch's completion (or the run's start) to this one's.
     epoch_s: float
-    # samples / epoch_s; async (epochs overlap): over the common window of the epoch's work instead.
+    # samples / (epoch_s - compile_s); async (epochs overlap): over the common window of the epoch's work
+    # instead. A compiled model's first step is reported apart (compile_s), not hidden here.
     samples_per_s: float
+    # The longest first step of a compiled model among the ranks (compile=true: the first epoch trained
+    # by this process; 0 otherwise).
+    compile_s: float = 0.0
     # Rank 0's learning rate at the end of its last chunk of the epoch.
     lr: float = 0.0
     # Averaging rounds this epoch (under sync: optimizer steps, each averages the gradients).
@@ -154,8 +158,10 @@ def aggregate_epoch(
             )
         )
     comm = sum(share.comm_bytes for share in shares)
+    compile_s = max(c.compile_s for c in chunks)
     spans = [WorkSpan(c.rank, c.started_at, c.ended_at, c.samples, c.wall_ms / 1000) for c in chunks]
-    per_epoch_s = samples / wall_s if wall_s > 0 else 0.0
+    training_s = wall_s - compile_s
+    per_epoch_s = samples / training_s if training_s > 0 else 0.0
     rate = common_window_rate(spans) if overlapping else per_epoch_s
     return EpochMetrics(
         epoch=epoch,
@@ -164,6 +170,7 @@ def aggregate_epoch(
         samples=samples,
         epoch_s=wall_s,
         samples_per_s=rate,
+        compile_s=compile_s,
         lr=max(chunks, key=lambda c: (c.rank == 0, c.steps_total)).lr,
         rounds=rounds,
         comm_bytes=comm,

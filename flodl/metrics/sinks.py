@@ -82,10 +82,11 @@ class ConsoleSink:
             self.out.write("\r\033[K")  # the epoch line replaces the bar
             self.out.flush()
         evals = "".join(f"  eval/{k} {v:.4f}" for k, v in metrics.eval.items())
+        compiled = f" (compile {metrics.compile_s:.1f}s apart)" if metrics.compile_s else ""
         log.info(
-            "epoch %d/%d  step %d  loss %.4f%s  %.0f samples/s  %.2fs  wire %.1f MB",
+            "epoch %d/%d  step %d  loss %.4f%s  %.0f samples/s  %.2fs%s  wire %.1f MB",
             metrics.epoch + 1, self.epochs, metrics.step, metrics.loss, evals,
-            metrics.samples_per_s, metrics.epoch_s, metrics.comm_bytes / 1e6,
+            metrics.samples_per_s, metrics.epoch_s, compiled, metrics.comm_bytes / 1e6,
         )  # fmt: skip
 
     def close(self) -> None:

@@ -87,6 +87,8 @@ class ChunkReport:
     # When the chunk's first step began and its last ended, on the rank's own clock (unix seconds).
     started_at: float = 0.0
     ended_at: float = 0.0
+    # The first step of a compiled model (tracing, code generation), left out of wall_ms.
+    compile_s: float = 0.0
 
 
 @dataclass

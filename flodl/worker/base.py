@@ -101,7 +101,7 @@ class WorkerBase:
             return
         now = time.perf_counter()
         stepper = self.stepper
-        samples = self._recent_steps * stepper.batch_size
+        samples = self._recent_steps * stepper.step_samples
         recent_loss = float(self._recent_loss) / self._recent_steps
         if not math.isfinite(recent_loss):
             self.on_nonfinite_progress()

@@ -51,6 +51,7 @@ class _Chunk:
     data_s: float = 0.0
     # Unix seconds when the first step began (see ChunkReport.started_at).
     started_at: float = 0.0
+    compile_s: float = 0.0
 
 
 class LocalSgdWorker(WorkerBase):
@@ -117,38 +118,44 @@ class LocalSgdWorker(WorkerBase):
             raise RuntimeError(f"rank {self.rank}: unexpected message under local SGD: {message!r}")
 
     def queued_batches(self) -> int:
-        batch_size = self.stepper.batch_size
+        step_samples = self.stepper.step_samples
         in_chunk = self.chunk.batches - self.chunk.done if self.chunk else 0
-        return in_chunk + sum(part.size // batch_size for part in self.pending)
+        return in_chunk + sum(part.size // step_samples for part in self.pending)
 
     def work(self) -> None:
         if self.round is not None and (self.averager.ready() or not self._has_batches()):
             self._finish_round(self.round)
             return
         stepper = self.stepper
-        batch_size = stepper.batch_size
+        step_samples = stepper.step_samples
         if self.chunk is None:
             part = self.pending.popleft()
             zero = torch.zeros((), device=stepper.device)
-            self.chunk = _Chunk(part.epoch, stepper.picks(part), part.size // batch_size, zero)
+            self.chunk = _Chunk(part.epoch, stepper.picks(part), part.size // step_samples, zero)
         chunk = self.chunk
         if chunk.done == 0:
             chunk.started_at = time.time()
         started = time.perf_counter()
-        batch = stepper.load(
-            chunk.picks[chunk.done * batch_size : (chunk.done + 1) * batch_size], chunk.epoch
+        micro_batches = stepper.load_step(
+            chunk.picks[chunk.done * step_samples : (chunk.done + 1) * step_samples], chunk.epoch
         )
         loaded = time.perf_counter()
-        loss = stepper.step(batch)
+        loss = stepper.step(micro_batches)
         chunk.loss_sum += loss
         chunk.done += 1
         self.steps_since_avg += 1
         stepper.schedule_to(self.schedule_position())
         self.observe(loss, chunk.epoch)
         finished = time.perf_counter()
+        # Compiling is neither training (ElChe's speed) nor round overhead (idle): the window starts after it.
+        compile_s = stepper.take_compile_s()
+        chunk.compile_s += compile_s
+        chunk.started_at += compile_s
+        if self.window_started is not None:
+            self.window_started += compile_s
         chunk.data_s += loaded - started
-        chunk.busy_s += finished - started
-        self.window_busy_s += finished - started
+        chunk.busy_s += finished - started - compile_s
+        self.window_busy_s += finished - started - compile_s
         if chunk.done == chunk.batches:
             self._finish_chunk(chunk)
         self._report_if_reached()
@@ -166,9 +173,10 @@ class LocalSgdWorker(WorkerBase):
                 rank=self.rank,
                 epoch=chunk.epoch,
                 batches=batches,
-                samples=batches * self.stepper.batch_size,
+                samples=batches * self.stepper.step_samples,
                 loss_sum=float(chunk.loss_sum),  # the chunk's one read-back from the device
                 wall_ms=chunk.busy_s * 1000,
+                compile_s=chunk.compile_s,
                 data_ms=chunk.data_s * 1000,
                 steps_total=self.stepper.steps_total,
                 lr=self.stepper.lr,
@@ -220,7 +228,7 @@ class LocalSgdWorker(WorkerBase):
         if order.evaluate_epochs and self.stepper.parts.eval_data is not None:
             # The consensus holds every rank's steps up to this round, and only those.
             step = self.global_steps + outcome.total_steps
-            samples = step * self.stepper.batch_size
+            samples = step * self.stepper.step_samples
 
             def evaluate() -> None:  # on the consensus itself, before an async rank blends it
                 nonlocal epoch_work_s

@@ -1,4 +1,5 @@
-"""What one rank must keep to continue exactly: optimizer, scheduler, RNG streams and step counters."""
+"""What one rank must keep to continue exactly: optimizer, scheduler, GradScaler, RNG streams and step
+counters."""
 
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ def stepper_state(stepper: Stepper) -> dict[str, Any]:
         "steps_total": stepper.steps_total,
         "schedule_position": stepper.schedule_position,
         "rng": rng_state(stepper.device),
+        # fp16's loss scale and growth tracker (empty otherwise): a resumed run steps with the same scale.
+        "scaler": stepper.scaler.state_dict(),
     }
 
 
@@ -60,4 +63,6 @@ def restore_stepper(stepper: Stepper, state: dict[str, Any]) -> None:
         parts.scheduler.load_state_dict(state["scheduler"])
     stepper.steps_total = int(state["steps_total"])
     stepper.schedule_position = int(state["schedule_position"])
+    if state.get("scaler"):  # empty under fp32/bf16 (and absent from checkpoints older than precision)
+        stepper.scaler.load_state_dict(state["scaler"])
     set_rng_state(state["rng"], stepper.device)

@@ -1,12 +1,18 @@
 """One rank's training step and eval, shared by every policy.
 
-The step never reads a value back from the device: it returns the detached loss, which callers sum
-on the device and read once per chunk.
+A step is one optimizer step over `grad_accum` micro-batches of `batch_size`, each forward under the
+configured autocast. The step never reads a value back from the device itself: it returns the detached
+loss, which callers sum on the device and read once per chunk. (fp16's GradScaler reads whether the
+gradients were finite before it steps the optimizer: torch's own per-step read, fp16 only.)
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,12 +24,17 @@ from flodl.data.feeder import BatchFeeder, DataPlaneSettings, staging_tiers
 from flodl.data.partition import epoch_permutation
 from flodl.data.sample import check_movable, to_device
 from flodl.data.sample_feed import SampleFeeder
+from flodl.metrics.scalars import record_scalar
 from flodl.wire.messages import EpochSlice, EvalResult
 from flodl.worker.faults import FaultInjection
 from flodl.worker.nonfinite import NonFiniteWatch
 from flodl.worker.task_setup import TaskParts
 
 _SPIN_S = 0.002
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# Per epoch: the share of optimizer steps fp16's GradScaler skipped (inf/NaN gradients; it then lowers
+# its scale). AMP's own recovery, not an on_nonfinite event: the step was already skipped.
+SCALER_SKIPPED = "amp/scaler_skipped"
 
 
 @dataclass(frozen=True)
@@ -37,6 +48,12 @@ class StepperSettings:
     slow_factor: float
     # simulate.nan_at_step / hang_at_step, when they name this rank.
     fault: FaultInjection
+    # Micro-batches of data.batch_size per optimizer step.
+    grad_accum: int = 1
+    # Autocast of the forward pass (and eval): fp32 (off), bf16, or fp16 with a GradScaler.
+    precision: str = "fp32"
+    # torch.compile's mode for the training module, compiled on the first step; None: eager.
+    compile_mode: str | None = None
 
 
 class Stepper:
@@ -48,7 +65,22 @@ class Stepper:
         self.parts = parts
         self.device = device
         self.train_module = train_module
+        # compile_mode set: the first step compiles the module (see take_compile_s).
+        self._compile_pending = settings.compile_mode is not None
+        self._compile_s = 0.0
         self.params = [p for p in parts.model.parameters() if p.requires_grad]
+        # Samples per optimizer step: grad_accum micro-batches of batch_size.
+        self.step_samples = self.batch_size * settings.grad_accum
+        self.autocast: Callable[[], AbstractContextManager] = (
+            functools.partial(torch.autocast, device.type, AUTOCAST_DTYPES[settings.precision])
+            if settings.precision in AUTOCAST_DTYPES
+            else contextlib.nullcontext
+        )
+        # A no-op unless fp16; its scale is part of the rank's checkpoint.
+        self.scaler = torch.amp.GradScaler(device.type, enabled=settings.precision == "fp16")
+        # DDP's no_sync (also through a compiled DDP): the first grad_accum - 1 backward passes skip the
+        # all-reduce. None: nothing to skip (local SGD trains the plain model).
+        self._no_sync: Callable[[], AbstractContextManager] | None = getattr(train_module, "no_sync", None)
         self.total_picks = len(parts.train_data) * settings.data.augment
         self.steps_total = 0
         self.schedule_position = 0
@@ -86,20 +118,66 @@ class Stepper:
         """The batch of `picks` (a piece of `picks(part)` of that epoch) on the device."""
         return self.feeder.load(picks, epoch)
 
-    def step(self, batch: Any) -> Tensor:
+    def load_step(self, picks: Tensor, epoch: int) -> list[Any]:
+        """The micro-batches of one optimizer step's `step_samples` picks of `epoch`, in order."""
+        if self.settings.grad_accum == 1:
+            return [self.load(picks, epoch)]
+        return [self.load(micro, epoch) for micro in picks.split(self.batch_size)]
+
+    def step(self, micro_batches: list[Any]) -> Tensor:
+        """One optimizer step over `micro_batches`; returns their mean loss (detached, on the device)."""
+        compiling = self._compile_pending
+        if compiling:
+            self._synchronize()
         started = time.perf_counter()
-        parts = self.parts
-        loss = self.fault.applied(parts.loss_fn(self.train_module, batch), self.steps_total + 1)
+        if compiling:
+            # Wrapped here so that its cost (importing the compiler, several seconds) is timed with the step.
+            # The wrapper shares the module's parameters: checkpoints, eval and the averagers use the plain
+            # model. A compiled DDP keeps its bucketed all-reduce (graphs split at the buckets) and no_sync.
+            self.train_module = torch.compile(self.train_module, mode=self.settings.compile_mode)
+        parts, scaler = self.parts, self.scaler
         parts.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        accumulated = len(micro_batches)
+        loss_sum: Tensor | None = None
+        for i, batch in enumerate(micro_batches):
+            skips_sync = self._no_sync is not None and i < accumulated - 1
+            with self._no_sync() if skips_sync else contextlib.nullcontext():  # type: ignore[misc]
+                with self.autocast():
+                    loss = parts.loss_fn(self.train_module, batch)
+                loss = self.fault.applied(loss, self.steps_total + 1)
+                # Each micro-batch's mean loss / k: the gradient of the mean over the step's samples.
+                scaler.scale(loss / accumulated if accumulated > 1 else loss).backward()
+            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+        assert loss_sum is not None
+        step_loss = loss_sum / accumulated if accumulated > 1 else loss_sum
         if self.settings.max_grad_norm is not None:
+            scaler.unscale_(parts.optimizer)  # clip the true gradients (a no-op without fp16)
             torch.nn.utils.clip_grad_norm_(self.params, self.settings.max_grad_norm)
-        parts.optimizer.step()
+        scaler.step(parts.optimizer)
+        if scaler.is_enabled():  # stays on the device, read with the chunk's report
+            record_scalar(SCALER_SKIPPED, sum(scaler._found_inf_per_device(parts.optimizer).values()))
+        scaler.update()
         self.steps_total += 1
-        self.nonfinite.observe(loss, self.steps_total)
-        if self.settings.slow_factor > 1.0:
+        # The loss before scaling: non-finite is on_nonfinite's business whatever the precision.
+        self.nonfinite.observe(step_loss, self.steps_total)
+        if compiling:
+            self._synchronize()
+            self._compile_s += time.perf_counter() - started
+            self._compile_pending = False
+        elif self.settings.slow_factor > 1.0:  # compiling is no training step to slow down
             self._slow_down(started)
-        return loss.detach()
+        return step_loss
+
+    def take_compile_s(self) -> float:
+        """Seconds compiling took (compile=true: the first step, which wraps the module, traces it and
+        generates its code; the device synchronized around it), once; 0 otherwise. Workers keep it out of
+        their busy time and report it."""
+        taken, self._compile_s = self._compile_s, 0.0
+        return taken
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @property
     def lr(self) -> float:
@@ -114,8 +192,7 @@ class Stepper:
 
     def _slow_down(self, started: float) -> None:
         # Simulation only: the wait needs the step's true duration, so it synchronizes the device.
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self._synchronize()
         now = time.perf_counter()
         deadline = now + (now - started) * (self.settings.slow_factor - 1.0)
         # Sleep overshoots by ~0.1 ms, which would distort sub-millisecond steps: spin the last stretch.
@@ -141,9 +218,9 @@ class Stepper:
             if start == lo:
                 check_movable(batch, "task.eval_data")
             batch = to_device(batch, self.device, non_blocking=True)
-            for name, value in (
-                eval_fn(model, batch) if eval_fn else self._loss_sums(batch, len(indices))
-            ).items():
+            with self.autocast():
+                measured = eval_fn(model, batch) if eval_fn else self._loss_sums(batch, len(indices))
+            for name, value in measured.items():
                 sums[name] = sums.get(name, 0) + value.detach().double()
         model.train()
         totals = {k: float(v) for k, v in sums.items()}

@@ -1,0 +1,303 @@
+"""compile=true and precision=bf16 on the device, as ratios measured in one run (issue 20).
+
+    python bench/compile_precision.py                  # ResNet-20 and GPT-nano, 3 interleaved passes
+    python bench/compile_precision.py --quick          # one pass, shorter epochs (~8 min on 2x H200)
+    python bench/compile_precision.py --models resnet20 --repeat 5
+    python bench/compile_precision.py --smoke          # tiny models on CPU (gloo): checks the pipeline
+
+Arms, per model (each its own subprocess with a timeout; a failed arm is reported as such):
+- `torch-eager`, `torch-compile`: bench/plain_torch.py on 1 GPU, eager and `torch.compile`d (the warm-up
+  holds the compilation); the eager arm runs first and sizes the flodl epochs (about --epoch-s long).
+- `flodl-eager`, `flodl-compile`: flodl on 1 GPU, without and with `compile=true`.
+- `flodl-fp32`, `flodl-bf16`: flodl on 1 GPU with `precision=fp32` / `precision=bf16`. The GPT configs
+  autocast inside the model (`task.model.amp`); these arms turn that off so that `precision` decides.
+  On ResNet-20 the fp32 arm is `flodl-eager` itself.
+- `pair-compile`: two independent `compile=true` flodl runs on 1 GPU each (CUDA_VISIBLE_DEVICES 0 and 1),
+  started together: the sum of their throughputs is what two GPUs give without averaging.
+- `cadence-compile`, `async-compile`: flodl on 2 GPUs with `compile=true`.
+
+flodl's throughput counts the epochs after the first; the first epoch's compilation is reported apart
+(the `compile s` column: metrics.jsonl's compile_s). plain torch's counts the steps after its warm-up,
+timed with CUDA events. With --repeat N every arm runs N times, interleaved (every arm once per pass), and
+its median run counts. Prints the tables and appends them to
+bench/results/<date>-compile-precision-<hardware>.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchlib import (
+    REPO,
+    environment_lines,
+    results_path,
+    run_child,
+    run_flodl,
+    steady_throughput,
+    write_report,
+)
+from gpu_suite import Ratio
+from plain_torch import load_task
+
+MODELS = ("resnet20", "gpt_nano")
+# --smoke: the same code paths in seconds on a CPU.
+SMOKE_OVERRIDES = {
+    "resnet20": ("task.model.width=4", "task.model.blocks=1", "batch_size=8"),
+    "gpt_nano": ("task.model.layers=1", "task.model.dim=32", "task.model.heads=2", "task.model.context=32",
+                 "batch_size=4"),
+}  # fmt: skip
+# Let flodl's precision decide (the GPT configs autocast to bf16 inside the model by default).
+MODEL_AMP_OFF = {"resnet20": (), "gpt_nano": ("task.model.amp=false",)}
+
+
+@dataclass(frozen=True)
+class Arm:
+    key: str
+    label: str
+    nproc: int  # GPUs
+    policy: str | None  # None: plain torch
+    overrides: tuple[str, ...] = ()
+    pair: bool = False  # two independent 1-GPU runs at once
+    amp_off: bool = False  # the model's own autocast off
+
+
+ARMS = (
+    Arm("torch-eager", "plain torch, 1 GPU, eager", 1, None),
+    Arm("torch-compile", "plain torch, 1 GPU, torch.compile", 1, None, ("--compile",)),
+    Arm("flodl-eager", "flodl, 1 GPU, eager", 1, "sync"),
+    Arm("flodl-compile", "flodl, 1 GPU, compile=true", 1, "sync", ("compile=true",)),
+    Arm("flodl-fp32", "flodl, 1 GPU, precision=fp32", 1, "sync", ("precision=fp32",), amp_off=True),
+    Arm("flodl-bf16", "flodl, 1 GPU, precision=bf16", 1, "sync", ("precision=bf16",), amp_off=True),
+    Arm("pair-compile", "2 independent flodl runs, 1 GPU each, compile=true", 2, "sync", ("compile=true",),
+        pair=True),
+    Arm("cadence-compile", "flodl cadence, 2 GPUs, compile=true", 2, "cadence", ("compile=true",)),
+    Arm("async-compile", "flodl async, 2 GPUs, compile=true", 2, "async", ("compile=true",)),
+)  # fmt: skip
+ARM_KEYS = tuple(a.key for a in ARMS)
+QUICK_SKIPS = ("torch-compile",)  # a reference only, and a compilation of its own
+
+
+@dataclass
+class Settings:
+    cpu: bool
+    steps: int | None  # flodl steps per epoch per rank (None: sized from the eager torch arm)
+    epochs: int  # measured flodl epochs, after one more
+    epoch_s: float
+    plain_s: float
+    plain_warmup: int
+    timeout: float
+    repeat: int
+    overrides: tuple[str, ...]
+
+
+@dataclass
+class Run:
+    samples_per_s: float
+    compile_s: float | None = None
+
+
+def model_overrides(arm: Arm, model: str, settings: Settings) -> list[str]:
+    smoke = SMOKE_OVERRIDES[model] if settings.cpu else ()
+    return [*smoke, *(MODEL_AMP_OFF[model] if arm.amp_off else ()), *settings.overrides]
+
+
+def run_plain(arm: Arm, model: str, settings: Settings, work: Path, name: str) -> dict | None:
+    out = work / f"{name}.json"
+    args = [sys.executable, str(REPO / "bench" / "plain_torch.py"), "--task", model, "--out", str(out)]
+    args += ["--device", "cpu" if settings.cpu else "cuda", "--warmup", str(settings.plain_warmup)]
+    args += ["--seconds", str(settings.plain_s), *arm.overrides]
+    args += [f"--override={o}" for o in model_overrides(arm, model, settings)]
+    outcome = run_child(args, work, settings.timeout)
+    if not outcome.ok or not out.exists():
+        print(f"FAILED {name}: {' '.join(args)}\n{outcome.out[-4000:]}", file=sys.stderr)
+        return None
+    return json.loads(out.read_text())
+
+
+def run_flodl_arm(
+    arm: Arm, model: str, settings: Settings, work: Path, name: str, samples: int
+) -> Run | None:
+    assert arm.policy is not None
+    nproc = 1 if arm.pair else arm.nproc
+    overrides = [
+        f"task={model}",
+        f"policy={arm.policy}",
+        f"launch.nproc_per_node={nproc}",
+        f"epochs={1 + settings.epochs}",
+        f"task.train_data.samples={samples * nproc}",
+        *arm.overrides,
+        *model_overrides(arm, model, settings),
+    ]
+    if settings.cpu:
+        overrides += ["device=cpu", "launch.start_method=fork"]
+
+    def one(run_dir: Path, env: dict[str, str] | None) -> Run | None:
+        records = run_flodl(overrides, run_dir, settings.timeout, env)
+        if records is None:
+            return None
+        return Run(steady_throughput(records, skip=1), records[0]["compile_s"])
+
+    if not arm.pair:
+        return one(work / name, None)
+    envs = [None, None] if settings.cpu else [{"CUDA_VISIBLE_DEVICES": str(gpu)} for gpu in (0, 1)]
+    with ThreadPoolExecutor(2) as pool:  # both start together: they share the host as a 2-GPU run does
+        both = list(pool.map(one, [work / f"{name}-a", work / f"{name}-b"], envs))
+    done = [r for r in both if r is not None]
+    if len(done) < 2:
+        return None
+    return Run(sum(r.samples_per_s for r in done), max(r.compile_s or 0.0 for r in done))
+
+
+def median(runs: list[Run]) -> Run:
+    """The median run (a real run, not an average of two)."""
+    return sorted(runs, key=lambda r: r.samples_per_s)[len(runs) // 2]
+
+
+def measure(
+    model: str, settings: Settings, chosen: list[str], work: Path
+) -> tuple[dict[str, list[Run]], int]:
+    """Every chosen arm of `model`, `settings.repeat` passes; flodl steps per epoch per rank."""
+    runs: dict[str, list[Run]] = {key: [] for key in ARM_KEYS}
+    eager = ARMS[0]
+    base = run_plain(eager, model, settings, work, f"{model}-torch-eager")
+    if base is None and settings.steps is None:
+        raise SystemExit(f"compile_precision: {model}: the eager torch arm failed, nothing can be sized")
+    steps = settings.steps or max(10, round(settings.epoch_s * 1000 / base["step_ms"]))  # type: ignore[index]
+    if base:
+        runs[eager.key].append(Run(base["samples_per_s"]))
+    batch_size = int(load_task(model, model_overrides(eager, model, settings)).batch_size)
+    print(f"compile_precision: {model}: {steps} flodl steps per epoch per rank", flush=True)
+    for rep in range(settings.repeat):
+        for arm in ARMS:
+            if arm.key not in chosen or (arm is eager and rep == 0):
+                continue
+            if arm.key == "flodl-fp32" and not MODEL_AMP_OFF[model]:
+                continue  # the same run as flodl-eager
+            name = f"{model}-{arm.key}-{rep + 1}"
+            print(f"compile_precision: {model}: pass {rep + 1}/{settings.repeat}, {arm.key} ...", flush=True)
+            if arm.policy is None:
+                plain = run_plain(arm, model, settings, work, name)
+                run = Run(plain["samples_per_s"]) if plain else None
+            else:
+                run = run_flodl_arm(arm, model, settings, work, name, steps * batch_size)
+            if run is not None:
+                runs[arm.key].append(run)
+                print(
+                    f"compile_precision: {model}: {arm.key}: {run.samples_per_s:,.1f} samples/s", flush=True
+                )
+    return {k: v for k, v in runs.items() if v}, steps
+
+
+def ratios(model: str, results: dict[str, Run]) -> list[Ratio]:
+    def over(a: str, b: str) -> float | None:
+        if a not in results or b not in results:
+            return None
+        return results[a].samples_per_s / results[b].samples_per_s
+
+    fp32 = "flodl-fp32" if MODEL_AMP_OFF[model] else "flodl-eager"
+    rows = [
+        Ratio("flodl compiled / plain torch eager, 1 GPU", over("flodl-compile", "torch-eager"),
+              1.2 if model == "resnet20" else None),
+        Ratio("flodl compiled / plain torch compiled, 1 GPU", over("flodl-compile", "torch-compile")),
+        Ratio("flodl eager / plain torch eager, 1 GPU", over("flodl-eager", "torch-eager")),
+        Ratio("compile=true / eager, flodl 1 GPU", over("flodl-compile", "flodl-eager")),
+        Ratio("cadence compiled, 2 GPUs / 2 independent compiled 1-GPU runs",
+              over("cadence-compile", "pair-compile"), 0.95),
+        Ratio("async compiled, 2 GPUs / 2 independent compiled 1-GPU runs",
+              over("async-compile", "pair-compile")),
+        Ratio("precision=bf16 / fp32, flodl 1 GPU", over("flodl-bf16", fp32)),
+    ]  # fmt: skip
+    return [r for r in rows if r.value is not None or r.goal is not None]
+
+
+def model_report(model: str, runs: dict[str, list[Run]], steps: int, settings: Settings) -> list[str]:
+    results = {key: median(found) for key, found in runs.items()}
+    lines = [
+        f"## {model}",
+        "",
+        f"flodl: {steps} steps per epoch per rank, 1 + {settings.epochs} epochs (the first not counted); "
+        f"{settings.repeat} pass(es), the median run of each arm counts.",
+        "",
+        "| arm | samples/s | compile s | runs (samples/s) |",
+        "|---|---|---|---|",
+    ]
+    for arm in ARMS:
+        if arm.key not in results:
+            continue
+        m = results[arm.key]
+        compile_s = "—" if not m.compile_s else f"{m.compile_s:.1f}"
+        every = ", ".join(f"{r.samples_per_s:,.0f}" for r in runs[arm.key])
+        lines.append(f"| {arm.label} | {m.samples_per_s:,.1f} | {compile_s} | {every} |")
+    lines += [
+        "",
+        "| measure | value | goal (issue 20) | verdict |",
+        "|---|---|---|---|",
+        *(r.row() for r in ratios(model, results)),
+        "",
+    ]
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated: {','.join(MODELS)}")
+    parser.add_argument("--arms", default=None, help=f"comma-separated subset of: {','.join(ARM_KEYS)}")
+    parser.add_argument("--repeat", type=int, default=None, help="interleaved passes (default 3, quick 1)")
+    parser.add_argument("--epochs", type=int, default=2, help="measured flodl epochs (after one more)")
+    parser.add_argument("--epoch-s", type=float, default=None, help="flodl epoch length (default 2, quick 1)")
+    parser.add_argument("--quick", action="store_true", help="one pass, shorter epochs, no torch-compile arm")
+    parser.add_argument("--smoke", action="store_true", help="tiny models on CPU (gloo): checks the pipeline")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds per arm (default 600)")
+    parser.add_argument("--results-dir", type=Path, default=REPO / "bench" / "results")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides for every flodl arm (after --)")
+    args = parser.parse_args()
+
+    models = args.models.split(",")
+    chosen = list(ARM_KEYS) if args.arms is None else args.arms.split(",")
+    unknown = sorted({*set(models) - set(MODELS), *set(chosen) - set(ARM_KEYS)})
+    if unknown:
+        parser.error(
+            f"unknown models or arms {unknown}; models: {', '.join(MODELS)}; arms: {', '.join(ARM_KEYS)}"
+        )
+    if args.quick:
+        chosen = [k for k in chosen if k not in QUICK_SKIPS]
+    settings = Settings(
+        cpu=args.smoke,
+        steps=3 if args.smoke else None,
+        epochs=1 if args.smoke else args.epochs,
+        epoch_s=args.epoch_s or (1.0 if args.quick else 2.0),
+        plain_s=0.3 if args.smoke else (1.0 if args.quick else 2.0),
+        plain_warmup=2 if args.smoke else 20,
+        timeout=args.timeout or 600,
+        repeat=args.repeat or (1 if args.quick or args.smoke else 3),
+        overrides=tuple(args.overrides),
+    )
+    sections = []
+    with tempfile.TemporaryDirectory(prefix="flodl-compile-") as tmp:
+        for model in models:
+            runs, steps = measure(model, settings, chosen, Path(tmp))
+            sections += model_report(model, runs, steps, settings)
+    lines = [
+        "# compile and precision",
+        "",
+        *environment_lines(settings.cpu),
+        f"- command: `{' '.join(['python', *sys.argv])}`",
+        "",
+        *sections,
+        "samples/s of flodl: the epochs after the first; compile s: the first step of the first epoch "
+        "(metrics.jsonl's compile_s, kept out of samples_per_s). A pair's samples/s is the sum of its two "
+        "runs.",
+    ]
+    write_report(results_path(args.results_dir, "compile-precision", settings.cpu), "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
