@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from flodl.config.host import HostFacts
 from flodl.config.rules import GIB, LOCAL_SGD_KNOBS, NOT_IMPLEMENTED, ConfigError, validate
 from flodl.config.schema import FlodlConfig, to_config
+from flodl.config.targets import target_problems
 
 TASK = {"name": "t", "model": "m", "train_data": "d", "loss": "l", "optimizer": "o"}
 HOST = HostFacts(
@@ -476,3 +477,27 @@ def test_save_path_must_not_be_a_file(tmp_path):
     file.write_bytes(b"")
     assert_problem(problems_of(make(save_path=str(file))), "save_path", str(file), "is not a directory")
     assert problems_of(make(save_path=str(tmp_path / "new"), resume=str(tmp_path))) == []
+
+
+def test_callback_targets_are_imported_and_each_bad_one_named_with_its_key() -> None:
+    nodes = [
+        {"_target_": "flodl.callbacks.BestModel", "mode": "max"},
+        {"_target_": "flodl.callbacks.BestModle"},
+        {"_target_": "no_such_package.Callback"},
+        "flodl.callbacks.EarlyStopping",
+    ]
+    assert list(target_problems("callbacks", nodes)) == [
+        "callbacks[1]._target_='flodl.callbacks.BestModle': cannot be imported "
+        "(AttributeError: module 'flodl.callbacks' has no attribute 'BestModle')",
+        "callbacks[2]._target_='no_such_package.Callback': cannot be imported "
+        "(ModuleNotFoundError: No module named 'no_such_package')",
+        "callbacks[3]='flodl.callbacks.EarlyStopping': must be a mapping with a _target_ "
+        "(e.g. {_target_: mypkg.MyCallback})",
+    ]
+
+
+def test_a_missing_import_inside_a_found_module_is_reported_as_such(tmp_path, monkeypatch) -> None:
+    (tmp_path / "user_callbacks.py").write_text("import not_installed_dependency\nclass Cb: pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (problem,) = target_problems("callbacks", [{"_target_": "user_callbacks.Cb"}])
+    assert problem.endswith("(ModuleNotFoundError: No module named 'not_installed_dependency')")
