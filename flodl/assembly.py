@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from hydra.utils import instantiate
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -32,6 +33,7 @@ from flodl.config.rules import GIB
 from flodl.config.schema import FlodlConfig
 from flodl.coordinator.commit import HANG_MODEL_FILE, CheckpointCommitter, consensus_saver, run_kind
 from flodl.coordinator.coordinator import Coordinator, Driver, EpochSchedule, SyncDriver
+from flodl.coordinator.hooks import CallbackError, Hooks, Run
 from flodl.coordinator.ledger import EpochLedger
 from flodl.coordinator.local_sgd_driver import LocalSgdDriver
 from flodl.data.feeder import DataPlaneSettings
@@ -98,8 +100,8 @@ def stepper_settings(cfg: FlodlConfig, env: RankEnv) -> StepperSettings:
     )
 
 
-def worker_settings(cfg: FlodlConfig) -> WorkerSettings:
-    return WorkerSettings(log_every=cfg.logger.log_every, on_nonfinite=cfg.on_nonfinite)
+def worker_settings(cfg: FlodlConfig, evaluated_models: Path | None = None) -> WorkerSettings:
+    return WorkerSettings(cfg.logger.log_every, cfg.on_nonfinite, evaluated_models)
 
 
 def task_settings(cfg: FlodlConfig) -> TaskSettings:
@@ -147,10 +149,12 @@ def make_worker(
     reader: InboxReader,
     outbox: Mailbox,
     run_dir: Path,
+    keeps_evaluated_models: bool = False,
 ) -> WorkerBase:
+    """`keeps_evaluated_models` (rank 0): write the parameters of each eval for a callback (BestModel)."""
     rank, world_size = env.rank, env.world_size
     link = RankLink(rank, world_size, reader, outbox)
-    settings = worker_settings(cfg)
+    settings = worker_settings(cfg, run_dir if keeps_evaluated_models else None)
 
     def checkpointer(stepper: Stepper) -> RankCheckpointer | None:
         if cfg.checkpoint_every is None:
@@ -225,7 +229,22 @@ def make_coordinator(
         sinks.append(WandbSink(wandb_settings(cfg), info, config, cfg.policy))
     monitor = HeartbeatMonitor(world_size, cfg.heartbeat_timeout_s, started=0.0)
     saver = None if averages_parameters(cfg) else consensus_saver(*rank0_model, run_dir / HANG_MODEL_FILE)
-    return Coordinator(reader, outbox, ledger, driver, sinks, timeline, run_dir, monitor, committer, saver)
+    run = Run(run_dir, cfg.policy, world_size, cfg.epochs, config)
+    hooks = Hooks(build_callbacks(cfg.callbacks), run)
+    return Coordinator(
+        reader, outbox, ledger, driver, sinks, timeline, run_dir, monitor, committer, hooks, saver
+    )
+
+
+def build_callbacks(nodes: list[Any]) -> list[object]:
+    built = []
+    for i, node in enumerate(nodes):
+        try:
+            built.append(instantiate(node))
+        except Exception as err:
+            target = node.get("_target_")
+            raise CallbackError(f"callbacks[{i}] ({target}): could not build it: {err}") from err
+    return built
 
 
 def _local_sgd_driver(

@@ -75,6 +75,11 @@ def save_model(model: nn.Module, path: Path) -> None:
     atomic_save(model_state(model), path)
 
 
+def evaluated_model_path(run_dir: Path, epoch: int) -> Path:
+    """Where rank 0 writes the parameters it evaluated for `epoch`, for a callback that keeps them."""
+    return run_dir / "evaluated" / f"epoch-{epoch:06d}.pt"
+
+
 def dir_name(epoch: int) -> str:
     return f"epoch-{epoch:06d}"
 

@@ -1,52 +1,58 @@
 """Compare the jobs of a multirun: `python -m flodl.compare <multirun dir>`.
 
-Writes into that dir `compare.md` (one row per job: policy and overrides, final loss, eval metric, wall
-time, samples/s, averaging rounds, bytes on the wire) and `compare.png` (the eval metric against wall
-time, step and bytes, one line per job).
+Jobs are grouped by the keys that vary across the sweep (read from each job's `.hydra/overrides.yaml` and
+config); `seed` is folded: each group shows the mean ± sample standard deviation over its seeds. Writes into
+that dir `compare.md` (a row per group, then a row per job) and `compare.png` (the eval metric against
+wall time and against samples, throughput, bytes on the wire, and where each group's wall time went).
+Wall time is the job's own, from launch to exit (`run.json`), with its start-up shown apart.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
-from typing import Any
-
-import yaml
 
 from flodl.metrics.plots import plot_compare
+from flodl.metrics.sweep import SEED_KEY, Job, group_jobs, load_job, mean_std, varying_keys
 
 REPORT_MD = "compare.md"
 REPORT_PNG = "compare.png"
 
 
-def load_job(job_dir: Path) -> dict[str, Any]:
-    records = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines() if line]
-    wall = 0.0
-    for record in records:
-        wall += record["epoch_s"]
-        record["wall_s"] = wall
-    overrides = yaml.safe_load((job_dir / ".hydra" / "overrides.yaml").read_text()) or []
-    config = yaml.safe_load((job_dir / ".hydra" / "config.yaml").read_text())
-    return {
-        "dir": job_dir,
-        "label": ",".join(overrides) or job_dir.name,
-        "policy": config.get("policy", "?"),
-        "overrides": overrides,
-        "records": records,
-        "rounds": sum(r["rounds"] for r in records),
-    }
-
-
-def eval_metric(jobs: list[dict[str, Any]]) -> str:
+def eval_metric(jobs: list[Job]) -> str:
     """The first eval metric the jobs report (the task's own, e.g. eval/accuracy), else the train loss."""
     for job in jobs:
-        for record in job["records"]:
+        for record in job.records:
             names = sorted(k for k in record if k.startswith("eval/"))
             if names:
                 return names[0]
     return "loss"
+
+
+def job_row(job: Job, metric: str) -> dict[str, float | None]:
+    """The numbers a job contributes to its group's row."""
+    evaluated = [r[metric] for r in job.records if metric in r]
+    return {
+        "final loss": job.records[-1]["loss"],
+        metric: evaluated[-1] if evaluated else None,
+        "wall s": job.wall_s,
+        "start-up s": job.startup_s,
+        "samples/s": sum(r["samples"] for r in job.records) / job.training_s if job.training_s else None,
+        "rounds": sum(r["rounds"] for r in job.records),
+        "MB on wire": job.records[-1]["comm_bytes_total"] / 1e6,
+    }
+
+
+def _cell(values: list[float | None], digits: int) -> str:
+    present = [v for v in values if v is not None]
+    if not present:
+        return "—"
+    mean, std = mean_std(present)
+    return f"{mean:.{digits}f} ± {std:.{digits}f}" if len(present) > 1 else f"{mean:.{digits}f}"
+
+
+DIGITS = {"final loss": 4, "wall s": 1, "start-up s": 1, "samples/s": 0, "rounds": 0, "MB on wire": 2}
 
 
 def report(sweep_dir: Path) -> str:
@@ -55,26 +61,41 @@ def report(sweep_dir: Path) -> str:
         raise SystemExit(f"flodl.compare: no job with a metrics.jsonl under {sweep_dir}")
     jobs = [load_job(d) for d in job_dirs]
     metric = eval_metric(jobs)
+    groups = group_jobs(jobs)
+    columns = list(job_row(jobs[0], metric))
+    varying = varying_keys(jobs)
     lines = [
         f"# {sweep_dir}",
         "",
-        f"| job | policy | overrides | final loss | {metric} | wall s | samples/s | rounds | bytes on wire |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"{len(jobs)} jobs in {len(groups)} group(s) by the keys that vary: "
+        f"{', '.join(k for k in varying if k != SEED_KEY) or 'none'}"
+        f"{' (seed folded in)' if SEED_KEY in varying else ''}. Values are mean ± sample std over a group's "
+        f"seeds. `{metric}` is the last eval; wall s is launch to exit (start-up apart: launch to the first "
+        "epoch's start); samples/s is over training time.",
+        "",
+        f"| group | seeds | {' | '.join(columns)} |",
+        "|---|---|" + "---|" * len(columns),
     ]
-    for job in jobs:
-        records = job["records"]
-        last = records[-1]
-        evaluated = [r[metric] for r in records if metric in r]
-        wall = last["wall_s"]
-        samples = sum(r["samples"] for r in records)
-        lines.append(
-            f"| {job['dir'].relative_to(sweep_dir)} | {job['policy']} | `{' '.join(job['overrides'])}` | "
-            f"{last['loss']:.4f} | {evaluated[-1] if evaluated else float('nan'):.4f} | {wall:.2f} | "
-            f"{samples / wall if wall else 0:.0f} | {job['rounds']} | {last['comm_bytes_total']:,} |"
-        )
+    for group in groups:
+        rows = [job_row(job, metric) for job in group.jobs]
+        cells = [_cell([r[c] for r in rows], DIGITS.get(c, 4)) for c in columns]
+        lines.append(f"| {group.label} | {len(group.jobs)} | {' | '.join(cells)} |")
+    lines += [
+        "",
+        "## Jobs",
+        "",
+        f"| job | group | seed | {' | '.join(columns)} |",
+        "|---|---|---|" + "---|" * len(columns),
+    ]
+    for group in groups:
+        for job in group.jobs:
+            row = job_row(job, metric)
+            cells = [_cell([row[c]], DIGITS.get(c, 4)) for c in columns]
+            name = job.dir.relative_to(sweep_dir)
+            lines.append(f"| {name} | {group.label} | {job.value_of(SEED_KEY)} | {' | '.join(cells)} |")
     text = "\n".join(lines) + "\n"
     (sweep_dir / REPORT_MD).write_text(text)
-    plot_compare(jobs, metric, sweep_dir / REPORT_PNG)
+    plot_compare(groups, metric, sweep_dir / REPORT_PNG)
     return text
 
 

@@ -11,6 +11,7 @@ The config is validated before any rank starts; every rank then checks it holds 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import sys
@@ -35,10 +36,12 @@ from flodl.config.host import HostFacts, RankEnv
 from flodl.config.policy import collective_backend, step_samples
 from flodl.config.rules import ConfigError, validate
 from flodl.config.schema import FlodlConfig, to_config
-from flodl.config.targets import target_problems
+from flodl.config.targets import list_target_problems, task_target_problems
 from flodl.coordinator.coordinator import Coordinator
+from flodl.coordinator.hooks import RunSummary
 from flodl.data.partition import equal_slices
 from flodl.logs import setup_rank_logging
+from flodl.metrics import run_clock
 from flodl.metrics.run_info import RunInfo, from_hydra
 from flodl.plan import describe
 from flodl.resume import (
@@ -75,26 +78,35 @@ def launch_from_hydra(cfg: DictConfig) -> None:
 
 
 def launch(cfg: DictConfig, info: RunInfo) -> None:
+    launched_at = run_clock.launch_time()
     adopt_scheduler_environ()
     config: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
     typed = to_config(config)
     host = HostFacts.probe(typed.launch.nproc_per_node, typed.disk_stage_dir)
-    validate(typed, host)
-    problems = target_problems(typed)
+    # Every problem in one list: the rules', and the task's and callbacks' targets that do not import.
+    problems = task_target_problems(typed) + list(list_target_problems("callbacks", typed.callbacks))
+    try:
+        validate(typed, host)
+    except ConfigError as err:
+        problems = err.problems + problems
     if problems:
         raise ConfigError(problems)
+    env = RankEnv.from_environ()
     if typed.plan:
-        if RankEnv.from_environ().rank == 0:
+        if env.rank == 0:
             print(describe(typed, host, data_plane_settings(typed, host.ranks_per_node)))
         return
-    if RankEnv.from_environ().launched or typed.launch.nproc_per_node == 1:
+    if env.launched or typed.launch.nproc_per_node == 1:
         run_rank(config, info.as_dict())
+        if env.rank != 0:
+            return
     else:
         try:  # a checkpoint this job cannot resume is refused before any rank starts
             choose_checkpoint(resume_settings(typed, Path(info.run_dir)), host.world_size)
         except CheckpointError as err:
             raise ConfigError([f"resume={typed.resume!r}: {err}"]) from None
         self_launch(config, info, typed)
+    run_clock.record_exit(Path(info.run_dir), launched_at)
 
 
 def self_launch(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig) -> None:
@@ -182,7 +194,10 @@ def run_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
             )  # fmt: skip
             coordinator.start()
         outbox = connect(env.rank)
-        worker = make_worker(cfg, parts, env, device, InboxReader(connect(env.rank)), outbox, run_dir)
+        keeps_evaluated = coordinator is not None and coordinator.hooks.run.keeps_evaluated_models
+        worker = make_worker(
+            cfg, parts, env, device, InboxReader(connect(env.rank)), outbox, run_dir, keeps_evaluated
+        )
         if checkpoint is not None:
             restore_worker(checkpoint, worker)
         interval = beat_interval(cfg.heartbeat_timeout_s)
@@ -197,6 +212,7 @@ def run_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
             _raise_if_failed(coordinator)
             save_model(parts.model, run_dir / MODEL_FILE)
             log.info("run dir %s: %s, %s", run_dir, METRICS_FILE, MODEL_FILE)
+            _end_run(coordinator, run_dir)
     except BaseException as err:
         if coordinator is not None:  # it shares this process's store: let it stop before the store goes
             coordinator.stop_requested.set()
@@ -208,6 +224,17 @@ def run_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
         raise
     finally:
         dist.destroy_process_group()
+
+
+def _end_run(coordinator: Coordinator, run_dir: Path) -> None:
+    """Rank 0, once model.pt is written: the run's times for the compare report, then on_run_end."""
+    assert coordinator.started_at is not None and coordinator.ended_at is not None
+    run_clock.record(
+        run_dir, training_started_at=coordinator.started_at, training_ended_at=coordinator.ended_at
+    )
+    records = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines() if line]
+    summary = RunSummary(coordinator.last_epoch, coordinator.stopped, run_dir / MODEL_FILE, records[-1])
+    coordinator.hooks.run_end(summary)
 
 
 def _log_plan(cfg: FlodlConfig, world_size: int) -> None:

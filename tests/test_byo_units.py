@@ -13,7 +13,7 @@ from torch.utils.data import Dataset, default_collate
 
 from flodl.assembly import data_plane_settings, task_settings
 from flodl.config.schema import FlodlConfig, to_config
-from flodl.config.targets import target_problems
+from flodl.config.targets import task_target_problems
 from flodl.data.feeder import DataPlaneSettings
 from flodl.data.pack import PackFile, decode, encode
 from flodl.data.partition import epoch_permutation
@@ -192,7 +192,7 @@ def test_task_targets_that_do_not_import_are_refused_before_the_ranks_start():
         collate_fn={"_target_": "mypkg.collate", "_partial_": True},
         eval_data={"_target_": "tests.helpers.byo_data.NoSuchSet"},
     )
-    problems = target_problems(cfg)
+    problems = task_target_problems(cfg)
     assert len(problems) == 2, problems
     assert problems[0].startswith(
         "task.eval_data._target_='tests.helpers.byo_data.NoSuchSet': does not import"
@@ -207,7 +207,7 @@ def test_a_collate_function_without_partial_and_loader_keys_on_a_batch_dataset_a
         collate_fn={"_target_": "tests.helpers.byo_data.dict_collate"},
     )
     cfg.num_workers = 2
-    problems = target_problems(cfg)
+    problems = task_target_problems(cfg)
     assert any(
         p.startswith("task.collate_fn._target_='tests.helpers.byo_data.dict_collate': is a function")
         for p in problems
@@ -227,7 +227,9 @@ def test_a_factory_that_returns_a_batch_dataset_refuses_loader_keys_when_the_ran
     cfg = to_config(
         {**{k: v for k, v in digits.items() if k != "task"}, "task": digits["task"], "num_workers": 2}
     )
-    assert target_problems(cfg) == []  # a factory function: its dataset's kind is unknown before it is built
+    assert (
+        task_target_problems(cfg) == []
+    )  # a factory function: its dataset's kind is unknown before it is built
     with pytest.raises(
         ValueError, match=r"num_workers=2: task.train_data is a BatchDataSet \(TensorDataSet\)"
     ):

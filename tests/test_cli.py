@@ -49,10 +49,15 @@ def test_self_launch_two_ranks(tmp_path: Path) -> None:
 
 
 def test_config_error_stops_before_any_rank_starts(tmp_path: Path) -> None:
-    result = train("vram_max_usage=1.5", "batch_size=0", "launch.nproc_per_node=2", cwd=tmp_path)
+    typo = "callbacks=[{_target_:flodl.callbacks.BestModle}]"
+    result = train("vram_max_usage=1.5", "batch_size=0", typo, "launch.nproc_per_node=2", cwd=tmp_path)
     assert result.code == 2, result.out
     assert "vram_max_usage=1.5: must be in [0.5, 0.99]" in result.out
     assert "batch_size=0: must be >= 1" in result.out
+    assert (
+        "callbacks[0]._target_='flodl.callbacks.BestModle': does not import "
+        "(AttributeError: module 'flodl.callbacks' has no attribute 'BestModle')"
+    ) in result.out
     assert "Traceback" not in result.out
     # Nothing was spawned: no rank ever logged and the launcher never ran.
     assert not list(tmp_path.rglob("rank*.log"))

@@ -80,6 +80,12 @@ OVERRIDES = [
     ("resume=never", "resume", "never", str),
     ("heartbeat_timeout_s=20", "heartbeat_timeout_s", 20.0, float),
     ("on_nonfinite=skip", "on_nonfinite", "skip", str),
+    (
+        "callbacks=[{_target_:flodl.callbacks.EarlyStopping,monitor:eval/accuracy,mode:max}]",
+        "callbacks",
+        [{"_target_": "flodl.callbacks.EarlyStopping", "monitor": "eval/accuracy", "mode": "max"}],
+        list,
+    ),
 ]
 NESTED_OVERRIDES = [
     ("launch.nproc_per_node=2", "nproc_per_node", 2, int),
@@ -163,7 +169,7 @@ def test_top_level_key_overrides_from_the_command_line(
     assert getattr(default_cfg, field) != value, "pick an override value that differs from the default"
     assert getattr(overridden_cfg, field) == value
     assert type(getattr(overridden_cfg, field)) is kind
-    if kind is list:
+    if field == "partition_ratios":
         assert all(type(v) is float for v in getattr(overridden_cfg, field))
 
 

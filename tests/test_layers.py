@@ -46,6 +46,7 @@ FLOORS = {
     "flodl.run_dir": 5,
     "flodl.slots": 5,
     "flodl.compare": 5,
+    "flodl.callbacks": 5,
     "flodl": 5,
 }
 # Imports that break the rule above, and why.

@@ -344,6 +344,30 @@ def test_one_rank_one_batch_one_epoch(is_async):
     assert sim.windows[0].average == Average(1, (), True)
 
 
+@pytest.mark.parametrize("is_async", [False, True])
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_a_stop_ends_the_run_at_an_epoch_boundary_with_every_handed_out_batch_trained_once(is_async, data):
+    sim = data.draw(runs(is_async=is_async))
+    before = data.draw(st.integers(1, 3))
+    while not sim.planner.finished and len(sim.windows) < before:
+        sim.run_window()
+    if sim.planner.finished:  # a stop asked once the run is over changes nothing
+        assert sim.planner.stop() == sim.epochs - 1 and sim.planner.finished
+        return
+    handed_out = set(sim.dispatched)
+    last = sim.planner.stop()
+    sim.run(2 * window_bound(sim))
+    kept = all_batches(last + 1, sim.bpe)
+    assert handed_out <= kept  # nothing handed out is dropped, so no rank trains past the stop
+    assert set(sim.dispatched) == kept and set(sim.dispatched.values()) == {1}
+    assert set(sim.trained) == kept and set(sim.trained.values()) == {1}
+    assert all(not r.queue for r in sim.ranks) and sorted(sim.completed) == list(range(last + 1))
+    assert [w.average.final for w in sim.windows].count(True) == 1 and sim.windows[-1].average.final
+    # The stop lands at the first boundary past what was handed out: a later one would train more.
+    assert last == max(e for e, _ in handed_out)
+
+
 # --- 2. cadence windows --------------------------------------------------------------------------
 
 

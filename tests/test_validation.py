@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from flodl.config.host import HostFacts
 from flodl.config.rules import GIB, LOCAL_SGD_KNOBS, NOT_IMPLEMENTED, ConfigError, validate
 from flodl.config.schema import FlodlConfig, to_config
+from flodl.config.targets import list_target_problems
 
 TASK = {"name": "t", "model": "m", "train_data": "d", "loss": "l", "optimizer": "o"}
 HOST = HostFacts(
@@ -504,3 +505,30 @@ def test_compile_mode_needs_compile():
     )
     assert "applies to compile=true" in problem
     assert problems_of(make(compile_mode="max-autotune", compile=True)) == []
+
+
+FIX = "fix the dotted path, or make its module importable from the run's directory (PYTHONPATH)"
+
+
+def test_callback_targets_are_imported_and_each_bad_one_named_with_its_key() -> None:
+    nodes = [
+        {"_target_": "flodl.callbacks.BestModel", "mode": "max"},
+        {"_target_": "flodl.callbacks.BestModle"},
+        {"_target_": "no_such_package.Callback"},
+        "flodl.callbacks.EarlyStopping",
+    ]
+    assert list(list_target_problems("callbacks", nodes)) == [
+        "callbacks[1]._target_='flodl.callbacks.BestModle': does not import "
+        "(AttributeError: module 'flodl.callbacks' has no attribute 'BestModle'); " + FIX,
+        "callbacks[2]._target_='no_such_package.Callback': does not import "
+        "(ModuleNotFoundError: No module named 'no_such_package'); " + FIX,
+        "callbacks[3]='flodl.callbacks.EarlyStopping': must be a mapping with a _target_ "
+        "(e.g. {_target_: mypkg.MyCallback})",
+    ]
+
+
+def test_a_missing_import_inside_a_found_module_is_reported_as_such(tmp_path, monkeypatch) -> None:
+    (tmp_path / "user_callbacks.py").write_text("import not_installed_dependency\nclass Cb: pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (problem,) = list_target_problems("callbacks", [{"_target_": "user_callbacks.Cb"}])
+    assert "(ModuleNotFoundError: No module named 'not_installed_dependency');" in problem

@@ -204,6 +204,9 @@ class FlodlConfig:
     # gets no weight in the next average and it restarts from the consensus).
     on_nonfinite: str = "error"
 
+    # Objects (Hydra `_target_` configs) whose hooks rank 0 calls during the run (flodl/callbacks.py).
+    callbacks: list[Any] = field(default_factory=list)
+
     task: TaskConfig = field(default_factory=TaskConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)

@@ -68,8 +68,9 @@ class CheckpointCommitter:
         self.saved[epoch] = set(range(self.world_size))
         self.driver_state[epoch] = driver_state
 
-    def poll(self, ledger: EpochLedger, driver_state: dict[str, Any]) -> None:
-        """Commit every epoch whose parts are all saved and that the ledger has emitted."""
+    def poll(self, ledger: EpochLedger, driver_state: dict[str, Any]) -> list[Checkpoint]:
+        """Commit every epoch whose parts are all saved and that the ledger has emitted; return those."""
+        committed = []
         for epoch in sorted(self.saved):
             if len(self.saved[epoch]) < self.world_size or ledger.next_to_emit <= epoch:
                 continue
@@ -83,4 +84,6 @@ class CheckpointCommitter:
             self.committed = self.store.commit(epoch, self.world_size)
             del self.saved[epoch]
             self.remaining.discard(epoch)
+            committed.append(self.committed)
             log.info("checkpoint after epoch %d: %s", epoch, self.committed.path)
+        return committed

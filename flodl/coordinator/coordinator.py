@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from flodl.coordinator.commit import CheckpointCommitter
+from flodl.coordinator.hooks import CallbackError, Hooks
 from flodl.coordinator.ledger import EpochLedger
 from flodl.data.partition import equal_slices
 from flodl.metrics.sinks import Sink
@@ -84,6 +85,10 @@ class Driver(Protocol):
 
     def on_epoch_emitted(self, epoch: int) -> None: ...
 
+    def stop(self) -> int:
+        """Hand out no work past the current epoch boundary; return the last epoch any rank trains."""
+        ...
+
     @property
     def done(self) -> bool: ...
 
@@ -102,6 +107,8 @@ class SyncDriver:
         self.outbox = outbox
         self.checkpoint_epochs = checkpoint_epochs
         self.first_epoch = first_epoch
+        self.planned = first_epoch - 1
+        self.stopped = False
 
     def begin(self) -> None:
         for epoch in range(
@@ -119,8 +126,13 @@ class SyncDriver:
         pass
 
     def on_epoch_emitted(self, epoch: int) -> None:
-        if epoch + PLAN_LOOKAHEAD + 1 < self.schedule.epochs:
+        if epoch + PLAN_LOOKAHEAD + 1 < self.schedule.epochs and not self.stopped:
             self._plan(epoch + PLAN_LOOKAHEAD + 1)
+
+    def stop(self) -> int:
+        # The epochs already sent are trained by every rank (their StartEpoch is queued on each).
+        self.stopped = True
+        return self.planned
 
     @property
     def done(self) -> bool:
@@ -130,6 +142,7 @@ class SyncDriver:
         evaluate = self.schedule.evaluates_after(epoch)
         self.ledger.expect_eval(epoch, evaluate)
         checkpoint = epoch in self.checkpoint_epochs
+        self.planned = epoch
         schedule = self.schedule
         parts = equal_slices(schedule.total_picks, schedule.world_size, schedule.batch_size, epoch)
         for rank, part in enumerate(parts):
@@ -148,9 +161,16 @@ class Coordinator(threading.Thread):
         run_dir: Path,
         monitor: HeartbeatMonitor,
         committer: CheckpointCommitter | None,
+        hooks: Hooks,
         save_on_hang: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(name="flodl-coordinator", daemon=True)
+        self.hooks = hooks
+        # Why the run ends before its last epoch (a callback asked).
+        self.stopped: str | None = None
+        # Wall-clock times (time.time()) the coordinator started and finished the run.
+        self.started_at: float | None = None
+        self.ended_at: float | None = None
         self.monitor = monitor
         # Writes the consensus rank 0 holds when a peer goes silent (None: it holds none worth saving).
         self.save_on_hang = save_on_hang
@@ -169,8 +189,10 @@ class Coordinator(threading.Thread):
     def run(self) -> None:
         try:
             self.reader.start()
+            self.hooks.run_start()
             # The run starts now, not when the sinks were set up.
             self.ledger.started_at = self.timeline.started = time.perf_counter()
+            self.started_at = time.time()
             self.driver.begin()
             self.monitor.started = time.perf_counter()
             while not (self.driver.done and self.ledger.all_emitted and self._checkpoints_committed):
@@ -180,10 +202,12 @@ class Coordinator(threading.Thread):
                 if message is not None:
                     self._handle(message)
                 self._check_heartbeats(time.perf_counter())
-            for rank in range(self.ledger.world_size):
-                self.outbox.send(rank, Shutdown())
+            self.ended_at = time.time()
+            self._shut_down(self.stopped or "done")
             self.timeline.save(self.run_dir)
         except BaseException as err:  # surfaced to rank 0's main thread through self.error
+            if isinstance(err, CallbackError):  # every rank stops at its next message, naming the callback
+                self._shut_down(str(err))
             self.error = err
         finally:
             for sink in self.sinks:
@@ -199,6 +223,25 @@ class Coordinator(threading.Thread):
                 saver.join(timeout=30)
             logging.shutdown()
             os._exit(1)
+
+    def _shut_down(self, reason: str) -> None:
+        for rank in range(self.ledger.world_size):
+            self.outbox.send(rank, Shutdown(reason))
+
+    @property
+    def last_epoch(self) -> int:
+        return self.ledger.epochs - 1
+
+    def _stop_if_asked(self) -> None:
+        reason = self.hooks.run.stop_reason
+        if reason is None or self.stopped is not None:
+            return
+        last = self.driver.stop()
+        self.ledger.end_after(last)
+        if self.committer is not None:
+            self.committer.remaining = {e for e in self.committer.remaining if e <= last}
+        self.stopped = reason
+        log.info("the run stops after epoch %d: %s", last, reason)
 
     @property
     def _checkpoints_committed(self) -> bool:
@@ -246,6 +289,10 @@ class Coordinator(threading.Thread):
             self.timeline.epoch_done(metrics.epoch)
             for sink in self.sinks:
                 sink.emit(metrics)
+            self.hooks.epoch_end(metrics.epoch, metrics.as_record())
+            self._stop_if_asked()
             self.driver.on_epoch_emitted(metrics.epoch)
         if self.committer is not None:
-            self.committer.poll(self.ledger, self.driver.state())
+            for checkpoint in self.committer.poll(self.ledger, self.driver.state()):
+                self.hooks.checkpoint(checkpoint.epoch, checkpoint.path)
+                self._stop_if_asked()

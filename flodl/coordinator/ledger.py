@@ -99,6 +99,10 @@ class EpochLedger:
         for rank, cost in costs.items():
             entry.rounds[rank] = entry.rounds.get(rank, RoundCost()) + cost
 
+    def end_after(self, last: int) -> None:
+        """The run stops early: `last` is the last epoch any rank trains."""
+        self.epochs = last + 1
+
     def release(self) -> None:
         """The run's last round is done: the last epoch may be emitted."""
         self.hold_last = False

@@ -65,6 +65,12 @@ class LocalSgdDriver:
     def on_epoch_emitted(self, epoch: int) -> None:
         pass
 
+    def stop(self) -> int:
+        last = self.planner.stop()
+        if last not in self._decided_evals:  # the last epoch gets its eval, as a run's last epoch does
+            self.planner.eval_epochs |= {last}
+        return last
+
     def on_message(self, message: Message) -> None:
         if isinstance(message, Reached):
             self._carry(self.planner.on_reached(WindowReport(message.rank, message.steps, message.busy_ms)))

@@ -188,6 +188,15 @@ class LocalSgdPlanner:
         self.cursor.end = self._segment_end(self.cursor.end)
         self.final_round = False
 
+    def stop(self) -> int:
+        """End the run at the first epoch boundary the cursor has not passed (every batch handed out is still
+        trained, and the last reduce is exact); return the last epoch."""
+        end = self.cursor.epoch + (1 if self.cursor.batch else 0)
+        self.epochs = end
+        self.cursor.end = min(self.cursor.end, end)
+        self.barrier_epochs = frozenset(e for e in self.barrier_epochs if e < end)
+        return end - 1
+
     def _segment_end(self, start: int) -> int:
         return min([e + 1 for e in self.barrier_epochs if e >= start] + [self.epochs])
 

@@ -6,21 +6,26 @@ read once per window or epoch, when the rank reports.
 
 from __future__ import annotations
 
+import logging
 import math
+import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from flodl.wire.messages import Message, Progress, Shutdown
+from flodl.checkpoint import evaluated_model_path, save_model
+from flodl.wire.messages import ChunkReport, EvalResult, Message, Progress, Shutdown
 from flodl.wire.transport import COORDINATOR, InboxReader, Mailbox
 from flodl.worker.checkpoint_part import RankCheckpointer
 from flodl.worker.nonfinite import NonFiniteError, nonfinite_message
 from flodl.worker.stepper import Stepper
 
 _WAIT_S = 0.5
+log = logging.getLogger("flodl")
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,8 @@ class WorkerSettings:
     log_every: int
     # error (stop, naming rank and step) or skip (drop the rank's window; local SGD only).
     on_nonfinite: str
+    # Rank 0 with a callback that keeps evaluated models (BestModel): the run dir they go to (else None).
+    evaluated_models: Path | None = None
 
 
 class WorkerBase:
@@ -62,6 +69,9 @@ class WorkerBase:
         self.reader = link.reader
         self.outbox = link.outbox
         self.log_every = settings.log_every
+        self.evaluated_models = settings.evaluated_models
+        # The last epoch this rank trained any batch of.
+        self.last_epoch: int | None = None
         self._recent_loss: torch.Tensor | None = None
         self._recent_steps = 0
         self._recent_since = time.perf_counter()
@@ -73,6 +83,9 @@ class WorkerBase:
             while True:
                 message = self.reader.next_message(None if self.has_work() else _WAIT_S)
                 if isinstance(message, Shutdown):
+                    if message.reason != "done":
+                        why = message.reason
+                        log.info("rank %d stops after epoch %s: %s", self.rank, self.last_epoch, why)
                     return
                 if message is not None:
                     self.handle(message)
@@ -88,7 +101,21 @@ class WorkerBase:
         """Free what this worker holds on the device for the process group (it is destroyed next)."""
 
     def report(self, message: Message) -> None:
+        if isinstance(message, ChunkReport):
+            self.last_epoch = max(message.epoch, self.last_epoch if self.last_epoch is not None else -1)
         self.outbox.send(COORDINATOR, message)
+
+    def report_evals(self, result: EvalResult, epochs: list[int]) -> None:
+        """Report this rank's eval `result` for each epoch it stands for; rank 0 first writes the parameters
+        it evaluated when a callback keeps them (they are the consensus: every rank evaluated the same)."""
+        if self.evaluated_models is not None:
+            first = evaluated_model_path(self.evaluated_models, epochs[0])
+            first.parent.mkdir(exist_ok=True)
+            save_model(self.stepper.parts.model, first)
+            for epoch in epochs[1:]:
+                shutil.copyfile(first, evaluated_model_path(self.evaluated_models, epoch))
+        for epoch in epochs:
+            self.report(replace(result, epoch=epoch))
 
     def observe(self, loss: torch.Tensor, epoch: int) -> None:
         """After each step: every `logger.log_every` steps, report the recent loss and speed (the only

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -237,8 +237,7 @@ class LocalSgdWorker(WorkerBase):
                     self.rank, self.world_size, order.evaluate_epochs[0], step, samples
                 )
                 # One eval of this consensus stands for every epoch it is due for.
-                for epoch in order.evaluate_epochs:
-                    self.report(replace(result, epoch=epoch))
+                self.report_evals(result, order.evaluate_epochs)
                 epoch_work_s += time.perf_counter() - started
 
         if self.dropped_window and outcome.skipped:

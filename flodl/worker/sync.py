@@ -39,7 +39,8 @@ class SyncWorker(WorkerBase):
             step = self.stepper.steps_total  # each step is one on the global batch
             samples = step * self.stepper.step_samples * self.world_size
             epoch = message.part.epoch
-            self.report(self.stepper.evaluate(self.rank, self.world_size, epoch, step, samples))
+            result = self.stepper.evaluate(self.rank, self.world_size, epoch, step, samples)
+            self.report_evals(result, [epoch])
         if message.checkpoint and self.checkpointer is not None:
             self.checkpointer.save(message.part.epoch, self.state())
             self.report(Saved(self.rank, message.part.epoch))

@@ -1,0 +1,121 @@
+"""A sweep's jobs as the compare report reads them: records, overrides, times, and groups by varying keys."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from flodl.metrics.run_clock import RUN_FILE
+
+# Folded into a group's mean ± spread instead of splitting it.
+SEED_KEY = "seed"
+
+
+@dataclass
+class Job:
+    dir: Path
+    # override key -> value as written (a leading + or ~ dropped from the key)
+    overrides: dict[str, str]
+    config: dict[str, Any]
+    records: list[dict[str, Any]]
+    # run.json: launched_at, training_started_at, training_ended_at, exited_at (absent for older runs).
+    times: dict[str, float]
+
+    def value_of(self, key: str) -> str:
+        """The job's value for `key`: its override, else its composed config's value."""
+        if key in self.overrides:
+            return self.overrides[key]
+        node: Any = self.config
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return "(unset)"
+            node = node[part]
+        return str(node)
+
+    @property
+    def training_s(self) -> float:
+        return sum(r["epoch_s"] for r in self.records)
+
+    @property
+    def wall_s(self) -> float | None:
+        return self._between("launched_at", "exited_at")
+
+    @property
+    def startup_s(self) -> float | None:
+        return self._between("launched_at", "training_started_at")
+
+    @property
+    def wind_down_s(self) -> float | None:
+        return self._between("training_ended_at", "exited_at")
+
+    def _between(self, start: str, end: str) -> float | None:
+        if start in self.times and end in self.times:
+            return self.times[end] - self.times[start]
+        return None
+
+    def wall_at_epochs(self) -> list[float]:
+        """Seconds since launch at which each epoch was reported (start-up, then the epochs' times)."""
+        at = self.startup_s or 0.0
+        out = []
+        for record in self.records:
+            at += record["epoch_s"]
+            out.append(at)
+        return out
+
+    def samples_at_epochs(self) -> list[int]:
+        total, out = 0, []
+        for record in self.records:
+            total += record["samples"]
+            out.append(total)
+        return out
+
+
+@dataclass
+class Group:
+    # The varying keys (seed excluded) and this group's values for them.
+    keys: dict[str, str]
+    jobs: list[Job]
+
+    @property
+    def label(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.keys.items()) or "all jobs"
+
+
+def load_job(job_dir: Path) -> Job:
+    records = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines() if line]
+    listed = yaml.safe_load((job_dir / ".hydra" / "overrides.yaml").read_text()) or []
+    overrides = {}
+    for item in listed:
+        key, _, value = item.partition("=")
+        overrides[key.lstrip("+~")] = value
+    config = yaml.safe_load((job_dir / ".hydra" / "config.yaml").read_text())
+    times_file = job_dir / RUN_FILE
+    times = json.loads(times_file.read_text()) if times_file.exists() else {}
+    return Job(job_dir, overrides, config, records, times)
+
+
+def varying_keys(jobs: list[Job]) -> list[str]:
+    """The override keys whose value differs between jobs, in the order they are first written."""
+    keys = list(dict.fromkeys(k for job in jobs for k in job.overrides))
+    return [k for k in keys if len({job.value_of(k) for job in jobs}) > 1]
+
+
+def group_jobs(jobs: list[Job]) -> list[Group]:
+    """One group per combination of the varying keys other than the seed, in sweep order."""
+    keys = [k for k in varying_keys(jobs) if k != SEED_KEY]
+    groups: dict[tuple[str, ...], Group] = {}
+    for job in jobs:
+        values = tuple(job.value_of(k) for k in keys)
+        groups.setdefault(values, Group(dict(zip(keys, values, strict=True)), [])).jobs.append(job)
+    return list(groups.values())
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for a single value)."""
+    mean = statistics.fmean(values)
+    return mean, statistics.stdev(values) if len(values) > 1 else 0.0

@@ -1,0 +1,58 @@
+"""Callbacks for the end-to-end tests, importable by the ranks (module-level classes, public API only)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from flodl.callbacks import Run, RunSummary
+
+HOOKS_FILE = "hooks.jsonl"
+
+
+class Recorder:
+    """Writes every hook call, in order, to `hooks.jsonl` in the run dir."""
+
+    def __init__(self) -> None:
+        self.path: Path | None = None
+
+    def _write(self, **entry: Any) -> None:
+        assert self.path is not None
+        with self.path.open("a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+    def on_run_start(self, run: Run) -> None:
+        self.path = run.run_dir / HOOKS_FILE
+        self._write(hook="on_run_start", policy=run.policy, world_size=run.world_size, epochs=run.epochs)
+
+    def on_epoch_end(self, epoch: int, metrics: dict[str, Any]) -> None:
+        self._write(hook="on_epoch_end", epoch=epoch, metrics=metrics)
+
+    def on_eval(self, epoch: int, metrics: dict[str, float]) -> None:
+        self._write(hook="on_eval", epoch=epoch, metrics=metrics)
+
+    def on_checkpoint(self, epoch: int, path: Path) -> None:
+        self._write(
+            hook="on_checkpoint", epoch=epoch, path=str(path), committed=(path / "manifest.json").is_file()
+        )
+
+    def on_run_end(self, summary: RunSummary) -> None:
+        self._write(
+            hook="on_run_end",
+            last_epoch=summary.last_epoch,
+            stopped=summary.stopped,
+            model_saved=summary.model_path.is_file(),
+            last_metrics=summary.last_metrics,
+        )
+
+
+class Failing:
+    """Raises in `on_eval` of `epoch`."""
+
+    def __init__(self, epoch: int = 1) -> None:
+        self.epoch = epoch
+
+    def on_eval(self, epoch: int, metrics: dict[str, float]) -> None:
+        if epoch == self.epoch:
+            raise ValueError(f"refusing epoch {epoch}")
