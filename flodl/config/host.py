@@ -74,15 +74,23 @@ class HostFacts:
     def probe(cls, nproc_per_node: int, disk_stage_dir: str | None) -> HostFacts:
         """This host, for a run of `launch.nproc_per_node` staging under `disk_stage_dir` (plain values: the
         host knows nothing of the schema, which imports the CLI's resolvers that ask RankEnv)."""
-        import torch
-
         env = RankEnv.from_environ()
         under_torchrun = env.launched
         ranks = env.local_world_size if under_torchrun else nproc_per_node
         world = env.world_size if under_torchrun else nproc_per_node
         stage_dir = stage_dir_of(disk_stage_dir)
         free = shutil.disk_usage(stage_dir).free if os.path.isdir(stage_dir) else None
-        return cls(torch.cuda.device_count(), ranks, world, under_torchrun, free, available_ram())
+        return cls(gpu_count(), ranks, world, under_torchrun, free, available_ram())
+
+
+def gpu_count() -> int:
+    """GPUs on this host, counted through NVML where it can: cudaGetDeviceCount initialises the CUDA driver,
+    and ranks forked from a launcher that did fail at their first CUDA call (torch's optimizers make one even
+    with device=cpu)."""
+    import torch
+
+    counted = torch.cuda._device_count_nvml()  # -1: NVML is not there
+    return counted if counted >= 0 else torch.cuda.device_count()
 
 
 def stage_dir_of(disk_stage_dir: str | None) -> str:
