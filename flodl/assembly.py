@@ -39,13 +39,14 @@ from flodl.coordinator.local_sgd_driver import LocalSgdDriver
 from flodl.data.feeder import DataPlaneSettings
 from flodl.data.partition import equal_slices
 from flodl.metrics.run_info import RunInfo
-from flodl.metrics.sinks import ConsoleSink, JsonlSink, Sink
+from flodl.metrics.sinks import METRICS_FILE, ConsoleSink, JsonlSink, Sink
 from flodl.metrics.timeline import Timeline
 from flodl.metrics.wandb_sink import WandbSettings
 from flodl.resume import ResumeSettings
 from flodl.rounds.elche import ElChe, ElCheSettings
 from flodl.rounds.guard import guard_from_state, make_guard
 from flodl.rounds.planner import LocalSgdPlanner
+from flodl.run_identity import run_identity
 from flodl.wire.heartbeat import HeartbeatMonitor
 from flodl.wire.transport import InboxReader, Mailbox
 from flodl.worker.base import RankLink, WorkerBase, WorkerSettings
@@ -56,7 +57,6 @@ from flodl.worker.stepper import Stepper, StepperSettings
 from flodl.worker.sync import SyncWorker
 from flodl.worker.task_setup import TaskParts, TaskSettings
 
-METRICS_FILE = "metrics.jsonl"
 log = logging.getLogger("flodl")
 
 
@@ -114,10 +114,15 @@ def task_settings(cfg: FlodlConfig) -> TaskSettings:
     )
 
 
-def resume_settings(cfg: FlodlConfig, run_dir: Path) -> ResumeSettings:
-    root = Path(cfg.save_path) if cfg.save_path else run_dir
+def checkpoint_store(cfg: FlodlConfig, run_dir: Path) -> CheckpointDir:
+    """The run's checkpoints: under save_path, or the run dir."""
+    return CheckpointDir(Path(cfg.save_path) if cfg.save_path else run_dir, cfg.checkpoint_keep)
+
+
+def resume_settings(cfg: FlodlConfig, run_dir: Path, run: dict[str, Any]) -> ResumeSettings:
+    """`run`: this run's identity (flodl/run_identity.py: from the config, world size and uid)."""
     kind = run_kind(cfg.policy, averages_parameters(cfg))
-    return ResumeSettings(cfg.resume, CheckpointDir(root, cfg.checkpoint_keep), kind)
+    return ResumeSettings(cfg.resume, checkpoint_store(cfg, run_dir), kind, run, run_dir / METRICS_FILE)
 
 
 def wandb_settings(cfg: FlodlConfig) -> WandbSettings:
@@ -159,7 +164,7 @@ def make_worker(
     def checkpointer(stepper: Stepper) -> RankCheckpointer | None:
         if cfg.checkpoint_every is None:
             return None
-        return RankCheckpointer(resume_settings(cfg, run_dir).checkpoints, rank, parts.model, stepper)
+        return RankCheckpointer(checkpoint_store(cfg, run_dir), rank, parts.model, stepper)
 
     if not averages_parameters(cfg):
         train_module = _ddp(cfg, parts, device) if world_size > 1 else parts.model
@@ -204,8 +209,8 @@ def make_coordinator(
     committer = None
     if cfg.checkpoint_every is not None:
         due = {e for e in checkpoint_epochs(cfg) if e >= first}
-        kind = run_kind(cfg.policy, averages_parameters(cfg))
-        committer = CheckpointCommitter(resume_settings(cfg, run_dir).checkpoints, world_size, due, kind)
+        settings = resume_settings(cfg, run_dir, run_identity(config, world_size, info.uid))
+        committer = CheckpointCommitter(settings.checkpoints, world_size, due, settings.kind, settings.run)
     driver: Driver
     if not averages_parameters(cfg):
         per_rank = equal_slices(total_picks, world_size, step_size)[0].size // step_size

@@ -4,7 +4,8 @@ A checkpoint is a dir `checkpoints/epoch-NNNNNN/` holding `model.pt` (the consen
 `rank{r}.pt` per rank (optimizer, scheduler, RNG, counters), `coordinator.pt` (epoch, ElChe, guard,
 planner) and, written last, `manifest.json` with every file's size and CRC32. Ranks write their parts into
 `epoch-NNNNNN.partial/`; rank 0 commits by writing the manifest and renaming the dir, then points
-`latest` at it. A dir without a valid manifest (a crash mid-write, a truncated file) is never loaded.
+`latest` at it. The manifest also records the run that wrote it (flodl/run_identity.py). A dir without
+a valid manifest (a crash mid-write, a truncated file) is never loaded.
 Everything is loaded with `weights_only=True`.
 """
 
@@ -95,6 +96,13 @@ class Checkpoint:
     path: Path
     epoch: int
     world_size: int
+    # The run that wrote it: its uid and the config that matters for resuming (None: an older flodl's).
+    run: dict[str, Any] | None = None
+
+    @classmethod
+    def from_manifest(cls, path: Path) -> Checkpoint:
+        manifest = json.loads((path / MANIFEST_FILE).read_text())
+        return cls(path, int(manifest["epoch"]), int(manifest["world_size"]), manifest.get("run"))
 
     def load(self, name: str) -> Any:
         return torch.load(self.path / name, map_location="cpu", weights_only=True)
@@ -116,7 +124,7 @@ class CheckpointDir:
         """One rank's part (or the model, or the coordinator's), into the epoch's uncommitted dir."""
         atomic_save(obj, self.partial(epoch) / name)
 
-    def commit(self, epoch: int, world_size: int) -> Checkpoint:
+    def commit(self, epoch: int, world_size: int, run: dict[str, Any] | None = None) -> Checkpoint:
         """Seal the epoch's dir (every part must be there), make it `latest`, drop the oldest."""
         partial = self.partial(epoch)
         expected = [MODEL_FILE, COORDINATOR_FILE, *(rank_file(r) for r in range(world_size))]
@@ -124,7 +132,7 @@ class CheckpointDir:
         if missing:
             raise CheckpointError(f"checkpoint {partial}: parts missing: {', '.join(missing)}")
         files = {name: _fingerprint(partial / name) for name in expected}
-        manifest = {"epoch": epoch, "world_size": world_size, "files": files}
+        manifest = {"epoch": epoch, "world_size": world_size, "run": run, "files": files}
         atomic_write_bytes(json.dumps(manifest, indent=1).encode(), partial / MANIFEST_FILE)
         final = self.root / dir_name(epoch)
         if final.exists():  # a resumed run re-reached this epoch: the new one wins
@@ -133,7 +141,7 @@ class CheckpointDir:
         _fsync_dir(self.root)
         atomic_write_bytes(final.name.encode(), self.root / LATEST_FILE)
         self._prune()
-        return Checkpoint(final, epoch, world_size)
+        return Checkpoint(final, epoch, world_size, run)
 
     def latest(self) -> Checkpoint | None:
         """The newest checkpoint whose manifest and files check out; damaged ones are skipped with a
@@ -141,8 +149,7 @@ class CheckpointDir:
         for path in sorted(self._committed(), key=lambda p: -_epoch_of(p)):
             problem = verify(path)
             if problem is None:
-                manifest = json.loads((path / MANIFEST_FILE).read_text())
-                return Checkpoint(path, int(manifest["epoch"]), int(manifest["world_size"]))
+                return Checkpoint.from_manifest(path)
             log.warning("skipping checkpoint %s: %s", path, problem)
         return None
 
@@ -196,8 +203,7 @@ def resolve_resume(resume: str, checkpoints: CheckpointDir) -> Checkpoint | None
         problem = verify(path)
         if problem is not None:
             raise CheckpointError(f"resume={resume}: {problem}")
-        manifest = json.loads((path / MANIFEST_FILE).read_text())
-        return Checkpoint(path, int(manifest["epoch"]), int(manifest["world_size"]))
+        return Checkpoint.from_manifest(path)
     found = CheckpointDir(path.parent if path.name == "checkpoints" else path, keep=1).latest()
     if found is None:
         raise CheckpointError(f"resume={resume}: no complete checkpoint there")

@@ -11,11 +11,14 @@ The config is validated before any rank starts; every rank then checks it holds 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
+import socket
 import sys
 import uuid
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +26,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from flodl.assembly import (
-    METRICS_FILE,
+    checkpoint_store,
     data_plane_settings,
     make_coordinator,
     make_worker,
@@ -43,6 +46,7 @@ from flodl.data.partition import equal_slices
 from flodl.logs import setup_rank_logging
 from flodl.metrics import run_clock
 from flodl.metrics.run_info import RunInfo, from_hydra
+from flodl.metrics.sinks import METRICS_FILE
 from flodl.plan import describe
 from flodl.resume import (
     agree_on_checkpoint,
@@ -50,9 +54,10 @@ from flodl.resume import (
     coordinator_state,
     load_model,
     restore_worker,
-    truncate_history,
 )
-from flodl.wire.group import agree_on_config, init_group, pick_device
+from flodl.run_dir import RunDirTaken, claim_run_dir, run_uid
+from flodl.run_identity import run_identity
+from flodl.wire.group import agree_on_config, init_group, loopback_store, pick_device
 from flodl.wire.heartbeat import HeartbeatSender, beat_interval
 from flodl.wire.messages import Exiting
 from flodl.wire.transport import COORDINATOR, InboxReader, Mailbox
@@ -96,17 +101,42 @@ def launch(cfg: DictConfig, info: RunInfo) -> None:
         if env.rank == 0:
             print(describe(typed, host, data_plane_settings(typed, host.ranks_per_node)))
         return
-    if env.launched or typed.launch.nproc_per_node == 1:
+    info = dataclasses.replace(info, uid=run_uid(Path(info.run_dir)))
+    try:  # before any rank starts: the run dir is this run's alone
+        claim_run_dir(Path(info.run_dir), info.uid)
+    except RunDirTaken as err:
+        raise ConfigError([str(err)]) from None
+    if env.launched:
         run_rank(config, info.as_dict())
         if env.rank != 0:
             return
     else:
+        keep_on_loopback()
         try:  # a checkpoint this job cannot resume is refused before any rank starts
-            choose_checkpoint(resume_settings(typed, Path(info.run_dir)), host.world_size)
+            run = run_identity(config, host.world_size, info.uid)
+            choose_checkpoint(resume_settings(typed, Path(info.run_dir), run), host.world_size)
         except CheckpointError as err:
             raise ConfigError([f"resume={typed.resume!r}: {err}"]) from None
-        self_launch(config, info, typed)
+        if typed.launch.nproc_per_node == 1:
+            run_rank(config, info.as_dict())
+        else:
+            self_launch(config, info, typed)
     run_clock.record_exit(Path(info.run_dir), launched_at)
+
+
+def keep_on_loopback() -> None:
+    """A job flodl starts itself has every rank on this host: gloo's and NCCL's own sockets listen on the
+    loopback interface too (they would take the address the host name resolves to), unless the user chose."""
+    import psutil
+
+    loopback = [
+        name
+        for name, addresses in psutil.net_if_addrs().items()
+        if any(a.family == socket.AF_INET and a.address.startswith("127.") for a in addresses)
+    ]
+    if loopback:
+        for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            os.environ.setdefault(variable, loopback[0])
 
 
 def self_launch(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig) -> None:
@@ -115,14 +145,21 @@ def self_launch(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig) -> None
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     run_dir = Path(info.run_dir)
+    # Every rank is on this host, so nothing listens beyond loopback: the rendezvous store is ours, bound
+    # to 127.0.0.1 (torch's would listen on every interface); the agent does not open a shared store of
+    # its own, and rank 0 hosts the ranks' store on MASTER_ADDR=127.0.0.1 (flodl/wire/group.py).
+    rendezvous = loopback_store(0, None, timedelta(seconds=cfg.launch.timeout_s))
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     launch_config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=cfg.launch.nproc_per_node,
         run_id=f"flodl-{uuid.uuid4().hex[:12]}",
-        # The default rendezvous needs etcd; c10d on port 0 takes a free port.
+        # The default rendezvous needs etcd; c10d joins the store above as a client.
         rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
+        rdzv_endpoint=f"127.0.0.1:{rendezvous.port}",
+        rdzv_configs={"is_host": False},
+        local_addr="127.0.0.1",
         # Each restart starts every rank again; they resume from the run's last checkpoint (resume=auto).
         max_restarts=cfg.launch.max_restarts,
         monitor_interval=0.1,
@@ -137,7 +174,7 @@ def self_launch(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig) -> None
         failed = sorted(err.failures)
         logs = ", ".join(str(run_dir / f"rank{r}.log") for r in failed)
         codes = ", ".join(f"rank {r}: exit code {err.failures[r].exitcode}" for r in failed)
-        latest = resume_settings(cfg, run_dir).checkpoints.latest()
+        latest = checkpoint_store(cfg, run_dir).latest()
         where = f"the last checkpoint is {latest.path}" if latest else "no checkpoint was written"
         raise RankFailure(
             f"rank(s) {failed} failed ({codes}); {where}; see the traceback above and {logs}"
@@ -162,11 +199,12 @@ def run_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
     coordinator: Coordinator | None = None
     outbox: Mailbox | None = None
     try:
-        namespace = agree_on_config(config, env.rank)
+        namespace = agree_on_config(config, env.rank, env.world_size, group.exchange)
         parts = build_task(task_settings(cfg), device, env.world_size)
         total_picks = len(parts.train_data) * cfg.augment
         _check_epoch_fits(cfg, total_picks, env.world_size)
-        checkpoint = agree_on_checkpoint(resume_settings(cfg, run_dir), env.rank, env.world_size)
+        settings = resume_settings(cfg, run_dir, run_identity(config, env.world_size, info.uid))
+        checkpoint = agree_on_checkpoint(settings, env.rank, env.world_size, group.exchange)
         if checkpoint is not None:
             load_model(checkpoint, parts.model)
             if checkpoint.epoch + 1 >= cfg.epochs:
@@ -186,8 +224,6 @@ def run_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
             reader = InboxReader(connect(COORDINATOR))
             outbox = connect(COORDINATOR)
             resumed = coordinator_state(checkpoint) if checkpoint is not None else None
-            if checkpoint is not None:
-                truncate_history(run_dir / METRICS_FILE, checkpoint.epoch)
             coordinator = make_coordinator(
                 cfg, config, info, env.world_size, total_picks, has_eval, reader, outbox, resumed,
                 (parts.model, device),

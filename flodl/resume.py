@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
 from torch import nn
+from torch.distributed import PrefixStore
 
 from flodl.checkpoint import (
     COORDINATOR_FILE,
@@ -17,8 +16,12 @@ from flodl.checkpoint import (
     Checkpoint,
     CheckpointDir,
     CheckpointError,
+    atomic_write_bytes,
     resolve_resume,
 )
+from flodl.metrics.sinks import read_history, record_line
+from flodl.run_identity import check_identity
+from flodl.wire.group import publish_json, read_json
 from flodl.worker.base import WorkerBase
 from flodl.worker.checkpoint_part import restore_rank_part
 
@@ -35,35 +38,46 @@ class ResumeSettings:
     checkpoints: CheckpointDir
     # The policy facts a checkpoint must share with this run (flodl/coordinator/commit.py's run_kind).
     kind: dict[str, Any]
+    # This run's identity (flodl/run_identity.py): what its checkpoints record, what resume=auto checks.
+    run: dict[str, Any]
+    # The run's metrics.jsonl, put in line with the checkpoint it resumes (or moved aside on a fresh start).
+    metrics: Path
 
 
 def choose_checkpoint(settings: ResumeSettings, world_size: int) -> Checkpoint | None:
-    """The checkpoint `resume` names, checked against this run's world size and policy."""
+    """The checkpoint `resume` names, checked against this run's identity, world size and policy."""
     found = resolve_resume(settings.resume, settings.checkpoints)
     if found is not None:
+        check_identity(found, settings.run, settings.resume)
         check_world_size(found, world_size)
         check_run_kind(found, coordinator_state(found), settings.kind)
     return found
 
 
-def agree_on_checkpoint(settings: ResumeSettings, rank: int, world_size: int) -> Checkpoint | None:
-    """Rank 0 chooses (so every rank loads the same checkpoint, even while files change) and broadcasts its
-    choice; a bad choice fails on every rank with rank 0's reason."""
-    choice: list[Any] = [None]
+def agree_on_checkpoint(
+    settings: ResumeSettings, rank: int, world_size: int, exchange: PrefixStore
+) -> Checkpoint | None:
+    """Rank 0 chooses (so every rank loads the same checkpoint, even while files change), puts the run
+    dir's history in line with it, and publishes its choice as JSON; a bad choice fails on every rank with
+    rank 0's reason."""
     if rank == 0:
         try:
             found = choose_checkpoint(settings, world_size)
+            prepare_history(settings.metrics, settings.checkpoints, found)
+            choice: dict[str, Any] = {"checkpoint": None}
             if found is not None:
-                choice = [("ok", str(found.path), found.epoch, found.world_size)]
+                choice = {"checkpoint": [str(found.path), found.epoch, found.world_size, found.run]}
         except CheckpointError as err:
-            choice = [("error", str(err))]
-    dist.broadcast_object_list(choice, src=0)
-    if choice[0] is None:
+            choice = {"error": str(err)}
+        publish_json(exchange, "checkpoint", choice)
+    else:
+        choice = read_json(exchange, "checkpoint")
+    if "error" in choice:
+        raise CheckpointError(choice["error"])
+    if choice["checkpoint"] is None:
         return None
-    if choice[0][0] == "error":
-        raise CheckpointError(choice[0][1])
-    _, path, epoch, saved_world = choice[0]
-    checkpoint = Checkpoint(Path(path), epoch, saved_world)
+    path, epoch, saved_world, saved_run = choice["checkpoint"]
+    checkpoint = Checkpoint(Path(path), int(epoch), int(saved_world), saved_run)
     if not checkpoint.path.is_dir():
         raise CheckpointError(
             f"rank {rank} cannot see checkpoint {path} (rank 0 can): put save_path on storage every host sees"
@@ -85,16 +99,35 @@ def coordinator_state(checkpoint: Checkpoint) -> dict[str, Any]:
     return checkpoint.load(COORDINATOR_FILE)
 
 
+def prepare_history(metrics_path: Path, checkpoints: CheckpointDir, resumed: Checkpoint | None) -> None:
+    """Each epoch once in `metrics.jsonl`. A resumed run keeps the records of the epochs its checkpoint
+    covers (it writes the rest again); a fresh start moves an earlier start's history (metrics and
+    checkpoints) aside as `*.superseded-N`, so neither its records nor its checkpoints mix with this run's."""
+    if resumed is not None:
+        truncate_history(metrics_path, resumed.epoch)
+        return
+    old = [path for path in (metrics_path, checkpoints.root) if path.exists()]
+    if not old:
+        return
+    n = 1
+    while any(path.with_name(f"{path.name}.superseded-{n}").exists() for path in old):
+        n += 1
+    for path in old:
+        path.rename(path.with_name(f"{path.name}.superseded-{n}"))
+    log.warning(
+        "a fresh start: the earlier history here moved aside as %s",
+        ", ".join(f"{p}.superseded-{n}" for p in old),
+    )
+
+
 def truncate_history(metrics_path: Path, through_epoch: int) -> None:
-    """Keep the metric records of epochs the checkpoint covers: the resumed run writes the rest again."""
+    """Keep one record (the latest) of each epoch the checkpoint covers: the resumed run writes the rest
+    again. Rewritten atomically: a crash leaves the old file or the new one."""
     if not metrics_path.is_file():
         return
-    kept = [
-        line
-        for line in metrics_path.read_text().splitlines()
-        if line.strip() and json.loads(line).get("epoch", -1) <= through_epoch
-    ]
-    metrics_path.write_text("".join(f"{line}\n" for line in kept))
+    kept = {r["epoch"]: r for r in read_history(metrics_path) if r["epoch"] <= through_epoch}
+    lines = "".join(record_line(kept[e]) for e in sorted(kept))
+    atomic_write_bytes(lines.encode(), metrics_path)
 
 
 def check_run_kind(checkpoint: Checkpoint, saved: dict[str, Any], kind: dict[str, Any]) -> None:

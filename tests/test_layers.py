@@ -37,13 +37,16 @@ FLOORS = {
     "flodl.worker": 2,
     "flodl.coordinator": 2,
     "flodl.tasks": 2,
+    # Which run wrote a checkpoint (read by resume, written by the assembly's committer).
+    "flodl.run_identity": 2,
     # Resume checks a checkpoint for the assembly, which builds a run from the config.
     "flodl.resume": 3,
     "flodl.assembly": 4,
     "flodl.plan": 4,
     # The command line and its Hydra plumbing; the package's public API.
     "flodl.launch": 5,
-    "flodl.run_dir": 5,
+    # The run dir's stamp resolver for Hydra, and its owner and uid for the launch.
+    "flodl.run_dir": 4,
     "flodl.slots": 5,
     "flodl.compare": 5,
     "flodl.callbacks": 5,

@@ -1,13 +1,15 @@
 """What this host and its launcher say: the one reader of the torchrun environment, and the host probe.
 
 Every place that needs torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT, TORCHELASTIC_*) asks `RankEnv.from_environ()`; flodl/cluster_env.py writes them from Slurm's.
+MASTER_PORT, TORCHELASTIC_*, SLURM_JOB_ID) asks `RankEnv.from_environ()`; flodl/cluster_env.py writes them
+from Slurm's.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,8 +31,10 @@ class RankEnv:
     agent_store: bool = False
     # TORCHELASTIC_RESTART_COUNT: how often the elastic agent restarted this group.
     restart_count: int = 0
-    # TORCHELASTIC_RUN_ID: the same across the restarts of one torchrun launch.
+    # TORCHELASTIC_RUN_ID: the same across the restarts of one torchrun launch ("" outside torchrun).
     run_id: str = ""
+    # SLURM_JOB_ID: the scheduler's job, shared by the ranks it started ("" outside Slurm).
+    job_id: str = ""
 
     @classmethod
     def from_environ(cls) -> RankEnv:
@@ -47,6 +51,7 @@ class RankEnv:
             agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
             restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
             run_id=env.get("TORCHELASTIC_RUN_ID", ""),
+            job_id=env.get("SLURM_JOB_ID", ""),
         )
 
     @property
@@ -94,8 +99,22 @@ def gpu_count() -> int:
 
 
 def stage_dir_of(disk_stage_dir: str | None) -> str:
-    """Where the disk tier goes: `disk_stage_dir`, or the temp dir."""
-    return disk_stage_dir or tempfile.gettempdir()
+    """Where the disk tier goes: `disk_stage_dir`, or this user's private temp dir."""
+    return disk_stage_dir or str(user_temp_dir())
+
+
+def user_temp_dir() -> Path:
+    """`<tmp>/flodl-<uid>`, private to this user (0700): generated data and stage files never sit at a
+    path another user can predict and prepare."""
+    path = Path(tempfile.gettempdir()) / f"flodl-{os.getuid()}"
+    path.mkdir(mode=0o700, exist_ok=True)
+    info = path.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise PermissionError(
+            f"{path} is not a private dir of this user (uid {os.getuid()}, mode 0700): remove it, or set "
+            "TMPDIR to a dir of your own"
+        )
+    return path
 
 
 # --- available RAM ---

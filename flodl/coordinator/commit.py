@@ -56,6 +56,8 @@ class CheckpointCommitter:
     remaining: set[int]
     # What the driver's state means: the policy, and whether it averages in local-SGD rounds.
     kind: dict[str, Any]
+    # Who wrote it, for the manifest (flodl/run_identity.py): resume=auto resumes only its own run.
+    run: dict[str, Any]
     saved: dict[int, set[int]] = field(default_factory=dict)
     driver_state: dict[int, dict[str, Any]] = field(default_factory=dict)
     committed: Checkpoint | None = None
@@ -81,7 +83,7 @@ class CheckpointCommitter:
                 "driver": self.driver_state.pop(epoch, driver_state),
             }
             self.store.write_part(epoch, COORDINATOR_FILE, state)
-            self.committed = self.store.commit(epoch, self.world_size)
+            self.committed = self.store.commit(epoch, self.world_size, self.run)
             del self.saved[epoch]
             self.remaining.discard(epoch)
             committed.append(self.committed)

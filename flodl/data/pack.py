@@ -1,10 +1,11 @@
 """The disk tier: one append-only pack file of raw samples per process, with an in-memory index.
 
-File `flodl-stage-<pid>-<seq>.pack` in the stage dir, so co-hosted ranks share the folder. A record is a
-16-byte header (payload length, crc32 of the payload, sample index) and the payload: the tensor count, per
-tensor (dtype code, ndim, shape), the sample's tree spec as JSON (flodl/data/sample.py: where each tensor,
-number and string sits in its lists, tuples and dicts; no pickle), then each tensor's bytes 16-byte aligned
-(read back as views, no copy). A BatchDataSet's sample is the list of its fields' rows.
+File `flodl-stage-<host>-<pid>-<seq>.pack` in the stage dir, so co-hosted ranks share the folder (and hosts a
+shared one). A record is a 16-byte header (payload length, crc32 of the payload, sample index) and the
+payload:
+the tensor count, per tensor (dtype code, ndim, shape), the sample's tree spec as JSON (flodl/data/sample.py:
+where each tensor, number and string sits in its lists, tuples and dicts; no pickle), then each tensor's bytes
+16-byte aligned (read back as views, no copy). A BatchDataSet's sample is the list of its fields' rows.
 Samples are admitted until the byte budget is full, never evicted. A record failing its checksum is
 dropped (the caller reads the source again); a write error turns the tier off with one warning. The file
 is removed at exit (also in spawned ranks) and files of dead processes are removed at the next start.
@@ -20,6 +21,7 @@ import math
 import multiprocessing.util
 import os
 import re
+import socket
 import struct
 import threading
 import zlib
@@ -43,7 +45,9 @@ _DTYPES = (
     torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
 )  # fmt: skip
 _CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
-_NAME = re.compile(r"^flodl-stage-(\d+)-(\d+)\.pack$")
+_NAME = re.compile(r"^flodl-stage-(.+)-(\d+)-(\d+)\.pack$")
+# A stage dir may be shared by hosts: a pack file is judged stale only by the host that wrote it.
+_HOST = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())
 _SEQ = itertools.count()
 RAM_FILESYSTEMS = ("tmpfs", "ramfs")
 # Upper bound of a record's bytes besides the tensors' own (header, specs, alignment) for 8 fields.
@@ -138,14 +142,18 @@ def filesystem_of(path: str, mounts: str) -> str | None:
 
 
 def remove_stale(folder: Path, alive: Callable[[int], bool] | None = None) -> list[Path]:
-    """Remove pack files whose process is gone (left by a killed run); returns what was removed."""
+    """Remove this host's pack files whose process is gone (left by a killed run); returns what was
+    removed. Another host's files are never touched: its pids mean nothing here."""
     import psutil
 
     is_alive = alive or psutil.pid_exists
     removed = []
     for path in folder.glob("flodl-stage-*.pack"):
         match = _NAME.match(path.name)
-        if match is None or int(match.group(1)) == os.getpid() or is_alive(int(match.group(1))):
+        if match is None or match.group(1) != _HOST:
+            continue
+        pid = int(match.group(2))
+        if pid == os.getpid() or is_alive(pid):
             continue
         try:
             path.unlink()
@@ -181,7 +189,7 @@ class PackFile:
         self._index: dict[int, tuple[int, int]] = {}
         self._lock = threading.Lock()
         self._handle: _Handle | None = None
-        self.path = self.folder / f"flodl-stage-{os.getpid()}-{next(_SEQ)}.pack"
+        self.path = self.folder / f"flodl-stage-{_HOST}-{os.getpid()}-{next(_SEQ)}.pack"
         try:
             removed = remove_stale(self.folder)
             if removed:

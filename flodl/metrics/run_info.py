@@ -20,6 +20,9 @@ class RunInfo:
     overrides: list[str] = field(default_factory=list)
     command: str = ""
     git_commit: str | None = None
+    # Unique to this run, shared by its ranks and restarts (flodl/run_dir.py: run_uid); checkpoints
+    # record it. `run_id` below is W&B's, per run dir.
+    uid: str = ""
 
     @property
     def run_id(self) -> str:

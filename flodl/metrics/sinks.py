@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 import time
 from pathlib import Path
-from typing import Protocol, TextIO
+from typing import Any, Protocol, TextIO
 
 from flodl.metrics.aggregate import EpochMetrics
 from flodl.wire.messages import Progress
 
 log = logging.getLogger("flodl")
+METRICS_FILE = "metrics.jsonl"
 BAR_WIDTH = 24
 # Without a terminal the bar becomes a plain line at most this often.
 PLAIN_EVERY_S = 10.0
@@ -93,6 +95,48 @@ class ConsoleSink:
         pass
 
 
+def _finite(value: Any, path: str, bad: list[str]) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        bad.append(path)
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v, f"{path}.{k}" if path else str(k), bad) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v, f"{path}.{i}", bad) for i, v in enumerate(value)]
+    return value
+
+
+def record_line(record: dict[str, Any]) -> str:
+    """One line of strict JSON: a non-finite value (a skipped NaN window) becomes null, and the record
+    lists where under `nonfinite` (dotted paths: `loss`, `per_rank.1.data_ms`)."""
+    bad: list[str] = []
+    finite = _finite(record, "", bad)
+    if bad:
+        finite["nonfinite"] = bad
+    return json.dumps(finite, allow_nan=False) + "\n"
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not JSON")
+
+
+def read_history(metrics_path: Path) -> list[dict[str, Any]]:
+    """The records of `metrics.jsonl`; a torn or invalid line (a crash mid-write) is dropped, warned."""
+    records = []
+    for number, line in enumerate(metrics_path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line, parse_constant=_reject_constant)
+            if not isinstance(record, dict) or not isinstance(record.get("epoch"), int):
+                raise ValueError("not an epoch record")
+        except ValueError as err:
+            log.warning("%s line %d dropped (%s): %.80s", metrics_path, number, err, line)
+            continue
+        records.append(record)
+    return records
+
+
 class JsonlSink:
     """One JSON object per epoch, flushed as it happens so a crashed run keeps its history."""
 
@@ -103,7 +147,7 @@ class JsonlSink:
         pass
 
     def emit(self, metrics: EpochMetrics) -> None:
-        self.file.write(json.dumps(metrics.as_record()) + "\n")
+        self.file.write(record_line(metrics.as_record()))
         self.file.flush()
 
     def close(self) -> None:

@@ -1,19 +1,19 @@
 """A task whose training data lives on disk as memory-mapped `.npy` files: Gaussian blobs.
 
-Generated once (deterministically from its parameters) into a folder under the temp dir, so it can be as
-large as wanted without a download; with a small `ram_max_usage` it exercises the disk stage tier. The
-eval split is a separate folder drawn from the same class centres.
+Generated once (deterministically from its parameters) into a folder under this user's private temp dir,
+so it can be as large as wanted without a download; with a small `ram_max_usage` it exercises the disk
+stage tier. The eval split is a separate folder drawn from the same class centres.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from flodl.config.host import user_temp_dir
 from flodl.data.npy import NpyFolderDataSet, write_npy_folder
 
 
@@ -29,7 +29,9 @@ def npy_blobs_dataset(
     """The train or test split (test: a fifth of `samples`), generated on first use."""
     if split not in ("train", "test"):
         raise ValueError(f"npy_blobs_dataset: split must be 'train' or 'test', got {split!r}")
-    root = Path(folder or tempfile.gettempdir()) / f"flodl-npy-blobs-{samples}x{features}-c{classes}-s{seed}"
+    root = (
+        Path(folder) if folder else user_temp_dir()
+    ) / f"flodl-npy-blobs-{samples}x{features}-c{classes}-s{seed}"
     if not (root / "test").is_dir():
         _generate(root, samples, features, classes, seed)
     return NpyFolderDataSet(root / split, read_mb_s=read_mb_s)

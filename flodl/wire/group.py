@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import ipaddress
+import json
+import socket
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
@@ -27,11 +30,33 @@ def pick_device(wanted: str, local_rank: int) -> torch.device:
 
 @dataclass
 class GroupHandle:
-    """Where the rendezvous store lives (for mailboxes) and the store this rank owns, if any."""
+    """Where the rendezvous store lives (for mailboxes), the store this rank owns, if any, and the group's
+    own key space in the store (for exchanges that must not unpickle what a peer sends)."""
 
     store_host: str
     store_port: int
     owned_store: TCPStore | None
+    exchange: PrefixStore
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return all(ipaddress.ip_address(info[4][0]).is_loopback for info in socket.getaddrinfo(host, None))
+    except (OSError, ValueError):
+        return False
+
+
+def loopback_store(port: int, world_size: int | None, timeout: timedelta) -> TCPStore:
+    """A store server that listens on 127.0.0.1 only: torch's TCPStore binds every interface, so it is
+    handed a socket bound here (`port` 0: a free one). `world_size`: the clients to wait for (None: none)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", port))
+    listener.listen(128)
+    port = listener.getsockname()[1]
+    # The store owns the descriptor from here on (it closes it); the Python object must not.
+    fd = listener.detach()
+    return TCPStore("127.0.0.1", port, world_size, is_master=True, timeout=timeout, master_listen_fd=fd)
 
 
 _groups_started = 0
@@ -54,38 +79,51 @@ def init_group(env: RankEnv, backend: str, device: torch.device, timeout_s: floa
         host, port = env.master_addr, env.master_port
         # torchrun's agent hosts the store; otherwise rank 0 hosts it, as env:// would.
         hosts = not env.agent_store and env.rank == 0
-        store = TCPStore(host, port, env.world_size, is_master=hosts, timeout=timeout)
+        if hosts and is_loopback(host):  # every rank is on this host: nobody else needs to reach it
+            store = loopback_store(port, env.world_size, timeout)
+        else:
+            store = TCPStore(host, port, env.world_size, is_master=hosts, timeout=timeout)
         owned = store if hosts else None
     else:
         # A plain one-process run hosts its own store, so every code path has a group and mailboxes.
-        store = TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
+        store = loopback_store(0, 1, timeout)
         host, port, owned = "127.0.0.1", store.port, store
     _groups_started += 1
+    # torchrun's agent store outlives a restart: a restarted group must not meet its predecessor's keys.
+    prefix = f"flodl/group/{env.restart_count}/{_groups_started}/"
     dist.init_process_group(
         backend,
-        # torchrun's agent store outlives a restart: a restarted group must not meet its predecessor's keys.
-        store=PrefixStore(f"flodl/group/{env.restart_count}/{_groups_started}/", store),
+        store=PrefixStore(prefix, store),
         rank=env.rank,
         world_size=env.world_size,
         timeout=timeout,
         device_id=device_id,
     )
-    return GroupHandle(host, port, owned)
+    return GroupHandle(host, port, owned, PrefixStore(f"{prefix}exchange/", store))
+
+
+def publish_json(store: PrefixStore, key: str, value: Any) -> None:
+    store.set(key, json.dumps(value))
+
+
+def read_json(store: PrefixStore, key: str) -> Any:
+    """What a peer published under `key` (waits for it): plain JSON, never unpickled."""
+    return json.loads(store.get(key).decode("utf-8"))
 
 
 class ConfigMismatchError(RuntimeError):
     pass
 
 
-def agree_on_config(config: dict[str, Any], rank: int) -> str:
+def agree_on_config(config: dict[str, Any], rank: int, world_size: int, exchange: PrefixStore) -> str:
     """Check every rank composed the same config; return a namespace unique to this run.
 
-    One all_gather carries each rank's resolved config and a fresh id; rank 0's id becomes the
-    run's mailbox namespace.
+    Each rank publishes its resolved config and a fresh id in the group's store, as JSON; rank 0's id
+    becomes the run's mailbox namespace.
     """
     text = yaml.safe_dump(config, sort_keys=True)
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (text, uuid.uuid4().hex))
+    publish_json(exchange, f"config/{rank}", [text, uuid.uuid4().hex])
+    gathered = [read_json(exchange, f"config/{other}") for other in range(world_size)]
     reference = gathered[0][0]
     for other, (other_text, _) in enumerate(gathered):
         if other_text != reference:

@@ -19,8 +19,14 @@ def only_run_dir(root: Path) -> Path:
     return dirs[0]
 
 
+def _not_json(name: str) -> None:
+    raise ValueError(f"metrics.jsonl holds {name}, which is not JSON")
+
+
 def epochs_of(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """The records of metrics.jsonl, each line strict JSON (NaN and Infinity refused)."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line, parse_constant=_not_json) for line in lines]
 
 
 def assert_complete_run(run_dir: Path, world: int, epochs: int) -> list[dict]:
