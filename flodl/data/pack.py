@@ -1,11 +1,11 @@
 """The disk tier: one append-only pack file of raw samples per process, with an in-memory index.
 
-File `flodl-stage-<host>-<pid>-<seq>.pack` in the stage dir, so co-hosted ranks share the folder (and hosts a
-shared one). A record is a 16-byte header (payload length, crc32 of the payload, sample index) and the
-payload:
-the tensor count, per tensor (dtype code, ndim, shape), the sample's tree spec as JSON (flodl/data/sample.py:
-where each tensor, number and string sits in its lists, tuples and dicts; no pickle), then each tensor's bytes
-16-byte aligned (read back as views, no copy). A BatchDataSet's sample is the list of its fields' rows.
+File `flodl-stage-<host>-<pid>-<seq>.pack` in the stage dir, so co-hosted ranks share the folder (and hosts
+a shared one). A record is a 16-byte header (payload length, crc32 of the payload, sample index) and the
+payload: the tensor count, per tensor (dtype code, ndim, shape), the sample's tree spec as JSON
+(flodl/data/sample.py: where each tensor, number and string sits in its lists, tuples and dicts; no pickle),
+then each tensor's bytes 16-byte aligned (read back as views, no copy). A BatchDataSet's sample is the list
+of its fields' rows.
 Samples are admitted until the byte budget is full, never evicted. A record failing its checksum is
 dropped (the caller reads the source again); a write error turns the tier off with one warning. The file
 is removed at exit (also in spawned ranks) and files of dead processes are removed at the next start.
