@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.procs import train
+from tests.helpers.procs import FAST_START, train
 
 pytestmark = pytest.mark.multiproc
 
@@ -23,7 +23,7 @@ def test_async_last_round_throughput_and_eval_labels(tmp_path: Path) -> None:
     train(
         "policy=async",
         "launch.nproc_per_node=2",
-        "launch.start_method=fork",
+        FAST_START,
         # Rank 0 (the coordinator's) is the slow one: its epoch clock is not the other rank's.
         "simulate.slow_rank=0",
         "simulate.factor=3",

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from flodl.tasks.digits import digits_dataset
-from tests.helpers.procs import leftovers, torchrun, train
+from tests.helpers.procs import FAST_START, leftovers, torchrun, train
 from tests.helpers.runs import assert_complete_run, epochs_of, only_run_dir
 
 pytestmark = pytest.mark.multiproc
@@ -40,7 +40,7 @@ def test_torchrun_two_ranks_share_one_run_dir(tmp_path: Path) -> None:
 
 
 def test_self_launch_two_ranks(tmp_path: Path) -> None:
-    result = train("launch.nproc_per_node=2", "launch.start_method=fork", *SHORT, cwd=tmp_path).check()
+    result = train("launch.nproc_per_node=2", FAST_START, *SHORT, cwd=tmp_path).check()
     run_dir = only_run_dir(tmp_path / "outputs")
     records = assert_complete_run(run_dir, world=2, epochs=2)
     assert records[-1]["step"] == 2 * (len(digits_dataset("train")) // 64)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.procs import leftovers, train
+from tests.helpers.procs import FAST_START, leftovers, train
 from tests.helpers.runs import assert_complete_run
 
 pytestmark = pytest.mark.multiproc
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.multiproc
 def test_four_ranks_with_one_slowed_balance_and_checkpoint(tmp_path: Path, policy: str) -> None:
     run_dir = tmp_path / "run"
     train(
-        f"policy={policy}", "launch.nproc_per_node=4", "launch.start_method=fork", "simulate.slow_rank=3",
+        f"policy={policy}", "launch.nproc_per_node=4", FAST_START, "simulate.slow_rank=3",
         "simulate.factor=3", "epochs=6", "checkpoint_every=3", "logger.log_every=0",
         f"hydra.run.dir={run_dir}",
         cwd=tmp_path, timeout=240,

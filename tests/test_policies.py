@@ -6,16 +6,17 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.procs import FAST_START
 from tests.helpers.runs import fast_rank_share, final_accuracy, run_policy
 
 pytestmark = pytest.mark.multiproc
 
-SLOW = ("simulate.slow_rank=1", "simulate.factor=3", "launch.start_method=fork")
+SLOW = ("simulate.slow_rank=1", "simulate.factor=3", FAST_START)
 
 
 @pytest.fixture(scope="module")
 def sync_records(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return run_policy(tmp_path_factory.mktemp("sync"), "sync", "launch.start_method=fork")
+    return run_policy(tmp_path_factory.mktemp("sync"), "sync", FAST_START)
 
 
 @pytest.mark.parametrize("policy", ["cadence", "async"])
@@ -47,8 +48,8 @@ def test_cpu_backend_async_keeps_training_while_rounds_are_in_flight(tmp_path: P
 
 
 def test_bf16_wire_halves_the_gradient_bytes_under_sync(tmp_path: Path) -> None:
-    full = run_policy(tmp_path / "f32", "sync", "epochs=2", "launch.start_method=fork")
-    half = run_policy(tmp_path / "bf16", "sync", "epochs=2", "bf16_wire=true", "launch.start_method=fork")
+    full = run_policy(tmp_path / "f32", "sync", "epochs=2", FAST_START)
+    half = run_policy(tmp_path / "bf16", "sync", "epochs=2", "bf16_wire=true", FAST_START)
     assert full[-1]["comm_bytes_total"] > 0
     assert half[-1]["comm_bytes_total"] * 2 == full[-1]["comm_bytes_total"]
     assert abs(final_accuracy(half) - final_accuracy(full)) <= 0.03
@@ -74,7 +75,7 @@ def test_lr_schedule_clock(tmp_path: Path, policy: str) -> None:
     # cadence: windows held at 10 steps, so rounds (which advance the shared clock) come often enough in
     # 2 epochs for the bounds below; ElChe growing them on a slow control plane is tested elsewhere.
     pinned = ("max_anchor=10",) if policy == "cadence" else ()
-    records = run_policy(tmp_path, policy, *LINEAR_DECAY, *pinned, "epochs=2", "launch.start_method=fork")
+    records = run_policy(tmp_path, policy, *LINEAR_DECAY, *pinned, "epochs=2", FAST_START)
     position = schedule_position(records[-1])
     if policy == "sync":  # one scheduler step per optimizer step, as with DDP
         assert position == pytest.approx(records[-1]["step"], abs=0.5)

@@ -18,7 +18,7 @@ from flodl.metrics.sweep import group_jobs, load_job
 from flodl.tasks.classification import classification_sums
 from flodl.tasks.digits import DigitsMLP, digits_dataset
 from tests.helpers.callback_log import HOOKS_FILE
-from tests.helpers.procs import PYTHON, leftovers, run, train
+from tests.helpers.procs import FAST_START, PYTHON, leftovers, run, train
 
 pytestmark = pytest.mark.multiproc
 POLICIES = ("sync", "cadence", "async")
@@ -42,7 +42,7 @@ def sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "policy=sync,cadence,async",
         "seed=0,1",
         "launch.nproc_per_node=2",
-        "launch.start_method=fork",
+        FAST_START,
         f"epochs={EPOCHS}",
         "checkpoint_every=2",
         CALLBACKS,
@@ -190,7 +190,7 @@ def test_best_model_holds_the_best_evals_parameters(sweep: Path) -> None:
 def test_a_failing_callback_stops_every_rank_naming_it(tmp_path: Path) -> None:
     result = train(
         "launch.nproc_per_node=2",
-        "launch.start_method=fork",
+        FAST_START,
         "epochs=4",
         "callbacks=[{_target_:tests.helpers.callback_log.Failing,epoch:1}]",
         "hydra.run.dir=run",

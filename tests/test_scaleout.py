@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers.procs import TORCHRUN, TRAIN, finish, leftovers, start, torchrun, train
+from tests.helpers.procs import FAST_START, TORCHRUN, TRAIN, finish, leftovers, start, torchrun, train
 from tests.helpers.runs import assert_complete_run, epochs_of, finished_at, rank0_line
 
 pytestmark = pytest.mark.multiproc
@@ -75,7 +75,7 @@ def test_slots_launcher_runs_jobs_side_by_side_on_their_own_ports(tmp_path: Path
         "seed=0,1,2",
         "epochs=2",
         "launch.nproc_per_node=2",
-        "launch.start_method=fork",
+        FAST_START,
         "hydra.sweep.dir=sweep",
         cwd=tmp_path,
         timeout=300,
@@ -93,7 +93,7 @@ def test_slots_launcher_runs_jobs_side_by_side_on_their_own_ports(tmp_path: Path
     config = yaml.safe_load((jobs[1] / ".hydra" / "config.yaml").read_text())
     assert config["logger"]["group"] == f"{tmp_path.name}/sweep"
     name = yaml.safe_load((jobs[1] / ".hydra" / "hydra.yaml").read_text())["hydra"]["job"]["override_dirname"]
-    assert name == "epochs=2,launch.nproc_per_node=2,launch.start_method=fork,seed=1"
+    assert name == f"epochs=2,launch.nproc_per_node=2,{FAST_START},seed=1"
     assert not leftovers(tmp_path)
 
 

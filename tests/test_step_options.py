@@ -19,7 +19,7 @@ from flodl.wire.messages import EpochSlice
 from flodl.worker.rank_state import restore_stepper, stepper_state
 from flodl.worker.stepper import SCALER_SKIPPED, Stepper
 from flodl.worker.task_setup import build_task
-from tests.helpers.procs import REPO, leftovers, train
+from tests.helpers.procs import FAST_START, REPO, leftovers, train
 from tests.helpers.runs import epochs_of
 
 CONF = REPO / "conf"
@@ -112,7 +112,7 @@ def test_compile_under_local_sgd(tmp_path: Path, policy: str, extra: tuple[str, 
     train(
         f"policy={policy}",
         "launch.nproc_per_node=2",
-        "launch.start_method=fork",
+        FAST_START,
         "compile=true",
         "epochs=2",
         f"hydra.run.dir={run_dir}",

@@ -13,7 +13,7 @@ import pytest
 from flodl.metrics.aggregate import EpochMetrics
 from flodl.metrics.run_info import RunInfo
 from flodl.metrics.wandb_sink import WandbSettings, WandbSink
-from tests.helpers.procs import child_env, leftovers, train
+from tests.helpers.procs import FAST_START, child_env, leftovers, train
 
 WANDB = str(Path(sys.executable).with_name("wandb"))
 
@@ -55,7 +55,7 @@ def test_two_rank_job_is_one_run_with_train_and_eval_streams(tmp_path: Path) -> 
     train(
         "policy=cadence",
         "launch.nproc_per_node=2",
-        "launch.start_method=fork",
+        FAST_START,
         "epochs=3",
         "logger=wandb",
         "logger.mode=offline",

@@ -89,13 +89,9 @@ class HostFacts:
 
 
 def gpu_count() -> int:
-    """GPUs on this host, counted through NVML where it can: cudaGetDeviceCount initialises the CUDA driver,
-    and ranks forked from a launcher that did fail at their first CUDA call (torch's optimizers make one even
-    with device=cpu)."""
     import torch
 
-    counted = torch.cuda._device_count_nvml()  # -1: NVML is not there
-    return counted if counted >= 0 else torch.cuda.device_count()
+    return torch.cuda.device_count()
 
 
 def stage_dir_of(disk_stage_dir: str | None) -> str:

@@ -183,11 +183,13 @@ def _cross_field_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
             f"torchrun already started {host.ranks_per_node} rank(s) on this node; leave it at 1 "
             "and use torchrun's --nproc_per_node",
         )
-    if cfg.launch.start_method == "fork" and cfg.device != "cpu" and host.gpus > 0:
+    if cfg.launch.start_method == "fork" and host.gpus > 0:
+        # Even with device=cpu: a forked rank inherits the launcher's CUDA driver state, and torch's
+        # optimizers ask CUDA at their first step (seen on 2x H200: "CUDA error: initialization error").
         yield _problem(
             "launch.start_method",
             "fork",
-            "CUDA cannot be used in forked ranks; use spawn or forkserver (or device=cpu)",
+            "CUDA cannot be used in forked ranks, and this host has a GPU; use spawn or forkserver",
         )
     for key in ("simulate.slow_rank", "simulate.nan_rank", "simulate.hang_rank"):
         rank = _get(cfg, key)

@@ -13,11 +13,16 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 REPO = Path(__file__).resolve().parents[2]
 CONF = REPO / "conf"
 TRAIN = str(REPO / "train.py")
 PYTHON = sys.executable
 TORCHRUN = [PYTHON, "-m", "torch.distributed.run"]
+# Forked ranks start fastest; a host with a GPU must spawn them (flodl refuses fork there: a forked rank
+# inherits the launcher's CUDA driver state and fails at its first CUDA call, even with device=cpu).
+FAST_START = f"launch.start_method={'spawn' if torch.cuda.device_count() else 'fork'}"
 
 
 @dataclass
