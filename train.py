@@ -1,4 +1,4 @@
-"""flodl's entry point: compose the Hydra config, validate it, hand it to flodl.launch.
+"""flodl's command from a checkout: `python train.py ...` is `flodl-train ...` (flodl/cli.py).
 
 python train.py                                   # embedded default, one process
 torchrun --nproc_per_node=2 train.py policy=sync  # torchrun starts the ranks
@@ -6,20 +6,7 @@ python train.py launch.nproc_per_node=2           # flodl starts the ranks itsel
 python train.py -m seed=0,1                       # multirun sweep
 """
 
-import hydra
-from omegaconf import DictConfig
-
-from flodl.config.schema import register_configs
-
-register_configs()
-
-
-@hydra.main(config_path="conf", config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    from flodl.launch import launch_from_hydra
-
-    launch_from_hydra(cfg)
-
+from flodl.cli import main
 
 if __name__ == "__main__":
     main()

@@ -2,8 +2,9 @@
 
 Jobs are grouped by the keys that vary across the sweep (read from each job's `.hydra/overrides.yaml` and
 config); `seed` is folded: each group shows the mean ± sample standard deviation over its seeds. Writes into
-that dir `compare.md` (a row per group, then a row per job) and `compare.png` (the eval metric against
-wall time and against samples, throughput, bytes on the wire, and where each group's wall time went).
+that dir `compare.md` (a row per group, a row per job, then the jobs the sweep skipped as invalid) and
+`compare.png` (the eval metric against wall time and against samples, throughput, bytes on the wire, and
+where each group's wall time went).
 Wall time is the job's own, from launch to exit (`run.json`), with its start-up shown apart.
 """
 
@@ -13,6 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from flodl.config.sweep import read_skipped
 from flodl.metrics.plots import plot_compare
 from flodl.metrics.sweep import SEED_KEY, Job, group_jobs, load_job, mean_std, varying_keys
 
@@ -93,6 +95,10 @@ def report(sweep_dir: Path) -> str:
             cells = [_cell([row[c]], DIGITS.get(c, 4)) for c in columns]
             name = job.dir.relative_to(sweep_dir)
             lines.append(f"| {name} | {group.label} | {job.value_of(SEED_KEY)} | {' | '.join(cells)} |")
+    skipped = read_skipped(sweep_dir)
+    if skipped:  # the sweep's invalid jobs (hydra.sweeper.skip_invalid=true): named, never silently missing
+        named = "; ".join(f"`{' '.join(j.overrides)}` ({'; '.join(j.problems)})" for j in skipped)
+        lines += ["", f"Skipped as invalid ({len(skipped)}): {named}"]
     text = "\n".join(lines) + "\n"
     (sweep_dir / REPORT_MD).write_text(text)
     plot_compare(groups, metric, sweep_dir / REPORT_PNG)

@@ -78,7 +78,8 @@ def launch_from_hydra(cfg: DictConfig) -> None:
     try:
         launch(cfg, from_hydra(run_dir, cfg.logger.group))
     except (ConfigError, RankFailure) as err:
-        print(f"flodl: {err}", file=sys.stderr)
+        if isinstance(err, RankFailure) or RankEnv.from_environ().rank == 0:  # torchrun's ranks: one says it
+            print(f"flodl: {err}", file=sys.stderr)
         sys.exit(2 if isinstance(err, ConfigError) else 1)
 
 
@@ -86,16 +87,7 @@ def launch(cfg: DictConfig, info: RunInfo) -> None:
     launched_at = run_clock.launch_time()
     adopt_scheduler_environ()
     config: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
-    typed = to_config(config)
-    host = HostFacts.probe(typed.launch.nproc_per_node, typed.disk_stage_dir)
-    # Every problem in one list: the rules', and the task's and callbacks' targets that do not import.
-    problems = task_target_problems(typed) + list(list_target_problems("callbacks", typed.callbacks))
-    try:
-        validate(typed, host)
-    except ConfigError as err:
-        problems = err.problems + problems
-    if problems:
-        raise ConfigError(problems)
+    typed, host = check_job(config)
     env = RankEnv.from_environ()
     if typed.plan:
         if env.rank == 0:
@@ -137,6 +129,21 @@ def keep_on_loopback() -> None:
     if loopback:
         for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
             os.environ.setdefault(variable, loopback[0])
+
+
+def check_job(config: dict[str, Any]) -> tuple[FlodlConfig, HostFacts]:
+    """One job's pre-spawn check (also the sweeper's, for every job of a grid): the rules on its values and
+    the task's and callbacks' targets that do not import, in one ConfigError."""
+    typed = to_config(config)
+    host = HostFacts.probe(typed.launch.nproc_per_node, typed.disk_stage_dir)
+    problems = task_target_problems(typed) + list(list_target_problems("callbacks", typed.callbacks))
+    try:
+        validate(typed, host)
+    except ConfigError as err:
+        problems = err.problems + problems
+    if problems:
+        raise ConfigError(problems)
+    return typed, host
 
 
 def self_launch(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig) -> None:

@@ -21,8 +21,8 @@ from flodl.config.schema import (
 )
 from tests.helpers.procs import CONF
 
-# conf/hydra/ holds launcher options for Hydra's own groups, not flodl's.
-GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "hydra")
+# conf/hydra/ holds launcher options for Hydra's own groups, not flodl's; conf/ is a package (__pycache__).
+GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name not in ("hydra", "__pycache__"))
 GROUP_OPTIONS = [(group, p.stem) for group in GROUPS for p in sorted((CONF / group).glob("*.yaml"))]
 # Groups whose chosen option is recorded in the composed config, and where.
 SELECTED_AS = {
@@ -251,3 +251,15 @@ def test_simulate_knobs_override_from_the_command_line(hydra_compose):
     cfg = to_config(hydra_compose("simulate.slow_rank=1", "simulate.factor=1.5"))
     assert (cfg.simulate.slow_rank, cfg.simulate.factor) == (1, 1.5)
     assert to_config(hydra_compose()).simulate.slow_rank is None
+
+
+def test_task_entries_take_new_arguments_from_the_command_line(hydra_compose):
+    # A model argument the task's yaml leaves at its default is added as plainly as one it names is changed.
+    cfg = hydra_compose("task.model.dropout=0.1", "task.model.hidden=16", "+task.optimizer.weight_decay=0.01")
+    assert (cfg.task.model.dropout, cfg.task.model.hidden, cfg.task.optimizer.weight_decay) == (0.1, 16, 0.01)
+
+
+@pytest.mark.parametrize("typo", ["task.modle=1", "epochz=1", "launch.nproc=2"])
+def test_the_task_and_every_other_node_stay_closed_to_typos(hydra_compose, typo):
+    with pytest.raises(ConfigCompositionException):
+        hydra_compose(typo)

@@ -51,11 +51,17 @@ FLOORS = {
     "flodl.compare": 5,
     "flodl.callbacks": 5,
     "flodl": 5,
+    # The command (`flodl-train`, `python -m flodl`): above everything it starts.
+    "flodl.cli": 6,
+    "flodl.__main__": 6,
+    # flodl's own configs: yaml files, a package so that Hydra finds them installed.
+    "flodl.conf": 0,
 }
 # Imports that break the rule above, and why.
 EXCEPTIONS = {
     ("flodl.config.schema", "flodl.run_dir"): "register_configs() registers the CLI's Hydra resolvers",
     ("flodl.config.schema", "flodl.slots"): "register_configs() registers the CLI's slots launcher",
+    ("flodl.__main__", "flodl.cli"): "`python -m flodl` runs the command",
 }
 # Below this floor the settings come ready-made: nothing but the config itself reads the schema or rules.
 SETTINGS_FLOOR = 3

@@ -48,7 +48,9 @@ class ConfigError(ValueError):
 
     def __init__(self, problems: list[str]) -> None:
         self.problems = problems
-        super().__init__("invalid flodl config:\n" + "\n".join(f"  - {p}" for p in problems))
+        # One problem, one line; several, one block.
+        lines = problems[0] if len(problems) == 1 else "\n" + "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"invalid flodl config: {lines}")
 
 
 def validate(cfg: FlodlConfig, host: HostFacts) -> None:

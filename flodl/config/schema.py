@@ -9,10 +9,10 @@ dataclasses below. `register_configs()` must run before Hydra composes (train.py
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_type_hints
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 POLICIES = ("sync", "cadence", "async")
 BACKENDS = ("nccl", "cpu")
@@ -216,15 +216,31 @@ class FlodlConfig:
 
 def register_configs() -> None:
     """Register the schema and flodl's resolvers. Idempotent."""
+    from flodl.config.sweep import FlodlSweeperConf
     from flodl.slots import SlotLauncherConf
 
-    ConfigStore.instance().store(name="flodl_schema", node=FlodlConfig)
+    ConfigStore.instance().store(name="flodl_schema", node=schema_node())
     ConfigStore.instance().store(
         group="hydra/launcher", name="slots", node=SlotLauncherConf, provider="flodl"
     )
+    ConfigStore.instance().store(group="hydra/sweeper", name="flodl", node=FlodlSweeperConf, provider="flodl")
     from flodl.run_dir import register_resolvers
 
     register_resolvers()
+
+
+def schema_node() -> DictConfig:
+    """The schema, its task's `_target_` entries open to new keys (the task and every other node stay closed).
+
+    Hydra closes the whole composed config (struct mode), so `task.model.dropout=0.1` would be refused for
+    an argument the task's yaml leaves at its default. The entries' own flag wins over the one inherited.
+    """
+    node = OmegaConf.structured(FlodlConfig)
+    for name, kind in get_type_hints(TaskConfig).items():
+        if kind is Any:  # a `_target_` entry (name and cacheable are plain values)
+            value = node.task._get_node(name)._value()  # MISSING or None until the task's yaml sets it
+            node.task[name] = DictConfig(value, flags={"struct": False})
+    return node
 
 
 def to_config(data: Any) -> FlodlConfig:

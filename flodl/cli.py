@@ -1,0 +1,37 @@
+"""flodl's command: `flodl-train`, `python -m flodl`, `torchrun -m flodl` (and the repo's `train.py`).
+
+flodl's own configs ship in `flodl/conf/`; a user's project adds its own with Hydra's `--config-dir conf`
+(or `hydra.searchpath=[file://conf]`), so `task=mytask` resolves next to flodl's `task=digits`.
+
+flodl-train                                   # embedded default, one process
+torchrun --nproc_per_node=2 -m flodl ...      # torchrun starts the ranks
+flodl-train launch.nproc_per_node=2           # flodl starts the ranks itself
+flodl-train -m policy=sync,cadence seed=0,1   # multirun sweep, every job checked before the first trains
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from flodl.config.schema import register_configs
+
+register_configs()
+
+
+@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+def _hydra_main(cfg: DictConfig) -> None:
+    from flodl.launch import launch_from_hydra
+
+    launch_from_hydra(cfg)
+
+
+def main() -> None:
+    # The user's project is importable from where they run, as under `python -m flodl`; a console script's
+    # sys.path starts at the venv's bin/ instead. Spawned ranks inherit sys.path.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    _hydra_main()

@@ -1,0 +1,1 @@
+"""flodl's own Hydra configs (the root config and its groups), shipped as package data."""

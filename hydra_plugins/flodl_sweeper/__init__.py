@@ -1,0 +1,75 @@
+"""flodl's default sweeper: Hydra's basic sweeper that checks the whole grid before the first job trains.
+
+Every job's config is composed and given the pre-spawn check of a single run (`flodl.launch.check_job`).
+An invalid job stops the sweep (exit 2, one block naming each invalid job and its rules, nothing trained);
+with `hydra.sweeper.skip_invalid=true` the valid jobs run and the skipped ones go to `skipped.json`.
+"""
+
+# No `from __future__ import annotations`: Hydra's plugin scan runs this module unregistered.
+import sys
+from pathlib import Path
+from typing import Any
+
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.override_parser.types import Override
+from omegaconf import OmegaConf, open_dict
+
+from flodl.config.sweep import CheckedJob, invalid_block, write_skipped
+
+
+class FlodlSweeper(BasicSweeper):
+    def __init__(
+        self,
+        max_batch_size: int | None = None,
+        params: dict[str, str] | None = None,
+        skip_invalid: bool = False,
+    ) -> None:
+        super().__init__(max_batch_size, params)
+        self.skip_invalid = skip_invalid
+
+    # The basic sweeper's static split, called through `self`: the grid is checked here, before `sweep`
+    # makes the sweep dir or launches a batch.
+    def split_arguments(  # type: ignore[override]
+        self, overrides: list[Override], max_batch_size: int | None
+    ) -> list[list[list[str]]]:
+        jobs = BasicSweeper.split_arguments(overrides, None)[0]
+        checked = [CheckedJob(index, job, self._problems(job)) for index, job in enumerate(jobs)]
+        invalid = [job for job in checked if job.problems]
+        valid = [job.overrides for job in checked if not job.problems]
+        if invalid:
+            self._stop_or_skip(invalid, len(jobs), len(valid))
+        return list(BasicSweeper.split_overrides_to_chunks(valid, max_batch_size))
+
+    def _stop_or_skip(self, invalid: list[CheckedJob], total: int, valid: int) -> None:
+        from flodl.config.host import RankEnv
+
+        speaks = RankEnv.from_environ().rank == 0  # torchrun walking the sweep: every rank checks, one says
+        block = invalid_block(invalid, total)
+        if not self.skip_invalid or not valid:
+            if speaks:
+                hint = f"; hydra.sweeper.skip_invalid=true runs the {valid} valid ones" if valid else ""
+                print(f"flodl: {block}\nnothing was trained{hint}", file=sys.stderr)
+            sys.exit(2)
+        if speaks:
+            assert self.config is not None
+            sweep_dir = Path(str(self.config.hydra.sweep.dir))
+            sweep_dir.mkdir(parents=True, exist_ok=True)
+            written = write_skipped(sweep_dir, invalid)
+            print(f"flodl: {block}\nskipping them (listed in {written}); running {valid} jobs")
+
+    def _problems(self, job: list[str]) -> list[str]:
+        from flodl.config.rules import ConfigError
+        from flodl.launch import check_job
+
+        assert self.hydra_context is not None and self.config is not None
+        try:
+            cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(job))
+            with open_dict(cfg):
+                del cfg["hydra"]
+            config: Any = OmegaConf.to_container(cfg, resolve=True)
+            check_job(config)
+        except ConfigError as err:
+            return err.problems
+        except Exception as err:  # Hydra's composition errors, as one line
+            return [f"{type(err).__name__}: {' '.join(str(err).split())}"]
+        return []

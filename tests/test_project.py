@@ -1,0 +1,129 @@
+"""flodl from a user's own project: installed (not from this checkout), the user's package and conf/ in a
+temp dir, run with the installed command under torchrun and under self-launch; a typo'd target is refused
+before any rank starts."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.procs import PYTHON, REPO, TORCHRUN, Result, child_env, finish, leftovers, start
+
+pytestmark = pytest.mark.multiproc
+
+PARTS = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flodl.data.dataset import TensorDataSet
+
+
+class Net(nn.Module):
+    def __init__(self, width: int = 8, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, width), nn.ReLU(), nn.Dropout(dropout), nn.Linear(width, 2))
+        self.dropout = dropout
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def blobs(n: int) -> TensorDataSet:
+    generator = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 2, (n,), generator=generator)
+    return TensorDataSet(torch.randn(n, 4, generator=generator) + 2 * labels[:, None].float(), labels)
+
+
+def loss(model, batch):
+    inputs, labels = batch
+    return F.cross_entropy(model(inputs), labels)
+"""
+
+TASK = """# @package _global_
+epochs: 2
+batch_size: 16
+task:
+  name: blobs
+  model: {_target_: mypkg.parts.Net, width: 8}
+  train_data: {_target_: mypkg.parts.blobs, n: 256}
+  eval_data: null
+  loss: {_target_: mypkg.parts.loss, _partial_: true}
+  optimizer: {_target_: torch.optim.SGD, _partial_: true, lr: 0.1}
+"""
+
+
+@pytest.fixture(scope="module")
+def command(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """flodl installed (not editable) into a folder of its own from a copy of this checkout: its command."""
+    root = tmp_path_factory.mktemp("install")
+    source, site = root / "source", root / "site"
+    for name in ("flodl", "hydra_plugins"):
+        shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    pip = [PYTHON, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(site)]
+    subprocess.run([*pip, str(source)], check=True)
+    # flodl's own configs travel as package data.
+    assert (site / "flodl" / "conf" / "task" / "digits.yaml").is_file()
+    return site / "bin" / "flodl-train"
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    (tmp_path / "mypkg").mkdir()
+    (tmp_path / "mypkg" / "__init__.py").write_text("")
+    (tmp_path / "mypkg" / "parts.py").write_text(PARTS)
+    (tmp_path / "conf" / "task").mkdir(parents=True)
+    (tmp_path / "conf" / "task" / "blobs.yaml").write_text(TASK)
+    return tmp_path
+
+
+def run_installed(args: list[str], project: Path, command: Path) -> Result:
+    # The installed copy only: not this checkout (PYTHONPATH), not the user's project (the command adds it).
+    env = child_env(PYTHONPATH=str(command.parents[1]))
+    result = finish(start(args, project, env), timeout=180)
+    assert not result.timed_out, result.out[-4000:]
+    return result
+
+
+def assert_trained(project: Path, world: int, width: int) -> None:
+    run_dirs = [p.parent for p in project.rglob("metrics.jsonl")]
+    assert len(run_dirs) == 1, run_dirs
+    records = [json.loads(line) for line in (run_dirs[0] / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [0, 1]
+    assert all(len(r["per_rank"]) == world for r in records)
+    state = torch.load(run_dirs[0] / "model.pt", weights_only=True)
+    assert state["net.0.weight"].shape == (width, 4)  # the command line's model argument reached the model
+    assert not leftovers(project)
+
+
+def test_torchrun_two_ranks_of_the_users_task(project: Path, command: Path) -> None:
+    # task.model.dropout is not in the task's yaml: the command line adds it as a model argument.
+    args = [*TORCHRUN, "--standalone", "--nproc_per_node=2", str(command), "--config-dir", "conf"]
+    run_installed(
+        [*args, "task=blobs", "task.model.width=12", "task.model.dropout=0.1"], project, command
+    ).check()
+    assert_trained(project, world=2, width=12)
+    assert "dropout: 0.1" in next(project.rglob(".hydra/config.yaml")).read_text()
+
+
+def test_self_launch_two_ranks_of_the_users_task(project: Path, command: Path) -> None:
+    args = [str(command), "--config-dir", "conf", "task=blobs", "launch.nproc_per_node=2"]
+    run_installed([*args, "+task.model.dropout=0.1"], project, command).check()
+    assert_trained(project, world=2, width=8)
+
+
+def test_typo_in_a_target_is_one_line_before_any_rank(project: Path, command: Path) -> None:
+    args = [PYTHON, "-m", "flodl", "--config-dir", "conf", "task=blobs", "launch.nproc_per_node=2"]
+    result = run_installed([*args, "task.model._target_=mypkg.parts.Nett"], project, command)
+    assert result.code == 2, result.out
+    (line,) = result.out.strip().splitlines()
+    where = "flodl: invalid flodl config: task.model._target_='mypkg.parts.Nett': does not import"
+    assert line.startswith(where) and "has no attribute 'Nett'" in line, line
+    assert not list(project.rglob("rank*.log"))
