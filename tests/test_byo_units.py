@@ -20,7 +20,7 @@ from flodl.data.partition import epoch_permutation
 from flodl.data.sample import check_movable, flatten, same, to_device
 from flodl.data.sample_feed import SampleFeeder
 from tests.helpers.byo_data import dict_collate
-from tests.helpers.procs import REPO
+from tests.helpers.procs import CONF
 
 
 class Indexed(Dataset):
@@ -223,7 +223,7 @@ def test_a_factory_that_returns_a_batch_dataset_refuses_loader_keys_when_the_ran
 
     from flodl.worker.task_setup import build_task
 
-    digits = yaml.safe_load((REPO / "conf" / "task" / "digits.yaml").read_text())
+    digits = yaml.safe_load((CONF / "task" / "digits.yaml").read_text())
     cfg = to_config(
         {**{k: v for k, v in digits.items() if k != "task"}, "task": digits["task"], "num_workers": 2}
     )

@@ -19,10 +19,8 @@ from flodl.wire.messages import EpochSlice
 from flodl.worker.rank_state import restore_stepper, stepper_state
 from flodl.worker.stepper import SCALER_SKIPPED, Stepper
 from flodl.worker.task_setup import build_task
-from tests.helpers.procs import FAST_START, REPO, leftovers, train
+from tests.helpers.procs import CONF, FAST_START, leftovers, train
 from tests.helpers.runs import epochs_of
-
-CONF = REPO / "conf"
 
 
 def digits_stepper(*overrides: str) -> Stepper:
