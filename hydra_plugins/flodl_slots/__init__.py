@@ -101,7 +101,7 @@ class SlotLauncher(Launcher):
         env = dict(os.environ)
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
-        command = [sys.executable, sys.argv[0], *overrides, f"hydra.run.dir={job_dir}"]
+        command = [*_this_command(), *overrides, f"hydra.run.dir={job_dir}"]
         if not any(o.startswith(f"{GROUP_KEY}=") for o in overrides):  # a group the user chose stays theirs
             command.append(f"{GROUP_KEY}={'/'.join(sweep.parts[-2:])}")
         job_dir.mkdir(parents=True, exist_ok=True)
@@ -124,3 +124,12 @@ class SlotLauncher(Launcher):
             status=JobStatus.COMPLETED if ok else JobStatus.FAILED,
             _return_value=None if ok else RuntimeError(f"job {job.index} exited {job.process.returncode}"),
         )
+
+
+def _this_command() -> list[str]:
+    """The command this sweep was started with: `python -m flodl` again (its __main__.py run as a script would
+    put flodl/ itself first on sys.path), else the script (`flodl-train`, `train.py`)."""
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    if spec is not None and spec.name == "flodl.__main__":
+        return [sys.executable, "-m", "flodl"]
+    return [sys.executable, sys.argv[0]]
