@@ -230,16 +230,17 @@ def register_configs() -> None:
 
 
 def schema_node() -> DictConfig:
-    """The schema, its task's `_target_` entries open to new keys (the task and every other node stay closed).
+    """The schema; the task's required `_target_` entries (model, train_data, loss, optimizer) take new keys.
 
     Hydra closes the whole composed config (struct mode), so `task.model.dropout=0.1` would be refused for
-    an argument the task's yaml leaves at its default. The entries' own flag wins over the one inherited.
+    an argument the task's yaml leaves at its default. An entry's own flag wins over the one it inherits; the
+    task and every other node stay closed. The optional entries (null by default) stay plain: a null node
+    with a flag of its own could not take `+task.collate_fn._target_=...`; `+` adds their arguments.
     """
     node = OmegaConf.structured(FlodlConfig)
     for name, kind in get_type_hints(TaskConfig).items():
-        if kind is Any:  # a `_target_` entry (name and cacheable are plain values)
-            value = node.task._get_node(name)._value()  # MISSING or None until the task's yaml sets it
-            node.task[name] = DictConfig(value, flags={"struct": False})
+        if kind is Any and OmegaConf.is_missing(node.task, name):
+            node.task[name] = DictConfig(MISSING, flags={"struct": False})
     return node
 
 
