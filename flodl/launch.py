@@ -292,11 +292,11 @@ def _log_plan(cfg: FlodlConfig, world_size: int) -> None:
 
 def _check_epoch_fits(cfg: FlodlConfig, total_picks: int, world_size: int) -> None:
     if equal_slices(total_picks, world_size, step_samples(cfg))[0].size == 0:
+        step = f"{cfg.batch_size}" + (f" x grad_accum {cfg.grad_accum}" if cfg.grad_accum > 1 else "")
         raise ConfigError(
             [
-                f"batch_size={cfg.batch_size}: {world_size} rank(s) x {cfg.batch_size} x grad_accum "
-                f"{cfg.grad_accum} exceeds the {total_picks} training picks (task.train_data x augment), "
-                "so an epoch has no optimizer step"
+                f"batch_size={cfg.batch_size}: {world_size} rank(s) x {step} exceeds the {total_picks} "
+                "training picks (task.train_data x augment), so an epoch has no optimizer step"
             ]
         )
 
