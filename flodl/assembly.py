@@ -127,7 +127,17 @@ def resume_settings(cfg: FlodlConfig, run_dir: Path, run: dict[str, Any]) -> Res
 
 def wandb_settings(cfg: FlodlConfig) -> WandbSettings:
     logger = cfg.logger
-    return WandbSettings(logger.mode, logger.project, logger.entity, tuple(logger.tags))
+    return WandbSettings(
+        mode=logger.mode,
+        project=logger.project,
+        entity=logger.entity,
+        tags=None if logger.tags is None else tuple(logger.tags),
+        group=logger.group,
+        run_name=logger.run_name,
+        job_type=logger.job_type,
+        notes=logger.notes,
+        required=logger.required,
+    )
 
 
 # --- the rank's parts ---

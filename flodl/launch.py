@@ -47,6 +47,7 @@ from flodl.logs import setup_rank_logging
 from flodl.metrics import run_clock
 from flodl.metrics.run_info import RunInfo, from_hydra
 from flodl.metrics.sinks import METRICS_FILE
+from flodl.metrics.wandb_sink import WandbStartError
 from flodl.plan import describe
 from flodl.resume import (
     agree_on_checkpoint,
@@ -77,7 +78,7 @@ def launch_from_hydra(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         launch(cfg, from_hydra(run_dir, cfg.logger.group))
-    except (ConfigError, RankFailure) as err:
+    except (ConfigError, RankFailure, WandbStartError) as err:
         if isinstance(err, RankFailure) or RankEnv.from_environ().rank == 0:  # torchrun's ranks: one says it
             print(f"flodl: {err}", file=sys.stderr)
         sys.exit(2 if isinstance(err, ConfigError) else 1)

@@ -50,18 +50,30 @@ def run_record(rows: list[dict]) -> dict:
     return run
 
 
+def git_project(path: Path) -> str:
+    """Make `path` a git repository with one commit, as a user's project is; its commit."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=path, capture_output=True, text=True, check=True).stdout
+
+    git("init", "-q")
+    git("-c", "user.name=u", "-c", "user.email=u@x", "commit", "-q", "--allow-empty", "-m", "start")
+    return git("rev-parse", "HEAD").strip()
+
+
 @pytest.mark.multiproc
 def test_two_rank_job_is_one_run_with_train_and_eval_streams(tmp_path: Path) -> None:
+    commit = git_project(tmp_path)
     train(
         "policy=cadence",
         "launch.nproc_per_node=2",
         FAST_START,
         "epochs=3",
         "logger=wandb",
-        "logger.mode=offline",
         "logger.log_every=5",
         "hydra.run.dir=run",
         cwd=tmp_path,
+        WANDB_MODE="offline",  # W&B's own environment decides: the config sets no mode
         **wandb_env(tmp_path),
     ).check()
     runs = list((tmp_path / "run").glob("wandb/offline-run-*"))
@@ -80,44 +92,46 @@ def test_two_rank_job_is_one_run_with_train_and_eval_streams(tmp_path: Path) -> 
     assert run["job_type"] == "cadence"
     config = run["config"]["update"]
     assert config["policy"] == "cadence" and config["flodl"]["overrides"][0] == "policy=cadence"
+    # Nested as composed, not flattened into dotted keys.
+    assert config["logger"]["name"] == "wandb" and config["launch"]["nproc_per_node"] == 2
+    assert config["task"]["model"]["_target_"].endswith("MLP") and "logger.name" not in config
+    assert config["flodl"]["git_commit"] == commit  # the project the user ran from, not flodl's
     assert not leftovers(tmp_path)
 
 
 @pytest.mark.multiproc
-def test_multirun_jobs_share_one_group(tmp_path: Path) -> None:
+def test_multirun_jobs_share_the_sweeps_group_and_are_named_by_what_varies(tmp_path: Path) -> None:
     train(
         "-m",
         "seed=0,1",
         "epochs=1",
         "logger=wandb",
         "logger.mode=offline",
+        "launch.timeout_s=60,60",  # a sweep of a launch.* key: never in a name
         cwd=tmp_path,
         **wandb_env(tmp_path),
     ).check()
-    runs = sorted((tmp_path / "multirun").glob("*/*/*/wandb/offline-run-*"))
-    assert len(runs) == 2
+    (sweep,) = (tmp_path / "multirun").glob("*/*")
+    runs = sorted(sweep.glob("*/wandb/offline-run-*"))
+    assert len(runs) == 4
     infos = [run_record(records(run)) for run in runs]
-    assert infos[0]["run_group"] == infos[1]["run_group"]
-    assert infos[0]["run_id"] != infos[1]["run_id"]
-    # Named after Hydra's override dirname: every override of the job.
-    assert {i["display_name"] for i in infos} == {
-        f"epochs=1,logger.mode=offline,logger=wandb,seed={seed}" for seed in (0, 1)
-    }
+    assert {i["run_group"] for i in infos} == {"/".join(sweep.parts[-2:])}
+    assert len({i["run_id"] for i in infos}) == 4
+    assert sorted(i["display_name"] for i in infos) == ["seed=0", "seed=0", "seed=1", "seed=1"]
 
 
 @pytest.mark.multiproc
-def test_unusable_wandb_costs_nothing_but_one_warning(tmp_path: Path) -> None:
-    # Online mode without an API key: wandb refuses at init; training must go on.
-    result = train(
-        "epochs=2",
-        "logger=wandb",
-        "logger.mode=online",
-        "hydra.run.dir=run",
-        cwd=tmp_path,
-        **wandb_env(tmp_path),
-    )
-    result.check()
-    assert result.out.count("training goes on without W&B") == 1
+def test_wandb_failing_to_start_is_an_error_unless_not_required(tmp_path: Path) -> None:
+    # Online mode without an API key: wandb refuses at init.
+    args = ("epochs=2", "logger=wandb", "logger.mode=online")
+    failed = train(*args, "hydra.run.dir=failed", cwd=tmp_path, **wandb_env(tmp_path))
+    assert failed.code == 1, failed.out[-4000:]
+    assert "flodl: W&B could not start (" in failed.out and "logger.required=false" in failed.out
+    assert "Traceback" not in failed.out
+    assert (tmp_path / "failed" / "metrics.jsonl").read_text() == ""  # stopped before training
+    optional = train(*args, "logger.required=false", "hydra.run.dir=run", cwd=tmp_path, **wandb_env(tmp_path))
+    optional.check()
+    assert optional.out.count("training goes on without W&B") == 1
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
 
 
@@ -131,7 +145,7 @@ class FailingRun:
 
 
 def test_a_failing_log_is_reported_once_and_then_skipped(caplog: pytest.LogCaptureFixture) -> None:
-    sink = WandbSink(WandbSettings("disabled", "flodl", None, ()), RunInfo("/tmp/x", "g", "n"), {}, "sync")
+    sink = WandbSink(WandbSettings(mode="disabled"), RunInfo("/tmp/x", "g", "n"), {}, "sync")
     failing = FailingRun()
     sink.run = failing
     metrics = EpochMetrics(epoch=0, step=1, loss=1.0, samples=1, epoch_s=1.0, samples_per_s=1.0)

@@ -119,7 +119,12 @@ def _range_problems(cfg: FlodlConfig) -> Iterator[str]:
     yield from check("simulate.hang_at_step", lambda v: v >= 1, "must be >= 1 (a 1-based step)", True)
     yield from check("launch.nproc_per_node", lambda v: v >= 1, "must be >= 1")
     yield from check("logger.name", lambda v: v in LOGGERS, f"must be one of {', '.join(LOGGERS)}")
-    yield from check("logger.mode", lambda v: v in WANDB_MODES, f"must be one of {', '.join(WANDB_MODES)}")
+    yield from check(
+        "logger.mode",
+        lambda v: v in WANDB_MODES,
+        f"must be one of {', '.join(WANDB_MODES)} or null (W&B decides)",
+        True,
+    )
     yield from check("logger.log_every", lambda v: v >= 0, "must be >= 0 steps (0: per epoch only)")
     yield from check("launch.start_method", lambda v: v in START_METHODS, f"must be one of {START_METHODS}")
     yield from check("launch.timeout_s", lambda v: v > 0, "must be > 0 seconds")

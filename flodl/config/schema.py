@@ -66,14 +66,24 @@ class LoggerConfig:
     name: str = "console"
     # Live training metrics every this many steps per rank (0: per epoch only).
     log_every: int = 50
-    # W&B: online, offline (written under the run dir, `wandb sync` later) or disabled.
-    mode: str = "online"
-    project: str = "flodl"
+    # W&B (logger=wandb). null defers to W&B: its environment (WANDB_MODE, WANDB_PROJECT, WANDB_ENTITY,
+    # WANDB_RUN_GROUP, WANDB_NAME, WANDB_JOB_TYPE, WANDB_TAGS, WANDB_NOTES, WANDB_DIR, ...) or its default.
+    # online, offline (`wandb sync` later) or disabled.
+    mode: str | None = None
+    project: str | None = None
     entity: str | None = None
-    tags: list[str] = field(default_factory=list)
-    # The W&B group (null: the sweep's stamp under multirun, else the run's). The slots launcher sets it to
-    # its sweep's for each job it starts.
+    # The W&B group (null and no WANDB_RUN_GROUP: the sweep's stamp under multirun, else the run's). The slots
+    # launcher sets it to its sweep's for each job it starts.
     group: str | None = None
+    # The W&B run name (`name` is the logger's own); null and no WANDB_NAME: the overrides the sweep varies
+    # (or the run dir's name).
+    run_name: str | None = None
+    tags: list[str] | None = None
+    # null and no WANDB_JOB_TYPE: the policy.
+    job_type: str | None = None
+    notes: str | None = None
+    # W&B failing to start stops the run before it trains; false: warn once and train without W&B.
+    required: bool = True
 
 
 @dataclass

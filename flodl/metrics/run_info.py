@@ -15,7 +15,7 @@ class RunInfo:
     run_dir: str
     # The sweep (multirun) this job belongs to, else the run itself.
     group: str
-    # Hydra's override dirname (e.g. "policy=async,seed=1"), else the run dir's name.
+    # The overrides its sweep varies (e.g. "policy=async,seed=1"), else the run dir's name.
     name: str
     overrides: list[str] = field(default_factory=list)
     command: str = ""
@@ -41,24 +41,60 @@ def from_hydra(run_dir: Path, group: str | None = None) -> RunInfo:
     from hydra.types import RunMode
 
     hydra = HydraConfig.get()
+    multirun = hydra.mode == RunMode.MULTIRUN
+    # A job the slots launcher started runs as a single run in its sweep's dir.
+    sweep = Path(hydra.sweep.dir) if multirun else run_dir.parent
     if group is None:
-        multirun = hydra.mode == RunMode.MULTIRUN
-        group = "/".join((Path(hydra.sweep.dir) if multirun else run_dir).parts[-2:])
+        group = "/".join((sweep if multirun else run_dir).parts[-2:])
+    overrides = list(hydra.overrides.task)
+    varying = sweep_keys(sweep / "multirun.yaml")
     return RunInfo(
         run_dir=str(run_dir),
         group=group,
-        name=hydra.job.override_dirname or run_dir.name,
-        overrides=list(hydra.overrides.task),
+        name=job_name(overrides, varying) or run_dir.name,
+        overrides=overrides,
         command=" ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-        git_commit=_git_commit(),
+        git_commit=_git_commit(Path(hydra.runtime.cwd)),
     )
 
 
-def _git_commit() -> str | None:
+def sweep_keys(multirun_yaml: Path) -> set[str]:
+    """The keys a sweep varies: its command line's sweep overrides and `hydra.sweeper.params`, as the
+    sweeper saved them in the sweep dir's multirun.yaml (every launcher's jobs can read it there)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    if not multirun_yaml.is_file():
+        return set()
+    hydra = OmegaConf.load(multirun_yaml).hydra
+    params = hydra.sweeper.get("params") or {}
+    overrides = [*hydra.overrides.task, *(f"{key}={value}" for key, value in params.items())]
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    return {o.key_or_group for o in parsed if o.is_sweep_override()}
+
+
+def job_name(overrides: list[str], varying: set[str]) -> str:
+    """The job's overrides of the keys its sweep varies (`policy=async,seed=1`); never logger/launch/hydra."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    named = []
+    for override, parsed in zip(overrides, OverridesParser.create().parse_overrides(overrides), strict=True):
+        key = parsed.key_or_group
+        if key in varying and key.split(".")[0].split("/")[0] not in _UNNAMED:
+            named.append(override.lstrip("+~"))
+    return ",".join(named)
+
+
+# Where and how a job runs, not what it trains: never part of its name.
+_UNNAMED = ("logger", "launch", "hydra")
+
+
+def _git_commit(cwd: Path) -> str | None:
+    """The commit of the repository the user ran from (their project, not flodl's)."""
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"],
-            cwd=Path(__file__).resolve().parent,
+            cwd=cwd,
             capture_output=True,
             text=True,
             timeout=5,

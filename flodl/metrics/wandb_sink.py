@@ -1,21 +1,24 @@
 """The W&B sink: one run per job, from rank 0, fed as training goes (not at the end).
 
-- group = the sweep (or the run), job_type = the policy, name = Hydra's override dirname, a deterministic id
-  from the run dir with `resume="allow"`; config = the resolved config, overrides, git commit, command.
+- Every `logger.*` key left null defers to W&B's environment (WANDB_MODE, WANDB_PROJECT, ...) or default;
+  where neither the config nor the environment says, group = the sweep (or the run), job_type = the policy,
+  name = the overrides the sweep varies, dir = the run dir. A deterministic id from the run dir with
+  `resume="allow"`; config = the resolved config (nested), overrides, the user's git commit, command.
 - Axes: `train/*`, `eval/*` and `rank{r}/*` against `train/step`; `epoch/*` against `epoch`; `comm/*` against
   `comm/bytes_total`.
-- W&B must never cost a run: a failure (no network, no key, an error inside `log`) is reported once and the
-  sink goes quiet; `finish()` always runs and is bounded in time.
+- W&B failing to start stops the run before it trains (WandbStartError), unless `logger.required=false`.
+  Once running, W&B must never cost a run: a failure inside `log` is reported once and the sink goes
+  quiet; `finish()` always runs and is bounded in time.
 wandb is imported only when this sink is used.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from flodl.metrics.aggregate import EpochMetrics
@@ -28,35 +31,72 @@ FINISH_TIMEOUT_S = 60.0
 
 @dataclass(frozen=True)
 class WandbSettings:
-    """The `logger` keys W&B reads (mapped once, by flodl/assembly.py)."""
+    """The `logger` keys W&B reads (mapped once, by flodl/assembly.py); None defers to W&B's environment."""
 
-    # online, offline (written under the run dir, `wandb sync` later) or disabled.
-    mode: str
-    project: str
-    entity: str | None
-    tags: tuple[str, ...]
+    # online, offline (written under the run dir or WANDB_DIR, `wandb sync` later) or disabled.
+    mode: str | None = None
+    project: str | None = None
+    entity: str | None = None
+    tags: tuple[str, ...] | None = None
+    group: str | None = None
+    run_name: str | None = None
+    job_type: str | None = None
+    notes: str | None = None
+    # W&B failing to start stops the run; False: warn once and train without it.
+    required: bool = True
+
+
+class WandbStartError(RuntimeError):
+    """W&B could not start and `logger.required` is true."""
+
+
+def init_arguments(settings: WandbSettings, info: RunInfo, policy: str) -> dict[str, Any]:
+    """wandb.init's arguments: what the config sets, else flodl's choice unless W&B's environment has one."""
+    chosen = {
+        "project": settings.project,
+        "entity": settings.entity,
+        "tags": None if settings.tags is None else list(settings.tags),
+        "notes": settings.notes,
+        "mode": settings.mode,
+        "group": settings.group,
+        "name": settings.run_name,
+        "job_type": settings.job_type,
+        "dir": None,
+    }
+    flodl_default = {
+        "group": ("WANDB_RUN_GROUP", info.group),
+        "name": ("WANDB_NAME", info.name),
+        "job_type": ("WANDB_JOB_TYPE", policy),
+        "dir": ("WANDB_DIR", info.run_dir),
+    }
+    for key, (variable, value) in flodl_default.items():
+        if chosen[key] is None and variable not in os.environ:
+            chosen[key] = value
+    return {key: value for key, value in chosen.items() if value is not None}
 
 
 class WandbSink:
     def __init__(self, settings: WandbSettings, info: RunInfo, config: dict[str, Any], policy: str) -> None:
         self.run: Any = None
         self._failed = False
-        self._guard(lambda: self._start(settings, info, config, policy), "could not start the W&B run")
+        try:
+            self._start(settings, info, config, policy)
+        except Exception as err:
+            cause = f"{type(err).__name__}: {err}".strip()
+            if settings.required:
+                raise WandbStartError(
+                    f"W&B could not start ({cause}); fix that, or train without W&B: logger.required=false"
+                ) from None
+            log.warning("could not start the W&B run (%s); training goes on without W&B", cause)
+            self._failed = True
 
     def _start(self, settings: WandbSettings, info: RunInfo, config: dict[str, Any], policy: str) -> None:
         import wandb
 
         self.run = wandb.init(
-            project=settings.project,
-            entity=settings.entity,
-            tags=list(settings.tags),
-            group=info.group,
-            job_type=policy,
-            name=info.name,
+            **init_arguments(settings, info, policy),
             id=info.run_id,
             resume="allow",
-            dir=str(Path(info.run_dir)),
-            mode=settings.mode,
             config={**config, "flodl": info.as_dict()},
             settings=wandb.Settings(console="off", silent=True, x_disable_stats=True),
         )
