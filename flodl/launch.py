@@ -10,11 +10,13 @@ The config is validated before any rank starts; every rank then checks it holds 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import uuid
@@ -61,6 +63,7 @@ from flodl.run_identity import run_identity
 from flodl.wire.group import agree_on_config, init_group, loopback_store, pick_device
 from flodl.wire.heartbeat import HeartbeatSender, beat_interval
 from flodl.wire.messages import Exiting
+from flodl.wire.stop import STOP_EXIT_CODES, Stopped, StopWatch, catch_stop_signals, post, posted, received
 from flodl.wire.transport import COORDINATOR, InboxReader, Mailbox
 from flodl.worker.task_setup import build_task, lr_scale_factor
 
@@ -82,6 +85,8 @@ def launch_from_hydra(cfg: DictConfig) -> None:
         if isinstance(err, RankFailure) or RankEnv.from_environ().rank == 0:  # torchrun's ranks: one says it
             print(f"flodl: {err}", file=sys.stderr)
         sys.exit(2 if isinstance(err, ConfigError) else 1)
+    except Stopped as stop:  # rank 0 said where the run stopped and how to resume it
+        sys.exit(stop.exit_code)
 
 
 def launch(cfg: DictConfig, info: RunInfo) -> None:
@@ -148,7 +153,7 @@ def check_job(config: dict[str, Any]) -> tuple[FlodlConfig, HostFacts]:
 
 
 def self_launch(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig) -> None:
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -176,9 +181,15 @@ def self_launch(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig) -> None
     )
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_quiet_stops)
     try:
         elastic_launch(launch_config, run_rank)(config, info.as_dict())
+    except SignalException as err:  # the launcher got it: the agent forwarded it and waited for the ranks
+        raise Stopped(err.sigval) from None
     except ChildFailedError as err:
+        codes = {failure.exitcode for failure in err.failures.values()}
+        if len(codes) == 1 and codes <= STOP_EXIT_CODES:  # a rank got it and every rank stopped on it
+            raise Stopped(codes.pop() - 128) from None
         failed = sorted(err.failures)
         logs = ", ".join(str(run_dir / f"rank{r}.log") for r in failed)
         codes = ", ".join(f"rank {r}: exit code {err.failures[r].exitcode}" for r in failed)
@@ -189,8 +200,28 @@ def self_launch(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig) -> None
         ) from None
 
 
+def _quiet_stops(record: logging.LogRecord) -> bool:
+    """The elastic launcher logs a rank that exits 130 / 143 as failed, with a traceback: a stop is not."""
+    err = record.exc_info[1] if record.exc_info else None
+    return getattr(err, "exit_code", None) not in STOP_EXIT_CODES
+
+
 def run_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
-    """The body of every rank, whichever way it was started (plain values only: it may be spawned)."""
+    """The body of every rank, whichever way it was started (plain values only: it may be spawned).
+    SIGINT / SIGTERM stop it quietly with exit code 130 / 143."""
+    catch_stop_signals()
+    try:
+        _run_rank(config, info_fields)
+    except Stopped as stop:
+        # Everything worth doing is done: run the exit handlers (logs, stage files) and leave now, for the
+        # interpreter's teardown of torch and gloo can take seconds a preempted job does not have.
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(stop.exit_code)
+
+
+def _run_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
     cfg = to_config(config)
     info = RunInfo(**info_fields)
     env = RankEnv.from_environ()
@@ -247,9 +278,12 @@ def run_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
         interval = beat_interval(cfg.heartbeat_timeout_s)
         heartbeat = HeartbeatSender(env.rank, connect(env.rank), interval, lambda: worker.stepper.steps_total)
         heartbeat.start()
+        watch = StopWatch(connect(env.rank))
+        watch.start()
         try:
             worker.run(alive=lambda: _raise_if_failed(coordinator))
         finally:
+            watch.stop()
             heartbeat.stop()
         if coordinator is not None:
             coordinator.join()
@@ -258,14 +292,22 @@ def run_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
             log.info("run dir %s: %s, %s", run_dir, METRICS_FILE, MODEL_FILE)
             _end_run(coordinator, run_dir)
     except BaseException as err:
+        # A stop signal to this rank, or to a peer (whose leaving is then why this rank failed).
+        signum = received() or (posted(outbox) if outbox is not None else None)
+        if signum is not None and outbox is not None:
+            post(outbox, signum)
         if coordinator is not None:  # it shares this process's store: let it stop before the store goes
             coordinator.stop_requested.set()
             coordinator.join(timeout=10)
         elif outbox is not None:  # tell the coordinator why, so rank 0 stops with this rank's reason
             with contextlib.suppress(Exception):
                 outbox.send(COORDINATOR, Exiting(env.rank, f"{type(err).__name__}: {err}"))
-        log.error("rank %d failed: %s: %s", env.rank, type(err).__name__, err)
-        raise
+        if signum is None:
+            log.error("rank %d failed: %s: %s", env.rank, type(err).__name__, err)
+            raise
+        if env.rank == 0:
+            log.warning("%s", _stopped_line(signum, cfg, run_dir, info))
+        raise Stopped(signum) from None
     finally:
         dist.destroy_process_group()
 
@@ -279,6 +321,17 @@ def _end_run(coordinator: Coordinator, run_dir: Path) -> None:
     records = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines() if line]
     summary = RunSummary(coordinator.last_epoch, coordinator.stopped, run_dir / MODEL_FILE, records[-1])
     coordinator.hooks.run_end(summary)
+
+
+def _stopped_line(signum: int, cfg: FlodlConfig, run_dir: Path, info: RunInfo) -> str:
+    """Where a stopped run stands and the command that continues it."""
+    latest = resume_settings(cfg, run_dir).checkpoints.latest()
+    if latest is not None:
+        where = f"last checkpoint {latest.path} (epoch {latest.epoch})"
+    else:
+        where = "no checkpoint to resume from (checkpoint_every is off or none was due): resume starts over"
+    resume = info.resume_command or f"resume=auto hydra.run.dir={run_dir}"
+    return f"stopped by {signal.Signals(signum).name}: {where}; resume with: {resume}"
 
 
 def _log_plan(cfg: FlodlConfig, world_size: int) -> None:

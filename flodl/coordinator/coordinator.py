@@ -209,6 +209,10 @@ class Coordinator(threading.Thread):
             if isinstance(err, CallbackError):  # every rank stops at its next message, naming the callback
                 self._shut_down(str(err))
             self.error = err
+            try:  # the run stops (Ctrl-C, preemption, a failure): keep the timeline up to here
+                self.timeline.save(self.run_dir, plot=False)
+            except Exception as save_err:
+                log.warning("could not save the timeline: %s: %s", type(save_err).__name__, save_err)
         finally:
             for sink in self.sinks:
                 sink.close()

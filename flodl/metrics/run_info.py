@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import shlex
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from flodl.config.host import RankEnv
 
 
 @dataclass(frozen=True)
@@ -23,6 +27,8 @@ class RunInfo:
     # Unique to this run, shared by its ranks and restarts (flodl/run_dir.py: run_uid); checkpoints
     # record it. `run_id` below is W&B's, per run dir.
     uid: str = ""
+    # The command line that continues this job from its last checkpoint (printed when it is stopped).
+    resume_command: str = ""
 
     @property
     def run_id(self) -> str:
@@ -55,7 +61,40 @@ def from_hydra(run_dir: Path, group: str | None = None) -> RunInfo:
         overrides=overrides,
         command=" ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         git_commit=_git_commit(Path(hydra.runtime.cwd)),
+        resume_command=resume_command(overrides, run_dir),
     )
+
+
+def resume_command(overrides: list[str], run_dir: Path) -> str:
+    """This job again, alone, in its run dir with resume=auto: the launcher's own arguments (torchrun's
+    too, when it started this rank), the config flags and the job's overrides."""
+    argv = sys.orig_argv
+    script = argv.index(sys.argv[0]) if sys.argv[0] in argv else 1
+    launcher = argv[:script]
+    env = RankEnv.from_environ()
+    if env.launched and env.run_id:  # torchrun started this rank
+        launcher = _torchrun_argv() or ["torchrun"]
+    config_flags = []
+    for i, arg in enumerate(sys.argv[1:], start=1):
+        flag = arg.split("=")[0]
+        if flag in _CONFIG_FLAGS:
+            config_flags += [arg] if "=" in arg else sys.argv[i : i + 2]
+    kept = [o for o in overrides if o.lstrip("+~").split("=")[0] != "resume"]
+    words = [*launcher, sys.argv[0], *config_flags, *kept, f"hydra.run.dir={run_dir}", "resume=auto"]
+    return shlex.join(words)
+
+
+# Hydra's flags that pick the config: a resumed job needs the same.
+_CONFIG_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn")
+
+
+def _torchrun_argv() -> list[str] | None:
+    """torchrun's command line up to the script, read from its process (this rank's parent)."""
+    try:
+        argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode().split("\0")
+    except OSError:
+        return None
+    return argv[: argv.index(sys.argv[0])] if sys.argv[0] in argv else None
 
 
 def sweep_keys(multirun_yaml: Path) -> set[str]:

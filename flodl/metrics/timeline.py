@@ -61,10 +61,13 @@ class Timeline:
     def epoch_done(self, epoch: int) -> None:
         self.epochs.append({"epoch": epoch, "time": self.now()})
 
-    def save(self, run_dir: Path) -> None:
+    def save(self, run_dir: Path, plot: bool = True) -> None:
+        """timeline.json, and timeline.png unless `plot` is false (drawing takes seconds a stop has not)."""
         record = asdict(self)
         record.pop("started")
         (run_dir / TIMELINE_JSON).write_text(json.dumps(record, indent=1))
+        if not plot:
+            return
         from flodl.metrics.plots import plot_timeline
 
         plot_timeline(record, run_dir / TIMELINE_PNG)
