@@ -1,0 +1,123 @@
+"""Ctrl-C and preemption end to end on 2 gloo ranks: SIGINT to the elastic launcher, SIGTERM to one rank under
+torchrun; each run stops within seconds, keeps its checkpoint and records, cleans its stage files, and the
+command it prints finishes it with every epoch exactly once."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from flodl.checkpoint import verify
+from tests.helpers.procs import PYTHON, TORCHRUN, TRAIN, Result, kill_group, leftovers, run, start
+from tests.helpers.runs import assert_complete_run, epochs_of
+
+pytestmark = pytest.mark.multiproc
+
+EPOCHS = 8
+STOPPED = re.compile(r"\[r0\] stopped by (SIG\w+): last checkpoint (\S+) \(epoch (\d+)\); resume with: (.+)")
+
+
+def overrides(tmp_path: Path) -> list[str]:
+    """A small run whose data spills to the disk stage (pack files in tmp_path/stage), one rank slowed so
+    that an epoch lasts long enough to be stopped in."""
+    data = tmp_path / "data"
+    return [
+        "task=npy_blobs",
+        "policy=cadence",
+        f"epochs={EPOCHS}",
+        "checkpoint_every=1",
+        "device=cpu",
+        "ram_max_usage=0.0000001",
+        "disk_stage_gb=8",
+        f"disk_stage_dir={tmp_path / 'stage'}",
+        f"+task.train_data.folder={data}",
+        "+task.train_data.samples=3000",
+        f"+task.eval_data.folder={data}",
+        "+task.eval_data.samples=600",
+        "simulate.slow_rank=1",
+        "simulate.factor=3",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
+
+
+def stop_mid_run(
+    args: list[str], tmp_path: Path, signum: int, target: Callable[[subprocess.Popen], int]
+) -> Result:
+    """Start the job; once its second checkpoint is committed, send `signum` to `target(job)`. The job must
+    end within 10 s of it."""
+    (tmp_path / "stage").mkdir()
+    proc = start(args, tmp_path)
+    try:
+        checkpoint = tmp_path / "run" / "checkpoints" / "epoch-000001"
+        deadline = time.monotonic() + 180
+        while not checkpoint.exists():
+            assert proc.poll() is None, f"the job ended early:\n{proc.communicate()[0][-4000:]}"
+            assert time.monotonic() < deadline, f"{checkpoint} did not appear"
+            time.sleep(0.05)
+        assert list((tmp_path / "stage").iterdir()), "the ranks staged nothing to disk"
+        os.kill(target(proc), signum)
+        sent = time.monotonic()
+        out = proc.communicate(timeout=30)[0]
+        assert time.monotonic() - sent < 10, f"stopped after {time.monotonic() - sent:.1f} s:\n{out[-4000:]}"
+    finally:
+        kill_group(proc)
+    return Result(proc.returncode, out)
+
+
+def check_stopped_and_resume(result: Result, tmp_path: Path, signame: str) -> None:
+    """What every stopped run must leave behind, then the printed command finishes it."""
+    assert not re.search(r'File "[^"]*/flodl/', result.out), result.out[-4000:]  # no traceback of flodl's
+    lines = STOPPED.findall(result.out)
+    assert len(lines) == 1, result.out[-4000:]  # one line, from rank 0
+    got, checkpoint, epoch, resume = lines[0]
+    assert got == signame and int(epoch) >= 1
+    assert verify(Path(checkpoint)) is None  # complete and loadable
+    run_dir = tmp_path / "run"
+    recorded = [r["epoch"] for r in epochs_of(run_dir)]
+    assert recorded[: int(epoch) + 1] == list(range(int(epoch) + 1)) and len(recorded) < EPOCHS
+    assert (run_dir / "timeline.json").is_file()
+    assert list((tmp_path / "stage").iterdir()) == []  # every pack file removed
+    assert not leftovers(tmp_path)
+    resumed = run(shlex.split(resume), cwd=tmp_path, timeout=240).check()
+    assert f"training continues at epoch {int(epoch) + 1}" in resumed.out, resumed.out[-4000:]
+    assert_complete_run(run_dir, world=2, epochs=EPOCHS)  # every epoch exactly once, in order
+
+
+def rank_pid(tmp_path: Path, rank: int) -> int:
+    return int(re.search(r"\(pid (\d+)\)", (tmp_path / "run" / f"rank{rank}.log").read_text()).group(1))
+
+
+def test_sigint_to_the_elastic_launcher_stops_every_rank_and_the_printed_command_resumes(
+    tmp_path: Path,
+) -> None:
+    args = [PYTHON, TRAIN, "launch.nproc_per_node=2", *overrides(tmp_path)]
+    result = stop_mid_run(args, tmp_path, signal.SIGINT, lambda proc: proc.pid)
+    assert result.code == 130, result.out[-4000:]
+    assert "Traceback" not in result.out, result.out[-4000:]
+    check_stopped_and_resume(result, tmp_path, "SIGINT")
+
+
+def test_sigterm_to_one_rank_under_torchrun_stops_every_rank_and_the_printed_command_resumes(
+    tmp_path: Path,
+) -> None:
+    args = [
+        *TORCHRUN,
+        "--standalone",
+        "--nproc_per_node=2",
+        "--monitor-interval=0.1",
+        TRAIN,
+        *overrides(tmp_path),
+    ]
+    result = stop_mid_run(args, tmp_path, signal.SIGTERM, lambda proc: rank_pid(tmp_path, 1))
+    # torchrun reports its ranks' exit codes and exits 1 itself (torch's own report of a failed rank).
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", result.out)
+    assert result.code == 1 and codes and set(codes) == {"143"}, result.out[-4000:]
+    check_stopped_and_resume(result, tmp_path, "SIGTERM")
