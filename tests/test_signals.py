@@ -121,3 +121,27 @@ def test_sigterm_to_one_rank_under_torchrun_stops_every_rank_and_the_printed_com
     codes = re.findall(r"exitcode\s*:\s*(-?\d+)", result.out)
     assert result.code == 1 and codes and set(codes) == {"143"}, result.out[-4000:]
     check_stopped_and_resume(result, tmp_path, "SIGTERM")
+
+
+def test_a_forked_child_such_as_a_dataloader_worker_keeps_the_default_signal_behaviour(
+    tmp_path: Path,
+) -> None:
+    child = (
+        "import os, signal, sys\n"
+        "from flodl.wire.stop import catch_stop_signals\n"
+        "catch_stop_signals()\n"
+        "codes = []\n"
+        "for signum in (signal.SIGTERM, signal.SIGINT):\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        try:\n"
+        "            os.kill(os.getpid(), signum)\n"
+        "            signal.pause()\n"
+        "        except KeyboardInterrupt:\n"
+        "            os._exit(7)\n"
+        "    codes.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n"
+        "print(codes)\n"
+    )
+    out = run([PYTHON, "-c", child], cwd=tmp_path, timeout=60).check().out
+    # SIGTERM ends the child by the signal; SIGINT is a KeyboardInterrupt there, as torch's workers expect.
+    assert out.strip().splitlines()[-1] == f"[{-signal.SIGTERM}, 7]", out

@@ -41,8 +41,16 @@ def catch_stop_signals() -> None:
     """From now on the first SIGINT or SIGTERM raises Stopped in the main thread. Later ones are ignored:
     a launcher forwards the signal a terminal already sent, and a second one must not break the stop."""
 
+    owner = os.getpid()
+
     def handler(signum: int, frame: FrameType | None) -> None:
         global _received
+        if os.getpid() != owner:  # a forked child (a DataLoader worker): what it would do without us
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         if _received is None:
             _received = signum
             raise Stopped(signum)
