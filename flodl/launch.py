@@ -325,7 +325,7 @@ def _end_run(coordinator: Coordinator, run_dir: Path) -> None:
 
 def _stopped_line(signum: int, cfg: FlodlConfig, run_dir: Path, info: RunInfo) -> str:
     """Where a stopped run stands and the command that continues it."""
-    latest = resume_settings(cfg, run_dir).checkpoints.latest()
+    latest = checkpoint_store(cfg, run_dir).latest()
     if latest is not None:
         where = f"last checkpoint {latest.path} (epoch {latest.epoch})"
     else:
