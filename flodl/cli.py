@@ -34,4 +34,6 @@ def main() -> None:
     # sys.path starts at the venv's bin/ instead. Spawned ranks inherit sys.path.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    _hydra_main()
+    from flodl.launch import report_config_errors
+
+    report_config_errors(_hydra_main)  # Hydra's rejections too: one line, exit code 2

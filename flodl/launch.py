@@ -20,12 +20,16 @@ import signal
 import socket
 import sys
 import uuid
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from hydra.errors import HydraException, OverrideParseException
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from flodl.assembly import (
     checkpoint_store,
@@ -51,6 +55,7 @@ from flodl.metrics.run_info import RunInfo, from_hydra
 from flodl.metrics.sinks import METRICS_FILE
 from flodl.metrics.wandb_sink import WandbStartError
 from flodl.plan import describe
+from flodl.preflight import omegaconf_problem, preflight
 from flodl.resume import (
     agree_on_checkpoint,
     choose_checkpoint,
@@ -74,17 +79,92 @@ class RankFailure(RuntimeError):
     """A self-launched rank died; the message names it and where its log is."""
 
 
+EXIT_CONFIG = 2
+_FULL_ERROR = "HYDRA_FULL_ERROR"
+# Set while `report_config_errors` asks Hydra to raise composition errors instead of printing them (it is not the user's).
+_raised_by_us = False
+
+
+def report_config_errors(main: Callable[[], Any]) -> None:
+    """Run a @hydra.main function; a config Hydra or flodl rejects ends in one line and exit code 2.
+
+    Hydra prints its own rejections and exits 1; with HYDRA_FULL_ERROR=1 it raises them, which is asked
+    for here (a user's own HYDRA_FULL_ERROR=1 keeps Hydra's full traceback)."""
+    global _raised_by_us
+    if os.environ.get(_FULL_ERROR) == "1":
+        main()
+        return
+    os.environ[_FULL_ERROR], _raised_by_us = "1", True
+    try:
+        main()
+    except ConfigError as err:
+        _exit_config(str(err))
+    except OmegaConfBaseException as err:
+        _exit_config(omegaconf_problem(err))
+    except HydraException as err:
+        _exit_config(hydra_problem(err))
+    finally:
+        _hand_back_full_error()
+
+
+def _hand_back_full_error() -> None:
+    """Once the job runs, errors are Hydra's to report as usual (and ranks and sweep jobs inherit no flag)."""
+    global _raised_by_us
+    if _raised_by_us:
+        os.environ.pop(_FULL_ERROR, None)
+        _raised_by_us = False
+
+
+def hydra_problem(err: HydraException) -> str:
+    cause = err.__cause__
+    if isinstance(cause, OmegaConfBaseException):
+        return omegaconf_problem(cause)
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    missing = getattr(err, "missing_cfg_file", None)
+    if missing:  # a config group option that does not exist: name the group and its options
+        group, _, option = str(missing).rpartition("/")
+        options = ", ".join(getattr(err, "options", None) or [])
+        return f"{group or 'config'}: no option {option!r}" + (f" (options: {options})" if options else "")
+    if isinstance(err, OverrideParseException):
+        return f"override: {first} (override grammar: https://hydra.cc/docs/advanced/override_grammar/basic)"
+    return f"hydra: {first}"
+
+
+def _exit_config(message: str) -> None:
+    print(f"flodl: {message}", file=sys.stderr)
+    sys.exit(EXIT_CONFIG)
+
+
+class Preflight(Callback):
+    """Hydra callback: every check of `flodl.preflight` before Hydra creates the run dir (a rejected config
+    leaves no dir behind). Hydra turns a callback's exception into a warning, so it exits itself."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from hydra.core.hydra_config import HydraConfig
+
+        HydraConfig.instance().set_config(
+            config
+        )  # the run dir may interpolate ${hydra:...}, as run_job allows
+        try:
+            preflight(config)
+        except ConfigError as err:
+            _exit_config(str(err))
+        except OmegaConfBaseException as err:
+            _exit_config(omegaconf_problem(err))
+
+
 def launch_from_hydra(cfg: DictConfig) -> None:
     """The @hydra.main body: validate, then run the ranks. Exits 2 on a config error."""
     from hydra.core.hydra_config import HydraConfig
 
+    _hand_back_full_error()
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         launch(cfg, from_hydra(run_dir, cfg.logger.group))
     except (ConfigError, RankFailure, WandbStartError) as err:
         if isinstance(err, RankFailure) or RankEnv.from_environ().rank == 0:  # torchrun's ranks: one says it
             print(f"flodl: {err}", file=sys.stderr)
-        sys.exit(2 if isinstance(err, ConfigError) else 1)
+        sys.exit(EXIT_CONFIG if isinstance(err, ConfigError) else 1)
     except Stopped as stop:  # rank 0 said where the run stopped and how to resume it
         sys.exit(stop.exit_code)
 

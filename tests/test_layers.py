@@ -44,7 +44,8 @@ FLOORS = {
     "flodl.assembly": 4,
     "flodl.plan": 4,
     # The command line and its Hydra plumbing; the package's public API.
-    "flodl.launch": 5,
+    "flodl.preflight": 5,
+    "flodl.launch": 6,
     # The run dir's stamp resolver for Hydra, and its owner and uid for the launch.
     "flodl.run_dir": 4,
     "flodl.slots": 5,
@@ -52,8 +53,8 @@ FLOORS = {
     "flodl.callbacks": 5,
     "flodl": 5,
     # The command (`flodl-train`, `python -m flodl`): above everything it starts.
-    "flodl.cli": 6,
-    "flodl.__main__": 6,
+    "flodl.cli": 7,
+    "flodl.__main__": 7,
     # flodl's own configs: yaml files, a package so that Hydra finds them installed.
     "flodl.conf": 0,
 }

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import fields
 
@@ -25,6 +26,20 @@ from flodl.config.schema import (
 )
 
 GIB = 1 << 30
+# numpy's seed range (torch takes wider ones): a seed beyond it fails wherever a library reseeds from it.
+MAX_SEED = (1 << 32) - 1
+# Longer than any collective or rendezvous wait worth having; far inside what datetime.timedelta holds.
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+# A slow rank simulated past this is a hang: simulate.hang_* tests that.
+MAX_SLOW_FACTOR = 1000.0
+# Views of one sample per epoch: beyond this the epoch's pick index outgrows memory for any real dataset.
+MAX_AUGMENT = 4096
+# A heartbeat beats at most every 0.2 s (wire/heartbeat.py): a shorter silence is scheduling noise.
+MIN_HEARTBEAT_S = 1.0
+# The smallest and largest normal float64: every consensus weight n^gamma and its share must stay in between.
+TINY = sys.float_info.min
+# Steps of an async window past its count when max_overshoot is null (auto, rounds/elche.py's ceiling).
+AUTO_OVERSHOOT = 15
 START_METHODS = ("spawn", "fork", "forkserver")
 LOGGERS = ("console", "wandb")
 WANDB_MODES = ("online", "offline", "disabled")
@@ -47,9 +62,13 @@ class ConfigError(ValueError):
     """One or more config values break a rule; the message lists each as `key=value: rule`."""
 
     def __init__(self, problems: list[str]) -> None:
-        self.problems = problems
+        self.problems = [" ".join(p.split()) for p in problems]  # one line each, whatever an error's text holds
         # One problem, one line; several, one block.
-        lines = problems[0] if len(problems) == 1 else "\n" + "\n".join(f"  - {p}" for p in problems)
+        lines = (
+            self.problems[0] if len(problems) == 1 else "
+" + "
+".join(f"  - {p}" for p in self.problems)
+        )
         super().__init__(f"invalid flodl config: {lines}")
 
 
@@ -80,10 +99,14 @@ def _range_problems(cfg: FlodlConfig) -> Iterator[str]:
     yield from check("outer", lambda v: v in OUTERS, f"must be one of {', '.join(OUTERS)}")
     yield from check("outer_lr", lambda v: finite(v) and v > 0, "must be finite and > 0", True)
     yield from check("outer_momentum", lambda v: 0 <= v < 1, "must be in [0, 1)", True)
-    yield from check("seed", lambda v: v >= 0, "must be >= 0")
+    yield from check("seed", lambda v: 0 <= v <= MAX_SEED, f"must be in [0, {MAX_SEED}] (numpy's seed range)")
     yield from check("epochs", lambda v: v >= 1, "must be >= 1")
     yield from check("batch_size", lambda v: v >= 1, "must be >= 1 (samples per rank per micro-batch)")
-    yield from check("augment", lambda v: v >= 1, "must be >= 1 (views per sample)")
+    yield from check(
+        "augment",
+        lambda v: 1 <= v <= MAX_AUGMENT,
+        f"must be in [1, {MAX_AUGMENT}] (views per sample per epoch)",
+    )
     yield from check(
         "grad_accum", lambda v: v >= 1, "must be >= 1 micro-batches per optimizer step (1: no accumulation)"
     )
@@ -112,7 +135,12 @@ def _range_problems(cfg: FlodlConfig) -> Iterator[str]:
     )
     yield from check("checkpoint_every", lambda v: v >= 1, "must be >= 1 (epochs)", True)
     yield from check("checkpoint_keep", lambda v: v >= 1, "must be >= 1")
-    yield from check("heartbeat_timeout_s", lambda v: finite(v) and v > 0, "must be finite and > 0 seconds")
+    yield from check(
+        "heartbeat_timeout_s",
+        lambda v: MIN_HEARTBEAT_S <= v <= MAX_TIMEOUT_S,
+        f"must be in [{MIN_HEARTBEAT_S:g}, {MAX_TIMEOUT_S:g}] seconds (ranks beat every 0.2-10 s; a shorter "
+        "silence is ordinary scheduling noise)",
+    )
     yield from check("on_nonfinite", lambda v: v in ON_NONFINITE, f"must be one of {', '.join(ON_NONFINITE)}")
     yield from check("launch.max_restarts", lambda v: v >= 0, "must be >= 0")
     yield from check("simulate.nan_at_step", lambda v: v >= 1, "must be >= 1 (a 1-based step)", True)
@@ -127,13 +155,42 @@ def _range_problems(cfg: FlodlConfig) -> Iterator[str]:
     )
     yield from check("logger.log_every", lambda v: v >= 0, "must be >= 0 steps (0: per epoch only)")
     yield from check("launch.start_method", lambda v: v in START_METHODS, f"must be one of {START_METHODS}")
-    yield from check("launch.timeout_s", lambda v: v > 0, "must be > 0 seconds")
-    yield from check("simulate.factor", lambda v: finite(v) and v >= 1, "must be finite and >= 1 (1: off)")
+    yield from check(
+        "launch.timeout_s", lambda v: 0 < v <= MAX_TIMEOUT_S, f"must be in (0, {MAX_TIMEOUT_S:g}] seconds"
+    )
+    yield from check(
+        "simulate.factor",
+        lambda v: 1 <= v <= MAX_SLOW_FACTOR,
+        f"must be in [1, {MAX_SLOW_FACTOR:g}] (1: off; a slower rank is a hang: use simulate.hang_*)",
+    )
     ratios = cfg.partition_ratios
     if ratios is not None and (not ratios or not all(finite(r) and r > 0 for r in ratios)):
         yield _problem("partition_ratios", ratios, "must be a non-empty list of finite values > 0")
-    if cfg.min_anchor is not None and cfg.min_anchor > cfg.max_anchor:
-        yield _problem("min_anchor", cfg.min_anchor, f"must be <= max_anchor ({cfg.max_anchor})")
+    if cfg.min_anchor is not None and cfg.min_anchor > min(cfg.anchor, cfg.max_anchor):
+        yield _problem(
+            "min_anchor",
+            cfg.min_anchor,
+            f"must be <= anchor ({cfg.anchor}) and max_anchor ({cfg.max_anchor})",
+        )
+
+
+def _gamma_problems(cfg: FlodlConfig, world_size: int) -> Iterator[str]:
+    """n^gamma for every window length n the run can form, summed over the ranks, and each rank's share of
+    that sum must be normal float64s: |gamma| * log(n_max) + log(world) stays below -log(TINY)."""
+    overshoot = (
+        (AUTO_OVERSHOOT if cfg.max_overshoot is None else cfg.max_overshoot) if cfg.policy == "async" else 0
+    )
+    longest = cfg.max_anchor + overshoot
+    if longest <= 1 or not math.isfinite(cfg.gamma):
+        return
+    bound = (-math.log(TINY) - math.log(world_size)) / math.log(longest)
+    if abs(cfg.gamma) > bound:
+        yield _problem(
+            "gamma",
+            cfg.gamma,
+            f"must be within +-{bound:.4g}: a window of up to {longest} steps (max_anchor + overshoot) would "
+            "weigh n^gamma outside float64's normal range, so rounds would overflow or silently drop ranks",
+        )
 
 
 def _cross_field_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
@@ -225,6 +282,9 @@ def _cross_field_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
         yield _problem(
             "launch.max_restarts", cfg.launch.max_restarts, "under torchrun use its own --max-restarts"
         )
+    if cfg.policy != "sync":
+        yield from _gamma_problems(cfg, host.world_size)
+    yield from _do_nothing_problems(cfg, host)
     yield from _persistence_problems(cfg)
     yield from _debug_problems(cfg)
     yield from _disk_problems(cfg, host)
@@ -241,6 +301,39 @@ def _loader_problems(cfg: FlodlConfig) -> Iterator[str]:
             "task.cacheable=true serves samples from this rank's RAM and disk tiers, which worker processes "
             "cannot fill; use num_workers=0 (after the first read every sample comes from the tiers), or "
             "task.cacheable=false to read afresh in workers",
+        )
+
+
+# Keys only the W&B logger reads (logger.group is also the slots launcher's sweep stamp: not listed).
+WANDB_ONLY = ("logger.mode", "logger.project", "logger.entity", "logger.tags")
+
+
+def _do_nothing_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
+    """Keys set to a value that this config would silently ignore."""
+    defaults = FlodlConfig()
+    if cfg.launch.max_restarts and not host.under_torchrun and cfg.launch.nproc_per_node == 1:
+        yield _problem(
+            "launch.max_restarts",
+            cfg.launch.max_restarts,
+            "restarts apply to ranks flodl starts itself (launch.nproc_per_node > 1); one in-process rank is "
+            "never restarted",
+        )
+    if cfg.checkpoint_every is None:
+        if cfg.checkpoint_keep != defaults.checkpoint_keep:
+            yield _problem(
+                "checkpoint_keep", cfg.checkpoint_keep, "applies to checkpoints: set checkpoint_every"
+            )
+        if cfg.save_path is not None:
+            yield _problem("save_path", cfg.save_path, "is where checkpoints go: set checkpoint_every")
+    if cfg.simulate.slow_rank is None and cfg.simulate.factor != defaults.simulate.factor:
+        yield _problem("simulate.factor", cfg.simulate.factor, "slows simulate.slow_rank, which is not set")
+    if cfg.logger.name != "wandb":
+        for key in WANDB_ONLY:
+            if _get(cfg, key) != _get(defaults, key):
+                yield _problem(key, _get(cfg, key), f"applies to logger=wandb (logger={cfg.logger.name})")
+    if cfg.disk_stage_gb > 0 and cfg.disk_stage_dir is not None and not cfg.disk_stage_dir.strip():
+        yield _problem(
+            "disk_stage_dir", cfg.disk_stage_dir, "is empty: name a directory, or null for the default"
         )
 
 
