@@ -399,7 +399,7 @@ def test_any_vram_max_usage_inside_range_passes_the_range_rule(value):
 
 @given(gamma=st.floats(allow_nan=False, allow_infinity=False), longest=st.integers(2, 10**6))
 def test_gamma_is_refused_exactly_when_a_weight_share_would_leave_the_normal_floats(gamma, longest):
-    """Every weight n^gamma (n up to max_anchor + overshoot), their sum over 2 ranks and each share stay normal."""
+    """Each weight n^gamma (n up to max_anchor + overshoot), their sum over 2 ranks and each share: normal."""
     cfg = dataclasses.replace(BASE, policy="cadence", anchor=1, max_anchor=longest, gamma=gamma)
     refused = any(p.startswith("gamma=") for p in problems_of(cfg, host(world_size=2)))
     exponent = abs(gamma) * math.log(longest) + math.log(2)
