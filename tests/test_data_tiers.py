@@ -125,11 +125,35 @@ def test_flipped_bytes_in_a_pack_record_are_detected_and_the_batch_is_still_righ
         got = tiers.fetch(samples)
     assert all(torch.equal(a, b) for a, b in zip(got, dataset.get_batch(samples), strict=True))
     assert pack.corrupt == 2
-    assert "record of sample 9 failed its checksum" in caplog.text
+    assert "record of sample 5 failed its checksum" in caplog.text  # the first, in the summary line
     assert tiers.stats.totals["source_reads"] == 2  # 5 and 9, read again
     assert 9 in pack.samples()  # and re-admitted
     pack.close()
     assert not pack.path.exists()
+
+
+def test_a_corrupted_pack_prints_a_bounded_number_of_warnings(npy_folder, tmp_path, caplog):
+    """Every record corrupt (17,987 WARNING lines seen once): the count and the first example, a few lines."""
+    dataset = NpyFolderDataSet(npy_folder)
+    pack = PackFile(tmp_path, 1 << 20)
+    rows = list(zip(*dataset.get_batch(torch.arange(BATCH)), strict=True))
+    with caplog.at_level(logging.WARNING):
+        for _ in range(40):  # every record put and corrupted again: 40 x BATCH checksum failures
+            for s, (x, y) in enumerate(rows):
+                assert pack.put(s, [x, y])
+            for s in range(BATCH):
+                offset, length = pack.record_span(s)
+                with open(pack.path, "r+b") as f:
+                    f.seek(offset + length - 12)
+                    f.write(b"\xde\xad\xbe\xef")
+                assert pack.get(s) is None
+    failures = 40 * BATCH
+    assert pack.corrupt == failures
+    lines = [r.getMessage() for r in caplog.records if "checksum" in r.getMessage()]
+    assert 1 <= len(lines) <= len(str(failures)), lines  # one per power of ten
+    assert "the first: record of sample 0 failed its checksum" in lines[0]
+    assert lines[-1].startswith(f"disk stage: {10 ** (len(str(failures)) - 1)} record(s)")
+    pack.close()
 
 
 def warnings_of(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:

@@ -186,6 +186,7 @@ class PackFile:
         self.used = 0
         self.enabled = True
         self.corrupt = 0
+        self._first_corrupt = -1
         self._index: dict[int, tuple[int, int]] = {}
         self._lock = threading.Lock()
         self._handle: _Handle | None = None
@@ -261,7 +262,15 @@ class PackFile:
             for sample in samples:
                 if self._index.pop(sample, None) is not None:
                     self.corrupt += 1
-                    log.warning("disk stage: record of sample %d failed its checksum; read again", sample)
+                    if self.corrupt == 1:
+                        self._first_corrupt = sample
+                    if _is_power_of_ten(self.corrupt):  # a corrupted pack: a handful of lines, not one per record
+                        log.warning(
+                            "disk stage: %d record(s) failed their checksum so far (the first: record of sample "
+                            "%d failed its checksum); each is read again from the source",
+                            self.corrupt,
+                            self._first_corrupt,
+                        )
 
     def read_batch(self, samples: list[int]) -> tuple[list[Tensor], list[int]] | None:
         """Samples held on disk, read as one stacked batch when their records share one layout (the usual
@@ -337,6 +346,10 @@ class PackFile:
                 self.folder,
                 kind,
             )
+
+
+def _is_power_of_ten(n: int) -> bool:
+    return n > 0 and 10 ** (len(str(n)) - 1) == n
 
 
 _READERS: ThreadPoolExecutor | None = None
