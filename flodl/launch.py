@@ -19,6 +19,7 @@ import os
 import signal
 import socket
 import sys
+import time
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
@@ -66,7 +67,7 @@ from flodl.resume import (
 from flodl.run_dir import RunDirTaken, claim_run_dir, run_uid
 from flodl.run_identity import run_identity
 from flodl.wire.group import agree_on_config, init_group, loopback_store, pick_device
-from flodl.wire.heartbeat import HeartbeatSender, beat_interval
+from flodl.wire.heartbeat import HeartbeatSender, Rank0Watch, beat_interval
 from flodl.wire.messages import Exiting
 from flodl.wire.stop import STOP_EXIT_CODES, Stopped, StopWatch, catch_stop_signals, post, posted, received
 from flodl.wire.transport import COORDINATOR, InboxReader, Mailbox
@@ -275,8 +276,10 @@ def self_launch(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig) -> None
         codes = ", ".join(f"rank {r}: exit code {err.failures[r].exitcode}" for r in failed)
         latest = checkpoint_store(cfg, run_dir).latest()
         where = f"the last checkpoint is {latest.path}" if latest else "no checkpoint was written"
+        first = first_failure(run_dir, cfg.launch.max_restarts)
+        cause = f"rank {first[0]} failed first ({first[1]}); " if first else ""
         raise RankFailure(
-            f"rank(s) {failed} failed ({codes}); {where}; see the traceback above and {logs}"
+            f"{cause}rank(s) {failed} failed ({codes}); {where}; see the traceback above and {logs}"
         ) from None
 
 
@@ -360,9 +363,18 @@ def _run_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
         heartbeat.start()
         watch = StopWatch(connect(env.rank))
         watch.start()
+        rank0_watch = None
+        if env.rank != 0:  # its store client gives up within a beat: the store may live in frozen rank 0
+            quick = Mailbox.connect(group.store_host, group.store_port, namespace, env.rank, interval)
+            rank0_watch = Rank0Watch(
+                quick, cfg.heartbeat_timeout_s, interval, lambda why: _stop_on_hang(run_dir, env, why)
+            )
+            rank0_watch.start()
         try:
             worker.run(alive=lambda: _raise_if_failed(coordinator))
         finally:
+            if rank0_watch is not None:
+                rank0_watch.stop()
             watch.stop()
             heartbeat.stop()
         if coordinator is not None:
@@ -372,6 +384,7 @@ def _run_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
             log.info("run dir %s: %s, %s", run_dir, METRICS_FILE, MODEL_FILE)
             _end_run(coordinator, run_dir)
     except BaseException as err:
+        _record_failure(run_dir, env, f"{type(err).__name__}: {err}")
         # A stop signal to this rank, or to a peer (whose leaving is then why this rank failed).
         signum = received() or (posted(outbox) if outbox is not None else None)
         if signum is not None and outbox is not None:
@@ -390,6 +403,43 @@ def _run_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
         raise Stopped(signum) from None
     finally:
         dist.destroy_process_group()
+
+
+def _failure_file(run_dir: Path, restart: int, rank: int) -> Path:
+    return run_dir / ".launch" / f"failure-{restart}-{rank}.json"
+
+
+def _record_failure(run_dir: Path, env: RankEnv, cause: str) -> None:
+    """When and why this rank failed, first cause only: the launcher names the rank whose failure came first
+    (the first to exit is often a peer stopped by it)."""
+    path = _failure_file(run_dir, env.restart_count, env.rank)
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            path.write_text(
+                json.dumps({"rank": env.rank, "time": time.time(), "cause": " ".join(cause.split())})
+            )
+
+
+def first_failure(run_dir: Path, restart: int) -> tuple[int, str] | None:
+    """(rank, cause) of the earliest failure the ranks of attempt `restart` recorded; None if none did."""
+    records = []
+    for path in (run_dir / ".launch").glob(f"failure-{restart}-*.json"):
+        with contextlib.suppress(OSError, ValueError):
+            records.append(json.loads(path.read_text()))
+    if not records:
+        return None
+    first = min(records, key=lambda r: r["time"])
+    return first["rank"], first["cause"]
+
+
+def _stop_on_hang(run_dir: Path, env: RankEnv, why: str) -> None:
+    """Rank 0 went silent: this rank's training thread waits in a collective with it, so end the process now
+    (the launcher stops the others), naming rank 0."""
+    log.error("%s; stopping rank %d", why, env.rank)
+    _record_failure(run_dir, env, f"RankHung: {why}")
+    logging.shutdown()
+    os._exit(1)
 
 
 def _end_run(coordinator: Coordinator, run_dir: Path) -> None:

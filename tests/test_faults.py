@@ -106,6 +106,30 @@ def test_a_frozen_rank_is_reported_within_the_heartbeat_timeout(tmp_path: Path) 
     assert set(state) == MODEL_KEYS and all(torch.isfinite(t).all() for t in state.values())
 
 
+def test_a_frozen_rank_0_is_named_by_the_other_ranks_within_the_heartbeat_timeout(tmp_path: Path) -> None:
+    """Rank 0 holds the coordinator, so it cannot name itself: rank 1 watches its beats."""
+    run_dir, out = tmp_path / "run", tmp_path / "out.txt"
+    with out.open("w") as sink:
+        proc = start(
+            [PYTHON, TRAIN, "launch.nproc_per_node=2", "epochs=200", "heartbeat_timeout_s=3",
+             "simulate.hang_rank=0", "simulate.hang_at_step=30", f"hydra.run.dir={run_dir}"],
+            cwd=tmp_path, output=sink,  # type: ignore[arg-type]
+        )  # fmt: skip
+    try:
+        # The launcher's verdict comes once it has stopped the frozen rank 0 (after its SIGTERM grace).
+        deadline = time.monotonic() + 180
+        while "failed first" not in out.read_text():
+            assert proc.poll() is None, f"the job ended without naming rank 0:\n{out.read_text()[-4000:]}"
+            assert time.monotonic() < deadline, f"no verdict within 180 s:\n{out.read_text()[-4000:]}"
+            time.sleep(0.2)
+    finally:
+        kill_group(proc, grace=0)
+    report = (run_dir / "rank1.log").read_text()
+    assert re.search(r"rank 0 stopped responding: no heartbeat for [3-9] s", report), report[-3000:]
+    verdict = next(line for line in out.read_text().splitlines() if "failed first" in line)
+    assert verdict.startswith("flodl: rank 1 failed first (RankHung: rank 0 stopped responding"), verdict
+
+
 def test_a_nan_injected_at_step_k_stops_the_run_naming_rank_and_step(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     result = train(
@@ -114,6 +138,9 @@ def test_a_nan_injected_at_step_k_stops_the_run_naming_rank_and_step(tmp_path: P
     )  # fmt: skip
     assert result.code != 0
     assert "rank 1: the training loss became non-finite (NaN/Inf) at step 60" in result.out
+    # The job's last line blames the cause that came first, not the rank that happened to exit first.
+    last = [line for line in result.out.splitlines() if line.strip()][-1]
+    assert last.startswith("flodl: rank 1 failed first (") and "non-finite (NaN/Inf) at step 60" in last, last
     # The last good checkpoint stays, and is finite.
     latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text()
     state = torch.load(latest / "model.pt", weights_only=True)

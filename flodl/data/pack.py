@@ -264,10 +264,11 @@ class PackFile:
                     self.corrupt += 1
                     if self.corrupt == 1:
                         self._first_corrupt = sample
-                    if _is_power_of_ten(self.corrupt):  # a corrupted pack: a handful of lines, not one per record
+                    # A corrupted pack: one line per power of ten with the count, not one per record.
+                    if _is_power_of_ten(self.corrupt):
                         log.warning(
-                            "disk stage: %d record(s) failed their checksum so far (the first: record of sample "
-                            "%d failed its checksum); each is read again from the source",
+                            "disk stage: %d record(s) failed their checksum so far (the first: record of "
+                            "sample %d failed its checksum); each is read again from the source",
                             self.corrupt,
                             self._first_corrupt,
                         )

@@ -7,7 +7,9 @@ swapped out, its host gone) does not. Any message from a rank counts as a beat t
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -50,6 +52,10 @@ class HeartbeatMonitor:
         return f"rank {rank} stopped responding: no heartbeat for {quiet:.0f} s{where}"
 
 
+# Rank 0's beats, counted in the store: the other ranks watch rank 0, whose coordinator cannot name itself.
+RANK0_BEATS = "beats/0"
+
+
 class HeartbeatSender(threading.Thread):
     """Sends this rank's beats on its own store connection until stopped."""
 
@@ -62,13 +68,57 @@ class HeartbeatSender(threading.Thread):
         self.stopped = threading.Event()
 
     def run(self) -> None:
+        if self.rank == 0:  # a first beat at once: the peers' watch starts from their own start
+            self._beat_count()
         while not self.stopped.wait(self.interval_s):
             try:
                 self.mailbox.send(COORDINATOR, Heartbeat(self.rank, self.step()))
+                if self.rank == 0:
+                    self._beat_count()
             except Exception:  # the store is gone: the run is over or failing, and says so elsewhere
                 return
 
+    def _beat_count(self) -> None:
+        with contextlib.suppress(Exception):
+            self.mailbox.store.add(RANK0_BEATS, 1)
+
     def stop(self) -> None:
         """Stop and wait: a thread left inside a store call when the process exits aborts it."""
+        self.stopped.set()
+        self.join(timeout=30)
+
+
+class Rank0Watch(threading.Thread):
+    """Every other rank's watch on rank 0: a frozen rank 0 holds the coordinator, which names silent ranks,
+    and the peers' collectives would wait out the collective timeout. A silence longer than the timeout since
+    the last beat or this watch's start (or a store that stops answering) calls `on_silent`, once."""
+
+    def __init__(
+        self, mailbox: Mailbox, timeout_s: float, interval_s: float, on_silent: Callable[[str], None]
+    ) -> None:
+        super().__init__(name="flodl-rank0-watch", daemon=True)
+        self.mailbox = mailbox
+        self.timeout_s = timeout_s
+        self.interval_s = interval_s
+        self.on_silent = on_silent
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        monitor = HeartbeatMonitor(1, self.timeout_s, time.perf_counter())
+        last = 0
+        while not self.stopped.wait(self.interval_s):
+            try:
+                beats = self.mailbox.store.add(RANK0_BEATS, 0)
+            except Exception:  # the store (possibly hosted by rank 0) does not answer: no beat
+                beats = last
+            now = time.perf_counter()
+            if beats != last:
+                monitor.heard(0, now)
+                last = beats
+            if monitor.silent(now):
+                self.on_silent(f"{monitor.describe(0, now)} (heartbeat_timeout_s={self.timeout_s:g})")
+                return
+
+    def stop(self) -> None:
         self.stopped.set()
         self.join(timeout=30)
