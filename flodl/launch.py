@@ -64,7 +64,7 @@ from flodl.resume import (
     load_model,
     restore_worker,
 )
-from flodl.run_dir import RunDirTaken, claim_run_dir, run_uid
+from flodl.run_dir import RunDirTaken, claim_run_dir, release_claimed, run_uid
 from flodl.run_identity import run_identity
 from flodl.wire.group import agree_on_config, init_group, loopback_store, pick_device
 from flodl.wire.heartbeat import HeartbeatSender, Rank0Watch, beat_interval
@@ -148,10 +148,9 @@ class Preflight(Callback):
         )  # the run dir may interpolate ${hydra:...}, as run_job allows
         try:
             preflight(config)
-        except ConfigError as err:
-            _exit_config(str(err))
-        except OmegaConfBaseException as err:
-            _exit_config(omegaconf_problem(err))
+        except (ConfigError, OmegaConfBaseException) as err:
+            release_claimed()  # resolving the run dir claimed it: a refused config leaves nothing behind
+            _exit_config(str(err) if isinstance(err, ConfigError) else omegaconf_problem(err))
 
 
 def launch_from_hydra(cfg: DictConfig) -> None:

@@ -3,7 +3,8 @@
 The CLI calls it before Hydra creates the run dir (flodl/launch.py's `Preflight` callback), and a sweep can
 call it for each of its jobs. Beyond the pure rules (flodl/config/rules.py) it reads what costs little:
 the task's `_target_`s bound against their signatures (nothing is built but the model on the meta device),
-the paths the run will write, the checkpoint `resume` names, and the Hydra settings of the job.
+the paths the run will write, and the Hydra settings of the job (the checkpoint `resume` names is checked by
+flodl/launch.py once the run has its identity, still before any rank starts).
 """
 
 from __future__ import annotations
@@ -22,13 +23,10 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from flodl.assembly import resume_settings
-from flodl.checkpoint import CheckpointError
 from flodl.config.host import HostFacts, RankEnv, stage_dir_of
 from flodl.config.rules import ConfigError, validate
 from flodl.config.schema import FlodlConfig, to_config
 from flodl.config.targets import TASK_TARGETS, list_target_problems, locate, task_target_problems
-from flodl.resume import choose_checkpoint
 
 log = logging.getLogger("flodl")
 
@@ -58,11 +56,6 @@ def preflight(cfg: DictConfig, run_dir: Path | None = None) -> FlodlConfig:
     if run_dir is None and hydra is not None and hydra.run.dir:
         run_dir = Path(hydra.run.dir)
     problems += _path_problems(typed, run_dir)
-    if not problems and run_dir is not None:
-        try:
-            choose_checkpoint(resume_settings(typed, run_dir), host.world_size)
-        except CheckpointError as err:
-            problems.append(f"resume={typed.resume!r}: {err}")
     if problems:
         raise ConfigError(problems)
     if typed.disk_stage_gb > 0 and RankEnv.from_environ().rank == 0 and _resident(targets):  # type: ignore[arg-type]

@@ -60,6 +60,10 @@ def _launch_key(name: str) -> str:
     return f"flodl/{name}/{RankEnv.from_environ().run_id}"
 
 
+# Stamp dirs this process claimed, with their base: a config refused before the run starts gives them back.
+_CLAIMED: list[tuple[Path, Path]] = []
+
+
 def claim_stamp(base: Path) -> str:
     """A stamp (now) whose dir under `base` this call created; a taken one gets the next free suffix."""
     stamp = datetime.now().strftime(STAMP_FORMAT)
@@ -68,8 +72,22 @@ def claim_stamp(base: Path) -> str:
         candidate = f"{stamp}-{suffix}" if suffix else stamp
         with contextlib.suppress(FileExistsError):
             (base / candidate).mkdir()
+            _CLAIMED.append((base, base / candidate))
             return candidate
     raise RunDirTaken(f"every run dir {base / stamp}-N is taken: clean up {base / stamp}*")
+
+
+def release_claimed() -> None:
+    """Remove the stamp dirs this process claimed and the dirs above them up to their base, each only while
+    empty (rmdir): what a run refused before it started leaves behind is nothing."""
+    while _CLAIMED:
+        base, empty = _CLAIMED.pop()
+        while True:
+            with contextlib.suppress(OSError):
+                empty.rmdir()
+            if empty == base:
+                break
+            empty = empty.parent
 
 
 def checked_stamp(value: str, source: str) -> str:
