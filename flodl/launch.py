@@ -98,8 +98,6 @@ def report_config_errors(main: Callable[[], Any]) -> None:
     os.environ[_FULL_ERROR], _raised_by_us = "1", True
     try:
         main()
-    except ConfigError as err:
-        _exit_config(str(err))
     except OmegaConfBaseException as err:
         _exit_config(omegaconf_problem(err))
     except HydraException as err:
@@ -143,9 +141,8 @@ class Preflight(Callback):
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         from hydra.core.hydra_config import HydraConfig
 
-        HydraConfig.instance().set_config(
-            config
-        )  # the run dir may interpolate ${hydra:...}, as run_job allows
+        # The run dir may interpolate ${hydra:...}, which reads HydraConfig: set it as run_job does.
+        HydraConfig.instance().set_config(config)
         try:
             preflight(config)
         except (ConfigError, OmegaConfBaseException) as err:
