@@ -91,7 +91,8 @@ class HeartbeatSender(threading.Thread):
 class Rank0Watch(threading.Thread):
     """Every other rank's watch on rank 0: a frozen rank 0 holds the coordinator, which names silent ranks,
     and the peers' collectives would wait out the collective timeout. A silence longer than the timeout since
-    the last beat or this watch's start (or a store that stops answering) calls `on_silent`, once."""
+    the last beat or this watch's start calls `on_silent`, once. The store is read by a thread of its own: a
+    store hosted by the frozen rank 0 blocks its reads, which must not block the judgement."""
 
     def __init__(
         self, mailbox: Mailbox, timeout_s: float, interval_s: float, on_silent: Callable[[str], None]
@@ -102,22 +103,26 @@ class Rank0Watch(threading.Thread):
         self.interval_s = interval_s
         self.on_silent = on_silent
         self.stopped = threading.Event()
+        self.monitor = HeartbeatMonitor(1, timeout_s, time.perf_counter())
 
     def run(self) -> None:
-        monitor = HeartbeatMonitor(1, self.timeout_s, time.perf_counter())
+        threading.Thread(target=self._read_beats, name="flodl-rank0-beats", daemon=True).start()
+        while not self.stopped.wait(self.interval_s):
+            now = time.perf_counter()
+            if self.monitor.silent(now):
+                self.on_silent(f"{self.monitor.describe(0, now)} (heartbeat_timeout_s={self.timeout_s:g})")
+                return
+
+    def _read_beats(self) -> None:
         last = 0
         while not self.stopped.wait(self.interval_s):
             try:
                 beats = self.mailbox.store.add(RANK0_BEATS, 0)
-            except Exception:  # the store (possibly hosted by rank 0) does not answer: no beat
-                beats = last
-            now = time.perf_counter()
+            except Exception:  # the store timed out or is gone: no beat this time
+                continue
             if beats != last:
-                monitor.heard(0, now)
+                self.monitor.heard(0, time.perf_counter())
                 last = beats
-            if monitor.silent(now):
-                self.on_silent(f"{monitor.describe(0, now)} (heartbeat_timeout_s={self.timeout_s:g})")
-                return
 
     def stop(self) -> None:
         self.stopped.set()
