@@ -44,9 +44,8 @@ from flodl.checkpoint import MODEL_FILE, CheckpointError, save_model
 from flodl.cluster_env import adopt_scheduler_environ
 from flodl.config.host import HostFacts, RankEnv
 from flodl.config.policy import collective_backend, step_samples
-from flodl.config.rules import ConfigError, validate
+from flodl.config.rules import ConfigError
 from flodl.config.schema import FlodlConfig, to_config
-from flodl.config.targets import list_target_problems, task_target_problems
 from flodl.coordinator.coordinator import Coordinator
 from flodl.coordinator.hooks import RunSummary
 from flodl.data.partition import equal_slices
@@ -56,7 +55,7 @@ from flodl.metrics.run_info import RunInfo, from_hydra
 from flodl.metrics.sinks import METRICS_FILE
 from flodl.metrics.wandb_sink import WandbStartError
 from flodl.plan import describe
-from flodl.preflight import omegaconf_problem, preflight
+from flodl.preflight import omegaconf_problem, preflight, warn_of_idle_disk_tier
 from flodl.resume import (
     agree_on_checkpoint,
     choose_checkpoint,
@@ -82,7 +81,7 @@ class RankFailure(RuntimeError):
 
 EXIT_CONFIG = 2
 _FULL_ERROR = "HYDRA_FULL_ERROR"
-# Set while `report_config_errors` asks Hydra to raise composition errors instead of printing them (it is not the user's).
+# Set while `report_config_errors` asks Hydra to raise its errors instead of printing them (not the user's).
 _raised_by_us = False
 
 
@@ -144,10 +143,11 @@ class Preflight(Callback):
         # The run dir may interpolate ${hydra:...}, which reads HydraConfig: set it as run_job does.
         HydraConfig.instance().set_config(config)
         try:
-            preflight(config)
+            typed, _ = preflight(config)
         except (ConfigError, OmegaConfBaseException) as err:
             release_claimed()  # resolving the run dir claimed it: a refused config leaves nothing behind
             _exit_config(str(err) if isinstance(err, ConfigError) else omegaconf_problem(err))
+        warn_of_idle_disk_tier(typed)
 
 
 def launch_from_hydra(cfg: DictConfig) -> None:
@@ -216,17 +216,8 @@ def keep_on_loopback() -> None:
 
 def check_job(config: dict[str, Any]) -> tuple[FlodlConfig, HostFacts]:
     """One job's pre-spawn check (also the sweeper's, for every job of a grid): the rules on its values and
-    the task's and callbacks' targets that do not import, in one ConfigError."""
-    typed = to_config(config)
-    host = HostFacts.probe(typed.launch.nproc_per_node, typed.disk_stage_dir)
-    problems = task_target_problems(typed) + list(list_target_problems("callbacks", typed.callbacks))
-    try:
-        validate(typed, host)
-    except ConfigError as err:
-        problems = err.problems + problems
-    if problems:
-        raise ConfigError(problems)
-    return typed, host
+    everything else flodl/preflight.py checks, in one ConfigError."""
+    return preflight(OmegaConf.create(config))
 
 
 def self_launch(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig) -> None:

@@ -34,8 +34,9 @@ log = logging.getLogger("flodl")
 _HYDRA_KEYS = ("_target_", "_partial_", "_recursive_", "_convert_", "_args_")
 
 
-def preflight(cfg: DictConfig, run_dir: Path | None = None) -> FlodlConfig:
-    """The typed config of one job, or ConfigError listing every problem found before any rank starts.
+def preflight(cfg: DictConfig, run_dir: Path | None = None) -> tuple[FlodlConfig, HostFacts]:
+    """The typed config of one job and the host facts it was checked on, or ConfigError listing every problem
+    found before any rank starts.
 
     `cfg` is the composed job config, with its `hydra` node when there is one; `run_dir` the job's output dir
     (None: read from `hydra.run.dir`)."""
@@ -58,12 +59,16 @@ def preflight(cfg: DictConfig, run_dir: Path | None = None) -> FlodlConfig:
     problems += _path_problems(typed, run_dir)
     if problems:
         raise ConfigError(problems)
-    if typed.disk_stage_gb > 0 and RankEnv.from_environ().rank == 0 and _resident(targets):  # type: ignore[arg-type]
+    return typed, host
+
+
+def warn_of_idle_disk_tier(typed: FlodlConfig) -> None:
+    """disk_stage_gb on data already in memory stays accepted (a shared config may set it): one warning."""
+    if typed.disk_stage_gb > 0 and RankEnv.from_environ().rank == 0 and _resident(typed.task.train_data):
         log.warning(
             "disk_stage_gb=%g: task.train_data is already in memory, so the disk tier has nothing to stage",
             typed.disk_stage_gb,
         )
-    return typed
 
 
 def omegaconf_problem(err: OmegaConfBaseException) -> str:
@@ -177,11 +182,11 @@ def _writable(path: Path) -> bool:
     return path.is_dir() and os.access(path, os.W_OK | os.X_OK)
 
 
-def _resident(task: Mapping[str, Any]) -> bool:
+def _resident(train_data: Any) -> bool:
     """The train data is known to be held in memory: its target is, or is annotated to return, a dataset class
     that says so (`resident = True`)."""
     try:
-        func = locate(task["train_data"]["_target_"])
+        func = locate(train_data["_target_"])
         made = func if isinstance(func, type) else get_type_hints(func).get("return")
     except Exception:  # not importable or its annotations do not resolve: not known to be resident
         return False

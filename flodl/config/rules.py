@@ -62,13 +62,10 @@ class ConfigError(ValueError):
     """One or more config values break a rule; the message lists each as `key=value: rule`."""
 
     def __init__(self, problems: list[str]) -> None:
-        self.problems = [" ".join(p.split()) for p in problems]  # one line each, whatever an error's text holds
-        # One problem, one line; several, one block.
-        lines = (
-            self.problems[0] if len(problems) == 1 else "
-" + "
-".join(f"  - {p}" for p in self.problems)
-        )
+        # One line per problem, whatever an error's text holds; one problem, one line; several, one block.
+        self.problems = [" ".join(p.split()) for p in problems]
+        block = "".join(f"\n  - {p}" for p in self.problems)
+        lines = self.problems[0] if len(self.problems) == 1 else block
         super().__init__(f"invalid flodl config: {lines}")
 
 
