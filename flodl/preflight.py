@@ -42,8 +42,13 @@ def preflight(cfg: DictConfig, run_dir: Path | None = None) -> tuple[FlodlConfig
     (None: read from `hydra.run.dir`)."""
     hydra = cfg.get("hydra") if isinstance(cfg, DictConfig) else None
     problems = list(_hydra_problems(cfg, hydra)) if hydra is not None else []
-    data = {k: v for k, v in cfg.items() if k != "hydra"}
     try:
+        # Plain values: a structured node merged as it is keeps a key Hydra's `+` forced into it.
+        data = {
+            k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
+            for k, v in cfg.items()
+            if k != "hydra"
+        }
         typed = to_config(data)
     except OmegaConfBaseException as err:
         raise ConfigError([*problems, omegaconf_problem(err)]) from None

@@ -27,6 +27,8 @@ FILE = "{file}"  # an existing regular file: nothing can be created under it
 INVALID: list[tuple[tuple[str, ...], str]] = [
     # Hydra's own rejections: unknown keys, bad values, missing options, bad syntax
     (("+foo=1",), "foo"),
+    (("+simulate.bogus=1",), "simulate.bogus"),
+    (("logger=wandb", "+logger.bogus=1"), "logger.bogus"),
     (("foo=1",), "foo"),
     (("task.model.bogus=1",), "task.model"),
     (("policy=nope",), "policy"),
