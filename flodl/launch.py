@@ -43,7 +43,7 @@ from flodl.assembly import (
 from flodl.checkpoint import MODEL_FILE, CheckpointError, save_model
 from flodl.cluster_env import adopt_scheduler_environ
 from flodl.config.host import HostFacts, RankEnv
-from flodl.config.policy import collective_backend, step_samples
+from flodl.config.policy import collective_backend, step_samples, step_words
 from flodl.config.rules import ConfigError
 from flodl.config.schema import FlodlConfig, to_config
 from flodl.coordinator.coordinator import Coordinator
@@ -454,20 +454,18 @@ def _stopped_line(signum: int, cfg: FlodlConfig, run_dir: Path, info: RunInfo) -
 def _log_plan(cfg: FlodlConfig, world_size: int) -> None:
     factor = lr_scale_factor(world_size, cfg.lr_scale_ratio)
     log.info(
-        "policy=%s world=%d batch=%d/rank x grad_accum %d (global %d) lr x%.3g (lr_scale_ratio=%g) "
-        "precision=%s compile=%s",
-        cfg.policy, world_size, cfg.batch_size, cfg.grad_accum, step_samples(cfg) * world_size, factor,
+        "policy=%s world=%d batch=%s/rank (global %d) lr x%.3g (lr_scale_ratio=%g) precision=%s compile=%s",
+        cfg.policy, world_size, step_words(cfg), step_samples(cfg) * world_size, factor,
         cfg.lr_scale_ratio, cfg.precision, cfg.compile_mode if cfg.compile else "off",
     )  # fmt: skip
 
 
 def _check_epoch_fits(cfg: FlodlConfig, total_picks: int, world_size: int) -> None:
     if equal_slices(total_picks, world_size, step_samples(cfg))[0].size == 0:
-        step = f"{cfg.batch_size}" + (f" x grad_accum {cfg.grad_accum}" if cfg.grad_accum > 1 else "")
         raise ConfigError(
             [
-                f"batch_size={cfg.batch_size}: {world_size} rank(s) x {step} exceeds the {total_picks} "
-                "training picks (task.train_data x augment), so an epoch has no optimizer step"
+                f"batch_size={cfg.batch_size}: {world_size} rank(s) x {step_words(cfg)} exceeds the "
+                f"{total_picks} training picks (task.train_data x augment), so an epoch has no optimizer step"
             ]
         )
 

@@ -13,7 +13,7 @@ import torch
 from hydra.utils import instantiate
 
 from flodl.config.host import HostFacts
-from flodl.config.policy import averages_parameters, collective_backend, step_samples
+from flodl.config.policy import averages_parameters, collective_backend, step_samples, step_words
 from flodl.config.rules import GIB
 from flodl.config.schema import FlodlConfig
 from flodl.data.feeder import DataPlaneSettings, staging_budgets
@@ -82,9 +82,8 @@ def describe(cfg: FlodlConfig, host: HostFacts, data: DataPlaneSettings) -> str:
         f"  VRAM budget     {cfg.vram_max_usage:.0%} of each GPU's memory for the data plane, device sample "
         f"pool {'on' if cfg.vram_pool and cfg.debug.data_plane else 'off'}"
         + ("" if uses_gpu else " (no GPU in use)"),
-        f"  policy          {cfg.policy} on backend={cfg.backend}, batch {cfg.batch_size}/rank "
-        f"x grad_accum {cfg.grad_accum} (global {step_samples(cfg) * world}), {cfg.epochs} epochs, "
-        f"seed {cfg.seed}",
+        f"  policy          {cfg.policy} on backend={cfg.backend}, batch {step_words(cfg)}/rank "
+        f"(global {step_samples(cfg) * world}), {cfg.epochs} epochs, seed {cfg.seed}",
         f"  step            precision={cfg.precision}, compile="
         + (f"true (mode {cfg.compile_mode})" if cfg.compile else "false"),
     ]

@@ -26,6 +26,11 @@ def step_samples(cfg: FlodlConfig) -> int:
     return cfg.batch_size * cfg.grad_accum
 
 
+def step_words(cfg: FlodlConfig) -> str:
+    """A rank's optimizer step in words: `32`, or `8 x grad_accum 4` when micro-batches make it up."""
+    return f"{cfg.batch_size}" + (f" x grad_accum {cfg.grad_accum}" if cfg.grad_accum > 1 else "")
+
+
 def guarded(cfg: FlodlConfig) -> bool:
     """Whether a divergence guard reads the rounds (sync has none to guard)."""
     return cfg.divergence_guard != "none" and cfg.policy != "sync"
