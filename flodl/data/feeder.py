@@ -34,7 +34,6 @@ from flodl.data.prefetch import CPU_DEPTH, Prefetcher
 from flodl.data.ram_cache import RamCache
 from flodl.data.stager import Stager
 from flodl.data.tiers import FeedStats, TieredSource
-from flodl.metrics.scalars import record_scalar
 
 log = logging.getLogger(__name__)
 
@@ -174,9 +173,7 @@ class BatchFeeder:
         self._loads += 1
         if self.cuda and self._loads == 1:  # the first chunk's peak prices the activations
             torch.cuda.reset_peak_memory_stats(self.device)
-        self.stats.add("starve_ms", (time.perf_counter() - started) * 1000)
-        for name, value in self.stats.drain().items():
-            record_scalar(f"data/{name}", value)
+        self.stats.record_load(started)
         if position is not None:
             # Last: it wakes the data threads, which would otherwise hold the interpreter while this
             # thread still has work before the step.

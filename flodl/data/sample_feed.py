@@ -31,7 +31,6 @@ from flodl.data.prefetch import CPU_DEPTH, Prefetcher
 from flodl.data.ram_cache import RamCache
 from flodl.data.sample import check_movable, nbytes, owned, to_device
 from flodl.data.tiers import FeedStats
-from flodl.metrics.scalars import record_scalar
 
 Collate = Callable[[list[Any]], Any]
 
@@ -153,9 +152,7 @@ class SampleFeeder:
             check_movable(batch, "task.train_data")
             self._checked = True
         batch = to_device(batch, self.device, non_blocking=True)
-        self.stats.add("starve_ms", (time.perf_counter() - started) * 1000)
-        for name, value in self.stats.drain().items():
-            record_scalar(f"data/{name}", value)
+        self.stats.record_load(started)
         if position is not None:
             self.plan.take(position)
         return batch

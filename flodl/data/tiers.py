@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import torch
 from torch import Tensor
@@ -17,6 +18,7 @@ from flodl.data.dataset import BatchDataSet
 from flodl.data.pack import PackFile
 from flodl.data.ram_cache import RamCache, Rows
 from flodl.data.sample import nbytes
+from flodl.metrics.scalars import record_scalar
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +48,13 @@ class FeedStats:
         with self._lock:
             counts, self._counts = self._counts, dict.fromkeys(STAT_NAMES, 0.0)
         return counts
+
+    def record_load(self, started: float) -> None:
+        """A load that began at `started` (perf_counter) is done: its wait counts as starve time, and every
+        counter since the last load goes out as a `data/*` scalar."""
+        self.add("starve_ms", (time.perf_counter() - started) * 1000)
+        for name, value in self.drain().items():
+            record_scalar(f"data/{name}", value)
 
 
 class TieredSource:
