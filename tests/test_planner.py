@@ -814,3 +814,25 @@ def test_proportional_split_equal_weights_give_extras_to_lower_ranks(total, n, w
 @pytest.mark.parametrize(("total", "weights"), [(11, [15, 7]), (21, [5, 9]), (45, [7, 3])])
 def test_proportional_split_ties_go_to_the_lower_rank_despite_float_rounding(total, weights):
     assert proportional_split(total, weights) == exact_split(total, weights)
+
+
+def test_async_eval_waits_for_every_earlier_epoch():
+    """A fast rank can finish epochs 1 and 2 while the slow one still trains its share of epoch 0: their
+    evals wait for a consensus that has seen epoch 0 too, and none is lost."""
+    planner = LocalSgdPlanner(2, 2, 1, 6, True, frozenset(range(6)))
+    assert planner.open_window([1, 3], 1) == [
+        Dispatch(0, (EpochSlice(0, 0, 2),), 1),
+        Dispatch(1, (EpochSlice(1, 0, 2), EpochSlice(2, 0, 2)), 3),
+    ]
+    planner.on_epoch_complete(1)
+    planner.on_epoch_complete(2)
+    assert planner.on_reached(WindowReport(1, 4, 1.0)) == []
+    assert planner.settled_end == 0
+    assert planner.on_reached(WindowReport(0, 1, 1.0)) == [Average(1, (), False)]
+    planner.on_epoch_complete(0)  # rank 0 trains its overshoot while the round is in flight
+    assert planner.settled_end == 3
+    planner.on_ack(AckReport(0, 1, 0.0, 0.0, queued=0))
+    planner.on_ack(AckReport(1, 4, 0.0, 0.0, queued=0))
+    planner.open_window([1, 3], 0)
+    assert planner.on_reached(WindowReport(1, 3, 1.0)) == []
+    assert planner.on_reached(WindowReport(0, 1, 1.0)) == [Average(2, (0, 1, 2), False)]

@@ -138,8 +138,8 @@ class LocalSgdDriver:
                     self.outbox.send(rank, order)
 
     def _decide_evals(self, average: Average) -> None:
-        """Epochs completed since the last reduce learn whether they get an eval (this round's)."""
-        deciding = set(self._undecided_evals)
+        """Epochs settled since the last reduce learn whether they get an eval (this round's)."""
+        deciding = {e for e in self._undecided_evals if e < self.planner.settled_end}
         if average.final:  # every epoch of the segment not decided yet is decided now
             first = self.ledger.first_epoch
             deciding |= set(range(first, self.planner.segment_end)) - self._decided_evals

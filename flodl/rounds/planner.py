@@ -171,6 +171,15 @@ class LocalSgdPlanner:
         return True
 
     @property
+    def settled_end(self) -> int:
+        """The first epoch not settled: every batch of the epochs before it has been trained. Async ranks can
+        finish a later epoch before an earlier one; an epoch's eval waits for the epochs before it."""
+        end = self.first_epoch
+        while end in self.completed_epochs:
+            end += 1
+        return end
+
+    @property
     def segment_done(self) -> bool:
         """The segment's last reduce is acknowledged: every rank holds the same consensus."""
         return self.final_round and not self.averaging
@@ -224,7 +233,7 @@ class LocalSgdPlanner:
         self.final_round = self.cursor.exhausted() and all(
             self.queued[r] <= self.targets[r] for r in range(self.world_size)
         )
-        due = sorted(e for e in self.completed_epochs - self.evaluated_epochs if e in self.eval_epochs)
+        due = sorted(e for e in self.eval_epochs - self.evaluated_epochs if e < self.settled_end)
         if self.final_round:
             due = sorted(
                 e for e in self.eval_epochs if e not in self.evaluated_epochs and e < self.cursor.end
