@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
 from torch import nn
+from torch.distributed import PrefixStore
 from torch.nn.parallel import DistributedDataParallel
 
 from flodl.averaging.bf16_hook import bf16_gradient_hook
@@ -36,6 +37,7 @@ from flodl.coordinator.coordinator import Coordinator, Driver, EpochSchedule, Sy
 from flodl.coordinator.hooks import CallbackError, Hooks, Run
 from flodl.coordinator.ledger import EpochLedger
 from flodl.coordinator.local_sgd_driver import LocalSgdDriver
+from flodl.coordinator.survivors import SurviveSettings
 from flodl.data.feeder import DataPlaneSettings
 from flodl.data.partition import equal_slices
 from flodl.metrics.run_info import RunInfo
@@ -48,12 +50,14 @@ from flodl.rounds.guard import guard_from_state, make_guard
 from flodl.rounds.planner import LocalSgdPlanner
 from flodl.run_identity import run_identity
 from flodl.wire.heartbeat import HeartbeatMonitor
+from flodl.wire.membership import AveragingGroup
 from flodl.wire.transport import InboxReader, Mailbox
 from flodl.worker.base import RankLink, WorkerBase, WorkerSettings
 from flodl.worker.checkpoint_part import RankCheckpointer
 from flodl.worker.faults import FaultInjection
 from flodl.worker.local_sgd import LocalSgdWorker
 from flodl.worker.stepper import Stepper, StepperSettings
+from flodl.worker.survival import Survival
 from flodl.worker.sync import SyncWorker
 from flodl.worker.task_setup import TaskParts, TaskSettings
 
@@ -84,15 +88,22 @@ def data_plane_settings(cfg: FlodlConfig, ranks_on_host: int) -> DataPlaneSettin
     )
 
 
-def stepper_settings(cfg: FlodlConfig, env: RankEnv) -> StepperSettings:
+def stepper_settings(cfg: FlodlConfig, env: RankEnv, first_start: bool = True) -> StepperSettings:
+    """`first_start`: false for a rank restarted under fault_tolerance=survive, which injects no fault."""
     sim = cfg.simulate
+
+    def at(step: int | None, rank: int) -> int | None:
+        return step if rank == env.rank and first_start else None
+
     return StepperSettings(
         data=data_plane_settings(cfg, env.local_world_size),
         max_grad_norm=cfg.max_grad_norm,
         slow_factor=sim.factor if sim.slow_rank == env.rank else 1.0,
         fault=FaultInjection(
-            sim.nan_at_step if sim.nan_rank == env.rank else None,
-            sim.hang_at_step if sim.hang_rank == env.rank else None,
+            at(sim.nan_at_step, sim.nan_rank),
+            at(sim.hang_at_step, sim.hang_rank),
+            at(sim.kill_at_step, sim.kill_rank),
+            sim.kill_in,
         ),
         grad_accum=cfg.grad_accum,
         precision=cfg.precision,
@@ -165,8 +176,11 @@ def make_worker(
     outbox: Mailbox,
     run_dir: Path,
     keeps_evaluated_models: bool = False,
+    survival: Survival | None = None,
 ) -> WorkerBase:
-    """`keeps_evaluated_models` (rank 0): write the parameters of each eval for a callback (BestModel)."""
+    """`keeps_evaluated_models` (rank 0): write the parameters of each eval for a callback (BestModel).
+    `survival` (fault_tolerance=survive): the averaging group to average on, formed (or, for a restarted
+    rank, still to be joined)."""
     rank, world_size = env.rank, env.world_size
     link = RankLink(rank, world_size, reader, outbox)
     settings = worker_settings(cfg, run_dir if keeps_evaluated_models else None)
@@ -182,18 +196,46 @@ def make_worker(
         return SyncWorker(stepper, link, settings, cfg.bf16_wire, checkpointer(stepper))
     outer = OuterSettings.resolve(cfg.outer, cfg.outer_lr, cfg.outer_momentum)
     averager: DeviceAverager | HostAverager
+    membership = survival.membership if survival is not None else None
     if cfg.backend == "cpu":
-        gloo = dist.new_group(backend="gloo")  # collective: every rank builds its worker in step
-        averager = HostAverager(parts.model, cfg.gamma, device, gloo, cfg.bf16_wire, outer)
+        # Collective: every rank builds its worker in step (survive: the membership's group is gloo).
+        gloo = dist.new_group(backend="gloo") if membership is None else None
+        averager = HostAverager(parts.model, cfg.gamma, device, gloo, cfg.bf16_wire, outer, membership)
     else:
         keeps_own = guarded(cfg) or easgd_alpha_of(cfg) is not None
-        averager = DeviceAverager(parts.model, cfg.gamma, device, cfg.bf16_wire, outer, keeps_own)
+        averager = DeviceAverager(parts.model, cfg.gamma, device, cfg.bf16_wire, outer, keeps_own, membership)
+    if membership is not None and survival is not None and not survival.joining:
+        averager.share(membership.broadcast_from_first)  # every original member starts from rank 0's
     # Built (and compiled) after the averager re-pointed the parameters into its flat buffers: compiled
     # graphs read them there, so each round's in-place update is what the next step sees.
-    stepper = Stepper(stepper_settings(cfg, env), parts, device, parts.model)
+    first_start = survival is None or not survival.joining
+    stepper = Stepper(stepper_settings(cfg, env, first_start), parts, device, parts.model)
     keep_training = cfg.backend == "cpu" and cfg.policy == "async"
     alpha = easgd_alpha_of(cfg)
-    return LocalSgdWorker(stepper, link, settings, averager, alpha, keep_training, checkpointer(stepper))
+    return LocalSgdWorker(
+        stepper, link, settings, averager, alpha, keep_training, checkpointer(stepper), survival
+    )
+
+
+def make_survival(
+    cfg: FlodlConfig,
+    env: RankEnv,
+    device: torch.device,
+    backend: str,
+    exchange: PrefixStore,
+    reader: InboxReader,
+) -> Survival | None:
+    """fault_tolerance=survive: this rank's averaging group, formed with every rank, unless this process is
+    a restart (the store counts each rank's starts), which joins the running group when admitted."""
+    if cfg.fault_tolerance != "survive":
+        return None
+    incarnation = exchange.add(f"incarnation/{env.rank}", 1) - 1
+    membership = AveragingGroup(exchange, backend, env.rank, device, cfg.launch.timeout_s)
+    if incarnation == 0:
+        membership.form(0, list(range(env.world_size)))
+    # A rank whose round failed hears who is still in once the coordinator has seen the silence.
+    wait_s = 2 * cfg.heartbeat_timeout_s + 10
+    return Survival(membership, reader, incarnation, wait_s)
 
 
 def make_coordinator(
@@ -246,8 +288,9 @@ def make_coordinator(
     saver = None if averages_parameters(cfg) else consensus_saver(*rank0_model, run_dir / HANG_MODEL_FILE)
     run = Run(run_dir, cfg.policy, world_size, cfg.epochs, config)
     hooks = Hooks(build_callbacks(cfg.callbacks), run)
+    survive = SurviveSettings(cfg.min_ranks) if cfg.fault_tolerance == "survive" else None
     return Coordinator(
-        reader, outbox, ledger, driver, sinks, timeline, run_dir, monitor, committer, hooks, saver
+        reader, outbox, ledger, driver, sinks, timeline, run_dir, monitor, committer, hooks, saver, survive
     )
 
 

@@ -36,6 +36,7 @@ from flodl.assembly import (
     checkpoint_store,
     data_plane_settings,
     make_coordinator,
+    make_survival,
     make_worker,
     resume_settings,
     task_settings,
@@ -299,7 +300,8 @@ def _run_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
     setup_rank_logging(env.rank, run_dir)
     device = pick_device(cfg.device, env.local_rank)
     backend = collective_backend(cfg.backend, device.type)
-    group = init_group(env, backend, device, cfg.launch.timeout_s)
+    survive = cfg.fault_tolerance == "survive"
+    group = init_group(env, backend, device, cfg.launch.timeout_s, world=not survive)
     log.info(
         "rank %d/%d (pid %d) on %s (%s), master port %s, CUDA_VISIBLE_DEVICES=%s, run dir %s",
         env.rank, env.world_size, os.getpid(), device, backend, group.store_port,
@@ -309,11 +311,21 @@ def _run_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
     outbox: Mailbox | None = None
     try:
         namespace = agree_on_config(config, env.rank, env.world_size, group.exchange)
+
+        def connect(owner: int | str) -> Mailbox:
+            return Mailbox.connect(group.store_host, group.store_port, namespace, owner, cfg.launch.timeout_s)
+
+        inbox = InboxReader(connect(env.rank))
+        survival = make_survival(cfg, env, device, backend, group.exchange, inbox)
+        # A restarted rank receives the running group's state when it is admitted, not from a checkpoint.
+        joining = survival is not None and survival.joining
         parts = build_task(task_settings(cfg), device, env.world_size)
         total_picks = len(parts.train_data) * cfg.augment
         _check_epoch_fits(cfg, total_picks, env.world_size)
         settings = resume_settings(cfg, run_dir, run_identity(config, env.world_size, info.uid))
         checkpoint = agree_on_checkpoint(settings, env.rank, env.world_size, group.exchange)
+        if joining:
+            checkpoint = None
         if checkpoint is not None:
             load_model(checkpoint, parts.model)
             if checkpoint.epoch + 1 >= cfg.epochs:
@@ -323,9 +335,6 @@ def _run_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
                 if env.rank == 0:
                     save_model(parts.model, run_dir / MODEL_FILE)
                 return
-
-        def connect(owner: int | str) -> Mailbox:
-            return Mailbox.connect(group.store_host, group.store_port, namespace, owner, cfg.launch.timeout_s)
 
         if env.rank == 0:
             _log_plan(cfg, env.world_size)
@@ -340,9 +349,7 @@ def _run_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
             coordinator.start()
         outbox = connect(env.rank)
         keeps_evaluated = coordinator is not None and coordinator.hooks.run.keeps_evaluated_models
-        worker = make_worker(
-            cfg, parts, env, device, InboxReader(connect(env.rank)), outbox, run_dir, keeps_evaluated
-        )
+        worker = make_worker(cfg, parts, env, device, inbox, outbox, run_dir, keeps_evaluated, survival)
         if checkpoint is not None:
             restore_worker(checkpoint, worker)
         interval = beat_interval(cfg.heartbeat_timeout_s)
@@ -370,6 +377,8 @@ def _run_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
             save_model(parts.model, run_dir / MODEL_FILE)
             log.info("run dir %s: %s, %s", run_dir, METRICS_FILE, MODEL_FILE)
             _end_run(coordinator, run_dir)
+            if coordinator.too_few is not None:  # the consensus is saved: now the run fails, naming why
+                raise coordinator.too_few
     except BaseException as err:
         _record_failure(run_dir, env, f"{type(err).__name__}: {err}")
         # A stop signal to this rank, or to a peer (whose leaving is then why this rank failed).
@@ -389,7 +398,8 @@ def _run_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
             log.warning("%s", _stopped_line(signum, cfg, run_dir, info))
         raise Stopped(signum) from None
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # survive never forms the world (a dead member would hang its teardown)
+            dist.destroy_process_group()
 
 
 def _failure_file(run_dir: Path, restart: int, rank: int) -> Path:

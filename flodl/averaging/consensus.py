@@ -18,11 +18,13 @@ the consensus if asked, then overwrites the rank's parameters or blends them (EA
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from datetime import timedelta
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -48,6 +50,19 @@ class RoundOutcome:
     payload_bytes: int = 0
 
 
+class Membership(Protocol):
+    """survive's averaging group as the averagers see it (flodl/wire/membership.py builds it)."""
+
+    group: dist.ProcessGroup | None
+    backend: str
+    timeout: timedelta
+
+
+def _broadcast_from_rank0(tensors: list[Tensor]) -> None:
+    for tensor in tensors:
+        dist.broadcast(tensor, src=0)
+
+
 class _AveragerBase:
     def __init__(
         self,
@@ -56,11 +71,20 @@ class _AveragerBase:
         bf16_wire: bool,
         outer: OuterSettings | None,
         group: dist.ProcessGroup | None,
+        membership: Membership | None = None,
     ) -> None:
         self.params = flatten_parameters(model)
         self.buffers = flatten_float32_buffers(model)
-        self._start_from_rank0()
-        self.reducer = Reducer(gamma, bf16_wire, group)
+        # fault_tolerance=survive: the group comes from the membership, and each round keeps the rank's
+        # pre-round state, which it goes back to when a member's death cuts the round.
+        self.membership = membership
+        self.pre_round: list[Tensor] | None = None
+        if membership is None:
+            self.share(_broadcast_from_rank0)
+            self.reducer = Reducer(gamma, bf16_wire, group)
+        else:
+            self.reducer = Reducer(gamma, bf16_wire, membership.group, membership.backend)
+            self.reducer.capture_after = None  # a captured round cannot follow the group to a new one
         self.outer_settings = outer
         self.outer: OuterOptimizer | None = None
         self.outcome: RoundOutcome | None = None
@@ -85,13 +109,44 @@ class _AveragerBase:
         """DiLoCo: the inner optimizer's state is reset after each adopted round."""
         return self.outer_settings is not None and self.outer_settings.resets_inner
 
+    def _state_tensors(self) -> list[Tensor]:
+        """What makes two ranks' models the same: the flat parameters and f32 buffers."""
+        return self._flat_params() + ([self.buffers.buffer] if self.buffers is not None else [])
+
     @torch.no_grad()
-    def _start_from_rank0(self) -> None:
-        # Local SGD never runs DDP's initial broadcast: make every rank start from rank 0's weights.
-        for group in self.params:
-            dist.broadcast(group.buffer, src=0)
-        if self.buffers is not None:
-            dist.broadcast(self.buffers.buffer, src=0)
+    def share(self, send: Callable[[list[Tensor]], None]) -> None:
+        """Make every rank hold the same state through `send` (a broadcast from one rank). Local SGD never
+        runs DDP's initial broadcast; a rank joining a survive run receives the consensus this way."""
+        send(self._state_tensors())
+
+    @torch.no_grad()
+    def keep_pre_round(self) -> None:
+        """survive: keep this rank's state as it enters a round (a cut round goes back to it)."""
+        if self.membership is None:
+            return
+        tensors = self._state_tensors()
+        if self.pre_round is None:
+            self.pre_round = [torch.empty_like(t) for t in tensors]
+        torch._foreach_copy_(self.pre_round, tensors)
+
+    @torch.no_grad()
+    def restore_pre_round(self) -> None:
+        assert self.pre_round is not None, "no pre-round state kept (fault_tolerance is not survive)"
+        torch._foreach_copy_(self._state_tensors(), self.pre_round)
+
+    @torch.no_grad()
+    def state_digest(self) -> str:
+        """A short fingerprint of the rank's state (one read-back: said at membership changes and the final
+        round, where members must hold the same state bit for bit)."""
+        digest = hashlib.sha256()
+        for tensor in self._state_tensors():
+            digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()[:16]
+
+    def regroup(self) -> None:
+        """Average over the membership's newly formed group from the next round on."""
+        assert self.membership is not None
+        self.reducer.set_group(self.membership.group, self.membership.backend)
 
     def _flat_params(self) -> list[Tensor]:
         return [g.buffer for g in self.params]
@@ -126,10 +181,11 @@ class DeviceAverager(_AveragerBase):
         bf16_wire: bool = False,
         outer: OuterSettings | None = None,
         keeps_own: bool = True,
+        membership: Membership | None = None,
     ) -> None:
         """`keeps_own`: keep a pre-reduce copy of the rank's parameters, which the divergence and the
         EASGD blend need; without it a round is the two all-reduces and nothing else."""
-        super().__init__(model, gamma, bf16_wire, outer, group=None)
+        super().__init__(model, gamma, bf16_wire, outer, None, membership)
         # The rank's own parameters before the reduce, turned into `own - consensus` after it (the
         # divergence is measured in place, sparing a parameter-sized temporary and a pass over memory).
         self.drift = [torch.empty_like(t) for t in self._flat_params()] if keeps_own else None
@@ -144,6 +200,7 @@ class DeviceAverager(_AveragerBase):
         """Queue the round, in place; `exact` and `kept` as in `Reducer.reduce`. What it measured (the
         totals, the divergence) is read from the device in `finish`."""
         start = time.perf_counter()
+        self.keep_pre_round()
         flat = self._flat_params()
         buffers = self.buffers.buffer if self.buffers is not None else None
         # The guard's copy and norms ride along chunk by chunk while the reduce is on the wire. An outer
@@ -178,6 +235,12 @@ class DeviceAverager(_AveragerBase):
 
     def ready(self) -> bool:
         return True
+
+    def discard_round(self) -> None:
+        """survive: the round was cut (its reduce ran in place, partly): back to the pre-round state."""
+        self.queued = None
+        self.outcome = None
+        self.restore_pre_round()
 
     def finish(self) -> RoundOutcome:
         """Read what the round measured (waiting for the device where it is not done yet)."""
@@ -215,8 +278,9 @@ class HostAverager(_AveragerBase):
         group: dist.ProcessGroup,
         bf16_wire: bool = False,
         outer: OuterSettings | None = None,
+        membership: Membership | None = None,
     ) -> None:
-        super().__init__(model, gamma, bf16_wire, outer, group)
+        super().__init__(model, gamma, bf16_wire, outer, group, membership)
         self.device = device
         pin = device.type == "cuda"
         flat = self._flat_params()
@@ -240,6 +304,7 @@ class HostAverager(_AveragerBase):
     def begin(self, steps: int, exact: bool = False, kept: bool = True) -> None:
         """Snapshot and start the round on a thread; `exact` and `kept` as in `Reducer.reduce`."""
         start = time.perf_counter()
+        self.keep_pre_round()
         snapshot_done = self._to_host()
         self.thread = threading.Thread(
             target=self._round, args=(steps, exact, kept, snapshot_done), daemon=True
@@ -258,7 +323,8 @@ class HostAverager(_AveragerBase):
         self.thread.join()
         self.thread = None
         if self.error is not None:
-            raise RuntimeError(f"the cpu-backend averaging round failed: {self.error}") from self.error
+            error, self.error = self.error, None
+            raise RuntimeError(f"the cpu-backend averaging round failed: {error}") from error
         assert self.outcome is not None
         if not self.outcome.skipped:
             for landing, host in zip(self.landing, self.host, strict=True):
@@ -268,6 +334,16 @@ class HostAverager(_AveragerBase):
             self.outcome.steps, self.outcome.total_steps, self.outcome.skipped, self.outcome.divergence,
             blocked, self.outcome.payload_bytes,
         )  # fmt: skip
+
+    def discard_round(self) -> None:
+        """survive: the round was cut. The rank's parameters were never touched (the reduce ran on the host
+        copy); the round's thread ends with its group (a dead peer's closed socket, or the group timeout)."""
+        if self.thread is not None:
+            assert self.membership is not None
+            self.thread.join(timeout=self.membership.timeout.total_seconds() + 5)
+            if self.thread.is_alive():
+                raise RuntimeError("a cut averaging round did not end within the group's timeout")
+        self.thread, self.error, self.outcome = None, None, None
 
     @torch.no_grad()
     def adopt(self, alpha: float | None, evaluate: Callable[[], None] | None) -> None:

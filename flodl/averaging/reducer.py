@@ -60,11 +60,16 @@ def chunk_spans(
 
 
 class Reducer:
-    def __init__(self, gamma: float, bf16_wire: bool, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        gamma: float,
+        bf16_wire: bool,
+        group: dist.ProcessGroup | None = None,
+        backend: str | None = None,
+    ) -> None:
+        """`backend`: the group's, for a group built outside torch's registry (survive's averaging group)."""
         self.gamma = gamma
         self.bf16_wire = bf16_wire
-        self.group = group
-        self.premul = dist.get_backend(group) == "nccl" and hasattr(dist, "_make_nccl_premul_sum")
         self.chunks = PIPELINE_CHUNKS
         self.min_chunk_bytes = MIN_CHUNK_BYTES
         # Off: every round reads its weights on the host (the benchmark compares the two).
@@ -73,6 +78,16 @@ class Reducer:
         self.capture_after: int | None = CAPTURE_AFTER
         self._own_totals: Tensor | None = None
         self._replayed: ReplayedRound | None = None
+        self.group: dist.ProcessGroup | None = None
+        self.premul = False
+        self.set_group(group, backend)
+
+    def set_group(self, group: dist.ProcessGroup | None, backend: str | None = None) -> None:
+        """Average over `group` from the next round on (a captured round belongs to the old one)."""
+        self.release()
+        self.group = group
+        backend = backend or dist.get_backend(group)
+        self.premul = backend == "nccl" and hasattr(dist, "_make_nccl_premul_sum")
 
     def weighs_on_device(self, params: Sequence[Tensor], exact: bool) -> bool:
         """Whether a round on these tensors gets its weights on the device (the same answer on every rank:

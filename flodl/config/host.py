@@ -74,6 +74,9 @@ class HostFacts:
     stage_dir_free_bytes: int | None
     # RAM available to this host's ranks (the cgroup limit honoured), as the data plane reads it.
     available_ram: int
+    # The ranks run under torchrun's agent (TORCHELASTIC_RUN_ID), which stops every rank of a host when one
+    # dies; not so for ranks started one by one with RANK / WORLD_SIZE set.
+    elastic_agent: bool = False
 
     @classmethod
     def probe(cls, nproc_per_node: int, disk_stage_dir: str | None) -> HostFacts:
@@ -85,7 +88,7 @@ class HostFacts:
         world = env.world_size if under_torchrun else nproc_per_node
         stage_dir = stage_dir_of(disk_stage_dir)
         free = shutil.disk_usage(stage_dir).free if os.path.isdir(stage_dir) else None
-        return cls(gpu_count(), ranks, world, under_torchrun, free, available_ram())
+        return cls(gpu_count(), ranks, world, under_torchrun, free, available_ram(), env.run_id != "")
 
 
 def gpu_count() -> int:

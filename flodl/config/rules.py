@@ -17,6 +17,7 @@ from flodl.config.schema import (
     BACKENDS,
     COMPILE_MODES,
     DEVICES,
+    FAULT_TOLERANCE,
     GUARDS,
     ON_NONFINITE,
     OUTERS,
@@ -140,8 +141,14 @@ def _range_problems(cfg: FlodlConfig) -> Iterator[str]:
     )
     yield from check("on_nonfinite", lambda v: v in ON_NONFINITE, f"must be one of {', '.join(ON_NONFINITE)}")
     yield from check("launch.max_restarts", lambda v: v >= 0, "must be >= 0")
+    yield from check(
+        "fault_tolerance", lambda v: v in FAULT_TOLERANCE, f"must be one of {', '.join(FAULT_TOLERANCE)}"
+    )
+    yield from check("min_ranks", lambda v: v >= 1, "must be >= 1")
     yield from check("simulate.nan_at_step", lambda v: v >= 1, "must be >= 1 (a 1-based step)", True)
     yield from check("simulate.hang_at_step", lambda v: v >= 1, "must be >= 1 (a 1-based step)", True)
+    yield from check("simulate.kill_at_step", lambda v: v >= 1, "must be >= 1 (a 1-based step)", True)
+    yield from check("simulate.kill_in", lambda v: v in ("window", "round"), "must be window or round")
     yield from check("launch.nproc_per_node", lambda v: v >= 1, "must be >= 1")
     yield from check("logger.name", lambda v: v in LOGGERS, f"must be one of {', '.join(LOGGERS)}")
     yield from check(
@@ -252,7 +259,7 @@ def _cross_field_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
             "fork",
             "CUDA cannot be used in forked ranks, and this host has a GPU; use spawn or forkserver",
         )
-    for key in ("simulate.slow_rank", "simulate.nan_rank", "simulate.hang_rank"):
+    for key in ("simulate.slow_rank", "simulate.nan_rank", "simulate.hang_rank", "simulate.kill_rank"):
         rank = _get(cfg, key)
         if rank is not None and not 0 <= rank < host.world_size:  # type: ignore[operator]
             yield _problem(key, rank, f"must be a rank of this job, 0..{host.world_size - 1}")
@@ -281,11 +288,49 @@ def _cross_field_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
         )
     if cfg.policy != "sync":
         yield from _gamma_problems(cfg, host.world_size)
+    yield from _survive_problems(cfg, host)
     yield from _do_nothing_problems(cfg, host)
     yield from _persistence_problems(cfg)
     yield from _debug_problems(cfg)
     yield from _disk_problems(cfg, host)
     yield from _loader_problems(cfg)
+
+
+def _survive_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
+    """What fault_tolerance=survive cannot do yet, or cannot do under this launcher."""
+    if cfg.fault_tolerance != "survive":
+        if cfg.min_ranks != 1:
+            yield _problem("min_ranks", cfg.min_ranks, "applies to fault_tolerance=survive")
+        return
+    if cfg.policy == "sync":
+        yield _problem(
+            "fault_tolerance",
+            "survive",
+            "policy=sync (DDP) cannot go on with fewer ranks yet; use policy=cadence or async, or "
+            "fault_tolerance=none with checkpoints and launch.max_restarts",
+        )
+    if cfg.outer != "avg":
+        yield _problem(
+            "outer",
+            cfg.outer,
+            "not with fault_tolerance=survive yet: its state is not restored when a round is cut",
+        )
+    if cfg.bf16_wire:
+        yield _problem(
+            "bf16_wire",
+            True,
+            "not with fault_tolerance=survive yet: its reference copy is not restored when a round is cut",
+        )
+    if not 1 <= cfg.min_ranks <= host.world_size:
+        yield _problem("min_ranks", cfg.min_ranks, f"must be in [1, {host.world_size}] (the job's ranks)")
+    if host.elastic_agent and host.ranks_per_node > 1:
+        yield _problem(
+            "fault_tolerance",
+            "survive",
+            "torchrun's agent stops every rank of its host when one dies; start each rank on its own "
+            "(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set, not under torchrun), or self-launch with "
+            "launch.nproc_per_node",
+        )
 
 
 def _loader_problems(cfg: FlodlConfig) -> Iterator[str]:

@@ -20,6 +20,7 @@ DEVICES = ("auto", "cpu", "cuda")
 GUARDS = ("none", "trend", "msf")
 OUTERS = ("avg", "slowmo", "diloco")
 ON_NONFINITE = ("error", "skip")
+FAULT_TOLERANCE = ("none", "survive")
 PRECISIONS = ("fp32", "bf16", "fp16")
 # torch.compile's modes (torch._inductor.list_mode_options()).
 COMPILE_MODES = ("default", "lite", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -115,6 +116,11 @@ class SimulateConfig:
     # heartbeat timeout. The frozen process is left for the launcher to kill.
     hang_at_step: int | None = None
     hang_rank: int = 0
+    # Kill rank `kill_rank` (SIGKILL) at its step `kill_at_step`, or, with kill_in=round, as it enters the
+    # first averaging round after that step: checks fault_tolerance=survive. A restarted rank runs clean.
+    kill_at_step: int | None = None
+    kill_rank: int = 0
+    kill_in: str = "window"
 
 
 @dataclass
@@ -213,6 +219,11 @@ class FlodlConfig:
     # A non-finite loss: error (stop, naming rank and step) or skip (cadence/async: the rank's window
     # gets no weight in the next average and it restarts from the consensus).
     on_nonfinite: str = "error"
+    # none: a rank's death ends the job (a launcher restart resumes from the last checkpoint); survive
+    # (cadence / async): the others cut it out and train on, and a restarted rank is admitted back.
+    fault_tolerance: str = "none"
+    # survive: fewer ranks left than this ends the run (its last consensus saved) with an error.
+    min_ranks: int = 1
 
     # Objects (Hydra `_target_` configs) whose hooks rank 0 calls during the run (flodl/callbacks.py).
     callbacks: list[Any] = field(default_factory=list)

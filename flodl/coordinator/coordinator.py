@@ -19,6 +19,8 @@ from typing import Any, Protocol
 from flodl.coordinator.commit import CheckpointCommitter
 from flodl.coordinator.hooks import CallbackError, Hooks
 from flodl.coordinator.ledger import EpochLedger
+from flodl.coordinator.local_sgd_driver import LocalSgdDriver
+from flodl.coordinator.survivors import MembershipChange, SurviveSettings, post_cut
 from flodl.data.partition import equal_slices
 from flodl.metrics.sinks import Sink
 from flodl.metrics.timeline import Timeline
@@ -28,8 +30,10 @@ from flodl.wire.messages import (
     EvalResult,
     Exiting,
     Heartbeat,
+    Joined,
     Message,
     Progress,
+    Regrouped,
     Saved,
     Shutdown,
     StartEpoch,
@@ -70,6 +74,10 @@ class RankHung(CoordinatorError):
     """A rank went silent for longer than heartbeat_timeout_s."""
 
 
+class TooFewRanks(CoordinatorError):
+    """fault_tolerance=survive: fewer members than min_ranks are left (the run ended at a consensus)."""
+
+
 class Driver(Protocol):
     """A policy's decisions: what to send when the run starts and as reports arrive."""
 
@@ -82,6 +90,13 @@ class Driver(Protocol):
     def on_message(self, message: Message) -> None: ...
 
     def on_epoch_complete(self, epoch: int) -> None: ...
+
+    def on_chunk(self, chunk: ChunkReport) -> None: ...
+
+    @property
+    def generation(self) -> int:
+        """The averaging group's generation (fault_tolerance=survive; 0 otherwise)."""
+        ...
 
     def on_epoch_emitted(self, epoch: int) -> None: ...
 
@@ -109,6 +124,7 @@ class SyncDriver:
         self.first_epoch = first_epoch
         self.planned = first_epoch - 1
         self.stopped = False
+        self.generation = 0
 
     def begin(self) -> None:
         for epoch in range(
@@ -123,6 +139,9 @@ class SyncDriver:
         raise CoordinatorError(f"unexpected message under policy=sync: {message!r}")
 
     def on_epoch_complete(self, epoch: int) -> None:
+        pass
+
+    def on_chunk(self, chunk: ChunkReport) -> None:
         pass
 
     def on_epoch_emitted(self, epoch: int) -> None:
@@ -163,8 +182,17 @@ class Coordinator(threading.Thread):
         committer: CheckpointCommitter | None,
         hooks: Hooks,
         save_on_hang: Callable[[], None] | None = None,
+        survive: SurviveSettings | None = None,
     ) -> None:
+        """`survive`: fault_tolerance=survive (the driver is then the local-SGD one); None: a rank's death
+        ends the run."""
         super().__init__(name="flodl-coordinator", daemon=True)
+        self.survive = survive
+        # survive: each rank's current process (0: the first), the change being carried out, and why the
+        # run ended short of ranks (an error once model.pt is written).
+        self.incarnations: dict[int, int] = {}
+        self.changes: list[MembershipChange] = []
+        self.too_few: TooFewRanks | None = None
         self.hooks = hooks
         # Why the run ends before its last epoch (a callback asked).
         self.stopped: str | None = None
@@ -229,6 +257,7 @@ class Coordinator(threading.Thread):
             os._exit(1)
 
     def _shut_down(self, reason: str) -> None:
+        # Every rank's inbox, the cut ones' too: a restarted rank waiting to be admitted ends with the run.
         for rank in range(self.ledger.world_size):
             self.outbox.send(rank, Shutdown(reason))
 
@@ -240,12 +269,76 @@ class Coordinator(threading.Thread):
         reason = self.hooks.run.stop_reason
         if reason is None or self.stopped is not None:
             return
+        last = self._stop_at_consensus(reason)
+        log.info("the run stops after epoch %d: %s", last, reason)
+
+    # --- fault_tolerance=survive ------------------------------------------------------------------------
+
+    def _cut(self, rank: int, why: str) -> None:
+        """`rank` is gone: the others go on without it, or the run ends if too few are left."""
+        assert self.survive is not None
+        driver = self._survivors()
+        post_cut(self.outbox.store, rank, self.incarnations.get(rank, 0))
+        self.monitor.forget(rank)
+        driver.cut(rank)
+        members = sorted(driver.members)
+        log.warning("rank %d is out (%s); the run goes on with ranks %s", rank, why, members)
+        self.changes.append(
+            MembershipChange("cut", rank, driver.generation, members, why, rounds_before=driver.rounds_closed)
+        )
+        if len(members) < self.survive.min_ranks and self.too_few is None:
+            self.too_few = TooFewRanks(
+                f"only {len(members)} rank(s) left ({members}) after rank {rank} was cut ({why}); "
+                f"min_ranks={self.survive.min_ranks}: the run stops at its next consensus"
+            )
+            self._stop_at_consensus(str(self.too_few))
+
+    def _on_joined(self, message: Joined) -> None:
+        """A restarted rank: its old process is gone for certain; it is admitted at the next round's end."""
+        if self.survive is None:
+            raise CoordinatorError(f"rank {message.rank} restarted, but fault_tolerance is not survive")
+        driver = self._survivors()
+        if message.rank in driver.members:
+            self._cut(message.rank, f"restarted as incarnation {message.incarnation}")
+        self.incarnations[message.rank] = message.incarnation
+        if self.too_few is None and not driver.done:
+            log.info("rank %d (incarnation %d) waits to be admitted", message.rank, message.incarnation)
+            driver.join(message.rank)
+
+    def _follow_changes(self) -> None:
+        """Admissions the driver made, first good rounds after a change, and each finished change's line."""
+        driver = self._survivors()
+        while driver.admitted:
+            rank = driver.admitted.pop(0)
+            self.monitor.watch(rank, time.perf_counter())
+            members = sorted(driver.members)
+            self.changes.append(
+                MembershipChange(
+                    "admitted", rank, driver.generation, members,
+                    f"incarnation {self.incarnations.get(rank, 0)}", rounds_before=driver.rounds_closed,
+                )
+            )  # fmt: skip
+        for change in self.changes:
+            if change.first_round_at is None and driver.rounds_closed > change.rounds_before:
+                change.first_round_at = time.perf_counter()
+        while self.changes and self.changes[0].done:
+            change = self.changes.pop(0)
+            log.warning("%s", change.line())
+            self.timeline.membership_changed(change.event())
+            self.ledger.membership_event(change.event())
+
+    def _survivors(self) -> LocalSgdDriver:
+        assert isinstance(self.driver, LocalSgdDriver), "fault_tolerance=survive runs cadence or async"
+        return self.driver
+
+    def _stop_at_consensus(self, reason: str) -> int:
+        """End the run at the next epoch boundary (its last round is exact); the last epoch trained."""
         last = self.driver.stop()
         self.ledger.end_after(last)
         if self.committer is not None:
             self.committer.remaining = {e for e in self.committer.remaining if e <= last}
         self.stopped = reason
-        log.info("the run stops after epoch %d: %s", last, reason)
+        return last
 
     @property
     def _checkpoints_committed(self) -> bool:
@@ -259,6 +352,10 @@ class Coordinator(threading.Thread):
 
     def _check_heartbeats(self, now: float) -> None:
         silent = self.monitor.silent(now)
+        if self.survive is not None:  # rank 0 itself cannot be cut: it holds the coordinator and the store
+            for rank in [r for r in silent if r != 0]:
+                self._cut(rank, f"no heartbeat for {self.monitor.silence_of(rank, now):.1f} s")
+            silent = [r for r in silent if r == 0]
         if silent:
             described = "; ".join(self.monitor.describe(rank, now) for rank in silent)
             raise RankHung(
@@ -277,18 +374,30 @@ class Coordinator(threading.Thread):
             self.committer.on_saved(message.epoch, message.rank)
         elif isinstance(message, ChunkReport):
             self.timeline.chunk(message.rank, message.epoch, message.wall_ms, message.batches)
+            self.driver.on_chunk(message)
             if self.ledger.add_chunk(message):
                 self.driver.on_epoch_complete(message.epoch)
         elif isinstance(message, EvalResult):
-            self.ledger.add_eval(message)
+            if message.generation == self.driver.generation:  # else: the eval of a round that was cut
+                self.ledger.add_eval(message)
+        elif isinstance(message, Joined):
+            self._on_joined(message)
+        elif isinstance(message, Regrouped):
+            if self.changes and message.generation == self.changes[-1].generation:
+                self.changes[-1].on_formed(message.rank, message.release_ms, message.form_ms)
         elif isinstance(message, Progress):
             for sink in self.sinks:
                 sink.progress(message)
         elif isinstance(message, Exiting):
             why = f": {message.reason}" if message.reason else ""
-            raise CoordinatorError(f"rank {message.rank} exited before the run finished{why}")
+            if self.survive is None or message.rank == 0:
+                raise CoordinatorError(f"rank {message.rank} exited before the run finished{why}")
+            if message.rank in self._survivors().members:
+                self._cut(message.rank, f"exiting{why}")
         else:
             self.driver.on_message(message)
+        if self.survive is not None:
+            self._follow_changes()
         for metrics in self.ledger.emit_ready():
             self.timeline.epoch_done(metrics.epoch)
             for sink in self.sinks:

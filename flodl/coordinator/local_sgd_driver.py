@@ -18,7 +18,16 @@ from flodl.rounds import elche as el
 from flodl.rounds.guard import ConvergenceGuard, DivergenceReport
 from flodl.rounds.planner import AckReport as PlannerAck
 from flodl.rounds.planner import Average, Dispatch, LocalSgdPlanner, WindowReport
-from flodl.wire.messages import AverageNow, ExtendPartition, Message, Reached, RoundAck
+from flodl.wire.messages import (
+    AverageNow,
+    ChunkReport,
+    EpochSlice,
+    ExtendPartition,
+    Message,
+    Reached,
+    Regroup,
+    RoundAck,
+)
 from flodl.wire.transport import Mailbox
 
 log = logging.getLogger("flodl")
@@ -47,6 +56,15 @@ class LocalSgdDriver:
         self._undecided_evals: set[int] = set()
         self._decided_evals: set[int] = set()
         self._round_costs: dict[int, RoundCost] = {}
+        # fault_tolerance=survive: the averaging group's generation (one per membership change), the
+        # restarted ranks waiting for a round boundary, and every rank's steps up to the last round.
+        self.generation = 0
+        self.joiners: set[int] = set()
+        # Ranks admitted since the coordinator last looked (it watches their heartbeats from then on).
+        self.admitted: list[int] = []
+        self.global_steps = 0
+        # Rounds every member acknowledged (a membership change's first good round is the next one).
+        self.rounds_closed = 0
 
     @property
     def done(self) -> bool:
@@ -57,6 +75,48 @@ class LocalSgdDriver:
 
     def state(self) -> dict[str, Any]:
         return {"planner": self.planner.state(), "elche": self.elche.state(), "guard": self.guard.state()}
+
+    @property
+    def members(self) -> set[int]:
+        return self.planner.members
+
+    def on_chunk(self, chunk: ChunkReport) -> None:
+        """The rank trained one slice it was handed, whole."""
+        self.planner.on_chunk(chunk.rank, EpochSlice(chunk.epoch, chunk.offset, chunk.samples))
+
+    def cut(self, rank: int) -> None:
+        """`rank` is gone: the others form a group without it, a round it cut is run again among them, and
+        its untrained batches go to them."""
+        self.generation += 1
+        actions = self.planner.drop(rank)
+        self.elche.retire(rank)
+        redo = next((a for a in actions if isinstance(a, Average) and a.redo), None)
+        if redo is not None:
+            self._round_costs = {}
+            self.timeline.round_redone(redo.round)
+            for epoch in redo.evaluate_epochs:  # its evals so far came from the cut round
+                self.ledger.expect_eval(epoch, True, ranks=len(self.members))
+        self._regroup(cut_round=redo.round if redo is not None else None)
+        self._carry(actions)
+
+    def join(self, rank: int) -> None:
+        """A restarted rank waits to be admitted at the next round boundary."""
+        self.joiners.add(rank)
+
+    def _admit_joiners(self) -> None:
+        for rank in sorted(self.joiners):
+            self.planner.admit(rank)
+            self.elche.admit(rank)
+            self.admitted.append(rank)
+        self.generation += 1
+        self._regroup(joining=sorted(self.joiners))
+        self.joiners = set()
+
+    def _regroup(self, cut_round: int | None = None, joining: list[int] | None = None) -> None:
+        members = sorted(self.members)
+        order = Regroup(self.generation, members, joining or [], cut_round, self.global_steps)
+        for rank in members:
+            self.outbox.send(rank, order)
 
     def on_epoch_complete(self, epoch: int) -> None:
         self.planner.on_epoch_complete(epoch)
@@ -75,6 +135,8 @@ class LocalSgdDriver:
         if isinstance(message, Reached):
             self._carry(self.planner.on_reached(WindowReport(message.rank, message.steps, message.busy_ms)))
         elif isinstance(message, RoundAck):
+            if message.generation != self.generation:
+                return  # a round the membership change cut: it is run again
             ack = PlannerAck(
                 message.rank,
                 message.steps,
@@ -90,6 +152,8 @@ class LocalSgdDriver:
             if self.planner.on_ack(ack):
                 self.ledger.close_round(message.round, self._round_costs)
                 self._round_costs = {}
+                self.global_steps += sum(a.steps for a in self.planner.window_acks())
+                self.rounds_closed += 1
                 if not message.skipped:  # a skip is the same on every rank: nobody moved
                     self._feed_round()
                 if self._checkpoint_epoch is not None and self.committer is not None:
@@ -100,6 +164,8 @@ class LocalSgdDriver:
                     return
                 if self.planner.segment_done:
                     self.planner.next_segment()
+                if self.joiners:
+                    self._admit_joiners()
                 self._open_window()
         else:
             raise RuntimeError(f"unexpected message under local SGD: {message!r}")
@@ -127,14 +193,15 @@ class LocalSgdDriver:
             if isinstance(action, Dispatch):
                 self.outbox.send(action.rank, ExtendPartition(list(action.slices), action.target))
             else:
-                self._decide_evals(action)
+                if not action.redo:  # a round run again keeps its evals, its ledger entry and its line
+                    self._decide_evals(action)
+                    self.ledger.open_round(action.round)
+                    self.timeline.round_started(action.round, action.evaluate_epochs)
                 self._checkpoint_epoch = action.checkpoint_epoch
-                self.ledger.open_round(action.round)
-                self.timeline.round_started(action.round, action.evaluate_epochs)
                 order = AverageNow(
                     action.round, list(action.evaluate_epochs), action.final, action.checkpoint_epoch
                 )
-                for rank in range(self.ledger.world_size):
+                for rank in sorted(self.members):
                     self.outbox.send(rank, order)
 
     def _decide_evals(self, average: Average) -> None:
@@ -144,6 +211,6 @@ class LocalSgdDriver:
             first = self.ledger.first_epoch
             deciding |= set(range(first, self.planner.segment_end)) - self._decided_evals
         for epoch in deciding:
-            self.ledger.expect_eval(epoch, epoch in average.evaluate_epochs)
+            self.ledger.expect_eval(epoch, epoch in average.evaluate_epochs, ranks=len(self.members))
         self._undecided_evals -= deciding
         self._decided_evals |= deciding

@@ -27,6 +27,8 @@ class Timeline:
     rounds: list[dict[str, Any]] = field(default_factory=list)
     anchors: list[dict[str, Any]] = field(default_factory=list)
     epochs: list[dict[str, Any]] = field(default_factory=list)
+    # fault_tolerance=survive: each rank cut out or admitted, with how long each step of the change took.
+    membership: list[dict[str, Any]] = field(default_factory=list)
 
     def now(self) -> float:
         return time.perf_counter() - self.started
@@ -54,6 +56,14 @@ class Timeline:
         entry["divergence"][str(rank)] = divergence
         entry["steps"][str(rank)] = steps
         entry["end"] = self.now()
+
+    def round_redone(self, number: int) -> None:
+        """A membership change cut the round: its acks so far are void, the members run it again."""
+        entry = next(r for r in reversed(self.rounds) if r["round"] == number)
+        entry["divergence"], entry["steps"], entry["redone"] = {}, {}, True
+
+    def membership_changed(self, event: dict[str, Any]) -> None:
+        self.membership.append({"time": self.now(), **event})
 
     def anchor_changed(self, old: int, new: int, reason: str) -> None:
         self.anchors.append({"time": self.now(), "from": old, "to": new, "reason": reason})

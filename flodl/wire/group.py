@@ -62,8 +62,11 @@ def loopback_store(port: int, world_size: int | None, timeout: timedelta) -> TCP
 _groups_started = 0
 
 
-def init_group(env: RankEnv, backend: str, device: torch.device, timeout_s: float) -> GroupHandle:
-    """Join this job's process group.
+def init_group(
+    env: RankEnv, backend: str, device: torch.device, timeout_s: float, world: bool = True
+) -> GroupHandle:
+    """Join this job's process group (`world` False: only its store; fault_tolerance=survive averages on
+    groups of its own, and a world with a dead member in it cannot be used or destroyed).
 
     Each group a process starts gets its own key prefix in the store: ranks that walk a multirun sweep
     together under one torchrun share one store, and a later job must never see an earlier job's keys.
@@ -91,14 +94,15 @@ def init_group(env: RankEnv, backend: str, device: torch.device, timeout_s: floa
     _groups_started += 1
     # torchrun's agent store outlives a restart: a restarted group must not meet its predecessor's keys.
     prefix = f"flodl/group/{env.restart_count}/{_groups_started}/"
-    dist.init_process_group(
-        backend,
-        store=PrefixStore(prefix, store),
-        rank=env.rank,
-        world_size=env.world_size,
-        timeout=timeout,
-        device_id=device_id,
-    )
+    if world:
+        dist.init_process_group(
+            backend,
+            store=PrefixStore(prefix, store),
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timeout,
+            device_id=device_id,
+        )
     return GroupHandle(host, port, owned, PrefixStore(f"{prefix}exchange/", store))
 
 

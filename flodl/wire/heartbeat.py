@@ -31,8 +31,12 @@ class HeartbeatMonitor:
     started: float
     last_seen: dict[int, float] = field(default_factory=dict)
     last_step: dict[int, int] = field(default_factory=dict)
+    # Ranks not watched (survive: cut out, until admitted again).
+    ignored: set[int] = field(default_factory=set)
 
     def heard(self, rank: int, now: float, step: int | None = None) -> None:
+        if rank in self.ignored:
+            return
         self.last_seen[rank] = now
         if step is not None:
             self.last_step[rank] = step
@@ -42,11 +46,25 @@ class HeartbeatMonitor:
         return [
             rank
             for rank in range(self.world_size)
-            if now - self.last_seen.get(rank, self.started) > self.timeout_s
+            if rank not in self.ignored and now - self.last_seen.get(rank, self.started) > self.timeout_s
         ]
 
+    def forget(self, rank: int) -> None:
+        """Stop watching `rank` (it was cut out of the run)."""
+        self.ignored.add(rank)
+        self.last_seen.pop(rank, None)
+        self.last_step.pop(rank, None)
+
+    def watch(self, rank: int, now: float) -> None:
+        """Watch `rank` again, as heard from `now` (it was admitted back)."""
+        self.ignored.discard(rank)
+        self.last_seen[rank] = now
+
+    def silence_of(self, rank: int, now: float) -> float:
+        return now - self.last_seen.get(rank, self.started)
+
     def describe(self, rank: int, now: float) -> str:
-        quiet = now - self.last_seen.get(rank, self.started)
+        quiet = self.silence_of(rank, now)
         step = self.last_step.get(rank)
         where = f" (last reported step {step})" if step is not None else ""
         return f"rank {rank} stopped responding: no heartbeat for {quiet:.0f} s{where}"

@@ -1,8 +1,10 @@
 """Typed control and report messages, encoded as JSON (never pickle).
 
-Worker -> coordinator: ChunkReport (one per chunk), Reached, RoundAck, EvalResult, Saved, Heartbeat, Exiting.
+Worker -> coordinator: ChunkReport (one per chunk), Reached, RoundAck, EvalResult, Saved, Heartbeat, Exiting,
+Joined and Regrouped (fault_tolerance=survive).
 Coordinator -> worker: StartEpoch (sync: the rank's slice of the epoch), ExtendPartition (local SGD: more
-batches and the count to report at), AverageNow (start an averaging round), Shutdown.
+batches and the count to report at), AverageNow (start an averaging round), Regroup (survive: the averaging
+group changed), Shutdown.
 """
 
 from __future__ import annotations
@@ -89,6 +91,8 @@ class ChunkReport:
     ended_at: float = 0.0
     # The first step of a compiled model (tracing, code generation), left out of wall_ms.
     compile_s: float = 0.0
+    # Where the chunk's slice starts in its epoch (local SGD: a chunk is one handed-out EpochSlice).
+    offset: int = 0
 
 
 @dataclass
@@ -130,6 +134,8 @@ class RoundAck:
     payload_bytes: int = 0
     # Wall time of the window (from the last round's end to this one's) this rank did not train.
     idle_ms: float = 0.0
+    # The averaging group's generation the round ran in (survive: an ack of a cut round is stale).
+    generation: int = 0
 
 
 @dataclass
@@ -143,6 +149,8 @@ class EvalResult:
     # every rank's steps up to the round it is the consensus of) and samples.
     step: int = 0
     samples: int = 0
+    # The averaging group's generation of the round evaluated (survive: a cut round's eval is stale).
+    generation: int = 0
 
 
 @dataclass
@@ -159,6 +167,39 @@ class Heartbeat:
 
     rank: int
     step: int
+
+
+@dataclass
+class Regroup:
+    """fault_tolerance=survive: the averaging group is now `members` (generation `generation`). A rank in
+    `joining` receives the parameters from the group's first member; a round cut by the change is redone
+    (the coordinator sends its AverageNow again)."""
+
+    generation: int
+    members: list[int]
+    joining: list[int] = field(default_factory=list)
+    # The round in flight that the change cut (None: the change came between rounds).
+    cut_round: int | None = None
+    # Every rank's steps up to the last round (the LR schedule's clock; a joiner starts there).
+    global_steps: int = 0
+
+
+@dataclass
+class Regrouped:
+    """A rank formed the new group: how long it took to let go of the old one and form the new."""
+
+    rank: int
+    generation: int
+    release_ms: float
+    form_ms: float
+
+
+@dataclass
+class Joined:
+    """A restarted rank (its `incarnation`-th start) is ready and waits to be admitted."""
+
+    rank: int
+    incarnation: int
 
 
 @dataclass
@@ -181,6 +222,9 @@ Message = (
     | Saved
     | Heartbeat
     | Exiting
+    | Regroup
+    | Regrouped
+    | Joined
 )
 _TYPES: dict[str, type] = {t.__name__: t for t in Message.__args__}
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections import deque
+from collections.abc import Callable
 from datetime import timedelta
 
 from torch.distributed import DistStoreError, PrefixStore, Store, TCPStore
@@ -56,12 +58,19 @@ class InboxReader(threading.Thread):
         self.mailbox = mailbox
         self.messages: queue.Queue[Message] = queue.Queue()
         self.error: BaseException | None = None
+        # Called on the reader's thread as each message arrives, before the training loop sees it (survive:
+        # a Regroup must release a collective the training thread is blocked in).
+        self.on_arrival: Callable[[Message], None] | None = None
+        # Messages the training loop took early and gave back (they come before the queue's).
+        self._held: deque[Message] = deque()
 
     def run(self) -> None:
         try:
             while True:
                 message = self.mailbox.wait(_READER_WAIT_S)
                 if message is not None:
+                    if self.on_arrival is not None:  # first: the loop must not act on it before this did
+                        self.on_arrival(message)
                     self.messages.put(message)
                     if isinstance(message, Shutdown):
                         return
@@ -72,12 +81,18 @@ class InboxReader(threading.Thread):
         """The next message: None at once (timeout_s=None) or after timeout_s if there is none."""
         if self.error is not None:
             raise RuntimeError(f"inbox of rank {self.mailbox.owner} failed: {self.error}") from self.error
+        if self._held:
+            return self._held.popleft()
         try:
             if timeout_s is None:
                 return self.messages.get_nowait()
             return self.messages.get(timeout=timeout_s)
         except queue.Empty:
             return None
+
+    def hold(self, messages: list[Message]) -> None:
+        """Give back messages taken while waiting for another: `next_message` returns them first, in order."""
+        self._held.extend(messages)
 
     def stop(self, waker: Mailbox) -> None:
         """End the reader early (an error path): wake its blocking pop with a Shutdown from `waker`."""

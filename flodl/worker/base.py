@@ -80,6 +80,7 @@ class WorkerBase:
         """`alive` raises when this rank must stop waiting (rank 0: the coordinator failed)."""
         self.reader.start()
         try:
+            self.on_start()
             while True:
                 message = self.reader.next_message(None if self.has_work() else _WAIT_S)
                 if isinstance(message, Shutdown):
@@ -96,6 +97,9 @@ class WorkerBase:
         finally:
             self.reader.stop(self.outbox)
             self.release()
+
+    def on_start(self) -> None:
+        """Before the first message is handled (the inbox is being read)."""
 
     def release(self) -> None:
         """Free what this worker holds on the device for the process group (it is destroyed next)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -26,14 +26,17 @@ from flodl.wire.messages import (
     ChunkReport,
     EpochSlice,
     ExtendPartition,
+    Joined,
     Message,
     Reached,
+    Regroup,
     RoundAck,
 )
 from flodl.worker.base import RankLink, WorkerBase, WorkerSettings
 from flodl.worker.checkpoint_part import RankCheckpointer
 from flodl.worker.nonfinite import NonFiniteError
 from flodl.worker.stepper import Stepper
+from flodl.worker.survival import FinishedRound, Survival
 
 log = logging.getLogger("flodl")
 
@@ -43,6 +46,8 @@ class _Chunk:
     """A slice of one epoch's picks being trained, with its running totals."""
 
     epoch: int
+    # Where the slice starts in the epoch (the coordinator tracks handed-out slices by it).
+    offset: int
     picks: torch.Tensor
     batches: int
     loss_sum: torch.Tensor
@@ -64,8 +69,13 @@ class LocalSgdWorker(WorkerBase):
         easgd_alpha: float | None,
         keep_training: bool,
         checkpointer: RankCheckpointer | None = None,
+        survival: Survival | None = None,
     ) -> None:
+        """`survival`: fault_tolerance=survive (None: a member's death ends the run)."""
         super().__init__(stepper, link, settings, checkpointer)
+        self.survival = survival
+        # survive: the last round finished here, until the next window commits it.
+        self.finished: FinishedRound | None = None
         self.averager = averager
         self.easgd_alpha = easgd_alpha
         # Train on while a (cpu-backend) round is in flight, instead of waiting for its consensus.
@@ -103,8 +113,19 @@ class LocalSgdWorker(WorkerBase):
     def has_work(self) -> bool:
         return self.round is not None or self.chunk is not None or bool(self.pending)
 
+    def on_start(self) -> None:
+        if self.survival is None or not self.survival.joining:
+            return
+        # A restarted rank: announce itself, then wait to be admitted at a round boundary with the consensus.
+        self.report(Joined(self.rank, self.survival.incarnation))
+        self._regroup(self.survival.await_admission(self.rank))
+
     def handle(self, message: Message) -> None:
+        if isinstance(message, Regroup):
+            self._regroup(message)
+            return
         if isinstance(message, ExtendPartition):
+            self.finished = None  # a new window: the last round is every member's for good
             if self.window_started is None:
                 self.window_started = time.perf_counter()
             self.pending.extend(message.slices)
@@ -131,7 +152,7 @@ class LocalSgdWorker(WorkerBase):
         if self.chunk is None:
             part = self.pending.popleft()
             zero = torch.zeros((), device=stepper.device)
-            self.chunk = _Chunk(part.epoch, stepper.picks(part), part.size // step_samples, zero)
+            self.chunk = _Chunk(part.epoch, part.offset, stepper.picks(part), part.size // step_samples, zero)
         chunk = self.chunk
         if chunk.done == 0:
             chunk.started_at = time.time()
@@ -183,6 +204,7 @@ class LocalSgdWorker(WorkerBase):
                 scalars=drain_scalars(),
                 started_at=chunk.started_at,
                 ended_at=time.time(),
+                offset=chunk.offset,
             )
         )
 
@@ -212,8 +234,13 @@ class LocalSgdWorker(WorkerBase):
                 self.averager.discard_own()
                 self.dropped_window = True
                 steps = 0  # no weight in the average
+        self.stepper.fault.before_round(self.stepper.steps_total)
         # The last round of a run or segment must leave every rank with the same state, even if nobody moved.
-        self.averager.begin(steps, exact=order.final, kept=not self.dropped_window)
+        try:
+            self.averager.begin(steps, exact=order.final, kept=not self.dropped_window)
+        except Exception as err:
+            self._cut(order, err)
+            return
         self.round = order
         self.steps_at_snapshot = self.steps_since_avg
         self.busy_at_snapshot = self.window_busy_s
@@ -221,7 +248,14 @@ class LocalSgdWorker(WorkerBase):
             self._finish_round(order)
 
     def _finish_round(self, order: AverageNow) -> None:
-        outcome = self.averager.finish()
+        try:
+            outcome = self.averager.finish()
+        except Exception as err:
+            self._cut(order, err)
+            return
+        if self.survival is not None and self.survival.membership.aborted.is_set():
+            self._cut(order, None)  # an aborted NCCL round returns what it had: not a consensus
+            return
         evaluate = None
         # Evals and checkpoints ride on some rounds; they are not the round's own cost (idle_ms).
         epoch_work_s = 0.0
@@ -233,9 +267,9 @@ class LocalSgdWorker(WorkerBase):
             def evaluate() -> None:  # on the consensus itself, before an async rank blends it
                 nonlocal epoch_work_s
                 started = time.perf_counter()
-                result = self.stepper.evaluate(
-                    self.rank, self.world_size, order.evaluate_epochs[0], step, samples
-                )
+                shard, shards = self._eval_shard()
+                result = self.stepper.evaluate(shard, shards, order.evaluate_epochs[0], step, samples)
+                result = replace(result, generation=self._generation())
                 # One eval of this consensus stands for every epoch it is due for.
                 self.report_evals(result, order.evaluate_epochs)
                 epoch_work_s += time.perf_counter() - started
@@ -270,11 +304,80 @@ class LocalSgdWorker(WorkerBase):
                 steps_during_round=self.steps_since_avg - self.steps_at_snapshot,
                 payload_bytes=outcome.payload_bytes,
                 idle_ms=idle_s * 1000,
+                generation=self._generation(),
             )
         )
+        if self.survival is not None:
+            self.finished = FinishedRound(
+                order, self.steps_at_snapshot, outcome.total_steps, self.busy_at_snapshot
+            )
+            if order.final:
+                log.info(
+                    "rank %d: state after final round %d: %s",
+                    self.rank,
+                    order.round,
+                    self.averager.state_digest(),
+                )
         # Steps taken while the round was in flight keep their weight (and time) for the next one.
         self.steps_since_avg -= self.steps_at_snapshot
         self.window_busy_s -= self.busy_at_snapshot
         self.window_started = now - self.window_busy_s  # the carried steps belong to the next window
         self.target = None
         self.round = None
+
+    # --- fault_tolerance=survive ---------------------------------------------------------------------
+
+    def _generation(self) -> int:
+        return self.survival.membership.generation if self.survival is not None else 0
+
+    def _eval_shard(self) -> tuple[int, int]:
+        """Which share of the eval set this rank evaluates, of how many: one per member of the group."""
+        if self.survival is None:
+            return self.rank, self.world_size
+        return self.survival.membership.index, self.survival.membership.size
+
+    def _cut(self, order: AverageNow, cause: BaseException | None) -> None:
+        """The round's collective failed (without survive: the run fails here). Wait for the coordinator's
+        Regroup, which names who is still in and sends the round again."""
+        if self.survival is None:
+            assert cause is not None
+            raise cause
+        self.round = order
+        self._regroup(self.survival.await_regroup(self.rank, order.round, cause))
+
+    def _regroup(self, message: Regroup) -> None:
+        """Leave a round the change cut the way the rest of the group leaves it, then form the new group."""
+        assert self.survival is not None, "a Regroup without fault_tolerance=survive"
+        started = time.perf_counter()
+        cut = message.cut_round
+        if self.round is not None and self.round.round == cut:
+            # Cut here before it finished: the parameters go back to before it (a cpu-backend round never
+            # touched them), and its steps stay this rank's for the round's second run.
+            self.averager.discard_round()
+            self.round = None
+        elif (
+            self.finished is not None
+            and self.finished.order.round == cut
+            and (self.finished.order.final or self.easgd_alpha is None)
+        ):
+            # Finished here, cut elsewhere. An exact round (cadence, a final one) must leave every member
+            # with one state: back to before it, and run it again with the others. A blend round is kept:
+            # the consensus it blended in was whole.
+            self.averager.restore_pre_round()
+            self.steps_since_avg += self.finished.steps
+            self.global_steps -= self.finished.total_steps
+            self.window_busy_s += self.finished.busy_s
+        self.finished = None
+        if self.rank in message.joining:
+            self.global_steps = message.global_steps
+            self.stepper.schedule_to(self.schedule_position())
+        release_ms = (time.perf_counter() - started) * 1000
+        self.report(self.survival.form(self.rank, message, self.averager.share, release_ms))
+        self.averager.regroup()
+        if message.joining:
+            log.info(
+                "rank %d: state after admitting %s: %s",
+                self.rank,
+                message.joining,
+                self.averager.state_digest(),
+            )

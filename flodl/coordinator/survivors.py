@@ -1,0 +1,86 @@
+"""fault_tolerance=survive on rank 0: who is in, and how each membership change went.
+
+A member is cut when it goes silent past the heartbeat timeout, says it is exiting, or comes back as a
+restart (its old process is then certainly gone). The cut is posted in the store, where the self-launch
+supervisor reads it and kills the process (a hung rank must not hold its peers' collectives), and its inbox
+is emptied so that a restarted process never reads what was meant for the dead one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.distributed import Store
+
+from flodl.wire.transport import inbox
+
+log = logging.getLogger("flodl")
+
+# Where a cut is posted for the supervisor (in the store's root, which the supervisor hosts or reaches).
+CUT_KEY = "flodl/cut/{rank}"
+
+
+@dataclass(frozen=True)
+class SurviveSettings:
+    # Fewer members than this stops the run with an error (its last consensus saved).
+    min_ranks: int
+
+
+@dataclass
+class MembershipChange:
+    """One cut or admission, timed on rank 0's clock from its detection (a cut) or the admission order."""
+
+    kind: str  # "cut" or "admitted"
+    rank: int
+    generation: int
+    members: list[int]
+    why: str
+    started: float = field(default_factory=time.perf_counter)
+    # The members that formed the new group, and how long they took to let go of the old one and form it.
+    formed: dict[int, tuple[float, float]] = field(default_factory=dict)
+    formed_at: float | None = None
+    # Rounds closed when the change began: the next one is the first good round after it.
+    rounds_before: int = 0
+    first_round_at: float | None = None
+
+    def on_formed(self, rank: int, release_ms: float, form_ms: float) -> None:
+        self.formed[rank] = (release_ms, form_ms)
+        if set(self.formed) >= set(self.members):
+            self.formed_at = time.perf_counter()
+
+    @property
+    def done(self) -> bool:
+        return self.formed_at is not None and self.first_round_at is not None
+
+    def event(self) -> dict[str, Any]:
+        """The change as metrics.jsonl, the timeline and W&B record it (seconds after it began)."""
+        assert self.formed_at is not None and self.first_round_at is not None
+        return {
+            "event": f"rank_{self.kind}",
+            "rank": self.rank,
+            "why": self.why,
+            "generation": self.generation,
+            "members": self.members,
+            "release_ms": max(r for r, _ in self.formed.values()),
+            "form_ms": max(f for _, f in self.formed.values()),
+            "formed_s": self.formed_at - self.started,
+            "first_round_s": self.first_round_at - self.started,
+        }
+
+    def line(self) -> str:
+        e = self.event()
+        return (
+            f"rank {self.rank} {'cut out' if self.kind == 'cut' else 'admitted'} ({self.why}): members "
+            f"{self.members}; group re-formed {e['formed_s']:.2f} s after (release {e['release_ms']:.0f} ms, "
+            f"form {e['form_ms']:.0f} ms), first good round {e['first_round_s']:.2f} s after"
+        )
+
+
+def post_cut(store: Store, rank: int, incarnation: int) -> None:
+    """Tell the supervisor to end the cut process, and empty its inbox."""
+    root = getattr(store, "underlying_store", store)
+    root.set(CUT_KEY.format(rank=rank), str(incarnation))
+    store.delete_key(inbox(rank))

@@ -1,0 +1,128 @@
+"""A rank's side of fault_tolerance=survive: letting go of a round a dead member cut, forming the new
+averaging group, and, for a restarted rank, waiting to be admitted and receiving the consensus.
+
+The coordinator decides every membership change and says it with a `Regroup`; this module only obeys. A
+round whose collective failed (a peer's socket closed, the group aborted) waits here for that Regroup.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from flodl.wire.membership import AveragingGroup
+from flodl.wire.messages import AverageNow, Message, Regroup, Regrouped, Shutdown
+from flodl.wire.transport import InboxReader
+
+log = logging.getLogger("flodl")
+
+
+@dataclass(frozen=True)
+class FinishedRound:
+    """The last round this rank finished, kept until the next window opens (until then a member's death can
+    still cut it elsewhere, and an exact round is then redone by everyone)."""
+
+    order: AverageNow
+    # This rank's steps in it, every rank's, and the busy time the steps took.
+    steps: int
+    total_steps: int
+    busy_s: float
+
+
+class Survival:
+    def __init__(
+        self, membership: AveragingGroup, reader: InboxReader, incarnation: int, wait_s: float
+    ) -> None:
+        self.membership = membership
+        self.reader = reader
+        # How often this rank was started before (0: an original member; more: it joins a running group).
+        self.incarnation = incarnation
+        # How long a rank whose round failed waits for the coordinator's Regroup.
+        self.wait_s = wait_s
+        reader.on_arrival = self._release_if_cut
+
+    @property
+    def joining(self) -> bool:
+        return self.incarnation > 0
+
+    def _release_if_cut(self, message: Message) -> None:
+        """On the inbox's thread: a Regroup that cuts a round frees the collective the loop is blocked in."""
+        if isinstance(message, Regroup) and message.cut_round is not None:
+            self.membership.abort()
+
+    def await_regroup(self, rank: int, round_number: int, cause: BaseException | None) -> Regroup:
+        """The round's collective failed: wait for the coordinator's word on who is still in."""
+        why = f" ({type(cause).__name__}: {_first_line(cause)})" if cause is not None else ""
+        log.warning("rank %d: round %d was cut%s; waiting for the new group", rank, round_number, why)
+        return self._await(
+            rank, lambda m: isinstance(m, Regroup), "a Regroup after its round was cut", limit_s=self.wait_s
+        )
+
+    def await_admission(self, rank: int) -> Regroup:
+        """A restarted rank: wait until the coordinator admits it at a round boundary. Whatever else is in
+        its inbox was meant for its previous incarnation."""
+        return self._await(
+            rank,
+            lambda m: isinstance(m, Regroup) and rank in m.joining,
+            "admission into the running group",
+            keep_others=False,
+            limit_s=None,
+        )
+
+    def _await(
+        self,
+        rank: int,
+        wanted: Callable[[Message], bool],
+        what: str,
+        keep_others: bool = True,
+        limit_s: float | None = None,
+    ) -> Regroup:
+        """The first message `wanted` accepts (others are given back to the loop, or dropped); a Shutdown
+        or `limit_s` (None: no limit) ends the wait with an error."""
+        deadline = None if limit_s is None else time.perf_counter() + limit_s
+        others: list[Message] = []
+        try:
+            while deadline is None or time.perf_counter() < deadline:
+                message = self.reader.next_message(0.5)
+                if message is None:
+                    continue
+                if isinstance(message, Shutdown):
+                    raise RuntimeError(f"rank {rank}: shut down while waiting for {what}: {message.reason}")
+                if wanted(message):
+                    assert isinstance(message, Regroup)
+                    return message
+                if keep_others:
+                    others.append(message)
+        finally:
+            self.reader.hold(others)
+        raise RuntimeError(
+            f"rank {rank}: no word from the coordinator within {limit_s} s while waiting for {what}"
+        )
+
+    def form(
+        self,
+        rank: int,
+        message: Regroup,
+        share: Callable[[Callable[[list[Tensor]], None]], None],
+        release_ms: float,
+    ) -> Regrouped:
+        """Form the group `message` names; a joiner then receives the first member's state through `share`
+        (every member takes part in that broadcast)."""
+        form_s = self.membership.form(message.generation, message.members)
+        if message.joining:
+            share(self.membership.broadcast_from_first)
+        log.info(
+            "rank %d: averaging group %d is %s%s (formed in %.0f ms)",
+            rank, message.generation, list(message.members),
+            f", admitting {message.joining}" if message.joining else "", form_s * 1000,
+        )  # fmt: skip
+        return Regrouped(rank, message.generation, release_ms, form_s * 1000)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:200] if text else ""

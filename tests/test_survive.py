@@ -1,0 +1,123 @@
+"""fault_tolerance=survive end to end: 3 self-launched gloo ranks, one of them killed (in a window, or as it
+enters a round) or frozen; the others go on without a restart of their own, every epoch is trained and
+reported once, the last round leaves every member with one state, and a restarted rank is admitted back
+with the consensus, bit for bit. With min_ranks above the survivors the run ends with an error, its
+consensus saved."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.procs import FAST_START, Result, train
+
+pytestmark = pytest.mark.multiproc
+
+EPOCHS = 4
+COMMON = (
+    "launch.nproc_per_node=3",
+    FAST_START,
+    "fault_tolerance=survive",
+    "heartbeat_timeout_s=2",
+    f"epochs={EPOCHS}",
+    "batch_size=32",
+    "hydra.run.dir=run",
+)
+
+
+def survive_run(tmp_path: Path, *overrides: str) -> tuple[Result, Path]:
+    result = train(*COMMON, *overrides, cwd=tmp_path, timeout=240)
+    return result, tmp_path / "run"
+
+
+def pids(out: str) -> dict[int, list[int]]:
+    """Each rank's processes, in the order they started (a rank's start line names its pid)."""
+    seen: dict[int, list[int]] = defaultdict(list)
+    for rank, pid in re.findall(r"\] rank (\d+)/\d+ \(pid (\d+)\)", out):
+        seen[int(rank)].append(int(pid))
+    return seen
+
+
+def digests(out: str, what: str) -> dict[int, str]:
+    """The last state fingerprint each rank logged after `what` ('final round' or 'admitting')."""
+    found = {}
+    for rank, digest in re.findall(rf"rank (\d+): state after {what}[^:]*: ([0-9a-f]+)", out):
+        found[int(rank)] = digest
+    return found
+
+
+def check_every_epoch_once(run: Path) -> list[dict]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == list(range(EPOCHS))
+    per_epoch = {r["samples"] for r in records}
+    assert len(per_epoch) == 1, f"every epoch trains the same samples: {per_epoch}"
+    return records
+
+
+def membership(run: Path) -> list[dict]:
+    return json.loads((run / "timeline.json").read_text())["membership"]
+
+
+@pytest.mark.parametrize(
+    ("policy", "kill_in"), [("cadence", "window"), ("async", "round")], ids=["cadence-window", "async-round"]
+)
+def test_a_killed_rank_is_cut_out_restarted_and_admitted_back(tmp_path: Path, policy: str, kill_in: str) -> None:
+    result, run = survive_run(
+        tmp_path,
+        f"policy={policy}",
+        "simulate.kill_rank=1",
+        "simulate.kill_at_step=6",
+        f"simulate.kill_in={kill_in}",
+        "launch.max_restarts=1",
+    )
+    result.check()
+    started = pids(result.out)
+    # The survivors never restarted; the killed rank started twice.
+    assert len(started[0]) == 1 and len(started[2]) == 1, started
+    assert len(started[1]) == 2, started
+    records = check_every_epoch_once(run)
+    events = membership(run)
+    assert [(e["event"], e["rank"]) for e in events] == [("rank_cut", 1), ("rank_admitted", 1)], events
+    for event in events:
+        assert event["first_round_s"] >= event["formed_s"] >= 0
+    assert "rank 1 is out" in result.out
+    # The admitted rank received the consensus: every member held the same state right after.
+    admitted = digests(result.out, "admitting")
+    assert set(admitted) == {0, 1, 2} and len(set(admitted.values())) == 1, admitted
+    # The last round was exact: one state on every member, and model.pt is it.
+    final = digests(result.out, "final round")
+    assert set(final) == {0, 1, 2} and len(set(final.values())) == 1, final
+    assert torch.load(run / "model.pt", weights_only=True)
+    worlds = [r["world"] for r in records]
+    assert min(worlds) <= 3 and worlds[-1] == 3, worlds
+
+
+def test_a_frozen_rank_is_cut_and_the_rest_finish_without_it(tmp_path: Path) -> None:
+    result, run = survive_run(
+        tmp_path, "policy=cadence", "simulate.hang_rank=2", "simulate.hang_at_step=5", "launch.max_restarts=0"
+    )
+    result.check()
+    started = pids(result.out)
+    assert all(len(started[r]) == 1 for r in range(3)), started
+    check_every_epoch_once(run)
+    events = membership(run)
+    assert [(e["event"], e["rank"]) for e in events] == [("rank_cut", 2)], events
+    assert "no heartbeat" in events[0]["why"]
+    final = digests(result.out, "final round")
+    assert set(final) == {0, 1} and len(set(final.values())) == 1, final
+
+
+def test_too_few_ranks_left_stops_with_the_consensus_saved(tmp_path: Path) -> None:
+    result, run = survive_run(
+        tmp_path, "policy=cadence", "simulate.kill_rank=1", "simulate.kill_at_step=4", "min_ranks=3"
+    )
+    assert result.code != 0 and not result.timed_out, result.out[-4000:]
+    assert "min_ranks=3" in result.out and "only 2 rank(s) left" in result.out
+    assert (run / "model.pt").is_file()
+    final = digests(result.out, "final round")
+    assert set(final) == {0, 2} and len(set(final.values())) == 1, final
