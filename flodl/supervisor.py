@@ -1,0 +1,321 @@
+"""fault_tolerance=survive: the self-launched ranks as processes of their own, each death its own event.
+
+torch's elastic agent ends every rank when one fails (and restarts them all). Here each rank is watched
+alone: a rank > 0 that dies, or that the coordinator cuts, is started again while it has restarts left,
+else the others train on without it. Rank 0 holds the coordinator, so its failure ends the job. The
+supervisor's process hosts the ranks' store (they join it as clients); the coordinator posts its cuts there.
+
+A stop (SIGINT / SIGTERM) is no death: one sent to the supervisor is forwarded to every rank, and a rank
+that stopped on one (exit code 130 / 143) is not started again.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+from multiprocessing.context import BaseContext
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from torch.distributed import TCPStore
+
+from flodl.wire.stop import STOP_SIGNALS, Stopped
+
+log = logging.getLogger("flodl")
+
+# Once rank 0 finished, how long the others may take to leave on their own.
+_FINISH_S = 30.0
+# How long a rank may take to exit on SIGTERM before it is killed.
+_TERM_S = 5.0
+# How long the ranks may take to stop on a forwarded SIGINT / SIGTERM before they are killed.
+_STOP_S = 10.0
+
+
+def cut_key(rank: int) -> str:
+    """The store key through which the coordinator cuts `rank`; its value is the incarnation cut."""
+    return f"flodl/cut/{rank}"
+
+
+@dataclass(frozen=True)
+class RankExit:
+    """How one incarnation of a rank ended: an exit code, or the signal that killed it."""
+
+    rank: int
+    incarnation: int
+    exitcode: int | None
+    signal_name: str | None
+    # The coordinator cut it (the supervisor killed it on the coordinator's word).
+    cut: bool = False
+
+    @property
+    def cause(self) -> str:
+        return f"exit code {self.exitcode}" if self.signal_name is None else f"signal {self.signal_name}"
+
+    @property
+    def stop_signal(self) -> int | None:
+        """The stop signal this exit answers (exit code 130 / 143, or killed by SIGINT / SIGTERM), if any."""
+        for signum in STOP_SIGNALS:  # a stopped rank exits 128 + the signal (flodl/wire/stop.py)
+            if self.exitcode == 128 + signum or self.signal_name == signal.Signals(signum).name:
+                return signum
+        return None
+
+
+class SupervisedRankFailure(RuntimeError):
+    """Rank 0 failed under fault_tolerance=survive: the job cannot go on without its coordinator."""
+
+    def __init__(self, message: str, exits: list[RankExit]) -> None:
+        super().__init__(message)
+        # Every exit seen, as `supervise` returns them.
+        self.exits = exits
+
+
+def supervise(
+    entry: Callable[..., None],
+    args: tuple[Any, ...],
+    world_size: int,
+    max_restarts: int,
+    start_method: str,
+    store: TCPStore,
+    store_port: int,
+    log_dir: Path,
+    poll_s: float = 0.1,
+) -> list[RankExit]:
+    """Run `entry(*args)` as ranks 0..world_size-1 on this host until rank 0 finishes; every exit seen.
+
+    A rank > 0 that dies or is cut is started again, `max_restarts` times at most (counted per rank).
+    Raises SupervisedRankFailure if rank 0 fails, and Stopped if the supervisor or rank 0 is stopped by
+    SIGINT / SIGTERM; no rank outlives the call. Call it from the main thread: it handles those signals.
+    """
+    context = multiprocessing.get_context(start_method)
+    ranks = [_Rank(rank, _rank_env(rank, world_size, store_port), max_restarts) for rank in range(world_size)]
+    with _StopSignals() as stop:
+        watch = _Supervisor(context, entry, args, ranks, store, log_dir, poll_s, stop)
+        try:
+            return watch.run()
+        finally:
+            watch.kill_left()  # an unexpected error here must not leave ranks behind
+
+
+def _rank_env(rank: int, world_size: int, store_port: int) -> dict[str, str]:
+    """What torchrun would set for a rank of a one-host job whose store the launcher hosts."""
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(store_port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }
+
+
+def _rank_main(entry: Callable[..., None], args: tuple[Any, ...], env: dict[str, str]) -> None:
+    # A forked rank starts with the supervisor's stop handlers, which only take note: give it a fresh
+    # interpreter's, so that a signal the supervisor forwards or a SIGTERM it sends takes effect.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.environ.update(env)
+    entry(*args)
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+@dataclass
+class _Rank:
+    rank: int
+    env: dict[str, str]
+    restarts_left: int
+    incarnation: int = 0
+    process: BaseProcess | None = None
+    # The live incarnation was killed on the coordinator's word; its exit is still to be reaped.
+    cut: bool = False
+
+
+class _StopSignals:
+    """While supervising, the first SIGINT / SIGTERM is noted for the loop to act on (a handler that raises
+    could leave a rank started and not yet recorded); the previous handlers come back afterwards."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopSignals:
+        for signum in STOP_SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._note)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            # None: a handler not installed from Python; the default is the closest to it.
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+
+    def _note(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is None:
+            self.signum = signum
+
+
+@dataclass
+class _Supervisor:
+    context: BaseContext
+    entry: Callable[..., None]
+    args: tuple[Any, ...]
+    ranks: list[_Rank]
+    store: TCPStore
+    log_dir: Path
+    poll_s: float
+    stop: _StopSignals
+
+    def __post_init__(self) -> None:
+        self.exits: list[RankExit] = []
+
+    def run(self) -> list[RankExit]:
+        for rank in self.ranks:
+            self._start(rank)
+        while True:
+            ended = self._ended(self.poll_s)
+            if self.stop.signum is not None:
+                self._stop_all(self.stop.signum)
+            for rank in ended:  # rank 0 first: once it ended, nobody else is started again
+                if self._on_exit(rank):
+                    return self.exits
+            self._take_cuts()
+
+    def _start(self, rank: _Rank) -> None:
+        rank.process = self.context.Process(
+            target=_rank_main, args=(self.entry, self.args, rank.env), name=f"flodl-rank{rank.rank}"
+        )
+        rank.process.start()
+
+    def _live(self) -> list[_Rank]:
+        return [rank for rank in self.ranks if rank.process is not None]
+
+    def _ended(self, timeout: float) -> list[_Rank]:
+        """The live ranks whose process ended, after waiting up to `timeout` for one to end. The exit status
+        says so, not the sentinel: a process closes its end before it can be reaped, and a child of a rank
+        (a DataLoader worker) may hold it open after the rank died."""
+        live = self._live()
+        ready = wait([rank.process.sentinel for rank in live], timeout=timeout)
+        if any(rank.process.sentinel in ready and rank.process.exitcode is None for rank in live):
+            time.sleep(timeout)  # about to be reapable (or it closed its sentinel): look again, no spinning
+        return [rank for rank in live if rank.process.exitcode is not None]
+
+    def _reap(self, rank: _Rank) -> RankExit:
+        """Record the ended process of `rank`."""
+        process = rank.process
+        assert process is not None and process.exitcode is not None
+        code = process.exitcode
+        ended = RankExit(
+            rank.rank,
+            rank.incarnation,
+            code if code >= 0 else None,
+            _signal_name(-code) if code < 0 else None,
+            rank.cut,
+        )
+        process.close()
+        rank.process, rank.cut = None, False
+        self.exits.append(ended)
+        return ended
+
+    def _on_exit(self, rank: _Rank) -> bool:
+        """Act on the exit of `rank`; True once the job is done (rank 0 finished and the others are gone)."""
+        assert rank.process is not None
+        pid = rank.process.pid
+        ended = self._reap(rank)
+        stop = ended.stop_signal
+        if rank.rank == 0:
+            if ended.exitcode == 0:
+                self._finish()
+                return True
+            if stop is not None:  # rank 0 stopped: the others stop with it
+                self._stop_all(stop)  # raises Stopped
+            self._wind_down(signal.SIGTERM, _TERM_S)
+            raise SupervisedRankFailure(
+                f"rank 0 (the coordinator) failed ({ended.cause}); fault_tolerance=survive cannot survive "
+                f"rank 0; see {self.log_dir / 'rank0.log'}",
+                self.exits,
+            )
+        if ended.exitcode == 0:
+            return False
+        who = f"rank {rank.rank} (pid {pid}, incarnation {rank.incarnation})"
+        how = f"was cut by the coordinator ({ended.cause})" if ended.cut else f"died ({ended.cause})"
+        if stop is not None and not ended.cut:
+            log.warning("%s stopped on %s; it is not started again", who, _signal_name(stop))
+        elif rank.restarts_left > 0:
+            rank.restarts_left -= 1
+            rank.incarnation += 1
+            log.warning(
+                "%s %s; starting it again as incarnation %d (%d restart(s) left)",
+                who, how, rank.incarnation, rank.restarts_left,
+            )  # fmt: skip
+            self._start(rank)
+        else:
+            log.warning(
+                "%s %s; no restarts left (launch.max_restarts): the others go on without it; see %s",
+                who, how, self.log_dir / f"rank{rank.rank}.log",
+            )  # fmt: skip
+        return False
+
+    def _take_cuts(self) -> None:
+        """Kill each rank the coordinator cut: a hung rank (SIGSTOPped, stuck) must really end, so that its
+        peers' collectives with it fail and they go on. A cut of an earlier incarnation is stale."""
+        for rank in self._live():
+            key = cut_key(rank.rank)
+            if rank.rank == 0 or rank.cut or not self.store.check([key]):
+                continue
+            incarnation = self.store.get(key).decode()
+            self.store.delete_key(key)
+            if incarnation == str(rank.incarnation):
+                rank.cut = True
+                rank.process.kill()  # its exit is reaped by the loop, as any other
+
+    def _finish(self) -> None:
+        """Rank 0 finished: give the others `_FINISH_S` to leave, then end them."""
+        deadline = time.monotonic() + _FINISH_S
+        while self._live() and time.monotonic() < deadline:
+            self._await_exits(deadline)
+            if self.stop.signum is not None:
+                self._stop_all(self.stop.signum)
+        for rank in self._live():
+            log.warning("rank %d still runs %.0f s after rank 0 finished: ending it", rank.rank, _FINISH_S)
+        self._wind_down(signal.SIGTERM, _TERM_S)
+
+    def _stop_all(self, signum: int) -> None:
+        """Forward the stop to every live rank and wait for them (at most `_STOP_S`), then raise it."""
+        self._wind_down(signum, _STOP_S)
+        raise Stopped(signum)
+
+    def _wind_down(self, signum: int, grace_s: float) -> None:
+        """Send `signum` to every live rank, wait up to `grace_s` for them, kill what is left."""
+        for rank in self._live():
+            # Starting a process reaps its ended siblings: a reaped pid may be another process's now.
+            if rank.process.exitcode is None:
+                os.kill(rank.process.pid, signum)
+        deadline = time.monotonic() + grace_s
+        while self._live() and time.monotonic() < deadline:
+            self._await_exits(deadline)
+        self.kill_left()
+
+    def _await_exits(self, deadline: float) -> None:
+        """Record the exits that come within one poll (or until `deadline`); nobody is started again now."""
+        for rank in self._ended(max(0.0, min(self.poll_s, deadline - time.monotonic()))):
+            self._reap(rank)
+
+    def kill_left(self) -> None:
+        """SIGKILL every rank still alive and record its end."""
+        for rank in self._live():
+            rank.process.kill()
+            rank.process.join()
+            self._reap(rank)
