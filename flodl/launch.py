@@ -66,6 +66,7 @@ from flodl.resume import (
 )
 from flodl.run_dir import RunDirTaken, claim_run_dir, release_claimed, run_uid
 from flodl.run_identity import run_identity
+from flodl.supervisor import SupervisedRankFailure, supervise
 from flodl.wire.group import agree_on_config, init_group, loopback_store, pick_device
 from flodl.wire.heartbeat import HeartbeatSender, Rank0Watch, beat_interval
 from flodl.wire.messages import Exiting
@@ -222,6 +223,9 @@ def check_job(config: dict[str, Any]) -> tuple[FlodlConfig, HostFacts]:
 
 
 def self_launch(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig) -> None:
+    if cfg.fault_tolerance == "survive":
+        _supervised_launch(config, info, cfg)
+        return
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -269,6 +273,25 @@ def self_launch(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig) -> None
         raise RankFailure(
             f"{cause}rank(s) {failed} failed ({codes}); {where}; see the traceback above and {logs}"
         ) from None
+
+
+def _supervised_launch(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig) -> None:
+    """fault_tolerance=survive: each rank supervised on its own (torch's elastic agent would stop them all
+    when one dies); this process hosts the store, which outlives any rank but rank 0's coordinator."""
+    run_dir = Path(info.run_dir)
+    store = loopback_store(0, None, timedelta(seconds=cfg.launch.timeout_s))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        supervise(
+            run_rank, (config, info.as_dict()), cfg.launch.nproc_per_node, cfg.launch.max_restarts,
+            cfg.launch.start_method, store, store.port, run_dir,
+        )  # fmt: skip
+    except SupervisedRankFailure as err:
+        recorded = first_failure(run_dir, 0, rank=0)
+        cause = f": {recorded[1]}" if recorded else ""
+        latest = checkpoint_store(cfg, run_dir).latest()
+        where = f"the last checkpoint is {latest.path}" if latest else "no checkpoint was written"
+        raise RankFailure(f"{err}{cause}; {where}") from None
 
 
 def _quiet_stops(record: logging.LogRecord) -> bool:
@@ -418,10 +441,11 @@ def _record_failure(run_dir: Path, env: RankEnv, cause: str) -> None:
             )
 
 
-def first_failure(run_dir: Path, restart: int) -> tuple[int, str] | None:
-    """(rank, cause) of the earliest failure the ranks of attempt `restart` recorded; None if none did."""
+def first_failure(run_dir: Path, restart: int, rank: int | None = None) -> tuple[int, str] | None:
+    """(rank, cause) of the earliest failure the ranks of attempt `restart` (or only `rank`) recorded; None
+    if none did."""
     records = []
-    for path in (run_dir / ".launch").glob(f"failure-{restart}-*.json"):
+    for path in (run_dir / ".launch").glob(f"failure-{restart}-{'*' if rank is None else rank}.json"):
         with contextlib.suppress(OSError, ValueError):
             records.append(json.loads(path.read_text()))
     if not records:

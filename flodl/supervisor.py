@@ -27,6 +27,7 @@ from typing import Any
 
 from torch.distributed import TCPStore
 
+from flodl.wire.membership import cut_key
 from flodl.wire.stop import STOP_SIGNALS, Stopped
 
 log = logging.getLogger("flodl")
@@ -37,11 +38,6 @@ _FINISH_S = 30.0
 _TERM_S = 5.0
 # How long the ranks may take to stop on a forwarded SIGINT / SIGTERM before they are killed.
 _STOP_S = 10.0
-
-
-def cut_key(rank: int) -> str:
-    """The store key through which the coordinator cuts `rank`; its value is the incarnation cut."""
-    return f"flodl/cut/{rank}"
 
 
 @dataclass(frozen=True)

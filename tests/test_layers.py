@@ -46,7 +46,7 @@ FLOORS = {
     # The command line and its Hydra plumbing; the package's public API.
     "flodl.preflight": 5,
     "flodl.launch": 6,
-    "flodl.supervisor": 6,
+    "flodl.supervisor": 5,
     # The run dir's stamp resolver for Hydra, and its owner and uid for the launch.
     "flodl.run_dir": 4,
     "flodl.slots": 5,

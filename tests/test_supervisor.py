@@ -21,8 +21,9 @@ import pytest
 from torch.distributed import TCPStore
 
 from flodl import supervisor
-from flodl.supervisor import RankExit, SupervisedRankFailure, cut_key, supervise
+from flodl.supervisor import RankExit, SupervisedRankFailure, supervise
 from flodl.wire.group import loopback_store
+from flodl.wire.membership import cut_key
 from flodl.wire.stop import Stopped
 from tests.helpers.supervised import RELEASE, VARIABLES, pid_key, rank_main
 

@@ -66,7 +66,9 @@ def membership(run: Path) -> list[dict]:
 @pytest.mark.parametrize(
     ("policy", "kill_in"), [("cadence", "window"), ("async", "round")], ids=["cadence-window", "async-round"]
 )
-def test_a_killed_rank_is_cut_out_restarted_and_admitted_back(tmp_path: Path, policy: str, kill_in: str) -> None:
+def test_a_killed_rank_is_cut_out_restarted_and_admitted_back(
+    tmp_path: Path, policy: str, kill_in: str
+) -> None:
     result, run = survive_run(
         tmp_path,
         f"policy={policy}",

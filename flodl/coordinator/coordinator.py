@@ -191,6 +191,8 @@ class Coordinator(threading.Thread):
         # survive: each rank's current process (0: the first), the change being carried out, and why the
         # run ended short of ranks (an error once model.pt is written).
         self.incarnations: dict[int, int] = {}
+        # Restarted ranks waiting for admission: when they said so, and their start-up time.
+        self.joined: dict[int, tuple[float, float]] = {}
         self.changes: list[MembershipChange] = []
         self.too_few: TooFewRanks | None = None
         self.hooks = hooks
@@ -301,6 +303,7 @@ class Coordinator(threading.Thread):
         if message.rank in driver.members:
             self._cut(message.rank, f"restarted as incarnation {message.incarnation}")
         self.incarnations[message.rank] = message.incarnation
+        self.joined[message.rank] = (time.perf_counter(), message.startup_s)
         if self.too_few is None and not driver.done:
             log.info("rank %d (incarnation %d) waits to be admitted", message.rank, message.incarnation)
             driver.join(message.rank)
@@ -312,12 +315,13 @@ class Coordinator(threading.Thread):
             rank = driver.admitted.pop(0)
             self.monitor.watch(rank, time.perf_counter())
             members = sorted(driver.members)
-            self.changes.append(
-                MembershipChange(
-                    "admitted", rank, driver.generation, members,
-                    f"incarnation {self.incarnations.get(rank, 0)}", rounds_before=driver.rounds_closed,
-                )
+            joined_at, startup_s = self.joined.pop(rank)
+            change = MembershipChange(
+                "admitted", rank, driver.generation, members, f"incarnation {self.incarnations[rank]}",
+                rounds_before=driver.rounds_closed, startup_s=startup_s,
             )  # fmt: skip
+            change.waited_s = change.started - joined_at
+            self.changes.append(change)
         for change in self.changes:
             if change.first_round_at is None and driver.rounds_closed > change.rounds_before:
                 change.first_round_at = time.perf_counter()

@@ -15,12 +15,10 @@ from typing import Any
 
 from torch.distributed import Store
 
+from flodl.wire.membership import cut_key
 from flodl.wire.transport import inbox
 
 log = logging.getLogger("flodl")
-
-# Where a cut is posted for the supervisor (in the store's root, which the supervisor hosts or reaches).
-CUT_KEY = "flodl/cut/{rank}"
 
 
 @dataclass(frozen=True)
@@ -45,6 +43,9 @@ class MembershipChange:
     # Rounds closed when the change began: the next one is the first good round after it.
     rounds_before: int = 0
     first_round_at: float | None = None
+    # An admission: the restarted process's start-up, and how long it then waited for a round boundary.
+    startup_s: float | None = None
+    waited_s: float | None = None
 
     def on_formed(self, rank: int, release_ms: float, form_ms: float) -> None:
         self.formed[rank] = (release_ms, form_ms)
@@ -68,6 +69,7 @@ class MembershipChange:
             "form_ms": max(f for _, f in self.formed.values()),
             "formed_s": self.formed_at - self.started,
             "first_round_s": self.first_round_at - self.started,
+            **({"startup_s": self.startup_s, "waited_s": self.waited_s} if self.kind == "admitted" else {}),
         }
 
     def line(self) -> str:
@@ -82,5 +84,5 @@ class MembershipChange:
 def post_cut(store: Store, rank: int, incarnation: int) -> None:
     """Tell the supervisor to end the cut process, and empty its inbox."""
     root = getattr(store, "underlying_store", store)
-    root.set(CUT_KEY.format(rank=rank), str(incarnation))
+    root.set(cut_key(rank), str(incarnation))
     store.delete_key(inbox(rank))

@@ -21,6 +21,12 @@ from torch import Tensor
 from torch.distributed import PrefixStore, Store
 
 
+def cut_key(rank: int) -> str:
+    """The store key (at the store's root) through which the coordinator cuts `rank` and the self-launch
+    supervisor learns of it; its value is the incarnation cut."""
+    return f"flodl/cut/{rank}"
+
+
 class AveragingGroup:
     def __init__(self, store: Store, backend: str, rank: int, device: torch.device, timeout_s: float) -> None:
         self.store = store

@@ -200,6 +200,8 @@ class Joined:
 
     rank: int
     incarnation: int
+    # From the process's start to this message: what a restart costs before the rank can be admitted.
+    startup_s: float = 0.0
 
 
 @dataclass

@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any
 
+import psutil
 import torch
 
 from flodl.averaging.consensus import DeviceAverager, HostAverager
@@ -117,7 +118,8 @@ class LocalSgdWorker(WorkerBase):
         if self.survival is None or not self.survival.joining:
             return
         # A restarted rank: announce itself, then wait to be admitted at a round boundary with the consensus.
-        self.report(Joined(self.rank, self.survival.incarnation))
+        startup_s = time.time() - psutil.Process().create_time()
+        self.report(Joined(self.rank, self.survival.incarnation, startup_s))
         self._regroup(self.survival.await_admission(self.rank))
 
     def handle(self, message: Message) -> None:
