@@ -258,16 +258,24 @@ def check_async_window(log: WindowLog, total: int, bpe: int, batch_size: int) ->
         assert dispatch.target == expected, (rank, log)
 
 
+def settled(completed: frozenset[int] | set[int]) -> int:
+    """The first epoch not completed: the epochs before it are settled."""
+    end = 0
+    while end in completed:
+        end += 1
+    return end
+
+
 def check_evals(sim: Simulator) -> None:
-    """At each Average: every completed wanted epoch not yet evaluated (final: every wanted one left), so each
-    wanted epoch gets exactly one eval."""
+    """At each Average: every settled wanted epoch not yet evaluated (a completed epoch waits for the ones
+    before it; final: every wanted one left), so each wanted epoch gets exactly one eval."""
     evaluated: set[int] = set()
     for log in sim.windows:
         assert log.average is not None
         if log.average.final:
             due = sorted(sim.eval_epochs - evaluated)
         else:
-            due = sorted((log.completed_at_average - evaluated) & sim.eval_epochs)
+            due = sorted(e for e in sim.eval_epochs - evaluated if e < settled(log.completed_at_average))
         assert log.average.evaluate_epochs == tuple(due), (log, evaluated)
         evaluated |= set(due)
     assert evaluated == sim.eval_epochs
