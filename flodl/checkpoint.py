@@ -1,10 +1,11 @@
 """Checkpoints on disk: atomic files, complete-or-invisible checkpoint dirs, a `latest` pointer.
 
 A checkpoint is a dir `checkpoints/epoch-NNNNNN/` holding `model.pt` (the consensus, float32), one
-`rank{r}.pt` per rank (optimizer, scheduler, RNG, counters), `coordinator.pt` (epoch, ElChe, guard,
-planner) and, written last, `manifest.json` with every file's size and CRC32. Ranks write their parts into
-`epoch-NNNNNN.partial/`; rank 0 commits by writing the manifest and renaming the dir, then points
-`latest` at it. The manifest also records the run that wrote it (flodl/run_identity.py). A dir without
+`rank{r}.pt` per rank (optimizer, scheduler, RNG, counters) that was a member at the checkpoint round
+(every rank unless one was cut), `coordinator.pt` (epoch, ElChe, guard, planner) and, written last,
+`manifest.json` with every file's size and CRC32 and the ranks whose parts it holds. Ranks write their
+parts into `epoch-NNNNNN.partial/`; rank 0 commits by writing the manifest and renaming the dir, then
+points `latest` at it. The manifest also records the run that wrote it (flodl/run_identity.py). A dir without
 a valid manifest (a crash mid-write, a truncated file) is never loaded.
 Everything is loaded with `weights_only=True`.
 """
@@ -18,6 +19,7 @@ import os
 import re
 import shutil
 import zlib
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,11 +100,25 @@ class Checkpoint:
     world_size: int
     # The run that wrote it: its uid and the config that matters for resuming (None: an older flodl's).
     run: dict[str, Any] | None = None
+    # The ranks whose parts it holds (None: every rank's, as a manifest without `ranks` says).
+    ranks: tuple[int, ...] | None = None
 
     @classmethod
     def from_manifest(cls, path: Path) -> Checkpoint:
         manifest = json.loads((path / MANIFEST_FILE).read_text())
-        return cls(path, int(manifest["epoch"]), int(manifest["world_size"]), manifest.get("run"))
+        ranks = manifest.get("ranks")
+        return cls(
+            path,
+            int(manifest["epoch"]),
+            int(manifest["world_size"]),
+            manifest.get("run"),
+            None if ranks is None else tuple(ranks),
+        )
+
+    @property
+    def part_ranks(self) -> tuple[int, ...]:
+        """The ranks whose parts it holds, in order: the members at its checkpoint round."""
+        return tuple(range(self.world_size)) if self.ranks is None else self.ranks
 
     def load(self, name: str) -> Any:
         return torch.load(self.path / name, map_location="cpu", weights_only=True)
@@ -124,15 +140,29 @@ class CheckpointDir:
         """One rank's part (or the model, or the coordinator's), into the epoch's uncommitted dir."""
         atomic_save(obj, self.partial(epoch) / name)
 
-    def commit(self, epoch: int, world_size: int, run: dict[str, Any] | None = None) -> Checkpoint:
-        """Seal the epoch's dir (every part must be there), make it `latest`, drop the oldest."""
+    def commit(
+        self,
+        epoch: int,
+        world_size: int,
+        run: dict[str, Any] | None = None,
+        ranks: Collection[int] | None = None,
+    ) -> Checkpoint:
+        """Seal the epoch's dir (every part must be there: the parts of `ranks`, None: of every rank), make
+        it `latest`, drop the oldest."""
         partial = self.partial(epoch)
-        expected = [MODEL_FILE, COORDINATOR_FILE, *(rank_file(r) for r in range(world_size))]
+        members = tuple(sorted(range(world_size) if ranks is None else ranks))
+        expected = [MODEL_FILE, COORDINATOR_FILE, *(rank_file(r) for r in members)]
         missing = [name for name in expected if not (partial / name).is_file()]
         if missing:
             raise CheckpointError(f"checkpoint {partial}: parts missing: {', '.join(missing)}")
         files = {name: _fingerprint(partial / name) for name in expected}
-        manifest = {"epoch": epoch, "world_size": world_size, "run": run, "files": files}
+        manifest = {
+            "epoch": epoch,
+            "world_size": world_size,
+            "run": run,
+            "ranks": list(members),
+            "files": files,
+        }
         atomic_write_bytes(json.dumps(manifest, indent=1).encode(), partial / MANIFEST_FILE)
         final = self.root / dir_name(epoch)
         if final.exists():  # a resumed run re-reached this epoch: the new one wins
@@ -141,7 +171,7 @@ class CheckpointDir:
         _fsync_dir(self.root)
         atomic_write_bytes(final.name.encode(), self.root / LATEST_FILE)
         self._prune()
-        return Checkpoint(final, epoch, world_size, run)
+        return Checkpoint(final, epoch, world_size, run, members)
 
     def latest(self) -> Checkpoint | None:
         """The newest checkpoint whose manifest and files check out; damaged ones are skipped with a

@@ -17,6 +17,7 @@ from flodl.checkpoint import (
     CheckpointDir,
     CheckpointError,
     atomic_write_bytes,
+    rank_file,
     resolve_resume,
 )
 from flodl.metrics.sinks import read_history, record_line
@@ -66,7 +67,8 @@ def agree_on_checkpoint(
             prepare_history(settings.metrics, settings.checkpoints, found)
             choice: dict[str, Any] = {"checkpoint": None}
             if found is not None:
-                choice = {"checkpoint": [str(found.path), found.epoch, found.world_size, found.run]}
+                saved = [str(found.path), found.epoch, found.world_size, found.run, found.part_ranks]
+                choice = {"checkpoint": saved}
         except CheckpointError as err:
             choice = {"error": str(err)}
         publish_json(exchange, "checkpoint", choice)
@@ -76,8 +78,8 @@ def agree_on_checkpoint(
         raise CheckpointError(choice["error"])
     if choice["checkpoint"] is None:
         return None
-    path, epoch, saved_world, saved_run = choice["checkpoint"]
-    checkpoint = Checkpoint(Path(path), int(epoch), int(saved_world), saved_run)
+    path, epoch, saved_world, saved_run, ranks = choice["checkpoint"]
+    checkpoint = Checkpoint(Path(path), int(epoch), int(saved_world), saved_run, tuple(ranks))
     if not checkpoint.path.is_dir():
         raise CheckpointError(
             f"rank {rank} cannot see checkpoint {path} (rank 0 can): put save_path on storage every host sees"
@@ -91,8 +93,21 @@ def load_model(checkpoint: Checkpoint, model: nn.Module) -> None:
 
 
 def restore_worker(checkpoint: Checkpoint, worker: WorkerBase) -> None:
-    worker.restore(restore_rank_part(checkpoint, worker.rank, worker.stepper))
-    log.info("resumed from %s: training continues at epoch %d", checkpoint.path, checkpoint.epoch + 1)
+    """Put the rank back where its part of the checkpoint left it. A rank without a part (it was no member
+    at the checkpoint round) keeps the consensus model (load_model) with a fresh optimizer, scheduler, RNG
+    and step count; its worker state (the LR clock, the outer optimizer) is the same on every rank, so it
+    takes a member's."""
+    ranks = checkpoint.part_ranks
+    if worker.rank in ranks:
+        worker.restore(restore_rank_part(checkpoint, worker.rank, worker.stepper))
+        log.info("resumed from %s: training continues at epoch %d", checkpoint.path, checkpoint.epoch + 1)
+        return
+    worker.restore(checkpoint.load(rank_file(ranks[0]))["worker"])
+    log.warning(
+        "rank %d has no part in %s (not a member at its checkpoint round): it resumes from the consensus "
+        "with a fresh optimizer; training continues at epoch %d",
+        worker.rank, checkpoint.path, checkpoint.epoch + 1,
+    )  # fmt: skip
 
 
 def coordinator_state(checkpoint: Checkpoint) -> dict[str, Any]:

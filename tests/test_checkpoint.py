@@ -18,7 +18,12 @@ from flodl.checkpoint import (
     rank_file,
     resolve_resume,
 )
-from flodl.resume import check_world_size, truncate_history
+from flodl.coordinator.commit import CheckpointCommitter, run_kind
+from flodl.coordinator.ledger import EpochLedger
+from flodl.resume import check_world_size, restore_worker, truncate_history
+from flodl.wire.messages import ChunkReport
+from flodl.worker.checkpoint_part import RankCheckpointer
+from tests.test_step_options import digits_stepper, train_steps
 
 
 def write_checkpoint(store: CheckpointDir, epoch: int, world_size: int = 2, commit: bool = True) -> None:
@@ -105,3 +110,122 @@ def test_history_after_the_checkpoint_is_dropped_on_resume(tmp_path: Path) -> No
     path.write_text("".join(json.dumps({"epoch": e, "loss": 1.0 / (e + 1)}) + "\n" for e in range(5)))
     truncate_history(path, through_epoch=2)
     assert [json.loads(line)["epoch"] for line in path.read_text().splitlines()] == [0, 1, 2]
+
+
+# --- members (fault_tolerance=survive): a checkpoint holds the parts of the members at its round -----
+
+
+def test_a_checkpoint_holds_the_parts_of_the_members_at_its_round(tmp_path: Path) -> None:
+    store = CheckpointDir(tmp_path, keep=2)
+    store.write_part(2, MODEL_FILE, {})
+    store.write_part(2, COORDINATOR_FILE, {})
+    store.write_part(2, rank_file(0), {})
+    with pytest.raises(CheckpointError, match=r"parts missing: rank2\.pt"):
+        store.commit(2, world_size=3, ranks={0, 2})
+    store.write_part(2, rank_file(2), {})
+    committed = store.commit(2, world_size=3, ranks={2, 0})
+    found = store.latest()
+    assert found == committed and found.part_ranks == (0, 2) and found.world_size == 3
+    assert json.loads((found.path / "manifest.json").read_text())["ranks"] == [0, 2]
+    write_checkpoint(store, 3, world_size=3)  # nobody cut: every rank's part
+    assert store.latest().part_ranks == (0, 1, 2)
+
+
+def test_a_manifest_without_ranks_holds_every_rank_s_part(tmp_path: Path) -> None:
+    store = CheckpointDir(tmp_path, keep=2)
+    write_checkpoint(store, 1)
+    manifest = store.latest().path / "manifest.json"
+    older = json.loads(manifest.read_text())
+    del older["ranks"]
+    manifest.write_text(json.dumps(older))
+    assert store.latest().part_ranks == (0, 1)
+
+
+def _emitted_ledger(epochs: int, world_size: int) -> EpochLedger:
+    """A ledger that has emitted epoch 0 (a checkpoint commits only once its epoch is)."""
+    ledger = EpochLedger(epochs=epochs, world_size=world_size, batches_per_epoch=world_size)
+    for rank in range(world_size):
+        ledger.add_chunk(ChunkReport(rank, 0, 1, 4, 1.0, 10.0, 1.0))
+    ledger.expect_eval(0, False)
+    assert len(ledger.emit_ready()) == 1
+    return ledger
+
+
+def _write_parts(store: CheckpointDir, epoch: int, ranks: list[int]) -> None:
+    store.write_part(epoch, MODEL_FILE, {})
+    for rank in ranks:
+        store.write_part(epoch, rank_file(rank), {"worker": {}})
+
+
+def test_the_committer_waits_for_the_members_at_the_checkpoint_round(tmp_path: Path) -> None:
+    store = CheckpointDir(tmp_path, keep=3)
+    ledger = _emitted_ledger(epochs=3, world_size=3)
+    committer = CheckpointCommitter(store, 3, {0}, run_kind("cadence", True), {"uid": "u"})
+    committer.expect_parts(0, {0, 2})  # rank 1 was cut before the checkpoint round
+    _write_parts(store, 0, [0, 2])
+    committer.on_saved(0, 0)
+    assert committer.poll(ledger, {}) == []
+    committer.on_saved(0, 2)
+    (checkpoint,) = committer.poll(ledger, {"elche": None})
+    assert checkpoint.part_ranks == (0, 2) and committer.remaining == set()
+
+
+def test_the_committer_waits_for_every_rank_unless_told_otherwise(tmp_path: Path) -> None:
+    store = CheckpointDir(tmp_path, keep=3)
+    ledger = _emitted_ledger(epochs=3, world_size=2)
+    committer = CheckpointCommitter(store, 2, {0}, run_kind("sync", False), {"uid": "u"})
+    _write_parts(store, 0, [0, 1])
+    committer.on_saved(0, 0)
+    assert committer.poll(ledger, {}) == []
+    committer.on_saved(0, 1)
+    (checkpoint,) = committer.poll(ledger, {})
+    assert checkpoint.part_ranks == (0, 1)
+
+
+def test_a_local_sgd_checkpoint_round_acknowledged_by_the_members_commits_their_parts(tmp_path: Path) -> None:
+    store = CheckpointDir(tmp_path, keep=3)
+    ledger = _emitted_ledger(epochs=3, world_size=3)
+    committer = CheckpointCommitter(store, 3, {0}, run_kind("async", True), {"uid": "u"})
+    committer.expect_parts(0, [0, 1])
+    _write_parts(store, 0, [0, 1])
+    committer.on_all_saved(0, {"planner": {}})
+    (checkpoint,) = committer.poll(ledger, {})
+    assert checkpoint.part_ranks == (0, 1)
+    assert checkpoint.load(COORDINATOR_FILE)["driver"] == {"planner": {}}
+
+
+class _Worker:
+    """What restore_worker uses of a worker: its rank, its stepper, restore()."""
+
+    def __init__(self, rank: int, stepper: object) -> None:
+        self.rank = rank
+        self.stepper = stepper
+        self.restored: dict | None = None
+
+    def restore(self, state: dict) -> None:
+        self.restored = state
+
+
+def test_a_rank_without_a_part_resumes_from_the_consensus_with_a_fresh_optimizer(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = CheckpointDir(tmp_path, keep=2)
+    writer = digits_stepper()
+    train_steps(writer, 3)
+    RankCheckpointer(store, 0, writer.parts.model, writer).save(4, {"global_steps": 9})
+    store.write_part(4, COORDINATOR_FILE, {})
+    checkpoint = store.commit(4, world_size=2, ranks={0})  # rank 1 had been cut
+
+    member = _Worker(0, digits_stepper())
+    restore_worker(checkpoint, member)
+    assert member.restored == {"global_steps": 9} and member.stepper.steps_total == 3
+
+    fresh = digits_stepper()
+    cut = _Worker(1, fresh)
+    with caplog.at_level(logging.INFO, logger="flodl"):
+        restore_worker(checkpoint, cut)
+    # The state every rank shares comes from a member; its own (optimizer, step count) starts afresh.
+    assert cut.restored == {"global_steps": 9}
+    assert fresh.steps_total == 0 and fresh.parts.optimizer.state_dict()["state"] == {}
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "rank 1 has no part" in line and "fresh optimizer" in line and "epoch 5" in line

@@ -455,3 +455,101 @@ def test_idle_overhead_grows_the_anchor_where_the_reduce_time_alone_would_not():
     feed(chatty, [10.0, 10.0], reduce_ms=round_overhead_ms([1.0, 1.0], [20.0, 22.0]))
     assert quiet.proposed_anchor is None
     assert chatty.proposed_anchor is not None and chatty.proposed_anchor > 10
+
+
+# --- members (fault_tolerance=survive) ---------------------------------------------------------
+
+
+def feed_members(el: ElChe, ms: dict[int, float], times: int = 1, n: int = 10) -> None:
+    """Report windows as the driver does: one entry per member, in rank order."""
+    assert sorted(ms) == sorted(el.members)
+    for _ in range(times):
+        el.report_timing([ms[r] * n for r in sorted(ms)], [n] * len(ms))
+
+
+def test_a_retired_rank_gets_nothing_and_the_others_keep_their_balance():
+    el = make(world=3, anchor=10)
+    feed(el, [10.0, 20.0, 40.0])
+    assert el.counts() == [40, 20, 10]
+    el.retire(1)
+    assert el.members == {0, 2}
+    assert el.counts() == [40, 0, 10]
+    feed_members(el, {0: 10.0, 2: 40.0}, times=3)
+    assert el.counts() == [40, 0, 10]
+    with pytest.raises(ValueError, match="one entry per rank"):
+        el.report_timing([100.0, 200.0, 400.0], [10, 10, 10])
+
+
+def test_retiring_the_slowest_rank_hands_the_anchor_to_the_slowest_left():
+    el = make(world=3, anchor=10)
+    to_stable(el, [10.0, 20.0, 40.0])
+    assert el.anchor_rank == 2
+    el.retire(2)
+    assert el.anchor_rank == 1
+    assert el.counts() == [20, 10, 0]  # balanced on rank 1 now: the window is half as long
+    feed_members(el, {0: 10.0, 1: 20.0}, times=3)
+    assert el.counts() == [20, 10, 0] and el.anchor_rank == 1
+
+
+def test_a_pinned_anchor_that_is_retired_is_replaced_at_once():
+    el = make(world=3, anchor=10, anchor_rank=2)
+    feed(el, [10.0, 20.0, 40.0])
+    el.retire(2)
+    assert el.anchor_rank == 1 and el.counts() == [20, 10, 0]
+
+
+def test_an_admitted_rank_starts_at_the_anchor_s_count_then_gets_its_own():
+    el = make(world=3, anchor=10)
+    feed(el, [10.0, 20.0, 40.0])
+    el.retire(0)
+    feed_members(el, {1: 20.0, 2: 40.0})
+    el.admit(0)
+    assert el.members == {0, 1, 2}
+    # No speed yet: the share every rank has before its first reading, not 0 and not everything.
+    assert el.counts() == [10, 20, 10]
+    assert el.smoothed_ms(0) is None  # the old process's speed is not the new one's
+    feed_members(el, {0: 5.0, 1: 20.0, 2: 40.0})
+    assert el.counts() == [80, 20, 10]
+    with pytest.raises(ValueError, match="already a member"):
+        el.admit(0)
+
+
+def test_timing_can_name_its_ranks_when_a_member_was_admitted_after_the_window_opened():
+    el = make(world=3, anchor=10)
+    feed(el, [10.0, 20.0, 40.0])
+    el.retire(0)
+    el.admit(0)  # the window that is closing was trained by ranks 1 and 2 only
+    el.report_timing([200.0, 400.0], [10, 10], ranks=[1, 2])
+    assert el.counts() == [10, 20, 10] and el.smoothed_ms(0) is None
+    el.retire(1)
+    with pytest.raises(ValueError, match="no members"):
+        el.report_timing([100.0, 200.0], [10, 10], ranks=[1, 2])
+
+
+def test_the_epoch_cap_is_shared_by_the_members_only():
+    el = make(world=3, anchor=10, epoch_batches=25)
+    feed(el, [10.0, 30.0, 30.0])
+    el.retire(2)
+    assert el.counts() == [19, 6, 0]
+
+
+def test_the_last_member_is_never_retired():
+    el = make(world=2)
+    el.retire(0)
+    with pytest.raises(ValueError, match="last member"):
+        el.retire(1)
+    with pytest.raises(ValueError, match="not a member"):
+        el.retire(0)
+
+
+def test_state_round_trip_keeps_the_members():
+    kw = dict(world_size=3, anchor=8)
+    el = ElChe(ElCheSettings(**kw))
+    feed(el, [10.0, 20.0, 40.0])
+    el.retire(1)
+    state = json.loads(json.dumps(el.state()))
+    assert state["members"] == [0, 2]
+    resumed = ElChe.from_state(ElCheSettings(**kw), state)
+    assert resumed.members == {0, 2} and resumed.counts() == el.counts() == [32, 0, 8]
+    del state["members"]  # a state saved before members existed: every rank
+    assert ElChe.from_state(ElCheSettings(**kw), state).members == {0, 1, 2}

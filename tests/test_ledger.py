@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from flodl.coordinator.ledger import EpochLedger
+import pytest
+
+from flodl.coordinator.ledger import EpochLedger, LedgerError
 from flodl.metrics.aggregate import RoundCost
 from flodl.wire.messages import ChunkReport, EvalResult
 
@@ -63,3 +65,55 @@ def test_a_local_sgd_epoch_without_a_round_reports_no_averaging() -> None:
         ledger.expect_eval(epoch, False)
     (first,) = ledger.emit_ready()  # epoch 1 is held for the run's last round
     assert (first.rounds, first.comm_bytes) == (0, 0)  # not DDP's one average per step
+
+
+def test_an_eval_waits_for_the_members_that_evaluated_it_and_a_redo_starts_it_afresh() -> None:
+    ledger = EpochLedger(epochs=1, world_size=3, batches_per_epoch=3, local_sgd=True)
+    for rank in range(3):
+        ledger.add_chunk(chunk(rank, 0, 1))
+    ledger.expect_eval(0, True, ranks=3)
+    ledger.add_eval(EvalResult(0, 0, {"accuracy": 1.0}, 3))  # a third of the eval set, then rank 2 dies
+    ledger.membership_event("rank_cut", 2)
+    ledger.expect_eval(0, True, ranks=2)  # the round is redone by 2 members: halves, not thirds
+    ledger.release()
+    ledger.add_eval(EvalResult(0, 0, {"accuracy": 2.0}, 5))
+    assert ledger.emit_ready() == []
+    ledger.add_eval(EvalResult(1, 0, {"accuracy": 3.0}, 5))
+    (metrics,) = ledger.emit_ready()
+    assert metrics.eval == {"accuracy": 0.5}
+    assert metrics.world == 2
+
+
+def test_membership_changes_land_in_the_record_of_the_epoch_open() -> None:
+    ledger = EpochLedger(epochs=3, world_size=3, batches_per_epoch=2, local_sgd=True)
+    ledger.add_chunk(chunk(0, 0, 1))
+    ledger.add_chunk(chunk(2, 0, 1))  # rank 2 trained half of epoch 0, then died
+    ledger.membership_event("rank_cut", 2, {"detect_s": 3.0, "regroup_s": 0.5})
+    ledger.expect_eval(0, False)
+    (first,) = ledger.emit_ready()
+    ledger.add_chunk(chunk(1, 1, 2))
+    ledger.membership_event("rank_admitted", 2, {"join_s": 4.0})
+    ledger.expect_eval(1, False)
+    (second,) = ledger.emit_ready()
+    (cut,) = first.membership
+    assert (cut["event"], cut["rank"], cut["timings"]) == ("rank_cut", 2, {"detect_s": 3.0, "regroup_s": 0.5})
+    assert cut["at_s"] >= 0
+    assert first.world == 2  # the members when it was emitted, after its cut
+    assert [p.batches for p in first.per_rank] == [1, 0, 1]  # who trained what, the cut rank too
+    record = second.as_record()
+    assert [e["event"] for e in record["membership"]] == ["rank_admitted"]
+    assert record["world"] == 3
+    assert record["per_rank"][2]["batches"] == 0  # back, but it trained nothing of epoch 1
+    with pytest.raises(LedgerError, match="rank_admitted for rank 2"):
+        ledger.membership_event("rank_admitted", 2)
+    with pytest.raises(ValueError, match="membership event"):
+        ledger.membership_event("rank_lost", 1)
+
+
+def test_a_run_without_membership_changes_records_the_world_size() -> None:
+    ledger = EpochLedger(epochs=1, world_size=2, batches_per_epoch=2)
+    ledger.add_chunk(chunk(0, 0, 1))
+    ledger.add_chunk(chunk(1, 0, 1))
+    ledger.expect_eval(0, False)
+    (metrics,) = ledger.emit_ready()
+    assert (metrics.as_record()["world"], metrics.as_record()["membership"]) == (2, [])

@@ -3,14 +3,14 @@
 A checkpoint is taken where every rank holds the same consensus: after a sync epoch, or after the exact
 reduce that ends a local-SGD segment. Each rank writes its part (flodl/worker/checkpoint_part.py) and says
 so; the coordinator, once every part is on disk and the epoch is emitted, writes its own state and commits
-(see flodl/checkpoint.py).
+(see flodl/checkpoint.py). With a rank cut, the parts are the members' at the checkpoint round.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,20 +61,27 @@ class CheckpointCommitter:
     saved: dict[int, set[int]] = field(default_factory=dict)
     driver_state: dict[int, dict[str, Any]] = field(default_factory=dict)
     committed: Checkpoint | None = None
+    # Per epoch, the ranks whose parts its checkpoint waits for (absent: every rank).
+    expected: dict[int, frozenset[int]] = field(default_factory=dict)
+
+    def expect_parts(self, epoch: int, ranks: Collection[int]) -> None:
+        """The epoch's checkpoint holds the parts of `ranks`: the members at its checkpoint round."""
+        self.expected[epoch] = frozenset(ranks)
 
     def on_saved(self, epoch: int, rank: int) -> None:
         self.saved.setdefault(epoch, set()).add(rank)
 
     def on_all_saved(self, epoch: int, driver_state: dict[str, Any]) -> None:
-        """Every rank saved (local SGD: the checkpoint round is acknowledged); the driver's state then."""
-        self.saved[epoch] = set(range(self.world_size))
+        """Every member saved (local SGD: the checkpoint round is acknowledged); the driver's state then."""
+        self.saved[epoch] = set(self._parts(epoch))
         self.driver_state[epoch] = driver_state
 
     def poll(self, ledger: EpochLedger, driver_state: dict[str, Any]) -> list[Checkpoint]:
         """Commit every epoch whose parts are all saved and that the ledger has emitted; return those."""
         committed = []
         for epoch in sorted(self.saved):
-            if len(self.saved[epoch]) < self.world_size or ledger.next_to_emit <= epoch:
+            ranks = self._parts(epoch)
+            if not ranks <= self.saved[epoch] or ledger.next_to_emit <= epoch:
                 continue
             state = {
                 **self.kind,
@@ -83,9 +90,13 @@ class CheckpointCommitter:
                 "driver": self.driver_state.pop(epoch, driver_state),
             }
             self.store.write_part(epoch, COORDINATOR_FILE, state)
-            self.committed = self.store.commit(epoch, self.world_size, self.run)
+            self.committed = self.store.commit(epoch, self.world_size, self.run, ranks)
             del self.saved[epoch]
+            self.expected.pop(epoch, None)
             self.remaining.discard(epoch)
             committed.append(self.committed)
             log.info("checkpoint after epoch %d: %s", epoch, self.committed.path)
         return committed
+
+    def _parts(self, epoch: int) -> frozenset[int]:
+        return self.expected.get(epoch, frozenset(range(self.world_size)))

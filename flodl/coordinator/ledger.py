@@ -1,13 +1,15 @@
 """Epoch bookkeeping on rank 0: which chunks and evals each epoch still waits for, and when it is done.
 
 An epoch is complete once the ranks have reported every batch planned for it; it is emitted (turned
-into EpochMetrics, in epoch order) once its eval, if one was scheduled, has arrived from every rank.
+into EpochMetrics, in epoch order) once its eval, if one was scheduled, has arrived from every rank that
+evaluated it (the members at its round).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from flodl.metrics.aggregate import EpochMetrics, RoundCost, aggregate_epoch
 from flodl.wire.messages import ChunkReport, EvalResult
@@ -17,17 +19,24 @@ class LedgerError(RuntimeError):
     pass
 
 
+MEMBERSHIP_EVENTS = ("rank_cut", "rank_admitted")
+
+
 @dataclass
 class _Epoch:
     chunks: list[ChunkReport] = field(default_factory=list)
     evals: list[EvalResult] = field(default_factory=list)
     # None: not known yet whether this epoch gets an eval (async decides at a later reduce).
     eval_expected: bool | None = None
+    # The eval results it waits for: one per member at the round that evaluated it (each its shard).
+    eval_ranks: int = 0
     completed_at: float | None = None
     # Averaging rounds started while this epoch was the oldest open one, and what they cost each rank.
     rounds_open: int = 0
     rounds_closed: int = 0
     rounds: dict[int, RoundCost] = field(default_factory=dict)
+    # Membership changes while this epoch was the oldest open one (see EpochLedger.membership_event).
+    membership: list[dict[str, Any]] = field(default_factory=list)
 
 
 class EpochLedger:
@@ -60,6 +69,8 @@ class EpochLedger:
         self.local_sgd = local_sgd
         self.hold_last = local_sgd
         self.overlapping = overlapping
+        # The ranks training now: each record's `world` counts them as it is emitted.
+        self.members = set(range(world_size))
 
     def _epoch(self, epoch: int) -> _Epoch:
         if epoch < self.next_to_emit or epoch >= self.epochs:
@@ -83,8 +94,31 @@ class EpochLedger:
     def add_eval(self, result: EvalResult) -> None:
         self._epoch(result.epoch).evals.append(result)
 
-    def expect_eval(self, epoch: int, expected: bool) -> None:
-        self._epoch(epoch).eval_expected = expected
+    def expect_eval(self, epoch: int, expected: bool, ranks: int | None = None) -> None:
+        """Whether the epoch gets an eval, from how many ranks (None: world_size): each member at the
+        evaluating round sends its shard's sums. Said again (the round redone among fewer members after a
+        rank died), the eval starts afresh: results received for the aborted round are dropped."""
+        entry = self._epoch(epoch)
+        if entry.eval_expected is not None:
+            entry.evals = []
+        entry.eval_expected = expected
+        entry.eval_ranks = self.world_size if ranks is None else ranks
+
+    def membership_event(self, event: str, rank: int, timings: dict[str, float] | None = None) -> None:
+        """A rank was cut or admitted: recorded, with `timings` (what the change cost, by name), under
+        `membership` in the record of the oldest epoch not yet emitted (the epoch open, as open_round
+        attributes a round); `at_s` counts from the ledger's start."""
+        if event not in MEMBERSHIP_EVENTS:
+            raise ValueError(f"membership event {event!r}: expected one of {', '.join(MEMBERSHIP_EVENTS)}")
+        if (rank in self.members) != (event == "rank_cut"):
+            raise LedgerError(f"{event} for rank {rank}, members {sorted(self.members)}")
+        entry = self._epoch(min(self.next_to_emit, self.epochs - 1))
+        at_s = time.perf_counter() - self.started_at
+        entry.membership.append({"event": event, "rank": rank, "at_s": at_s, "timings": dict(timings or {})})
+        if event == "rank_cut":
+            self.members.discard(rank)
+        else:
+            self.members.add(rank)
 
     def open_round(self, round_id: int) -> None:
         """A round began: its bytes belong to the oldest epoch not yet emitted, which waits for them."""
@@ -114,7 +148,7 @@ class EpochLedger:
             entry = self._open.get(self.next_to_emit)
             if entry is None or entry.completed_at is None or entry.eval_expected is None:
                 break
-            if entry.rounds_open or (entry.eval_expected and len(entry.evals) < self.world_size):
+            if entry.rounds_open or (entry.eval_expected and len(entry.evals) < entry.eval_ranks):
                 break
             if self.hold_last and self.next_to_emit == self.epochs - 1:
                 break
@@ -133,6 +167,8 @@ class EpochLedger:
                 entry.rounds_closed if self.local_sgd else self._ddp_steps(entry),
                 self.world_size,
                 self.overlapping,
+                len(self.members),
+                entry.membership,
             )
             self.comm_bytes_total = metrics.comm_bytes_total
             ready.append(metrics)

@@ -105,6 +105,12 @@ class EpochMetrics:
     # The epoch's work on the ranks' clocks (unix seconds): its first step's start, its last step's end.
     window_start: float = 0.0
     window_end: float = 0.0
+    # The ranks that were members when the record was emitted, after every membership change it lists
+    # (the world size unless a rank was cut). Not the ranks that trained in the epoch: a healthy async rank
+    # can skip an epoch, and a rank cut mid-epoch trained part of it (per_rank shows who trained what).
+    world: int = 0
+    # Membership changes while this was the oldest epoch not yet emitted (rank_cut, rank_admitted).
+    membership: list[dict[str, Any]] = field(default_factory=list)
 
     def as_record(self) -> dict[str, Any]:
         record = asdict(self)
@@ -123,11 +129,14 @@ def aggregate_epoch(
     rounds: int = 0,
     world_size: int = 0,
     overlapping: bool = False,
+    members: int | None = None,
+    membership: list[dict[str, Any]] | None = None,
 ) -> EpochMetrics:
     """One epoch from its chunks and evals. `round_costs`: per rank, the cost of the averaging rounds
     attributed to this epoch; `comm_before`: the run's bytes on the wire before this epoch; `rounds`: how
     many averaging rounds the epoch counts; `overlapping`: epochs overlap (async), so the throughput is
-    taken over the epoch's common window."""
+    taken over the epoch's common window; `members` (None: `world_size`) and `membership`: the record's
+    `world` and membership changes."""
     if not chunks:
         raise ValueError(f"epoch {epoch}: no metrics reported")
     round_costs = round_costs or {}
@@ -182,6 +191,8 @@ def aggregate_epoch(
         per_rank=shares,
         window_start=min(s.start for s in spans),
         window_end=max(s.end for s in spans),
+        world=world_size if members is None else members,
+        membership=list(membership or []),
     )
 
 

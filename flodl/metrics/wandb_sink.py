@@ -130,6 +130,7 @@ class WandbSink:
             "epoch/epoch_s": metrics.epoch_s,
             "epoch/lr": metrics.lr,
             "epoch/rounds": metrics.rounds,
+            "epoch/world": metrics.world,
             "comm/bytes_total": metrics.comm_bytes_total,
             "comm/bytes": metrics.comm_bytes,
             "comm/loss": metrics.loss,

@@ -3,6 +3,9 @@
 "The column marches at the slowest one's pace": the slow (anchor) rank runs `anchor` batches per reduce
 window and faster ranks run proportionally more, so everyone reaches the reduce at about the same time.
 Timings come in as numbers and decisions go out as values; the coordinator owns I/O and the timeline.
+
+Members (fault_tolerance=survive): a retired rank gets a count of 0 and drops out of the election and the
+balance; an admitted one starts without speed history, as every rank starts a run (the anchor's count).
 """
 
 from __future__ import annotations
@@ -117,6 +120,7 @@ class ElChe:
         self.growth_enabled = True
         self._stable_streak = 0
         self._auto_overshoot = OVERSHOOT_START
+        self._members = set(range(n))
 
     # --- queries ------------------------------------------------------------------------------------
 
@@ -128,8 +132,14 @@ class ElChe:
         return self._auto_overshoot if self.settings.max_overshoot is None else self.settings.max_overshoot
 
     @property
+    def members(self) -> frozenset[int]:
+        """The ranks that get counts (every rank until one is retired)."""
+        return frozenset(self._members)
+
+    @property
     def window_cap_binding(self) -> bool:
-        return self.epoch_batches is not None and sum(self._counts) > self.epoch_batches
+        total = sum(self._counts[r] for r in self._members)
+        return self.epoch_batches is not None and total > self.epoch_batches
 
     def smoothed_ms(self, rank: int) -> float | None:
         """Mean of the rank's trust window; None before it has a valid reading."""
@@ -138,8 +148,9 @@ class ElChe:
 
     def counts(self) -> list[int]:
         """Per-rank batches for the next window, scaled to fit the epoch (floor, >= 1, remainder to the
-        largest). The planner splits an epoch's tail itself."""
-        counts = list(self._counts)
+        largest); 0 for a rank that is no member. The planner splits an epoch's tail itself."""
+        members = sorted(self._members)
+        counts = [self._counts[r] for r in members]
         cap, total = self.epoch_batches, sum(counts)
         if cap is not None and 0 < cap < total:
             counts = [max(1, c * cap // total) for c in counts]
@@ -148,7 +159,42 @@ class ElChe:
             # leaves it; it only stays over when there are more ranks than batches).
             while sum(counts) > cap and max(counts) > 1:
                 counts[counts.index(max(counts))] -= 1
-        return counts
+        full = [0] * self.settings.world_size
+        for rank, count in zip(members, counts, strict=True):
+            full[rank] = count
+        return full
+
+    # --- membership ----------------------------------------------------------------------------
+
+    def retire(self, rank: int) -> None:
+        """The rank is gone: count 0, out of the election; the others are balanced on the slowest left."""
+        if rank not in self._members:
+            raise ValueError(f"rank {rank} is not a member (members: {sorted(self._members)})")
+        if len(self._members) == 1:
+            raise ValueError(f"rank {rank} is the last member")
+        self._members.discard(rank)
+        self._forget(rank)
+        if self.anchor_rank == rank:  # elected or pinned, it is gone: the slowest member left takes over
+            self.anchor_rank = self._elect()
+            slow = None if self.anchor_rank is None else self.smoothed_ms(self.anchor_rank)
+            if slow is not None:
+                self._recompute(slow)
+
+    def admit(self, rank: int) -> None:
+        """A restarted rank joins. It has no speed yet: it gets the anchor's count, as every rank does
+        before its first reading, until its own windows are measured."""
+        if not 0 <= rank < self.settings.world_size:
+            raise ValueError(f"rank {rank} out of range for world_size {self.settings.world_size}")
+        if rank in self._members:
+            raise ValueError(f"rank {rank} is already a member")
+        self._members.add(rank)
+        self._forget(rank)
+        self._counts[rank] = self.anchor
+
+    def _forget(self, rank: int) -> None:
+        """A rank's speed history belongs to its process: a restarted one is measured afresh."""
+        self._windows[rank].clear()
+        self._zero_streak[rank] = 0
 
     # --- timing feed -------------------------------------------------------------------------------
 
@@ -157,19 +203,23 @@ class ElChe:
         wall_ms: Sequence[float],
         batches: Sequence[int],
         reduce_ms: float = 0.0,
+        ranks: Sequence[int] | None = None,
     ) -> None:
         """One reduce window: per-rank busy time (ms) over `batches`, and the fixed cost of the round
-        that closed it (`round_overhead_ms`)."""
-        n = self.settings.world_size
-        if len(wall_ms) != n or len(batches) != n:
-            raise ValueError(f"timing feed needs one entry per rank ({n})")
+        that closed it (`round_overhead_ms`). Entries are for `ranks` (None: the members, in rank order);
+        a member admitted since the window opened is not among them and keeps its state."""
+        ranks = sorted(self._members) if ranks is None else list(ranks)
+        if len(wall_ms) != len(ranks) or len(batches) != len(ranks):
+            raise ValueError(f"timing feed needs one entry per rank ({len(ranks)})")
+        if not set(ranks) <= self._members:
+            raise ValueError(f"timing for ranks {sorted(set(ranks) - self._members)}, which are no members")
         readings = [
             w / b if b > 0 and w > 0 and math.isfinite(w) else None
             for w, b in zip(wall_ms, batches, strict=True)
         ]
         if all(ms is None for ms in readings):
             return  # an idle window carries no signal and must not count as a calibration
-        for r, ms in enumerate(readings):
+        for r, ms in zip(ranks, readings, strict=True):
             if ms is not None:
                 self._windows[r].append(ms)
                 self._zero_streak[r] = 0
@@ -199,7 +249,7 @@ class ElChe:
         self.phase = max(self.phase, due)
 
     def _elect(self) -> int | None:
-        ms = {r: m for r in range(self.settings.world_size) if (m := self.smoothed_ms(r)) is not None}
+        ms = {r: m for r in sorted(self._members) if (m := self.smoothed_ms(r)) is not None}
         if not ms:
             return None
         top = max(ms.values())
@@ -233,7 +283,7 @@ class ElChe:
     def _recompute(self, slow: float) -> None:
         limit = self.settings.max_batch_diff
         shift = self.anchor - self._counts_anchor
-        for r in range(self.settings.world_size):
+        for r in sorted(self._members):
             ms, cur = self.smoothed_ms(r), self._counts[r]
             if ms is None or abs(ms - slow) < 1e-6:
                 target = self.anchor
@@ -305,6 +355,7 @@ class ElChe:
             "smoothed_ms_per_batch": [self.smoothed_ms(r) or 0.0 for r in range(self.settings.world_size)],
             "phase": self.phase.name.lower(),
             "calibration_count": self.calibration_count,
+            "members": sorted(self._members),
             "resume": {"ms_windows": [list(w) for w in self._windows]}
             | {key.lstrip("_"): copy.copy(getattr(self, key)) for key in _RESUME},
         }
@@ -324,6 +375,7 @@ class ElChe:
         el._counts = [el.anchor] * n
         el.phase = Phase[str(state["phase"]).upper()]
         el.calibration_count = int(state["calibration_count"])
+        el._members = set(state.get("members", range(n)))  # saved before members existed: every rank
         extra = state["resume"]
         for r, w in enumerate(extra["ms_windows"]):
             el._windows[r].extend(float(x) for x in w)

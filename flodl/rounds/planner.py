@@ -13,6 +13,12 @@ time. Batches are handed out from one cursor over the epochs: batch i of epoch e
 Barrier epochs (checkpoints) cut the run into segments: the cursor stops at a segment's end, every rank
 trains out its queue, and the segment's last reduce is exact (no EASGD blend), so every rank holds the
 same consensus when the checkpoint is taken. The next segment opens once that reduce is acknowledged.
+
+Membership (fault_tolerance=survive): only members get windows, are waited for and acknowledge rounds.
+A rank that dies is dropped: the slices it was handed and had not reported trained (`on_chunk`) return
+to a pool the next windows hand out before the cursor, and a round in flight is redone among the members.
+Its trained slices stay trained: their effect died with it, their batches count in the epoch. A restarted
+rank is admitted and gets its first window at the next `open_window`.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ class Average:
     final: bool
     # Take a checkpoint after this epoch once the round is done (None: no checkpoint).
     checkpoint_epoch: int | None = None
+    # The round of the same number redone among the members left after a rank died during it.
+    redo: bool = False
 
 
 Action = Dispatch | Average
@@ -119,56 +127,130 @@ class LocalSgdPlanner:
     evaluated_epochs: set[int] = field(default_factory=set)
     averaging: bool = False
     final_round: bool = False
+    # The ranks that get windows and take part in rounds (every rank until one is dropped).
+    members: set[int] = field(init=False)
+    # Admitted ranks, members from the next window on.
+    joining: set[int] = field(default_factory=set)
+    # Per member: the slices handed out and not yet reported trained (what returns if it dies).
+    handed: dict[int, list[EpochSlice]] = field(init=False)
+    # Slices a dropped rank held untrained, in (epoch, offset) order: handed out before the cursor.
+    returned: list[EpochSlice] = field(default_factory=list)
+    # A window is open between its dispatch and its Average: a round fires once per window.
+    window_open: bool = False
+    # The round in flight (what a drop redoes).
+    in_flight: Average | None = None
 
     def __post_init__(self) -> None:
         self.cursor = Cursor(self.batches_per_epoch, self._segment_end(self.first_epoch), self.first_epoch)
         self.targets = [0] * self.world_size
         self.queued = [0] * self.world_size
+        self.members = set(range(self.world_size))
+        self.handed = {r: [] for r in range(self.world_size)}
+
+    @property
+    def exhausted(self) -> bool:
+        """Nothing left to hand out in the segment: the cursor is at its end and no slice was returned."""
+        return self.cursor.exhausted() and not self.returned
 
     def open_window(self, counts: list[int], overshoot: int) -> list[Action]:
-        """Hand out the next window's batches for the given per-rank counts."""
+        """Hand out the next window's batches for the given per-rank counts (members only)."""
+        self.members |= self.joining
+        self.joining = set()
+        ranks = sorted(self.members)
+        epoch: int | None = None  # async: returned slices of any epoch
         if self.is_async:
-            allocation = [counts[r] + overshoot - self.queued[r] for r in range(self.world_size)]
+            allocation = [counts[r] + overshoot - self.queued[r] for r in ranks]
         else:
-            allocation = list(counts)
-            left = self.cursor.left_in_epoch()
+            allocation = [counts[r] for r in ranks]
+            epoch, left = self._cadence_epoch()
             if sum(allocation) >= left:  # the epoch's last window: split the remainder
-                allocation = proportional_split(left, counts)
+                allocation = proportional_split(left, allocation)
         taken = []
-        for rank, want in enumerate(allocation):
-            slices = self.cursor.take(max(want, 0), self.batch_size, cross_epochs=self.is_async)
-            given = sum(s.size for s in slices) // self.batch_size
+        for rank, want in zip(ranks, allocation, strict=True):
+            returned = self._take_returned(max(want, 0), epoch)
+            # Returned slices first. Cadence's allocation sums to at most `left`, so it reaches the cursor
+            # only when the cursor is in the window's epoch.
+            rest = want - self._batches(returned)
+            slices = returned + self.cursor.take(rest, self.batch_size, cross_epochs=self.is_async)
+            given = self._batches(slices)
             self.queued[rank] += given
-            taken.append((slices, given))
+            self.handed[rank].extend(slices)
+            taken.append((rank, slices, given))
         # Targets once every rank is served: a later rank's take may run the data out, and then every rank,
         # earlier ones too, must train all it holds before this round, so that it is the exact last one.
-        exhausted = self.cursor.exhausted()
+        exhausted = self.exhausted
         actions: list[Action] = []
-        for rank, (slices, given) in enumerate(taken):
+        for rank, slices, given in taken:
             if exhausted:
                 self.targets[rank] = self.queued[rank]
             else:  # async: the count; cadence: what it was given
                 self.targets[rank] = min(counts[rank], self.queued[rank]) if self.is_async else given
             actions.append(Dispatch(rank, slices, self.targets[rank]))
-        # Every rank reports Reached, even with a target of 0 (an epoch tail can leave a rank idle).
+        # Every member reports Reached, even with a target of 0 (an epoch tail can leave a rank idle).
         self.reached = {}
+        self.window_open = True
         return actions
 
     def on_reached(self, report: WindowReport) -> list[Action]:
+        if report.rank not in self.members:  # sent before it was dropped, or before its first window
+            return []
         self.reached[report.rank] = report
         return self._maybe_average()
+
+    def on_chunk(self, rank: int, part: EpochSlice) -> bool:
+        """The rank trained all of `part`, one slice it was handed. False: the rank is no member (it was
+        dropped and `part` returned for another rank to train), so the report must not count."""
+        if rank not in self.members:
+            return False
+        try:
+            self.handed[rank].remove(part)
+        except ValueError:
+            raise ValueError(f"rank {rank} reported {part} trained, which it does not hold") from None
+        return True
 
     def on_epoch_complete(self, epoch: int) -> None:
         self.completed_epochs.add(epoch)
 
     def on_ack(self, ack: AckReport) -> bool:
-        """Record one rank's reduce; True once every rank has acknowledged the round."""
+        """Record one rank's reduce; True once every member has acknowledged the round."""
+        if ack.rank not in self.members:  # a dropped rank's late ack
+            return False
         self.acks[ack.rank] = ack
         self.queued[ack.rank] = ack.queued
-        if len(self.acks) < self.world_size:
+        if not self.members <= self.acks.keys():
             return False
         self.averaging = False
         return True
+
+    def drop(self, rank: int) -> list[Action]:
+        """The rank is gone. What it held untrained goes back to be handed out again; a round in flight is
+        redone among the members (same number, marked `redo`); a window whose other members have all
+        reached averages now."""
+        if rank in self.joining:  # admitted and gone before its first window: it held nothing
+            self.joining.discard(rank)
+            return []
+        if rank not in self.members:
+            raise ValueError(f"rank {rank} is not a member (members: {sorted(self.members)})")
+        if self.members == {rank}:
+            raise RuntimeError(f"rank {rank} was the last member: no rank is left to train")
+        self.members.discard(rank)
+        self.reached.pop(rank, None)
+        self.acks.pop(rank, None)
+        self.returned = sorted([*self.returned, *self.handed[rank]], key=lambda s: (s.epoch, s.offset))
+        self.handed[rank] = []
+        self.queued[rank] = self.targets[rank] = 0
+        if self.averaging:
+            assert self.in_flight is not None
+            return [self._average(self.in_flight.evaluate_epochs, redo=True)]
+        return self._maybe_average()
+
+    def admit(self, rank: int) -> None:
+        """A restarted rank (a fresh process, nothing queued) becomes a member at the next window."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} out of range for world_size {self.world_size}")
+        if rank in self.members or rank in self.joining:
+            raise ValueError(f"rank {rank} is already a member")
+        self.joining.add(rank)
 
     @property
     def settled_end(self) -> int:
@@ -219,25 +301,54 @@ class LocalSgdPlanner:
         self.completed_epochs = set(range(self.first_epoch))
 
     def window_acks(self) -> list[AckReport]:
-        return [self.acks[r] for r in range(self.world_size)]
+        return [self.acks[r] for r in sorted(self.members)]
 
     def window_reports(self) -> list[WindowReport]:
-        return [self.reached[r] for r in range(self.world_size)]
+        return [self.reached[r] for r in sorted(self.members)]
+
+    def _batches(self, slices: tuple[EpochSlice, ...]) -> int:
+        return sum(s.size for s in slices) // self.batch_size
+
+    def _cadence_epoch(self) -> tuple[int, int]:
+        """Cadence's window epoch (the oldest returned slice's, else the cursor's) and its batches left."""
+        epoch = self.returned[0].epoch if self.returned else self.cursor.epoch
+        left = self._batches(tuple(s for s in self.returned if s.epoch == epoch))
+        return epoch, left + (self.cursor.left_in_epoch() if self.cursor.epoch == epoch else 0)
+
+    def _take_returned(self, n: int, epoch: int | None) -> tuple[EpochSlice, ...]:
+        """Up to `n` batches of the returned slices, in order (of `epoch` only, unless None); a slice is split
+        where `n` ends."""
+        taken = []
+        while n > 0 and self.returned and epoch in (None, self.returned[0].epoch):
+            head = self.returned[0]
+            size = min(n * self.batch_size, head.size)
+            taken.append(EpochSlice(head.epoch, head.offset, size))
+            if size == head.size:
+                self.returned.pop(0)
+            else:
+                self.returned[0] = EpochSlice(head.epoch, head.offset + size, head.size - size)
+            n -= size // self.batch_size
+        return tuple(taken)
 
     def _maybe_average(self) -> list[Action]:
-        if self.averaging or len(self.reached) < self.world_size:
+        if self.averaging or not self.window_open or not self.members <= self.reached.keys():
             return []
-        self.averaging = True
+        self.averaging, self.window_open = True, False
         self.round += 1
+        return [self._average((), redo=False)]
+
+    def _average(self, carried: tuple[int, ...], redo: bool) -> Average:
+        """The order for the round `self.round` among the members: `carried` (a redo's evals, already
+        decided) and the wanted epochs due now; final when nothing is left to hand out and every member
+        trains all it holds before it."""
         self.acks = {}
-        self.final_round = self.cursor.exhausted() and all(
-            self.queued[r] <= self.targets[r] for r in range(self.world_size)
-        )
-        due = sorted(e for e in self.eval_epochs - self.evaluated_epochs if e < self.settled_end)
-        if self.final_round:
-            due = sorted(
-                e for e in self.eval_epochs if e not in self.evaluated_epochs and e < self.cursor.end
-            )
+        self.final_round = self.exhausted and all(self.queued[r] <= self.targets[r] for r in self.members)
+        # The final round evaluates every wanted epoch left; another, those settled.
+        end = self.cursor.end if self.final_round else self.settled_end
+        due = {e for e in self.eval_epochs - self.evaluated_epochs if e < end}
         self.evaluated_epochs.update(due)
         barrier = self.final_round and self.cursor.end - 1 in self.barrier_epochs
-        return [Average(self.round, tuple(due), self.final_round, self.cursor.end - 1 if barrier else None)]
+        checkpoint = self.cursor.end - 1 if barrier else None
+        evaluate = tuple(sorted({*carried, *due}))
+        self.in_flight = Average(self.round, evaluate, self.final_round, checkpoint, redo)
+        return self.in_flight
