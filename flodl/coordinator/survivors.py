@@ -37,6 +37,8 @@ class MembershipChange:
     members: list[int]
     why: str
     started: float = field(default_factory=time.perf_counter)
+    # The same instant as a wall-clock time (what an outside observer, a benchmark killing ranks, reads).
+    wall: float = field(default_factory=time.time)
     # The members that formed the new group, and how long they took to let go of the old one and form it.
     formed: dict[int, tuple[float, float]] = field(default_factory=dict)
     formed_at: float | None = None
@@ -62,6 +64,7 @@ class MembershipChange:
         return {
             "event": f"rank_{self.kind}",
             "rank": self.rank,
+            "at": self.wall,
             "why": self.why,
             "generation": self.generation,
             "members": self.members,
