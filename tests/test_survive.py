@@ -18,20 +18,19 @@ from tests.helpers.procs import FAST_START, Result, train
 
 pytestmark = pytest.mark.multiproc
 
-EPOCHS = 4
 COMMON = (
     "launch.nproc_per_node=3",
     FAST_START,
     "fault_tolerance=survive",
     "heartbeat_timeout_s=2",
-    f"epochs={EPOCHS}",
-    "batch_size=32",
     "hydra.run.dir=run",
 )
 
 
-def survive_run(tmp_path: Path, *overrides: str) -> tuple[Result, Path]:
-    result = train(*COMMON, *overrides, cwd=tmp_path, timeout=240)
+def survive_run(tmp_path: Path, epochs: int, batch_size: int, *overrides: str) -> tuple[Result, Path]:
+    result = train(
+        *COMMON, f"epochs={epochs}", f"batch_size={batch_size}", *overrides, cwd=tmp_path, timeout=240
+    )
     return result, tmp_path / "run"
 
 
@@ -51,9 +50,9 @@ def digests(out: str, what: str) -> dict[int, str]:
     return found
 
 
-def check_every_epoch_once(run: Path) -> list[dict]:
+def check_every_epoch_once(run: Path, epochs: int) -> list[dict]:
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["epoch"] for r in records] == list(range(EPOCHS))
+    assert [r["epoch"] for r in records] == list(range(epochs))
     per_epoch = {r["samples"] for r in records}
     assert len(per_epoch) == 1, f"every epoch trains the same samples: {per_epoch}"
     return records
@@ -69,8 +68,11 @@ def membership(run: Path) -> list[dict]:
 def test_a_killed_rank_is_cut_out_restarted_and_admitted_back(
     tmp_path: Path, policy: str, kill_in: str
 ) -> None:
+    # Long enough for the restarted process to start and be admitted well before the end.
     result, run = survive_run(
         tmp_path,
+        12,
+        8,
         f"policy={policy}",
         "simulate.kill_rank=1",
         "simulate.kill_at_step=6",
@@ -82,7 +84,7 @@ def test_a_killed_rank_is_cut_out_restarted_and_admitted_back(
     # The survivors never restarted; the killed rank started twice.
     assert len(started[0]) == 1 and len(started[2]) == 1, started
     assert len(started[1]) == 2, started
-    records = check_every_epoch_once(run)
+    records = check_every_epoch_once(run, 12)
     events = membership(run)
     assert [(e["event"], e["rank"]) for e in events] == [("rank_cut", 1), ("rank_admitted", 1)], events
     for event in events:
@@ -101,12 +103,18 @@ def test_a_killed_rank_is_cut_out_restarted_and_admitted_back(
 
 def test_a_frozen_rank_is_cut_and_the_rest_finish_without_it(tmp_path: Path) -> None:
     result, run = survive_run(
-        tmp_path, "policy=cadence", "simulate.hang_rank=2", "simulate.hang_at_step=5", "launch.max_restarts=0"
+        tmp_path,
+        4,
+        32,
+        "policy=cadence",
+        "simulate.hang_rank=2",
+        "simulate.hang_at_step=5",
+        "launch.max_restarts=0",
     )
     result.check()
     started = pids(result.out)
     assert all(len(started[r]) == 1 for r in range(3)), started
-    check_every_epoch_once(run)
+    check_every_epoch_once(run, 4)
     events = membership(run)
     assert [(e["event"], e["rank"]) for e in events] == [("rank_cut", 2)], events
     assert "no heartbeat" in events[0]["why"]
@@ -116,7 +124,7 @@ def test_a_frozen_rank_is_cut_and_the_rest_finish_without_it(tmp_path: Path) -> 
 
 def test_too_few_ranks_left_stops_with_the_consensus_saved(tmp_path: Path) -> None:
     result, run = survive_run(
-        tmp_path, "policy=cadence", "simulate.kill_rank=1", "simulate.kill_at_step=4", "min_ranks=3"
+        tmp_path, 4, 32, "policy=cadence", "simulate.kill_rank=1", "simulate.kill_at_step=4", "min_ranks=3"
     )
     assert result.code != 0 and not result.timed_out, result.out[-4000:]
     assert "min_ranks=3" in result.out and "only 2 rank(s) left" in result.out

@@ -281,6 +281,9 @@ class Coordinator(threading.Thread):
         assert self.survive is not None
         driver = self._survivors()
         post_cut(self.outbox.store, rank, self.incarnations.get(rank, 0))
+        self.ledger.membership_event(
+            "rank_cut", rank, {"silent_s": self.monitor.silence_of(rank, time.perf_counter())}
+        )
         self.monitor.forget(rank)
         driver.cut(rank)
         members = sorted(driver.members)
@@ -322,6 +325,9 @@ class Coordinator(threading.Thread):
             )  # fmt: skip
             change.waited_s = change.started - joined_at
             self.changes.append(change)
+            self.ledger.membership_event(
+                "rank_admitted", rank, {"startup_s": startup_s, "waited_s": change.waited_s}
+            )
         for change in self.changes:
             if change.first_round_at is None and driver.rounds_closed > change.rounds_before:
                 change.first_round_at = time.perf_counter()
@@ -329,7 +335,6 @@ class Coordinator(threading.Thread):
             change = self.changes.pop(0)
             log.warning("%s", change.line())
             self.timeline.membership_changed(change.event())
-            self.ledger.membership_event(change.event())
 
     def _survivors(self) -> LocalSgdDriver:
         assert isinstance(self.driver, LocalSgdDriver), "fault_tolerance=survive runs cadence or async"

@@ -78,7 +78,8 @@ class LocalSgdDriver:
 
     @property
     def members(self) -> set[int]:
-        return self.planner.members
+        """The ranks in the averaging group (those admitted train from the next window on)."""
+        return self.planner.members | self.planner.joining
 
     def on_chunk(self, chunk: ChunkReport) -> None:
         """The rank trained one slice it was handed, whole."""

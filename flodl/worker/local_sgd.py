@@ -120,7 +120,9 @@ class LocalSgdWorker(WorkerBase):
         # A restarted rank: announce itself, then wait to be admitted at a round boundary with the consensus.
         startup_s = time.time() - psutil.Process().create_time()
         self.report(Joined(self.rank, self.survival.incarnation, startup_s))
-        self._regroup(self.survival.await_admission(self.rank))
+        admission = self.survival.await_admission(self.rank)
+        if admission is not None:  # else the run ended first
+            self._regroup(admission)
 
     def handle(self, message: Message) -> None:
         if isinstance(message, Regroup):
@@ -345,7 +347,9 @@ class LocalSgdWorker(WorkerBase):
             assert cause is not None
             raise cause
         self.round = order
-        self._regroup(self.survival.await_regroup(self.rank, order.round, cause))
+        regroup = self.survival.await_regroup(self.rank, order.round, cause)
+        if regroup is not None:  # else the run ended first
+            self._regroup(regroup)
 
     def _regroup(self, message: Regroup) -> None:
         """Leave a round the change cut the way the rest of the group leaves it, then form the new group."""

@@ -54,7 +54,7 @@ class Survival:
         if isinstance(message, Regroup) and message.cut_round is not None:
             self.membership.abort()
 
-    def await_regroup(self, rank: int, round_number: int, cause: BaseException | None) -> Regroup:
+    def await_regroup(self, rank: int, round_number: int, cause: BaseException | None) -> Regroup | None:
         """The round's collective failed: wait for the coordinator's word on who is still in."""
         why = f" ({type(cause).__name__}: {_first_line(cause)})" if cause is not None else ""
         log.warning("rank %d: round %d was cut%s; waiting for the new group", rank, round_number, why)
@@ -62,7 +62,7 @@ class Survival:
             rank, lambda m: isinstance(m, Regroup), "a Regroup after its round was cut", limit_s=self.wait_s
         )
 
-    def await_admission(self, rank: int) -> Regroup:
+    def await_admission(self, rank: int) -> Regroup | None:
         """A restarted rank: wait until the coordinator admits it at a round boundary. Whatever else is in
         its inbox was meant for its previous incarnation."""
         return self._await(
@@ -80,9 +80,9 @@ class Survival:
         what: str,
         keep_others: bool = True,
         limit_s: float | None = None,
-    ) -> Regroup:
-        """The first message `wanted` accepts (others are given back to the loop, or dropped); a Shutdown
-        or `limit_s` (None: no limit) ends the wait with an error."""
+    ) -> Regroup | None:
+        """The first message `wanted` accepts (others are given back to the loop, or dropped); None when a
+        Shutdown came first (it is given back too); past `limit_s` (None: no limit), an error."""
         deadline = None if limit_s is None else time.perf_counter() + limit_s
         others: list[Message] = []
         try:
@@ -90,15 +90,16 @@ class Survival:
                 message = self.reader.next_message(0.5)
                 if message is None:
                     continue
-                if isinstance(message, Shutdown):
-                    raise RuntimeError(f"rank {rank}: shut down while waiting for {what}: {message.reason}")
+                if isinstance(message, Shutdown):  # the run ended meanwhile: the loop ends on it
+                    others.append(message)
+                    return None
                 if wanted(message):
                     assert isinstance(message, Regroup)
                     return message
                 if keep_others:
                     others.append(message)
         finally:
-            self.reader.hold(others)
+            self.reader.hold(others)  # a Shutdown is kept even when the rest is not
         raise RuntimeError(
             f"rank {rank}: no word from the coordinator within {limit_s} s while waiting for {what}"
         )
