@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import json
 import re
+import signal
+import socket
+import subprocess
+import time
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers.procs import FAST_START, Result, train
+from tests.helpers.procs import FAST_START, PYTHON, TRAIN, Result, child_env, kill_group, start, train
 
 pytestmark = pytest.mark.multiproc
 
@@ -32,6 +36,12 @@ def survive_run(tmp_path: Path, epochs: int, batch_size: int, *overrides: str) -
         *COMMON, f"epochs={epochs}", f"batch_size={batch_size}", *overrides, cwd=tmp_path, timeout=240
     )
     return result, tmp_path / "run"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def pids(out: str) -> dict[int, list[int]]:
@@ -131,3 +141,45 @@ def test_too_few_ranks_left_stops_with_the_consensus_saved(tmp_path: Path) -> No
     assert (run / "model.pt").is_file()
     final = digests(result.out, "final round")
     assert set(final) == {0, 2} and len(set(final.values())) == 1, final
+
+
+# A restarted `python train.py` takes seconds to be ready: the run must outlast it.
+EPOCHS_ONE_BY_ONE = 30
+
+
+def test_ranks_started_one_by_one_survive_and_a_restart_is_admitted(tmp_path: Path) -> None:
+    """The several-hosts way: each rank its own process with RANK / WORLD_SIZE / MASTER_* (no torchrun, no
+    supervisor); rank 0 hosts the store. The test is rank 2's restart loop."""
+    port = free_port()
+    args = [
+        PYTHON, TRAIN, *COMMON[2:], "policy=cadence", f"epochs={EPOCHS_ONE_BY_ONE}", "batch_size=8",
+        "simulate.kill_rank=2", "simulate.kill_at_step=4",
+    ]  # fmt: skip
+
+    def rank(r: int) -> subprocess.Popen:
+        env = child_env(RANK=str(r), WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        return start(args, tmp_path, env, output=subprocess.DEVNULL)
+
+    procs = [rank(r) for r in range(3)]
+    restarted = None
+    try:
+        deadline = time.time() + 200
+        while time.time() < deadline and any(p.poll() is None for p in procs[:2]):
+            if restarted is None and procs[2].poll() is not None:
+                assert procs[2].returncode == -signal.SIGKILL, procs[2].returncode
+                restarted = rank(2)
+            time.sleep(0.2)
+        codes = [p.wait(timeout=30) for p in procs[:2]]
+        assert restarted is not None, "rank 2 was never killed"
+        assert restarted.wait(timeout=60) == 0
+    finally:
+        for p in [*procs, *([restarted] if restarted else [])]:
+            if p.poll() is None:
+                kill_group(p)
+    assert codes == [0, 0], codes
+    run = tmp_path / "run"
+    check_every_epoch_once(run, EPOCHS_ONE_BY_ONE)
+    assert [(e["event"], e["rank"]) for e in membership(run)] == [("rank_cut", 2), ("rank_admitted", 2)]
+    log = "".join((run / f"rank{r}.log").read_text() for r in range(3))
+    final = digests(log, "final round")
+    assert set(final) == {0, 1, 2} and len(set(final.values())) == 1, final
