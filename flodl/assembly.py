@@ -342,6 +342,8 @@ def _local_sgd_driver(
         state = resumed["driver"]
         planner.restore(state["planner"])
         elche = ElChe.from_state(settings, state["elche"], epoch_batches=batches_per_epoch)
+        for rank in sorted(set(range(schedule.world_size)) - elche.members):  # a resumed job has every rank
+            elche.admit(rank)
         guard = guard_from_state(state["guard"])
         log.info("ElChe resumed at anchor %d (round %d)", elche.anchor, planner.round)
     return LocalSgdDriver(planner, elche, guard, ledger, outbox, timeline, committer)

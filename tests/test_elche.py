@@ -553,3 +553,16 @@ def test_state_round_trip_keeps_the_members():
     assert resumed.members == {0, 2} and resumed.counts() == el.counts() == [32, 0, 8]
     del state["members"]  # a state saved before members existed: every rank
     assert ElChe.from_state(ElCheSettings(**kw), state).members == {0, 1, 2}
+
+
+def test_a_rank_cut_before_a_checkpoint_is_admitted_again_when_the_job_resumes():
+    """A resumed job starts every rank (flodl/assembly.py admits those the state lacks): the one cut
+    starts at the anchor's count, the others keep their balance."""
+    el = make(world=3, anchor=8)
+    feed(el, [10.0, 20.0, 40.0])
+    el.retire(1)
+    resumed = ElChe.from_state(ElCheSettings(world_size=3, anchor=8), el.state())
+    resumed.admit(1)
+    assert resumed.counts() == [32, 8, 8]
+    feed(resumed, [10.0, 20.0, 40.0])
+    assert resumed.counts() == [32, 16, 8]

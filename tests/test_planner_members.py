@@ -171,6 +171,19 @@ def test_an_admitted_rank_joins_at_the_next_window_with_nothing_queued():
         planner.admit(1)
 
 
+def test_a_rank_admitted_between_rounds_is_a_member_at_once():
+    """The driver admits at a round's end, then tells the group who is in (planner.members) and opens the
+    next window."""
+    planner = LocalSgdPlanner(2, 20, 1, 1, True, frozenset())
+    planner.open_window([2, 2], 0)
+    assert reach(planner, 0, 2) == []
+    assert planner.drop(1) == [Average(1, (), False)]
+    assert ack(planner, 0)
+    planner.admit(1)
+    assert planner.members == {0, 1} and planner.joining == set()
+    assert [(d.rank, d.target) for d in planner.open_window([2, 3], 0)] == [(0, 2), (1, 3)]
+
+
 def test_an_admitted_rank_that_dies_before_its_first_window_held_nothing():
     planner = LocalSgdPlanner(2, 20, 1, 1, False, frozenset())
     planner.open_window([2, 2], 0)
@@ -245,6 +258,8 @@ class MembershipSim:
             barrier_epochs=self.barrier_epochs,
         )
         self.live = {r: Process(r) for r in range(world_size)}
+        # Restarted ranks waiting for a round's end to be admitted (as the driver admits them).
+        self.waiting: set[int] = set()
         self.dispatched: Counter[Batch] = Counter()
         self.reported: Counter[Batch] = Counter()
         # Batches in slices a rank held unreported when it died: each is handed out once more.
@@ -284,6 +299,10 @@ class MembershipSim:
         if done and not self.planner.finished:
             if self.planner.segment_done:
                 self.planner.next_segment()
+            for rank in sorted(self.waiting):
+                self.planner.admit(rank)
+                assert rank in self.planner.members
+            self.waiting = set()
             self.open_window()
 
     # -- coordinator side --
@@ -315,6 +334,8 @@ class MembershipSim:
             if average.redo:  # the round in flight, again, among the members
                 assert previous is not None and average.round == previous.round
                 assert set(previous.evaluate_epochs) <= set(average.evaluate_epochs)
+                if not average.final:  # the driver decided its evals with the round it redoes
+                    assert average.evaluate_epochs == previous.evaluate_epochs
             else:
                 assert average.round == (previous.round + 1 if previous else 1)
             new = set(average.evaluate_epochs) - (set(previous.evaluate_epochs) if average.redo else set())
@@ -328,15 +349,22 @@ class MembershipSim:
 
     def drop(self, rank: int) -> None:
         proc = self.live.pop(rank)
+        self.drops -= 1
+        if rank in self.waiting:  # the planner never heard of this process
+            self.waiting.discard(rank)
+            return
         for part in proc.queue:  # the slices it had not reported, the partly trained one too
             self.lost.update(expand(part, self.batch_size))
-        self.drops -= 1
         self.carry(self.planner.drop(rank))
 
     def admit(self, rank: int) -> None:
+        """Admitted now (during a window or a round: at the next window), or at the next round's end."""
         self.admits -= 1
         self.live[rank] = Process(rank)
-        self.planner.admit(rank)
+        if self.rng.random() < 0.5:
+            self.planner.admit(rank)
+        else:
+            self.waiting.add(rank)
 
     def run(self, max_events: int) -> None:
         self.open_window()
@@ -346,7 +374,7 @@ class MembershipSim:
             churn = []
             if self.drops:  # never the last member: the driver stops the run before that (min_ranks)
                 members = sorted(self.planner.members) if len(self.planner.members) > 1 else []
-                churn += [(self.drop, r) for r in members + sorted(self.planner.joining)]
+                churn += [(self.drop, r) for r in members + sorted(self.planner.joining | self.waiting)]
             if self.admits:
                 churn += [(self.admit, r) for r in range(len(self.speeds)) if r not in self.live]
             acks = [(self.ack, p) for p in self.members() if p.ordered]

@@ -107,14 +107,17 @@ class EpochLedger:
     def membership_event(self, event: str, rank: int, timings: dict[str, float] | None = None) -> None:
         """A rank was cut or admitted: recorded, with `timings` (what the change cost, by name), under
         `membership` in the record of the oldest epoch not yet emitted (the epoch open, as open_round
-        attributes a round); `at_s` counts from the ledger's start."""
+        attributes a round); `at_s` counts from the ledger's start. After the last record (a rank lost
+        while the run shuts down) no record carries it."""
         if event not in MEMBERSHIP_EVENTS:
             raise ValueError(f"membership event {event!r}: expected one of {', '.join(MEMBERSHIP_EVENTS)}")
         if (rank in self.members) != (event == "rank_cut"):
             raise LedgerError(f"{event} for rank {rank}, members {sorted(self.members)}")
-        entry = self._epoch(min(self.next_to_emit, self.epochs - 1))
-        at_s = time.perf_counter() - self.started_at
-        entry.membership.append({"event": event, "rank": rank, "at_s": at_s, "timings": dict(timings or {})})
+        if not self.all_emitted:
+            entry = self._epoch(min(self.next_to_emit, self.epochs - 1))
+            at_s = time.perf_counter() - self.started_at
+            timed = {"event": event, "rank": rank, "at_s": at_s, "timings": dict(timings or {})}
+            entry.membership.append(timed)
         if event == "rank_cut":
             self.members.discard(rank)
         else:

@@ -129,7 +129,7 @@ class LocalSgdPlanner:
     final_round: bool = False
     # The ranks that get windows and take part in rounds (every rank until one is dropped).
     members: set[int] = field(init=False)
-    # Admitted ranks, members from the next window on.
+    # Ranks admitted during a window or a round: members once the next window opens.
     joining: set[int] = field(default_factory=set)
     # Per member: the slices handed out and not yet reported trained (what returns if it dies).
     handed: dict[int, list[EpochSlice]] = field(init=False)
@@ -245,12 +245,17 @@ class LocalSgdPlanner:
         return self._maybe_average()
 
     def admit(self, rank: int) -> None:
-        """A restarted rank (a fresh process, nothing queued) becomes a member at the next window."""
+        """A restarted rank (a fresh process, nothing queued) takes part from the next window on: a member
+        at once between a round's end and the next window, else once that window opens (the window and
+        round in progress are not its business)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} out of range for world_size {self.world_size}")
         if rank in self.members or rank in self.joining:
             raise ValueError(f"rank {rank} is already a member")
-        self.joining.add(rank)
+        if self.window_open or self.averaging:
+            self.joining.add(rank)
+        else:
+            self.members.add(rank)
 
     @property
     def settled_end(self) -> int:
@@ -343,9 +348,13 @@ class LocalSgdPlanner:
         trains all it holds before it."""
         self.acks = {}
         self.final_round = self.exhausted and all(self.queued[r] <= self.targets[r] for r in self.members)
-        # The final round evaluates every wanted epoch left; another, those settled.
-        end = self.cursor.end if self.final_round else self.settled_end
-        due = {e for e in self.eval_epochs - self.evaluated_epochs if e < end}
+        # The final round evaluates every wanted epoch left; another, those settled. A redo keeps the evals
+        # of its round (the driver decided them then), and adds only those left if it became the final.
+        left = self.eval_epochs - self.evaluated_epochs
+        if self.final_round:
+            due = {e for e in left if e < self.cursor.end}
+        else:
+            due = set() if redo else {e for e in left if e < self.settled_end}
         self.evaluated_epochs.update(due)
         barrier = self.final_round and self.cursor.end - 1 in self.barrier_epochs
         checkpoint = self.cursor.end - 1 if barrier else None
