@@ -80,6 +80,8 @@ OVERRIDES = [
     ("resume=never", "resume", "never", str),
     ("heartbeat_timeout_s=20", "heartbeat_timeout_s", 20.0, float),
     ("on_nonfinite=skip", "on_nonfinite", "skip", str),
+    ("fault_tolerance=survive", "fault_tolerance", "survive", str),
+    ("min_ranks=2", "min_ranks", 2, int),
     (
         "callbacks=[{_target_:flodl.callbacks.EarlyStopping,monitor:eval/accuracy,mode:max}]",
         "callbacks",

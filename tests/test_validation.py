@@ -563,3 +563,26 @@ def test_a_missing_import_inside_a_found_module_is_reported_as_such(tmp_path, mo
     monkeypatch.syspath_prepend(str(tmp_path))
     (problem,) = list_target_problems("callbacks", [{"_target_": "user_callbacks.Cb"}])
     assert "(ModuleNotFoundError: No module named 'not_installed_dependency');" in problem
+
+
+def test_survive_takes_local_sgd_and_refuses_what_it_cannot_restore_yet():
+    three = host(world_size=3, ranks_per_node=3)
+    assert problems_of(make(fault_tolerance="survive", policy="cadence", min_ranks=2), three) == []
+    assert problems_of(make(fault_tolerance="survive", policy="async"), three) == []
+    assert_problem(problems_of(make(fault_tolerance="survive"), three), "fault_tolerance", "survive", "DDP")
+    cut = problems_of(make(fault_tolerance="survive", policy="cadence", outer="diloco", bf16_wire=True), three)
+    assert_problem(cut, "outer", "diloco", "not with fault_tolerance=survive")
+    assert_problem(cut, "bf16_wire", True, "not with fault_tolerance=survive")
+    too_many = problems_of(make(fault_tolerance="survive", policy="cadence", min_ranks=4), three)
+    assert_problem(too_many, "min_ranks", 4, "must be in [1, 3]")
+    assert_problem(problems_of(make(min_ranks=2), three), "min_ranks", 2, "applies to fault_tolerance=survive")
+    assert_problem(problems_of(make(fault_tolerance="maybe"), three), "fault_tolerance", "maybe", "must be one of")
+
+
+def test_survive_refuses_torchrun_s_agent_with_several_ranks_per_host():
+    survive = make(fault_tolerance="survive", policy="cadence")
+    agent = host(world_size=2, ranks_per_node=2, under_torchrun=True, elastic_agent=True)
+    assert_problem(problems_of(survive, agent), "fault_tolerance", "survive", "stops every rank of its host")
+    # Ranks started one by one (RANK / WORLD_SIZE set, no agent), or one rank per torchrun: allowed.
+    assert problems_of(survive, dataclasses.replace(agent, elastic_agent=False)) == []
+    assert problems_of(survive, dataclasses.replace(agent, ranks_per_node=1)) == []

@@ -91,7 +91,9 @@ class Driver(Protocol):
 
     def on_epoch_complete(self, epoch: int) -> None: ...
 
-    def on_chunk(self, chunk: ChunkReport) -> None: ...
+    def on_chunk(self, chunk: ChunkReport) -> bool:
+        """Whether the chunk counts (survive: not a cut rank's late report)."""
+        ...
 
     @property
     def generation(self) -> int:
@@ -141,8 +143,8 @@ class SyncDriver:
     def on_epoch_complete(self, epoch: int) -> None:
         pass
 
-    def on_chunk(self, chunk: ChunkReport) -> None:
-        pass
+    def on_chunk(self, chunk: ChunkReport) -> bool:
+        return True
 
     def on_epoch_emitted(self, epoch: int) -> None:
         if epoch + PLAN_LOOKAHEAD + 1 < self.schedule.epochs and not self.stopped:
@@ -382,10 +384,10 @@ class Coordinator(threading.Thread):
             assert self.committer is not None, "a Saved report without checkpoints"
             self.committer.on_saved(message.epoch, message.rank)
         elif isinstance(message, ChunkReport):
-            self.timeline.chunk(message.rank, message.epoch, message.wall_ms, message.batches)
-            self.driver.on_chunk(message)
-            if self.ledger.add_chunk(message):
-                self.driver.on_epoch_complete(message.epoch)
+            if self.driver.on_chunk(message):  # else a cut rank's late report: its slice went to another
+                self.timeline.chunk(message.rank, message.epoch, message.wall_ms, message.batches)
+                if self.ledger.add_chunk(message):
+                    self.driver.on_epoch_complete(message.epoch)
         elif isinstance(message, EvalResult):
             if message.generation == self.driver.generation:  # else: the eval of a round that was cut
                 self.ledger.add_eval(message)

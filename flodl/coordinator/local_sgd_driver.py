@@ -81,9 +81,10 @@ class LocalSgdDriver:
         """The ranks in the averaging group (those admitted train from the next window on)."""
         return self.planner.members | self.planner.joining
 
-    def on_chunk(self, chunk: ChunkReport) -> None:
-        """The rank trained one slice it was handed, whole."""
-        self.planner.on_chunk(chunk.rank, EpochSlice(chunk.epoch, chunk.offset, chunk.samples))
+    def on_chunk(self, chunk: ChunkReport) -> bool:
+        """The rank trained one slice it was handed, whole; False: the rank was cut before this report was
+        read, and its slice was handed to another (the report must not count)."""
+        return self.planner.on_chunk(chunk.rank, EpochSlice(chunk.epoch, chunk.offset, chunk.samples))
 
     def cut(self, rank: int) -> None:
         """`rank` is gone: the others form a group without it, a round it cut is run again among them, and
@@ -158,6 +159,7 @@ class LocalSgdDriver:
                 if not message.skipped:  # a skip is the same on every rank: nobody moved
                     self._feed_round()
                 if self._checkpoint_epoch is not None and self.committer is not None:
+                    self.committer.expect_parts(self._checkpoint_epoch, self.planner.members)
                     self.committer.on_all_saved(self._checkpoint_epoch, self.state())
                     self._checkpoint_epoch = None
                 if self.done:
@@ -194,8 +196,11 @@ class LocalSgdDriver:
             if isinstance(action, Dispatch):
                 self.outbox.send(action.rank, ExtendPartition(list(action.slices), action.target))
             else:
-                if not action.redo:  # a round run again keeps its evals, its ledger entry and its line
+                # A round run again keeps its ledger entry and its timeline line, and its evals, unless the
+                # cut made it the last: then every epoch not decided yet is decided now.
+                if not action.redo or action.final:
                     self._decide_evals(action)
+                if not action.redo:
                     self.ledger.open_round(action.round)
                     self.timeline.round_started(action.round, action.evaluate_epochs)
                 self._checkpoint_epoch = action.checkpoint_epoch
