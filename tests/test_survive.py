@@ -111,16 +111,9 @@ def test_a_killed_rank_is_cut_out_restarted_and_admitted_back(
     assert min(worlds) <= 3 and worlds[-1] == 3, worlds
 
 
-def test_a_frozen_rank_is_cut_and_the_rest_finish_without_it(tmp_path: Path) -> None:
-    result, run = survive_run(
-        tmp_path,
-        4,
-        32,
-        "policy=cadence",
-        "simulate.hang_rank=2",
-        "simulate.hang_at_step=5",
-        "launch.max_restarts=0",
-    )
+def test_a_frozen_rank_is_cut_the_rest_finish_and_resume_after_it(tmp_path: Path) -> None:
+    frozen = ("policy=cadence", "simulate.hang_rank=2", "simulate.hang_at_step=5", "checkpoint_every=1")
+    result, run = survive_run(tmp_path, 4, 32, *frozen, "launch.max_restarts=0")
     result.check()
     started = pids(result.out)
     assert all(len(started[r]) == 1 for r in range(3)), started
@@ -130,6 +123,14 @@ def test_a_frozen_rank_is_cut_and_the_rest_finish_without_it(tmp_path: Path) -> 
     assert "no heartbeat" in events[0]["why"]
     final = digests(result.out, "final round")
     assert set(final) == {0, 1} and len(set(final.values())) == 1, final
+    # The last checkpoint holds the members' parts; resumed with every rank, the one without a part starts
+    # from the consensus with a fresh optimizer, and the run goes on.
+    manifest = json.loads((run / "checkpoints" / "epoch-000003" / "manifest.json").read_text())
+    assert manifest["ranks"] == [0, 1]
+    resumed, run = survive_run(tmp_path, 5, 32, "policy=cadence", "checkpoint_every=1")
+    resumed.check()
+    assert "rank 2 has no part in" in resumed.out
+    check_every_epoch_once(run, 5)
 
 
 def test_too_few_ranks_left_stops_with_the_consensus_saved(tmp_path: Path) -> None:

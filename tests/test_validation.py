@@ -570,13 +570,19 @@ def test_survive_takes_local_sgd_and_refuses_what_it_cannot_restore_yet():
     assert problems_of(make(fault_tolerance="survive", policy="cadence", min_ranks=2), three) == []
     assert problems_of(make(fault_tolerance="survive", policy="async"), three) == []
     assert_problem(problems_of(make(fault_tolerance="survive"), three), "fault_tolerance", "survive", "DDP")
-    cut = problems_of(make(fault_tolerance="survive", policy="cadence", outer="diloco", bf16_wire=True), three)
+    cut = problems_of(
+        make(fault_tolerance="survive", policy="cadence", outer="diloco", bf16_wire=True), three
+    )
     assert_problem(cut, "outer", "diloco", "not with fault_tolerance=survive")
     assert_problem(cut, "bf16_wire", True, "not with fault_tolerance=survive")
     too_many = problems_of(make(fault_tolerance="survive", policy="cadence", min_ranks=4), three)
     assert_problem(too_many, "min_ranks", 4, "must be in [1, 3]")
-    assert_problem(problems_of(make(min_ranks=2), three), "min_ranks", 2, "applies to fault_tolerance=survive")
-    assert_problem(problems_of(make(fault_tolerance="maybe"), three), "fault_tolerance", "maybe", "must be one of")
+    assert_problem(
+        problems_of(make(min_ranks=2), three), "min_ranks", 2, "applies to fault_tolerance=survive"
+    )
+    assert_problem(
+        problems_of(make(fault_tolerance="maybe"), three), "fault_tolerance", "maybe", "must be one of"
+    )
 
 
 def test_survive_refuses_torchrun_s_agent_with_several_ranks_per_host():
