@@ -230,7 +230,10 @@ def make_survival(
     if cfg.fault_tolerance != "survive":
         return None
     incarnation = exchange.add(f"incarnation/{env.rank}", 1) - 1
-    membership = AveragingGroup(exchange, backend, env.rank, device, cfg.launch.timeout_s)
+    # gloo has no abort: its timeout bounds a collective (or a group's forming) that a member left without
+    # closing its sockets. NCCL's is aborted instead, and its watchdog must not fire on a slow first round.
+    timeout_s = cfg.launch.timeout_s if backend == "nccl" else max(3 * cfg.heartbeat_timeout_s, 10.0)
+    membership = AveragingGroup(exchange, backend, env.rank, device, timeout_s)
     if incarnation == 0:
         membership.form(0, list(range(env.world_size)))
     # A rank whose round failed hears who is still in once the coordinator has seen the silence.

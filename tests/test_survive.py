@@ -38,6 +38,9 @@ def survive_run(tmp_path: Path, epochs: int, batch_size: int, *overrides: str) -
     return result, tmp_path / "run"
 
 
+EPOCHS_RESTART = 24
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -78,10 +81,11 @@ def membership(run: Path) -> list[dict]:
 def test_a_killed_rank_is_cut_out_restarted_and_admitted_back(
     tmp_path: Path, policy: str, kill_in: str
 ) -> None:
-    # Long enough for the restarted process to start and be admitted well before the end.
+    # Long enough for the restarted process to start (seconds on a loaded machine) and be admitted well
+    # before the end.
     result, run = survive_run(
         tmp_path,
-        12,
+        EPOCHS_RESTART,
         8,
         f"policy={policy}",
         "simulate.kill_rank=1",
@@ -94,7 +98,7 @@ def test_a_killed_rank_is_cut_out_restarted_and_admitted_back(
     # The survivors never restarted; the killed rank started twice.
     assert len(started[0]) == 1 and len(started[2]) == 1, started
     assert len(started[1]) == 2, started
-    records = check_every_epoch_once(run, 12)
+    records = check_every_epoch_once(run, EPOCHS_RESTART)
     events = membership(run)
     assert [(e["event"], e["rank"]) for e in events] == [("rank_cut", 1), ("rank_admitted", 1)], events
     for event in events:

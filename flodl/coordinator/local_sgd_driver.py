@@ -205,8 +205,9 @@ class LocalSgdDriver:
                     self.timeline.round_started(action.round, action.evaluate_epochs)
                 self._checkpoint_epoch = action.checkpoint_epoch
                 order = AverageNow(
-                    action.round, list(action.evaluate_epochs), action.final, action.checkpoint_epoch
-                )
+                    action.round, list(action.evaluate_epochs), action.final, action.checkpoint_epoch,
+                    self.generation,
+                )  # fmt: skip
                 for rank in sorted(self.members):
                     self.outbox.send(rank, order)
 

@@ -61,6 +61,9 @@ class AverageNow:
     final: bool = False
     # Write this rank's checkpoint part for that epoch after adopting, before acknowledging.
     checkpoint_epoch: int | None = None
+    # The averaging group's generation it is meant for (survive: an order for a group that could not be
+    # formed is superseded by the next Regroup's).
+    generation: int = 0
 
 
 @dataclass

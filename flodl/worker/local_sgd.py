@@ -138,7 +138,8 @@ class LocalSgdWorker(WorkerBase):
             self.target = message.target
             self._report_if_reached()
         elif isinstance(message, AverageNow):
-            self._begin_round(message)
+            if message.generation == self._generation():  # else meant for a group never formed
+                self._begin_round(message)
         else:
             raise RuntimeError(f"rank {self.rank}: unexpected message under local SGD: {message!r}")
 
@@ -347,7 +348,7 @@ class LocalSgdWorker(WorkerBase):
             assert cause is not None
             raise cause
         self.round = order
-        regroup = self.survival.await_regroup(self.rank, order.round, cause)
+        regroup = self.survival.await_regroup(self.rank, f"round {order.round} was cut", cause)
         if regroup is not None:  # else the run ended first
             self._regroup(regroup)
 
@@ -378,7 +379,15 @@ class LocalSgdWorker(WorkerBase):
             self.global_steps = message.global_steps
             self.stepper.schedule_to(self.schedule_position())
         release_ms = (time.perf_counter() - started) * 1000
-        self.report(self.survival.form(self.rank, message, self.averager.share, release_ms))
+        try:
+            formed = self.survival.form(self.rank, message, self.averager.share, release_ms)
+        except Exception as err:  # a member died while the group formed: the coordinator cuts it next
+            failed = f"averaging group {message.generation} could not be formed"
+            retry = self.survival.await_regroup(self.rank, failed, err)
+            if retry is not None:
+                self._regroup(retry)
+            return
+        self.report(formed)
         self.averager.regroup()
         if message.joining:
             log.info(

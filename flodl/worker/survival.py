@@ -50,16 +50,18 @@ class Survival:
         return self.incarnation > 0
 
     def _release_if_cut(self, message: Message) -> None:
-        """On the inbox's thread: a Regroup that cuts a round frees the collective the loop is blocked in."""
-        if isinstance(message, Regroup) and message.cut_round is not None:
+        """On the inbox's thread: a Regroup frees any collective the loop is blocked in (a round the change
+        cut, or the forming of a group a member left); the loop forms the next group in any case."""
+        if isinstance(message, Regroup):
             self.membership.abort()
 
-    def await_regroup(self, rank: int, round_number: int, cause: BaseException | None) -> Regroup | None:
-        """The round's collective failed: wait for the coordinator's word on who is still in."""
+    def await_regroup(self, rank: int, failed: str, cause: BaseException | None) -> Regroup | None:
+        """Something of the group `failed` (a round's collective, the forming of a group): wait for the
+        coordinator's word on who is still in."""
         why = f" ({type(cause).__name__}: {_first_line(cause)})" if cause is not None else ""
-        log.warning("rank %d: round %d was cut%s; waiting for the new group", rank, round_number, why)
+        log.warning("rank %d: %s%s; waiting for the new group", rank, failed, why)
         return self._await(
-            rank, lambda m: isinstance(m, Regroup), "a Regroup after its round was cut", limit_s=self.wait_s
+            rank, lambda m: isinstance(m, Regroup), f"a Regroup ({failed})", limit_s=self.wait_s
         )
 
     def await_admission(self, rank: int) -> Regroup | None:
