@@ -55,6 +55,7 @@ FLOORS = {
     "flodl": 5,
     # The command (`flodl-train`, `python -m flodl`): above everything it starts.
     "flodl.cli": 7,
+    "flodl.torchrun": 7,
     "flodl.__main__": 7,
     # flodl's own configs: yaml files, a package so that Hydra finds them installed.
     "flodl.conf": 0,
