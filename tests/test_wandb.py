@@ -72,6 +72,11 @@ def test_two_rank_job_is_one_run_with_train_and_eval_streams(tmp_path: Path) -> 
         "logger=wandb",
         "logger.log_every=5",
         "hydra.run.dir=run",
+        # Rank 1 dies in epoch 1 and the run goes on without it: the membership change reaches W&B.
+        "fault_tolerance=survive",
+        "heartbeat_timeout_s=2",
+        "simulate.kill_rank=1",
+        "simulate.kill_at_step=30",
         cwd=tmp_path,
         WANDB_MODE="offline",  # W&B's own environment decides: the config sets no mode
         **wandb_env(tmp_path),
@@ -87,6 +92,9 @@ def test_two_rank_job_is_one_run_with_train_and_eval_streams(tmp_path: Path) -> 
     assert all(0 < i["eval/accuracy"] <= 1 for i in evals)
     assert any("rank1/loss" in i for i in items)  # per-rank series
     assert any(i.get("comm/bytes_total", 0) > 0 for i in items)
+    worlds = [i["epoch/world"] for i in items if "epoch/world" in i]
+    assert worlds[0] == 2 and worlds[-1] == 1, worlds
+    assert sum(i.get("epoch/rank_cut", 0) for i in items) == 1
     run = run_record(rows)
     assert run["run_group"] == "run" or run["run_group"].endswith("run")
     assert run["job_type"] == "cadence"

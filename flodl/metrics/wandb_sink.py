@@ -78,6 +78,7 @@ def init_arguments(settings: WandbSettings, info: RunInfo, policy: str) -> dict[
 class WandbSink:
     def __init__(self, settings: WandbSettings, info: RunInfo, config: dict[str, Any], policy: str) -> None:
         self.run: Any = None
+        self._changes: list[dict[str, Any]] = []
         self._failed = False
         try:
             self._start(settings, info, config, policy)
@@ -140,6 +141,14 @@ class WandbSink:
         if metrics.eval_step is not None:
             row["epoch/eval_step"], row["epoch/eval_samples"] = metrics.eval_step, metrics.eval_samples
         row.update({f"epoch/{name}": value for name, value in metrics.scalars.items()})
+        for change in metrics.membership:  # fault_tolerance=survive: cuts and admissions, counted per epoch
+            key = f"epoch/{change['event']}"
+            row[key] = row.get(key, 0) + 1
+        if metrics.membership:  # and each change in full, in the run's summary
+            self._changes.extend(metrics.membership)
+            self._guard(
+                lambda: self.run.summary.update({"membership": list(self._changes)}), "W&B summary failed"
+            )
         for share in metrics.per_rank:
             row[f"rank{share.rank}/batch_share"] = share.batch_share
             row[f"rank{share.rank}/epoch_samples_per_s"] = share.samples_per_s
