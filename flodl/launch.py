@@ -48,7 +48,7 @@ from flodl.config.policy import collective_backend, step_samples, step_words
 from flodl.config.rules import ConfigError
 from flodl.config.schema import FlodlConfig, to_config
 from flodl.coordinator.coordinator import Coordinator
-from flodl.coordinator.hooks import RunSummary
+from flodl.coordinator.hooks import CallbackError, RunSummary
 from flodl.data.partition import equal_slices
 from flodl.logs import setup_rank_logging
 from flodl.metrics import run_clock
@@ -67,7 +67,7 @@ from flodl.resume import (
 from flodl.run_dir import RunDirTaken, claim_run_dir, release_claimed, run_uid
 from flodl.run_identity import run_identity
 from flodl.supervisor import SupervisedRankFailure, supervise
-from flodl.wire.group import agree_on_config, init_group, loopback_store, pick_device
+from flodl.wire.group import agree_on_config, init_group, loopback_store, pick_device, publish_json, read_json
 from flodl.wire.heartbeat import HeartbeatSender, Rank0Watch, beat_interval
 from flodl.wire.messages import Exiting
 from flodl.wire.stop import STOP_EXIT_CODES, Stopped, StopWatch, catch_stop_signals, post, posted, received
@@ -160,7 +160,7 @@ def launch_from_hydra(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         launch(cfg, from_hydra(run_dir, cfg.logger.group))
-    except (ConfigError, RankFailure, WandbStartError) as err:
+    except (ConfigError, RankFailure, WandbStartError, RankZeroFailed) as err:
         if isinstance(err, RankFailure) or RankEnv.from_environ().rank == 0:  # torchrun's ranks: one says it
             print(f"flodl: {err}", file=sys.stderr)
         sys.exit(EXIT_CONFIG if isinstance(err, ConfigError) else 1)
@@ -256,7 +256,7 @@ def self_launch(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig) -> None
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_quiet_stops)
     try:
-        elastic_launch(launch_config, run_rank)(config, info.as_dict())
+        elastic_launch(launch_config, self_launched_rank)(config, info.as_dict())
     except SignalException as err:  # the launcher got it: the agent forwarded it and waited for the ranks
         raise Stopped(err.sigval) from None
     except ChildFailedError as err:
@@ -270,9 +270,7 @@ def self_launch(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig) -> None
         where = f"the last checkpoint is {latest.path}" if latest else "no checkpoint was written"
         first = first_failure(run_dir, cfg.launch.max_restarts)
         cause = f"rank {first[0]} failed first ({first[1]}); " if first else ""
-        raise RankFailure(
-            f"{cause}rank(s) {failed} failed ({codes}); {where}; see the traceback above and {logs}"
-        ) from None
+        raise RankFailure(f"{cause}rank(s) {failed} failed ({codes}); {where}; see {logs}") from None
 
 
 def _supervised_launch(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig) -> None:
@@ -283,7 +281,7 @@ def _supervised_launch(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig) 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         supervise(
-            run_rank, (config, info.as_dict()), cfg.launch.nproc_per_node, cfg.launch.max_restarts,
+            self_launched_rank, (config, info.as_dict()), cfg.launch.nproc_per_node, cfg.launch.max_restarts,
             cfg.launch.start_method, store, store.port, run_dir,
         )  # fmt: skip
     except SupervisedRankFailure as err:
@@ -295,9 +293,10 @@ def _supervised_launch(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig) 
 
 
 def _quiet_stops(record: logging.LogRecord) -> bool:
-    """The elastic launcher logs a rank that exits 130 / 143 as failed, with a traceback: a stop is not."""
+    """The elastic launcher logs a rank that exits 130 / 143 as failed, with a traceback: a stop is not; nor
+    is a rank that recorded a worded error (the launcher prints it)."""
     err = record.exc_info[1] if record.exc_info else None
-    return getattr(err, "exit_code", None) not in STOP_EXIT_CODES
+    return getattr(err, "exit_code", None) not in {*STOP_EXIT_CODES, EXIT_WORDED}
 
 
 def run_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
@@ -306,13 +305,38 @@ def run_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
     catch_stop_signals()
     try:
         _run_rank(config, info_fields)
-    except Stopped as stop:
-        # Everything worth doing is done: run the exit handlers (logs, stage files) and leave now, for the
-        # interpreter's teardown of torch and gloo can take seconds a preempted job does not have.
-        atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(stop.exit_code)
+    except Stopped as stop:  # everything worth doing is done, and a preempted job has no seconds to spare
+        _leave_now(stop.exit_code)
+
+
+class RankZeroFailed(RuntimeError):
+    """Rank 0 could not start the run (its reason is in the message): every other rank stops with it."""
+
+
+# Errors whose message says all a user needs (what is wrong, what to do): no traceback goes with them.
+_WORDED = (ConfigError, CheckpointError, WandbStartError, CallbackError, RankZeroFailed)
+# A self-launched rank's exit code after such an error (the launcher prints the error the rank recorded).
+EXIT_WORDED = 3
+# Where rank 0 says whether its coordinator (and its sinks: W&B) started.
+_COORDINATOR_STARTED = "coordinator_started"
+
+
+def self_launched_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
+    """A rank this process's launcher started: an error flodl words for the user ends it with exit code 1
+    and no traceback in the launcher's log; the launcher prints the cause the rank recorded, as one line."""
+    try:
+        run_rank(config, info_fields)
+    except _WORDED:
+        _leave_now(EXIT_WORDED)
+
+
+def _leave_now(code: int) -> None:
+    """Run the exit handlers (logs, stage files) and end the process without the interpreter's teardown of
+    torch and gloo, which can take seconds."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _run_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
@@ -365,11 +389,22 @@ def _run_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
             reader = InboxReader(connect(COORDINATOR))
             outbox = connect(COORDINATOR)
             resumed = coordinator_state(checkpoint) if checkpoint is not None else None
-            coordinator = make_coordinator(
-                cfg, config, info, env.world_size, total_picks, has_eval, reader, outbox, resumed,
-                (parts.model, device),
-            )  # fmt: skip
+            try:
+                coordinator = make_coordinator(
+                    cfg, config, info, env.world_size, total_picks, has_eval, reader, outbox, resumed,
+                    (parts.model, device),
+                )  # fmt: skip
+            except _WORDED as err:  # the others hear it before they wait for rank 0 in a collective
+                cause = f"{type(err).__name__}: {err}"
+                _record_failure(run_dir, env, cause)  # first: the launcher names the first failure's cause
+                publish_json(group.exchange, _COORDINATOR_STARTED, {"error": cause})
+                raise
+            publish_json(group.exchange, _COORDINATOR_STARTED, {})
             coordinator.start()
+        else:
+            started = read_json(group.exchange, _COORDINATOR_STARTED)
+            if "error" in started:
+                raise RankZeroFailed(f"rank 0 could not start the run: {started['error']}")
         outbox = connect(env.rank)
         keeps_evaluated = coordinator is not None and coordinator.hooks.run.keeps_evaluated_models
         worker = make_worker(cfg, parts, env, device, inbox, outbox, run_dir, keeps_evaluated, survival)

@@ -137,6 +137,20 @@ def test_wandb_failing_to_start_is_an_error_unless_not_required(tmp_path: Path) 
     assert "flodl: W&B could not start (" in failed.out and "logger.required=false" in failed.out
     assert "Traceback" not in failed.out
     assert (tmp_path / "failed" / "metrics.jsonl").read_text() == ""  # stopped before training
+    # Self-launched ranks: the same cause in one line, and no rank's or launcher's traceback.
+    ranks = train(
+        *args,
+        "launch.nproc_per_node=2",
+        FAST_START,
+        "hydra.run.dir=ranks",
+        cwd=tmp_path,
+        **wandb_env(tmp_path),
+    )
+    assert ranks.code == 1, ranks.out[-4000:]
+    assert "flodl: rank 0 failed first (WandbStartError: W&B could not start (" in ranks.out, ranks.out[
+        -4000:
+    ]
+    assert "Traceback" not in ranks.out, ranks.out[-4000:]
     optional = train(*args, "logger.required=false", "hydra.run.dir=run", cwd=tmp_path, **wandb_env(tmp_path))
     optional.check()
     assert optional.out.count("training goes on without W&B") == 1
