@@ -333,7 +333,8 @@ class Coordinator(threading.Thread):
         for change in self.changes:
             if change.first_round_at is None and driver.rounds_closed > change.rounds_before:
                 change.first_round_at = time.perf_counter()
-        while self.changes and self.changes[0].done:
+        # In order; a change the next one overtook (its group never formed, or no round closed in it) too.
+        while self.changes and (self.changes[0].done or len(self.changes) > 1):
             change = self.changes.pop(0)
             log.warning("%s", change.line())
             self.timeline.membership_changed(change.event())
@@ -394,8 +395,9 @@ class Coordinator(threading.Thread):
         elif isinstance(message, Joined):
             self._on_joined(message)
         elif isinstance(message, Regrouped):
-            if self.changes and message.generation == self.changes[-1].generation:
-                self.changes[-1].on_formed(message.rank, message.release_ms, message.form_ms)
+            for change in self.changes:
+                if change.generation == message.generation:
+                    change.on_formed(message.rank, message.release_ms, message.form_ms)
         elif isinstance(message, Progress):
             for sink in self.sinks:
                 sink.progress(message)

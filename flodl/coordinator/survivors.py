@@ -59,8 +59,12 @@ class MembershipChange:
         return self.formed_at is not None and self.first_round_at is not None
 
     def event(self) -> dict[str, Any]:
-        """The change as metrics.jsonl, the timeline and W&B record it (seconds after it began)."""
-        assert self.formed_at is not None and self.first_round_at is not None
+        """The change as the timeline records it (seconds after it began). A change that the next one overtook
+        before its group formed, or before a round closed in it, has those times as None."""
+
+        def after(at: float | None) -> float | None:
+            return None if at is None else at - self.started
+
         return {
             "event": f"rank_{self.kind}",
             "rank": self.rank,
@@ -68,19 +72,22 @@ class MembershipChange:
             "why": self.why,
             "generation": self.generation,
             "members": self.members,
-            "release_ms": max(r for r, _ in self.formed.values()),
-            "form_ms": max(f for _, f in self.formed.values()),
-            "formed_s": self.formed_at - self.started,
-            "first_round_s": self.first_round_at - self.started,
+            "release_ms": max((r for r, _ in self.formed.values()), default=None),
+            "form_ms": max((f for _, f in self.formed.values()), default=None),
+            "formed_s": after(self.formed_at),
+            "first_round_s": after(self.first_round_at),
             **({"startup_s": self.startup_s, "waited_s": self.waited_s} if self.kind == "admitted" else {}),
         }
 
     def line(self) -> str:
         e = self.event()
+        verb = "cut out" if self.kind == "cut" else "admitted"
+        what = f"rank {self.rank} {verb} ({self.why}): members {self.members}"
+        if not self.done:
+            return f"{what}; overtaken by the next change before its first good round"
         return (
-            f"rank {self.rank} {'cut out' if self.kind == 'cut' else 'admitted'} ({self.why}): members "
-            f"{self.members}; group re-formed {e['formed_s']:.2f} s after (release {e['release_ms']:.0f} ms, "
-            f"form {e['form_ms']:.0f} ms), first good round {e['first_round_s']:.2f} s after"
+            f"{what}; group re-formed {e['formed_s']:.2f} s after (release {e['release_ms']:.0f} ms, form "
+            f"{e['form_ms']:.0f} ms), first good round {e['first_round_s']:.2f} s after"
         )
 
 
