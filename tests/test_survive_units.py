@@ -1,0 +1,128 @@
+"""fault_tolerance=survive's pieces, each on its own: the heartbeat monitor's forgetting, a membership
+change's timing, the averaging group over real gloo (three forked ranks), and a rank's wait
+for the coordinator's word over a real store inbox."""
+
+from __future__ import annotations
+
+import multiprocessing
+from datetime import timedelta
+
+import pytest
+import torch
+from torch.distributed import TCPStore
+
+from flodl.coordinator.survivors import MembershipChange
+from flodl.wire.group import loopback_store
+from flodl.wire.heartbeat import HeartbeatMonitor
+from flodl.wire.membership import AveragingGroup
+from flodl.wire.messages import AverageNow, ExtendPartition, Regroup, Shutdown
+from flodl.wire.transport import InboxReader, Mailbox
+from flodl.worker.survival import Survival
+
+
+def test_a_forgotten_rank_is_never_silent_until_watched_again() -> None:
+    monitor = HeartbeatMonitor(3, timeout_s=2.0, started=0.0)
+    for rank in range(3):
+        monitor.heard(rank, 1.0)
+    monitor.forget(2)
+    monitor.heard(2, 9.0)  # a cut rank's late beat does not bring it back
+    assert monitor.silent(10.0) == [0, 1]
+    monitor.watch(2, 10.0)
+    assert monitor.silent(11.0) == [0, 1]
+    assert monitor.silent(12.5) == [0, 1, 2]
+    assert monitor.silence_of(2, 12.5) == pytest.approx(2.5)
+
+
+def test_a_change_is_done_once_every_member_formed_and_a_round_closed() -> None:
+    change = MembershipChange("cut", 2, generation=1, members=[0, 1], why="no heartbeat", started=10.0)
+    change.on_formed(0, release_ms=3.0, form_ms=20.0)
+    assert change.formed_at is None  # rank 1 has not formed the group yet
+    change.on_formed(1, release_ms=500.0, form_ms=25.0)
+    assert change.formed_at is not None and not change.done
+    change.first_round_at = change.formed_at + 0.5
+    assert change.done
+    event = change.event()
+    assert (event["event"], event["rank"], event["release_ms"], event["form_ms"]) == (
+        "rank_cut",
+        2,
+        500.0,
+        25.0,
+    )
+    assert event["first_round_s"] - event["formed_s"] == pytest.approx(0.5)
+    assert "cut out (no heartbeat): members [0, 1]" in change.line() and "first good round" in change.line()
+    overtaken = MembershipChange("admitted", 2, generation=2, members=[0, 1, 2], why="incarnation 1")
+    assert overtaken.event()["formed_s"] is None and "overtaken" in overtaken.line()
+
+
+def _member(rank: int, port: int, results: multiprocessing.Queue) -> None:
+    """One rank of the group test (a process of its own: gloo holds the interpreter while it forms)."""
+    store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=20))
+    group = AveragingGroup(store, "gloo", rank, torch.device("cpu"), 10.0)
+    state = torch.full((5,), float(rank + 1))
+    seen = []
+    group.form(0, [0, 1, 2])
+    seen.append((group.generation, group.index, group.size))
+    if rank != 0:  # rank 0 is out: a group of two, in rank order
+        group.form(1, [2, 1])
+        seen.append((group.generation, group.index, group.size))
+    group.form(2, [0, 1, 2])  # rank 0 is back and receives the first member's state
+    group.broadcast_from_first([state])
+    results.put((rank, seen, state.tolist()))
+
+
+@pytest.mark.multiproc
+def test_the_averaging_group_forms_per_generation_and_hands_a_joiner_the_first_member_s_state() -> None:
+    store = loopback_store(0, None, timedelta(seconds=20))
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    ranks = [context.Process(target=_member, args=(r, store.port, results)) for r in range(3)]
+    for process in ranks:
+        process.start()
+    try:
+        got = {rank: (seen, state) for rank, seen, state in (results.get(timeout=60) for _ in ranks)}
+    finally:
+        for process in ranks:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+    assert got[0][0] == [(0, 0, 3)]
+    assert got[1][0] == [(0, 1, 3), (1, 0, 2)] and got[2][0] == [(0, 2, 3), (1, 1, 2)]
+    assert all(state == [1.0] * 5 for _, state in got.values())
+
+
+def test_an_aborted_group_is_marked_and_a_rank_forms_only_groups_it_is_in() -> None:
+    group = AveragingGroup(loopback_store(0, None, timedelta(seconds=5)), "gloo", 0, torch.device("cpu"), 5.0)
+    group.form(0, [0])
+    group.abort()  # gloo: nothing pending to free; the generation is untrustworthy until re-formed
+    assert group.aborted.is_set()
+    group.form(1, [0])
+    assert not group.aborted.is_set()
+    with pytest.raises(RuntimeError, match="not in the averaging group"):
+        group.form(2, [1, 2])
+
+
+def test_a_rank_waiting_for_the_coordinator_keeps_what_else_came_and_ends_with_the_run() -> None:
+    store = loopback_store(0, None, timedelta(seconds=20))
+    sender = Mailbox.connect("127.0.0.1", store.port, "ns", "coordinator", 10.0)
+    reader = InboxReader(Mailbox.connect("127.0.0.1", store.port, "ns", 1, 10.0))
+    group = AveragingGroup(store, "gloo", 1, torch.device("cpu"), 10.0)
+    survival = Survival(group, reader, incarnation=0, wait_s=10.0)
+    reader.start()
+    regroup = Regroup(generation=1, members=[0, 1], cut_round=4)
+    for message in (AverageNow(round=4), regroup, ExtendPartition([], 0)):
+        sender.send(1, message)
+    assert survival.await_regroup(1, "round 4 was cut", None) == regroup
+    assert group.aborted.is_set()  # the Regroup freed whatever the loop was blocked in, on arrival
+    assert reader.next_message(5.0) == AverageNow(round=4)  # given back, in order, before the queue's
+    assert reader.next_message(5.0) == ExtendPartition([], 0)
+    # A restart waits for its admission; what was meant for its previous incarnation is dropped.
+    joiner = Survival(group, reader, incarnation=1, wait_s=10.0)
+    assert joiner.joining
+    admission = Regroup(generation=2, members=[0, 1], joining=[1])
+    for message in (AverageNow(round=5), regroup, admission):
+        sender.send(1, message)
+    assert joiner.await_admission(1) == admission
+    assert reader.next_message(None) is None
+    sender.send(1, Shutdown("done"))  # the run ends first: no Regroup, and the loop still sees the end
+    assert survival.await_regroup(1, "round 6 was cut", None) is None
+    assert reader.next_message(5.0) == Shutdown("done")
