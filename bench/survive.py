@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import signal
 import statistics
 import time
@@ -28,15 +29,17 @@ from benchlib import REPO, environment_lines, results_path, write_report
 from tests.helpers.procs import PYTHON, TRAIN, child_env, finish, kill_group, start
 
 
-def rank_process(launcher: psutil.Process, rank: int) -> psutil.Process | None:
-    """The live process of `rank` among the launcher's children (the supervisor starts each with RANK)."""
-    for child in launcher.children(recursive=False):
-        try:
-            if child.environ().get("RANK") == str(rank) and child.status() != psutil.STATUS_ZOMBIE:
-                return child
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return None
+def rank_process(run: Path, rank: int) -> psutil.Process | None:
+    """The live process of `rank`: the last start its log names (a restart appends to the same log)."""
+    log = run / f"rank{rank}.log"
+    starts = re.findall(rf"rank {rank}/\d+ \(pid (\d+)\)", log.read_text()) if log.exists() else []
+    if not starts:
+        return None
+    try:
+        process = psutil.Process(int(starts[-1]))
+        return process if process.status() != psutil.STATUS_ZOMBIE else None
+    except psutil.NoSuchProcess:
+        return None
 
 
 def epochs_done(run: Path) -> int:
@@ -51,7 +54,6 @@ def launch(work: Path, name: str, overrides: list[str], timeout: float, kills: i
     run = work / name
     args = [PYTHON, TRAIN, *overrides, f"hydra.run.dir={run}"]
     proc = start(args, cwd=work, env=child_env())
-    launcher = psutil.Process(proc.pid)
     killed: list[float] = []
     deadline = time.time() + timeout
     try:
@@ -63,7 +65,7 @@ def launch(work: Path, name: str, overrides: list[str], timeout: float, kills: i
                 if kill_after_epochs is not None
                 else time.time() >= next_kill
             )
-            target = rank_process(launcher, 1) if due else None
+            target = rank_process(run, 1) if due else None
             if target is not None:
                 target.send_signal(signal.SIGKILL)
                 killed.append(time.time())

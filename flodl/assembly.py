@@ -204,8 +204,6 @@ def make_worker(
     else:
         keeps_own = guarded(cfg) or easgd_alpha_of(cfg) is not None
         averager = DeviceAverager(parts.model, cfg.gamma, device, cfg.bf16_wire, outer, keeps_own, membership)
-    if membership is not None and survival is not None and not survival.joining:
-        averager.share(membership.broadcast_from_first)  # every original member starts from rank 0's
     # Built (and compiled) after the averager re-pointed the parameters into its flat buffers: compiled
     # graphs read them there, so each round's in-place update is what the next step sees.
     first_start = survival is None or not survival.joining
@@ -234,8 +232,6 @@ def make_survival(
     # closing its sockets. NCCL's is aborted instead, and its watchdog must not fire on a slow first round.
     timeout_s = cfg.launch.timeout_s if backend == "nccl" else max(3 * cfg.heartbeat_timeout_s, 10.0)
     membership = AveragingGroup(exchange, backend, env.rank, device, timeout_s)
-    if incarnation == 0:
-        membership.form(0, list(range(env.world_size)))
     # A rank whose round failed hears who is still in once the coordinator has seen the silence.
     wait_s = 2 * cfg.heartbeat_timeout_s + 10
     return Survival(membership, reader, incarnation, wait_s)

@@ -188,3 +188,20 @@ def test_ranks_started_one_by_one_survive_and_a_restart_is_admitted(tmp_path: Pa
     log = "".join((run / f"rank{r}.log").read_text() for r in range(3))
     final = digests(log, "final round")
     assert set(final) == {0, 1, 2} and len(set(final.values())) == 1, final
+
+
+def test_a_rank_dying_while_the_ranks_start_is_cut_and_the_others_share_a_start(tmp_path: Path) -> None:
+    result, run = survive_run(
+        tmp_path,
+        3,
+        32,
+        "policy=async",
+        "simulate.kill_rank=2",
+        "simulate.kill_at_step=1",
+        "simulate.kill_in=start",
+    )
+    result.check()
+    check_every_epoch_once(run, 3)
+    assert [(e["event"], e["rank"]) for e in membership(run)] == [("rank_cut", 2)]
+    final = digests(result.out, "final round")
+    assert set(final) == {0, 1} and len(set(final.values())) == 1, final

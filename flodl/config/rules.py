@@ -148,7 +148,9 @@ def _range_problems(cfg: FlodlConfig) -> Iterator[str]:
     yield from check("simulate.nan_at_step", lambda v: v >= 1, "must be >= 1 (a 1-based step)", True)
     yield from check("simulate.hang_at_step", lambda v: v >= 1, "must be >= 1 (a 1-based step)", True)
     yield from check("simulate.kill_at_step", lambda v: v >= 1, "must be >= 1 (a 1-based step)", True)
-    yield from check("simulate.kill_in", lambda v: v in ("window", "round"), "must be window or round")
+    yield from check(
+        "simulate.kill_in", lambda v: v in ("window", "round", "start"), "must be window, round or start"
+    )
     yield from check("launch.nproc_per_node", lambda v: v >= 1, "must be >= 1")
     yield from check("logger.name", lambda v: v in LOGGERS, f"must be one of {', '.join(LOGGERS)}")
     yield from check(

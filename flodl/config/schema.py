@@ -117,7 +117,8 @@ class SimulateConfig:
     hang_at_step: int | None = None
     hang_rank: int = 0
     # Kill rank `kill_rank` (SIGKILL) at its step `kill_at_step`, or, with kill_in=round, as it enters the
-    # first averaging round after that step: checks fault_tolerance=survive. A restarted rank runs clean.
+    # first averaging round after that step (kill_in=start: as the ranks form their first averaging group,
+    # survive only): checks fault_tolerance=survive. A restarted rank runs clean.
     kill_at_step: int | None = None
     kill_rank: int = 0
     kill_in: str = "window"

@@ -116,7 +116,8 @@ class LocalSgdDriver:
 
     def _regroup(self, cut_round: int | None = None, joining: list[int] | None = None) -> None:
         members = sorted(self.members)
-        order = Regroup(self.generation, members, joining or [], cut_round, self.global_steps)
+        shares = bool(joining) or self.rounds_closed == 0
+        order = Regroup(self.generation, members, joining or [], cut_round, self.global_steps, shares)
         for rank in members:
             self.outbox.send(rank, order)
 

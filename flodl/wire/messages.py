@@ -174,9 +174,8 @@ class Heartbeat:
 
 @dataclass
 class Regroup:
-    """fault_tolerance=survive: the averaging group is now `members` (generation `generation`). A rank in
-    `joining` receives the parameters from the group's first member; a round cut by the change is redone
-    (the coordinator sends its AverageNow again)."""
+    """fault_tolerance=survive: the averaging group is now `members` (generation `generation`); a round cut
+    by the change is redone (the coordinator sends its AverageNow again)."""
 
     generation: int
     members: list[int]
@@ -185,6 +184,9 @@ class Regroup:
     cut_round: int | None = None
     # Every rank's steps up to the last round (the LR schedule's clock; a joiner starts there).
     global_steps: int = 0
+    # Every member receives the first member's state: a joiner's first, or any change before the first round
+    # closed (a death while the ranks started may have cut the start's own broadcast).
+    shares_state: bool = False
 
 
 @dataclass

@@ -18,7 +18,8 @@ class FaultInjection:
     nan_at_step: int | None = None
     hang_at_step: int | None = None
     kill_at_step: int | None = None
-    # Where the kill lands: "window" (at that step) or "round" (as the first round after it begins).
+    # Where the kill lands: "window" (at that step), "round" (as the first round after it begins) or "start"
+    # (as the ranks form their first averaging group; kill_at_step only arms it).
     kill_in: str = "window"
 
     def applied(self, loss: Tensor, step: int) -> Tensor:
@@ -31,6 +32,11 @@ class FaultInjection:
         if step == self.nan_at_step:
             return loss * float("nan")
         return loss
+
+    def before_start(self) -> None:
+        """The rank is about to form the first averaging group with its peers."""
+        if self.kill_in == "start" and self.kill_at_step is not None:
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def before_round(self, steps_taken: int) -> None:
         """The rank is about to enter a round's collective, having taken `steps_taken` steps: its peers are

@@ -115,7 +115,19 @@ class LocalSgdWorker(WorkerBase):
         return self.round is not None or self.chunk is not None or bool(self.pending)
 
     def on_start(self) -> None:
-        if self.survival is None or not self.survival.joining:
+        if self.survival is None:
+            return
+        if not self.survival.joining:
+            # Every original member forms the first group and starts from rank 0's state. A rank that dies
+            # meanwhile is cut like any other, and the Regroup then shares the first member's state again.
+            try:
+                self.stepper.fault.before_start()
+                self.survival.form_first(self.world_size, self.averager.share)
+                self.averager.regroup()
+            except Exception as err:
+                regroup = self.survival.await_regroup(self.rank, "the first averaging group failed", err)
+                if regroup is not None:  # else the run ended first
+                    self._regroup(regroup)
             return
         # A restarted rank: announce itself, then wait to be admitted at a round boundary with the consensus.
         startup_s = time.time() - psutil.Process().create_time()
@@ -389,10 +401,8 @@ class LocalSgdWorker(WorkerBase):
             return
         self.report(formed)
         self.averager.regroup()
-        if message.joining:
-            log.info(
-                "rank %d: state after admitting %s: %s",
-                self.rank,
-                message.joining,
-                self.averager.state_digest(),
+        if message.shares_state:
+            shared = (
+                f"admitting {message.joining}" if message.joining else "the first member's state was shared"
             )
+            log.info("rank %d: state after %s: %s", self.rank, shared, self.averager.state_digest())

@@ -106,6 +106,11 @@ class Survival:
             f"rank {rank}: no word from the coordinator within {limit_s} s while waiting for {what}"
         )
 
+    def form_first(self, world_size: int, share: Callable[[Callable[[list[Tensor]], None]], None]) -> None:
+        """Generation 0: every rank, each starting from rank 0's state."""
+        self.membership.form(0, list(range(world_size)))
+        share(self.membership.broadcast_from_first)
+
     def form(
         self,
         rank: int,
@@ -116,7 +121,7 @@ class Survival:
         """Form the group `message` names; a joiner then receives the first member's state through `share`
         (every member takes part in that broadcast)."""
         form_s = self.membership.form(message.generation, message.members)
-        if message.joining:
+        if message.shares_state:
             share(self.membership.broadcast_from_first)
         log.info(
             "rank %d: averaging group %d is %s%s (formed in %.0f ms)",
