@@ -249,10 +249,13 @@ def supervise_until_stopped(out: str) -> None:
 
 
 def test_a_stop_signal_to_the_supervisor_reaches_every_rank_and_stops_it(tmp_path: Path):
-    child = multiprocessing.get_context("fork").Process(target=supervise_until_stopped, args=(str(tmp_path),))
+    # A fresh interpreter: a fork of this test process could inherit a lock some earlier test's thread held.
+    child = multiprocessing.get_context("spawn").Process(
+        target=supervise_until_stopped, args=(str(tmp_path),)
+    )
     child.start()
     try:
-        until(lambda: all(starts(tmp_path, rank) for rank in range(3)), "every rank is started and ready")
+        until(lambda: all(starts(tmp_path, rank) for rank in range(3)), "every rank is started and ready", 25)
         os.kill(child.pid, signal.SIGINT)  # to the supervisor alone: the ranks hear it from it
         child.join(timeout=15)
         assert child.exitcode == 130
