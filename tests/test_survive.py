@@ -75,11 +75,14 @@ def membership(run: Path) -> list[dict]:
     return json.loads((run / "timeline.json").read_text())["membership"]
 
 
+# async on the cpu backend: the round runs on a thread while the ranks train on, and is cut there.
 @pytest.mark.parametrize(
-    ("policy", "kill_in"), [("cadence", "window"), ("async", "round")], ids=["cadence-window", "async-round"]
+    ("policy", "kill_in", "backend"),
+    [("cadence", "window", "nccl"), ("async", "round", "cpu")],
+    ids=["cadence-window", "async-round-cpu-backend"],
 )
 def test_a_killed_rank_is_cut_out_restarted_and_admitted_back(
-    tmp_path: Path, policy: str, kill_in: str
+    tmp_path: Path, policy: str, kill_in: str, backend: str
 ) -> None:
     # Long enough for the restarted process to start (seconds on a loaded machine) and be admitted well
     # before the end.
@@ -88,6 +91,7 @@ def test_a_killed_rank_is_cut_out_restarted_and_admitted_back(
         EPOCHS_RESTART,
         8,
         f"policy={policy}",
+        f"backend={backend}",
         "simulate.kill_rank=1",
         "simulate.kill_at_step=6",
         f"simulate.kill_in={kill_in}",
