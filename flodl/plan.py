@@ -95,7 +95,24 @@ def describe(cfg: FlodlConfig, host: HostFacts, data: DataPlaneSettings) -> str:
             f"max_overshoot={cfg.max_overshoot or 'auto 3-15'} guard={cfg.divergence_guard}"
             + (f"({cfg.divergence_threshold or 'auto'})" if cfg.divergence_guard == "trend" else "")
         )
+    lines.append(faults_line(cfg))
     return "\n".join(lines)
+
+
+def faults_line(cfg: FlodlConfig) -> str:
+    """What happens when a rank dies (fault_tolerance) and how soon a silent one is named."""
+    if cfg.fault_tolerance == "survive":
+        what = (
+            f"survive: the others train on without a dead rank (min_ranks={cfg.min_ranks}); a self-launched "
+            f"rank restarts alone, up to {cfg.launch.max_restarts} time(s)"
+        )
+    else:
+        what = "a dead rank ends the job" + (
+            f" (self-launched: every rank restarts, up to {cfg.launch.max_restarts} time(s))"
+            if cfg.launch.max_restarts
+            else ""
+        )
+    return f"  faults          {what}; a rank silent for {cfg.heartbeat_timeout_s:g} s counts as dead"
 
 
 def staging_lines(settings: DataPlaneSettings, host: HostFacts) -> list[str]:

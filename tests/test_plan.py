@@ -63,3 +63,12 @@ def test_plan_asks_the_runs_backend_and_averaging():
     assert "collectives: gloo" in plan_of()  # no GPU: gloo, whatever backend says
     assert "per rank per step (DDP gradients)" in plan_of()
     assert "per rank per averaging round" in plan_of(policy="cadence")
+
+
+def test_plan_says_what_a_dead_rank_does_to_the_run():
+    assert "faults          a dead rank ends the job; a rank silent for 60 s counts as dead" in plan_of()
+    restarts = plan_of(launch={"max_restarts": 2})
+    assert "self-launched: every rank restarts, up to 2 time(s)" in restarts
+    survive = plan_of(policy="async", fault_tolerance="survive", min_ranks=2, heartbeat_timeout_s=5)
+    assert "survive: the others train on without a dead rank (min_ranks=2)" in survive
+    assert "silent for 5 s" in survive
