@@ -56,9 +56,12 @@ def pids(out: str) -> dict[int, list[int]]:
 
 
 def digests(out: str, what: str) -> dict[int, str]:
-    """The last state fingerprint each rank logged after `what` ('final round' or 'admitting')."""
+    """The last state fingerprint each rank logged after `what` ('final round' or 'admitting'; an admission
+    also gives the global steps, the LR schedule's clock at the last round)."""
     found = {}
-    for rank, digest in re.findall(rf"rank (\d+): state after {what}[^:]*: ([0-9a-f]+)", out):
+    for rank, digest in re.findall(
+        rf"rank (\d+): state after {what}[^:]*: ([0-9a-f]+(?:, global steps \d+)?)", out
+    ):
         found[int(rank)] = digest
     return found
 
@@ -108,7 +111,7 @@ def test_a_killed_rank_is_cut_out_restarted_and_admitted_back(
     for event in events:
         assert event["first_round_s"] >= event["formed_s"] >= 0
     assert "rank 1 is out" in result.out
-    # The admitted rank received the consensus: every member held the same state right after.
+    # The admitted rank received the consensus and the global steps: every member held the same right after.
     admitted = digests(result.out, "admitting")
     assert set(admitted) == {0, 1, 2} and len(set(admitted.values())) == 1, admitted
     # The last round was exact: one state on every member, and model.pt is it.

@@ -56,13 +56,12 @@ class LocalSgdDriver:
         self._undecided_evals: set[int] = set()
         self._decided_evals: set[int] = set()
         self._round_costs: dict[int, RoundCost] = {}
-        # fault_tolerance=survive: the averaging group's generation (one per membership change), the
-        # restarted ranks waiting for a round boundary, and every rank's steps up to the last round.
+        # fault_tolerance=survive: the averaging group's generation (one per membership change) and the
+        # restarted ranks waiting for a round boundary.
         self.generation = 0
         self.joiners: set[int] = set()
         # Ranks admitted since the coordinator last looked (it watches their heartbeats from then on).
         self.admitted: list[int] = []
-        self.global_steps = 0
         # Rounds every member acknowledged (a membership change's first good round is the next one).
         self.rounds_closed = 0
 
@@ -117,7 +116,7 @@ class LocalSgdDriver:
     def _regroup(self, cut_round: int | None = None, joining: list[int] | None = None) -> None:
         members = sorted(self.members)
         shares = bool(joining) or self.rounds_closed == 0
-        order = Regroup(self.generation, members, joining or [], cut_round, self.global_steps, shares)
+        order = Regroup(self.generation, members, joining or [], cut_round, shares)
         for rank in members:
             self.outbox.send(rank, order)
 
@@ -155,7 +154,6 @@ class LocalSgdDriver:
             if self.planner.on_ack(ack):
                 self.ledger.close_round(message.round, self._round_costs)
                 self._round_costs = {}
-                self.global_steps += sum(a.steps for a in self.planner.window_acks())
                 self.rounds_closed += 1
                 if not message.skipped:  # a skip is the same on every rank: nobody moved
                     self._feed_round()

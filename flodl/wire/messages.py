@@ -182,8 +182,6 @@ class Regroup:
     joining: list[int] = field(default_factory=list)
     # The round in flight that the change cut (None: the change came between rounds).
     cut_round: int | None = None
-    # Every rank's steps up to the last round (the LR schedule's clock; a joiner starts there).
-    global_steps: int = 0
     # Every member receives the first member's state: a joiner's first, or any change before the first round
     # closed (a death while the ranks started may have cut the start's own broadcast).
     shares_state: bool = False

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -122,7 +123,7 @@ class LocalSgdWorker(WorkerBase):
             # meanwhile is cut like any other, and the Regroup then shares the first member's state again.
             try:
                 self.stepper.fault.before_start()
-                self.survival.form_first(self.world_size, self.averager.share)
+                self.survival.form_first(self.world_size, self._share)
                 self.averager.regroup()
             except Exception as err:
                 regroup = self.survival.await_regroup(self.rank, "the first averaging group failed", err)
@@ -353,6 +354,15 @@ class LocalSgdWorker(WorkerBase):
             return self.rank, self.world_size
         return self.survival.membership.index, self.survival.membership.size
 
+    def _share(self, send: Callable[[list[torch.Tensor]], None]) -> None:
+        """The first member's state to every member: parameters and f32 buffers, and its LR schedule's clock
+        (every rank's steps up to the last round; a restarted rank starts there)."""
+        self.averager.share(send)
+        clock = torch.tensor([self.global_steps], dtype=torch.int64, device=self.stepper.device)
+        send([clock])
+        self.global_steps = int(clock.item())
+        self.stepper.schedule_to(self.schedule_position())
+
     def _cut(self, order: AverageNow, cause: BaseException | None) -> None:
         """The round's collective failed (without survive: the run fails here). Wait for the coordinator's
         Regroup, which names who is still in and sends the round again."""
@@ -387,12 +397,9 @@ class LocalSgdWorker(WorkerBase):
             self.global_steps -= self.finished.total_steps
             self.window_busy_s += self.finished.busy_s
         self.finished = None
-        if self.rank in message.joining:
-            self.global_steps = message.global_steps
-            self.stepper.schedule_to(self.schedule_position())
         release_ms = (time.perf_counter() - started) * 1000
         try:
-            formed = self.survival.form(self.rank, message, self.averager.share, release_ms)
+            formed = self.survival.form(self.rank, message, self._share, release_ms)
         except Exception as err:  # a member died while the group formed: the coordinator cuts it next
             failed = f"averaging group {message.generation} could not be formed"
             retry = self.survival.await_regroup(self.rank, failed, err)
@@ -405,4 +412,7 @@ class LocalSgdWorker(WorkerBase):
             shared = (
                 f"admitting {message.joining}" if message.joining else "the first member's state was shared"
             )
-            log.info("rank %d: state after %s: %s", self.rank, shared, self.averager.state_digest())
+            log.info(
+                "rank %d: state after %s: %s, global steps %d",
+                self.rank, shared, self.averager.state_digest(), self.global_steps,
+            )  # fmt: skip
