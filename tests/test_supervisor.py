@@ -1,6 +1,6 @@
 """The per-rank supervisor of fault_tolerance=survive (flodl/supervisor.py), with real processes and a real
-TCPStore: the ranks are forked and run tests/helpers/supervised.py; a thread of the test plays the
-coordinator's part (cuts) and releases the ranks once it has seen what it came for."""
+TCPStore: the ranks are forked (from a fork server) and run tests/helpers/supervised.py; a thread of the test
+plays the coordinator's part (cuts) and releases the ranks once it has seen what it came for."""
 
 from __future__ import annotations
 
@@ -30,6 +30,11 @@ from tests.helpers.supervised import RELEASE, VARIABLES, pid_key, rank_main
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(30)]
 
 WORLD = 4
+# Ranks are forked from a clean server process, not from this one: a fork of the test process inherits the
+# threads of earlier tests (data-plane readers, queue feeders) and a lock one of them may hold (seen in CI: a
+# rank that never started). The server imports the ranks' module once, so a rank still starts in milliseconds.
+START_METHOD = "forkserver"
+multiprocessing.get_context(START_METHOD).set_forkserver_preload(["tests.helpers.supervised"])
 POLL_S = 0.05
 STORE_TIMEOUT = timedelta(seconds=15)
 
@@ -70,7 +75,7 @@ def run(
     store: TCPStore, tmp_path: Path, plan: dict[int, str], world: int, max_restarts: int
 ) -> list[RankExit]:
     return supervise(
-        rank_main, (store.port, str(tmp_path), plan), world, max_restarts, "fork", store, store.port,
+        rank_main, (store.port, str(tmp_path), plan), world, max_restarts, START_METHOD, store, store.port,
         tmp_path / "logs", poll_s=POLL_S,
     )  # fmt: skip
 
@@ -249,7 +254,7 @@ def supervise_until_stopped(out: str) -> None:
 
 
 def test_a_stop_signal_to_the_supervisor_reaches_every_rank_and_stops_it(tmp_path: Path):
-    # A fresh interpreter: a fork of this test process could inherit a lock some earlier test's thread held.
+    # A fresh interpreter for the supervisor too, for the same reason as START_METHOD.
     child = multiprocessing.get_context("spawn").Process(
         target=supervise_until_stopped, args=(str(tmp_path),)
     )
