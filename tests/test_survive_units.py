@@ -1,5 +1,5 @@
 """fault_tolerance=survive's pieces, each on its own: the heartbeat monitor's forgetting, a membership
-change's timing, the averaging group over real gloo (three forked ranks), and a rank's wait
+change's timing, the averaging group over real gloo (three ranks forked from a fork server), and a rank's wait
 for the coordinator's word over a real store inbox."""
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ def _member(rank: int, port: int, results: multiprocessing.Queue) -> None:
 @pytest.mark.multiproc
 def test_the_averaging_group_forms_per_generation_and_hands_a_joiner_the_first_member_s_state() -> None:
     store = loopback_store(0, None, timedelta(seconds=20))
-    context = multiprocessing.get_context("fork")
+    # Forked from a clean server: a fork of this process could inherit a lock an earlier test's thread holds.
+    context = multiprocessing.get_context("forkserver")
     results = context.Queue()
     ranks = [context.Process(target=_member, args=(r, store.port, results)) for r in range(3)]
     for process in ranks:
