@@ -8,7 +8,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers.procs import FAST_START, TORCHRUN, TRAIN, finish, leftovers, start, torchrun, train
+from tests.helpers.procs import (
+    FAST_START,
+    TORCHRUN,
+    TRAIN,
+    finish,
+    free_port,
+    leftovers,
+    start,
+    torchrun,
+    train,
+)
 from tests.helpers.runs import assert_complete_run, epochs_of, finished_at, rank0_line
 
 pytestmark = pytest.mark.multiproc
@@ -23,12 +33,6 @@ def test_torchrun_ranks_walk_a_multirun_sweep_together(tmp_path: Path) -> None:
     for job in jobs:
         assert_complete_run(job, world=2, epochs=1)
     assert not leftovers(tmp_path)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_nodes_on_one_machine(tmp_path: Path) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import re
 import signal
-import socket
 import subprocess
 import time
 from collections import defaultdict
@@ -18,7 +17,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.procs import FAST_START, PYTHON, TRAIN, Result, child_env, kill_group, start, train
+from tests.helpers.procs import (
+    FAST_START,
+    PYTHON,
+    TRAIN,
+    Result,
+    child_env,
+    free_port,
+    kill_group,
+    start,
+    train,
+)
 
 pytestmark = pytest.mark.multiproc
 
@@ -39,12 +48,6 @@ def survive_run(tmp_path: Path, epochs: int, batch_size: int, *overrides: str) -
 
 
 EPOCHS_RESTART = 24
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pids(out: str) -> dict[int, list[int]]:

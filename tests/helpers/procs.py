@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -115,3 +116,10 @@ def leftovers(cwd: Path) -> list[str]:
         except (psutil.NoSuchProcess, psutil.AccessDenied, FileNotFoundError):
             continue
     return found
+
+
+def free_port() -> int:
+    """A port nothing listens on now (for a store a test's ranks rendezvous at)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
