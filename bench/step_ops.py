@@ -92,7 +92,8 @@ def flodl_run(task: str, overrides: list[str], device: torch.device) -> Callable
             raise SystemExit(
                 f"step_ops: {steps} steps need more than the {stepper.total_picks} samples of an epoch"
             )
-        worker.train_epoch(StartEpoch(EpochSlice(next(epochs) % 2, 0, steps * cfg.batch_size)))
+        epoch = next(epochs) % 2
+        worker.train_epoch(StartEpoch(epoch, [EpochSlice(epoch, 0, steps * cfg.batch_size)]))
 
     return run
 

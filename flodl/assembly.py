@@ -7,6 +7,7 @@ each room defines for itself, in the `*_settings` functions below; nothing under
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -58,7 +59,7 @@ from flodl.worker.faults import FaultInjection
 from flodl.worker.local_sgd import LocalSgdWorker
 from flodl.worker.stepper import Stepper, StepperSettings
 from flodl.worker.survival import Survival
-from flodl.worker.sync import SyncWorker
+from flodl.worker.sync import LockstepSurvival, SyncWorker
 from flodl.worker.task_setup import TaskParts, TaskSettings
 
 log = logging.getLogger("flodl")
@@ -154,11 +155,15 @@ def wandb_settings(cfg: FlodlConfig) -> WandbSettings:
 # --- the rank's parts ---
 
 
-def _ddp(cfg: FlodlConfig, parts: TaskParts, device: torch.device) -> DistributedDataParallel:
+def _ddp(
+    cfg: FlodlConfig, parts: TaskParts, device: torch.device, group: dist.ProcessGroup | None = None
+) -> DistributedDataParallel:
+    """DDP around the model, on `group` (survive: the members' group; None: the world's)."""
     device_ids = [device.index] if device.type == "cuda" else None
     # The cpu backend averages the gradients on the host: DDP over a gloo group, also for CUDA tensors
-    # (collective: every rank builds its worker in step).
-    group = dist.new_group(backend="gloo") if cfg.backend == "cpu" and device.type == "cuda" else None
+    # (collective: every rank builds its worker in step). Survive's group is gloo then already.
+    if group is None and cfg.backend == "cpu" and device.type == "cuda":
+        group = dist.new_group(backend="gloo")
     ddp = DistributedDataParallel(
         parts.model, device_ids=device_ids, gradient_as_bucket_view=True, process_group=group
     )
@@ -190,10 +195,15 @@ def make_worker(
             return None
         return RankCheckpointer(checkpoint_store(cfg, run_dir), rank, parts.model, stepper)
 
+    first_start = survival is None or not survival.joining
     if not averages_parameters(cfg):
-        train_module = _ddp(cfg, parts, device) if world_size > 1 else parts.model
-        stepper = Stepper(stepper_settings(cfg, env), parts, device, train_module)
-        return SyncWorker(stepper, link, settings, cfg.bf16_wire, checkpointer(stepper))
+        lockstep = None
+        if survival is not None:  # DDP is wrapped on each group the members form
+            wrap = functools.partial(_ddp, cfg, parts, device)
+            lockstep = LockstepSurvival(survival, wrap, cfg.lr_scale_ratio)
+        train_module = _ddp(cfg, parts, device) if world_size > 1 and survival is None else parts.model
+        stepper = Stepper(stepper_settings(cfg, env, first_start), parts, device, train_module)
+        return SyncWorker(stepper, link, settings, cfg.bf16_wire, checkpointer(stepper), lockstep)
     outer = OuterSettings.resolve(cfg.outer, cfg.outer_lr, cfg.outer_momentum)
     averager: DeviceAverager | HostAverager
     membership = survival.membership if survival is not None else None
@@ -206,7 +216,6 @@ def make_worker(
         averager = DeviceAverager(parts.model, cfg.gamma, device, cfg.bf16_wire, outer, keeps_own, membership)
     # Built (and compiled) after the averager re-pointed the parameters into its flat buffers: compiled
     # graphs read them there, so each round's in-place update is what the next step sees.
-    first_start = survival is None or not survival.joining
     stepper = Stepper(stepper_settings(cfg, env, first_start), parts, device, parts.model)
     keep_training = cfg.backend == "cpu" and cfg.policy == "async"
     alpha = easgd_alpha_of(cfg)
@@ -266,7 +275,7 @@ def make_coordinator(
     if not averages_parameters(cfg):
         per_rank = equal_slices(total_picks, world_size, step_size)[0].size // step_size
         ledger = EpochLedger(cfg.epochs, world_size, per_rank * world_size, False, first, comm_total)
-        driver = SyncDriver(schedule, ledger, outbox, checkpoint_epochs(cfg), first)
+        driver = SyncDriver(schedule, ledger, outbox, first, committer)
     else:
         batches_per_epoch = total_picks // step_size
         overlapping = cfg.policy == "async"  # no epoch barrier

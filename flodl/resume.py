@@ -25,6 +25,7 @@ from flodl.run_identity import check_identity
 from flodl.wire.group import publish_json, read_json
 from flodl.worker.base import WorkerBase
 from flodl.worker.checkpoint_part import restore_rank_part
+from flodl.worker.rank_state import restore_stepper
 
 log = logging.getLogger("flodl")
 
@@ -102,7 +103,16 @@ def restore_worker(checkpoint: Checkpoint, worker: WorkerBase) -> None:
         worker.restore(restore_rank_part(checkpoint, worker.rank, worker.stepper))
         log.info("resumed from %s: training continues at epoch %d", checkpoint.path, checkpoint.epoch + 1)
         return
-    worker.restore(checkpoint.load(rank_file(ranks[0]))["worker"])
+    member = checkpoint.load(rank_file(ranks[0]))
+    worker.restore(member["worker"])
+    if worker.shares_optimizer:  # sync: the member's optimizer is everyone's (its RNG streams stay its own)
+        restore_stepper(worker.stepper, {k: v for k, v in member["stepper"].items() if k != "rng"})
+        log.warning(
+            "rank %d has no part in %s (not a member at its checkpoint): it resumes with rank %d's optimizer "
+            "state; training continues at epoch %d",
+            worker.rank, checkpoint.path, ranks[0], checkpoint.epoch + 1,
+        )  # fmt: skip
+        return
     log.warning(
         "rank %d has no part in %s (not a member at its checkpoint round): it resumes from the consensus "
         "with a fresh optimizer; training continues at epoch %d",

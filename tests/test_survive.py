@@ -6,6 +6,7 @@ consensus saved."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import signal
@@ -215,3 +216,101 @@ def test_a_rank_dying_while_the_ranks_start_is_cut_and_the_others_share_a_start(
     assert [(e["event"], e["rank"]) for e in membership(run)] == [("rank_cut", 2)]
     final = digests(result.out, "final round")
     assert set(final) == {0, 1} and len(set(final.values())) == 1, final
+
+
+# --- policy=sync: DDP re-wrapped on each group, the rest of a cut epoch planned again -------------------
+
+
+def rest_lines(out: str) -> list[tuple[int, int, list[int], int, int]]:
+    """Each re-planned epoch: (epoch, steps the members had trained, the ranks that share its rest, their
+    steps each, picks dropped)."""
+    found = re.findall(
+        r"epoch (\d+): the members trained (\d+) steps of it; its rest goes to ranks \[([\d, ]+)\], "
+        r"(\d+) steps each \((\d+) picks",
+        out,
+    )
+    return [(int(e), int(k), [int(r) for r in m.split(",")], int(s), int(d)) for e, k, m, s, d in found]
+
+
+def check_sync_epochs(run: Path, epochs: int) -> tuple[list[dict], int]:
+    """Every epoch once, with the optimizer steps each took (and the samples of a whole epoch: the last).
+    A cut epoch trains every pick of a whole one but less than a global step: the steps before the cut with
+    every member, the rest with the survivors (who report)."""
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == list(range(epochs))
+    whole = records[-1]["samples"]  # the last epoch is every member's again
+    steps = [records[0]["step"]] + [b["step"] - a["step"] for a, b in itertools.pairwise(records)]
+    for record, taken in zip(records, steps, strict=True):
+        record["steps_taken"] = taken
+    return records, whole
+
+
+def test_sync_a_killed_rank_is_cut_its_rest_planned_again_and_it_heals_back(tmp_path: Path) -> None:
+    batch = 8
+    result, run = survive_run(
+        tmp_path,
+        EPOCHS_RESTART,
+        batch,
+        "policy=sync",
+        "simulate.kill_rank=1",
+        "simulate.kill_at_step=6",
+        "launch.max_restarts=1",
+    )
+    result.check()
+    started = pids(result.out)
+    assert len(started[0]) == 1 and len(started[2]) == 1 and len(started[1]) == 2, started
+    events = membership(run)
+    assert [(e["event"], e["rank"]) for e in events] == [("rank_cut", 1), ("rank_admitted", 1)], events
+    for event in events:
+        assert event["first_round_s"] >= event["formed_s"] >= 0
+    records, whole = check_sync_epochs(run, EPOCHS_RESTART)
+    # Rank 1 died in its 6th step: the survivors had trained 5 steps of epoch 0 with it, and share the rest.
+    (replanned,) = rest_lines(result.out)
+    epoch, trained, members, rest, dropped = replanned
+    assert (epoch, trained, members) == (0, 5, [0, 2]), replanned
+    cut = records[0]
+    assert cut["steps_taken"] == trained + rest
+    assert cut["samples"] == 2 * (trained + rest) * batch  # what the survivors report
+    assert (3 * trained + 2 * rest) * batch + dropped == whole, "every pick of the epoch but the dropped"
+    assert dropped < 2 * batch
+    # The world shrank and grew back, and the learning rate followed it (lr_scale_ratio=1: x(1 + (n - 1))).
+    worlds = [r["world"] for r in records]
+    assert worlds[0] == 2 and worlds[-1] == 3, worlds
+    assert records[1]["lr"] == pytest.approx(records[-1]["lr"] * 2 / 3)
+    assert "world 3 -> 2: global batch 16, learning rate x0.6667" in result.out
+    # The restarted rank received the members' state: every member held the same right after, and at the end.
+    admitted = digests(result.out, r"admitting \[1\]")
+    assert set(admitted) == {0, 1, 2} and len(set(admitted.values())) == 1, admitted
+    final = digests(result.out, "the last epoch")
+    assert set(final) == {0, 1, 2} and len(set(final.values())) == 1, final
+
+
+def test_sync_a_frozen_rank_is_cut_and_a_resume_hands_it_the_members_optimizer(tmp_path: Path) -> None:
+    frozen = ("policy=sync", "simulate.hang_rank=2", "simulate.hang_at_step=5", "checkpoint_every=1")
+    result, run = survive_run(tmp_path, 3, 32, *frozen, "launch.max_restarts=0")
+    result.check()
+    assert all(len(ranks) == 1 for ranks in pids(result.out).values())
+    assert [(e["event"], e["rank"]) for e in membership(run)] == [("rank_cut", 2)]
+    check_sync_epochs(run, 3)
+    final = digests(result.out, "the last epoch")
+    assert set(final) == {0, 1} and len(set(final.values())) == 1, final
+    manifest = json.loads((run / "checkpoints" / "epoch-000002" / "manifest.json").read_text())
+    assert manifest["ranks"] == [0, 1]
+    # Resumed with every rank: rank 2 has no part and takes rank 0's optimizer (DDP steps them all alike:
+    # a fresh one would drift from the others), so all three end with one state.
+    resumed, run = survive_run(tmp_path, 4, 32, "policy=sync", "checkpoint_every=1")
+    resumed.check()
+    assert "rank 2 has no part in" in resumed.out and "rank 0's optimizer state" in resumed.out
+    final = digests(resumed.out, "the last epoch")
+    assert set(final) == {0, 1, 2} and len(set(final.values())) == 1, final
+
+
+def test_sync_too_few_ranks_left_stops_with_the_consensus_saved(tmp_path: Path) -> None:
+    result, run = survive_run(
+        tmp_path, 4, 32, "policy=sync", "simulate.kill_rank=1", "simulate.kill_at_step=4", "min_ranks=3"
+    )
+    assert result.code != 0 and not result.timed_out, result.out[-4000:]
+    assert "min_ranks=3" in result.out and "only 2 rank(s) left" in result.out
+    assert (run / "model.pt").is_file()
+    final = digests(result.out, "the last epoch")
+    assert set(final) == {0, 2} and len(set(final.values())) == 1, final

@@ -18,7 +18,6 @@ the consensus if asked, then overwrites the rank's parameters or blends them (EA
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 from collections.abc import Callable
@@ -31,7 +30,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from flodl.averaging.divergence import DivergenceSums, divergence
-from flodl.averaging.flat import flatten_float32_buffers, flatten_parameters
+from flodl.averaging.flat import flatten_float32_buffers, flatten_parameters, state_digest
 from flodl.averaging.outer import OuterOptimizer, OuterSettings
 from flodl.averaging.reducer import Reducer, ReduceResult
 
@@ -136,12 +135,8 @@ class _AveragerBase:
 
     @torch.no_grad()
     def state_digest(self) -> str:
-        """A short fingerprint of the rank's state (one read-back: said at membership changes and the final
-        round, where members must hold the same state bit for bit)."""
-        digest = hashlib.sha256()
-        for tensor in self._state_tensors():
-            digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        return digest.hexdigest()[:16]
+        """The fingerprint of the rank's state (see flat.state_digest)."""
+        return state_digest(self._state_tensors())
 
     def regroup(self) -> None:
         """Average over the membership's newly formed group from the next round on."""

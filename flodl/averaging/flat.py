@@ -7,6 +7,7 @@ optimizer built before or after sees the same parameters.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -75,3 +76,12 @@ def flatten_float32_buffers(model: nn.Module) -> FlatGroup | None:
         module._buffers[name] = view
 
     return _flatten(tensors, repoint)
+
+
+def state_digest(tensors: Iterable[Tensor]) -> str:
+    """A short fingerprint of `tensors`, bit for bit (one read-back each: said at membership changes and at
+    the end, where members must hold the same state)."""
+    digest = hashlib.sha256()
+    for tensor in tensors:
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]

@@ -304,13 +304,6 @@ def _survive_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
         if cfg.min_ranks != 1:
             yield _problem("min_ranks", cfg.min_ranks, "applies to fault_tolerance=survive")
         return
-    if cfg.policy == "sync":
-        yield _problem(
-            "fault_tolerance",
-            "survive",
-            "policy=sync (DDP) cannot go on with fewer ranks yet; use policy=cadence or async, or "
-            "fault_tolerance=none with checkpoints and launch.max_restarts",
-        )
     if cfg.outer != "avg":
         yield _problem(
             "outer",

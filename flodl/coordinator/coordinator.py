@@ -20,8 +20,8 @@ from flodl.coordinator.commit import CheckpointCommitter
 from flodl.coordinator.hooks import CallbackError, Hooks
 from flodl.coordinator.ledger import EpochLedger
 from flodl.coordinator.local_sgd_driver import LocalSgdDriver
+from flodl.coordinator.lockstep import LockstepPlan, Segment
 from flodl.coordinator.survivors import MembershipChange, SurviveSettings, post_cut
-from flodl.data.partition import equal_slices
 from flodl.metrics.sinks import Sink
 from flodl.metrics.timeline import Timeline
 from flodl.wire.heartbeat import HeartbeatMonitor
@@ -29,10 +29,12 @@ from flodl.wire.messages import (
     ChunkReport,
     EvalResult,
     Exiting,
+    FirstStep,
     Heartbeat,
     Joined,
     Message,
     Progress,
+    Regroup,
     Regrouped,
     Saved,
     Shutdown,
@@ -95,6 +97,10 @@ class Driver(Protocol):
         """Whether the chunk counts (survive: not a cut rank's late report)."""
         ...
 
+    def counts_eval(self, result: EvalResult) -> bool:
+        """Whether the eval counts (survive: not one of a round, or a plan, that a change cut)."""
+        ...
+
     @property
     def generation(self) -> int:
         """The averaging group's generation (fault_tolerance=survive; 0 otherwise)."""
@@ -111,22 +117,40 @@ class Driver(Protocol):
 
 
 class SyncDriver:
+    """Sync: each epoch's plan, one epoch ahead. Under fault_tolerance=survive also who is in: a cut member's
+    untrained picks are planned again for the others once they agreed where they are (flodl/coordinator/
+    lockstep.py), and a restarted rank is admitted between two epochs."""
+
     def __init__(
         self,
         schedule: EpochSchedule,
         ledger: EpochLedger,
         outbox: Mailbox,
-        checkpoint_epochs: frozenset[int],
         first_epoch: int,
+        committer: CheckpointCommitter | None = None,
     ) -> None:
+        """`committer`: the checkpoints (None: checkpoint_every is off); its due epochs are the ones whose
+        plan asks for the ranks' parts."""
         self.schedule = schedule
         self.ledger = ledger
         self.outbox = outbox
-        self.checkpoint_epochs = checkpoint_epochs
+        self.committer = committer
         self.first_epoch = first_epoch
         self.planned = first_epoch - 1
         self.stopped = False
+        self.plan = LockstepPlan(schedule.total_picks, schedule.batch_size)
+        # fault_tolerance=survive: the group's generation and members, restarted ranks waiting for the next
+        # epoch boundary, those admitted but not yet in a formed group, and those the coordinator has not
+        # looked at yet (see LocalSgdDriver).
         self.generation = 0
+        self.members = set(range(schedule.world_size))
+        self.joiners: set[int] = set()
+        self.unformed: set[int] = set()
+        self.admitted: list[int] = []
+        # First steps of a new group that went through (a membership change's first good round).
+        self.rounds_closed = 0
+        # A cut's generation whose rest is still to be planned (once its members agreed where they are).
+        self._replan: int | None = None
 
     def begin(self) -> None:
         for epoch in range(
@@ -138,15 +162,24 @@ class SyncDriver:
         return {}  # the epoch is all a sync run needs, and the checkpoint records it
 
     def on_message(self, message: Message) -> None:
+        if isinstance(message, FirstStep):
+            if message.generation == self.generation:
+                self.rounds_closed += 1
+            return
         raise CoordinatorError(f"unexpected message under policy=sync: {message!r}")
 
     def on_epoch_complete(self, epoch: int) -> None:
         pass
 
     def on_chunk(self, chunk: ChunkReport) -> bool:
-        return True
+        return self.plan.on_report(chunk.epoch, chunk.generation, chunk.rank)
+
+    def counts_eval(self, result: EvalResult) -> bool:
+        """The eval the epoch's latest plan asked for (one before a cut is asked again)."""
+        return result.generation == self.plan.last_segment(result.epoch).generation
 
     def on_epoch_emitted(self, epoch: int) -> None:
+        self.plan.forget_before(epoch)
         if epoch + PLAN_LOOKAHEAD + 1 < self.schedule.epochs and not self.stopped:
             self._plan(epoch + PLAN_LOOKAHEAD + 1)
 
@@ -157,17 +190,101 @@ class SyncDriver:
 
     @property
     def done(self) -> bool:
-        return True  # nothing to wait for beyond the ledger
+        """Every epoch is planned (nothing else to wait for beyond the ledger; no admission ahead)."""
+        return self.stopped or self.planned >= self.schedule.epochs - 1
 
     def _plan(self, epoch: int) -> None:
-        evaluate = self.schedule.evaluates_after(epoch)
-        self.ledger.expect_eval(epoch, evaluate)
-        checkpoint = epoch in self.checkpoint_epochs
+        if self.joiners:
+            self._admit_joiners()
         self.planned = epoch
-        schedule = self.schedule
-        parts = equal_slices(schedule.total_picks, schedule.world_size, schedule.batch_size, epoch)
-        for rank, part in enumerate(parts):
-            self.outbox.send(rank, StartEpoch(part, evaluate, checkpoint))
+        self._send(self.plan.open(epoch, self.members, self.generation))
+
+    def _send(self, segment: Segment) -> None:
+        """Send `segment` to its members: its epoch waits for their eval, checkpoint parts and batches."""
+        epoch = segment.epoch
+        evaluate = self.schedule.evaluates_after(epoch)
+        checkpoint = self.committer is not None and epoch in self.committer.remaining
+        self.ledger.expect_eval(epoch, evaluate, ranks=len(segment.members))
+        if checkpoint and self.committer is not None:
+            self.committer.expect_parts(epoch, segment.members)
+        self.ledger.expect_batches(epoch, self.plan.expected_batches(epoch))
+        if not (segment.steps or evaluate or checkpoint):
+            return
+        for rank in segment.members:
+            order = StartEpoch(
+                epoch,
+                list(segment.shares[rank]),
+                evaluate,
+                checkpoint,
+                segment.generation,
+                segment.first_step,
+            )
+            self.outbox.send(rank, order)
+
+    # --- fault_tolerance=survive ------------------------------------------------------------------------
+
+    def cut(self, rank: int) -> None:
+        """`rank` is gone: the others abort the step in flight and form a group without it; once they
+        agreed where they are (their Regrouped), the rest is planned for them."""
+        self.generation += 1
+        self._replan = self.generation
+        self.members.discard(rank)
+        self.joiners.discard(rank)
+        self.unformed.discard(rank)
+        # A restarted rank admitted but not yet in a group joins this one (its own admission is overtaken).
+        order = Regroup(self.generation, sorted(self.members), sorted(self.unformed), shares_state=True)
+        for member in sorted(self.members):
+            self.outbox.send(member, order)
+
+    def join(self, rank: int) -> None:
+        """A restarted rank is admitted with the next epoch planned."""
+        self.joiners.add(rank)
+
+    def _admit_joiners(self) -> None:
+        self.generation += 1
+        self.members |= self.joiners
+        self.unformed |= self.joiners
+        self.admitted.extend(sorted(self.joiners))
+        order = Regroup(
+            self.generation, sorted(self.members), sorted(self.joiners), shares_state=True, in_order=True
+        )
+        self.joiners = set()
+        for member in sorted(self.members):
+            self.outbox.send(member, order)
+
+    def on_regrouped(self, message: Regrouped) -> None:
+        if message.generation != self.generation:
+            return
+        self.unformed.discard(message.rank)
+        if message.position is not None and self._replan == self.generation:
+            self._replan = None
+            self._plan_rest(*message.position)
+
+    def _plan_rest(self, epoch: int, step: int) -> None:
+        """The members agreed they trained `step` steps of `epoch` (nothing yet: epoch -1): plan the rest of
+        it and the epochs planned after it for them."""
+        if epoch < self.first_epoch:
+            epoch, step = self.first_epoch, 0
+        if epoch <= self.planned and step == self.plan.last_segment(epoch).end_step:
+            epoch, step = epoch + 1, 0  # that epoch is trained: its eval and checkpoint may not be
+        if step > 0:
+            rest = self.plan.cut_short(epoch, step, self.members, self.generation)
+            log.info(
+                "epoch %d: the members trained %d steps of it; its rest goes to ranks %s, %d steps each "
+                "(%d picks that make no whole step dropped)",
+                epoch, step, list(rest.members), rest.steps, rest.dropped,
+            )  # fmt: skip
+            self._send(rest)
+        else:
+            previous = epoch - 1
+            if self.first_epoch <= previous <= self.planned and previous >= self.ledger.next_to_emit:
+                # Trained, but a member may have died before its eval or checkpoint part: again, by everyone.
+                end = self.plan.last_segment(previous).end_step
+                self._send(self.plan.cut_short(previous, end, self.members, self.generation))
+            if epoch <= self.planned:
+                self._send(self.plan.open(epoch, self.members, self.generation))
+        for later in range(epoch + 1, self.planned + 1):
+            self._send(self.plan.open(later, self.members, self.generation))
 
 
 class Coordinator(threading.Thread):
@@ -339,8 +456,8 @@ class Coordinator(threading.Thread):
             log.warning("%s", change.line())
             self.timeline.membership_changed(change.event())
 
-    def _survivors(self) -> LocalSgdDriver:
-        assert isinstance(self.driver, LocalSgdDriver), "fault_tolerance=survive runs cadence or async"
+    def _survivors(self) -> LocalSgdDriver | SyncDriver:
+        assert isinstance(self.driver, LocalSgdDriver | SyncDriver), "survive: a driver that knows members"
         return self.driver
 
     def _stop_at_consensus(self, reason: str) -> int:
@@ -390,7 +507,7 @@ class Coordinator(threading.Thread):
                 if self.ledger.add_chunk(message):
                     self.driver.on_epoch_complete(message.epoch)
         elif isinstance(message, EvalResult):
-            if message.generation == self.driver.generation:  # else: the eval of a round that was cut
+            if self.driver.counts_eval(message):  # else: the eval of a round that was cut
                 self.ledger.add_eval(message)
         elif isinstance(message, Joined):
             self._on_joined(message)
@@ -398,6 +515,7 @@ class Coordinator(threading.Thread):
             for change in self.changes:
                 if change.generation == message.generation:
                     change.on_formed(message.rank, message.release_ms, message.form_ms)
+            self._survivors().on_regrouped(message)
         elif isinstance(message, Progress):
             for sink in self.sinks:
                 sink.progress(message)

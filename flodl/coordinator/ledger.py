@@ -37,6 +37,8 @@ class _Epoch:
     rounds: dict[int, RoundCost] = field(default_factory=dict)
     # Membership changes while this epoch was the oldest open one (see EpochLedger.membership_event).
     membership: list[dict[str, Any]] = field(default_factory=list)
+    # The batches it waits for when they differ from batches_per_epoch (see EpochLedger.expect_batches).
+    batches: int | None = None
 
 
 class EpochLedger:
@@ -81,12 +83,21 @@ class EpochLedger:
         """Record a chunk; True when it completes its epoch."""
         entry = self._epoch(chunk.epoch)
         entry.chunks.append(chunk)
+        return self._check_complete(chunk.epoch, entry)
+
+    def expect_batches(self, epoch: int, batches: int) -> bool:
+        """The epoch's batches were planned again (sync under survive: a member cut in it): it is complete
+        once `batches` are reported. True when they already are."""
+        entry = self._epoch(epoch)
+        entry.batches = batches
+        return entry.completed_at is None and self._check_complete(epoch, entry)
+
+    def _check_complete(self, epoch: int, entry: _Epoch) -> bool:
+        planned = self.batches_per_epoch if entry.batches is None else entry.batches
         done = sum(c.batches for c in entry.chunks)
-        if done > self.batches_per_epoch:
-            raise LedgerError(
-                f"epoch {chunk.epoch}: {done} batches reported, {self.batches_per_epoch} planned"
-            )
-        if done == self.batches_per_epoch:
+        if done > planned:
+            raise LedgerError(f"epoch {epoch}: {done} batches reported, {planned} planned")
+        if done == planned and entry.completed_at is None:
             entry.completed_at = time.perf_counter()
             return True
         return False
@@ -180,8 +191,12 @@ class EpochLedger:
         return ready
 
     def _ddp_steps(self, entry: _Epoch) -> int:
-        """Without averaging rounds (sync over DDP) every optimizer step averages: one per batch per rank."""
-        return sum(c.batches for c in entry.chunks) // self.world_size
+        """Without averaging rounds (sync over DDP) every optimizer step averages: one per batch of a rank
+        that trained the whole epoch (each member steps with the others)."""
+        per_rank: dict[int, int] = {}
+        for chunk in entry.chunks:
+            per_rank[chunk.rank] = per_rank.get(chunk.rank, 0) + chunk.batches
+        return max(per_rank.values(), default=0)
 
     @property
     def all_emitted(self) -> bool:

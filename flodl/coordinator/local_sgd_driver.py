@@ -22,10 +22,12 @@ from flodl.wire.messages import (
     AverageNow,
     ChunkReport,
     EpochSlice,
+    EvalResult,
     ExtendPartition,
     Message,
     Reached,
     Regroup,
+    Regrouped,
     RoundAck,
 )
 from flodl.wire.transport import Mailbox
@@ -99,6 +101,13 @@ class LocalSgdDriver:
                 self.ledger.expect_eval(epoch, True, ranks=len(self.members))
         self._regroup(cut_round=redo.round if redo is not None else None)
         self._carry(actions)
+
+    def counts_eval(self, result: EvalResult) -> bool:
+        """Not the eval of a round a membership change cut (it is run again)."""
+        return result.generation == self.generation
+
+    def on_regrouped(self, message: Regrouped) -> None:
+        """A member formed the group (the coordinator times the change; the rounds need nothing of it)."""
 
     def join(self, rank: int) -> None:
         """A restarted rank waits to be admitted at the next round boundary."""

@@ -7,6 +7,10 @@ from that world's communicator fails once a member is gone). A collective pendin
 released by `abort` (NCCL: the communicator's abort, from any thread); gloo has no abort that wakes a
 pending operation, so there the dead peer's closed sockets end it (the self-launch supervisor kills a cut
 rank), and the group's timeout bounds it otherwise.
+
+Forming waits until every member said it is ready on the store before the backend is built, and gives up as
+soon as a newer generation is announced: a member that died, or a change that overtook this one, then costs
+the others no timeout.
 """
 
 from __future__ import annotations
@@ -19,6 +23,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import PrefixStore, Store
+
+_POLL_S = 0.005
+
+
+class Superseded(RuntimeError):
+    """A newer membership was announced while this one formed: form that one instead."""
 
 
 def cut_key(rank: int) -> str:
@@ -40,6 +50,8 @@ class AveragingGroup:
         self._lock = threading.Lock()
         # Set by `abort` (any thread): the collectives of this generation can no longer be trusted.
         self.aborted = threading.Event()
+        # The newest generation the coordinator announced (any thread): forming an older one is pointless.
+        self.announced = -1
 
     @property
     def index(self) -> int:
@@ -58,6 +70,7 @@ class AveragingGroup:
         started = time.perf_counter()
         ordered = tuple(sorted(members))
         store = PrefixStore(f"averaging/{generation}/", self.store)
+        self._await_members(store, generation, ordered)
         index = ordered.index(self.rank)
         if self.backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
@@ -67,8 +80,30 @@ class AveragingGroup:
             group = dist.ProcessGroupGloo(store, index, len(ordered), self.timeout)
         with self._lock:
             self.group, self.generation, self.members = group, generation, ordered
-            self.aborted.clear()
+            if self.announced <= generation:  # else a newer change arrived meanwhile: this group is doomed
+                self.aborted.clear()
         return time.perf_counter() - started
+
+    def _await_members(self, store: Store, generation: int, members: tuple[int, ...]) -> None:
+        store.set(f"ready/{self.rank}", b"1")
+        deadline = time.perf_counter() + self.timeout.total_seconds()
+        waiting = list(members)
+        while waiting:
+            waiting = [r for r in waiting if not store.check([f"ready/{r}"])]
+            if self.announced > generation:
+                raise Superseded(f"averaging group {generation} was overtaken by group {self.announced}")
+            if waiting and time.perf_counter() > deadline:
+                raise TimeoutError(
+                    f"averaging group {generation}: ranks {waiting} were not ready within "
+                    f"{self.timeout.total_seconds():g} s"
+                )
+            if waiting:
+                time.sleep(_POLL_S)
+
+    def announce(self, generation: int) -> None:
+        """The coordinator named group `generation` (callable from any thread)."""
+        with self._lock:
+            self.announced = max(self.announced, generation)
 
     def abort(self) -> None:
         """Release whatever collective is pending on this generation (callable from any thread)."""
@@ -80,8 +115,33 @@ class AveragingGroup:
 
     def broadcast_from_first(self, tensors: list[Tensor]) -> None:
         """Every member gets the first member's `tensors` (a joiner receives the consensus)."""
+        self.broadcast(tensors, 0)
+
+    def broadcast(self, tensors: list[Tensor], source: int) -> None:
+        """Every member gets the `tensors` of the member at index `source`."""
         assert self.group is not None, "broadcast before the group was formed"
         options = dist.BroadcastOptions()
-        options.rootRank = 0
+        options.rootRank = source
         for tensor in tensors:
             self.group.broadcast([tensor], options).wait()
+
+    def all_gather(self, tensor: Tensor) -> list[Tensor]:
+        """Every member's `tensor` (same shape on each), in member order."""
+        assert self.group is not None, "all_gather before the group was formed"
+        out = [torch.empty_like(tensor) for _ in self.members]
+        self.group.allgather([out], [tensor]).wait()
+        return out
+
+    def process_group(self) -> dist.ProcessGroup:
+        """The group as torch's `ProcessGroup` (what DDP takes), over the same backend."""
+        assert self.group is not None, "process_group before the group was formed"
+        kind = (
+            dist.ProcessGroup.BackendType.NCCL
+            if self.backend == "nccl"
+            else dist.ProcessGroup.BackendType.GLOO
+        )
+        store = PrefixStore(f"averaging/{self.generation}/", self.store)
+        wrapper = dist.ProcessGroup(store, self.index, self.size)
+        wrapper._set_default_backend(kind)
+        wrapper._register_backend(self.device, kind, self.group)
+        return wrapper

@@ -30,14 +30,21 @@ def _as_slice(value: EpochSlice | dict[str, int]) -> EpochSlice:
 
 @dataclass
 class StartEpoch:
-    part: EpochSlice
+    """Sync: train these picks of `epoch` in lock step with the other members (the same number of steps)."""
+
+    epoch: int
+    slices: list[EpochSlice]
     # Evaluate the model after this epoch and report an EvalResult.
     evaluate: bool = False
     # Write this rank's checkpoint part after the epoch and report Saved.
     checkpoint: bool = False
+    # fault_tolerance=survive: the group this plan is for (a plan of an older generation is dropped), and
+    # the steps of the epoch the members trained before it (the rest of an epoch a membership change cut).
+    generation: int = 0
+    first_step: int = 0
 
     def __post_init__(self) -> None:
-        self.part = _as_slice(self.part)
+        self.slices = [_as_slice(s) for s in self.slices]
 
 
 @dataclass
@@ -96,6 +103,8 @@ class ChunkReport:
     compile_s: float = 0.0
     # Where the chunk's slice starts in its epoch (local SGD: a chunk is one handed-out EpochSlice).
     offset: int = 0
+    # Sync under fault_tolerance=survive: the generation of the plan the chunk trained.
+    generation: int = 0
 
 
 @dataclass
@@ -185,6 +194,9 @@ class Regroup:
     # Every member receives the first member's state: a joiner's first, or any change before the first round
     # closed (a death while the ranks started may have cut the start's own broadcast).
     shares_state: bool = False
+    # Sync's admissions: taken where the members reach it in their inboxes (after the epochs planned before
+    # it), releasing nothing in flight. Otherwise a Regroup aborts the group the moment it arrives.
+    in_order: bool = False
 
 
 @dataclass
@@ -195,6 +207,17 @@ class Regrouped:
     generation: int
     release_ms: float
     form_ms: float
+    # Sync: where the members agreed they are, [epoch, steps of it trained] (the coordinator plans the rest).
+    position: list[int] | None = None
+
+
+@dataclass
+class FirstStep:
+    """Sync under fault_tolerance=survive: the first optimizer step of a new group went through (the first
+    member says so)."""
+
+    rank: int
+    generation: int
 
 
 @dataclass
@@ -229,6 +252,7 @@ Message = (
     | Exiting
     | Regroup
     | Regrouped
+    | FirstStep
     | Joined
 )
 _TYPES: dict[str, type] = {t.__name__: t for t in Message.__args__}

@@ -53,6 +53,10 @@ class WorkerSettings:
 class WorkerBase:
     """The message loop every worker shares: obey the coordinator until Shutdown."""
 
+    # Whether every rank holds the same optimizer state (sync), so a rank without a part of its own in a
+    # checkpoint resumes with a member's.
+    shares_optimizer = False
+
     def __init__(
         self,
         stepper: Stepper,
@@ -87,6 +91,7 @@ class WorkerBase:
                     if message.reason != "done":
                         why = message.reason
                         log.info("rank %d stops after epoch %s: %s", self.rank, self.last_epoch, why)
+                    self.on_done()
                     return
                 if message is not None:
                     self.handle(message)
@@ -100,6 +105,9 @@ class WorkerBase:
 
     def on_start(self) -> None:
         """Before the first message is handled (the inbox is being read)."""
+
+    def on_done(self) -> None:
+        """The coordinator ended the run (its last epoch trained, or stopped early)."""
 
     def release(self) -> None:
         """Free what this worker holds on the device for the process group (it is destroyed next)."""

@@ -23,6 +23,7 @@ import torch
 
 from flodl.averaging.consensus import DeviceAverager, HostAverager
 from flodl.metrics.scalars import drain_scalars
+from flodl.wire.membership import AveragingGroup
 from flodl.wire.messages import (
     AverageNow,
     ChunkReport,
@@ -139,7 +140,8 @@ class LocalSgdWorker(WorkerBase):
 
     def handle(self, message: Message) -> None:
         if isinstance(message, Regroup):
-            self._regroup(message)
+            if self.survival is None or not self.survival.superseded(message):
+                self._regroup(message)
             return
         if isinstance(message, ExtendPartition):
             self.finished = None  # a new window: the last round is every member's for good
@@ -363,6 +365,16 @@ class LocalSgdWorker(WorkerBase):
         self.global_steps = int(clock.item())
         self.stepper.schedule_to(self.schedule_position())
 
+    def _settle(self, message: Regroup) -> Callable[[AveragingGroup], None]:
+        """What the members do once the group `message` names is formed: share the first member's state
+        when it says so."""
+
+        def settle(group: AveragingGroup) -> None:
+            if message.shares_state:
+                self._share(group.broadcast_from_first)
+
+        return settle
+
     def _cut(self, order: AverageNow, cause: BaseException | None) -> None:
         """The round's collective failed (without survive: the run fails here). Wait for the coordinator's
         Regroup, which names who is still in and sends the round again."""
@@ -399,7 +411,7 @@ class LocalSgdWorker(WorkerBase):
         self.finished = None
         release_ms = (time.perf_counter() - started) * 1000
         try:
-            formed = self.survival.form(self.rank, message, self._share, release_ms)
+            formed = self.survival.form(self.rank, message, self._settle(message), release_ms)
         except Exception as err:  # a member died while the group formed: the coordinator cuts it next
             failed = f"averaging group {message.generation} could not be formed"
             retry = self.survival.await_regroup(self.rank, failed, err)

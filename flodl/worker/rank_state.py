@@ -65,4 +65,5 @@ def restore_stepper(stepper: Stepper, state: dict[str, Any]) -> None:
     stepper.schedule_position = int(state["schedule_position"])
     if state.get("scaler"):  # empty under fp32/bf16 (and absent from checkpoints older than precision)
         stepper.scaler.load_state_dict(state["scaler"])
-    set_rng_state(state["rng"], stepper.device)
+    if "rng" in state:  # a member's state shared over the group keeps this rank's own RNG streams
+        set_rng_state(state["rng"], stepper.device)

@@ -81,6 +81,8 @@ class Stepper:
         # DDP's no_sync (also through a compiled DDP): the first grad_accum - 1 backward passes skip the
         # all-reduce. None: nothing to skip (local SGD trains the plain model).
         self._no_sync: Callable[[], AbstractContextManager] | None = getattr(train_module, "no_sync", None)
+        # The losses of the last step's forward passes so far, and its micro-batch count (interrupted_loss).
+        self._forward_losses: tuple[Tensor, int] | None = None
         self.total_picks = len(parts.train_data) * settings.data.augment
         self.steps_total = 0
         self.schedule_position = 0
@@ -128,7 +130,7 @@ class Stepper:
         """One optimizer step over `micro_batches`; returns their mean loss (detached, on the device)."""
         compiling = self._compile_pending
         if compiling:
-            self._synchronize()
+            self.synchronize()
         started = time.perf_counter()
         if compiling:
             # Wrapped here so that its cost (importing the compiler, several seconds) is timed with the step.
@@ -145,9 +147,10 @@ class Stepper:
                 with self.autocast():
                     loss = parts.loss_fn(self.train_module, batch)
                 loss = self.fault.applied(loss, self.steps_total + 1)
+                loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+                self._forward_losses = (loss_sum, accumulated)
                 # Each micro-batch's mean loss / k: the gradient of the mean over the step's samples.
                 scaler.scale(loss / accumulated if accumulated > 1 else loss).backward()
-            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
         assert loss_sum is not None
         step_loss = loss_sum / accumulated if accumulated > 1 else loss_sum
         if self.settings.max_grad_norm is not None:
@@ -161,12 +164,25 @@ class Stepper:
         # The loss before scaling: non-finite is on_nonfinite's business whatever the precision.
         self.nonfinite.observe(step_loss, self.steps_total)
         if compiling:
-            self._synchronize()
+            self.synchronize()
             self._compile_s += time.perf_counter() - started
             self._compile_pending = False
         elif self.settings.slow_factor > 1.0:  # compiling is no training step to slow down
             self._slow_down(started)
         return step_loss
+
+    def set_train_module(self, train_module: nn.Module) -> None:
+        """Train through `train_module` from the next step on (sync under survive: DDP on a new group); a
+        compiled run compiles it at its first step."""
+        self.train_module = train_module
+        self._no_sync = getattr(train_module, "no_sync", None)
+        self._compile_pending = self.settings.compile_mode is not None
+
+    def interrupted_loss(self) -> Tensor:
+        """The mean loss of the step whose backward pass failed (its forward passes finished)."""
+        assert self._forward_losses is not None, "no step was started"
+        loss_sum, accumulated = self._forward_losses
+        return loss_sum / accumulated
 
     def take_compile_s(self) -> float:
         """Seconds compiling took (compile=true: the first step, which wraps the module, traces it and
@@ -175,7 +191,7 @@ class Stepper:
         taken, self._compile_s = self._compile_s, 0.0
         return taken
 
-    def _synchronize(self) -> None:
+    def synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -192,7 +208,7 @@ class Stepper:
 
     def _slow_down(self, started: float) -> None:
         # Simulation only: the wait needs the step's true duration, so it synchronizes the device.
-        self._synchronize()
+        self.synchronize()
         now = time.perf_counter()
         deadline = now + (now - started) * (self.settings.slow_factor - 1.0)
         # Sleep overshoots by ~0.1 ms, which would distort sub-millisecond steps: spin the last stretch.

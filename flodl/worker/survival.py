@@ -51,9 +51,16 @@ class Survival:
 
     def _release_if_cut(self, message: Message) -> None:
         """On the inbox's thread: a Regroup frees any collective the loop is blocked in (a round the change
-        cut, or the forming of a group a member left); the loop forms the next group in any case."""
+        cut, or the forming of a group a member left); the loop forms the next group in any case. An in-order
+        one (sync's admission) waits its turn: it only makes the forming of an older group pointless."""
         if isinstance(message, Regroup):
-            self.membership.abort()
+            self.membership.announce(message.generation)
+            if not message.in_order:
+                self.membership.abort()
+
+    def superseded(self, message: Regroup) -> bool:
+        """A newer membership was announced since `message` (which is then not formed)."""
+        return message.generation < self.membership.announced
 
     def await_regroup(self, rank: int, failed: str, cause: BaseException | None) -> Regroup | None:
         """Something of the group `failed` (a round's collective, the forming of a group): wait for the
@@ -61,7 +68,7 @@ class Survival:
         why = f" ({type(cause).__name__}: {_first_line(cause)})" if cause is not None else ""
         log.warning("rank %d: %s%s; waiting for the new group", rank, failed, why)
         return self._await(
-            rank, lambda m: isinstance(m, Regroup), f"a Regroup ({failed})", limit_s=self.wait_s
+            rank, lambda m: isinstance(m, Regroup), f"a Regroup ({failed})", limit_s=self.wait_s, cause=cause
         )
 
     def await_admission(self, rank: int) -> Regroup | None:
@@ -82,9 +89,12 @@ class Survival:
         what: str,
         keep_others: bool = True,
         limit_s: float | None = None,
+        cause: BaseException | None = None,
     ) -> Regroup | None:
-        """The first message `wanted` accepts (others are given back to the loop, or dropped); None when a
-        Shutdown came first (it is given back too); past `limit_s` (None: no limit), an error."""
+        """The first message `wanted` accepts (others are given back to the loop, or dropped; a Regroup a
+        newer one overtook is dropped); None when a Shutdown came first (it is given back too); past
+        `limit_s` (None: no limit), an error raised from `cause` (no change came: the failure was no
+        member's death)."""
         deadline = None if limit_s is None else time.perf_counter() + limit_s
         others: list[Message] = []
         try:
@@ -95,6 +105,8 @@ class Survival:
                 if isinstance(message, Shutdown):  # the run ended meanwhile: the loop ends on it
                     others.append(message)
                     return None
+                if isinstance(message, Regroup) and self.superseded(message):
+                    continue
                 if wanted(message):
                     assert isinstance(message, Regroup)
                     return message
@@ -104,7 +116,7 @@ class Survival:
             self.reader.hold(others)  # a Shutdown is kept even when the rest is not
         raise RuntimeError(
             f"rank {rank}: no word from the coordinator within {limit_s} s while waiting for {what}"
-        )
+        ) from cause
 
     def form_first(self, world_size: int, share: Callable[[Callable[[list[Tensor]], None]], None]) -> None:
         """Generation 0: every rank, each starting from rank 0's state."""
@@ -112,17 +124,12 @@ class Survival:
         share(self.membership.broadcast_from_first)
 
     def form(
-        self,
-        rank: int,
-        message: Regroup,
-        share: Callable[[Callable[[list[Tensor]], None]], None],
-        release_ms: float,
+        self, rank: int, message: Regroup, settle: Callable[[AveragingGroup], None], release_ms: float
     ) -> Regrouped:
-        """Form the group `message` names; a joiner then receives the first member's state through `share`
-        (every member takes part in that broadcast)."""
+        """Form the group `message` names, then `settle` the members' state over it (every member takes part:
+        a joiner receives the first member's state)."""
         form_s = self.membership.form(message.generation, message.members)
-        if message.shares_state:
-            share(self.membership.broadcast_from_first)
+        settle(self.membership)
         log.info(
             "rank %d: averaging group %d is %s%s (formed in %.0f ms)",
             rank, message.generation, list(message.members),

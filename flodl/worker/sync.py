@@ -2,22 +2,86 @@
 
 Policy `sync`: the model is wrapped in DistributedDataParallel (gradients all-reduced in buckets,
 overlapped with backward), so each optimizer step sees the mean gradient of the global batch.
+
+Under fault_tolerance=survive DDP runs on the averaging group of the members (flodl/wire/membership.py),
+wrapped again on each new group. A member's death fails the step in flight on every survivor; they form the
+group the coordinator names, agree where they are (a survivor may have finished the step that another did
+not: the one furthest on gives the others its state), and the coordinator plans the rest of the epoch for
+them. A restarted rank is admitted where the members reach its Regroup in their inboxes, between epochs.
 """
 
 from __future__ import annotations
 
+import functools
+import io
+import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
 
+import psutil
 import torch
+import torch.distributed as dist
+from torch import nn
 
+from flodl.averaging.flat import state_digest
 from flodl.metrics.scalars import drain_scalars
-from flodl.wire.messages import ChunkReport, Message, Saved, StartEpoch
+from flodl.wire.membership import AveragingGroup
+from flodl.wire.messages import ChunkReport, FirstStep, Joined, Message, Regroup, Saved, StartEpoch
 from flodl.worker.base import RankLink, WorkerBase, WorkerSettings
 from flodl.worker.checkpoint_part import RankCheckpointer
+from flodl.worker.rank_state import restore_stepper, stepper_state
 from flodl.worker.stepper import Stepper
+from flodl.worker.survival import Survival
+from flodl.worker.task_setup import lr_scale_factor
+
+log = logging.getLogger("flodl")
+
+# Where a rank is, as (epoch, steps of it trained): one that trained nothing in this process, and a restarted
+# rank (below every member, so a member is always the one whose state the others take).
+UNTRAINED = (-1, 0)
+RESTARTED = (-1, -1)
+
+
+@dataclass
+class _Segment:
+    """The part of a StartEpoch trained so far."""
+
+    plan: StartEpoch
+    steps: int
+    loss_sum: torch.Tensor
+    started_at: float
+    start: float
+    data_s: float = 0.0
+    done: int = 0
+
+
+class _SegmentCut(Exception):
+    """A step of `segment` failed under fault_tolerance=survive (a member died, or the group was aborted)."""
+
+    def __init__(self, segment: _Segment, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.segment = segment
+        self.cause = cause
+
+
+@dataclass(frozen=True)
+class LockstepSurvival:
+    """What the sync worker needs to go on under fault_tolerance=survive."""
+
+    survival: Survival
+    # DDP around the model on a process group (every member calls it together: it broadcasts the first
+    # member's parameters).
+    wrap: Callable[[dist.ProcessGroup], nn.Module]
+    # The learning rate follows the world: x (1 + (n - 1) * ratio) for n members (as at the start).
+    lr_scale_ratio: float
 
 
 class SyncWorker(WorkerBase):
+    # Every rank steps the same optimizer state: a rank without a checkpoint part takes a member's.
+    shares_optimizer = True
+
     def __init__(
         self,
         stepper: Stepper,
@@ -25,61 +89,278 @@ class SyncWorker(WorkerBase):
         settings: WorkerSettings,
         bf16_wire: bool,
         checkpointer: RankCheckpointer | None,
+        lockstep: LockstepSurvival | None = None,
     ) -> None:
         super().__init__(stepper, link, settings, checkpointer)
+        self.lockstep = lockstep
+        self.survival = lockstep.survival if lockstep is not None else None
         # What DDP all-reduces per optimizer step (once, after the last micro-batch): every gradient, as
         # bf16 under bf16_wire.
         self.gradient_bytes = sum(p.numel() * (2 if bf16_wire else p.element_size()) for p in stepper.params)
+        # Samples of the global batches trained (every member's, step after step; the eval row's label).
+        self.global_samples = 0
+        # The world the learning rate is scaled for (survive: the members of the group).
+        self.lr_world = self.world_size
+        joining = self.survival is not None and self.survival.joining
+        self.position = RESTARTED if joining else UNTRAINED
+        # survive: the group's first member says when the first step of a new group went through.
+        self._first_step_due = False
+
+    # --- the epochs -----------------------------------------------------------------------------------
 
     def handle(self, message: Message) -> None:
+        if isinstance(message, Regroup) and self.survival is not None:
+            if message.generation > self._generation() and not self.survival.superseded(message):
+                self._regroup(message)
+            return
         if not isinstance(message, StartEpoch):
             raise RuntimeError(f"rank {self.rank}: unexpected message under policy=sync: {message!r}")
-        self.report(self.train_epoch(message))
-        if message.evaluate and self.stepper.parts.eval_data is not None:
+        if message.generation != self._generation():
+            return  # planned for a group a change overtook: the coordinator plans the rest again
+        try:
+            chunk = self.train_epoch(message)
+        except _SegmentCut as cut:
+            regroup = self._await_regroup(f"epoch {message.epoch} was cut", cut.cause)
+            if regroup is not None:  # else the run ended first
+                self._regroup(regroup, cut.segment)
+            return
+        if chunk.batches:
+            self.report(chunk)
+        self._after_epoch(message)
+
+    def _after_epoch(self, plan: StartEpoch) -> None:
+        epoch = plan.epoch
+        if plan.evaluate and self.stepper.parts.eval_data is not None:
             step = self.stepper.steps_total  # each step is one on the global batch
-            samples = step * self.stepper.step_samples * self.world_size
-            epoch = message.part.epoch
-            result = self.stepper.evaluate(self.rank, self.world_size, epoch, step, samples)
-            self.report_evals(result, [epoch])
-        if message.checkpoint and self.checkpointer is not None:
-            self.checkpointer.save(message.part.epoch, self.state())
-            self.report(Saved(self.rank, message.part.epoch))
+            shard, shards = self._eval_shard()
+            result = self.stepper.evaluate(shard, shards, epoch, step, self.global_samples)
+            self.report_evals(replace(result, generation=self._generation()), [epoch])
+        if plan.checkpoint and self.checkpointer is not None:
+            self.checkpointer.save(epoch, self.state())
+            self.report(Saved(self.rank, epoch))
 
     def train_epoch(self, plan: StartEpoch) -> ChunkReport:
         stepper = self.stepper
         step_samples = stepper.step_samples
-        part = plan.part
-        picks = stepper.picks(part)
-        stepper.advise(part)
-        batches = part.size // step_samples  # optimizer steps
+        pieces = [stepper.picks(part) for part in plan.slices]
+        picks = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int64)
+        for part in plan.slices:
+            stepper.advise(part)
         stepper.train_module.train()
-        loss_sum = torch.zeros((), device=stepper.device)
-        data_s = 0.0
-        started_at = time.time()
-        start = time.perf_counter()
-        for b in range(batches):
+        segment = _Segment(
+            plan,
+            len(picks) // step_samples,
+            torch.zeros((), device=stepper.device),
+            time.time(),
+            time.perf_counter(),
+        )
+        members = self.survival.membership.size if self.survival is not None else self.world_size
+        for b in range(segment.steps):
             fetched = time.perf_counter()
-            micro_batches = stepper.load_step(picks[b * step_samples : (b + 1) * step_samples], part.epoch)
-            data_s += time.perf_counter() - fetched
-            loss = stepper.step(micro_batches)
-            loss_sum += loss
+            micro_batches = stepper.load_step(picks[b * step_samples : (b + 1) * step_samples], plan.epoch)
+            segment.data_s += time.perf_counter() - fetched
+            try:
+                loss = stepper.step(micro_batches)
+            except Exception as err:
+                if self.survival is None:
+                    raise
+                raise _SegmentCut(segment, err) from err
+            segment.loss_sum += loss
+            segment.done += 1
+            self.global_samples += step_samples * members
+            self.position = (plan.epoch, plan.first_step + segment.done)
+            if self._first_step_due:
+                self._say_first_step()
             stepper.schedule_to(stepper.steps_total)
-            self.observe(loss, part.epoch)
+            self.observe(loss, plan.epoch)
         self.raise_if_nonfinite()  # before the epoch is reported, and long before it is checkpointed
+        self.position = (plan.epoch, plan.first_step + segment.steps)
+        return self._chunk(segment, segment.steps)
+
+    def _chunk(self, segment: _Segment, batches: int) -> ChunkReport:
+        stepper = self.stepper
         compile_s = stepper.take_compile_s()
         return ChunkReport(
             rank=self.rank,
-            epoch=part.epoch,
+            epoch=segment.plan.epoch,
             batches=batches,
-            samples=batches * step_samples,
-            loss_sum=float(loss_sum),  # the epoch's one read-back from the device
-            wall_ms=(time.perf_counter() - start - compile_s) * 1000,
+            samples=batches * stepper.step_samples,
+            loss_sum=float(segment.loss_sum),  # the segment's one read-back from the device
+            wall_ms=(time.perf_counter() - segment.start - compile_s) * 1000,
             compile_s=compile_s,
-            data_ms=data_s * 1000,
+            data_ms=segment.data_s * 1000,
             steps_total=stepper.steps_total,
             comm_bytes=batches * self.gradient_bytes if self.world_size > 1 else 0,
             lr=stepper.lr,
             scalars=drain_scalars(),
-            started_at=started_at + compile_s,  # the work's window starts after the compilation
+            started_at=segment.started_at + compile_s,  # the work's window starts after the compilation
             ended_at=time.time(),
+            generation=segment.plan.generation,
         )
+
+    def state(self) -> dict[str, Any]:
+        return {"global_samples": self.global_samples, "lr_world": self.lr_world}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        stepper = self.stepper
+        self.global_samples = int(
+            state.get("global_samples", stepper.steps_total * stepper.step_samples * self.world_size)
+        )
+        self.lr_world = int(state.get("lr_world", self.world_size))
+
+    def release(self) -> None:
+        self.stepper.set_train_module(self.stepper.parts.model)  # DDP holds the group's buckets
+
+    # --- fault_tolerance=survive ---------------------------------------------------------------------
+
+    def _generation(self) -> int:
+        return self.survival.membership.generation if self.survival is not None else 0
+
+    def _eval_shard(self) -> tuple[int, int]:
+        if self.survival is None:
+            return self.rank, self.world_size
+        return self.survival.membership.index, self.survival.membership.size
+
+    def _await_regroup(self, failed: str, cause: BaseException | None) -> Regroup | None:
+        assert self.survival is not None
+        return self.survival.await_regroup(self.rank, failed, cause)
+
+    def on_start(self) -> None:
+        if self.survival is None:
+            return
+        if self.survival.joining:
+            startup_s = time.time() - psutil.Process().create_time()
+            self.report(Joined(self.rank, self.survival.incarnation, startup_s))
+            admission = self.survival.await_admission(self.rank)
+            if admission is not None:  # else the run ended first
+                self._regroup(admission)
+            return
+        # Every original member forms the first group; DDP starts them all from rank 0's parameters.
+        try:
+            self.stepper.fault.before_start()
+            self.survival.membership.form(0, list(range(self.world_size)))
+            self._settle(self.survival.membership)
+        except Exception as err:
+            regroup = self._await_regroup("the first group failed", err)
+            if regroup is not None:
+                self._regroup(regroup)
+
+    def _regroup(self, message: Regroup, cut: _Segment | None = None) -> None:
+        """Form the group `message` names, agree with its members where they are, and report the segment
+        the change cut (up to where the members agreed it ended) and the agreed position."""
+        assert self.survival is not None, "a Regroup without fault_tolerance=survive"
+        started = time.perf_counter()
+        self.stepper.set_train_module(self.stepper.parts.model)  # the old group's DDP is done with
+        release_ms = (time.perf_counter() - started) * 1000
+        try:
+            settle = functools.partial(self._settle, message=message)
+            formed = self.survival.form(self.rank, message, settle, release_ms)
+        except Exception as err:  # a member died while the group formed: the coordinator cuts it next
+            retry = self._await_regroup(f"group {message.generation} could not be formed", err)
+            if retry is not None:
+                self._regroup(retry, cut)
+            return
+        if cut is not None:
+            self._report_cut(cut)
+        self.report(replace(formed, position=list(self.position)))
+
+    def _report_cut(self, cut: _Segment) -> None:
+        """The segment a change cut, trained up to where the members agreed: a step that failed here but went
+        through on a member further on was trained (its gradients were in that member's all-reduce)."""
+        epoch, step = self.position
+        plan = cut.plan
+        trained = cut.steps if epoch > plan.epoch else min(cut.steps, max(step - plan.first_step, cut.done))
+        if trained > cut.done:
+            cut.loss_sum += self.stepper.interrupted_loss()
+        if trained:  # a segment finished this way: its eval and checkpoint are the coordinator's to ask again
+            self.report(self._chunk(cut, trained))
+
+    def _settle(self, group: AveragingGroup, message: Regroup | None = None) -> None:
+        """On a new group (`message`'s; None: the first): agree where the members are (the one furthest on
+        shares its state when they differ), wrap DDP on it, and scale the learning rate to its size."""
+        assert self.lockstep is not None
+        self.position = self._agree(group)
+        self.stepper.set_train_module(self.lockstep.wrap(group.process_group()))
+        self._scale_lr(group)
+        self._first_step_due = group.index == 0
+        if message is not None:
+            change = f"admitting {message.joining}" if message.joining else "regrouping"
+            self._log_state(f"{change} at epoch {self.position[0]} step {self.position[1]}")
+
+    def on_done(self) -> None:
+        if self.survival is not None:
+            self._log_state("the last epoch")
+
+    def _log_state(self, what: str) -> None:
+        """This rank's parameters and buffers, fingerprinted (members hold the same, bit for bit)."""
+        model = self.stepper.parts.model
+        digest = state_digest([*model.parameters(), *model.buffers()])
+        log.info(
+            "rank %d: state after %s: %s, global steps %d", self.rank, what, digest, self.stepper.steps_total
+        )
+
+    def _agree(self, group: AveragingGroup) -> tuple[int, int]:
+        device = self.stepper.device if group.backend == "nccl" else torch.device("cpu")
+        mine = torch.tensor(list(self.position), dtype=torch.int64, device=device)
+        every = [(int(p[0]), int(p[1])) for p in group.all_gather(mine)]
+        furthest = max(every)
+        if any(p != furthest for p in every):
+            self._adopt(group, every.index(furthest), device)
+        return furthest
+
+    def _adopt(self, group: AveragingGroup, source: int, device: torch.device) -> None:
+        """Every member takes the state of the member at index `source`: parameters, buffers, optimizer,
+        schedule, step and sample counts, and the world its learning rate is scaled for."""
+        model, stepper = self.stepper.parts.model, self.stepper
+        tensors = [t.detach() for t in [*model.parameters(), *model.buffers()]]
+        moved = [t.to(device) for t in tensors]
+        group.broadcast(moved, source)
+        with torch.no_grad():
+            for tensor, received in zip(tensors, moved, strict=True):
+                tensor.copy_(received)
+        mine = {
+            "stepper": {k: v for k, v in stepper_state(stepper).items() if k != "rng"},
+            "global_samples": self.global_samples,
+            "lr_world": self.lr_world,
+        }
+        buffer = io.BytesIO()
+        torch.save(mine, buffer)
+        size = torch.tensor([buffer.getbuffer().nbytes], dtype=torch.int64, device=device)
+        group.broadcast([size], source)
+        payload = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
+        if group.index == source:
+            payload.copy_(torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8))
+        group.broadcast([payload], source)
+        if group.index == source:
+            return
+        state = torch.load(io.BytesIO(payload.cpu().numpy().tobytes()), map_location=stepper.device)
+        restore_stepper(stepper, state["stepper"])
+        self.global_samples = int(state["global_samples"])
+        self.lr_world = int(state["lr_world"])
+
+    def _scale_lr(self, group: AveragingGroup) -> None:
+        assert self.lockstep is not None
+        ratio = self.lockstep.lr_scale_ratio
+        factor = lr_scale_factor(group.size, ratio) / lr_scale_factor(self.lr_world, ratio)
+        if group.size != self.lr_world and group.index == 0:
+            log.info(
+                "world %d -> %d: global batch %d, learning rate x%.4g (lr_scale_ratio=%g)",
+                self.lr_world, group.size, group.size * self.stepper.step_samples, factor, ratio,
+            )  # fmt: skip
+        self.lr_world = group.size
+        if factor == 1.0:
+            return
+        parts = self.stepper.parts
+        for param_group in parts.optimizer.param_groups:
+            param_group["lr"] *= factor
+            if "initial_lr" in param_group:  # what a scheduler that recomputes from the base starts from
+                param_group["initial_lr"] *= factor
+        base_lrs = getattr(parts.scheduler, "base_lrs", None)
+        if base_lrs is not None:
+            parts.scheduler.base_lrs = [lr * factor for lr in base_lrs]
+
+    def _say_first_step(self) -> None:
+        """The first step on a new group went through on every member (its all-reduce finished here)."""
+        self._first_step_due = False
+        self.stepper.synchronize()
+        self.report(FirstStep(self.rank, self._generation()))

@@ -1,0 +1,155 @@
+"""Lock-step epochs under fault_tolerance=survive (policy=sync): which picks each member trains, and how the
+rest of an epoch is planned again when a member is cut in the middle of it (pure).
+
+DDP steps every member together, so every member of a plan trains the same number of steps. An epoch opens
+as equal whole-step slices of its permutation, one per member (as without survive): its first segment. When
+the members change after `k` steps of a segment, whatever no member trained yet (each old member's picks from
+step `k` on, a cut member's included) is cut again into equal whole-step shares of the new members: the next
+segment. Every pick of an epoch is trained once, but for less than one global step's worth at each cut's
+tail, dropped as an epoch's sub-step remainder always is.
+
+Every member reports each segment it trained in (a ChunkReport of its generation), up to where the members
+agreed the segment ended. A member cut in a segment never reports it: its steps there were trained with the
+others, but it died before saying so. What the ledger waits for is what the reporting members trained.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from flodl.data.partition import equal_slices
+from flodl.wire.messages import EpochSlice
+
+
+@dataclass(frozen=True)
+class Segment:
+    epoch: int
+    generation: int
+    members: tuple[int, ...]
+    # Steps of the epoch the members trained before this segment.
+    first_step: int
+    steps: int
+    # Each member's picks, `steps` whole steps of them, in training order.
+    shares: dict[int, tuple[EpochSlice, ...]]
+    # Picks left over that make no whole step of every member (not trained this epoch).
+    dropped: int = 0
+
+    @property
+    def end_step(self) -> int:
+        return self.first_step + self.steps
+
+
+def opening_segment(
+    epoch: int, total_picks: int, members: Iterable[int], step_samples: int, generation: int
+) -> Segment:
+    ordered = tuple(sorted(members))
+    slices = equal_slices(total_picks, len(ordered), step_samples, epoch)
+    shares = {rank: (part,) for rank, part in zip(ordered, slices, strict=True)}
+    dropped = total_picks - len(ordered) * slices[0].size
+    return Segment(epoch, generation, ordered, 0, slices[0].size // step_samples, shares, dropped)
+
+
+def rest_of(
+    segment: Segment, trained_steps: int, members: Iterable[int], step_samples: int, generation: int
+) -> Segment:
+    """What `segment`'s members did not train in its first `trained_steps` steps, shared by `members`."""
+    if not 0 <= trained_steps <= segment.steps:
+        raise ValueError(f"{trained_steps} steps trained of a segment of {segment.steps}")
+    skip = trained_steps * step_samples
+    rest = [piece for rank in segment.members for piece in _window(segment.shares[rank], skip, None)]
+    ordered = tuple(sorted(members))
+    total = sum(piece.size for piece in rest)
+    steps = total // (len(ordered) * step_samples)
+    size = steps * step_samples
+    shares = {rank: _window(tuple(rest), i * size, size) for i, rank in enumerate(ordered)}
+    first = segment.first_step + trained_steps
+    return Segment(segment.epoch, generation, ordered, first, steps, shares, total - len(ordered) * size)
+
+
+def _window(pieces: tuple[EpochSlice, ...], start: int, size: int | None) -> tuple[EpochSlice, ...]:
+    """Picks `[start, start + size)` of the concatenation of `pieces` (size None: to the end)."""
+    end = sum(piece.size for piece in pieces) if size is None else start + size
+    out: list[EpochSlice] = []
+    at = 0
+    for piece in pieces:
+        lo, hi = max(start, at), min(end, at + piece.size)
+        if lo < hi:
+            out.append(EpochSlice(piece.epoch, piece.offset + lo - at, hi - lo))
+        at += piece.size
+    return tuple(out)
+
+
+@dataclass
+class _EpochPlan:
+    segments: list[Segment] = field(default_factory=list)
+    # Per segment (by generation): the steps its members trained, once they agreed it ended early.
+    trained: dict[int, int] = field(default_factory=dict)
+    # Per segment (by generation): the members that reported it.
+    reported: dict[int, set[int]] = field(default_factory=dict)
+    # Per segment cut short: the members that were still in when it was, and report it.
+    reporters: dict[int, frozenset[int]] = field(default_factory=dict)
+
+
+class LockstepPlan:
+    """The coordinator's record of each planned epoch's segments: what to send, what to expect back."""
+
+    def __init__(self, total_picks: int, step_samples: int) -> None:
+        self.total_picks = total_picks
+        self.step_samples = step_samples
+        self._epochs: dict[int, _EpochPlan] = {}
+
+    def open(self, epoch: int, members: Iterable[int], generation: int) -> Segment:
+        """Plan `epoch` afresh for `members` (none of it trained yet)."""
+        segment = opening_segment(epoch, self.total_picks, members, self.step_samples, generation)
+        self._epochs[epoch] = _EpochPlan([segment])
+        return segment
+
+    def last_segment(self, epoch: int) -> Segment:
+        return self._epochs[epoch].segments[-1]
+
+    def cut_short(self, epoch: int, step: int, members: Iterable[int], generation: int) -> Segment:
+        """The members of `epoch`'s last segment trained up to `step` of the epoch, and `members` are in now:
+        the segment ends there, and the rest of it is the returned segment (maybe of no steps)."""
+        plan = self._epochs[epoch]
+        segment = plan.segments[-1]
+        trained = step - segment.first_step
+        rest = rest_of(segment, trained, members, self.step_samples, generation)
+        plan.trained[segment.generation] = trained
+        # Those in at the cut report it (the agreement told them where it ended); a member already gone
+        # reports it only if it finished the segment before it went and said so.
+        plan.reporters[segment.generation] = (frozenset(segment.members) & frozenset(rest.members)) | (
+            frozenset(plan.reported.get(segment.generation, ())) if trained == segment.steps else frozenset()
+        )
+        plan.segments.append(rest)
+        return rest
+
+    def on_report(self, epoch: int, generation: int, rank: int) -> bool:
+        """`rank` reported its share of the segment; False when it must not count (a member gone before the
+        segment was cut short, whose report came late: the others' plan does not wait for it)."""
+        plan = self._epochs.get(epoch)
+        if plan is None or not any(s.generation == generation for s in plan.segments):
+            raise ValueError(f"a report of epoch {epoch}, generation {generation}: no such plan")
+        reporters = plan.reporters.get(generation)
+        if reporters is not None and rank not in reporters:
+            return False
+        plan.reported.setdefault(generation, set()).add(rank)
+        return True
+
+    def expected_batches(self, epoch: int) -> int:
+        """Batches the members will have reported for `epoch` once every segment is done."""
+        plan = self._epochs[epoch]
+        total = 0
+        for segment in plan.segments:
+            reporters = plan.reporters.get(segment.generation, frozenset(segment.members))
+            total += plan.trained.get(segment.generation, segment.steps) * len(reporters)
+        return total
+
+    def steps(self, epoch: int) -> int:
+        """The epoch's optimizer steps, as planned so far."""
+        plan = self._epochs[epoch]
+        return sum(plan.trained.get(s.generation, s.steps) for s in plan.segments)
+
+    def forget_before(self, epoch: int) -> None:
+        for old in [e for e in self._epochs if e < epoch]:
+            del self._epochs[old]
