@@ -1,6 +1,6 @@
 """fault_tolerance=survive under real kills: how long the survivors take to go on, and what they keep.
 
-Two runs of one self-launched 2-rank job (cadence by default), rank 1 SIGKILLed from outside:
+Two runs of one self-launched 2-rank job (`--policy`, cadence by default), rank 1 SIGKILLed from outside:
 1. kills: rank 1's current process is killed every `--every-s` seconds, `--kills` times, each time
    restarted by the supervisor and admitted back. Per event, from the run's timeline: detection (kill ->
    cut, bounded by heartbeat_timeout_s), release of the survivors' collective, forming the new group, the
@@ -138,6 +138,7 @@ def main() -> None:
     parser.add_argument("--every-s", type=float, default=8.0, help="seconds between kills")
     parser.add_argument("--heartbeat-s", type=float, default=2.0, help="heartbeat_timeout_s")
     parser.add_argument("--before", type=int, default=3, help="epochs before the throughput run's kill")
+    parser.add_argument("--policy", default="cadence", choices=["sync", "cadence", "async"])
     parser.add_argument("--cpu", action="store_true")
     parser.add_argument("--work", type=Path, default=Path("/tmp/flodl-bench-survive"))
     parser.add_argument("--results-dir", type=Path, default=REPO / "bench" / "results")
@@ -147,7 +148,7 @@ def main() -> None:
     start_method = "fork" if args.cpu else "spawn"
     common = [
         "launch.nproc_per_node=2", f"launch.start_method={start_method}", "fault_tolerance=survive",
-        f"heartbeat_timeout_s={args.heartbeat_s}", "policy=cadence", "eval_every=0",
+        f"heartbeat_timeout_s={args.heartbeat_s}", f"policy={args.policy}", "eval_every=0",
         *(["device=cpu"] if args.cpu else ["task=resnet"]), *args.overrides,
     ]  # fmt: skip
     stamp = int(time.time())
@@ -158,7 +159,7 @@ def main() -> None:
     )  # fmt: skip
     lines = [
         "",
-        f"## survive: {args.kills} kills of rank 1, every {args.every_s:g} s",
+        f"## survive ({args.policy}): {args.kills} kills of rank 1, every {args.every_s:g} s",
         *environment_lines(args.cpu),
     ]
     lines += [f"- overrides: `{' '.join(common)}`", *kill_report(run, killed)]
