@@ -195,11 +195,13 @@ def test_a_local_sgd_checkpoint_round_acknowledged_by_the_members_commits_their_
 
 
 class _Worker:
-    """What restore_worker uses of a worker: its rank, its stepper, restore()."""
+    """What restore_worker uses of a worker: its rank, its stepper, restore(), whether the ranks share one
+    optimizer state (sync)."""
 
-    def __init__(self, rank: int, stepper: object) -> None:
+    def __init__(self, rank: int, stepper: object, shares_optimizer: bool = False) -> None:
         self.rank = rank
         self.stepper = stepper
+        self.shares_optimizer = shares_optimizer
         self.restored: dict | None = None
 
     def restore(self, state: dict) -> None:
@@ -229,3 +231,14 @@ def test_a_rank_without_a_part_resumes_from_the_consensus_with_a_fresh_optimizer
     assert fresh.steps_total == 0 and fresh.parts.optimizer.state_dict()["state"] == {}
     (line,) = [r.getMessage() for r in caplog.records]
     assert "rank 1 has no part" in line and "fresh optimizer" in line and "epoch 5" in line
+
+    # Under sync every rank steps one optimizer state: the partless rank takes the member's, not its RNG.
+    synced = digits_stepper()
+    rng_before = torch.get_rng_state()
+    restore_worker(checkpoint, _Worker(1, synced, shares_optimizer=True))
+    assert synced.steps_total == 3
+    written, taken = writer.parts.optimizer.state_dict(), synced.parts.optimizer.state_dict()
+    assert taken["state"].keys() == written["state"].keys()
+    for key, state in written["state"].items():
+        assert torch.equal(taken["state"][key]["exp_avg"], state["exp_avg"])
+    assert torch.equal(torch.get_rng_state(), rng_before)

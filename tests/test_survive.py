@@ -148,14 +148,16 @@ def test_a_frozen_rank_is_cut_the_rest_finish_and_resume_after_it(tmp_path: Path
     check_every_epoch_once(run, 5)
 
 
-def test_too_few_ranks_left_stops_with_the_consensus_saved(tmp_path: Path) -> None:
+# What each policy says of every member's state at the end: local SGD's exact last round, sync's last epoch.
+@pytest.mark.parametrize(("policy", "end"), [("cadence", "final round"), ("sync", "the last epoch")])
+def test_too_few_ranks_left_stops_with_the_consensus_saved(tmp_path: Path, policy: str, end: str) -> None:
     result, run = survive_run(
-        tmp_path, 4, 32, "policy=cadence", "simulate.kill_rank=1", "simulate.kill_at_step=4", "min_ranks=3"
+        tmp_path, 4, 32, f"policy={policy}", "simulate.kill_rank=1", "simulate.kill_at_step=4", "min_ranks=3"
     )
     assert result.code != 0 and not result.timed_out, result.out[-4000:]
     assert "min_ranks=3" in result.out and "only 2 rank(s) left" in result.out
     assert (run / "model.pt").is_file()
-    final = digests(result.out, "final round")
+    final = digests(result.out, end)
     assert set(final) == {0, 2} and len(set(final.values())) == 1, final
 
 
@@ -303,14 +305,3 @@ def test_sync_a_frozen_rank_is_cut_and_a_resume_hands_it_the_members_optimizer(t
     assert "rank 2 has no part in" in resumed.out and "rank 0's optimizer state" in resumed.out
     final = digests(resumed.out, "the last epoch")
     assert set(final) == {0, 1, 2} and len(set(final.values())) == 1, final
-
-
-def test_sync_too_few_ranks_left_stops_with_the_consensus_saved(tmp_path: Path) -> None:
-    result, run = survive_run(
-        tmp_path, 4, 32, "policy=sync", "simulate.kill_rank=1", "simulate.kill_at_step=4", "min_ranks=3"
-    )
-    assert result.code != 0 and not result.timed_out, result.out[-4000:]
-    assert "min_ranks=3" in result.out and "only 2 rank(s) left" in result.out
-    assert (run / "model.pt").is_file()
-    final = digests(result.out, "the last epoch")
-    assert set(final) == {0, 2} and len(set(final.values())) == 1, final

@@ -5,6 +5,8 @@ for the coordinator's word over a real store inbox."""
 from __future__ import annotations
 
 import multiprocessing
+import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -14,7 +16,7 @@ from torch.distributed import TCPStore
 from flodl.coordinator.survivors import MembershipChange
 from flodl.wire.group import loopback_store
 from flodl.wire.heartbeat import HeartbeatMonitor
-from flodl.wire.membership import AveragingGroup
+from flodl.wire.membership import AveragingGroup, Superseded
 from flodl.wire.messages import AverageNow, ExtendPartition, Regroup, Shutdown
 from flodl.wire.transport import InboxReader, Mailbox
 from flodl.worker.survival import Survival
@@ -102,6 +104,24 @@ def test_an_aborted_group_is_marked_and_a_rank_forms_only_groups_it_is_in() -> N
         group.form(2, [1, 2])
 
 
+def test_forming_waits_for_every_member_and_gives_way_to_a_newer_group_or_the_end() -> None:
+    store = loopback_store(0, None, timedelta(seconds=5))
+    group = AveragingGroup(store, "gloo", 0, torch.device("cpu"), 0.3)
+    with pytest.raises(TimeoutError, match=r"ranks \[1\] were not ready within 0.3 s"):
+        group.form(0, [0, 1])  # rank 1 never comes
+    # Patient (a sync admission): past the timeout, until a newer group is announced...
+    threading.Timer(0.8, group.announce, args=(2,)).start()
+    started = time.perf_counter()
+    with pytest.raises(Superseded, match="overtaken by group 2"):
+        group.form(1, [0, 1], patient=True)
+    assert time.perf_counter() - started >= 0.8
+    # ...or the run ends.
+    threading.Timer(0.5, group.abandoned.set).start()
+    with pytest.raises(Superseded, match="the run ended"):
+        group.form(3, [0, 1], patient=True)
+    assert group.generation == -1, "no group was formed"
+
+
 def test_a_rank_waiting_for_the_coordinator_keeps_what_else_came_and_ends_with_the_run() -> None:
     store = loopback_store(0, None, timedelta(seconds=20))
     sender = Mailbox.connect("127.0.0.1", store.port, "ns", "coordinator", 10.0)
@@ -126,4 +146,5 @@ def test_a_rank_waiting_for_the_coordinator_keeps_what_else_came_and_ends_with_t
     assert reader.next_message(None) is None
     sender.send(1, Shutdown("done"))  # the run ends first: no Regroup, and the loop still sees the end
     assert survival.await_regroup(1, "round 6 was cut", None) is None
+    assert group.abandoned.is_set()  # a group still forming stops waiting for its members
     assert reader.next_message(5.0) == Shutdown("done")

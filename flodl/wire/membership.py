@@ -52,6 +52,8 @@ class AveragingGroup:
         self.aborted = threading.Event()
         # The newest generation the coordinator announced (any thread): forming an older one is pointless.
         self.announced = -1
+        # Set when the run ends (any thread): no group is formed any more.
+        self.abandoned = threading.Event()
 
     @property
     def index(self) -> int:
@@ -62,15 +64,17 @@ class AveragingGroup:
     def size(self) -> int:
         return len(self.members)
 
-    def form(self, generation: int, members: list[int]) -> float:
+    def form(self, generation: int, members: list[int], patient: bool = False) -> float:
         """Form the group of `members` (every member calls this with the same arguments); seconds taken.
-        The previous generation's group is dropped (it was aborted, or its peers are gone)."""
+        The previous generation's group is dropped (it was aborted, or its peers are gone). `patient`: wait
+        for the members however long they take (a sync admission: they come once their planned epochs are
+        trained); otherwise at most the group's timeout."""
         if self.rank not in members:
             raise RuntimeError(f"rank {self.rank} is not in the averaging group {members}")
         started = time.perf_counter()
         ordered = tuple(sorted(members))
         store = PrefixStore(f"averaging/{generation}/", self.store)
-        self._await_members(store, generation, ordered)
+        self._await_members(store, generation, ordered, patient)
         index = ordered.index(self.rank)
         if self.backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
@@ -84,7 +88,7 @@ class AveragingGroup:
                 self.aborted.clear()
         return time.perf_counter() - started
 
-    def _await_members(self, store: Store, generation: int, members: tuple[int, ...]) -> None:
+    def _await_members(self, store: Store, generation: int, members: tuple[int, ...], patient: bool) -> None:
         store.set(f"ready/{self.rank}", b"1")
         deadline = time.perf_counter() + self.timeout.total_seconds()
         waiting = list(members)
@@ -92,7 +96,9 @@ class AveragingGroup:
             waiting = [r for r in waiting if not store.check([f"ready/{r}"])]
             if self.announced > generation:
                 raise Superseded(f"averaging group {generation} was overtaken by group {self.announced}")
-            if waiting and time.perf_counter() > deadline:
+            if self.abandoned.is_set():
+                raise Superseded(f"averaging group {generation}: the run ended while it formed")
+            if waiting and not patient and time.perf_counter() > deadline:
                 raise TimeoutError(
                     f"averaging group {generation}: ranks {waiting} were not ready within "
                     f"{self.timeout.total_seconds():g} s"

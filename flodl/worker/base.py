@@ -23,6 +23,7 @@ from flodl.wire.transport import COORDINATOR, InboxReader, Mailbox
 from flodl.worker.checkpoint_part import RankCheckpointer
 from flodl.worker.nonfinite import NonFiniteError, nonfinite_message
 from flodl.worker.stepper import Stepper
+from flodl.worker.survival import Survival
 
 _WAIT_S = 0.5
 log = logging.getLogger("flodl")
@@ -74,6 +75,8 @@ class WorkerBase:
         self.outbox = link.outbox
         self.log_every = settings.log_every
         self.evaluated_models = settings.evaluated_models
+        # fault_tolerance=survive: the averaging group and the waits around it (None: a death ends the run).
+        self.survival: Survival | None = None
         # The last epoch this rank trained any batch of.
         self.last_epoch: int | None = None
         self._recent_loss: torch.Tensor | None = None
@@ -172,6 +175,16 @@ class WorkerBase:
     def on_nonfinite_progress(self) -> None:
         """A live loss report read a non-finite value: stop now, rather than at the window's end."""
         self.raise_if_nonfinite()
+
+    def _generation(self) -> int:
+        """The averaging group's generation (survive; 0 otherwise): what reports of this group carry."""
+        return self.survival.membership.generation if self.survival is not None else 0
+
+    def _eval_shard(self) -> tuple[int, int]:
+        """Which share of the eval set this rank evaluates, of how many: one per member of the group."""
+        if self.survival is None:
+            return self.rank, self.world_size
+        return self.survival.membership.index, self.survival.membership.size
 
     def state(self) -> dict[str, Any]:
         """This worker's own state for a checkpoint (beyond the stepper's)."""

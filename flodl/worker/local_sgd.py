@@ -347,15 +347,6 @@ class LocalSgdWorker(WorkerBase):
 
     # --- fault_tolerance=survive ---------------------------------------------------------------------
 
-    def _generation(self) -> int:
-        return self.survival.membership.generation if self.survival is not None else 0
-
-    def _eval_shard(self) -> tuple[int, int]:
-        """Which share of the eval set this rank evaluates, of how many: one per member of the group."""
-        if self.survival is None:
-            return self.rank, self.world_size
-        return self.survival.membership.index, self.survival.membership.size
-
     def _share(self, send: Callable[[list[torch.Tensor]], None]) -> None:
         """The first member's state to every member: parameters and f32 buffers, and its LR schedule's clock
         (every rank's steps up to the last round; a restarted rank starts there)."""

@@ -52,11 +52,14 @@ class Survival:
     def _release_if_cut(self, message: Message) -> None:
         """On the inbox's thread: a Regroup frees any collective the loop is blocked in (a round the change
         cut, or the forming of a group a member left); the loop forms the next group in any case. An in-order
-        one (sync's admission) waits its turn: it only makes the forming of an older group pointless."""
+        one (sync's admission) waits its turn: it only makes the forming of an older group pointless. A
+        Shutdown ends any forming still waiting for members."""
         if isinstance(message, Regroup):
             self.membership.announce(message.generation)
             if not message.in_order:
                 self.membership.abort()
+        elif isinstance(message, Shutdown):  # a restarted rank still waiting for its group stops waiting
+            self.membership.abandoned.set()
 
     def superseded(self, message: Regroup) -> bool:
         """A newer membership was announced since `message` (which is then not formed)."""
@@ -128,7 +131,7 @@ class Survival:
     ) -> Regrouped:
         """Form the group `message` names, then `settle` the members' state over it (every member takes part:
         a joiner receives the first member's state)."""
-        form_s = self.membership.form(message.generation, message.members)
+        form_s = self.membership.form(message.generation, message.members, patient=message.in_order)
         settle(self.membership)
         log.info(
             "rank %d: averaging group %d is %s%s (formed in %.0f ms)",

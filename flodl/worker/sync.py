@@ -213,14 +213,6 @@ class SyncWorker(WorkerBase):
 
     # --- fault_tolerance=survive ---------------------------------------------------------------------
 
-    def _generation(self) -> int:
-        return self.survival.membership.generation if self.survival is not None else 0
-
-    def _eval_shard(self) -> tuple[int, int]:
-        if self.survival is None:
-            return self.rank, self.world_size
-        return self.survival.membership.index, self.survival.membership.size
-
     def _await_regroup(self, failed: str, cause: BaseException | None) -> Regroup | None:
         assert self.survival is not None
         return self.survival.await_regroup(self.rank, failed, cause)
