@@ -92,3 +92,21 @@ def test_slots_launcher_gives_concurrent_jobs_disjoint_gpus(tmp_path: Path) -> N
     train(*sweep, "hydra.sweep.dir=sweep", cwd=tmp_path, timeout=300).check()
     recorded = [rank0_line(tmp_path / "sweep" / str(i)) for i in range(2)]
     assert sorted(visible for _, _, visible in recorded) == ["0", "1"]
+
+
+@needs_two
+@pytest.mark.parametrize(("policy", "end"), [("sync", "the last epoch"), ("cadence", "final round")])
+def test_survivors_over_nccl_abort_go_on_and_heal_a_restart(tmp_path: Path, policy: str, end: str) -> None:
+    """fault_tolerance=survive on NCCL: rank 1 SIGKILLed mid-window; rank 0's pending collective is released
+    by the communicator's abort (no watchdog crash), it trains on alone, and the restart is admitted back."""
+    result = train(
+        "launch.nproc_per_node=2", "launch.start_method=spawn", "fault_tolerance=survive", f"policy={policy}",
+        "heartbeat_timeout_s=2", "epochs=200", "eval_every=20", "simulate.kill_rank=1",
+        "simulate.kill_at_step=30", "launch.max_restarts=1", "hydra.run.dir=run", cwd=tmp_path, timeout=400,
+    )  # fmt: skip
+    result.check()
+    assert "Watchdog caught collective operation timeout" not in result.out
+    assert "rank 1 cut out" in result.out and "rank 1 admitted" in result.out
+    states = dict(re.findall(rf"rank (\d+): state after {end}[^:]*: ([0-9a-f]+)", result.out))
+    assert set(states) == {"0", "1"} and len(set(states.values())) == 1, states
+    assert_complete_run(tmp_path / "run", world=2, epochs=200)
