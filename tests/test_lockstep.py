@@ -83,6 +83,10 @@ def test_a_member_that_finished_the_segment_before_it_died_counts_if_it_said_so(
     assert plan.expected_batches(4) == 3 * segment.steps
     with pytest.raises(ValueError, match="no such plan"):
         plan.on_report(5, 0, 0)
+    plan.open(5, [0, 2], generation=3)
+    plan.forget_before(5)  # epoch 4 was emitted: a report of it that comes now does not count
+    assert not plan.on_report(4, 2, 0)
+    assert plan.current_generation(4) is None and plan.current_generation(5) == 3
 
 
 def test_shares_are_slices_of_the_epoch_s_one_permutation():

@@ -176,7 +176,7 @@ class SyncDriver:
 
     def counts_eval(self, result: EvalResult) -> bool:
         """The eval the epoch's latest plan asked for (one before a cut is asked again)."""
-        return result.generation == self.plan.last_segment(result.epoch).generation
+        return result.generation == self.plan.current_generation(result.epoch)
 
     def on_epoch_emitted(self, epoch: int) -> None:
         self.plan.forget_before(epoch)

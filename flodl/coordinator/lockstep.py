@@ -108,6 +108,11 @@ class LockstepPlan:
     def last_segment(self, epoch: int) -> Segment:
         return self._epochs[epoch].segments[-1]
 
+    def current_generation(self, epoch: int) -> int | None:
+        """The generation of `epoch`'s latest plan (None: the epoch is no longer planned)."""
+        plan = self._epochs.get(epoch)
+        return plan.segments[-1].generation if plan is not None else None
+
     def cut_short(self, epoch: int, step: int, members: Iterable[int], generation: int) -> Segment:
         """The members of `epoch`'s last segment trained up to `step` of the epoch, and `members` are in now:
         the segment ends there, and the rest of it is the returned segment (maybe of no steps)."""
@@ -126,8 +131,11 @@ class LockstepPlan:
 
     def on_report(self, epoch: int, generation: int, rank: int) -> bool:
         """`rank` reported its share of the segment; False when it must not count (a member gone before the
-        segment was cut short, whose report came late: the others' plan does not wait for it)."""
+        segment was cut short, whose report came late: the others' plan does not wait for it; or one of an
+        epoch already emitted)."""
         plan = self._epochs.get(epoch)
+        if plan is None and epoch < min(self._epochs, default=epoch + 1):
+            return False  # an epoch already emitted without it
         if plan is None or not any(s.generation == generation for s in plan.segments):
             raise ValueError(f"a report of epoch {epoch}, generation {generation}: no such plan")
         reporters = plan.reporters.get(generation)
