@@ -200,10 +200,11 @@ def make_worker(
         lockstep = None
         if survival is not None:  # DDP is wrapped on each group the members form
             wrap = functools.partial(_ddp, cfg, parts, device)
-            lockstep = LockstepSurvival(survival, wrap, cfg.lr_scale_ratio)
+            lockstep = LockstepSurvival(survival, wrap)
         train_module = _ddp(cfg, parts, device) if world_size > 1 and survival is None else parts.model
         stepper = Stepper(stepper_settings(cfg, env, first_start), parts, device, train_module)
-        return SyncWorker(stepper, link, settings, cfg.bf16_wire, checkpointer(stepper), lockstep)
+        checkpoints = checkpointer(stepper)
+        return SyncWorker(stepper, link, settings, cfg.bf16_wire, checkpoints, cfg.lr_scale_ratio, lockstep)
     outer = OuterSettings.resolve(cfg.outer, cfg.outer_lr, cfg.outer_momentum)
     averager: DeviceAverager | HostAverager
     membership = survival.membership if survival is not None else None

@@ -104,15 +104,16 @@ def restore_worker(checkpoint: Checkpoint, worker: WorkerBase) -> None:
         log.info("resumed from %s: training continues at epoch %d", checkpoint.path, checkpoint.epoch + 1)
         return
     member = checkpoint.load(rank_file(ranks[0]))
-    worker.restore(member["worker"])
     if worker.shares_optimizer:  # sync: the member's optimizer is everyone's (its RNG streams stay its own)
         restore_stepper(worker.stepper, {k: v for k, v in member["stepper"].items() if k != "rng"})
+        worker.restore(member["worker"])
         log.warning(
             "rank %d has no part in %s (not a member at its checkpoint): it resumes with rank %d's optimizer "
             "state; training continues at epoch %d",
             worker.rank, checkpoint.path, ranks[0], checkpoint.epoch + 1,
         )  # fmt: skip
         return
+    worker.restore(member["worker"])
     log.warning(
         "rank %d has no part in %s (not a member at its checkpoint round): it resumes from the consensus "
         "with a fresh optimizer; training continues at epoch %d",

@@ -300,8 +300,12 @@ def test_sync_a_frozen_rank_is_cut_and_a_resume_hands_it_the_members_optimizer(t
     assert manifest["ranks"] == [0, 1]
     # Resumed with every rank: rank 2 has no part and takes rank 0's optimizer (DDP steps them all alike:
     # a fresh one would drift from the others), so all three end with one state.
+    two = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     resumed, run = survive_run(tmp_path, 4, 32, "policy=sync", "checkpoint_every=1")
     resumed.check()
     assert "rank 2 has no part in" in resumed.out and "rank 0's optimizer state" in resumed.out
+    # The checkpoint's learning rate was scaled for 2 ranks; resumed with 3, it is scaled for 3.
+    three = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert three[-1]["lr"] == pytest.approx(two[-1]["lr"] * 3 / 2)
     final = digests(resumed.out, "the last epoch")
     assert set(final) == {0, 1, 2} and len(set(final.values())) == 1, final

@@ -74,8 +74,6 @@ class LockstepSurvival:
     # DDP around the model on a process group (every member calls it together: it broadcasts the first
     # member's parameters).
     wrap: Callable[[dist.ProcessGroup], nn.Module]
-    # The learning rate follows the world: x (1 + (n - 1) * ratio) for n members (as at the start).
-    lr_scale_ratio: float
 
 
 class SyncWorker(WorkerBase):
@@ -89,10 +87,14 @@ class SyncWorker(WorkerBase):
         settings: WorkerSettings,
         bf16_wire: bool,
         checkpointer: RankCheckpointer | None,
+        lr_scale_ratio: float = 0.0,
         lockstep: LockstepSurvival | None = None,
     ) -> None:
+        """`lr_scale_ratio`: the learning rate follows the world, x (1 + (n - 1) * ratio) for n ranks (as
+        the task was built); it matters when the world changes (survive) or differs from a checkpoint's."""
         super().__init__(stepper, link, settings, checkpointer)
         self.lockstep = lockstep
+        self.lr_scale_ratio = lr_scale_ratio
         self.survival = lockstep.survival if lockstep is not None else None
         # What DDP all-reduces per optimizer step (once, after the last micro-batch): every gradient, as
         # bf16 under bf16_wire.
@@ -154,7 +156,7 @@ class SyncWorker(WorkerBase):
             time.time(),
             time.perf_counter(),
         )
-        members = self.survival.membership.size if self.survival is not None else self.world_size
+        members = self._eval_shard()[1]
         for b in range(segment.steps):
             fetched = time.perf_counter()
             micro_batches = stepper.load_step(picks[b * step_samples : (b + 1) * step_samples], plan.epoch)
@@ -190,7 +192,7 @@ class SyncWorker(WorkerBase):
             compile_s=compile_s,
             data_ms=segment.data_s * 1000,
             steps_total=stepper.steps_total,
-            comm_bytes=batches * self.gradient_bytes if self.world_size > 1 else 0,
+            comm_bytes=batches * self.gradient_bytes if self._eval_shard()[1] > 1 else 0,
             lr=stepper.lr,
             scalars=drain_scalars(),
             started_at=segment.started_at + compile_s,  # the work's window starts after the compilation
@@ -202,11 +204,14 @@ class SyncWorker(WorkerBase):
         return {"global_samples": self.global_samples, "lr_world": self.lr_world}
 
     def restore(self, state: dict[str, Any]) -> None:
+        """After the stepper's state: a checkpoint taken with fewer ranks (survive) held a learning rate
+        scaled for them."""
         stepper = self.stepper
         self.global_samples = int(
             state.get("global_samples", stepper.steps_total * stepper.step_samples * self.world_size)
         )
         self.lr_world = int(state.get("lr_world", self.world_size))
+        self._scale_lr(self.world_size, say=self.rank == 0)
 
     def release(self) -> None:
         self.stepper.set_train_module(self.stepper.parts.model)  # DDP holds the group's buckets
@@ -273,7 +278,7 @@ class SyncWorker(WorkerBase):
         assert self.lockstep is not None
         self.position = self._agree(group)
         self.stepper.set_train_module(self.lockstep.wrap(group.process_group()))
-        self._scale_lr(group)
+        self._scale_lr(group.size, say=group.index == 0)
         self._first_step_due = group.index == 0
         if message is not None:
             change = f"admitting {message.joining}" if message.joining else "regrouping"
@@ -330,16 +335,16 @@ class SyncWorker(WorkerBase):
         self.global_samples = int(state["global_samples"])
         self.lr_world = int(state["lr_world"])
 
-    def _scale_lr(self, group: AveragingGroup) -> None:
-        assert self.lockstep is not None
-        ratio = self.lockstep.lr_scale_ratio
-        factor = lr_scale_factor(group.size, ratio) / lr_scale_factor(self.lr_world, ratio)
-        if group.size != self.lr_world and group.index == 0:
+    def _scale_lr(self, size: int, say: bool) -> None:
+        """Scale the learning rate from the world it is scaled for to `size` ranks (`say`: log it)."""
+        ratio = self.lr_scale_ratio
+        factor = lr_scale_factor(size, ratio) / lr_scale_factor(self.lr_world, ratio)
+        if size != self.lr_world and say:
             log.info(
                 "world %d -> %d: global batch %d, learning rate x%.4g (lr_scale_ratio=%g)",
-                self.lr_world, group.size, group.size * self.stepper.step_samples, factor, ratio,
+                self.lr_world, size, size * self.stepper.step_samples, factor, ratio,
             )  # fmt: skip
-        self.lr_world = group.size
+        self.lr_world = size
         if factor == 1.0:
             return
         parts = self.stepper.parts
