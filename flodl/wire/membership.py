@@ -24,7 +24,10 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import PrefixStore, Store
 
+# How often forming looks at the store for members not ready yet: often at first (a change in progress), then
+# gently (a sync admission may wait out the members' epochs).
 _POLL_S = 0.005
+_PATIENT_POLL_S = 0.1
 
 
 class Superseded(RuntimeError):
@@ -90,7 +93,8 @@ class AveragingGroup:
 
     def _await_members(self, store: Store, generation: int, members: tuple[int, ...], patient: bool) -> None:
         store.set(f"ready/{self.rank}", b"1")
-        deadline = time.perf_counter() + self.timeout.total_seconds()
+        started = time.perf_counter()
+        deadline = started + self.timeout.total_seconds()
         waiting = list(members)
         while waiting:
             waiting = [r for r in waiting if not store.check([f"ready/{r}"])]
@@ -104,7 +108,7 @@ class AveragingGroup:
                     f"{self.timeout.total_seconds():g} s"
                 )
             if waiting:
-                time.sleep(_POLL_S)
+                time.sleep(_POLL_S if time.perf_counter() - started < 1.0 else _PATIENT_POLL_S)
 
     def announce(self, generation: int) -> None:
         """The coordinator named group `generation` (callable from any thread)."""
