@@ -70,7 +70,6 @@ def test_the_ledger_waits_for_what_the_members_still_in_trained():
     rest = plan.cut_short(0, 10, [0, 2], generation=1)
     # Ranks 0 and 2 report the 10 steps they trained with rank 1 (whose 10 are never reported), then the rest.
     assert plan.expected_batches(0) == 2 * 10 + 2 * rest.steps
-    assert plan.steps(0) == 10 + rest.steps
     assert not plan.on_report(0, 0, 1), "a cut member's late report of the cut segment does not count"
     assert plan.on_report(0, 1, 0)
 

@@ -153,11 +153,6 @@ class LockstepPlan:
             total += plan.trained.get(segment.generation, segment.steps) * len(reporters)
         return total
 
-    def steps(self, epoch: int) -> int:
-        """The epoch's optimizer steps, as planned so far."""
-        plan = self._epochs[epoch]
-        return sum(plan.trained.get(s.generation, s.steps) for s in plan.segments)
-
     def forget_before(self, epoch: int) -> None:
         for old in [e for e in self._epochs if e < epoch]:
             del self._epochs[old]
