@@ -148,3 +148,17 @@ def test_a_rank_waiting_for_the_coordinator_keeps_what_else_came_and_ends_with_t
     assert survival.await_regroup(1, "round 6 was cut", None) is None
     assert group.abandoned.is_set()  # a group still forming stops waiting for its members
     assert reader.next_message(5.0) == Shutdown("done")
+
+
+def test_a_failure_no_change_follows_is_raised_as_what_it_was() -> None:
+    """A step that failed for its own reasons (the task's loss raised) waits for a Regroup that never comes,
+    then fails naming the cause."""
+    store = loopback_store(0, None, timedelta(seconds=20))
+    reader = InboxReader(Mailbox.connect("127.0.0.1", store.port, "ns", 1, 10.0))
+    group = AveragingGroup(store, "gloo", 1, torch.device("cpu"), 10.0)
+    survival = Survival(group, reader, incarnation=0, wait_s=0.5)
+    reader.start()
+    cause = ValueError("the loss of batch 7 is a string")
+    with pytest.raises(RuntimeError, match="no member's death: ValueError: the loss of batch 7") as raised:
+        survival.await_regroup(1, "epoch 2 was cut", cause)
+    assert raised.value.__cause__ is cause

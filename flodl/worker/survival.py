@@ -117,8 +117,9 @@ class Survival:
                     others.append(message)
         finally:
             self.reader.hold(others)  # a Shutdown is kept even when the rest is not
+        why = f"; so the failure was no member's death: {type(cause).__name__}: {cause}" if cause else ""
         raise RuntimeError(
-            f"rank {rank}: no word from the coordinator within {limit_s} s while waiting for {what}"
+            f"rank {rank}: no word from the coordinator within {limit_s} s while waiting for {what}{why}"
         ) from cause
 
     def form_first(self, world_size: int, share: Callable[[Callable[[list[Tensor]], None]], None]) -> None:
