@@ -34,7 +34,7 @@ from flodl.config.policy import (
 from flodl.config.rules import GIB
 from flodl.config.schema import FlodlConfig
 from flodl.coordinator.commit import HANG_MODEL_FILE, CheckpointCommitter, consensus_saver, run_kind
-from flodl.coordinator.coordinator import Coordinator, Driver, EpochSchedule, SyncDriver
+from flodl.coordinator.coordinator import PLAN_LOOKAHEAD, Coordinator, Driver, EpochSchedule, SyncDriver
 from flodl.coordinator.hooks import CallbackError, Hooks, Run
 from flodl.coordinator.ledger import EpochLedger
 from flodl.coordinator.local_sgd_driver import LocalSgdDriver
@@ -276,7 +276,8 @@ def make_coordinator(
     if not averages_parameters(cfg):
         per_rank = equal_slices(total_picks, world_size, step_size)[0].size // step_size
         ledger = EpochLedger(cfg.epochs, world_size, per_rank * world_size, False, first, comm_total)
-        driver = SyncDriver(schedule, ledger, outbox, first, committer)
+        lookahead = 0 if cfg.fault_tolerance == "survive" else PLAN_LOOKAHEAD  # admissions at the next epoch
+        driver = SyncDriver(schedule, ledger, outbox, first, committer, lookahead)
     else:
         batches_per_epoch = total_picks // step_size
         overlapping = cfg.policy == "async"  # no epoch barrier

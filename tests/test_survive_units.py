@@ -53,7 +53,8 @@ def test_a_change_is_done_once_every_member_formed_and_a_round_closed() -> None:
     assert event["first_round_s"] - event["formed_s"] == pytest.approx(0.5)
     assert "cut out (no heartbeat): members [0, 1]" in change.line() and "first good round" in change.line()
     overtaken = MembershipChange("admitted", 2, generation=2, members=[0, 1, 2], why="incarnation 1")
-    assert overtaken.event()["formed_s"] is None and "overtaken" in overtaken.line()
+    assert overtaken.event()["formed_s"] is None and "overtaken by the next change" in overtaken.line()
+    assert "overtaken by the run's end" in overtaken.line(run_ended=True)
 
 
 def _member(rank: int, port: int, results: multiprocessing.Queue) -> None:

@@ -45,6 +45,8 @@ from flodl.wire.transport import InboxReader, Mailbox
 log = logging.getLogger("flodl")
 
 # Sync plans are sent this many epochs ahead of the one being aggregated, so no rank waits for a plan.
+# Under fault_tolerance=survive none are: a restarted rank is then admitted at the next epoch boundary, and
+# the members wait a coordinator round trip (milliseconds) between epochs.
 PLAN_LOOKAHEAD = 1
 _WAIT_S = 0.5
 
@@ -128,10 +130,12 @@ class SyncDriver:
         outbox: Mailbox,
         first_epoch: int,
         committer: CheckpointCommitter | None = None,
+        lookahead: int = PLAN_LOOKAHEAD,
     ) -> None:
         """`committer`: the checkpoints (None: checkpoint_every is off); its due epochs are the ones whose
-        plan asks for the ranks' parts."""
+        plan asks for the ranks' parts. `lookahead`: epochs planned beyond the one being aggregated."""
         self.schedule = schedule
+        self.lookahead = lookahead
         self.ledger = ledger
         self.outbox = outbox
         self.committer = committer
@@ -154,7 +158,7 @@ class SyncDriver:
 
     def begin(self) -> None:
         for epoch in range(
-            self.first_epoch, min(self.schedule.epochs, self.first_epoch + PLAN_LOOKAHEAD + 1)
+            self.first_epoch, min(self.schedule.epochs, self.first_epoch + self.lookahead + 1)
         ):
             self._plan(epoch)
 
@@ -180,8 +184,8 @@ class SyncDriver:
 
     def on_epoch_emitted(self, epoch: int) -> None:
         self.plan.forget_before(epoch)
-        if epoch + PLAN_LOOKAHEAD + 1 < self.schedule.epochs and not self.stopped:
-            self._plan(epoch + PLAN_LOOKAHEAD + 1)
+        if epoch + self.lookahead + 1 < self.schedule.epochs and not self.stopped:
+            self._plan(epoch + self.lookahead + 1)
 
     def stop(self) -> int:
         # The epochs already sent are trained by every rank (their StartEpoch is queued on each).
@@ -352,6 +356,8 @@ class Coordinator(threading.Thread):
                     self._handle(message)
                 self._check_heartbeats(time.perf_counter())
             self.ended_at = time.time()
+            if self.survive is not None:
+                self._follow_changes(run_ended=True)
             self._shut_down(self.stopped or "done")
             self.timeline.save(self.run_dir)
         except BaseException as err:  # surfaced to rank 0's main thread through self.error
@@ -430,8 +436,9 @@ class Coordinator(threading.Thread):
             log.info("rank %d (incarnation %d) waits to be admitted", message.rank, message.incarnation)
             driver.join(message.rank)
 
-    def _follow_changes(self) -> None:
-        """Admissions the driver made, first good rounds after a change, and each finished change's line."""
+    def _follow_changes(self, run_ended: bool = False) -> None:
+        """Admissions the driver made, first good rounds after a change, and each finished change's line
+        (`run_ended`: every change's, finished or not)."""
         driver = self._survivors()
         while driver.admitted:
             rank = driver.admitted.pop(0)
@@ -451,9 +458,9 @@ class Coordinator(threading.Thread):
             if change.first_round_at is None and driver.rounds_closed > change.rounds_before:
                 change.first_round_at = time.perf_counter()
         # In order; a change the next one overtook (its group never formed, or no round closed in it) too.
-        while self.changes and (self.changes[0].done or len(self.changes) > 1):
+        while self.changes and (self.changes[0].done or len(self.changes) > 1 or run_ended):
             change = self.changes.pop(0)
-            log.warning("%s", change.line())
+            log.warning("%s", change.line(run_ended and len(self.changes) == 0))
             self.timeline.membership_changed(change.event())
 
     def _survivors(self) -> LocalSgdDriver | SyncDriver:
@@ -527,8 +534,6 @@ class Coordinator(threading.Thread):
                 self._cut(message.rank, f"exiting{why}")
         else:
             self.driver.on_message(message)
-        if self.survive is not None:
-            self._follow_changes()
         for metrics in self.ledger.emit_ready():
             self.timeline.epoch_done(metrics.epoch)
             for sink in self.sinks:
@@ -540,3 +545,5 @@ class Coordinator(threading.Thread):
             for checkpoint in self.committer.poll(self.ledger, self.driver.state()):
                 self.hooks.checkpoint(checkpoint.epoch, checkpoint.path)
                 self._stop_if_asked()
+        if self.survive is not None:  # last: planning the next epoch may have admitted a rank (sync)
+            self._follow_changes()

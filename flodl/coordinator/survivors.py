@@ -79,12 +79,14 @@ class MembershipChange:
             **({"startup_s": self.startup_s, "waited_s": self.waited_s} if self.kind == "admitted" else {}),
         }
 
-    def line(self) -> str:
+    def line(self, run_ended: bool = False) -> str:
+        """The change as the console says it; one not done was overtaken by the next, or `run_ended` first."""
         e = self.event()
         verb = "cut out" if self.kind == "cut" else "admitted"
         what = f"rank {self.rank} {verb} ({self.why}): members {self.members}"
         if not self.done:
-            return f"{what}; overtaken by the next change before its first good round"
+            by = "the run's end" if run_ended else "the next change"
+            return f"{what}; overtaken by {by} before its first good round"
         return (
             f"{what}; group re-formed {e['formed_s']:.2f} s after (release {e['release_ms']:.0f} ms, form "
             f"{e['form_ms']:.0f} ms), first good round {e['first_round_s']:.2f} s after"
