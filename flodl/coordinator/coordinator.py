@@ -1,7 +1,8 @@
 """The coordinator: a thread in rank 0 that plans the ranks' work and aggregates what they report.
 
 It owns the epoch ledger and the sinks; a policy driver decides what to send. Under sync the per-step
-collective is DDP's, so the sync driver only hands each rank its slice of each epoch, one epoch ahead.
+collective is DDP's, so the sync driver only hands each rank its slice of each epoch, one epoch ahead (none
+ahead under fault_tolerance=survive).
 The local-SGD driver (cadence / async) decides when ranks average (see `local_sgd_driver.py`).
 """
 
@@ -119,9 +120,9 @@ class Driver(Protocol):
 
 
 class SyncDriver:
-    """Sync: each epoch's plan, one epoch ahead. Under fault_tolerance=survive also who is in: a cut member's
-    untrained picks are planned again for the others once they agreed where they are (flodl/coordinator/
-    lockstep.py), and a restarted rank is admitted between two epochs."""
+    """Sync: each epoch's plan, `lookahead` epochs ahead. Under fault_tolerance=survive also who is in: a cut
+    member's untrained picks are planned again for the others once they agreed where they are
+    (flodl/coordinator/lockstep.py), and a restarted rank is admitted between two epochs."""
 
     def __init__(
         self,
