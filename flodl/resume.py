@@ -25,7 +25,7 @@ from flodl.run_identity import check_identity
 from flodl.wire.group import publish_json, read_json
 from flodl.worker.base import WorkerBase
 from flodl.worker.checkpoint_part import restore_rank_part
-from flodl.worker.rank_state import restore_stepper
+from flodl.worker.rank_state import restore_stepper, shared_state
 
 log = logging.getLogger("flodl")
 
@@ -105,7 +105,7 @@ def restore_worker(checkpoint: Checkpoint, worker: WorkerBase) -> None:
         return
     member = checkpoint.load(rank_file(ranks[0]))
     if worker.shares_optimizer:  # sync: the member's optimizer is everyone's (its RNG streams stay its own)
-        restore_stepper(worker.stepper, {k: v for k, v in member["stepper"].items() if k != "rng"})
+        restore_stepper(worker.stepper, shared_state(member["stepper"]))
         worker.restore(member["worker"])
         log.warning(
             "rank %d has no part in %s (not a member at its checkpoint): it resumes with rank %d's optimizer "

@@ -123,3 +123,25 @@ def test_a_run_without_membership_changes_records_the_world_size() -> None:
     ledger.expect_eval(0, False)
     (metrics,) = ledger.emit_ready()
     assert (metrics.as_record()["world"], metrics.as_record()["membership"]) == (2, [])
+
+
+def test_a_sync_epoch_planned_again_waits_for_what_its_members_report() -> None:
+    """Sync under survive: rank 1 was cut after 3 of the epoch's 6 steps; ranks 0 and 2 report those 3 steps
+    and the rest re-planned for them (4 steps each). The epoch's steps are a survivor's, not batches / world."""
+    ledger = EpochLedger(epochs=2, world_size=3, batches_per_epoch=18)
+    ledger.expect_eval(0, False)
+    ledger.add_chunk(chunk(0, 0, 3))
+    ledger.add_chunk(chunk(2, 0, 3))
+    ledger.expect_batches(0, 2 * 3 + 2 * 4)
+    assert not ledger.add_chunk(chunk(0, 0, 4))
+    assert ledger.add_chunk(chunk(2, 0, 4))
+    (metrics,) = ledger.emit_ready()
+    assert metrics.rounds == 7
+    # Planned again below what was reported: complete at once; and never more than planned.
+    ledger.expect_eval(1, False)
+    ledger.add_chunk(chunk(0, 1, 2))
+    ledger.add_chunk(chunk(2, 1, 2))
+    ledger.expect_batches(1, 4)
+    with pytest.raises(LedgerError, match="epoch 1: 5 batches reported, 4 planned"):
+        ledger.add_chunk(chunk(0, 1, 1))
+    assert [m.epoch for m in ledger.emit_ready()] == [1]

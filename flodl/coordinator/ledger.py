@@ -85,12 +85,12 @@ class EpochLedger:
         entry.chunks.append(chunk)
         return self._check_complete(chunk.epoch, entry)
 
-    def expect_batches(self, epoch: int, batches: int) -> bool:
+    def expect_batches(self, epoch: int, batches: int) -> None:
         """The epoch's batches were planned again (sync under survive: a member cut in it): it is complete
-        once `batches` are reported. True when they already are."""
+        once `batches` are reported (maybe already)."""
         entry = self._epoch(epoch)
         entry.batches = batches
-        return entry.completed_at is None and self._check_complete(epoch, entry)
+        self._check_complete(epoch, entry)
 
     def _check_complete(self, epoch: int, entry: _Epoch) -> bool:
         planned = self.batches_per_epoch if entry.batches is None else entry.batches

@@ -180,11 +180,15 @@ class WorkerBase:
         """The averaging group's generation (survive; 0 otherwise): what reports of this group carry."""
         return self.survival.membership.generation if self.survival is not None else 0
 
+    @property
+    def group_size(self) -> int:
+        """The ranks training together now: the members of the group (survive), else the world."""
+        return self.survival.membership.size if self.survival is not None else self.world_size
+
     def _eval_shard(self) -> tuple[int, int]:
         """Which share of the eval set this rank evaluates, of how many: one per member of the group."""
-        if self.survival is None:
-            return self.rank, self.world_size
-        return self.survival.membership.index, self.survival.membership.size
+        index = self.survival.membership.index if self.survival is not None else self.rank
+        return index, self.group_size
 
     def state(self) -> dict[str, Any]:
         """This worker's own state for a checkpoint (beyond the stepper's)."""

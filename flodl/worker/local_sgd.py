@@ -18,7 +18,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-import psutil
 import torch
 
 from flodl.averaging.consensus import DeviceAverager, HostAverager
@@ -29,7 +28,6 @@ from flodl.wire.messages import (
     ChunkReport,
     EpochSlice,
     ExtendPartition,
-    Joined,
     Message,
     Reached,
     Regroup,
@@ -117,26 +115,17 @@ class LocalSgdWorker(WorkerBase):
         return self.round is not None or self.chunk is not None or bool(self.pending)
 
     def on_start(self) -> None:
-        if self.survival is None:
-            return
-        if not self.survival.joining:
-            # Every original member forms the first group and starts from rank 0's state. A rank that dies
-            # meanwhile is cut like any other, and the Regroup then shares the first member's state again.
-            try:
-                self.stepper.fault.before_start()
-                self.survival.form_first(self.world_size, self._share)
-                self.averager.regroup()
-            except Exception as err:
-                regroup = self.survival.await_regroup(self.rank, "the first averaging group failed", err)
-                if regroup is not None:  # else the run ended first
-                    self._regroup(regroup)
-            return
-        # A restarted rank: announce itself, then wait to be admitted at a round boundary with the consensus.
-        startup_s = time.time() - psutil.Process().create_time()
-        self.report(Joined(self.rank, self.survival.incarnation, startup_s))
-        admission = self.survival.await_admission(self.rank)
-        if admission is not None:  # else the run ended first
-            self._regroup(admission)
+        if self.survival is not None:
+            self.survival.begin(
+                self.rank, self.world_size, self._settle_first, self._regroup, self.report,
+                self.stepper.fault.before_start,
+            )  # fmt: skip
+
+    def _settle_first(self, group: AveragingGroup) -> None:
+        """Every original member starts from rank 0's state (a Regroup before the first round shares it
+        again: a member's death may have cut this broadcast)."""
+        self._share(group.broadcast_from_first)
+        self.averager.regroup()
 
     def handle(self, message: Message) -> None:
         if isinstance(message, Regroup):

@@ -56,6 +56,12 @@ def stepper_state(stepper: Stepper) -> dict[str, Any]:
     }
 
 
+def shared_state(state: dict[str, Any]) -> dict[str, Any]:
+    """Of a `stepper_state`, what another rank may take over under sync (every rank steps the same optimizer
+    state): all but the RNG streams, which stay each rank's own."""
+    return {key: value for key, value in state.items() if key != "rng"}
+
+
 def restore_stepper(stepper: Stepper, state: dict[str, Any]) -> None:
     parts = stepper.parts
     parts.optimizer.load_state_dict(state["optimizer"])
@@ -65,5 +71,5 @@ def restore_stepper(stepper: Stepper, state: dict[str, Any]) -> None:
     stepper.schedule_position = int(state["schedule_position"])
     if state.get("scaler"):  # empty under fp32/bf16 (and absent from checkpoints older than precision)
         stepper.scaler.load_state_dict(state["scaler"])
-    if "rng" in state:  # a member's state shared over the group keeps this rank's own RNG streams
+    if "rng" in state:  # absent from a `shared_state`: this rank keeps its own streams
         set_rng_state(state["rng"], stepper.device)

@@ -12,10 +12,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from torch import Tensor
+import psutil
 
 from flodl.wire.membership import AveragingGroup
-from flodl.wire.messages import AverageNow, Message, Regroup, Regrouped, Shutdown
+from flodl.wire.messages import AverageNow, Joined, Message, Regroup, Regrouped, Shutdown
 from flodl.wire.transport import InboxReader
 
 log = logging.getLogger("flodl")
@@ -122,10 +122,34 @@ class Survival:
             f"rank {rank}: no word from the coordinator within {limit_s} s while waiting for {what}{why}"
         ) from cause
 
-    def form_first(self, world_size: int, share: Callable[[Callable[[list[Tensor]], None]], None]) -> None:
-        """Generation 0: every rank, each starting from rank 0's state."""
-        self.membership.form(0, list(range(world_size)))
-        share(self.membership.broadcast_from_first)
+    def begin(
+        self,
+        rank: int,
+        world_size: int,
+        settle_first: Callable[[AveragingGroup], None],
+        regroup: Callable[[Regroup], None],
+        report: Callable[[Message], None],
+        before_start: Callable[[], None],
+    ) -> None:
+        """A rank's start. An original member forms generation 0 with every rank and settles the members'
+        state on it (`settle_first`: each starts from rank 0's); a rank that dies meanwhile is cut like any
+        other, and the Regroup that follows goes to `regroup`. A restarted rank says it is ready (`report`:
+        Joined, with its start-up time) and waits to be admitted with the members' state."""
+        if self.joining:
+            startup_s = time.time() - psutil.Process().create_time()
+            report(Joined(rank, self.incarnation, startup_s))
+            admission = self.await_admission(rank)
+            if admission is not None:  # else the run ended first
+                regroup(admission)
+            return
+        try:
+            before_start()
+            self.membership.form(0, list(range(world_size)))
+            settle_first(self.membership)
+        except Exception as err:
+            failed = self.await_regroup(rank, "the first averaging group failed", err)
+            if failed is not None:  # else the run ended first
+                regroup(failed)
 
     def form(
         self, rank: int, message: Regroup, settle: Callable[[AveragingGroup], None], release_ms: float

@@ -20,7 +20,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-import psutil
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -28,10 +27,10 @@ from torch import nn
 from flodl.averaging.flat import state_digest
 from flodl.metrics.scalars import drain_scalars
 from flodl.wire.membership import AveragingGroup
-from flodl.wire.messages import ChunkReport, FirstStep, Joined, Message, Regroup, Saved, StartEpoch
+from flodl.wire.messages import ChunkReport, FirstStep, Message, Regroup, Saved, StartEpoch
 from flodl.worker.base import RankLink, WorkerBase, WorkerSettings
 from flodl.worker.checkpoint_part import RankCheckpointer
-from flodl.worker.rank_state import restore_stepper, stepper_state
+from flodl.worker.rank_state import restore_stepper, shared_state, stepper_state
 from flodl.worker.stepper import Stepper
 from flodl.worker.survival import Survival
 from flodl.worker.task_setup import lr_scale_factor
@@ -156,7 +155,7 @@ class SyncWorker(WorkerBase):
             time.time(),
             time.perf_counter(),
         )
-        members = self._eval_shard()[1]
+        members = self.group_size
         for b in range(segment.steps):
             fetched = time.perf_counter()
             micro_batches = stepper.load_step(picks[b * step_samples : (b + 1) * step_samples], plan.epoch)
@@ -192,7 +191,7 @@ class SyncWorker(WorkerBase):
             compile_s=compile_s,
             data_ms=segment.data_s * 1000,
             steps_total=stepper.steps_total,
-            comm_bytes=batches * self.gradient_bytes if self._eval_shard()[1] > 1 else 0,
+            comm_bytes=batches * self.gradient_bytes if self.group_size > 1 else 0,
             lr=stepper.lr,
             scalars=drain_scalars(),
             started_at=segment.started_at + compile_s,  # the work's window starts after the compilation
@@ -223,24 +222,11 @@ class SyncWorker(WorkerBase):
         return self.survival.await_regroup(self.rank, failed, cause)
 
     def on_start(self) -> None:
-        if self.survival is None:
-            return
-        if self.survival.joining:
-            startup_s = time.time() - psutil.Process().create_time()
-            self.report(Joined(self.rank, self.survival.incarnation, startup_s))
-            admission = self.survival.await_admission(self.rank)
-            if admission is not None:  # else the run ended first
-                self._regroup(admission)
-            return
-        # Every original member forms the first group; DDP starts them all from rank 0's parameters.
-        try:
-            self.stepper.fault.before_start()
-            self.survival.membership.form(0, list(range(self.world_size)))
-            self._settle(self.survival.membership)
-        except Exception as err:
-            regroup = self._await_regroup("the first group failed", err)
-            if regroup is not None:
-                self._regroup(regroup)
+        if self.survival is not None:  # DDP, wrapped on the first group, starts every rank from rank 0's
+            self.survival.begin(
+                self.rank, self.world_size, self._settle, self._regroup, self.report,
+                self.stepper.fault.before_start,
+            )  # fmt: skip
 
     def _regroup(self, message: Regroup, cut: _Segment | None = None) -> None:
         """Form the group `message` names, agree with its members where they are, and report the segment
@@ -316,7 +302,7 @@ class SyncWorker(WorkerBase):
             for tensor, received in zip(tensors, moved, strict=True):
                 tensor.copy_(received)
         mine = {
-            "stepper": {k: v for k, v in stepper_state(stepper).items() if k != "rng"},
+            "stepper": shared_state(stepper_state(stepper)),
             "global_samples": self.global_samples,
             "lr_world": self.lr_world,
         }
