@@ -127,7 +127,8 @@ def test_a_run_without_membership_changes_records_the_world_size() -> None:
 
 def test_a_sync_epoch_planned_again_waits_for_what_its_members_report() -> None:
     """Sync under survive: rank 1 was cut after 3 of the epoch's 6 steps; ranks 0 and 2 report those 3 steps
-    and the rest re-planned for them (4 steps each). The epoch's steps are a survivor's, not batches / world."""
+    and the rest re-planned for them (4 steps each). The epoch's steps are a survivor's, not batches over the
+    world."""
     ledger = EpochLedger(epochs=2, world_size=3, batches_per_epoch=18)
     ledger.expect_eval(0, False)
     ledger.add_chunk(chunk(0, 0, 3))
