@@ -1,26 +1,38 @@
 """Async end to end, checked against what the ranks did: 2 gloo ranks at unequal speeds, the last epoch
 running the data out. The last round's consensus is the gamma rule over each rank's last parameters, the
-epochs' throughput stays within the ranks' own speeds, and each eval is labelled with the round it ran on."""
+epochs' throughput stays within the ranks' own speeds, and each eval is labelled with the round it ran on.
+
+On both backends: the device backend averages between two steps; the cpu backend's round runs on a thread
+while the rank trains on, here with every round held back on purpose (tests/helpers/slow_round), so steps
+are surely carried out of each round, the last one before the final round included."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers.procs import FAST_START, train
+from tests.helpers.procs import FAST_START, REPO, train
 
 pytestmark = pytest.mark.multiproc
 
 GAMMA, BATCH, EPOCHS = 0.5, 128, 5
+SLOW_ROUND = {
+    "FLODL_TEST_ROUND_DELAY_S": "0.2",
+    "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "helpers" / "slow_round"), str(REPO)]),
+}
 
 
-def test_async_last_round_throughput_and_eval_labels(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["nccl", "cpu"])
+def test_async_last_round_throughput_and_eval_labels(tmp_path: Path, backend: str) -> None:
     record_dir = tmp_path / "params"
     record_dir.mkdir()
+    delayed = SLOW_ROUND if backend == "cpu" else {}
     train(
+        f"backend={backend}",
         "policy=async",
         "launch.nproc_per_node=2",
         FAST_START,
@@ -36,6 +48,7 @@ def test_async_last_round_throughput_and_eval_labels(tmp_path: Path) -> None:
         cwd=tmp_path,
         timeout=240,
         FLODL_TEST_RECORD_DIR=str(record_dir),
+        **delayed,
     ).check()
     run = tmp_path / "run"
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -57,6 +70,13 @@ def test_async_last_round_throughput_and_eval_labels(tmp_path: Path) -> None:
     # Every batch was trained and counted once: the last round holds the run's tail.
     batches = sum(p["batches"] for r in records for p in r["per_rank"])
     assert sum(n for r in rounds for n in r["steps"].values()) == batches
+
+    # 2. Steps trained while a round was in flight: only on the cpu backend, where every round was held back.
+    during = [sum(r["per_rank"][rank]["steps_during_averaging"] for r in records) for rank in range(2)]
+    if backend == "cpu":
+        assert all(n > 0 for n in during), during
+    else:
+        assert during == [0, 0]
 
     # 3. No epoch's throughput beats what the ranks' own clocks allow.
     for record in records:

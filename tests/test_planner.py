@@ -44,6 +44,8 @@ class WindowLog:
     overshoot: int
     # What each rank had queued at the previous ack (the planner's view when the window opens).
     queued_at_ack: list[int]
+    # The steps each rank carried out of the previous round into this window (AckReport.carried).
+    carried_at_ack: list[int]
     # Batches handed out before this window (the cursor, as a global batch index).
     cursor_before: int
     dispatches: list[Dispatch]
@@ -71,8 +73,9 @@ class Simulator:
     """Drives a LocalSgdPlanner the way the coordinator does, with fake ranks.
 
     `counts` are cycled one vector per window. Async ranks may train up to `max_extra` steps past
-    their target while the Average is on its way, and up to `max_after_ack` steps between their ack
-    and the next window's dispatch; the interleaving of ranks is drawn from `rng`.
+    their target while the Average is on its way, up to `max_carried` steps while the round is in flight
+    (the cpu backend: those count toward the next window), and up to `max_after_ack` steps between their
+    ack and the next window's dispatch; the interleaving of ranks is drawn from `rng`.
     """
 
     def __init__(
@@ -88,6 +91,7 @@ class Simulator:
         eval_epochs: frozenset[int] | set[int] = frozenset(),
         max_extra: int = 0,
         max_after_ack: int = 0,
+        max_carried: int = 0,
         rng: random.Random | None = None,
     ) -> None:
         self.world_size = world_size
@@ -100,6 +104,7 @@ class Simulator:
         self.eval_epochs = frozenset(eval_epochs)
         self.max_extra = max_extra if is_async else 0
         self.max_after_ack = max_after_ack if is_async else 0
+        self.max_carried = max_carried if is_async else 0
         self.rng = rng or random.Random(0)
         self.planner = LocalSgdPlanner(
             world_size=world_size,
@@ -116,6 +121,7 @@ class Simulator:
         self.completed: list[int] = []
         self.windows: list[WindowLog] = []
         self.queued_at_ack = [0] * world_size
+        self.carried_at_ack = [0] * world_size
         self.reports = 0
 
     @property
@@ -150,7 +156,8 @@ class Simulator:
 
     def run_window(self) -> WindowLog:
         counts = list(self.counts[len(self.windows) % len(self.counts)])
-        log = WindowLog(counts, self.overshoot, list(self.queued_at_ack), sum(self.dispatched.values()), [])
+        queued, carried, cursor = list(self.queued_at_ack), list(self.carried_at_ack), sum(self.dispatched.values())
+        log = WindowLog(counts, self.overshoot, queued, carried, cursor, [])
         self.windows.append(log)
         actions = self.planner.open_window(counts, self.overshoot)
         assert [type(a) for a in actions] == [Dispatch] * self.world_size, actions
@@ -193,9 +200,15 @@ class Simulator:
         order = self.rng.sample(self.ranks, len(self.ranks))
         for i, rank in enumerate(order):
             assert not self.planner.finished, "finished before every rank acked"
-            ack = AckReport(rank.rank, rank.steps, 0.0, 0.0, len(rank.queue))
+            snapshot = rank.steps  # what the round averages; steps while it is in flight are carried
+            for _ in range(self.rng.randint(0, self.max_carried)):
+                if rank.queue:
+                    self.step(rank)
+            carried = rank.steps - snapshot
+            ack = AckReport(rank.rank, snapshot, 0.0, 0.0, len(rank.queue), carried=carried)
             self.queued_at_ack[rank.rank] = len(rank.queue)
-            rank.steps = 0
+            self.carried_at_ack[rank.rank] = carried
+            rank.steps = carried
             assert self.planner.on_ack(ack) is (i == self.world_size - 1)
         assert self.planner.finished is average.final
         for rank in self.ranks:  # async: training goes on until the next window's dispatch
@@ -253,8 +266,8 @@ def check_async_window(log: WindowLog, total: int, bpe: int, batch_size: int) ->
         cursor += n
     # Targets are set once every rank is served: when any rank's take ran the data out, all train out.
     for rank, dispatch in enumerate(log.dispatches):
-        queued = log.queued_at_ack[rank] + given_batches(dispatch, batch_size)
-        expected = queued if cursor == total else min(log.counts[rank], queued)
+        holds = log.queued_at_ack[rank] + log.carried_at_ack[rank] + given_batches(dispatch, batch_size)
+        expected = holds if cursor == total else min(log.counts[rank], holds)
         assert dispatch.target == expected, (rank, log)
 
 
@@ -320,6 +333,7 @@ def runs(draw, is_async: bool) -> Simulator:
         eval_epochs=draw(st.frozensets(st.integers(0, epochs - 1))),
         max_extra=draw(st.integers(0, 5)),
         max_after_ack=draw(st.integers(0, 3)),
+        max_carried=draw(st.integers(0, 3)),
         rng=draw(st.randoms(use_true_random=False)),
     )
 
@@ -556,14 +570,17 @@ def test_async_drains_once_the_data_runs_out(sim):
     epochs=st.integers(1, 3),
     overshoot=st.integers(0, 6),
     max_extra=st.integers(0, 6),
+    max_carried=st.integers(0, 6),
     rng=st.randoms(use_true_random=False),
 )
 def test_async_last_round_weighs_every_rank_s_steps_since_the_round_before(
-    speeds, batches_per_epoch, epochs, overshoot, max_extra, rng
+    speeds, batches_per_epoch, epochs, overshoot, max_extra, max_carried, rng
 ):
     """Two ranks at many speed pairs (ElChe's counts follow the speeds): the window whose dispatch runs the
     data out ends in the exact last round, taken once every rank has trained all it held, so its gamma
-    weights count every step since the round before and no step is left to a blended round."""
+    weights count every step since the round before and no step is left to a blended round. Steps a rank
+    carried out of the round before (trained while it was in flight) count toward that window, so they do
+    not shorten what it trains before the last round."""
     sim = Simulator(
         world_size=2,
         batches_per_epoch=batches_per_epoch,
@@ -573,6 +590,7 @@ def test_async_last_round_weighs_every_rank_s_steps_since_the_round_before(
         counts=[list(speeds)],
         overshoot=overshoot,
         max_extra=max_extra,
+        max_carried=max_carried,
         rng=rng,
     )
     sim.run(window_bound(sim))

@@ -155,6 +155,7 @@ class LocalSgdDriver:
                 message.round_ms,
                 message.queued,
                 message.idle_ms,
+                message.steps_during_round,
             )
             self.timeline.round_acked(message.round, message.rank, message.divergence, message.steps)
             self._round_costs[message.rank] = RoundCost(

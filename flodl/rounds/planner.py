@@ -72,6 +72,9 @@ class AckReport:
     queued: int
     # The rank's window wall time not spent training (see elche.round_overhead_ms).
     idle_ms: float = 0.0
+    # Steps the rank trained while the round was in flight (the cpu backend's async): they count toward the
+    # next window, whose target is in steps since the round.
+    carried: int = 0
 
 
 @dataclass
@@ -121,6 +124,8 @@ class LocalSgdPlanner:
     round: int = 0
     targets: list[int] = field(init=False)
     queued: list[int] = field(init=False)
+    # Per rank: the steps it carried out of its last round into the window that follows (AckReport.carried).
+    carried: list[int] = field(init=False)
     reached: dict[int, WindowReport] = field(default_factory=dict)
     acks: dict[int, AckReport] = field(default_factory=dict)
     completed_epochs: set[int] = field(default_factory=set)
@@ -144,6 +149,7 @@ class LocalSgdPlanner:
         self.cursor = Cursor(self.batches_per_epoch, self._segment_end(self.first_epoch), self.first_epoch)
         self.targets = [0] * self.world_size
         self.queued = [0] * self.world_size
+        self.carried = [0] * self.world_size
         self.members = set(range(self.world_size))
         self.handed = {r: [] for r in range(self.world_size)}
 
@@ -178,13 +184,15 @@ class LocalSgdPlanner:
             taken.append((rank, slices, given))
         # Targets once every rank is served: a later rank's take may run the data out, and then every rank,
         # earlier ones too, must train all it holds before this round, so that it is the exact last one.
+        # A target counts steps since the last round, so the steps a rank carried out of it count too.
         exhausted = self.exhausted
         actions: list[Action] = []
         for rank, slices, given in taken:
+            holds = self.queued[rank] + self.carried[rank]
             if exhausted:
-                self.targets[rank] = self.queued[rank]
+                self.targets[rank] = holds
             else:  # async: the count; cadence: what it was given
-                self.targets[rank] = min(counts[rank], self.queued[rank]) if self.is_async else given
+                self.targets[rank] = min(counts[rank], holds) if self.is_async else given
             actions.append(Dispatch(rank, slices, self.targets[rank]))
         # Every member reports Reached, even with a target of 0 (an epoch tail can leave a rank idle).
         self.reached = {}
@@ -217,6 +225,7 @@ class LocalSgdPlanner:
             return False
         self.acks[ack.rank] = ack
         self.queued[ack.rank] = ack.queued
+        self.carried[ack.rank] = ack.carried
         if not self.members <= self.acks.keys():
             return False
         self.averaging = False
@@ -238,7 +247,7 @@ class LocalSgdPlanner:
         self.acks.pop(rank, None)
         self.returned = sorted([*self.returned, *self.handed[rank]], key=lambda s: (s.epoch, s.offset))
         self.handed[rank] = []
-        self.queued[rank] = self.targets[rank] = 0
+        self.queued[rank] = self.targets[rank] = self.carried[rank] = 0
         if self.averaging:
             assert self.in_flight is not None
             return [self._average(self.in_flight.evaluate_epochs, redo=True)]
@@ -347,7 +356,9 @@ class LocalSgdPlanner:
         decided) and the wanted epochs due now; final when nothing is left to hand out and every member
         trains all it holds before it."""
         self.acks = {}
-        self.final_round = self.exhausted and all(self.queued[r] <= self.targets[r] for r in self.members)
+        self.final_round = self.exhausted and all(
+            self.queued[r] + self.carried[r] <= self.targets[r] for r in self.members
+        )
         # The final round evaluates every wanted epoch left; another, those settled. A redo keeps the evals
         # of its round (the driver decided them then), and adds only those left if it became the final.
         left = self.eval_epochs - self.evaluated_epochs
