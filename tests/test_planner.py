@@ -156,8 +156,8 @@ class Simulator:
 
     def run_window(self) -> WindowLog:
         counts = list(self.counts[len(self.windows) % len(self.counts)])
-        queued, carried, cursor = list(self.queued_at_ack), list(self.carried_at_ack), sum(self.dispatched.values())
-        log = WindowLog(counts, self.overshoot, queued, carried, cursor, [])
+        cursor = sum(self.dispatched.values())
+        log = WindowLog(counts, self.overshoot, list(self.queued_at_ack), list(self.carried_at_ack), cursor, [])
         self.windows.append(log)
         actions = self.planner.open_window(counts, self.overshoot)
         assert [type(a) for a in actions] == [Dispatch] * self.world_size, actions
