@@ -156,8 +156,8 @@ class Simulator:
 
     def run_window(self) -> WindowLog:
         counts = list(self.counts[len(self.windows) % len(self.counts)])
-        cursor = sum(self.dispatched.values())
-        log = WindowLog(counts, self.overshoot, list(self.queued_at_ack), list(self.carried_at_ack), cursor, [])
+        queued, carried = list(self.queued_at_ack), list(self.carried_at_ack)
+        log = WindowLog(counts, self.overshoot, queued, carried, sum(self.dispatched.values()), [])
         self.windows.append(log)
         actions = self.planner.open_window(counts, self.overshoot)
         assert [type(a) for a in actions] == [Dispatch] * self.world_size, actions
