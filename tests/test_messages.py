@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import pickle
+from pathlib import Path
+
 import pytest
+import torch
 
 from flodl.wire import messages
 from flodl.wire.messages import (
@@ -27,6 +32,7 @@ from flodl.wire.messages import (
     decode,
     encode,
 )
+from flodl.wire.state_bytes import state_from_bytes, state_to_bytes
 
 MESSAGES = [
     StartEpoch(3, [EpochSlice(epoch=3, offset=64, size=32)], evaluate=True),
@@ -120,3 +126,34 @@ def test_encoding_is_json_not_pickle():
 def test_decode_garbage_raises_message_error(raw):
     with pytest.raises(MessageError, match="undecodable flodl message"):
         decode(raw)
+
+
+class _RunsCode:
+    """Pickles as a call: unpickling it makes the directory `path` (what a hostile peer's bytes could do)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple:
+        return (os.mkdir, (self.path,))
+
+
+def test_a_rank_state_round_trips_as_bytes() -> None:
+    optimizer = torch.optim.Adam([torch.nn.Parameter(torch.ones(3))])
+    optimizer.param_groups[0]["params"][0].grad = torch.ones(3)
+    optimizer.step()
+    state = {"stepper": {"optimizer": optimizer.state_dict(), "steps_total": 7}, "lr_world": 2}
+    back = state_from_bytes(state_to_bytes(state), torch.device("cpu"))
+    assert back["stepper"]["steps_total"] == 7 and back["lr_world"] == 2
+    saved = back["stepper"]["optimizer"]["state"][0]
+    assert torch.equal(saved["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+
+
+def test_a_peer_s_bytes_are_never_unpickled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # As on a torch release whose torch.load still defaults to weights_only=False (before 2.6).
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    made = tmp_path / "made-by-a-peer"
+    payload = state_to_bytes({"stepper": _RunsCode(str(made))})
+    with pytest.raises(pickle.UnpicklingError):
+        state_from_bytes(payload, torch.device("cpu"))
+    assert not made.exists()

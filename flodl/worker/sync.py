@@ -13,7 +13,6 @@ them. A restarted rank is admitted where the members reach its Regroup in their 
 from __future__ import annotations
 
 import functools
-import io
 import logging
 import time
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from flodl.averaging.flat import state_digest
 from flodl.metrics.scalars import drain_scalars
 from flodl.wire.membership import AveragingGroup
 from flodl.wire.messages import ChunkReport, FirstStep, Message, Regroup, Saved, StartEpoch
+from flodl.wire.state_bytes import state_from_bytes, state_to_bytes
 from flodl.worker.base import RankLink, WorkerBase, WorkerSettings
 from flodl.worker.checkpoint_part import RankCheckpointer
 from flodl.worker.rank_state import restore_stepper, shared_state, stepper_state
@@ -306,17 +306,16 @@ class SyncWorker(WorkerBase):
             "global_samples": self.global_samples,
             "lr_world": self.lr_world,
         }
-        buffer = io.BytesIO()
-        torch.save(mine, buffer)
-        size = torch.tensor([buffer.getbuffer().nbytes], dtype=torch.int64, device=device)
+        encoded = state_to_bytes(mine)
+        size = torch.tensor([encoded.numel()], dtype=torch.int64, device=device)
         group.broadcast([size], source)
         payload = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
         if group.index == source:
-            payload.copy_(torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8))
+            payload.copy_(encoded)
         group.broadcast([payload], source)
         if group.index == source:
             return
-        state = torch.load(io.BytesIO(payload.cpu().numpy().tobytes()), map_location=stepper.device)
+        state = state_from_bytes(payload, stepper.device)
         restore_stepper(stepper, state["stepper"])
         self.global_samples = int(state["global_samples"])
         self.lr_world = int(state["lr_world"])
