@@ -127,3 +127,16 @@ def test_typo_in_a_target_is_one_line_before_any_rank(project: Path, command: Pa
     where = "flodl: invalid flodl config: task.model._target_='mypkg.parts.Nett': does not import"
     assert line.startswith(where) and "has no attribute 'Nett'" in line, line
     assert not list(project.rglob("rank*.log"))
+
+
+def test_installing_the_checkout_keeps_the_torch_already_installed(tmp_path: Path) -> None:
+    """The README's own-project recipe: a CPU torch first, then flodl; pip keeps that torch (a range in
+    pyproject.toml), instead of pulling a CUDA build of several GB."""
+    report = tmp_path / "report.json"
+    args = [PYTHON, "-m", "pip", "install", "--dry-run", "--no-build-isolation", "--quiet"]
+    subprocess.run([*args, "--report", str(report), str(REPO)], check=True, capture_output=True, timeout=300)
+    planned = {
+        item["metadata"]["name"]: item["metadata"]["version"]
+        for item in json.loads(report.read_text())["install"]
+    }
+    assert set(planned) == {"flodl"}, f"pip would install more than flodl: {planned}"
