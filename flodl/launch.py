@@ -366,7 +366,7 @@ def _run_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
         survival = make_survival(cfg, env, device, backend, group.exchange, inbox)
         # A restarted rank receives the running group's state when it is admitted, not from a checkpoint.
         joining = survival is not None and survival.joining
-        parts = build_task(task_settings(cfg), device, env.world_size)
+        parts = build_task(task_settings(cfg), device, env.world_size, env.rank)
         total_picks = len(parts.train_data) * cfg.augment
         _check_epoch_fits(cfg, total_picks, env.world_size)
         settings = resume_settings(cfg, run_dir, run_identity(config, env.world_size, info.uid))

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-_MASK = (1 << 64) - 1
+from flodl.data.streams import mixed_seed
 
 # (rows: list[Tensor], keys: list[ViewKey]) -> list[Tensor]
 Transform = Callable[[list[Tensor], list["ViewKey"]], list[Tensor]]
@@ -26,21 +26,11 @@ class ViewKey(NamedTuple):
     seed: int
 
     def rng_seed(self) -> int:
-        """A 63-bit seed mixed from every part of the key (splitmix64 steps), so nearby keys are unrelated."""
-        state = 0
-        for part in self:
-            state = _splitmix64((state ^ (part & _MASK)) & _MASK)
-        return state >> 1
+        """A 63-bit seed mixed from every part of the key, so nearby keys are unrelated."""
+        return mixed_seed(*self)
 
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         return torch.Generator(device=device).manual_seed(self.rng_seed())
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
-    return x ^ (x >> 31)
 
 
 def view_keys(picks: Tensor, augment: int, epoch: int, seed: int) -> list[ViewKey]:

@@ -5,9 +5,12 @@
 
 torch's DataLoader builds the batches; its batch sampler walks the read plan (`PlanSampler`), so a rank reads
 the picks it was handed, in their order, whatever `num_workers` is. A dataset read afresh (the default) runs
-`__getitem__` for every pick of every epoch: augmentation inside it draws new randomness each time. A
-dataset declared cacheable (`task.cacheable=true`) is read through the RAM tier and the disk pack
-(`CachedSamples`): each sample from its source once, `task.transform` on every read.
+`__getitem__` for every pick of every epoch, each batch under its own random streams (flodl/data/streams.py):
+augmentation inside it draws anew for every batch, differently on every rank, the same in every run. With
+`num_workers=0` a batch is read in the step's thread when it is due, as torch's DataLoader does (the step's
+own draws and the reads' must not interleave); with workers, ahead. A dataset declared cacheable
+(`task.cacheable=true`) is read through the RAM tier and the disk pack (`CachedSamples`): each sample from
+its source once, `task.transform` on every read.
 """
 
 from __future__ import annotations
@@ -30,23 +33,26 @@ from flodl.data.partition import picks_to_samples
 from flodl.data.prefetch import CPU_DEPTH, Prefetcher
 from flodl.data.ram_cache import RamCache
 from flodl.data.sample import check_movable, nbytes, owned, to_device
+from flodl.data.streams import SeededIndices, SeededReads, batch_seed
 from flodl.data.tiers import FeedStats
 
 Collate = Callable[[list[Any]], Any]
 
 
 class PlanSampler:
-    """A DataLoader batch sampler over the read plan: each planned batch's sample indices, from `start` up to
-    the last batch advised so far (a later advice is read by a new iteration from where this one ended)."""
+    """A DataLoader batch sampler over the read plan: each planned batch's sample indices (`indices` makes
+    them), from `start` up to the last batch advised so far (a later advice is read by a new iteration from
+    where this one ended)."""
 
-    def __init__(self, plan: ReadPlan) -> None:
+    def __init__(self, plan: ReadPlan, indices: Callable[[PlannedBatch], list[int]]) -> None:
         self.plan = plan
+        self.indices = indices
         self.start = 0
 
     def __iter__(self) -> Iterator[list[int]]:
         position = self.start
         while (planned := self.plan.get(position)) is not None:
-            yield planned.samples.tolist()
+            yield self.indices(planned)
             position += 1
 
 
@@ -106,8 +112,8 @@ class SampleFeeder:
         self.plan = ReadPlan(settings.augment)
         self.stats = FeedStats()
         self.cached = CachedSamples(dataset, *tiers, self.stats) if tiers is not None else None
-        self.source = self.cached if self.cached is not None else dataset
-        self.sampler = PlanSampler(self.plan)
+        self.source = self.cached if self.cached is not None else SeededReads(dataset)
+        self.sampler = PlanSampler(self.plan, lambda planned: self._indices(planned.picks, planned.epoch))
         workers = settings.num_workers
         self.loader = DataLoader(
             self.source,
@@ -121,8 +127,10 @@ class SampleFeeder:
         self._iterator: Iterator[Any] | None = None
         self._next_position = -1
         self._checked = False
-        # debug.data_plane=false: every batch read in the step's thread, as a plain loop would.
-        depth = CPU_DEPTH if settings.data_plane else 0
+        # debug.data_plane=false: every batch read in the step's thread, as a plain loop would; so are the
+        # batches of a dataset read afresh without workers (a read there draws from the process's generators).
+        reads_ahead = workers > 0 or self.cached is not None
+        depth = CPU_DEPTH if settings.data_plane and reads_ahead else 0
         self.prefetcher = Prefetcher(self.plan, self._planned_batch, depth, self._setup)
         multiprocessing.util.Finalize(self, self.prefetcher.stop, exitpriority=20)
 
@@ -145,9 +153,9 @@ class SampleFeeder:
             self.plan.take(position - 1)
             batch = self.prefetcher.take(position, wait=True)
         if batch is None:
-            samples = picks_to_samples(picks, self.settings.augment).tolist()
-            self._count_fresh(len(samples))
-            batch = self._transformed(self.collate([self.source[i] for i in samples]), picks, epoch)
+            indices = self._indices(picks, epoch)
+            self._count_fresh(len(indices))
+            batch = self._transformed(self.collate(self._read(indices)), picks, epoch)
         if not self._checked:  # once: a value the device move would leave behind fails here, named
             check_movable(batch, "task.train_data")
             self._checked = True
@@ -167,6 +175,19 @@ class SampleFeeder:
         # The DataLoader pins on the current device of the thread that iterates it (and of its pin thread).
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+
+    def _indices(self, picks: Tensor, epoch: int) -> list[int]:
+        """The batch's sample indices; read afresh, with the stream its reads draw from."""
+        samples = picks_to_samples(picks, self.settings.augment).tolist()
+        if self.cached is not None:
+            return samples
+        return SeededIndices(samples, batch_seed(self.settings.seed, epoch, int(picks[0])))
+
+    def _read(self, indices: list[int]) -> list[Any]:
+        if isinstance(self.source, SeededReads):
+            assert isinstance(indices, SeededIndices)
+            return self.source.__getitems__(indices)
+        return [self.source[i] for i in indices]
 
     def _count_fresh(self, samples: int) -> None:
         if self.cached is None:  # a cached read counts itself, by tier

@@ -15,6 +15,7 @@ from torch.utils.data import default_collate
 from flodl.config.targets import batch_dataset_problems
 from flodl.data.augment import Transform
 from flodl.data.dataset import as_dataset, check_purity, is_batch_dataset
+from flodl.data.streams import seed_rank_streams
 
 # The batch: a BatchDataSet's list[Tensor], or what collate_fn made of a map-style Dataset's samples.
 LossFn = Callable[[nn.Module, Any], Tensor]
@@ -58,7 +59,8 @@ class TaskSettings:
     num_workers: int = 0
 
 
-def build_task(settings: TaskSettings, device: torch.device, world_size: int) -> TaskParts:
+def build_task(settings: TaskSettings, device: torch.device, world_size: int, rank: int = 0) -> TaskParts:
+    """The task's parts for `rank`; afterwards its generators draw the rank's own streams."""
     task = settings.targets
     # Same seed on every rank: identical initial weights even before DDP broadcasts rank 0's.
     torch.manual_seed(settings.seed)
@@ -79,6 +81,7 @@ def build_task(settings: TaskSettings, device: torch.device, world_size: int) ->
     cacheable = task["cacheable"] if task["cacheable"] is not None else batches
     if cacheable and settings.check_purity:
         check_purity(train_data, "task.train_data")
+    seed_rank_streams(settings.seed, rank)
     return TaskParts(
         model=model,
         train_data=train_data,
