@@ -56,3 +56,19 @@ class Failing:
     def on_eval(self, epoch: int, metrics: dict[str, float]) -> None:
         if epoch == self.epoch:
             raise ValueError(f"refusing epoch {epoch}")
+
+
+class StopOnceAdmitted:
+    """Ends the run at the epoch after the one whose record shows a rank admitted back: a restart test waits
+    for the admission itself, however long a restarted process takes to start on a loaded machine."""
+
+    def __init__(self) -> None:
+        self.run: Run | None = None
+
+    def on_run_start(self, run: Run) -> None:
+        self.run = run
+
+    def on_epoch_end(self, epoch: int, metrics: dict[str, Any]) -> None:
+        assert self.run is not None
+        if any(change["event"] == "rank_admitted" for change in metrics["membership"]):
+            self.run.stop(f"a rank was admitted back in epoch {epoch}")
