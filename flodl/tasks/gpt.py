@@ -81,6 +81,15 @@ class GPT(nn.Module):
         self.head.weight = self.tokens.weight
         self.apply(_init_weights)
 
+    def train_flops(self, batch: list[Tensor]) -> float:
+        """Model FLOPs of a training step on `batch` (forward and backward): 6N + 12·L·d·T per token, N the
+        parameters but the position embedding (the tied head counted once), T the tokens of a sample."""
+        inputs = batch[0]
+        samples, length = inputs.shape
+        params = sum(p.numel() for p in self.parameters()) - self.positions.weight.numel()
+        dim = self.tokens.weight.shape[1]
+        return float((6 * params + 12 * len(self.blocks) * dim * length) * length * samples)
+
     def forward(self, idx: Tensor) -> Tensor:
         """Logits (batch, length, vocab) for token ids (batch, length)."""
         length = idx.shape[1]
@@ -138,6 +147,8 @@ class TokenWindows:
             )
         self.tokens = tokens
         self.context = context
+        # Tokens each sample trains on: the run reports tokens/s.
+        self.tokens_per_sample = context
         self._span = torch.arange(context + 1)
 
     def __len__(self) -> int:
