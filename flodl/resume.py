@@ -98,6 +98,11 @@ def restore_worker(checkpoint: Checkpoint, worker: WorkerBase) -> None:
     at the checkpoint round) keeps the consensus model (load_model) with a fresh optimizer, scheduler, RNG
     and step count; its worker state (the LR clock, the outer optimizer) is the same on every rank, so it
     takes a member's."""
+    _restore(checkpoint, worker)
+    worker.stepper.storage.check(f"resuming from {checkpoint.path}")
+
+
+def _restore(checkpoint: Checkpoint, worker: WorkerBase) -> None:
     ranks = checkpoint.part_ranks
     if worker.rank in ranks:
         worker.restore(restore_rank_part(checkpoint, worker.rank, worker.stepper))

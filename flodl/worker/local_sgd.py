@@ -290,6 +290,7 @@ class LocalSgdWorker(WorkerBase):
             )
         exact = order.final or self.dropped_window
         self.averager.adopt(None if exact else self.easgd_alpha, evaluate)
+        self.stepper.storage.check(f"round {order.round}")
         if (self.averager.resets_inner and not outcome.skipped) or self.dropped_window:
             self.stepper.parts.optimizer.state.clear()
         self.dropped_window = False
@@ -340,6 +341,7 @@ class LocalSgdWorker(WorkerBase):
         """The first member's state to every member: parameters and f32 buffers, and its LR schedule's clock
         (every rank's steps up to the last round; a restarted rank starts there)."""
         self.averager.share(send)
+        self.stepper.storage.check("the first member's state was shared")
         clock = torch.tensor([self.global_steps], dtype=torch.int64, device=self.stepper.device)
         send([clock])
         self.global_steps = int(clock.item())
@@ -400,6 +402,7 @@ class LocalSgdWorker(WorkerBase):
             return
         self.report(formed)
         self.averager.regroup()
+        self.stepper.storage.check(f"averaging group {message.generation} formed")
         if message.shares_state:
             shared = (
                 f"admitting {message.joining}" if message.joining else "the first member's state was shared"

@@ -27,6 +27,7 @@ from flodl.data.sample_feed import SampleFeeder
 from flodl.metrics.scalars import record_scalar
 from flodl.wire.messages import EpochSlice, EvalResult
 from flodl.worker.faults import FaultInjection
+from flodl.worker.graph_storage import CapturedStorage
 from flodl.worker.nonfinite import NonFiniteWatch
 from flodl.worker.task_setup import TaskParts
 
@@ -69,6 +70,9 @@ class Stepper:
         self._compile_pending = settings.compile_mode is not None
         self._compile_s = 0.0
         self.params = [p for p in parts.model.parameters() if p.requires_grad]
+        # The model's tensors are final now (the averagers flattened them; a resume loaded them): a graph
+        # captured later reads them where they are, and every state write must leave them there.
+        self.storage = CapturedStorage(parts.model, settings.compile_mode)
         # Samples per optimizer step: grad_accum micro-batches of batch_size.
         self.step_samples = self.batch_size * settings.grad_accum
         self.autocast: Callable[[], AbstractContextManager] = (

@@ -301,6 +301,7 @@ class SyncWorker(WorkerBase):
         with torch.no_grad():
             for tensor, received in zip(tensors, moved, strict=True):
                 tensor.copy_(received)
+        self.stepper.storage.check("the members agreed on their state")
         mine = {
             "stepper": shared_state(stepper_state(stepper)),
             "global_samples": self.global_samples,
