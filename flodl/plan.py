@@ -68,6 +68,9 @@ def describe(cfg: FlodlConfig, host: HostFacts, data: DataPlaneSettings) -> str:
         if uses_gpu
         else "CPU"
     )
+    if uses_gpu and host.ranks_per_node > host.gpus:
+        devices += f" (shared: rank r on cuda:(r mod {host.gpus}), up to "
+        devices += f"{-(-host.ranks_per_node // host.gpus)} ranks per GPU)"
     backend = collective_backend(cfg.backend, "cuda" if uses_gpu else "cpu")
     unit = "averaging round" if averages_parameters(cfg) else "step (DDP gradients)"
     lines = [

@@ -7,6 +7,7 @@ import math
 import sys
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -14,6 +15,7 @@ from flodl.config.host import HostFacts
 from flodl.config.rules import GIB, LOCAL_SGD_KNOBS, NOT_IMPLEMENTED, ConfigError, validate
 from flodl.config.schema import FlodlConfig, to_config
 from flodl.config.targets import list_target_problems
+from flodl.wire.group import pick_device
 
 TASK = {"name": "t", "model": "m", "train_data": "d", "loss": "l", "optimizer": "o"}
 HOST = HostFacts(
@@ -248,10 +250,19 @@ def test_cuda_with_a_gpu_is_fine():
     assert problems_of(make(device="cuda"), host(gpus=1)) == []
 
 
-def test_nccl_needs_a_gpu_per_rank():
+def test_nccl_needs_a_gpu_per_rank_and_the_cpu_backend_shares_them():
     problems = problems_of(BASE, host(gpus=1, ranks_per_node=2))
     problem = assert_problem(problems, "backend", "nccl", "NCCL needs one GPU per rank")
-    assert "2 ranks on 1 visible GPU(s)" in problem
+    assert "2 ranks on 1 visible GPU(s); set backend=cpu to share the GPUs round-robin" in problem
+    assert problems_of(make(backend="cpu"), host(gpus=1, ranks_per_node=4)) == []
+
+
+def test_ranks_take_the_gpus_round_robin(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    assert [pick_device("auto", r).index for r in range(5)] == [0, 1, 0, 1, 0]
+    assert pick_device("cpu", 3) == torch.device("cpu")
 
 
 @pytest.mark.parametrize(

@@ -244,7 +244,8 @@ def _cross_field_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
             "backend",
             cfg.backend,
             f"NCCL needs one GPU per rank, but this host runs {host.ranks_per_node} ranks on "
-            f"{host.gpus} visible GPU(s); lower the ranks per node or set device=cpu",
+            f"{host.gpus} visible GPU(s); set backend=cpu to share the GPUs round-robin (gloo), lower the "
+            "ranks per node, or set device=cpu",
         )
     if host.under_torchrun and cfg.launch.nproc_per_node not in (1, host.ranks_per_node):
         yield _problem(

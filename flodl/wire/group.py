@@ -20,10 +20,11 @@ from flodl.config.host import RankEnv
 
 
 def pick_device(wanted: str, local_rank: int) -> torch.device:
-    """The rank's device for the `device` key (auto, cpu or cuda): cuda:LOCAL_RANK unless on the CPU."""
+    """The rank's device for the `device` key (auto, cpu or cuda): the host's GPUs round-robin by
+    LOCAL_RANK (more ranks than GPUs share them, over gloo: backend=cpu), unless on the CPU."""
     if wanted == "cpu" or (wanted == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
-    device = torch.device("cuda", local_rank)
+    device = torch.device("cuda", local_rank % torch.cuda.device_count())
     torch.cuda.set_device(device)
     return device
 
