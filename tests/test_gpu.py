@@ -110,3 +110,51 @@ def test_survivors_over_nccl_abort_go_on_and_heal_a_restart(tmp_path: Path, poli
     states = dict(re.findall(rf"rank (\d+): state after {end}[^:]*: ([0-9a-f]+)", result.out))
     assert set(states) == {"0", "1"} and len(set(states.values())) == 1, states
     assert_complete_run(tmp_path / "run", world=2, epochs=200)
+
+
+# Two ranks (run_policy's) sharing GPU 0 over gloo (backend=cpu): what a one-GPU machine can compare.
+SHARED_GPU = (
+    "launch.nproc_per_node=2",
+    "launch.start_method=spawn",
+    "backend=cpu",
+    "device=cuda",
+    "epochs=3",
+)
+# Cadence's windows pinned (equal, fixed counts) so that two runs average the same steps.
+PINNED = ("anchor=8", "min_anchor=8", "max_anchor=8", "max_batch_diff=0")
+
+
+def _final_state(tmp_path: Path, name: str, *overrides: str) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    records = run_policy(tmp_path / name, overrides[0], *SHARED_GPU, "compile=true", *overrides[1:])
+    return torch.load(tmp_path / name / overrides[0] / "model.pt", weights_only=True), records
+
+
+@needs_one
+@pytest.mark.parametrize(
+    ("policy", "extra"),
+    [("cadence", PINNED), ("cadence", (*PINNED, "grad_accum=2", "batch_size=16")), ("sync", ())],
+    ids=["cadence", "cadence-grad-accum", "sync"],
+)
+def test_cuda_graphs_train_what_the_same_kernels_train_without_them(
+    tmp_path: Path, policy: str, extra: tuple[str, ...]
+) -> None:
+    """compile_mode=reduce-overhead (CUDA graphs replayed) against compile_mode=default (the same generated
+    kernels, launched one by one), same seed: every round's consensus, sync's DDP and grad_accum write into
+    the captured parameters, so both end with the same model (a rebound parameter would leave the graphs
+    training a stale copy; graph_storage.py stops such a run). Eager (other kernels) ends close."""
+    graphs, records = _final_state(tmp_path, "graphs", policy, "compile_mode=reduce-overhead", *extra)
+    kernels, _ = _final_state(tmp_path, "kernels", policy, "compile_mode=default", *extra)
+    for name, tensor in graphs.items():
+        assert torch.allclose(tensor, kernels[name], rtol=1e-5, atol=1e-6), name
+    assert final_accuracy(records) >= 0.85
+
+
+@needs_one
+def test_async_with_cuda_graphs_learns_as_eager_does(tmp_path: Path) -> None:
+    """Async's rounds land whenever a rank's steps allow (timing decides what is averaged): under CUDA graphs
+    it must learn as the eager run does, its in-place rounds checked by graph_storage.py."""
+    graphs = run_policy(
+        tmp_path / "graphs", "async", *SHARED_GPU, "compile=true", "compile_mode=reduce-overhead"
+    )
+    eager = run_policy(tmp_path / "eager", "async", *SHARED_GPU)
+    assert final_accuracy(graphs) >= final_accuracy(eager) - 0.03
