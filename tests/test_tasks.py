@@ -3,6 +3,7 @@ GPT that learns."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -111,3 +112,21 @@ def test_gpt_learns_the_stdlib_on_cpu() -> None:
     sums = next_token_sums(model, data.get_batch(torch.arange(4)))
     assert set(sums) == {"loss", "accuracy"}
     assert 0 <= float(sums["accuracy"]) <= 4
+
+
+def test_warmup_cosine_rises_linearly_then_decays_to_its_floor():
+    from flodl.tasks.schedules import warmup_cosine
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    schedule = warmup_cosine(optimizer, warmup_steps=4, total_steps=14, final_ratio=0.1)
+    lrs = []
+    for _ in range(20):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    assert lrs[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert lrs[9] == pytest.approx(0.1 + 0.9 * 0.5)  # halfway through the decay
+    assert lrs[14:] == pytest.approx([0.1] * 6)
+    assert all(a >= b for a, b in itertools.pairwise(lrs[3:]))
+    with pytest.raises(ValueError, match="warmup_steps"):
+        warmup_cosine(optimizer, warmup_steps=5, total_steps=5)
