@@ -269,4 +269,6 @@ def schema_node() -> DictConfig:
 def to_config(data: Any) -> FlodlConfig:
     """A typed FlodlConfig object from a DictConfig or plain dict (as shipped to spawned ranks)."""
     merged = OmegaConf.merge(OmegaConf.structured(FlodlConfig), data)
-    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    typed = OmegaConf.to_object(merged)
+    assert isinstance(typed, FlodlConfig)  # a structured config's object is its dataclass
+    return typed
