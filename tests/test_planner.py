@@ -20,9 +20,7 @@ from flodl.rounds.planner import (
 )
 from flodl.rounds.split import proportional_split
 from flodl.wire.messages import EpochSlice
-
-Batch = tuple[int, int]  # (epoch, batch index within the epoch)
-
+from tests.helpers.planner_batches import Batch, all_batches, expand, settled
 
 # --- a coordinator with fake ranks ---------------------------------------------------------------
 
@@ -53,14 +51,6 @@ class WindowLog:
     # Batches handed out once every rank was served, and what each rank still held untrained at the Average.
     cursor_after: int = 0
     queued_at_average: list[int] = field(default_factory=list)
-
-
-def expand(piece: EpochSlice, batch_size: int) -> list[Batch]:
-    assert piece.offset % batch_size == 0, piece
-    assert piece.size % batch_size == 0, piece
-    assert piece.size > 0, piece
-    first = piece.offset // batch_size
-    return [(piece.epoch, first + i) for i in range(piece.size // batch_size)]
 
 
 def given_batches(dispatch: Dispatch, batch_size: int) -> int:
@@ -211,10 +201,6 @@ class Simulator:
         return self.windows
 
 
-def all_batches(epochs: int, bpe: int) -> set[Batch]:
-    return {(e, b) for e in range(epochs) for b in range(bpe)}
-
-
 def window_bound(sim: Simulator) -> int:
     # Cadence: every window hands out >= 1 batch. Async: every window but the final trains >= 1.
     return sim.total if not sim.is_async else sim.total + 1
@@ -256,14 +242,6 @@ def check_async_window(log: WindowLog, total: int, bpe: int, batch_size: int) ->
         queued = log.queued_at_ack[rank] + given_batches(dispatch, batch_size)
         expected = queued if cursor == total else min(log.counts[rank], queued)
         assert dispatch.target == expected, (rank, log)
-
-
-def settled(completed: frozenset[int] | set[int]) -> int:
-    """The first epoch not completed: the epochs before it are settled."""
-    end = 0
-    while end in completed:
-        end += 1
-    return end
 
 
 def check_evals(sim: Simulator) -> None:

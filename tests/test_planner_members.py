@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from flodl.rounds.planner import AckReport, Average, Dispatch, LocalSgdPlanner, WindowReport
 from flodl.wire.messages import EpochSlice
-from tests.test_planner import Batch, all_batches, expand, settled
+from tests.helpers.planner_batches import Batch, all_batches, expand, settled
 
 
 def reach(planner: LocalSgdPlanner, rank: int, steps: int) -> list:
