@@ -129,12 +129,12 @@ class Simulator:
             return None
         rank.target = None
         self.reports += 1
-        actions = self.planner.on_reached(WindowReport(rank.rank, rank.steps, float(rank.steps)))
+        instructions = self.planner.on_reached(WindowReport(rank.rank, rank.steps, float(rank.steps)))
         if self.reports < self.world_size:
-            assert actions == [], f"averaged after {self.reports}/{self.world_size} reports"
+            assert instructions == [], f"averaged after {self.reports}/{self.world_size} reports"
             return None
-        assert len(actions) == 1 and isinstance(actions[0], Average), actions
-        return actions[0]
+        assert len(instructions) == 1 and isinstance(instructions[0], Average), instructions
+        return instructions[0]
 
     # -- coordinator side --
 
@@ -142,11 +142,11 @@ class Simulator:
         counts = list(self.counts[len(self.windows) % len(self.counts)])
         log = WindowLog(counts, self.overshoot, list(self.queued_at_ack), sum(self.dispatched.values()), [])
         self.windows.append(log)
-        actions = self.planner.open_window(counts, self.overshoot)
-        assert [type(a) for a in actions] == [Dispatch] * self.world_size, actions
-        assert [a.rank for a in actions] == list(range(self.world_size))
-        log.dispatches = list(actions)
-        for dispatch in actions:
+        instructions = self.planner.open_window(counts, self.overshoot)
+        assert [type(a) for a in instructions] == [Dispatch] * self.world_size, instructions
+        assert [a.rank for a in instructions] == list(range(self.world_size))
+        log.dispatches = list(instructions)
+        for dispatch in instructions:
             rank = self.ranks[dispatch.rank]
             for piece in dispatch.slices:
                 for batch in expand(piece, self.batch_size):
@@ -413,8 +413,8 @@ def test_cadence_tail_smaller_than_world_leaves_ranks_idle():
 
 def test_cadence_idle_ranks_report_with_zero_steps():
     planner = LocalSgdPlanner(4, 2, 1, 1, False, frozenset({0}))
-    actions = planner.open_window([3, 3, 3, 3], 0)
-    assert [a.target for a in actions] == [1, 1, 0, 0]
+    instructions = planner.open_window([3, 3, 3, 3], 0)
+    assert [a.target for a in instructions] == [1, 1, 0, 0]
     assert planner.on_reached(WindowReport(2, 0, 0.0)) == []
     assert planner.on_reached(WindowReport(3, 0, 0.0)) == []
     assert planner.on_reached(WindowReport(0, 1, 1.0)) == []
