@@ -226,6 +226,7 @@ class FlodlConfig:
     # survive: fewer ranks left than this ends the run (its last consensus saved) with an error.
     min_ranks: int = 1
 
+    # --- callbacks ---
     # Objects (Hydra `_target_` configs) whose hooks rank 0 calls during the run (flodl/callbacks.py).
     callbacks: list[Any] = field(default_factory=list)
 
