@@ -34,7 +34,7 @@ PROBE_STEPS = 30  # timed after warm-up to size a --seconds run
 def load_task(name: str, overrides: list[str]) -> Any:
     """conf/task/<name>.yaml (top-level keys: batch_size, task, ...) with dotted overrides applied."""
     cfg = OmegaConf.merge(
-        OmegaConf.load(REPO / "flodl" / "conf" / "task" / f"{name}.yaml"), OmegaConf.from_dotlist(overrides)
+        OmegaConf.load(REPO / "conf" / "task" / f"{name}.yaml"), OmegaConf.from_dotlist(overrides)
     )
     OmegaConf.resolve(cfg)
     return cfg

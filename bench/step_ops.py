@@ -69,7 +69,7 @@ def per_step(run: Callable[[int], None], steps: int) -> dict[str, float]:
 def flodl_run(task: str, overrides: list[str], device: torch.device) -> Callable[[int], None]:
     """`run(k)`: one sync-worker epoch of k steps, exactly as a 1-process run trains it."""
     register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "flodl" / "conf"), version_base=None):
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         raw = compose(
             config_name="config",
             overrides=[

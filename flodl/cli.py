@@ -1,7 +1,8 @@
 """flodl's command: `flodl-train`, `python -m flodl`, `torchrun -m flodl` (and the repo's `train.py`).
 
-flodl's own configs ship in `flodl/conf/`; a user's project adds its own with Hydra's `--config-dir conf`
-(or `hydra.searchpath=[file://conf]`), so `task=mytask` resolves next to flodl's `task=digits`.
+flodl's own configs are the checkout's `conf/`, installed as the package `flodl.conf`; a user's project adds
+its own with Hydra's `--config-dir conf` (or `hydra.searchpath=[file://conf]`), so `task=mytask` resolves next
+to flodl's `task=digits`.
 
 flodl-train                                   # embedded default, one process
 torchrun --nproc_per_node=2 -m flodl ...      # torchrun starts the ranks
@@ -22,7 +23,7 @@ from flodl.config.schema import register_configs
 register_configs()
 
 
-@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+@hydra.main(config_path="pkg://flodl.conf", config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
     from flodl.launch import launch_from_hydra
 

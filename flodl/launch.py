@@ -171,6 +171,7 @@ def launch_from_hydra(cfg: DictConfig) -> None:
 def launch(cfg: DictConfig, info: RunInfo) -> None:
     launched_at = run_clock.launch_time()
     adopt_scheduler_environ()
+    # A DictConfig's container is a dict, keyed by the schema's names.
     config: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
     typed, host = check_job(config)
     env = RankEnv.from_environ()
@@ -265,12 +266,12 @@ def self_launch(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig) -> None
             raise Stopped(codes.pop() - 128) from None
         failed = sorted(err.failures)
         logs = ", ".join(str(run_dir / f"rank{r}.log") for r in failed)
-        codes = ", ".join(f"rank {r}: exit code {err.failures[r].exitcode}" for r in failed)
+        exits = ", ".join(f"rank {r}: exit code {err.failures[r].exitcode}" for r in failed)
         latest = checkpoint_store(cfg, run_dir).latest()
         where = f"the last checkpoint is {latest.path}" if latest else "no checkpoint was written"
         first = first_failure(run_dir, cfg.launch.max_restarts)
         cause = f"rank {first[0]} failed first ({first[1]}); " if first else ""
-        raise RankFailure(f"{cause}rank(s) {failed} failed ({codes}); {where}; see {logs}") from None
+        raise RankFailure(f"{cause}rank(s) {failed} failed ({exits}); {where}; see {logs}") from None
 
 
 def _supervised_launch(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig) -> None:

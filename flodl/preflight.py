@@ -58,6 +58,7 @@ def preflight(cfg: DictConfig, run_dir: Path | None = None) -> tuple[FlodlConfig
     except ConfigError as err:
         problems += err.problems
     targets = OmegaConf.to_container(OmegaConf.structured(typed).task, resolve=True)
+    # The task node's container: a dict keyed by names (the stubs allow any DictConfig key, or a list).
     problems += _target_problems(typed, targets)  # type: ignore[arg-type]
     if run_dir is None and hydra is not None and hydra.run.dir:
         run_dir = Path(hydra.run.dir)
@@ -127,6 +128,7 @@ def _bind_problems(node: Any, key: str) -> list[str]:
             problems += _bind_problems(value, f"{key}.{arg}")
     target = node["_target_"]
     try:
+        # A target that is no callable raises TypeError, as a builtin without a signature does.
         signature = inspect.signature(locate(target))  # type: ignore[arg-type]
     except (TypeError, ValueError):  # a builtin without a signature: nothing to bind against
         return problems

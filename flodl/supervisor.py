@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import wait
-from multiprocessing.context import BaseContext
+from multiprocessing.context import ForkContext, ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from types import FrameType
@@ -91,6 +91,9 @@ def supervise(
     SIGINT / SIGTERM; no rank outlives the call. Call it from the main thread: it handles those signals.
     """
     context = multiprocessing.get_context(start_method)
+    assert isinstance(context, (ForkContext, SpawnContext, ForkServerContext)), (
+        start_method
+    )  # named, not default
     ranks = [_Rank(rank, _rank_env(rank, world_size, store_port), max_restarts) for rank in range(world_size)]
     with _StopSignals() as stop:
         watch = _Supervisor(context, entry, args, ranks, store, log_dir, poll_s, stop)
@@ -139,6 +142,12 @@ class _Rank:
     # The live incarnation was killed on the coordinator's word; its exit is still to be reaped.
     cut: bool = False
 
+    @property
+    def live_process(self) -> BaseProcess:
+        """The process of a rank `_Supervisor._live` listed."""
+        assert self.process is not None, f"rank {self.rank} has no process"
+        return self.process
+
 
 class _StopSignals:
     """While supervising, the first SIGINT / SIGTERM is noted for the loop to act on (a handler that raises
@@ -165,7 +174,7 @@ class _StopSignals:
 
 @dataclass
 class _Supervisor:
-    context: BaseContext
+    context: ForkContext | SpawnContext | ForkServerContext
     entry: Callable[..., None]
     args: tuple[Any, ...]
     ranks: list[_Rank]
@@ -203,10 +212,10 @@ class _Supervisor:
         says so, not the sentinel: a process closes its end before it can be reaped, and a child of a rank
         (a DataLoader worker) may hold it open after the rank died."""
         live = self._live()
-        ready = wait([rank.process.sentinel for rank in live], timeout=timeout)
-        if any(rank.process.sentinel in ready and rank.process.exitcode is None for rank in live):
+        ready = wait([rank.live_process.sentinel for rank in live], timeout=timeout)
+        if any(rank.live_process.sentinel in ready and rank.live_process.exitcode is None for rank in live):
             time.sleep(timeout)  # about to be reapable (or it closed its sentinel): look again, no spinning
-        return [rank for rank in live if rank.process.exitcode is not None]
+        return [rank for rank in live if rank.live_process.exitcode is not None]
 
     def _reap(self, rank: _Rank) -> RankExit:
         """Record the ended process of `rank`."""
@@ -275,7 +284,7 @@ class _Supervisor:
             self.store.delete_key(key)
             if incarnation == str(rank.incarnation):
                 rank.cut = True
-                rank.process.kill()  # its exit is reaped by the loop, as any other
+                rank.live_process.kill()  # its exit is reaped by the loop, as any other
 
     def _finish(self) -> None:
         """Rank 0 finished: give the others `_FINISH_S` to leave, then end them."""
@@ -297,8 +306,9 @@ class _Supervisor:
         """Send `signum` to every live rank, wait up to `grace_s` for them, kill what is left."""
         for rank in self._live():
             # Starting a process reaps its ended siblings: a reaped pid may be another process's now.
-            if rank.process.exitcode is None:
-                os.kill(rank.process.pid, signum)
+            process = rank.live_process
+            if process.exitcode is None and process.pid is not None:  # a started process has a pid
+                os.kill(process.pid, signum)
         deadline = time.monotonic() + grace_s
         while self._live() and time.monotonic() < deadline:
             self._await_exits(deadline)
@@ -312,6 +322,6 @@ class _Supervisor:
     def kill_left(self) -> None:
         """SIGKILL every rank still alive and record its end."""
         for rank in self._live():
-            rank.process.kill()
-            rank.process.join()
+            rank.live_process.kill()
+            rank.live_process.join()
             self._reap(rank)

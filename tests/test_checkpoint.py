@@ -23,7 +23,7 @@ from flodl.coordinator.ledger import EpochLedger
 from flodl.resume import check_world_size, restore_worker, truncate_history
 from flodl.wire.messages import ChunkReport
 from flodl.worker.checkpoint_part import RankCheckpointer
-from tests.test_step_options import digits_stepper, train_steps
+from tests.helpers.digits_stepper import digits_stepper, train_steps
 
 
 def write_checkpoint(store: CheckpointDir, epoch: int, world_size: int = 2, commit: bool = True) -> None:

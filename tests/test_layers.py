@@ -57,8 +57,6 @@ FLOORS = {
     "flodl.cli": 7,
     "flodl.torchrun": 7,
     "flodl.__main__": 7,
-    # flodl's own configs: yaml files, a package so that Hydra finds them installed.
-    "flodl.conf": 0,
 }
 # Imports that break the rule above, and why.
 EXCEPTIONS = {

@@ -20,9 +20,7 @@ from flodl.rounds.planner import (
 )
 from flodl.rounds.split import proportional_split
 from flodl.wire.messages import EpochSlice
-
-Batch = tuple[int, int]  # (epoch, batch index within the epoch)
-
+from tests.helpers.planner_batches import Batch, all_batches, expand, settled
 
 # --- a coordinator with fake ranks ---------------------------------------------------------------
 
@@ -55,14 +53,6 @@ class WindowLog:
     # Batches handed out once every rank was served, and what each rank still held untrained at the Average.
     cursor_after: int = 0
     queued_at_average: list[int] = field(default_factory=list)
-
-
-def expand(piece: EpochSlice, batch_size: int) -> list[Batch]:
-    assert piece.offset % batch_size == 0, piece
-    assert piece.size % batch_size == 0, piece
-    assert piece.size > 0, piece
-    first = piece.offset // batch_size
-    return [(piece.epoch, first + i) for i in range(piece.size // batch_size)]
 
 
 def given_batches(dispatch: Dispatch, batch_size: int) -> int:
@@ -145,12 +135,12 @@ class Simulator:
             return None
         rank.target = None
         self.reports += 1
-        actions = self.planner.on_reached(WindowReport(rank.rank, rank.steps, float(rank.steps)))
+        instructions = self.planner.on_reached(WindowReport(rank.rank, rank.steps, float(rank.steps)))
         if self.reports < self.world_size:
-            assert actions == [], f"averaged after {self.reports}/{self.world_size} reports"
+            assert instructions == [], f"averaged after {self.reports}/{self.world_size} reports"
             return None
-        assert len(actions) == 1 and isinstance(actions[0], Average), actions
-        return actions[0]
+        assert len(instructions) == 1 and isinstance(instructions[0], Average), instructions
+        return instructions[0]
 
     # -- coordinator side --
 
@@ -159,11 +149,11 @@ class Simulator:
         queued, carried = list(self.queued_at_ack), list(self.carried_at_ack)
         log = WindowLog(counts, self.overshoot, queued, carried, sum(self.dispatched.values()), [])
         self.windows.append(log)
-        actions = self.planner.open_window(counts, self.overshoot)
-        assert [type(a) for a in actions] == [Dispatch] * self.world_size, actions
-        assert [a.rank for a in actions] == list(range(self.world_size))
-        log.dispatches = list(actions)
-        for dispatch in actions:
+        instructions = self.planner.open_window(counts, self.overshoot)
+        assert [type(a) for a in instructions] == [Dispatch] * self.world_size, instructions
+        assert [a.rank for a in instructions] == list(range(self.world_size))
+        log.dispatches = list(instructions)
+        for dispatch in instructions:
             rank = self.ranks[dispatch.rank]
             for piece in dispatch.slices:
                 for batch in expand(piece, self.batch_size):
@@ -224,10 +214,6 @@ class Simulator:
         return self.windows
 
 
-def all_batches(epochs: int, bpe: int) -> set[Batch]:
-    return {(e, b) for e in range(epochs) for b in range(bpe)}
-
-
 def window_bound(sim: Simulator) -> int:
     # Cadence: every window hands out >= 1 batch. Async: every window but the final trains >= 1.
     return sim.total if not sim.is_async else sim.total + 1
@@ -269,14 +255,6 @@ def check_async_window(log: WindowLog, total: int, bpe: int, batch_size: int) ->
         holds = log.queued_at_ack[rank] + log.carried_at_ack[rank] + given_batches(dispatch, batch_size)
         expected = holds if cursor == total else min(log.counts[rank], holds)
         assert dispatch.target == expected, (rank, log)
-
-
-def settled(completed: frozenset[int] | set[int]) -> int:
-    """The first epoch not completed: the epochs before it are settled."""
-    end = 0
-    while end in completed:
-        end += 1
-    return end
 
 
 def check_evals(sim: Simulator) -> None:
@@ -449,8 +427,8 @@ def test_cadence_tail_smaller_than_world_leaves_ranks_idle():
 
 def test_cadence_idle_ranks_report_with_zero_steps():
     planner = LocalSgdPlanner(4, 2, 1, 1, False, frozenset({0}))
-    actions = planner.open_window([3, 3, 3, 3], 0)
-    assert [a.target for a in actions] == [1, 1, 0, 0]
+    instructions = planner.open_window([3, 3, 3, 3], 0)
+    assert [a.target for a in instructions] == [1, 1, 0, 0]
     assert planner.on_reached(WindowReport(2, 0, 0.0)) == []
     assert planner.on_reached(WindowReport(3, 0, 0.0)) == []
     assert planner.on_reached(WindowReport(0, 1, 1.0)) == []

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from flodl.rounds.planner import AckReport, Average, Dispatch, LocalSgdPlanner, WindowReport
 from flodl.wire.messages import EpochSlice
-from tests.test_planner import Batch, all_batches, expand, settled
+from tests.helpers.planner_batches import Batch, all_batches, expand, settled
 
 
 def reach(planner: LocalSgdPlanner, rank: int, steps: int) -> list:
@@ -313,22 +313,22 @@ class MembershipSim:
     def open_window(self) -> None:
         joining = self.planner.members | self.planner.joining
         counts = [self.rng.randint(1, 8) if r in joining else 0 for r in range(len(self.speeds))]
-        actions = self.planner.open_window(counts, self.overshoot)
-        assert all(isinstance(a, Dispatch) for a in actions)
-        assert [a.rank for a in actions] == sorted(joining) == sorted(self.planner.members)
+        instructions = self.planner.open_window(counts, self.overshoot)
+        assert all(isinstance(a, Dispatch) for a in instructions)
+        assert [a.rank for a in instructions] == sorted(joining) == sorted(self.planner.members)
         if not self.is_async:  # a cadence window never crosses an epoch, returned slices or not
-            assert len({s.epoch for d in actions for s in d.slices}) <= 1
-        for dispatch in actions:
+            assert len({s.epoch for d in instructions for s in d.slices}) <= 1
+        for dispatch in instructions:
             proc = self.live[dispatch.rank]
             for part in dispatch.slices:
                 self.dispatched.update(expand(part, self.batch_size))
             proc.queue.extend(dispatch.slices)
             proc.target = dispatch.target
-        for proc in self.rng.sample(self.members(), len(actions)):
+        for proc in self.rng.sample(self.members(), len(instructions)):
             self.report_if_reached(proc)
 
-    def carry(self, actions: list) -> None:
-        for average in actions:
+    def carry(self, instructions: list) -> None:
+        for average in instructions:
             assert isinstance(average, Average)
             previous = self.averages[-1] if self.averages else None
             if average.redo:  # the round in flight, again, among the members

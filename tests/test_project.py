@@ -1,16 +1,20 @@
-"""flodl from a user's own project: installed (not from this checkout), the user's package and conf/ in a
-temp dir, run with the installed command under torchrun and under self-launch; a typo'd target is refused
-before any rank starts."""
+"""flodl from a user's own project: built as a wheel and installed (not from this checkout), the user's
+package and conf/ in a temp dir, run with the installed command under torchrun and under self-launch; a typo'd
+target is refused before any rank starts. The wheel carries flodl's own conf/ and finds it from anywhere."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
+import sysconfig
+import zipfile
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from tests.helpers.procs import PYTHON, REPO, TORCHRUN, Result, child_env, finish, leftovers, start
 
@@ -59,19 +63,54 @@ task:
 
 
 @pytest.fixture(scope="module")
-def command(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """flodl installed (not editable) into a folder of its own from a copy of this checkout: its command."""
-    root = tmp_path_factory.mktemp("install")
-    source, site = root / "source", root / "site"
-    for name in ("flodl", "hydra_plugins"):
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """flodl's wheel, built offline from a copy of this checkout (the checkout gets no build/ folder)."""
+    root = tmp_path_factory.mktemp("wheel")
+    source = root / "source"
+    for name in ("flodl", "hydra_plugins", "conf"):
         shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, source / name)
-    pip = [PYTHON, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(site)]
-    subprocess.run([*pip, str(source)], check=True)
-    # flodl's own configs travel as package data.
-    assert (site / "flodl" / "conf" / "task" / "digits.yaml").is_file()
+    build = [PYTHON, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(root)]
+    subprocess.run([*build, str(source)], check=True)
+    (built,) = root.glob("flodl-*.whl")
+    return built
+
+
+@pytest.fixture(scope="module")
+def command(wheel: Path) -> Path:
+    """flodl installed from its wheel into a folder of its own: its command."""
+    site = wheel.parent / "site"
+    pip = [PYTHON, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site)]
+    subprocess.run([*pip, str(wheel)], check=True)
     return site / "bin" / "flodl-train"
+
+
+def test_the_wheel_carries_every_module_and_config(wheel: Path) -> None:
+    # pyproject.toml names flodl's packages one by one (conf/ becomes flodl.conf): a package left off the list
+    # would be missing here.
+    inside = set(zipfile.ZipFile(wheel).namelist())
+    modules = [p for top in ("flodl", "hydra_plugins") for p in (REPO / top).rglob("*.py")]
+    wanted = {p.relative_to(REPO).as_posix() for p in modules}
+    wanted |= {"flodl/" + p.relative_to(REPO).as_posix() for p in (REPO / "conf").rglob("*.y*ml")}
+    wanted.add("flodl/conf/__init__.py")
+    assert "flodl/conf/task/digits.yaml" in wanted
+    assert not wanted - inside, sorted(wanted - inside)
+
+
+def test_the_installed_command_finds_its_configs_outside_the_checkout(command: Path, tmp_path: Path) -> None:
+    # No site processing (-S): the test venv's editable install of this checkout stays off sys.path; its
+    # site-packages come in on PYTHONPATH for flodl's dependencies only.
+    site, deps = command.parents[1], sysconfig.get_paths()["purelib"]
+    env = child_env(PYTHONPATH=os.pathsep.join([str(site), deps]))
+    where = "import os, sys, flodl.conf; print(flodl.conf.__file__, %r in map(os.path.abspath, sys.path))"
+    found = (
+        finish(start([PYTHON, "-S", "-c", where % str(REPO)], tmp_path, env), timeout=60).check().out.split()
+    )
+    assert found == [str(site / "flodl" / "conf" / "__init__.py"), "False"], found
+    result = finish(start([PYTHON, "-S", str(command), "--cfg", "job"], tmp_path, env), timeout=120).check()
+    job = yaml.safe_load(result.out)
+    assert (job["policy"], job["task"]["name"]) == ("sync", "digits"), result.out
 
 
 @pytest.fixture

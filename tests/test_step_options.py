@@ -6,43 +6,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from torch import nn
 
-from flodl.assembly import stepper_settings, task_settings
 from flodl.averaging.flat import flatten_parameters
-from flodl.config.host import RankEnv
-from flodl.config.schema import register_configs, to_config
 from flodl.metrics.scalars import drain_scalars
 from flodl.tasks.classification import cross_entropy_loss
-from flodl.wire.messages import EpochSlice
 from flodl.worker.rank_state import restore_stepper, stepper_state
-from flodl.worker.stepper import SCALER_SKIPPED, Stepper
-from flodl.worker.task_setup import build_task
-from tests.helpers.procs import CONF, FAST_START, leftovers, train
+from flodl.worker.stepper import SCALER_SKIPPED
+from tests.helpers.digits_stepper import digits_stepper, train_steps
+from tests.helpers.procs import FAST_START, leftovers, train
 from tests.helpers.runs import epochs_of
-
-
-def digits_stepper(*overrides: str) -> Stepper:
-    """A 1-process Stepper on the digits task, composed as train.py composes it (the rules not applied)."""
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = to_config(compose(config_name="config", overrides=["device=cpu", *overrides]))
-    device = torch.device("cpu")
-    parts = build_task(task_settings(cfg), device, 1)
-    return Stepper(stepper_settings(cfg, RankEnv(0, 1, 0, 1)), parts, device, parts.model)
 
 
 def loud_cross_entropy(model: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
     """Cross-entropy x 1000: its gradients overflow fp16 at GradScaler's initial scale (65536)."""
     return cross_entropy_loss(model, batch) * 1000.0
-
-
-def train_steps(stepper: Stepper, steps: int) -> None:
-    size = stepper.step_samples
-    picks = stepper.picks(EpochSlice(0, 0, steps * size))
-    for s in range(steps):
-        stepper.step(stepper.load_step(picks[s * size : (s + 1) * size], 0))
 
 
 def test_the_gradscaler_scale_and_growth_tracker_are_part_of_a_ranks_state() -> None:

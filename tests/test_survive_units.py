@@ -11,13 +11,15 @@ from datetime import timedelta
 
 import pytest
 import torch
-from torch.distributed import TCPStore
+from torch.distributed import HashStore, TCPStore
 
+from flodl.coordinator.coordinator import EpochSchedule, SyncDriver
+from flodl.coordinator.ledger import EpochLedger
 from flodl.coordinator.survivors import MembershipChange
 from flodl.wire.group import loopback_store
 from flodl.wire.heartbeat import HeartbeatMonitor
 from flodl.wire.membership import AveragingGroup, Superseded
-from flodl.wire.messages import AverageNow, ExtendPartition, Regroup, Shutdown
+from flodl.wire.messages import AverageNow, ExtendPartition, FirstStep, Regroup, Shutdown
 from flodl.wire.transport import InboxReader, Mailbox
 from flodl.worker.survival import Survival
 
@@ -55,6 +57,36 @@ def test_a_change_is_done_once_every_member_formed_and_a_round_closed() -> None:
     overtaken = MembershipChange("admitted", 2, generation=2, members=[0, 1, 2], why="incarnation 1")
     assert overtaken.event()["formed_s"] is None and "overtaken by the next change" in overtaken.line()
     assert "overtaken by the run's end" in overtaken.line(run_ended=True)
+
+
+def test_a_change_is_marked_by_the_first_good_round_of_its_group_or_a_later_one() -> None:
+    change = MembershipChange("cut", 2, generation=2, members=[0, 1], why="no heartbeat")
+    change.on_good_round(1)  # the group before the change
+    assert change.first_round_at is None
+    change.on_good_round(2)
+    first = change.first_round_at
+    assert first is not None
+    change.on_good_round(3)
+    assert change.first_round_at == first
+    overtaken = MembershipChange("admitted", 3, generation=3, members=[0, 1, 3], why="incarnation 1")
+    overtaken.on_good_round(4)  # its group was replaced before a round closed in it: the next one's counts
+    assert overtaken.first_round_at is not None
+
+
+def test_sync_names_the_newest_group_whose_first_step_went_through() -> None:
+    schedule = EpochSchedule(
+        epochs=2, world_size=3, total_picks=48, batch_size=4, eval_every=0, has_eval=False
+    )
+    ledger = EpochLedger(epochs=2, world_size=3, batches_per_epoch=4)
+    driver = SyncDriver(schedule, ledger, Mailbox(HashStore(), "coordinator"), first_epoch=0)
+    assert driver.good_round_generation == -1
+    driver.on_message(FirstStep(0, 0))
+    assert driver.good_round_generation == 0
+    driver.cut(2)
+    driver.on_message(FirstStep(0, 0))  # late: the group the cut ended
+    assert (driver.generation, driver.good_round_generation) == (1, 0)
+    driver.on_message(FirstStep(0, 1))
+    assert driver.good_round_generation == 1
 
 
 def _member(rank: int, port: int, results: multiprocessing.Queue) -> None:

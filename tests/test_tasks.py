@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from flodl.tasks.gpt import GPT, next_token_loss, next_token_sums, stdlib_files, stdlib_text, synthetic_tokens
 from flodl.tasks.resnet import ResNet20, synthetic_images
 
-CONF = Path(__file__).resolve().parents[1] / "flodl" / "conf" / "task"
+CONF = Path(__file__).resolve().parents[1] / "conf" / "task"
 
 
 def params_of(task: str) -> int:

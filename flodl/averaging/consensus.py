@@ -270,7 +270,7 @@ class HostAverager(_AveragerBase):
         model: nn.Module,
         gamma: float,
         device: torch.device,
-        group: dist.ProcessGroup,
+        group: dist.ProcessGroup | None,
         bf16_wire: bool = False,
         outer: OuterSettings | None = None,
         membership: Membership | None = None,

@@ -60,16 +60,16 @@ def flatten_float32_buffers(model: nn.Module) -> FlatGroup | None:
 
     Other buffers (integer counters) stay local and are never averaged.
     """
-    owners = [
-        (module, name)
+    owned = [
+        (module, name, buf)
         for module in model.modules()
         for name, buf in module._buffers.items()
         if buf is not None and buf.dtype == torch.float32
     ]
-    if not owners:
+    if not owned:
         return None
-    tensors = [module._buffers[name] for module, name in owners]
-    slots = {id(t): (module, name) for t, (module, name) in zip(tensors, owners, strict=True)}
+    tensors = [buf for _, _, buf in owned]
+    slots = {id(buf): (module, name) for module, name, buf in owned}
 
     def repoint(buf: Tensor, view: Tensor) -> None:
         module, name = slots[id(buf)]

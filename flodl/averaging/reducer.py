@@ -204,7 +204,9 @@ class Reducer:
         for k, span in enumerate(spans):
             if not (first_prepared and k == 0):
                 stages.before(index, span)
-            in_flight.append((span, self._all_reduce(tensor[span], factor, async_op=True)))
+            work = self._all_reduce(tensor[span], factor, async_op=True)
+            assert work is not None  # async_op: torch hands back the work
+            in_flight.append((span, work))
             if len(in_flight) == 2:
                 self._settle(index, stages, *in_flight.popleft())
         while in_flight:
@@ -217,6 +219,7 @@ class Reducer:
 
     def _all_reduce(self, tensor: Tensor, factor: float | Tensor, async_op: bool = False) -> dist.Work | None:
         """SUM of `factor * tensor` over the group; a tensor `factor` (one element) is read on the device."""
+        op: dist.ReduceOp | dist.ReduceOp.RedOpType
         if self.premul:
             op = dist._make_nccl_premul_sum(factor)
         else:

@@ -11,6 +11,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import fields
+from typing import Any
 
 from flodl.config.host import HostFacts, stage_dir_of
 from flodl.config.schema import (
@@ -82,7 +83,8 @@ def _problem(key: str, value: object, rule: str) -> str:
 
 
 def _range_problems(cfg: FlodlConfig) -> Iterator[str]:
-    def check(key: str, ok: Callable[[float], bool], rule: str, optional: bool = False) -> Iterator[str]:
+    # `ok` takes the key's value as the schema types it: a number, or a string of a fixed set.
+    def check(key: str, ok: Callable[[Any], bool], rule: str, optional: bool = False) -> Iterator[str]:
         value = _get(cfg, key)
         if value is None and optional:
             return
@@ -262,10 +264,10 @@ def _cross_field_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
             "fork",
             "CUDA cannot be used in forked ranks, and this host has a GPU; use spawn or forkserver",
         )
-    for key in ("simulate.slow_rank", "simulate.nan_rank", "simulate.hang_rank", "simulate.kill_rank"):
-        rank = _get(cfg, key)
-        if rank is not None and not 0 <= rank < host.world_size:  # type: ignore[operator]
-            yield _problem(key, rank, f"must be a rank of this job, 0..{host.world_size - 1}")
+    for name in ("slow_rank", "nan_rank", "hang_rank", "kill_rank"):
+        rank: int | None = getattr(cfg.simulate, name)
+        if rank is not None and not 0 <= rank < host.world_size:
+            yield _problem(f"simulate.{name}", rank, f"must be a rank of this job, 0..{host.world_size - 1}")
     if cfg.on_nonfinite == "skip" and cfg.policy == "sync":
         yield _problem(
             "on_nonfinite",

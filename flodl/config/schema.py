@@ -226,6 +226,7 @@ class FlodlConfig:
     # survive: fewer ranks left than this ends the run (its last consensus saved) with an error.
     min_ranks: int = 1
 
+    # --- callbacks ---
     # Objects (Hydra `_target_` configs) whose hooks rank 0 calls during the run (flodl/callbacks.py).
     callbacks: list[Any] = field(default_factory=list)
 
@@ -269,4 +270,6 @@ def schema_node() -> DictConfig:
 def to_config(data: Any) -> FlodlConfig:
     """A typed FlodlConfig object from a DictConfig or plain dict (as shipped to spawned ranks)."""
     merged = OmegaConf.merge(OmegaConf.structured(FlodlConfig), data)
-    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    typed = OmegaConf.to_object(merged)
+    assert isinstance(typed, FlodlConfig)  # a structured config's object is its dataclass
+    return typed

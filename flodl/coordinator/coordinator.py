@@ -152,8 +152,9 @@ class SyncDriver:
         self.joiners: set[int] = set()
         self.unformed: set[int] = set()
         self.admitted: list[int] = []
-        # First steps of a new group that went through (a membership change's first good round).
-        self.rounds_closed = 0
+        # The newest group whose first step went through (its first good round; -1: none yet). Sync hears of
+        # no other round: its steps are the ranks' own all-reduces.
+        self.good_round_generation = -1
         # A cut's generation whose rest is still to be planned (once its members agreed where they are).
         self._replan: int | None = None
 
@@ -169,7 +170,7 @@ class SyncDriver:
     def on_message(self, message: Message) -> None:
         if isinstance(message, FirstStep):
             if message.generation == self.generation:
-                self.rounds_closed += 1
+                self.good_round_generation = message.generation
             return
         raise CoordinatorError(f"unexpected message under policy=sync: {message!r}")
 
@@ -414,9 +415,7 @@ class Coordinator(threading.Thread):
         driver.cut(rank)
         members = sorted(driver.members)
         log.warning("rank %d is out (%s); the run goes on with ranks %s", rank, why, members)
-        self.changes.append(
-            MembershipChange("cut", rank, driver.generation, members, why, rounds_before=driver.rounds_closed)
-        )
+        self.changes.append(MembershipChange("cut", rank, driver.generation, members, why))
         if len(members) < self.survive.min_ranks and self.too_few is None:
             self.too_few = TooFewRanks(
                 f"only {len(members)} rank(s) left ({members}) after rank {rank} was cut ({why}); "
@@ -448,7 +447,7 @@ class Coordinator(threading.Thread):
             joined_at, startup_s = self.joined.pop(rank)
             change = MembershipChange(
                 "admitted", rank, driver.generation, members, f"incarnation {self.incarnations[rank]}",
-                rounds_before=driver.rounds_closed, startup_s=startup_s,
+                startup_s=startup_s,
             )  # fmt: skip
             change.waited_s = change.started - joined_at
             self.changes.append(change)
@@ -456,8 +455,7 @@ class Coordinator(threading.Thread):
                 "rank_admitted", rank, {"startup_s": startup_s, "waited_s": change.waited_s}
             )
         for change in self.changes:
-            if change.first_round_at is None and driver.rounds_closed > change.rounds_before:
-                change.first_round_at = time.perf_counter()
+            change.on_good_round(driver.good_round_generation)
         # In order; a change the next one overtook (its group never formed, or no round closed in it) too.
         while self.changes and (self.changes[0].done or len(self.changes) > 1 or run_ended):
             change = self.changes.pop(0)

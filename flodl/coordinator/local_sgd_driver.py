@@ -17,7 +17,7 @@ from flodl.metrics.timeline import Timeline
 from flodl.rounds import elche as el
 from flodl.rounds.guard import ConvergenceGuard, DivergenceReport
 from flodl.rounds.planner import AckReport as PlannerAck
-from flodl.rounds.planner import Average, Dispatch, LocalSgdPlanner, WindowReport
+from flodl.rounds.planner import Average, Dispatch, Instruction, LocalSgdPlanner, WindowReport
 from flodl.wire.messages import (
     AverageNow,
     ChunkReport,
@@ -64,8 +64,9 @@ class LocalSgdDriver:
         self.joiners: set[int] = set()
         # Ranks admitted since the coordinator last looked (it watches their heartbeats from then on).
         self.admitted: list[int] = []
-        # Rounds every member acknowledged (a membership change's first good round is the next one).
+        # Rounds every member acknowledged, and the newest group generation one closed in (-1: none yet).
         self.rounds_closed = 0
+        self.good_round_generation = -1
 
     @property
     def done(self) -> bool:
@@ -91,16 +92,16 @@ class LocalSgdDriver:
         """`rank` is gone: the others form a group without it, a round it cut is run again among them, and
         its untrained batches go to them."""
         self.generation += 1
-        actions = self.planner.drop(rank)
+        instructions = self.planner.drop(rank)
         self.elche.retire(rank)
-        redo = next((a for a in actions if isinstance(a, Average) and a.redo), None)
+        redo = next((a for a in instructions if isinstance(a, Average) and a.redo), None)
         if redo is not None:
             self._round_costs = {}
             self.timeline.round_redone(redo.round)
             for epoch in redo.evaluate_epochs:  # its evals so far came from the cut round
                 self.ledger.expect_eval(epoch, True, ranks=len(self.members))
         self._regroup(cut_round=redo.round if redo is not None else None)
-        self._carry(actions)
+        self._carry(instructions)
 
     def counts_eval(self, result: EvalResult) -> bool:
         """Not the eval of a round a membership change cut (it is run again)."""
@@ -165,6 +166,7 @@ class LocalSgdDriver:
                 self.ledger.close_round(message.round, self._round_costs)
                 self._round_costs = {}
                 self.rounds_closed += 1
+                self.good_round_generation = self.generation
                 if not message.skipped:  # a skip is the same on every rank: nobody moved
                     self._feed_round()
                 if self._checkpoint_epoch is not None and self.committer is not None:
@@ -200,21 +202,24 @@ class LocalSgdDriver:
     def _open_window(self) -> None:
         self._carry(self.planner.open_window(self.elche.counts(), self.elche.overshoot))
 
-    def _carry(self, actions: list[Dispatch | Average]) -> None:
-        for action in actions:
-            if isinstance(action, Dispatch):
-                self.outbox.send(action.rank, ExtendPartition(list(action.slices), action.target))
+    def _carry(self, instructions: list[Instruction]) -> None:
+        for instruction in instructions:
+            if isinstance(instruction, Dispatch):
+                self.outbox.send(
+                    instruction.rank, ExtendPartition(list(instruction.slices), instruction.target)
+                )
             else:
+                average = instruction
                 # A round run again keeps its ledger entry and its timeline line, and its evals, unless the
                 # cut made it the last: then every epoch not decided yet is decided now.
-                if not action.redo or action.final:
-                    self._decide_evals(action)
-                if not action.redo:
-                    self.ledger.open_round(action.round)
-                    self.timeline.round_started(action.round, action.evaluate_epochs)
-                self._checkpoint_epoch = action.checkpoint_epoch
+                if not average.redo or average.final:
+                    self._decide_evals(average)
+                if not average.redo:
+                    self.ledger.open_round(average.round)
+                    self.timeline.round_started(average.round, average.evaluate_epochs)
+                self._checkpoint_epoch = average.checkpoint_epoch
                 order = AverageNow(
-                    action.round, list(action.evaluate_epochs), action.final, action.checkpoint_epoch,
+                    average.round, list(average.evaluate_epochs), average.final, average.checkpoint_epoch,
                     self.generation,
                 )  # fmt: skip
                 for rank in sorted(self.members):

@@ -45,7 +45,9 @@ def opening_segment(
 ) -> Segment:
     ordered = tuple(sorted(members))
     slices = equal_slices(total_picks, len(ordered), step_samples, epoch)
-    shares = {rank: (part,) for rank, part in zip(ordered, slices, strict=True)}
+    shares: dict[int, tuple[EpochSlice, ...]] = {
+        rank: (part,) for rank, part in zip(ordered, slices, strict=True)
+    }
     dropped = total_picks - len(ordered) * slices[0].size
     return Segment(epoch, generation, ordered, 0, slices[0].size // step_samples, shares, dropped)
 

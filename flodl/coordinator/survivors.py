@@ -42,8 +42,7 @@ class MembershipChange:
     # The members that formed the new group, and how long they took to let go of the old one and form it.
     formed: dict[int, tuple[float, float]] = field(default_factory=dict)
     formed_at: float | None = None
-    # Rounds closed when the change began: the next one is the first good round after it.
-    rounds_before: int = 0
+    # When a round first closed in this change's group, or a later one's (its first good round).
     first_round_at: float | None = None
     # An admission: the restarted process's start-up, and how long it then waited for a round boundary.
     startup_s: float | None = None
@@ -53,6 +52,11 @@ class MembershipChange:
         self.formed[rank] = (release_ms, form_ms)
         if set(self.formed) >= set(self.members):
             self.formed_at = time.perf_counter()
+
+    def on_good_round(self, generation: int) -> None:
+        """A round closed in group `generation`: the first in this change's group or after it marks it."""
+        if self.first_round_at is None and generation >= self.generation:
+            self.first_round_at = time.perf_counter()
 
     @property
     def done(self) -> bool:

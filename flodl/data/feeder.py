@@ -269,14 +269,15 @@ class BatchFeeder:
     def _gather_or_upload(self, samples: Tensor) -> list[Tensor]:
         """The raw batch on the device (on the side stream): pool hits gathered, misses uploaded."""
         ids = samples.tolist()
-        hits, slots, misses = self.pool.lookup(ids) if self.pool is not None else ([], [], ids)
+        if self.pool is None:
+            return self._upload(self._fetch(samples))
+        hits, slots, misses = self.pool.lookup(ids)
         if not hits:
             raw = self._upload(self._fetch(samples))
-            if self.pool is not None:
-                self.pool.admit(ids, raw)
+            self.pool.admit(ids, raw)
             return raw
         self.stats.add("hits_vram", len(hits))
-        gathered = self.pool.gather(self._index(slots))  # type: ignore[union-attr]
+        gathered = self.pool.gather(self._index(slots))
         raw = [torch.empty((len(ids), *g.shape[1:]), dtype=g.dtype, device=self.device) for g in gathered]
         for out, rows in zip(raw, gathered, strict=True):
             out.index_copy_(0, self._index(hits), rows)
@@ -284,7 +285,7 @@ class BatchFeeder:
             uploaded = self._upload(self._fetch(samples[misses]))
             for out, rows in zip(raw, uploaded, strict=True):
                 out.index_copy_(0, self._index(misses), rows)
-            self.pool.admit([ids[i] for i in misses], uploaded)  # type: ignore[union-attr]
+            self.pool.admit([ids[i] for i in misses], uploaded)
         return raw
 
     def _fetch(self, samples: Tensor) -> list[Tensor]:

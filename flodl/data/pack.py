@@ -277,9 +277,9 @@ class PackFile:
         """Samples held on disk, read as one stacked batch when their records share one layout (the usual
         case): (the fields of the intact ones, in order; the positions that failed their checksum). None
         when the records differ in size (read them one by one with `get`)."""
-        spans = [self._index.get(s) for s in samples]
-        lengths = {span[1] for span in spans if span is not None}
-        if len(lengths) != 1 or None in spans or not self.enabled:
+        spans = [span for s in samples if (span := self._index.get(s)) is not None]
+        lengths = {span[1] for span in spans}
+        if len(lengths) != 1 or len(spans) < len(samples) or not self.enabled:
             return None
         length = lengths.pop()
         buffer = bytearray(length * len(samples))
@@ -289,7 +289,7 @@ class PackFile:
         def read(i: int) -> bool:
             record = view[i * length : (i + 1) * length]
             try:
-                return os.preadv(fd, [record], spans[i][0]) == length and intact(record, samples[i])  # type: ignore[index]
+                return os.preadv(fd, [record], spans[i][0]) == length and intact(record, samples[i])
             except OSError:
                 return False
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from flodl.config.host import available_ram
 from flodl.data.advice import PlannedBatch, ReadPlan, batch_key
@@ -56,7 +56,7 @@ class PlanSampler:
             position += 1
 
 
-class CachedSamples:
+class CachedSamples(Dataset):
     """A dataset declared deterministic, read through the RAM tier then the disk pack: each sample is read
     from its source once and admitted (RAM while under budget, else disk)."""
 

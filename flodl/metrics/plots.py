@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,7 +50,7 @@ def plot_timeline(record: dict[str, Any], path: Path) -> Figure:
     return fig
 
 
-def _by_epoch(jobs: list[Job], values: Callable[[Job], list[float]], metric: str | None) -> _Curve:
+def _by_epoch(jobs: list[Job], values: Callable[[Job], Sequence[float]], metric: str | None) -> _Curve:
     """Per epoch (the metric's epochs if given): the mean over the group's jobs of `values`, and of the
     metric (or of `values` itself) with its sample std. Seeds stopped early count where they have data."""
     rows: dict[int, list[tuple[float, float]]] = {}

@@ -26,8 +26,8 @@ def launch_time() -> float:
     if _previous_exit is not None:
         return _previous_exit
     process = psutil.Process()
-    if os.environ.get("TORCHELASTIC_RUN_ID") and process.parent() is not None:
-        process = process.parent()
+    if os.environ.get("TORCHELASTIC_RUN_ID") and (parent := process.parent()) is not None:
+        process = parent
     return process.create_time()
 
 

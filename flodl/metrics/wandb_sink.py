@@ -138,7 +138,7 @@ class WandbSink:
         }
         row.update({f"eval/{name}": value for name, value in metrics.eval.items()})
         row.update({f"comm/eval_{name}": value for name, value in metrics.eval.items()})
-        if metrics.eval_step is not None:
+        if metrics.eval_step is not None and metrics.eval_samples is not None:  # both come with an eval
             row["epoch/eval_step"], row["epoch/eval_samples"] = metrics.eval_step, metrics.eval_samples
         row.update({f"epoch/{name}": value for name, value in metrics.scalars.items()})
         for change in metrics.membership:  # fault_tolerance=survive: cuts and admissions, counted per epoch

@@ -1,7 +1,7 @@
 """Window planning for local SGD (cadence / async), as pure decisions.
 
 The coordinator feeds events (a rank reached its count, a rank acknowledged a reduce) and carries out
-the actions returned (dispatch batches, average now, finish). Averaging fires on counts, never on wall
+the instructions returned (dispatch batches, average now, finish). Averaging fires on counts, never on wall
 time. Batches are handed out from one cursor over the epochs: batch i of epoch e is picks
 `[i*b, (i+1)*b)` of that epoch's shared permutation, so no batch is trained twice or skipped.
 
@@ -51,7 +51,8 @@ class Average:
     redo: bool = False
 
 
-Action = Dispatch | Average
+# What the planner hands the coordinator to carry out (a guard's advice is another thing: rounds/guard.py).
+Instruction = Dispatch | Average
 
 
 @dataclass(frozen=True)
@@ -158,7 +159,7 @@ class LocalSgdPlanner:
         """Nothing left to hand out in the segment: the cursor is at its end and no slice was returned."""
         return self.cursor.exhausted() and not self.returned
 
-    def open_window(self, counts: list[int], overshoot: int) -> list[Action]:
+    def open_window(self, counts: list[int], overshoot: int) -> list[Instruction]:
         """Hand out the next window's batches for the given per-rank counts (members only)."""
         self.members |= self.joining
         self.joining = set()
@@ -186,20 +187,20 @@ class LocalSgdPlanner:
         # earlier ones too, must train all it holds before this round, so that it is the exact last one.
         # A target counts steps since the last round, so the steps a rank carried out of it count too.
         exhausted = self.exhausted
-        actions: list[Action] = []
+        instructions: list[Instruction] = []
         for rank, slices, given in taken:
             holds = self.queued[rank] + self.carried[rank]
             if exhausted:
                 self.targets[rank] = holds
             else:  # async: the count; cadence: what it was given
                 self.targets[rank] = min(counts[rank], holds) if self.is_async else given
-            actions.append(Dispatch(rank, slices, self.targets[rank]))
+            instructions.append(Dispatch(rank, slices, self.targets[rank]))
         # Every member reports Reached, even with a target of 0 (an epoch tail can leave a rank idle).
         self.reached = {}
         self.window_open = True
-        return actions
+        return instructions
 
-    def on_reached(self, report: WindowReport) -> list[Action]:
+    def on_reached(self, report: WindowReport) -> list[Instruction]:
         if report.rank not in self.members:  # sent before it was dropped, or before its first window
             return []
         self.reached[report.rank] = report
@@ -231,7 +232,7 @@ class LocalSgdPlanner:
         self.averaging = False
         return True
 
-    def drop(self, rank: int) -> list[Action]:
+    def drop(self, rank: int) -> list[Instruction]:
         """The rank is gone. What it held untrained goes back to be handed out again; a round in flight is
         redone among the members (same number, marked `redo`); a window whose other members have all
         reached averages now."""
@@ -344,7 +345,7 @@ class LocalSgdPlanner:
             n -= size // self.batch_size
         return tuple(taken)
 
-    def _maybe_average(self) -> list[Action]:
+    def _maybe_average(self) -> list[Instruction]:
         if self.averaging or not self.window_open or not self.members <= self.reached.keys():
             return []
         self.averaging, self.window_open = True, False

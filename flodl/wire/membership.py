@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from datetime import timedelta
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -82,9 +83,12 @@ class AveragingGroup:
         if self.backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = self.timeout
-            group: dist.ProcessGroup = dist.ProcessGroupNCCL(store, index, len(ordered), options)
+            backend: dist._Backend = dist.ProcessGroupNCCL(store, index, len(ordered), options)
         else:
-            group = dist.ProcessGroupGloo(store, index, len(ordered), self.timeout)
+            backend = dist.ProcessGroupGloo(store, index, len(ordered), self.timeout)
+        # torch's stubs type it as a Backend only: it serves every collective of a ProcessGroup that flodl
+        # calls, and torch's functions (dist.all_reduce) take it as a group.
+        group = cast(dist.ProcessGroup, backend)
         with self._lock:
             self.group, self.generation, self.members = group, generation, ordered
             if self.announced <= generation:  # else a newer change arrived meanwhile: this group is doomed
@@ -92,7 +96,7 @@ class AveragingGroup:
         return time.perf_counter() - started
 
     def _await_members(self, store: Store, generation: int, members: tuple[int, ...], patient: bool) -> None:
-        store.set(f"ready/{self.rank}", b"1")
+        store.set(f"ready/{self.rank}", "1")
         started = time.perf_counter()
         deadline = started + self.timeout.total_seconds()
         waiting = list(members)
@@ -153,5 +157,5 @@ class AveragingGroup:
         store = PrefixStore(f"averaging/{self.generation}/", self.store)
         wrapper = dist.ProcessGroup(store, self.index, self.size)
         wrapper._set_default_backend(kind)
-        wrapper._register_backend(self.device, kind, self.group)
+        wrapper._register_backend(self.device, kind, cast(dist._Backend, self.group))  # what `form` built
         return wrapper

@@ -14,7 +14,9 @@ from flodl.worker.stepper import Stepper
 
 def rng_state(device: torch.device) -> dict[str, Any]:
     _, python_keys, python_gauss = random.getstate()
-    _, numpy_keys, numpy_pos, numpy_has_gauss, numpy_gauss = np.random.get_state()
+    numpy_state = np.random.get_state()
+    assert isinstance(numpy_state, tuple)  # the global generator is MT19937: its legacy tuple, never a dict
+    _, numpy_keys, numpy_pos, numpy_has_gauss, numpy_gauss = numpy_state
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": [list(python_keys), python_gauss],

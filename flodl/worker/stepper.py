@@ -140,14 +140,17 @@ class Stepper:
             # Wrapped here so that its cost (importing the compiler, several seconds) is timed with the step.
             # The wrapper shares the module's parameters: checkpoints, eval and the averagers use the plain
             # model. A compiled DDP keeps its bucketed all-reduce (graphs split at the buckets) and no_sync.
-            self.train_module = torch.compile(self.train_module, mode=self.settings.compile_mode)
+            compiled = torch.compile(self.train_module, mode=self.settings.compile_mode)
+            # A module in, an OptimizedModule out (torch's stubs say a callable).
+            assert isinstance(compiled, nn.Module)
+            self.train_module = compiled
         parts, scaler = self.parts, self.scaler
         parts.optimizer.zero_grad(set_to_none=True)
         accumulated = len(micro_batches)
         loss_sum: Tensor | None = None
         for i, batch in enumerate(micro_batches):
-            skips_sync = self._no_sync is not None and i < accumulated - 1
-            with self._no_sync() if skips_sync else contextlib.nullcontext():  # type: ignore[misc]
+            no_sync = self._no_sync if i < accumulated - 1 else None
+            with no_sync() if no_sync is not None else contextlib.nullcontext():
                 with self.autocast():
                     loss = parts.loss_fn(self.train_module, batch)
                 loss = self.fault.applied(loss, self.steps_total + 1)

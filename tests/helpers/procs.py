@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-CONF = REPO / "flodl" / "conf"
+CONF = REPO / "conf"
 TRAIN = str(REPO / "train.py")
 PYTHON = sys.executable
 TORCHRUN = [PYTHON, "-m", "torch.distributed.run"]

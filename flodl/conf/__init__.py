@@ -1,1 +1,0 @@
-"""flodl's own Hydra configs (the root config and its groups), shipped as package data."""

@@ -1,0 +1,31 @@
+"""A 1-process Stepper on the digits task, and a few steps of it, for the step and checkpoint tests."""
+
+from __future__ import annotations
+
+import torch
+from hydra import compose, initialize_config_dir
+
+from flodl.assembly import stepper_settings, task_settings
+from flodl.config.host import RankEnv
+from flodl.config.schema import register_configs, to_config
+from flodl.wire.messages import EpochSlice
+from flodl.worker.stepper import Stepper
+from flodl.worker.task_setup import build_task
+from tests.helpers.procs import CONF
+
+
+def digits_stepper(*overrides: str) -> Stepper:
+    """A 1-process Stepper on the digits task, composed as train.py composes it (the rules not applied)."""
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = to_config(compose(config_name="config", overrides=["device=cpu", *overrides]))
+    device = torch.device("cpu")
+    parts = build_task(task_settings(cfg), device, 1)
+    return Stepper(stepper_settings(cfg, RankEnv(0, 1, 0, 1)), parts, device, parts.model)
+
+
+def train_steps(stepper: Stepper, steps: int) -> None:
+    size = stepper.step_samples
+    picks = stepper.picks(EpochSlice(0, 0, steps * size))
+    for s in range(steps):
+        stepper.step(stepper.load_step(picks[s * size : (s + 1) * size], 0))
