@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import Dataset
 
 _MASK = (1 << 64) - 1
 # Tags that keep the rank streams and the batch streams apart from each other (and from augment's ViewKeys).
@@ -81,7 +82,7 @@ class SeededIndices(list):
         self.stream = stream
 
 
-class SeededReads:
+class SeededReads(Dataset):
     """A map-style Dataset whose batches are read under their own streams (`SeededIndices`); the DataLoader
     calls `__getitems__` with a batch's indices, in the rank's process or in a worker."""
 
