@@ -4,15 +4,18 @@
     python bench/plain_torch.py --task resnet20 --seconds 3 --compile --out one.json       # compiled
     torchrun --standalone --nproc_per_node=2 bench/plain_torch.py --task gpt_nano --steps 200 --out ddp.json
 
-Same model, data, loss and optimizer as flodl builds from `conf/task/<task>.yaml` (the config is only read
-here; flodl's runtime is not used), wrapped in DistributedDataParallel when started by torchrun. Timing
-with CUDA events around the measured steps, warm-up excluded; the loss is read back once, at the end.
-Rank 0 writes {samples_per_s, step_ms, steps, world, loss} to --out.
+Same model, data, loss, optimizer, LR schedule and micro-batches per step (`grad_accum`) as flodl builds
+from `conf/task/<task>.yaml` (the config is only read here; flodl's runtime is not used), wrapped in
+DistributedDataParallel when started by torchrun (`no_sync` for all but the last micro-batch). Timing with
+CUDA events around the measured steps, warm-up excluded; the loss is read back once, at the end. Rank 0
+writes {samples_per_s, step_ms, steps, world, loss} to --out (a sample: one window of `batch_size`; a step
+takes `batch_size x grad_accum` of them per rank).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -63,15 +66,19 @@ class PlainLoop:
         wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
     ) -> None:
         self.batch_size = int(cfg.batch_size)
+        self.grad_accum = int(cfg.get("grad_accum", 1))
         self.device, self.seed, self.world, self.rank = device, seed, world, rank
         torch.manual_seed(seed)
         model = instantiate(cfg.task.model).to(device)
         self.optimizer = instantiate(cfg.task.optimizer)(model.parameters())
+        scheduler = cfg.task.get("scheduler")
+        self.scheduler = instantiate(scheduler)(self.optimizer) if scheduler else None
         self.loss_fn = direct_callable(instantiate(cfg.task.loss))
         self.data = instantiate(cfg.task.train_data)
         self.train_module = wrap(model) if wrap is not None else model
         self.train_module.train()
         self.batches_per_epoch = len(self.data) // (self.batch_size * world)
+        self.no_sync = getattr(self.train_module, "no_sync", None)
         if self.batches_per_epoch == 0:
             raise SystemExit(
                 f"plain_torch: {len(self.data)} samples hold no batch of {self.batch_size} x {world} ranks"
@@ -91,13 +98,19 @@ class PlainLoop:
         return [t.to(self.device, non_blocking=True) for t in self.data.get_batch(picks)]
 
     def train(self, steps: int) -> None:
+        """`steps` optimizer steps of `grad_accum` micro-batches each."""
         for _ in range(steps):
-            loss = self.loss_fn(self.train_module, self.batch_at(self.step))
             self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            for micro in range(self.grad_accum):
+                last = micro == self.grad_accum - 1
+                with contextlib.nullcontext() if last or self.no_sync is None else self.no_sync():
+                    loss = self.loss_fn(self.train_module, self.batch_at(self.step))
+                    (loss / self.grad_accum).backward()
+                self.loss_sum += loss.detach() / self.grad_accum
+                self.step += 1
             self.optimizer.step()
-            self.loss_sum += loss.detach()
-            self.step += 1
+            if self.scheduler is not None:
+                self.scheduler.step()
 
 
 class Clock:
@@ -135,6 +148,7 @@ def main() -> None:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--bf16-hook", action="store_true", help="DDP gradients as bf16 (torch's comm hook)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (in the warm-up)")
+    parser.add_argument("--compile-mode", default="default", help="torch.compile's mode (with --compile)")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -155,7 +169,7 @@ def main() -> None:
 
     def wrap(model: torch.nn.Module) -> torch.nn.Module:
         if world == 1:
-            return torch.compile(model) if args.compile else model
+            return torch.compile(model, mode=args.compile_mode) if args.compile else model
         ddp = DistributedDataParallel(
             model, device_ids=[local_rank] if device.type == "cuda" else None, gradient_as_bucket_view=True
         )
@@ -169,7 +183,7 @@ def main() -> None:
                 else default_hooks.fp16_compress_hook
             )
             ddp.register_comm_hook(dist.group.WORLD, hook)
-        return torch.compile(ddp) if args.compile else ddp
+        return torch.compile(ddp, mode=args.compile_mode) if args.compile else ddp
 
     loop = PlainLoop(cfg, device, args.seed, world, rank, wrap)
     clock = Clock(device)
@@ -186,10 +200,10 @@ def main() -> None:
     clock.start()
     loop.train(steps)
     seconds = clock.stop()
-    mean_loss = float(loop.loss_sum) / loop.step
+    mean_loss = float(loop.loss_sum) * loop.grad_accum / loop.step
     if rank == 0:
         result = {
-            "samples_per_s": steps * loop.batch_size * world / seconds,
+            "samples_per_s": steps * loop.grad_accum * loop.batch_size * world / seconds,
             "step_ms": seconds / steps * 1000,
             "steps": steps,
             "world": world,
