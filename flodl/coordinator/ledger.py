@@ -73,6 +73,8 @@ class EpochLedger:
         self.overlapping = overlapping
         # The ranks training now: each record's `world` counts them as it is emitted.
         self.members = set(range(world_size))
+        # The last record's `step`: the busiest rank's steps so far (the next record's starts there).
+        self.step = 0
 
     def _epoch(self, epoch: int) -> _Epoch:
         if epoch < self.next_to_emit or epoch >= self.epochs:
@@ -183,8 +185,9 @@ class EpochLedger:
                 self.overlapping,
                 len(self.members),
                 entry.membership,
+                self.step,
             )
-            self.comm_bytes_total = metrics.comm_bytes_total
+            self.comm_bytes_total, self.step = metrics.comm_bytes_total, metrics.step
             ready.append(metrics)
             self._open.pop(self.next_to_emit - 1, None)
             self.next_to_emit += 1
