@@ -28,6 +28,16 @@ def test_bar_shows_the_share_of_all_ranks_batches_and_their_speed() -> None:
     assert "loss 0.5000" in line and "400 samples/s" in line and "#" * 12 + "." * 12 in line
 
 
+def test_the_bar_counts_steps_as_the_epoch_lines_do() -> None:
+    """The busiest rank's steps so far (local SGD: ranks differ), also after that rank is cut."""
+    out = io.StringIO()
+    sink = ConsoleSink(epochs=2, total_batches=1000, world_size=2, out=out)
+    sink.progress(Progress(rank=1, epoch=0, step=328, loss=1.0, samples_per_s=300.0, lr=0.1))
+    later = Progress(rank=0, epoch=1, step=310, loss=1.0, samples_per_s=100.0, lr=0.1)
+    sink.progress(later)  # rank 1 was cut: rank 0 trains on, behind it
+    assert " step 328 " in sink.render(later)
+
+
 def test_without_a_terminal_the_bar_is_a_plain_line_at_most_every_ten_seconds() -> None:
     out = io.StringIO()
     sink = ConsoleSink(epochs=1, total_batches=10, world_size=1, out=out)

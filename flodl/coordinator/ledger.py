@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from flodl.counting import shown_epoch
 from flodl.metrics.aggregate import EpochMetrics, RoundCost, aggregate_epoch
 from flodl.wire.messages import ChunkReport, EvalResult
 
@@ -78,7 +79,7 @@ class EpochLedger:
 
     def _epoch(self, epoch: int) -> _Epoch:
         if epoch < self.next_to_emit or epoch >= self.epochs:
-            raise LedgerError(f"a report for epoch {epoch}, outside the open epochs")
+            raise LedgerError(f"a report for epoch {shown_epoch(epoch)}, outside the open epochs")
         return self._open.setdefault(epoch, _Epoch())
 
     def add_chunk(self, chunk: ChunkReport) -> bool:
@@ -98,7 +99,7 @@ class EpochLedger:
         planned = self.batches_per_epoch if entry.batches is None else entry.batches
         done = sum(c.batches for c in entry.chunks)
         if done > planned:
-            raise LedgerError(f"epoch {epoch}: {done} batches reported, {planned} planned")
+            raise LedgerError(f"epoch {shown_epoch(epoch)}: {done} batches reported, {planned} planned")
         if done == planned and entry.completed_at is None:
             entry.completed_at = time.perf_counter()
             return True

@@ -50,12 +50,15 @@ class ConsoleSink:
         self.tty = out.isatty()
         self.started = time.perf_counter()
         self.steps = [0] * world_size
+        # The busiest rank's steps so far, as the epoch lines count them (a rank cut since included).
+        self.step = 0
         self.speed = [0.0] * world_size
         self._last_plain = 0.0
         self._bar_shown = False
 
     def progress(self, report: Progress) -> None:
         self.steps[report.rank] = report.step
+        self.step = max(self.step, report.step)
         self.speed[report.rank] = report.samples_per_s
         if report.rank != 0:
             return
@@ -76,11 +79,12 @@ class ConsoleSink:
         filled = int(done * BAR_WIDTH)
         bar = "#" * filled + "." * (BAR_WIDTH - filled)
         return (
-            f"[r0] epoch {shown_epoch(report.epoch)}/{self.epochs} [{bar}] {done:4.0%} step {report.step} "
+            f"[r0] epoch {shown_epoch(report.epoch)}/{self.epochs} [{bar}] {done:4.0%} step {self.step} "
             f"loss {report.loss:.4f} {sum(self.speed):.0f} samples/s ETA {format_duration(eta)}"
         )
 
     def emit(self, metrics: EpochMetrics) -> None:
+        self.step = max(self.step, metrics.step)
         if self._bar_shown:
             self.out.write("\r\033[K")  # the epoch line replaces the bar
             self.out.flush()
