@@ -21,6 +21,7 @@ import os
 from typing import Any
 
 from flodl.coordinator.hooks import Run, RunSummary
+from flodl.counting import shown_epoch
 
 __all__ = ["BestModel", "EarlyStopping", "Run", "RunSummary"]
 
@@ -86,7 +87,8 @@ class BestModel:
         value = self.best.value(metrics)
         if self.best.improved(epoch, value):
             os.replace(self.run.evaluated_model(epoch), self.run.run_dir / self.filename)
-            log.info("BestModel: %s=%.4f at epoch %d -> %s", self.best.monitor, value, epoch, self.filename)
+            monitor, shown = self.best.monitor, shown_epoch(epoch)
+            log.info("BestModel: %s=%.4f at epoch %d -> %s", monitor, value, shown, self.filename)
 
 
 class EarlyStopping:
@@ -122,5 +124,5 @@ class EarlyStopping:
         if self.waited >= self.patience:
             self.run.stop(
                 f"EarlyStopping: {self.best.monitor} did not improve for {self.patience} report(s) "
-                f"(best {self.best.best:.4g} at epoch {self.best.best_epoch})"
+                f"(best {self.best.best:.4g} at epoch {shown_epoch(self.best.best_epoch)})"
             )

@@ -1,12 +1,14 @@
 """Checkpoints on disk: atomic files, complete-or-invisible checkpoint dirs, a `latest` pointer.
 
-A checkpoint is a dir `checkpoints/epoch-NNNNNN/` holding `model.pt` (the consensus, float32), one
-`rank{r}.pt` per rank (optimizer, scheduler, RNG, counters) that was a member at the checkpoint round
-(every rank unless one was cut), `coordinator.pt` (epoch, ElChe, guard, planner) and, written last,
-`manifest.json` with every file's size and CRC32 and the ranks whose parts it holds. Ranks write their
-parts into `epoch-NNNNNN.partial/`; rank 0 commits by writing the manifest and renaming the dir, then
-points `latest` at it. The manifest also records the run that wrote it (flodl/run_identity.py). A dir without
-a valid manifest (a crash mid-write, a truncated file) is never loaded.
+A checkpoint is a dir `checkpoints/epoch-NNNNNN/` (NNNNNN: the epochs it holds, so the checkpoint after
+epoch 3 as lines count, metrics.jsonl's epoch 2, is `epoch-000003`) holding `model.pt` (the consensus,
+float32), one `rank{r}.pt` per rank (optimizer, scheduler, RNG, counters) that was a member at the
+checkpoint round (every rank unless one was cut), `coordinator.pt` (epoch, ElChe, guard, planner) and,
+written last, `manifest.json` with every file's size and CRC32 and the ranks whose parts it holds. Ranks
+write their parts into `epoch-NNNNNN.partial/`; rank 0 commits by writing the manifest and renaming the
+dir, then points `latest` at it. The manifest also records the run that wrote it (flodl/run_identity.py)
+and its 0-based epoch. A dir without a valid manifest (a crash mid-write, a truncated file) is never
+loaded.
 Everything is loaded with `weights_only=True`.
 """
 
@@ -26,6 +28,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from flodl.counting import shown_epoch
 
 MODEL_FILE = "model.pt"
 COORDINATOR_FILE = "coordinator.pt"
@@ -84,7 +88,8 @@ def evaluated_model_path(run_dir: Path, epoch: int) -> Path:
 
 
 def dir_name(epoch: int) -> str:
-    return f"epoch-{epoch:06d}"
+    """The dir of the checkpoint after the 0-based `epoch`: named as lines count it (flodl/counting.py)."""
+    return f"epoch-{shown_epoch(epoch):06d}"
 
 
 def rank_file(rank: int) -> str:

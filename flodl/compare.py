@@ -5,7 +5,8 @@ config); `seed` is folded: each group shows the mean ± sample standard deviatio
 that dir `compare.md` (a row per group, a row per job, then the jobs the sweep skipped as invalid) and
 `compare.png` (the eval metric against wall time and against samples, throughput, bytes on the wire, and
 where each group's wall time went).
-Wall time is the job's own, from launch to exit (`run.json`), with its start-up shown apart.
+Wall time is the job's own, from launch to exit (`run.json`), with its start-up shown apart; the sweep's own
+start-up before its first job (`sweep.json`) is said once, in no job's row.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from flodl.config.sweep import read_skipped
 from flodl.metrics.plots import plot_compare
+from flodl.metrics.run_clock import sweep_startup_s
 from flodl.metrics.sweep import SEED_KEY, Job, group_jobs, load_job, mean_std, varying_keys
 
 REPORT_MD = "compare.md"
@@ -74,6 +76,7 @@ def report(sweep_dir: Path) -> str:
         f"{' (seed folded in)' if SEED_KEY in varying else ''}. Values are mean ± sample std over a group's "
         f"seeds. `{metric}` is the last eval; wall s is launch to exit (start-up apart: launch to the first "
         "epoch's start); samples/s is over training time.",
+        *_sweep_startup_line(sweep_dir),
         "",
         f"| group | seeds | {' | '.join(columns)} |",
         "|---|---|" + "---|" * len(columns),
@@ -103,6 +106,17 @@ def report(sweep_dir: Path) -> str:
     (sweep_dir / REPORT_MD).write_text(text)
     plot_compare(groups, metric, sweep_dir / REPORT_PNG)
     return text
+
+
+def _sweep_startup_line(sweep_dir: Path) -> list[str]:
+    seconds = sweep_startup_s(sweep_dir)
+    if seconds is None:
+        return []
+    return [
+        "",
+        f"The sweep's own start-up (interpreter, Hydra, the grid check) took {seconds:.1f} s before its "
+        "first job was launched; it is in no job's wall time.",
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -49,6 +49,7 @@ from flodl.config.rules import ConfigError
 from flodl.config.schema import FlodlConfig, to_config
 from flodl.coordinator.coordinator import Coordinator
 from flodl.coordinator.hooks import CallbackError, RunSummary
+from flodl.counting import shown_epoch
 from flodl.data.partition import equal_slices
 from flodl.logs import setup_rank_logging
 from flodl.metrics import run_clock
@@ -514,7 +515,7 @@ def _stopped_line(signum: int, cfg: FlodlConfig, run_dir: Path, info: RunInfo) -
     """Where a stopped run stands and the command that continues it."""
     latest = checkpoint_store(cfg, run_dir).latest()
     if latest is not None:
-        where = f"last checkpoint {latest.path} (epoch {latest.epoch})"
+        where = f"last checkpoint {latest.path} (epoch {shown_epoch(latest.epoch)})"
     else:
         where = "no checkpoint to resume from (checkpoint_every is off or none was due): resume starts over"
     resume = info.resume_command or f"resume=auto hydra.run.dir={run_dir}"

@@ -20,6 +20,7 @@ from flodl.checkpoint import (
     rank_file,
     resolve_resume,
 )
+from flodl.counting import shown_epoch
 from flodl.metrics.sinks import read_history, record_line
 from flodl.run_identity import check_identity
 from flodl.wire.group import publish_json, read_json
@@ -106,7 +107,8 @@ def _restore(checkpoint: Checkpoint, worker: WorkerBase) -> None:
     ranks = checkpoint.part_ranks
     if worker.rank in ranks:
         worker.restore(restore_rank_part(checkpoint, worker.rank, worker.stepper))
-        log.info("resumed from %s: training continues at epoch %d", checkpoint.path, checkpoint.epoch + 1)
+        next_epoch = shown_epoch(checkpoint.epoch + 1)
+        log.info("resumed from %s: training continues at epoch %d", checkpoint.path, next_epoch)
         return
     member = checkpoint.load(rank_file(ranks[0]))
     if worker.shares_optimizer:  # sync: the member's optimizer is everyone's (its RNG streams stay its own)
@@ -115,14 +117,14 @@ def _restore(checkpoint: Checkpoint, worker: WorkerBase) -> None:
         log.warning(
             "rank %d has no part in %s (not a member at its checkpoint): it resumes with rank %d's optimizer "
             "state; training continues at epoch %d",
-            worker.rank, checkpoint.path, ranks[0], checkpoint.epoch + 1,
+            worker.rank, checkpoint.path, ranks[0], shown_epoch(checkpoint.epoch + 1),
         )  # fmt: skip
         return
     worker.restore(member["worker"])
     log.warning(
         "rank %d has no part in %s (not a member at its checkpoint round): it resumes from the consensus "
         "with a fresh optimizer; training continues at epoch %d",
-        worker.rank, checkpoint.path, checkpoint.epoch + 1,
+        worker.rank, checkpoint.path, shown_epoch(checkpoint.epoch + 1),
     )  # fmt: skip
 
 

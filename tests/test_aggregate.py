@@ -68,6 +68,19 @@ def test_aggregate_epoch_record_flattens_eval():
     assert record["per_rank"][0]["rank"] == 0
 
 
+def test_an_eval_stands_where_the_busiest_member_took_its_model_up():
+    """Each member evaluates its shard of one consensus: the eval stands at the busiest member's own steps
+    in it (the scale of `step`) and at the time the last member took it up."""
+    evals = [
+        EvalResult(0, 1, {"acc": 3.0}, 5, step=70, samples=2240, own_steps=30, taken_at=50.0),
+        EvalResult(1, 1, {"acc": 4.0}, 5, step=70, samples=2240, own_steps=40, taken_at=50.5),
+    ]
+    out = aggregate_epoch(1, [chunk(0, 1, 1.0, 100.0, 2)], evals, wall_s=0.1)
+    assert (out.eval_at_step, out.eval_taken_at, out.eval_step) == (40, 50.5, 70)
+    none = aggregate_epoch(1, [chunk(0, 1, 1.0, 100.0, 2)], [], wall_s=0.1)
+    assert (none.eval_at_step, none.eval_taken_at) == (None, None)
+
+
 def test_async_epoch_rate_is_over_its_common_window_not_rank_0s_epoch_clock():
     # Rank 1 trained 4 batches in [100, 104] s, rank 0 its 2 in [101, 105] s; the epoch completed 0.5 s
     # after the one before it on rank 0's clock.

@@ -57,7 +57,7 @@ def test_a_truncated_file_in_the_newest_checkpoint_falls_back_to_the_one_before(
     store = CheckpointDir(tmp_path, keep=3)
     write_checkpoint(store, 1)
     write_checkpoint(store, 2)
-    victim = store.root / "epoch-000002" / rank_file(1)
+    victim = store.root / "epoch-000003" / rank_file(1)  # after epoch 3, as lines count
     victim.write_bytes(victim.read_bytes()[:-10])
     with caplog.at_level(logging.WARNING, logger="flodl"):
         found = store.latest()
@@ -65,7 +65,7 @@ def test_a_truncated_file_in_the_newest_checkpoint_falls_back_to_the_one_before(
     assert "rank1.pt does not match its manifest" in caplog.text
     # Asked for by path, the damaged checkpoint is refused with the reason.
     with pytest.raises(CheckpointError, match=r"rank1\.pt does not match"):
-        resolve_resume(str(store.root / "epoch-000002"), store)
+        resolve_resume(str(store.root / "epoch-000003"), store)
 
 
 def test_commit_refuses_a_checkpoint_with_a_missing_part(tmp_path: Path) -> None:
@@ -82,7 +82,8 @@ def test_only_the_newest_checkpoints_are_kept(tmp_path: Path) -> None:
     store = CheckpointDir(tmp_path, keep=2)
     for epoch in range(4):
         write_checkpoint(store, epoch)
-    assert sorted(p.name for p in store.root.iterdir() if p.is_dir()) == ["epoch-000002", "epoch-000003"]
+    # Named by the epochs they hold: the checkpoints after the third and the fourth epoch.
+    assert sorted(p.name for p in store.root.iterdir() if p.is_dir()) == ["epoch-000003", "epoch-000004"]
 
 
 def test_resume_choices(tmp_path: Path) -> None:
@@ -219,8 +220,13 @@ def test_a_rank_without_a_part_resumes_from_the_consensus_with_a_fresh_optimizer
     checkpoint = store.commit(4, world_size=2, ranks={0})  # rank 1 had been cut
 
     member = _Worker(0, digits_stepper())
-    restore_worker(checkpoint, member)
+    with caplog.at_level(logging.INFO, logger="flodl"):
+        restore_worker(checkpoint, member)
     assert member.restored == {"global_steps": 9} and member.stepper.steps_total == 3
+    # Counted as every line counts, from 1: the checkpoint after the fifth epoch, the sixth next.
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.endswith("checkpoints/epoch-000005: training continues at epoch 6"), line
+    caplog.clear()
 
     fresh = digits_stepper()
     cut = _Worker(1, fresh)
@@ -230,7 +236,7 @@ def test_a_rank_without_a_part_resumes_from_the_consensus_with_a_fresh_optimizer
     assert cut.restored == {"global_steps": 9}
     assert fresh.steps_total == 0 and fresh.parts.optimizer.state_dict()["state"] == {}
     (line,) = [r.getMessage() for r in caplog.records]
-    assert "rank 1 has no part" in line and "fresh optimizer" in line and "epoch 5" in line
+    assert "rank 1 has no part" in line and "fresh optimizer" in line and line.endswith("at epoch 6")
 
     # Under sync every rank steps one optimizer state: the partless rank takes the member's, not its RNG.
     synced = digits_stepper()

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 
+import pytest
+
+from flodl.metrics import run_clock
+from flodl.metrics.plots import plot_compare
 from flodl.metrics.sweep import Job, group_jobs, mean_std, varying_keys
 
 
@@ -39,3 +45,42 @@ def test_a_sweep_over_seeds_only_is_one_group() -> None:
 def test_spread_is_the_sample_standard_deviation() -> None:
     assert mean_std([1.0, 3.0]) == (2.0, 2**0.5)
     assert mean_std([5.0]) == (5.0, 0.0)
+
+
+def async_job(name: str, at: float) -> Job:
+    """Two epochs of 1408 samples each; each eval ran on a consensus taken after its epoch's end."""
+    epoch = {"loss": 1.0, "samples": 1408, "epoch_s": 2.0, "samples_per_s": 704.0, "comm_bytes_total": 10}
+    records = [
+        {**epoch, "epoch": 0, "eval/accuracy": 0.5, "eval_samples": 3968, "eval_taken_at": at + 9.0},
+        {**epoch, "epoch": 1, "eval/accuracy": 0.7, "eval_samples": 4224, "eval_taken_at": at + 10.0},
+    ]
+    times = {"launched_at": at, "training_started_at": at + 5.0}
+    return Job(Path(name), {"seed": name}, {"seed": 42}, records, times)
+
+
+def test_an_eval_is_plotted_where_its_model_was_taken(tmp_path: Path) -> None:
+    groups = group_jobs([async_job("0", 1000.0), async_job("1", 2000.0)])
+    figure = plot_compare(groups, "eval/accuracy", tmp_path / "compare.png")
+    by_wall, by_samples, speed = figure.axes[:3]
+    ((line,),) = [by_wall.get_lines()]
+    assert list(line.get_xdata()) == [9.0, 10.0]  # seconds since launch when each eval's model was taken
+    assert list(by_samples.get_lines()[0].get_xdata()) == [3968, 4224]
+    assert list(speed.get_lines()[0].get_xdata()) == [0, 1]  # per-epoch figures stay at their epoch
+
+
+def test_a_sweeps_own_start_up_is_charged_to_no_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The process walking a sweep starts (interpreter, Hydra, the grid check) before job 0 is launched:
+    job 0's wall time starts once the grid is checked, and the sweep's start-up is written apart."""
+    monkeypatch.setattr(run_clock, "_next_launch", None)
+    checked = time.time()
+    run_clock.sweep_ready(tmp_path)
+    first = run_clock.launch_time()
+    assert first >= checked
+    sweep = json.loads((tmp_path / run_clock.SWEEP_FILE).read_text())
+    assert sweep["launched_at"] < sweep["jobs_started_at"] == first
+    assert run_clock.sweep_startup_s(tmp_path) == sweep["jobs_started_at"] - sweep["launched_at"]
+    job = tmp_path / "0"
+    job.mkdir()
+    run_clock.record_exit(job, first)
+    assert run_clock.launch_time() == json.loads((job / run_clock.RUN_FILE).read_text())["exited_at"]
+    assert run_clock.sweep_startup_s(job) is None

@@ -50,11 +50,11 @@ def test_a_rank_killed_mid_epoch_is_restarted_and_the_job_resumes_from_its_check
         *TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1", "--monitor-interval=0.1",
         TRAIN, "epochs=24", "checkpoint_every=1", f"hydra.run.dir={run_dir}",
     ]  # fmt: skip
-    out = _kill_rank1_after("epoch-000002", args, tmp_path, run_dir, timeout=240).check().out
+    out = _kill_rank1_after("epoch-000003", args, tmp_path, run_dir, timeout=240).check().out
     resumed = re.findall(r"resumed from \S+epoch-(\d+): training continues at epoch (\d+)", out)
     assert resumed, out[-6000:]
     checkpointed, continued = map(int, resumed[0])
-    assert checkpointed >= 2 and continued == checkpointed + 1
+    assert checkpointed >= 3 and continued == checkpointed + 1  # the dir and the line count alike
     records = assert_complete_run(run_dir, world=2, epochs=24)  # every epoch exactly once, in order
     steps = [r["step"] for r in records]
     assert steps == sorted(steps) and steps[-1] == 24 * steps[0]  # the step count went on, not restarted
@@ -72,7 +72,7 @@ def test_with_no_restarts_left_the_error_names_the_dead_rank_and_the_last_checkp
         "checkpoint_every=1",
         f"hydra.run.dir={run_dir}",
     ]
-    result = _kill_rank1_after("epoch-000001", args, tmp_path, run_dir, timeout=120)
+    result = _kill_rank1_after("epoch-000002", args, tmp_path, run_dir, timeout=120)
     assert result.code == 1, result.out[-4000:]
     failure = r"rank\(s\) \[1\] failed \(rank 1: exit code -9\); the last checkpoint is \S+epoch-0000"
     assert re.search(failure, result.out), result.out[-4000:]
@@ -188,7 +188,7 @@ def test_a_resumed_local_sgd_run_continues_its_step_clock_schedule_and_elche(
     common = ["launch.nproc_per_node=2", f"policy={policy}", "checkpoint_every=2", STEP_LR,
               f"hydra.run.dir={run_dir}"]  # fmt: skip
     train("epochs=4", *common, cwd=tmp_path, timeout=150).check()
-    saved = torch.load(run_dir / "checkpoints" / "epoch-000003" / "coordinator.pt", weights_only=True)
+    saved = torch.load(run_dir / "checkpoints" / "epoch-000004" / "coordinator.pt", weights_only=True)
     before = epochs_of(run_dir)
     result = train("epochs=6", *common, "logger.log_every=0", cwd=tmp_path, timeout=150).check()
     after = epochs_of(run_dir)

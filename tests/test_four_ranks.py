@@ -33,7 +33,7 @@ def test_four_ranks_with_one_slowed_balance_and_checkpoint(tmp_path: Path, polic
     # Every rank sends the same payload in every round, slow or fast.
     sent = {sum(r["per_rank"][rank]["comm_bytes"] for r in records) for rank in range(4)}
     assert len(sent) == 1 and sent.pop() > 0
-    manifest = json.loads((run_dir / "checkpoints" / "epoch-000005" / "manifest.json").read_text())
+    manifest = json.loads((run_dir / "checkpoints" / "epoch-000006" / "manifest.json").read_text())
     assert sorted(manifest["files"]) == sorted(
         ["model.pt", "coordinator.pt", "rank0.pt", "rank1.pt", "rank2.pt", "rank3.pt"]
     )

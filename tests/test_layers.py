@@ -24,6 +24,8 @@ FLOORS = {
     "flodl.config": 0,
     "flodl.wire.messages": 0,
     "flodl.metrics.scalars": 0,
+    # How the lines a person reads count epochs.
+    "flodl.counting": 0,
     # Pure logic and the services that do not know who runs them.
     "flodl.rounds": 1,
     "flodl.averaging": 1,

@@ -143,6 +143,23 @@ def test_a_sync_epoch_planned_again_waits_for_what_its_members_report() -> None:
     ledger.add_chunk(chunk(0, 1, 2))
     ledger.add_chunk(chunk(2, 1, 2))
     ledger.expect_batches(1, 4)
-    with pytest.raises(LedgerError, match="epoch 1: 5 batches reported, 4 planned"):
+    with pytest.raises(LedgerError, match="epoch 2: 5 batches reported, 4 planned"):  # lines count from 1
         ledger.add_chunk(chunk(0, 1, 1))
     assert [m.epoch for m in ledger.emit_ready()] == [1]
+
+
+def test_step_never_goes_back_when_the_busiest_rank_is_cut() -> None:
+    """`step` counts the busiest rank's steps so far: a rank cut after it was the busiest still took them."""
+    ledger = EpochLedger(epochs=2, world_size=3, batches_per_epoch=6, local_sgd=True)
+    for rank, steps in ((0, 298), (1, 328), (2, 290)):
+        ledger.add_chunk(ChunkReport(rank, 0, 2, 8, 2.0, 10.0, 1.0, steps_total=steps))
+    ledger.expect_eval(0, False)
+    (first,) = ledger.emit_ready()
+    assert first.step == 328
+    ledger.membership_event("rank_cut", 1)
+    for rank, steps in ((0, 301), (2, 293)):  # the survivors train on the cut rank's share
+        ledger.add_chunk(ChunkReport(rank, 1, 3, 12, 3.0, 10.0, 1.0, steps_total=steps))
+    ledger.expect_eval(1, False)
+    ledger.release()
+    (second,) = ledger.emit_ready()
+    assert second.step == 328

@@ -13,7 +13,7 @@ import torch
 
 from flodl.compare import REPORT_MD, REPORT_PNG
 from flodl.metrics.plots import plot_compare, plot_timeline
-from flodl.metrics.run_clock import RUN_FILE
+from flodl.metrics.run_clock import RUN_FILE, SWEEP_FILE
 from flodl.metrics.sweep import group_jobs, load_job
 from flodl.tasks.classification import classification_sums
 from flodl.tasks.digits import DigitsMLP, digits_dataset
@@ -125,9 +125,29 @@ def test_compare_report_groups_by_policy_and_folds_the_seeds(sweep: Path) -> Non
             )
             walls.append(wall)
         assert row["wall s"] == f"{statistics.fmean(walls):.1f} ± {statistics.stdev(walls):.1f}"
+    # One process walked the jobs: each is launched once the one before exited, and job 0 once the sweep had
+    # checked its grid; the sweep's own start-up before it is said apart, in no job's wall time.
+    started = json.loads((sweep / SWEEP_FILE).read_text())
+    assert started["launched_at"] < started["jobs_started_at"]
+    times = [json.loads((job / RUN_FILE).read_text()) for job in all_jobs(sweep)]
+    launched = [started["jobs_started_at"]] + [t["exited_at"] for t in times[:-1]]
+    assert [t["launched_at"] for t in times] == launched
+    assert "The sweep's own start-up (interpreter, Hydra, the grid check) took" in table
     groups = group_jobs([load_job(j) for j in all_jobs(sweep)])
     figure = plot_compare(groups, "eval/accuracy", sweep / "again.png")
     by_wall, by_samples, speed, wire, split, legend_ax = figure.axes
+    # Each eval where its model was taken: async's consensus of a round after its epoch's end.
+    async_line = by_samples.get_lines()[POLICIES.index("async")]
+    evaluated = [records_of(job_of(sweep, "async", s)) for s in SEEDS]
+    shared = min(len(r) for r in evaluated)
+    expected = [statistics.fmean(r[e]["eval_samples"] for r in evaluated) for e in range(shared)]
+    assert list(async_line.get_xdata())[:shared] == pytest.approx(expected)
+    for policy in POLICIES:
+        for record in records_of(job_of(sweep, policy)):
+            # Taken after the epoch's last step, holding every step of it (sync: at the epoch's end).
+            assert record["eval_taken_at"] >= record["window_end"]
+            assert record["eval_at_step"] >= record["step"]
+            assert policy != "sync" or record["eval_at_step"] == record["step"]
     # A line per group (seeds folded), its band around it.
     assert [len(ax.get_lines()) for ax in (by_wall, by_samples, speed, wire)] == [3, 3, 3, 3]
     assert [len(ax.collections) for ax in (by_wall, by_samples, speed, wire)] == [3, 3, 3, 3]
@@ -157,7 +177,9 @@ def test_callback_hooks_run_in_order_with_each_epochs_metrics(sweep: Path) -> No
         evals = [c["metrics"] for c in calls if c["hook"] == "on_eval"]
         assert evals == [{k: v for k, v in r.items() if k.startswith("eval/")} for r in records]
         for checkpoint in (c for c in calls if c["hook"] == "on_checkpoint"):
-            assert checkpoint["committed"] and checkpoint["path"].endswith(f"epoch-{checkpoint['epoch']:06d}")
+            # The hook's epoch is metrics.jsonl's (0-based); the dir is named as lines count (from 1).
+            named = f"epoch-{checkpoint['epoch'] + 1:06d}"
+            assert checkpoint["committed"] and checkpoint["path"].endswith(named)
         assert calls[-1]["last_metrics"] == records[-1] and calls[-1]["model_saved"]
 
 
@@ -171,7 +193,7 @@ def test_early_stopping_ends_every_rank_at_the_same_epoch(sweep: Path) -> None:
         assert all(share["batches"] > 0 for share in records[-1]["per_rank"])
         for rank in (0, 1):
             assert (
-                f"rank {rank} stops after epoch {last}: EarlyStopping: eval/accuracy"
+                f"rank {rank} stops after epoch {last + 1}: EarlyStopping: eval/accuracy"
                 in (job / f"rank{rank}.log").read_text()
             )
         end = json.loads((job / HOOKS_FILE).read_text().splitlines()[-1])

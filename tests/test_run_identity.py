@@ -79,7 +79,7 @@ def test_a_second_run_into_a_taken_explicit_dir_is_refused_and_the_owner_resumes
     assert {r["config"]["seed"] for r in manifest_runs(run_dir)} == {winner}
     # The same experiment, launched again into its dir, continues; another seed is refused, saying why.
     more = train("epochs=3", "checkpoint_every=1", f"seed={winner}", f"hydra.run.dir={run_dir}", cwd=tmp_path)
-    assert "training continues at epoch 2" in more.check().out
+    assert "training continues at epoch 3" in more.check().out  # the checkpoint after epoch 2 (from 1)
     assert strict_epochs(run_dir) == [0, 1, 2]
     other = train(*RUN, f"seed={3 - winner}", f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert other.code == 2 and "Traceback" not in other.out
@@ -112,7 +112,7 @@ def test_metrics_hold_each_epoch_once_whatever_came_before(tmp_path: Path) -> No
         f.write('{"epoch": 2, "loss": 0.')
     resumed = train("epochs=3", "checkpoint_every=1", here, cwd=tmp_path).check()
     assert "metrics.jsonl line 3 dropped" in resumed.out
-    assert "training continues at epoch 2" in resumed.out
+    assert "training continues at epoch 3" in resumed.out
     assert strict_epochs(run_dir) == [0, 1, 2]
     # Every checkpoint corrupt: the run starts over, its earlier history moved aside.
     _corrupt_every_checkpoint(run_dir)

@@ -25,7 +25,10 @@ pytestmark = pytest.mark.multiproc
 
 
 def test_torchrun_ranks_walk_a_multirun_sweep_together(tmp_path: Path) -> None:
-    torchrun(2, "-m", "seed=0,1", "epochs=1", cwd=tmp_path, timeout=240).check()
+    out = torchrun(2, "-m", "seed=0,1", "epochs=1", cwd=tmp_path, timeout=240).check().out
+    # Hydra's launcher lines once (rank 0's), not once per rank.
+    launcher = ("Launching 2 jobs locally", "#0 : seed=0", "#1 : seed=1")
+    assert [out.count(line) for line in launcher] == [1, 1, 1], out
     sweeps = list((tmp_path / "multirun").glob("*/*"))
     assert len(sweeps) == 1, sweeps  # both ranks agreed on one sweep dir
     jobs = sorted(p for p in sweeps[0].iterdir() if p.is_dir())

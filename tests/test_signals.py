@@ -56,7 +56,7 @@ def stop_mid_run(
     (tmp_path / "stage").mkdir()
     proc = start(args, tmp_path)
     try:
-        checkpoint = tmp_path / "run" / "checkpoints" / "epoch-000001"
+        checkpoint = tmp_path / "run" / "checkpoints" / "epoch-000002"
         deadline = time.monotonic() + 180
         while not checkpoint.exists():
             assert proc.poll() is None, f"the job ended early:\n{proc.communicate()[0][-4000:]}"
@@ -78,11 +78,11 @@ def check_stopped_and_resume(result: Result, tmp_path: Path, signame: str) -> No
     lines = STOPPED.findall(result.out)
     assert len(lines) == 1, result.out[-4000:]  # one line, from rank 0
     got, checkpoint, epoch, resume = lines[0]
-    assert got == signame and int(epoch) >= 1
-    assert verify(Path(checkpoint)) is None  # complete and loadable
+    assert got == signame and int(epoch) >= 2  # as lines count, from 1: at least the second checkpoint
+    assert verify(Path(checkpoint)) is None and checkpoint.endswith(f"epoch-{int(epoch):06d}")
     run_dir = tmp_path / "run"
-    recorded = [r["epoch"] for r in epochs_of(run_dir)]
-    assert recorded[: int(epoch) + 1] == list(range(int(epoch) + 1)) and len(recorded) < EPOCHS
+    recorded = [r["epoch"] for r in epochs_of(run_dir)]  # 0-based
+    assert recorded[: int(epoch)] == list(range(int(epoch))) and len(recorded) < EPOCHS
     assert (run_dir / "timeline.json").is_file()
     assert list((tmp_path / "stage").iterdir()) == []  # every pack file removed
     assert not leftovers(tmp_path)

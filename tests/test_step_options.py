@@ -128,7 +128,7 @@ def test_a_resumed_fp16_run_continues_with_the_same_scaler_state(tmp_path: Path)
     train("epochs=4", *common, f"hydra.run.dir={tmp_path / 'split'}", cwd=tmp_path).check()
 
     def scaler_at_epoch_3(run: str) -> dict:
-        part = tmp_path / run / "checkpoints" / "epoch-000003" / "rank0.pt"
+        part = tmp_path / run / "checkpoints" / "epoch-000004" / "rank0.pt"  # after the 4th, as lines count
         return torch.load(part, weights_only=True)["stepper"]["scaler"]
 
     whole, split = scaler_at_epoch_3("whole"), scaler_at_epoch_3("split")

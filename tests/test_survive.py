@@ -148,9 +148,12 @@ def test_a_frozen_rank_is_cut_the_rest_finish_and_resume_after_it(tmp_path: Path
     assert "no heartbeat" in events[0]["why"]
     final = digests(result.out, "final round")
     assert set(final) == {0, 1} and len(set(final.values())) == 1, final
+    # Said once, at the end: not after each checkpoint's exact round.
+    said = re.findall(r"rank (\d+): state after final round", result.out)
+    assert sorted(said) == ["0", "1"], said
     # The last checkpoint holds the members' parts; resumed with every rank, the one without a part starts
     # from the consensus with a fresh optimizer, and the run goes on.
-    manifest = json.loads((run / "checkpoints" / "epoch-000003" / "manifest.json").read_text())
+    manifest = json.loads((run / "checkpoints" / "epoch-000004" / "manifest.json").read_text())
     assert manifest["ranks"] == [0, 1]
     resumed, run = survive_run(tmp_path, 5, 32, "policy=cadence", "checkpoint_every=1")
     resumed.check()
@@ -230,8 +233,8 @@ def test_a_rank_dying_while_the_ranks_start_is_cut_and_the_others_share_a_start(
 
 
 def rest_lines(out: str) -> list[tuple[int, int, list[int], int, int]]:
-    """Each re-planned epoch: (epoch, steps the members had trained, the ranks that share its rest, their
-    steps each, picks dropped)."""
+    """Each re-planned epoch: (epoch, counted from 1 as lines count; steps the members had trained, the ranks
+    that share its rest, their steps each, picks dropped)."""
     found = re.findall(
         r"epoch (\d+): the members trained (\d+) steps of it; its rest goes to ranks \[([\d, ]+)\], "
         r"(\d+) steps each \((\d+) picks",
@@ -275,7 +278,7 @@ def test_sync_a_killed_rank_is_cut_its_rest_planned_again_and_it_heals_back(tmp_
     # Rank 1 died in its 6th step: the survivors had trained 5 steps of epoch 0 with it, and share the rest.
     (replanned,) = rest_lines(result.out)
     epoch, trained, members, rest, dropped = replanned
-    assert (epoch, trained, members) == (0, 5, [0, 2]), replanned
+    assert (epoch, trained, members) == (1, 5, [0, 2]), replanned  # the first epoch, as lines count
     cut = records[0]
     assert cut["steps_taken"] == trained + rest
     assert cut["samples"] == 2 * (trained + rest) * batch  # what the survivors report
@@ -302,7 +305,7 @@ def test_sync_a_frozen_rank_is_cut_and_a_resume_hands_it_the_members_optimizer(t
     check_sync_epochs(run, 3)
     final = digests(result.out, "the last epoch")
     assert set(final) == {0, 1} and len(set(final.values())) == 1, final
-    manifest = json.loads((run / "checkpoints" / "epoch-000002" / "manifest.json").read_text())
+    manifest = json.loads((run / "checkpoints" / "epoch-000003" / "manifest.json").read_text())
     assert manifest["ranks"] == [0, 1]
     # Resumed with every rank: rank 2 has no part and takes rank 0's optimizer (DDP steps them all alike:
     # a fresh one would drift from the others), so all three end with one state.

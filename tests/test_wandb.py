@@ -88,7 +88,8 @@ def test_two_rank_job_is_one_run_with_train_and_eval_streams(tmp_path: Path) -> 
     train_steps = [i["train/step"] for i in items if "train/loss" in i]
     assert len(train_steps) >= 5 and train_steps == sorted(train_steps) and len(set(train_steps)) > 1
     evals = [i for i in items if "eval/accuracy" in i]
-    assert [i["epoch"] for i in evals] == [0, 1, 2]
+    eval_steps = [i["train/step"] for i in evals]  # one row per eval, at the step its consensus was taken
+    assert len(eval_steps) == 3 and eval_steps == sorted(eval_steps) and eval_steps[-1] > 0
     assert all(0 < i["eval/accuracy"] <= 1 for i in evals)
     assert any("rank1/loss" in i for i in items)  # per-rank series
     assert any(i.get("comm/bytes_total", 0) > 0 for i in items)
@@ -155,6 +156,26 @@ def test_wandb_failing_to_start_is_an_error_unless_not_required(tmp_path: Path) 
     optional.check()
     assert optional.out.count("training goes on without W&B") == 1
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_an_eval_is_placed_at_the_step_its_model_was_taken(tmp_path: Path, monkeypatch) -> None:
+    """Async: one eval, on the consensus of a round after epoch 1's end, stands for epochs 0 and 1. W&B
+    plots it once, against `train/step` where its model was taken, as read back with wandb's own reader."""
+    for key, value in wandb_env(tmp_path).items():
+        monkeypatch.setenv(key, value)
+    info = RunInfo(str(tmp_path / "run"), "g", "n")
+    (tmp_path / "run").mkdir()
+    sink = WandbSink(WandbSettings(mode="offline"), info, {}, "async")
+    late = {"eval": {"accuracy": 0.75}, "eval_step": 900, "eval_samples": 3600, "eval_at_step": 480}
+    for epoch, step in ((0, 200), (1, 410)):
+        sink.emit(EpochMetrics(epoch, step, 1.0, 800, 1.0, 800.0, **late))
+    sink.emit(EpochMetrics(2, 620, 1.0, 800, 1.0, 800.0, eval={"accuracy": 0.8}, eval_at_step=620))
+    sink.close()
+    (run,) = (tmp_path / "run").glob("wandb/offline-run-*")
+    items = history(records(run))
+    evals = [(i["train/step"], i["eval/accuracy"]) for i in items if "eval/accuracy" in i]
+    assert evals == [(480, 0.75), (620, 0.8)]
+    assert [i["train/step"] for i in items if "epoch/loss" in i] == [200, 410, 620]
 
 
 class FailingRun:

@@ -32,6 +32,23 @@ class CheckedJob:
     problems: list[str]  # the rules it breaks (none: valid)
 
 
+def grid_batches(checked: list[CheckedJob], max_batch_size: int | None) -> list[tuple[int, list[CheckedJob]]]:
+    """The valid jobs in batches of at most `max_batch_size` (None: no limit), each a run of jobs next to
+    each other in the grid with the place of its first: a launcher numbers a batch's jobs on from there, so
+    every job dir is named by the job's place in the grid and a skipped job's number is no dir's."""
+    batches: list[tuple[int, list[CheckedJob]]] = []
+    for job in checked:
+        if job.problems:
+            continue
+        if batches:
+            _, jobs = batches[-1]
+            if jobs[-1].job == job.job - 1 and (max_batch_size is None or len(jobs) < max_batch_size):
+                jobs.append(job)
+                continue
+        batches.append((job.job, [job]))
+    return batches
+
+
 def invalid_block(invalid: list[CheckedJob], total: int) -> str:
     """One block: each invalid job, its overrides and the rules it breaks."""
     lines = [f"{len(invalid)} of {total} sweep jobs are invalid:"]

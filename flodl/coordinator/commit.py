@@ -20,6 +20,7 @@ from torch import nn
 
 from flodl.checkpoint import COORDINATOR_FILE, Checkpoint, CheckpointDir, atomic_save
 from flodl.coordinator.ledger import EpochLedger
+from flodl.counting import shown_epoch
 
 log = logging.getLogger("flodl")
 
@@ -95,7 +96,7 @@ class CheckpointCommitter:
             self.expected.pop(epoch, None)
             self.remaining.discard(epoch)
             committed.append(self.committed)
-            log.info("checkpoint after epoch %d: %s", epoch, self.committed.path)
+            log.info("checkpoint after epoch %d: %s", shown_epoch(epoch), self.committed.path)
         return committed
 
     def _parts(self, epoch: int) -> frozenset[int]:

@@ -23,6 +23,7 @@ from flodl.coordinator.ledger import EpochLedger
 from flodl.coordinator.local_sgd_driver import LocalSgdDriver
 from flodl.coordinator.lockstep import LockstepPlan, Segment
 from flodl.coordinator.survivors import MembershipChange, SurviveSettings, post_cut
+from flodl.counting import shown_epoch
 from flodl.metrics.sinks import Sink
 from flodl.metrics.timeline import Timeline
 from flodl.wire.heartbeat import HeartbeatMonitor
@@ -278,7 +279,7 @@ class SyncDriver:
             log.info(
                 "epoch %d: the members trained %d steps of it; its rest goes to ranks %s, %d steps each "
                 "(%d picks that make no whole step dropped)",
-                epoch, step, list(rest.members), rest.steps, rest.dropped,
+                shown_epoch(epoch), step, list(rest.members), rest.steps, rest.dropped,
             )  # fmt: skip
             self._send(rest)
         else:
@@ -399,7 +400,7 @@ class Coordinator(threading.Thread):
         if reason is None or self.stopped is not None:
             return
         last = self._stop_at_consensus(reason)
-        log.info("the run stops after epoch %d: %s", last, reason)
+        log.info("the run stops after epoch %d: %s", shown_epoch(last), reason)
 
     # --- fault_tolerance=survive ------------------------------------------------------------------------
 

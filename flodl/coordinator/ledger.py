@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from flodl.counting import shown_epoch
 from flodl.metrics.aggregate import EpochMetrics, RoundCost, aggregate_epoch
 from flodl.wire.messages import ChunkReport, EvalResult
 
@@ -73,10 +74,12 @@ class EpochLedger:
         self.overlapping = overlapping
         # The ranks training now: each record's `world` counts them as it is emitted.
         self.members = set(range(world_size))
+        # The last record's `step`: the busiest rank's steps so far (the next record's starts there).
+        self.step = 0
 
     def _epoch(self, epoch: int) -> _Epoch:
         if epoch < self.next_to_emit or epoch >= self.epochs:
-            raise LedgerError(f"a report for epoch {epoch}, outside the open epochs")
+            raise LedgerError(f"a report for epoch {shown_epoch(epoch)}, outside the open epochs")
         return self._open.setdefault(epoch, _Epoch())
 
     def add_chunk(self, chunk: ChunkReport) -> bool:
@@ -96,7 +99,7 @@ class EpochLedger:
         planned = self.batches_per_epoch if entry.batches is None else entry.batches
         done = sum(c.batches for c in entry.chunks)
         if done > planned:
-            raise LedgerError(f"epoch {epoch}: {done} batches reported, {planned} planned")
+            raise LedgerError(f"epoch {shown_epoch(epoch)}: {done} batches reported, {planned} planned")
         if done == planned and entry.completed_at is None:
             entry.completed_at = time.perf_counter()
             return True
@@ -183,8 +186,9 @@ class EpochLedger:
                 self.overlapping,
                 len(self.members),
                 entry.membership,
+                self.step,
             )
-            self.comm_bytes_total = metrics.comm_bytes_total
+            self.comm_bytes_total, self.step = metrics.comm_bytes_total, metrics.step
             ready.append(metrics)
             self._open.pop(self.next_to_emit - 1, None)
             self.next_to_emit += 1

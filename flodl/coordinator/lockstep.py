@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from flodl.counting import shown_epoch
 from flodl.data.partition import equal_slices
 from flodl.wire.messages import EpochSlice
 
@@ -139,7 +140,7 @@ class LockstepPlan:
         if plan is None and epoch < min(self._epochs, default=epoch + 1):
             return False  # an epoch already emitted without it
         if plan is None or not any(s.generation == generation for s in plan.segments):
-            raise ValueError(f"a report of epoch {epoch}, generation {generation}: no such plan")
+            raise ValueError(f"a report of epoch {shown_epoch(epoch)}, generation {generation}: no such plan")
         reporters = plan.reporters.get(generation)
         if reporters is not None and rank not in reporters:
             return False

@@ -74,7 +74,8 @@ class RankShare:
 @dataclass
 class EpochMetrics:
     epoch: int
-    # Optimizer steps taken by each rank so far (under sync: the global step count).
+    # Optimizer steps the busiest rank has taken so far, a rank cut since included (under sync: the global
+    # step count); it never goes back.
     step: int
     # Batch-weighted mean training loss over every rank's batches.
     loss: float
@@ -99,6 +100,12 @@ class EpochMetrics:
     # runs on the consensus of a later round than the epoch's end, and these say which.
     eval_step: int | None = None
     eval_samples: int | None = None
+    # Where the eval stands on the run's axes (None without one): `step`'s count when its model was taken
+    # (the busiest member's own steps in it) and when the last member took it up (unix seconds, the ranks'
+    # clocks). Under async that is after the epoch's end; the console, W&B and the compare plot show the
+    # eval there.
+    eval_at_step: int | None = None
+    eval_taken_at: float | None = None
     # record_scalar values: per-epoch means over every rank's records.
     scalars: dict[str, float] = field(default_factory=dict)
     per_rank: list[RankShare] = field(default_factory=list)
@@ -131,12 +138,14 @@ def aggregate_epoch(
     overlapping: bool = False,
     members: int | None = None,
     membership: list[dict[str, Any]] | None = None,
+    step_before: int = 0,
 ) -> EpochMetrics:
     """One epoch from its chunks and evals. `round_costs`: per rank, the cost of the averaging rounds
     attributed to this epoch; `comm_before`: the run's bytes on the wire before this epoch; `rounds`: how
     many averaging rounds the epoch counts; `overlapping`: epochs overlap (async), so the throughput is
     taken over the epoch's common window; `members` (None: `world_size`) and `membership`: the record's
-    `world` and membership changes."""
+    `world` and membership changes; `step_before`: the busiest rank's steps before this epoch (a rank that
+    was the busiest may have been cut since: its steps were still taken)."""
     if not chunks:
         raise ValueError(f"epoch {epoch}: no metrics reported")
     round_costs = round_costs or {}
@@ -174,7 +183,7 @@ def aggregate_epoch(
     rate = common_window_rate(spans) if overlapping else per_epoch_s
     return EpochMetrics(
         epoch=epoch,
-        step=max(c.steps_total for c in chunks),
+        step=max(step_before, *(c.steps_total for c in chunks)),
         loss=sum(c.loss_sum for c in chunks) / batches if batches else float("nan"),
         samples=samples,
         epoch_s=wall_s,
@@ -187,6 +196,8 @@ def aggregate_epoch(
         eval=aggregate_eval(evals),
         eval_step=evals[0].step if evals else None,
         eval_samples=evals[0].samples if evals else None,
+        eval_at_step=max(e.own_steps for e in evals) if evals else None,
+        eval_taken_at=max(e.taken_at for e in evals) if evals else None,
         scalars=mean_scalars([c.scalars for c in chunks]),
         per_rank=shares,
         window_start=min(s.start for s in spans),

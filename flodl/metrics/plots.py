@@ -91,8 +91,8 @@ def plot_compare(groups: list[Group], metric: str, path: Path) -> Figure:
     colors = [plt.cm.tab10(i % 10) for i in range(len(groups))]
     for group, color in zip(groups, colors, strict=True):
         label = group.label
-        _by_epoch(group.jobs, lambda j: j.wall_at_epochs(), metric).draw(by_wall, color, label)
-        _by_epoch(group.jobs, lambda j: j.samples_at_epochs(), metric).draw(by_samples, color, label)
+        _by_epoch(group.jobs, lambda j: j.seconds_at(metric), metric).draw(by_wall, color, label)
+        _by_epoch(group.jobs, lambda j: j.samples_at(metric), metric).draw(by_samples, color, label)
         _by_epoch(group.jobs, lambda j: [r["samples_per_s"] for r in j.records], None).draw(
             speed, color, label
         )

@@ -1,9 +1,12 @@
-"""`run.json` in the run dir: when the job was launched, trained and exited (Unix times, seconds).
+"""`run.json` in the run dir: when the job was launched, trained and exited (Unix times, seconds); and
+`sweep.json` in a sweep dir: the sweep's own start-up, which is no job's.
 
-The compare report reads it for each job's real wall time and start-up. Two processes write it, one after
-the other: rank 0 (`training_started_at`, `training_ended_at`: its coordinator's run) before it exits, then
-the process that launched the job (`launched_at`, `exited_at`). Under torchrun or in one process, rank 0 is
-that process.
+The compare report reads them for each job's real wall time and start-up. Two processes write run.json, one
+after the other: rank 0 (`training_started_at`, `training_ended_at`: its coordinator's run) before it exits,
+then the process that launched the job (`launched_at`, `exited_at`). Under torchrun or in one process, rank 0
+is that process. A process that walks a sweep launches its first job once the sweep has checked its grid
+(its interpreter, Hydra and that check are the sweep's start-up), and each later job when the one before
+exited.
 """
 
 from __future__ import annotations
@@ -16,19 +19,42 @@ from pathlib import Path
 import psutil
 
 RUN_FILE = "run.json"
-# When the previous job of this process (a multirun walked in one process) exited: the next one's launch.
-_previous_exit: float | None = None
+SWEEP_FILE = "sweep.json"
+# When this process launches its next job (a multirun walked in one process): the moment its sweep had
+# checked the grid, then each job's exit.
+_next_launch: float | None = None
 
 
-def launch_time() -> float:
-    """When this job was launched: the previous job's exit in this process, else the process's start (under
-    torchrun, its agent's start: the agent launched the job)."""
-    if _previous_exit is not None:
-        return _previous_exit
+def _process_start() -> float:
+    """When this process started; under torchrun, its agent's (the agent launched the job)."""
     process = psutil.Process()
     if os.environ.get("TORCHELASTIC_RUN_ID") and (parent := process.parent()) is not None:
         process = parent
     return process.create_time()
+
+
+def launch_time() -> float:
+    """When this job was launched: see `_next_launch`, else the process's start."""
+    return _next_launch if _next_launch is not None else _process_start()
+
+
+def sweep_ready(sweep_dir: Path | None) -> None:
+    """A sweep has checked its grid (or a later batch of it): its next job is launched now. The first time,
+    the sweep's start-up goes to `sweep_dir`'s sweep.json (None: another rank writes it)."""
+    global _next_launch
+    now = time.time()
+    if sweep_dir is not None and _next_launch is None:  # no job launched yet: the sweep's first batch
+        _write(sweep_dir / SWEEP_FILE, {"launched_at": _process_start(), "jobs_started_at": now})
+    _next_launch = now
+
+
+def sweep_startup_s(sweep_dir: Path) -> float | None:
+    """The sweep's own start-up, before its first job was launched (None: no sweep.json there)."""
+    path = sweep_dir / SWEEP_FILE
+    if not path.is_file():
+        return None
+    times = json.loads(path.read_text())
+    return times["jobs_started_at"] - times["launched_at"]
 
 
 def record(run_dir: Path, **times: float) -> None:
@@ -36,12 +62,16 @@ def record(run_dir: Path, **times: float) -> None:
     path = run_dir / RUN_FILE
     fields = json.loads(path.read_text()) if path.exists() else {}
     fields.update(times)
-    tmp = path.with_name(f".{RUN_FILE}.tmp-{os.getpid()}")
+    _write(path, fields)
+
+
+def _write(path: Path, fields: dict[str, float]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(fields, indent=1) + "\n")
     tmp.replace(path)  # a reader sees the old file or the new one
 
 
 def record_exit(run_dir: Path, launched_at: float) -> None:
-    global _previous_exit
-    _previous_exit = time.time()
-    record(run_dir, launched_at=launched_at, exited_at=_previous_exit)
+    global _next_launch
+    _next_launch = time.time()
+    record(run_dir, launched_at=launched_at, exited_at=_next_launch)

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
+from flodl.counting import shown_epoch
 from flodl.metrics.aggregate import EpochMetrics
 from flodl.wire.messages import Progress
 
@@ -49,12 +50,15 @@ class ConsoleSink:
         self.tty = out.isatty()
         self.started = time.perf_counter()
         self.steps = [0] * world_size
+        # The busiest rank's steps so far, as the epoch lines count them (a rank cut since included).
+        self.step = 0
         self.speed = [0.0] * world_size
         self._last_plain = 0.0
         self._bar_shown = False
 
     def progress(self, report: Progress) -> None:
         self.steps[report.rank] = report.step
+        self.step = max(self.step, report.step)
         self.speed[report.rank] = report.samples_per_s
         if report.rank != 0:
             return
@@ -75,19 +79,22 @@ class ConsoleSink:
         filled = int(done * BAR_WIDTH)
         bar = "#" * filled + "." * (BAR_WIDTH - filled)
         return (
-            f"[r0] epoch {report.epoch + 1}/{self.epochs} [{bar}] {done:4.0%} step {report.step} "
+            f"[r0] epoch {shown_epoch(report.epoch)}/{self.epochs} [{bar}] {done:4.0%} step {self.step} "
             f"loss {report.loss:.4f} {sum(self.speed):.0f} samples/s ETA {format_duration(eta)}"
         )
 
     def emit(self, metrics: EpochMetrics) -> None:
+        self.step = max(self.step, metrics.step)
         if self._bar_shown:
             self.out.write("\r\033[K")  # the epoch line replaces the bar
             self.out.flush()
         evals = "".join(f"  eval/{k} {v:.4f}" for k, v in metrics.eval.items())
+        if metrics.eval and metrics.eval_at_step not in (None, metrics.step):  # async: after the epoch's end
+            evals += f" (at step {metrics.eval_at_step})"
         compiled = f" (compile {metrics.compile_s:.1f}s apart)" if metrics.compile_s else ""
         log.info(
             "epoch %d/%d  step %d  loss %.4f%s  %.0f samples/s  %.2fs%s  wire %.1f MB",
-            metrics.epoch + 1, self.epochs, metrics.step, metrics.loss, evals,
+            shown_epoch(metrics.epoch), self.epochs, metrics.step, metrics.loss, evals,
             metrics.samples_per_s, metrics.epoch_s, compiled, metrics.comm_bytes / 1e6,
         )  # fmt: skip
 

@@ -58,20 +58,26 @@ class Job:
             return self.times[end] - self.times[start]
         return None
 
-    def wall_at_epochs(self) -> list[float]:
-        """Seconds since launch at which each epoch was reported (start-up, then the epochs' times)."""
+    def seconds_at(self, metric: str) -> list[float]:
+        """Seconds since launch at which each record's `metric` was measured: an eval when its model was
+        taken (async: after its epoch's end), anything else when its epoch was reported (start-up, then the
+        epochs' times)."""
         at = self.startup_s or 0.0
+        launched = self.times.get("launched_at")
         out = []
         for record in self.records:
             at += record["epoch_s"]
-            out.append(at)
+            taken = record.get("eval_taken_at") if metric.startswith("eval/") else None
+            out.append(taken - launched if taken is not None and launched is not None else at)
         return out
 
-    def samples_at_epochs(self) -> list[int]:
+    def samples_at(self, metric: str) -> list[int]:
+        """Samples trained when each record's `metric` was measured (an eval: those its model holds)."""
         total, out = 0, []
         for record in self.records:
             total += record["samples"]
-            out.append(total)
+            measured = record.get("eval_samples") if metric.startswith("eval/") else None
+            out.append(total if measured is None else measured)
         return out
 
 

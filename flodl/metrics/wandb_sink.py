@@ -5,7 +5,8 @@
   name = the overrides the sweep varies, dir = the run dir. A deterministic id from the run dir with
   `resume="allow"`; config = the resolved config (nested), overrides, the user's git commit, command.
 - Axes: `train/*`, `eval/*` and `rank{r}/*` against `train/step`; `epoch/*` against `epoch`; `comm/*` against
-  `comm/bytes_total`.
+  `comm/bytes_total`. An eval is a row of its own at the `train/step` where its model was taken (async:
+  after its epoch's end), once even when it stands for several epochs.
 - W&B failing to start stops the run before it trains (WandbStartError), unless `logger.required=false`.
   Once running, W&B must never cost a run: a failure inside `log` is reported once and the sink goes
   quiet; `finish()` always runs and is bounded in time.
@@ -79,6 +80,8 @@ class WandbSink:
     def __init__(self, settings: WandbSettings, info: RunInfo, config: dict[str, Any], policy: str) -> None:
         self.run: Any = None
         self._changes: list[dict[str, Any]] = []
+        # The last eval logged: async reports one eval for several epochs.
+        self._last_eval: tuple[Any, ...] | None = None
         self._failed = False
         try:
             self._start(settings, info, config, policy)
@@ -136,7 +139,6 @@ class WandbSink:
             "comm/bytes": metrics.comm_bytes,
             "comm/loss": metrics.loss,
         }
-        row.update({f"eval/{name}": value for name, value in metrics.eval.items()})
         row.update({f"comm/eval_{name}": value for name, value in metrics.eval.items()})
         if metrics.eval_step is not None and metrics.eval_samples is not None:  # both come with an eval
             row["epoch/eval_step"], row["epoch/eval_samples"] = metrics.eval_step, metrics.eval_samples
@@ -155,6 +157,16 @@ class WandbSink:
             row[f"rank{share.rank}/data_ms"] = share.data_ms
             row[f"rank{share.rank}/averaging_blocked_ms"] = share.averaging_blocked_ms
         self._log(row)
+        self._log_eval(metrics)
+
+    def _log_eval(self, metrics: EpochMetrics) -> None:
+        """The epoch's eval as a row of its own, at the step its model was taken, unless it was logged."""
+        measured = (metrics.eval_step, metrics.eval_samples, metrics.eval_taken_at, *metrics.eval.items())
+        if not metrics.eval or measured == self._last_eval:
+            return
+        self._last_eval = measured
+        step = metrics.step if metrics.eval_at_step is None else metrics.eval_at_step
+        self._log({"train/step": step, **{f"eval/{name}": value for name, value in metrics.eval.items()}})
 
     def close(self) -> None:
         """Finish the run, but never wait more than FINISH_TIMEOUT_S for it."""

@@ -163,6 +163,10 @@ class EvalResult:
     samples: int = 0
     # The averaging group's generation of the round evaluated (survive: a cut round's eval is stale).
     generation: int = 0
+    # This rank's own optimizer steps in the evaluated model (the scale of a record's `step`), and when it
+    # took the model up (unix seconds, its clock): where the eval stands on the run's step and time axes.
+    own_steps: int = 0
+    taken_at: float = 0.0
 
 
 @dataclass

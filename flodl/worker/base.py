@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from flodl.checkpoint import evaluated_model_path, save_model
+from flodl.counting import shown_epoch
 from flodl.wire.messages import ChunkReport, EvalResult, Message, Progress, Shutdown
 from flodl.wire.transport import COORDINATOR, InboxReader, Mailbox
 from flodl.worker.checkpoint_part import RankCheckpointer
@@ -92,8 +93,7 @@ class WorkerBase:
                 message = self.reader.next_message(None if self.has_work() else _WAIT_S)
                 if isinstance(message, Shutdown):
                     if message.reason != "done":
-                        why = message.reason
-                        log.info("rank %d stops after epoch %s: %s", self.rank, self.last_epoch, why)
+                        log.info("rank %d stops %s: %s", self.rank, self._trained_so_far(), message.reason)
                     self.on_done()
                     return
                 if message is not None:
@@ -105,6 +105,11 @@ class WorkerBase:
         finally:
             self.reader.stop(self.outbox)
             self.release()
+
+    def _trained_so_far(self) -> str:
+        if self.last_epoch is None:
+            return "before its first epoch"
+        return f"after epoch {shown_epoch(self.last_epoch)}"
 
     def on_start(self) -> None:
         """Before the first message is handled (the inbox is being read)."""

@@ -95,6 +95,9 @@ class LocalSgdWorker(WorkerBase):
         self.global_steps = 0
         # on_nonfinite=skip dropped this rank's window: it adopts the consensus exactly and starts afresh.
         self.dropped_window = False
+        # The number of the last round this rank finished if that round was exact (a segment's or the run's
+        # last); None otherwise.
+        self.final_round: int | None = None
 
     def state(self) -> dict[str, Any]:
         return {"global_steps": self.global_steps, "averager": self.averager.state_dict()}
@@ -120,6 +123,12 @@ class LocalSgdWorker(WorkerBase):
                 self.rank, self.world_size, self._settle_first, self._regroup, self.report,
                 self.stepper.fault.before_start,
             )  # fmt: skip
+
+    def on_done(self) -> None:
+        """Under survive, the state every member holds after the run's last, exact round (a fingerprint)."""
+        if self.survival is not None and self.final_round is not None:
+            digest = self.averager.state_digest()
+            log.info("rank %d: state after final round %d: %s", self.rank, self.final_round, digest)
 
     def _settle_first(self, group: AveragingGroup) -> None:
         """Every original member starts from rank 0's state (a Regroup before the first round shares it
@@ -272,12 +281,15 @@ class LocalSgdWorker(WorkerBase):
             # The consensus holds every rank's steps up to this round, and only those.
             step = self.global_steps + outcome.total_steps
             samples = step * self.stepper.step_samples
+            # This rank's steps in it: not those it trained while the round was in flight (cpu backend).
+            own_steps = self.stepper.steps_total - (self.steps_since_avg - self.steps_at_snapshot)
 
             def evaluate() -> None:  # on the consensus itself, before an async rank blends it
                 nonlocal epoch_work_s
                 started = time.perf_counter()
                 shard, shards = self._eval_shard()
-                result = self.stepper.evaluate(shard, shards, order.evaluate_epochs[0], step, samples)
+                epoch = order.evaluate_epochs[0]
+                result = self.stepper.evaluate(shard, shards, epoch, step, samples, own_steps)
                 result = replace(result, generation=self._generation())
                 # One eval of this consensus stands for every epoch it is due for.
                 self.report_evals(result, order.evaluate_epochs)
@@ -321,13 +333,7 @@ class LocalSgdWorker(WorkerBase):
             self.finished = FinishedRound(
                 order, self.steps_at_snapshot, outcome.total_steps, self.busy_at_snapshot
             )
-            if order.final:
-                log.info(
-                    "rank %d: state after final round %d: %s",
-                    self.rank,
-                    order.round,
-                    self.averager.state_digest(),
-                )
+        self.final_round = order.round if order.final else None
         # Steps taken while the round was in flight keep their weight (and time) for the next one.
         self.steps_since_avg -= self.steps_at_snapshot
         self.window_busy_s -= self.busy_at_snapshot
@@ -387,6 +393,7 @@ class LocalSgdWorker(WorkerBase):
             # with one state: back to before it, and run it again with the others. A blend round is kept:
             # the consensus it blended in was whole.
             self.averager.restore_pre_round()
+            self.final_round = None
             self.steps_since_avg += self.finished.steps
             self.global_steps -= self.finished.total_steps
             self.window_busy_s += self.finished.busy_s

@@ -225,9 +225,13 @@ class Stepper:
             pass
 
     @torch.no_grad()
-    def evaluate(self, rank: int, world_size: int, epoch: int, step: int, samples: int) -> EvalResult:
+    def evaluate(
+        self, rank: int, world_size: int, epoch: int, step: int, samples: int, own_steps: int
+    ) -> EvalResult:
         """Evaluate this rank's contiguous share of the eval set; the coordinator sums the shares.
-        `step` and `samples`: what the model was trained on (the eval row's label)."""
+        `step` and `samples`: what the model was trained on (the eval row's label); `own_steps`: this rank's
+        steps in it."""
+        taken_at = time.time()
         data, eval_fn = self.parts.eval_data, self.parts.eval_fn
         assert data is not None
         n = len(data)
@@ -247,7 +251,7 @@ class Stepper:
                 sums[name] = sums.get(name, 0) + value.detach().double()
         model.train()
         totals = {k: float(v) for k, v in sums.items()}
-        return EvalResult(rank, epoch, totals, hi - lo, step, samples)
+        return EvalResult(rank, epoch, totals, hi - lo, step, samples, own_steps=own_steps, taken_at=taken_at)
 
     def _loss_sums(self, batch: Any, count: int) -> dict[str, Tensor]:
         """The eval metric of a task without an eval_fn: its own loss."""

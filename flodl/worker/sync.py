@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flodl.averaging.flat import state_digest
+from flodl.counting import shown_epoch
 from flodl.metrics.scalars import drain_scalars
 from flodl.wire.membership import AveragingGroup
 from flodl.wire.messages import ChunkReport, FirstStep, Message, Regroup, Saved, StartEpoch
@@ -121,7 +122,7 @@ class SyncWorker(WorkerBase):
         try:
             chunk = self.train_epoch(message)
         except _SegmentCut as cut:
-            regroup = self._await_regroup(f"epoch {message.epoch} was cut", cut.cause)
+            regroup = self._await_regroup(f"epoch {shown_epoch(message.epoch)} was cut", cut.cause)
             if regroup is not None:  # else the run ended first
                 self._regroup(regroup, cut.segment)
             return
@@ -134,7 +135,7 @@ class SyncWorker(WorkerBase):
         if plan.evaluate and self.stepper.parts.eval_data is not None:
             step = self.stepper.steps_total  # each step is one on the global batch
             shard, shards = self._eval_shard()
-            result = self.stepper.evaluate(shard, shards, epoch, step, self.global_samples)
+            result = self.stepper.evaluate(shard, shards, epoch, step, self.global_samples, step)
             self.report_evals(replace(result, generation=self._generation()), [epoch])
         if plan.checkpoint and self.checkpointer is not None:
             self.checkpointer.save(epoch, self.state())
@@ -268,7 +269,7 @@ class SyncWorker(WorkerBase):
         self._first_step_due = group.index == 0
         if message is not None:
             change = f"admitting {message.joining}" if message.joining else "regrouping"
-            self._log_state(f"{change} at epoch {self.position[0]} step {self.position[1]}")
+            self._log_state(f"{change} at epoch {shown_epoch(self.position[0])} step {self.position[1]}")
 
     def on_done(self) -> None:
         if self.survival is not None:

@@ -2,11 +2,16 @@
 
 Every job's config is composed and given the pre-spawn check of a single run (`flodl.launch.check_job`).
 An invalid job stops the sweep (exit 2, one block naming each invalid job and its rules, nothing trained);
-with `hydra.sweeper.skip_invalid=true` the valid jobs run and the skipped ones go to `skipped.json`.
+with `hydra.sweeper.skip_invalid=true` the valid jobs run and the skipped ones go to `skipped.json`. Each job
+keeps its place in the grid as its number (its dir's name), so a skipped job's number is no job dir's.
+Once the grid is checked the sweep's own start-up is over (`flodl.metrics.run_clock.sweep_ready`). Ranks
+walking a sweep together (torchrun) each run it; only rank 0 says Hydra's launcher lines.
 """
 
 # No `from __future__ import annotations`: Hydra's plugin scan runs this module unregistered.
+import logging
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +19,30 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.types import Override
 from omegaconf import OmegaConf, open_dict
 
-from flodl.config.sweep import CheckedJob, invalid_block, write_skipped
+from flodl.config.sweep import CheckedJob, grid_batches, invalid_block, write_skipped
+from flodl.metrics import run_clock
+
+
+def _rank() -> int:
+    from flodl.config.host import RankEnv
+
+    return RankEnv.from_environ().rank
+
+
+class _GridNumbered:
+    """The launcher, given each batch's place in the grid as the number its jobs are numbered on from
+    (Hydra gives the count of the jobs launched before it)."""
+
+    def __init__(self, launcher: Any, first_of: dict[int, int]) -> None:
+        self.launcher = launcher
+        # Hydra's number for a batch -> the grid place of its first job.
+        self.first_of = first_of
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Any:
+        return self.launcher.launch(job_overrides, self.first_of.get(initial_job_idx, initial_job_idx))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.launcher, name)
 
 
 class FlodlSweeper(BasicSweeper):
@@ -26,6 +54,13 @@ class FlodlSweeper(BasicSweeper):
     ) -> None:
         super().__init__(max_batch_size, params)
         self.skip_invalid = skip_invalid
+        self._first_of: dict[int, int] = {}
+
+    def setup(self, **kwargs: Any) -> None:  # type: ignore[override]
+        super().setup(**kwargs)
+        self.launcher = _GridNumbered(self.launcher, self._first_of)
+        if _rank() != 0:  # every rank walks the sweep: rank 0 says what is launched
+            logging.getLogger("hydra").setLevel(logging.WARNING)
 
     # The basic sweeper's static split, called through `self`: the grid is checked here, before `sweep`
     # makes the sweep dir or launches a batch.
@@ -35,15 +70,22 @@ class FlodlSweeper(BasicSweeper):
         jobs = BasicSweeper.split_arguments(overrides, None)[0]
         checked = [CheckedJob(index, job, self._problems(job)) for index, job in enumerate(jobs)]
         invalid = [job for job in checked if job.problems]
-        valid = [job.overrides for job in checked if not job.problems]
         if invalid:
-            self._stop_or_skip(invalid, len(jobs), len(valid))
-        return list(BasicSweeper.split_overrides_to_chunks(valid, max_batch_size))
+            self._stop_or_skip(invalid, len(jobs), len(jobs) - len(invalid))
+        batches, launched = [], 0
+        for first, batch in grid_batches(checked, max_batch_size):
+            self._first_of[launched] = first
+            batches.append([job.overrides for job in batch])
+            launched += len(batch)
+        return batches
+
+    def validate_batch_is_legal(self, batch: Sequence[Sequence[str]]) -> None:
+        super().validate_batch_is_legal(batch)
+        assert self.config is not None
+        run_clock.sweep_ready(Path(str(self.config.hydra.sweep.dir)) if _rank() == 0 else None)
 
     def _stop_or_skip(self, invalid: list[CheckedJob], total: int, valid: int) -> None:
-        from flodl.config.host import RankEnv
-
-        speaks = RankEnv.from_environ().rank == 0  # torchrun walking the sweep: every rank checks, one says
+        speaks = _rank() == 0  # torchrun walking the sweep: every rank checks, one says
         block = invalid_block(invalid, total)
         if not self.skip_invalid or not valid:
             if speaks:
