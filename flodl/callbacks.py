@@ -122,7 +122,12 @@ class EarlyStopping:
             return
         self.waited += 1
         if self.waited >= self.patience:
+            best = self.best
+            where = (
+                "no finite value yet"
+                if best.best_epoch is None
+                else f"best {best.best:.4g} at epoch {shown_epoch(best.best_epoch)}"
+            )
             self.run.stop(
-                f"EarlyStopping: {self.best.monitor} did not improve for {self.patience} report(s) "
-                f"(best {self.best.best:.4g} at epoch {shown_epoch(self.best.best_epoch)})"
+                f"EarlyStopping: {best.monitor} did not improve for {self.patience} report(s) ({where})"
             )

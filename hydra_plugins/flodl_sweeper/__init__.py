@@ -17,6 +17,7 @@ from typing import Any
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.types import Override
+from hydra.plugins.launcher import Launcher
 from omegaconf import OmegaConf, open_dict
 
 from flodl.config.sweep import CheckedJob, grid_batches, invalid_block, write_skipped
@@ -29,14 +30,17 @@ def _rank() -> int:
     return RankEnv.from_environ().rank
 
 
-class _GridNumbered:
+class _GridNumbered(Launcher):
     """The launcher, given each batch's place in the grid as the number its jobs are numbered on from
     (Hydra gives the count of the jobs launched before it)."""
 
-    def __init__(self, launcher: Any, first_of: dict[int, int]) -> None:
+    def __init__(self, launcher: Launcher, first_of: dict[int, int]) -> None:
         self.launcher = launcher
         # Hydra's number for a batch -> the grid place of its first job.
         self.first_of = first_of
+
+    def setup(self, **kwargs: Any) -> None:
+        self.launcher.setup(**kwargs)
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Any:
         return self.launcher.launch(job_overrides, self.first_of.get(initial_job_idx, initial_job_idx))
@@ -56,8 +60,9 @@ class FlodlSweeper(BasicSweeper):
         self.skip_invalid = skip_invalid
         self._first_of: dict[int, int] = {}
 
-    def setup(self, **kwargs: Any) -> None:  # type: ignore[override]
+    def setup(self, **kwargs: Any) -> None:
         super().setup(**kwargs)
+        assert self.launcher is not None
         self.launcher = _GridNumbered(self.launcher, self._first_of)
         if _rank() != 0:  # every rank walks the sweep: rank 0 says what is launched
             logging.getLogger("hydra").setLevel(logging.WARNING)
