@@ -109,6 +109,7 @@ def stepper_settings(cfg: FlodlConfig, env: RankEnv, first_start: bool = True) -
         grad_accum=cfg.grad_accum,
         precision=cfg.precision,
         compile_mode=cfg.compile_mode if cfg.compile else None,
+        peak_tflops=cfg.peak_tflops,
     )
 
 

@@ -191,3 +191,26 @@ def test_the_longest_compilation_is_reported_apart_from_the_throughput():
     assert out.compile_s == 3.0 and out.epoch_s == 4.0
     assert out.samples_per_s == pytest.approx(256 / 1.0)
     assert aggregate_epoch(0, [chunk(0, 4, 4.0, 500.0, 4)], [], wall_s=4.0).compile_s == 0.0
+
+
+def test_an_epoch_says_its_tokens_mfu_data_wait_and_peak_memory():
+    def measured(rank: int, peak: float, memory: int) -> ChunkReport:
+        return dataclasses.replace(
+            chunk(rank, 10, 5.0, wall_ms=1000.0, steps=10, data_ms=100.0),
+            flops_per_sample=3e9, peak_flops=peak, tokens_per_sample=1024, peak_memory=memory,
+        )  # fmt: skip
+
+    metrics = aggregate_epoch(0, [measured(0, 1e12, 5), measured(1, 2e12, 7)], [], wall_s=2.0, world_size=2)
+    rate = metrics.samples_per_s  # 2 ranks x 10 batches x 32 samples over 2 s
+    assert rate == 320
+    assert metrics.tokens_per_s == 320 * 1024
+    # Model FLOPs per second over the peaks of the devices that trained: 320 x 3e9 / 3e12.
+    assert metrics.mfu == pytest.approx(0.32)
+    assert metrics.data_wait == pytest.approx(0.1) and metrics.peak_memory == 7
+    record = metrics.as_record()
+    assert record["mfu"] == metrics.mfu and record["tokens_per_s"] == metrics.tokens_per_s
+
+    unknown = aggregate_epoch(0, [measured(0, 1e12, 0), measured(1, 0.0, 0)], [], wall_s=2.0, world_size=2)
+    assert unknown.mfu is None  # one device's peak is not known
+    plain = aggregate_epoch(0, [chunk(0, 10, 5.0, 1000.0, 10)], [], wall_s=1.0, world_size=1)
+    assert plain.tokens_per_s is None and plain.mfu is None and plain.peak_memory == 0

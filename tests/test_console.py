@@ -9,9 +9,11 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from flodl.metrics.aggregate import EpochMetrics
 from flodl.metrics.sinks import ConsoleSink, format_duration
+from flodl.tasks.gpt import GPT
 from flodl.wire.messages import Progress
 from tests.helpers.procs import REPO, train
 from tests.helpers.runs import epochs_of
@@ -56,7 +58,8 @@ def epoch_line(metrics: EpochMetrics, caplog: pytest.LogCaptureFixture) -> str:
     sink = ConsoleSink(epochs=8, total_batches=100, world_size=2, out=io.StringIO())
     with caplog.at_level(logging.INFO, logger="flodl"):
         sink.emit(metrics)
-    (line,) = [r.getMessage() for r in caplog.records]
+    line, *after = [r.getMessage() for r in caplog.records]
+    assert all("MFU is not known" in said for said in after), after
     return line
 
 
@@ -91,6 +94,8 @@ def test_every_line_counts_epochs_from_one_as_the_readme_says(tmp_path: Path) ->
     stopped = train("epochs=4", *common, stopping, cwd=tmp_path).check().out
     assert [r["epoch"] for r in epochs_of(tmp_path / "run")] == [0, 1, 2]  # metrics.jsonl counts from 0
     resumed = train("epochs=5", *common, cwd=tmp_path).check().out
+    # On a CPU no peak FLOPS is known: each run says so once.
+    assert stopped.count("MFU is not known here") == resumed.count("MFU is not known here") == 1
     lines = (stopped + resumed).splitlines()
     at = 0
     for shown in counting_example():
@@ -98,3 +103,26 @@ def test_every_line_counts_epochs_from_one_as_the_readme_says(tmp_path: Path) ->
         found = next((i for i in range(at, len(lines)) if pattern.fullmatch(lines[i])), None)
         assert found is not None, f"README shows {shown!r}; the terminal:\n{stopped}{resumed}"
         at = found + 1
+
+
+TINY_GPT = (
+    "task=charlm", "task.model.layers=1", "task.model.dim=32", "task.model.heads=2", "task.model.context=32",
+    "task.train_data.max_bytes=40000", "task.eval_data.max_bytes=8000", "batch_size=8", "epochs=2",
+)  # fmt: skip
+
+
+@pytest.mark.multiproc
+def test_a_token_task_s_epoch_line_and_record_carry_tokens_per_s_and_mfu(tmp_path: Path) -> None:
+    """A small char-level GPT on the CPU with one device's peak set (peak_tflops): tokens/s and MFU follow
+    from samples/s, the context and the model's own FLOPs formula."""
+    out = train(*TINY_GPT, "peak_tflops=0.5", "hydra.run.dir=run", cwd=tmp_path).check().out
+    records = epochs_of(tmp_path / "run")
+    for record in records:
+        assert record["tokens_per_s"] == pytest.approx(record["samples_per_s"] * 32)
+        model = GPT(layers=1, dim=32, heads=2, context=32)
+        flops = model.train_flops([torch.zeros(1, 32, dtype=torch.long)])
+        assert record["mfu"] == pytest.approx(record["samples_per_s"] * flops / 0.5e12)
+        assert 0 <= record["data_wait"] < 1 and record["peak_memory"] == 0
+        line = next(x for x in out.splitlines() if f"epoch {record['epoch'] + 1}/2  step" in x)
+        assert f"{record['tokens_per_s'] / 1e3:.1f}k tok/s  MFU {record['mfu']:.1%}  data " in line
+    assert "MFU is not known" not in out

@@ -114,6 +114,9 @@ def _range_problems(cfg: FlodlConfig) -> Iterator[str]:
     yield from check(
         "compile_mode", lambda v: v in COMPILE_MODES, f"must be one of {', '.join(COMPILE_MODES)}"
     )
+    yield from check(
+        "peak_tflops", lambda v: finite(v) and v > 0, "must be finite and > 0 (one device's TFLOPS)", True
+    )
     yield from check("eval_every", lambda v: v >= 0, "must be >= 0 (0 disables eval)")
     yield from check("max_grad_norm", lambda v: finite(v) and v > 0, "must be a finite value > 0", True)
     yield from check("lr_scale_ratio", lambda v: finite(v) and v >= 0, "must be finite and >= 0")

@@ -163,6 +163,9 @@ class FlodlConfig:
     # torch.compile the training module (DDP under sync); compile_mode is torch.compile's `mode`.
     compile: bool = False
     compile_mode: str = "default"
+    # One device's dense bf16 peak in TFLOPS, for MFU (null: flodl's table of known GPUs; MFU is not known
+    # on a device it lacks, the CPU included).
+    peak_tflops: float | None = None
     lr_scale_ratio: float = 1.0
     eval_every: int = 1
 

@@ -118,6 +118,14 @@ class EpochMetrics:
     world: int = 0
     # Membership changes while this was the oldest epoch not yet emitted (rank_cut, rank_admitted).
     membership: list[dict[str, Any]] = field(default_factory=list)
+    # samples_per_s in tokens (a token task's; else None), and as model FLOPs utilisation: the share of the
+    # peak FLOPS of the devices that trained in the epoch (None: a device's peak is not known).
+    tokens_per_s: float | None = None
+    mfu: float | None = None
+    # The share of the ranks' training time spent waiting for data, and the most device memory a rank
+    # allocated in the epoch (bytes; 0 on the CPU).
+    data_wait: float = 0.0
+    peak_memory: int = 0
 
     def as_record(self) -> dict[str, Any]:
         record = asdict(self)
@@ -181,6 +189,10 @@ def aggregate_epoch(
     training_s = wall_s - compile_s
     per_epoch_s = samples / training_s if training_s > 0 else 0.0
     rate = common_window_rate(spans) if overlapping else per_epoch_s
+    tokens = chunks[0].tokens_per_sample
+    peaks = {c.rank: c.peak_flops for c in chunks}
+    known = chunks[0].flops_per_sample > 0 and all(p > 0 for p in peaks.values())
+    busy_ms = sum(c.wall_ms for c in chunks)
     return EpochMetrics(
         epoch=epoch,
         step=max(step_before, *(c.steps_total for c in chunks)),
@@ -204,6 +216,10 @@ def aggregate_epoch(
         window_end=max(s.end for s in spans),
         world=world_size if members is None else members,
         membership=list(membership or []),
+        tokens_per_s=rate * tokens if tokens else None,
+        mfu=rate * chunks[0].flops_per_sample / sum(peaks.values()) if known else None,
+        data_wait=sum(c.data_ms for c in chunks) / busy_ms if busy_ms > 0 else 0.0,
+        peak_memory=max(c.peak_memory for c in chunks),
     )
 
 

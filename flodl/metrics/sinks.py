@@ -33,6 +33,26 @@ class Sink(Protocol):
     def close(self) -> None: ...
 
 
+MFU_UNKNOWN = (
+    "MFU is not known here: no peak FLOPS for this device (the CPU, or a GPU not in flodl/metrics/flops.py's "
+    "table); peak_tflops=<dense bf16 TFLOPS of one device> sets it"
+)
+
+
+def throughput_words(metrics: EpochMetrics) -> str:
+    """The epoch line's throughput beyond samples/s: tokens/s, MFU, the data wait, the peak device memory
+    (each when known)."""
+    words = ""
+    if metrics.tokens_per_s is not None:
+        words += f"  {metrics.tokens_per_s / 1e3:.1f}k tok/s"
+    if metrics.mfu is not None:
+        words += f"  MFU {metrics.mfu:.1%}"
+    words += f"  data {metrics.data_wait:.0%}"
+    if metrics.peak_memory:
+        words += f"  mem {metrics.peak_memory / 2**30:.1f} GiB"
+    return words
+
+
 def format_duration(seconds: float) -> str:
     seconds = max(int(seconds), 0)
     hours, rest = divmod(seconds, 3600)
@@ -55,6 +75,7 @@ class ConsoleSink:
         self.speed = [0.0] * world_size
         self._last_plain = 0.0
         self._bar_shown = False
+        self._said_mfu_unknown = False
 
     def progress(self, report: Progress) -> None:
         self.steps[report.rank] = report.step
@@ -93,10 +114,14 @@ class ConsoleSink:
             evals += f" (at step {metrics.eval_at_step})"
         compiled = f" (compile {metrics.compile_s:.1f}s apart)" if metrics.compile_s else ""
         log.info(
-            "epoch %d/%d  step %d  loss %.4f%s  %.0f samples/s  %.2fs%s  wire %.1f MB",
+            "epoch %d/%d  step %d  loss %.4f%s  %.0f samples/s%s  %.2fs%s  wire %.1f MB",
             shown_epoch(metrics.epoch), self.epochs, metrics.step, metrics.loss, evals,
-            metrics.samples_per_s, metrics.epoch_s, compiled, metrics.comm_bytes / 1e6,
+            metrics.samples_per_s, throughput_words(metrics), metrics.epoch_s, compiled,
+            metrics.comm_bytes / 1e6,
         )  # fmt: skip
+        if metrics.mfu is None and not self._said_mfu_unknown:
+            self._said_mfu_unknown = True
+            log.info(MFU_UNKNOWN)
 
     def close(self) -> None:
         pass

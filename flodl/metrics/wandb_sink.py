@@ -135,6 +135,7 @@ class WandbSink:
             "epoch/lr": metrics.lr,
             "epoch/rounds": metrics.rounds,
             "epoch/world": metrics.world,
+            "epoch/data_wait": metrics.data_wait,
             "comm/bytes_total": metrics.comm_bytes_total,
             "comm/bytes": metrics.comm_bytes,
             "comm/loss": metrics.loss,
@@ -143,6 +144,12 @@ class WandbSink:
         if metrics.eval_step is not None and metrics.eval_samples is not None:  # both come with an eval
             row["epoch/eval_step"], row["epoch/eval_samples"] = metrics.eval_step, metrics.eval_samples
         row.update({f"epoch/{name}": value for name, value in metrics.scalars.items()})
+        if metrics.tokens_per_s is not None:
+            row["epoch/tokens_per_s"] = metrics.tokens_per_s
+        if metrics.mfu is not None:
+            row["epoch/mfu"] = metrics.mfu
+        if metrics.peak_memory:
+            row["epoch/peak_memory_gib"] = metrics.peak_memory / 2**30
         for change in metrics.membership:  # fault_tolerance=survive: cuts and admissions, counted per epoch
             key = f"epoch/{change['event']}"
             row[key] = row.get(key, 0) + 1

@@ -105,6 +105,13 @@ class ChunkReport:
     offset: int = 0
     # Sync under fault_tolerance=survive: the generation of the plan the chunk trained.
     generation: int = 0
+    # Throughput people compare (flodl/metrics/flops.py): the model's FLOPs per training sample and this
+    # rank's device peak (0: not known), the tokens a sample holds (0: not a token task), and the most
+    # device memory allocated during the chunk (0: on the CPU).
+    flops_per_sample: float = 0.0
+    peak_flops: float = 0.0
+    tokens_per_sample: int = 0
+    peak_memory: int = 0
 
 
 @dataclass

@@ -223,6 +223,7 @@ class LocalSgdWorker(WorkerBase):
                 started_at=chunk.started_at,
                 ended_at=time.time(),
                 offset=chunk.offset,
+                **self.stepper.throughput(),
             )
         )
 

@@ -24,6 +24,7 @@ from flodl.data.feeder import BatchFeeder, DataPlaneSettings, staging_tiers
 from flodl.data.partition import epoch_permutation
 from flodl.data.sample import check_movable, to_device
 from flodl.data.sample_feed import SampleFeeder
+from flodl.metrics.flops import peak_flops, train_flops_per_sample
 from flodl.metrics.scalars import record_scalar
 from flodl.wire.messages import EpochSlice, EvalResult
 from flodl.worker.faults import FaultInjection
@@ -55,6 +56,8 @@ class StepperSettings:
     precision: str = "fp32"
     # torch.compile's mode for the training module, compiled on the first step; None: eager.
     compile_mode: str | None = None
+    # One device's peak TFLOPS for MFU (None: the table in flodl/metrics/flops.py decides, if it knows it).
+    peak_tflops: float | None = None
 
 
 class Stepper:
@@ -73,6 +76,10 @@ class Stepper:
         # The model's tensors are final now (the averagers flattened them; a resume loaded them): a graph
         # captured later reads them where they are, and every state write must leave them there.
         self.storage = CapturedStorage(parts.model, settings.compile_mode)
+        # What the reports say of throughput (metrics/flops.py): FLOPs per sample, counted at the first step.
+        self._flops_per_sample: float | None = None
+        self._peak_flops = peak_flops(device, settings.peak_tflops) or 0.0
+        self._tokens_per_sample = int(getattr(parts.train_data, "tokens_per_sample", 0) or 0)
         # Samples per optimizer step: grad_accum micro-batches of batch_size.
         self.step_samples = self.batch_size * settings.grad_accum
         self.autocast: Callable[[], AbstractContextManager] = (
@@ -145,6 +152,10 @@ class Stepper:
             assert isinstance(compiled, nn.Module)
             self.train_module = compiled
         parts, scaler = self.parts, self.scaler
+        if self._flops_per_sample is None:  # once, on the plain model: the arithmetic, not the speed
+            self._flops_per_sample = train_flops_per_sample(
+                parts.model, parts.loss_fn, micro_batches[0], self.batch_size
+            )
         parts.optimizer.zero_grad(set_to_none=True)
         accumulated = len(micro_batches)
         loss_sum: Tensor | None = None
@@ -184,6 +195,19 @@ class Stepper:
         self.train_module = train_module
         self._no_sync = getattr(train_module, "no_sync", None)
         self._compile_pending = self.settings.compile_mode is not None
+
+    def throughput(self) -> dict[str, Any]:
+        """A chunk report's throughput fields (see ChunkReport); the device's peak memory starts afresh."""
+        memory = 0
+        if self.device.type == "cuda":
+            memory = torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return {
+            "flops_per_sample": self._flops_per_sample or 0.0,
+            "peak_flops": self._peak_flops,
+            "tokens_per_sample": self._tokens_per_sample,
+            "peak_memory": memory,
+        }
 
     def interrupted_loss(self) -> Tensor:
         """The mean loss of the step whose backward pass failed (its forward passes finished)."""

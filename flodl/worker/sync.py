@@ -198,6 +198,7 @@ class SyncWorker(WorkerBase):
             started_at=segment.started_at + compile_s,  # the work's window starts after the compilation
             ended_at=time.time(),
             generation=segment.plan.generation,
+            **stepper.throughput(),
         )
 
     def state(self) -> dict[str, Any]:
