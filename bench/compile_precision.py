@@ -1,6 +1,8 @@
-"""compile=true and precision=bf16 on the device, as ratios measured in one run (issue 20).
+"""compile=true, its modes and precision=bf16 on the device, as ratios measured in one run (issues 20, 29).
 
     python bench/compile_precision.py                  # ResNet-20 and GPT-nano, 3 interleaved passes
+    python bench/compile_precision.py --models gpt2_small --arms torch-default,torch-reduce-overhead,\
+        flodl-eager,flodl-compile,flodl-reduce-overhead   # MFU of the GPT-2-class task, flodl against torch
     python bench/compile_precision.py --quick          # one pass, shorter epochs (~8 min on 2x H200)
     python bench/compile_precision.py --models resnet20 --repeat 5
     python bench/compile_precision.py --smoke          # tiny models on CPU (gloo): checks the pipeline
@@ -8,7 +10,9 @@
 Arms, per model (each its own subprocess with a timeout; a failed arm is reported as such):
 - `torch-eager`, `torch-compile`: bench/plain_torch.py on 1 GPU, eager and `torch.compile`d (the warm-up
   holds the compilation); the eager arm runs first and sizes the flodl epochs (about --epoch-s long).
-- `flodl-eager`, `flodl-compile`: flodl on 1 GPU, without and with `compile=true`.
+- `flodl-eager`, `flodl-compile`: flodl on 1 GPU, without and with `compile=true` (compile_mode=default).
+- `torch-<mode>`, `flodl-<mode>` for each other compile mode (`reduce-overhead`: CUDA graphs;
+  `max-autotune`: tuned kernels and CUDA graphs, a long compilation; `max-autotune-no-cudagraphs`).
 - `flodl-fp32`, `flodl-bf16`: flodl on 1 GPU with `precision=fp32` / `precision=bf16`. The GPT configs
   autocast inside the model (`task.model.amp`); these arms turn that off so that `precision` decides.
   On ResNet-20 the fp32 arm is `flodl-eager` itself.
@@ -45,15 +49,23 @@ from benchlib import (
 from gpu_suite import Ratio
 from plain_torch import load_task
 
-MODELS = ("resnet20", "gpt_nano")
+MODELS = ("resnet20", "gpt_nano", "gpt2_small")
+# torch.compile's modes beyond the default, each an arm of its own on both sides.
+MODES = ("reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 # --smoke: the same code paths in seconds on a CPU.
 SMOKE_OVERRIDES = {
     "resnet20": ("task.model.width=4", "task.model.blocks=1", "batch_size=8"),
     "gpt_nano": ("task.model.layers=1", "task.model.dim=32", "task.model.heads=2", "task.model.context=32",
                  "batch_size=4"),
+    "gpt2_small": ("task.model.layers=1", "task.model.dim=32", "task.model.heads=2", "task.model.context=32",
+                   "batch_size=4", "grad_accum=2", "task.optimizer.fused=false"),
 }  # fmt: skip
 # Let flodl's precision decide (the GPT configs autocast to bf16 inside the model by default).
-MODEL_AMP_OFF = {"resnet20": (), "gpt_nano": ("task.model.amp=false",)}
+MODEL_AMP_OFF = {
+    "resnet20": (),
+    "gpt_nano": ("task.model.amp=false",),
+    "gpt2_small": ("task.model.amp=false",),
+}
 
 
 @dataclass(frozen=True)
@@ -70,8 +82,12 @@ class Arm:
 ARMS = (
     Arm("torch-eager", "plain torch, 1 GPU, eager", 1, None),
     Arm("torch-compile", "plain torch, 1 GPU, torch.compile", 1, None, ("--compile",)),
-    Arm("flodl-eager", "flodl, 1 GPU, eager", 1, "sync"),
-    Arm("flodl-compile", "flodl, 1 GPU, compile=true", 1, "sync", ("compile=true",)),
+    *(Arm(f"torch-{m}", f"plain torch, 1 GPU, torch.compile mode={m}", 1, None,
+          ("--compile", f"--compile-mode={m}")) for m in MODES),
+    Arm("flodl-eager", "flodl, 1 GPU, eager", 1, "sync", ("compile=false",)),
+    Arm("flodl-compile", "flodl, 1 GPU, compile=true", 1, "sync", ("compile=true", "compile_mode=default")),
+    *(Arm(f"flodl-{m}", f"flodl, 1 GPU, compile=true compile_mode={m}", 1, "sync",
+          ("compile=true", f"compile_mode={m}")) for m in MODES),
     Arm("flodl-fp32", "flodl, 1 GPU, precision=fp32", 1, "sync", ("precision=fp32",), amp_off=True),
     Arm("flodl-bf16", "flodl, 1 GPU, precision=bf16", 1, "sync", ("precision=bf16",), amp_off=True),
     Arm("pair-compile", "2 independent flodl runs, 1 GPU each, compile=true", 2, "sync", ("compile=true",),
@@ -80,7 +96,9 @@ ARMS = (
     Arm("async-compile", "flodl async, 2 GPUs, compile=true", 2, "async", ("compile=true",)),
 )  # fmt: skip
 ARM_KEYS = tuple(a.key for a in ARMS)
-QUICK_SKIPS = ("torch-compile",)  # a reference only, and a compilation of its own
+# A reference only, and a compilation of its own; the long ones are asked for by name (--arms).
+QUICK_SKIPS = ("torch-compile",)
+NAMED_ONLY = tuple(f"{side}-{m}" for side in ("torch", "flodl") for m in MODES[1:])
 
 
 @dataclass
@@ -100,6 +118,8 @@ class Settings:
 class Run:
     samples_per_s: float
     compile_s: float | None = None
+    # flodl's model FLOPs utilisation over the measured epochs (None: not known there).
+    mfu: float | None = None
 
 
 def model_overrides(arm: Arm, model: str, settings: Settings) -> list[str]:
@@ -130,7 +150,7 @@ def run_flodl_arm(
         f"policy={arm.policy}",
         f"launch.nproc_per_node={nproc}",
         f"epochs={1 + settings.epochs}",
-        f"task.train_data.samples={samples * nproc}",
+        data_size(model, samples * nproc),
         *arm.overrides,
         *model_overrides(arm, model, settings),
     ]
@@ -142,9 +162,10 @@ def run_flodl_arm(
         if records is None:
             return None
         # Async has no epoch barrier: its throughput comes from the ranks' own clocks (issue 18).
-        return Run(
-            steady_throughput(records, skip=1, overlapping=arm.policy == "async"), records[0]["compile_s"]
-        )
+        rate = steady_throughput(records, skip=1, overlapping=arm.policy == "async")
+        last = records[-1]
+        mfu = rate * last["mfu"] / last["samples_per_s"] if last.get("mfu") else None
+        return Run(rate, records[0]["compile_s"], mfu)
 
     if not arm.pair:
         return one(work / name, None)
@@ -155,6 +176,14 @@ def run_flodl_arm(
     if len(done) < 2:
         return None
     return Run(sum(r.samples_per_s for r in done), max(r.compile_s or 0.0 for r in done))
+
+
+def data_size(model: str, samples: int) -> str:
+    """The override that makes `model`'s training set `samples` samples long."""
+    if model == "gpt2_small":  # the stdlib corpus: windows of `context` bytes
+        context = int(load_task(model, []).task.model.context)
+        return f"task.train_data.max_bytes={samples * context + 1}"
+    return f"task.train_data.samples={samples}"
 
 
 def median(runs: list[Run]) -> Run:
@@ -174,7 +203,8 @@ def measure(
     steps = settings.steps or max(10, round(settings.epoch_s * 1000 / base["step_ms"]))  # type: ignore[index]
     if base:
         runs[eager.key].append(Run(base["samples_per_s"]))
-    batch_size = int(load_task(model, model_overrides(eager, model, settings)).batch_size)
+    task = load_task(model, model_overrides(eager, model, settings))
+    batch_size = int(task.batch_size) * int(task.get("grad_accum", 1))  # samples per optimizer step
     print(f"compile_precision: {model}: {steps} flodl steps per epoch per rank", flush=True)
     for rep in range(settings.repeat):
         for arm in ARMS:
@@ -215,7 +245,13 @@ def ratios(model: str, results: dict[str, Run]) -> list[Ratio]:
         Ratio("async compiled, 2 GPUs / 2 independent compiled 1-GPU runs",
               over("async-compile", "pair-compile")),
         Ratio("precision=bf16 / fp32, flodl 1 GPU", over("flodl-bf16", fp32)),
+        *(Ratio(f"flodl / plain torch, both compile_mode={m}, 1 GPU", over(f"flodl-{m}", f"torch-{m}"), 0.98)
+          for m in MODES if f"flodl-{m}" in results or f"torch-{m}" in results),
+        *(Ratio(f"compile_mode={m} / eager, flodl 1 GPU", over(f"flodl-{m}", "flodl-eager")) for m in MODES),
     ]  # fmt: skip
+    mfus = [r.mfu for key, r in results.items() if key.startswith("flodl-") and r.mfu]
+    if model == "gpt2_small":
+        rows.append(Ratio("MFU, flodl 1 GPU, its fastest compile mode", max(mfus, default=None), 0.45))
     return [r for r in rows if r.value is not None or r.goal is not None]
 
 
@@ -227,16 +263,19 @@ def model_report(model: str, runs: dict[str, list[Run]], steps: int, settings: S
         f"flodl: {steps} steps per epoch per rank, 1 + {settings.epochs} epochs (the first not counted); "
         f"{settings.repeat} pass(es), the median run of each arm counts.",
         "",
-        "| arm | samples/s | compile s | runs (samples/s) |",
-        "|---|---|---|---|",
+        "| arm | samples/s | MFU | compile s | runs (samples/s) |",
+        "|---|---|---|---|---|",
     ]
+    # flodl's MFU over its samples/s is the model's FLOPs over the device's peak: plain torch's follows.
+    per_sample = next((r.mfu / r.samples_per_s for r in results.values() if r.mfu), None)
     for arm in ARMS:
         if arm.key not in results:
             continue
         m = results[arm.key]
         compile_s = "—" if not m.compile_s else f"{m.compile_s:.1f}"
+        mfu = "—" if per_sample is None else f"{m.samples_per_s * per_sample:.1%}"
         every = ", ".join(f"{r.samples_per_s:,.0f}" for r in runs[arm.key])
-        lines.append(f"| {arm.label} | {m.samples_per_s:,.1f} | {compile_s} | {every} |")
+        lines.append(f"| {arm.label} | {m.samples_per_s:,.1f} | {mfu} | {compile_s} | {every} |")
     lines += [
         "",
         "| measure | value | goal (issue 20) | verdict |",
@@ -270,6 +309,8 @@ def main() -> None:
         parser.error(
             f"unknown models or arms {unknown}; models: {', '.join(MODELS)}; arms: {', '.join(ARM_KEYS)}"
         )
+    if args.arms is None:
+        chosen = [k for k in chosen if k not in NAMED_ONLY]
     if args.quick:
         chosen = [k for k in chosen if k not in QUICK_SKIPS]
     settings = Settings(
