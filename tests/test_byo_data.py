@@ -94,9 +94,11 @@ def test_a_cacheable_dict_dataset_is_read_once_per_rank_and_trains_through_the_d
     assert list(stage.iterdir()) == []  # the pack files are gone
 
 
-def test_the_readme_examples_run_as_written(tmp_path: Path):
+def test_the_data_guides_examples_run_as_written(tmp_path: Path):
     prefix = "python train.py --config-dir docs/examples/conf "
-    commands = [line for line in (REPO / "README.md").read_text().splitlines() if line.startswith(prefix)]
+    commands = [
+        line for line in (REPO / "docs" / "data.md").read_text().splitlines() if line.startswith(prefix)
+    ]
     assert [c.removeprefix(prefix) for c in commands] == ["task=augmented_digits", "task=token_dicts"]
     for command, goal in zip(commands, (0.85, 0.95), strict=True):
         cwd = tmp_path / command.split("=")[-1]

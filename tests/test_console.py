@@ -1,5 +1,5 @@
 """The console sink: the progress bar's figures, no bar spam without a terminal, an eval shown where its model
-was taken; and every line counting epochs as README's counting section says."""
+was taken; and every line counting epochs as the counting section of docs/checkpoints-and-faults.md says."""
 
 from __future__ import annotations
 
@@ -75,17 +75,17 @@ def test_an_eval_is_shown_at_the_step_its_model_was_taken(caplog: pytest.LogCapt
 
 
 def counting_example() -> list[str]:
-    """The lines README's counting section shows, in its example block."""
-    readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("- **Counting.**") :]
+    """The lines the counting section shows, in its example block."""
+    guide = (REPO / "docs" / "checkpoints-and-faults.md").read_text()
+    section = guide[guide.index("## Counting") :]
     block = section[section.index("```") + 3 :]
     return [line.strip() for line in block[: block.index("```")].strip().splitlines()]
 
 
 @pytest.mark.multiproc
-def test_every_line_counts_epochs_from_one_as_the_readme_says(tmp_path: Path) -> None:
+def test_every_line_counts_epochs_from_one_as_the_docs_say(tmp_path: Path) -> None:
     """The progress, checkpoint, stop, EarlyStopping and resume lines of a real run and its resumption, as
-    README's counting section shows them (`…` stands for what varies)."""
+    the counting section shows them (`…` stands for what varies)."""
     stopping = (
         "callbacks=[{_target_:flodl.callbacks.EarlyStopping,monitor:eval/accuracy,mode:max,patience:1,"
         "min_delta:1.0}]"
@@ -101,7 +101,9 @@ def test_every_line_counts_epochs_from_one_as_the_readme_says(tmp_path: Path) ->
     for shown in counting_example():
         pattern = re.compile(".*?".join(re.escape(part) for part in shown.split("…")))
         found = next((i for i in range(at, len(lines)) if pattern.fullmatch(lines[i])), None)
-        assert found is not None, f"README shows {shown!r}; the terminal:\n{stopped}{resumed}"
+        assert found is not None, (
+            f"docs/checkpoints-and-faults.md shows {shown!r}; the terminal:\n{stopped}{resumed}"
+        )
         at = found + 1
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import yaml
@@ -55,3 +56,71 @@ def test_the_root_holds_the_configs_the_package_and_the_entry_point() -> None:
         assert (REPO / entry).exists(), entry
     # One copy: a leftover flodl/conf/ (an old layout's __pycache__) would shadow conf/ on import.
     assert not (REPO / "flodl" / "conf").exists(), "remove flodl/conf/: flodl's configs live in conf/"
+
+
+# The front door: a README read in minutes, the manual in docs/ (one guide per topic).
+README_MAX_LINES = 260
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+FENCE = re.compile(r"^\s*```")
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def prose(path: Path) -> list[str]:
+    """The lines of a markdown file outside its fenced code blocks."""
+    lines, fenced = [], False
+    for line in path.read_text().splitlines():
+        if FENCE.match(line):
+            fenced = not fenced
+        elif not fenced:
+            lines.append(line)
+    return lines
+
+
+def relative_links(path: Path) -> list[tuple[str, str]]:
+    """(file part, anchor) of every link in `path` that points inside the repository."""
+    targets = [target for line in prose(path) for target in LINK.findall(line)]
+    return [
+        (target.partition("#")[0], target.partition("#")[2])
+        for target in targets
+        if not re.match(r"^[a-z][a-z0-9+.-]*:", target)  # http:, https:, mailto:
+    ]
+
+
+def heading_anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives the headings of a markdown file."""
+    anchors = set()
+    for line in prose(path):
+        if heading := re.match(r"^#{1,6}\s+(.*?)\s*$", line):
+            anchors.add(re.sub(r"[^\w\- ]", "", heading.group(1).lower()).replace(" ", "-"))
+    return anchors
+
+
+def test_the_readme_stays_short() -> None:
+    lines = len((REPO / "README.md").read_text().splitlines())
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines: move detail to a guide in docs/"
+
+
+def test_every_relative_link_of_the_docs_points_to_a_file_that_exists() -> None:
+    missing = [
+        f"{path.relative_to(REPO)}: {target}"
+        for path in DOCS
+        for target, _ in relative_links(path)
+        if target and not (path.parent / target).exists()
+    ]
+    assert missing == []
+
+
+def test_every_anchor_of_a_docs_link_names_a_heading_of_its_file() -> None:
+    missing = []
+    for path in DOCS:
+        for target, anchor in relative_links(path):
+            linked = path.parent / target if target else path
+            if anchor and linked.suffix == ".md" and anchor not in heading_anchors(linked):
+                missing.append(f"{path.relative_to(REPO)}: {target}#{anchor}")
+    assert missing == []
+
+
+def test_every_guide_is_linked_from_the_readme() -> None:
+    linked = {(REPO / target).resolve() for target, _ in relative_links(REPO / "README.md") if target}
+    guides = {path.resolve() for path in DOCS[1:]}
+    assert sorted(p.name for p in guides - linked) == []

@@ -224,7 +224,7 @@ class FlodlConfig:
     # gets no weight in the next average and it restarts from the consensus).
     on_nonfinite: str = "error"
     # none: a rank's death ends the job (a launcher restart resumes from the last checkpoint); survive
-    # (cadence / async): the others cut it out and train on, and a restarted rank is admitted back.
+    # (under every policy): the others cut it out and train on, and a restarted rank is admitted back.
     fault_tolerance: str = "none"
     # survive: fewer ranks left than this ends the run (its last consensus saved) with an error.
     min_ranks: int = 1

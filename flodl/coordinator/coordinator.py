@@ -4,6 +4,7 @@ It owns the epoch ledger and the sinks; a policy driver decides what to send. Un
 collective is DDP's, so the sync driver only hands each rank its slice of each epoch, one epoch ahead (none
 ahead under fault_tolerance=survive).
 The local-SGD driver (cadence / async) decides when ranks average (see `local_sgd_driver.py`).
+Under fault_tolerance=survive either driver also cuts and admits members.
 """
 
 from __future__ import annotations
@@ -310,8 +311,8 @@ class Coordinator(threading.Thread):
         save_on_hang: Callable[[], None] | None = None,
         survive: SurviveSettings | None = None,
     ) -> None:
-        """`survive`: fault_tolerance=survive (the driver is then the local-SGD one); None: a rank's death
-        ends the run."""
+        """`survive`: fault_tolerance=survive (under any policy: the sync or the local-SGD driver, each of
+        which knows the members); None: a rank's death ends the run."""
         super().__init__(name="flodl-coordinator", daemon=True)
         self.survive = survive
         # survive: each rank's current process (0: the first), the change being carried out, and why the

@@ -1,6 +1,6 @@
 """Learning-rate schedules for the built-in tasks, as partials a task's `scheduler` names (each is called
 with the optimizer and stepped once per step of the run's LR clock: an optimizer step under sync, every
-rank's steps summed under local SGD; see the README)."""
+rank's steps summed under local SGD; see docs/policies.md)."""
 
 from __future__ import annotations
 
