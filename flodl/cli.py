@@ -12,8 +12,10 @@ flodl-train -m policy=sync,cadence seed=0,1   # multirun sweep, every job checke
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
@@ -23,7 +25,15 @@ from flodl.config.schema import register_configs
 register_configs()
 
 
-@hydra.main(config_path="pkg://flodl.conf", config_name="config", version_base="1.3")
+def _configs() -> str:
+    """Where flodl's configs are: the package `flodl.conf` once installed (a wheel, or an editable install
+    of the checkout), else the checkout's own `conf/` (run from source: `PYTHONPATH=. python train.py`)."""
+    if importlib.util.find_spec("flodl.conf") is not None:
+        return "pkg://flodl.conf"
+    return str(Path(__file__).resolve().parents[1] / "conf")
+
+
+@hydra.main(config_path=_configs(), config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
     from flodl.launch import launch_from_hydra
 

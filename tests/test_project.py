@@ -113,6 +113,17 @@ def test_the_installed_command_finds_its_configs_outside_the_checkout(command: P
     assert (job["policy"], job["task"]["name"]) == ("sync", "digits"), result.out
 
 
+def test_a_checkout_run_from_source_finds_its_own_configs(tmp_path: Path) -> None:
+    # No site processing (-S): no install of flodl at all, the checkout on PYTHONPATH (as on a machine that
+    # runs it from source), the test venv's site-packages for the dependencies.
+    env = child_env(PYTHONPATH=os.pathsep.join([str(REPO), sysconfig.get_paths()["purelib"]]))
+    result = finish(
+        start([PYTHON, "-S", str(REPO / "train.py"), "policy=async", "--cfg", "job"], tmp_path, env), 120
+    )
+    job = yaml.safe_load(result.check().out)
+    assert (job["policy"], job["task"]["name"], job["easgd_alpha"]) == ("async", "digits", 0.5), result.out
+
+
 @pytest.fixture
 def project(tmp_path: Path) -> Path:
     (tmp_path / "mypkg").mkdir()
