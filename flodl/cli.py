@@ -28,7 +28,9 @@ register_configs()
 def _configs() -> str:
     """Where flodl's configs are: the package `flodl.conf` once installed (a wheel, or an editable install
     of the checkout), else the checkout's own `conf/` (run from source: `PYTHONPATH=. python train.py`)."""
-    if importlib.util.find_spec("flodl.conf") is not None:
+    spec = importlib.util.find_spec("flodl.conf")
+    # A namespace package (a leftover flodl/conf/ of an old layout, holding __pycache__ only) has no origin.
+    if spec is not None and spec.origin and (Path(spec.origin).parent / "config.yaml").is_file():
         return "pkg://flodl.conf"
     return str(Path(__file__).resolve().parents[1] / "conf")
 
