@@ -216,9 +216,16 @@ def verify(path: Path) -> str | None:
     """Why the checkpoint dir at `path` cannot be trusted, or None when every file matches its manifest."""
     try:
         manifest = json.loads((path / MANIFEST_FILE).read_text())
-    except (OSError, ValueError) as err:
+        ranks = manifest.get("ranks")
+        members = range(int(manifest["world_size"])) if ranks is None else ranks
+    except (OSError, ValueError, KeyError, TypeError) as err:
         return f"no readable {MANIFEST_FILE} ({err})"
-    for name, expected in manifest.get("files", {}).items():
+    listed = manifest.get("files") or {}
+    # A manifest vouches only for what it lists: every part a resume loads must be there.
+    for name in (MODEL_FILE, COORDINATOR_FILE, *(rank_file(r) for r in members)):
+        if name not in listed:
+            return f"{MANIFEST_FILE} does not list {name} (an incomplete checkpoint)"
+    for name, expected in listed.items():
         if not (path / name).is_file():
             return f"{name} is missing"
         if _fingerprint(path / name) != expected:

@@ -13,13 +13,13 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
 import signal
 import socket
 import sys
-import time
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
@@ -32,6 +32,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from flodl import failures
 from flodl.assembly import (
     checkpoint_store,
     data_plane_settings,
@@ -47,39 +48,33 @@ from flodl.config.host import HostFacts, RankEnv
 from flodl.config.policy import collective_backend, step_samples, step_words
 from flodl.config.rules import ConfigError
 from flodl.config.schema import FlodlConfig, to_config
-from flodl.coordinator.coordinator import Coordinator
+from flodl.coordinator.coordinator import Coordinator, RankHung, TooFewRanks
 from flodl.coordinator.hooks import CallbackError, RunSummary
 from flodl.counting import shown_epoch
-from flodl.data.partition import equal_slices
-from flodl.logs import setup_rank_logging
+from flodl.logs import FILE_ONLY, setup_rank_logging, stderr_kept_in, stderr_to
 from flodl.metrics import run_clock
 from flodl.metrics.run_info import RunInfo, from_hydra
 from flodl.metrics.sinks import METRICS_FILE
 from flodl.metrics.wandb_sink import WandbStartError
 from flodl.plan import describe
 from flodl.preflight import omegaconf_problem, preflight, warn_of_idle_disk_tier
-from flodl.resume import (
-    agree_on_checkpoint,
-    choose_checkpoint,
-    coordinator_state,
-    load_model,
-    restore_worker,
-)
+from flodl.resume import agree_on_checkpoint, coordinator_state, load_model, restore_worker
 from flodl.run_dir import RunDirTaken, claim_run_dir, release_claimed, run_uid
 from flodl.run_identity import run_identity
-from flodl.supervisor import SupervisedRankFailure, supervise
+from flodl.supervisor import SupervisedRankFailure, signal_name, supervise
 from flodl.wire.group import agree_on_config, init_group, loopback_store, pick_device, publish_json, read_json
 from flodl.wire.heartbeat import HeartbeatSender, Rank0Watch, beat_interval
 from flodl.wire.messages import Exiting
 from flodl.wire.stop import STOP_EXIT_CODES, Stopped, StopWatch, catch_stop_signals, post, posted, received
 from flodl.wire.transport import COORDINATOR, InboxReader, Mailbox
+from flodl.worker.nonfinite import NonFiniteError
 from flodl.worker.task_setup import build_task, lr_scale_factor
 
 log = logging.getLogger("flodl")
 
 
 class RankFailure(RuntimeError):
-    """A self-launched rank died; the message names it and where its log is."""
+    """A rank this process launched failed; the message names the rank that began it and its log."""
 
 
 EXIT_CONFIG = 2
@@ -138,7 +133,8 @@ def _exit_config(message: str) -> None:
 
 class Preflight(Callback):
     """Hydra callback: every check of `flodl.preflight` before Hydra creates the run dir (a rejected config
-    leaves no dir behind). Hydra turns a callback's exception into a warning, so it exits itself."""
+    leaves no dir behind), and `plan=true`'s summary, which writes nothing. Hydra turns a callback's
+    exception into a warning, so it exits itself."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         from hydra.core.hydra_config import HydraConfig
@@ -146,11 +142,15 @@ class Preflight(Callback):
         # The run dir may interpolate ${hydra:...}, which reads HydraConfig: set it as run_job does.
         HydraConfig.instance().set_config(config)
         try:
-            typed, _ = preflight(config)
+            typed, host = preflight(config)
         except (ConfigError, OmegaConfBaseException) as err:
             release_claimed()  # resolving the run dir claimed it: a refused config leaves nothing behind
             _exit_config(str(err) if isinstance(err, ConfigError) else omegaconf_problem(err))
         warn_of_idle_disk_tier(typed)
+        if typed.plan:
+            _print_plan(typed, host)
+            release_claimed()
+            sys.exit(0)
 
 
 def launch_from_hydra(cfg: DictConfig) -> None:
@@ -165,7 +165,7 @@ def launch_from_hydra(cfg: DictConfig) -> None:
         if isinstance(err, RankFailure) or RankEnv.from_environ().rank == 0:  # torchrun's ranks: one says it
             print(f"flodl: {err}", file=sys.stderr)
         sys.exit(EXIT_CONFIG if isinstance(err, ConfigError) else 1)
-    except Stopped as stop:  # rank 0 said where the run stopped and how to resume it
+    except Stopped as stop:  # rank 0 or the launcher said where the run stopped and how to resume it
         sys.exit(stop.exit_code)
 
 
@@ -176,9 +176,8 @@ def launch(cfg: DictConfig, info: RunInfo) -> None:
     config: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
     typed, host = check_job(config)
     env = RankEnv.from_environ()
-    if typed.plan:
-        if env.rank == 0:
-            print(describe(typed, host, data_plane_settings(typed, host.ranks_per_node)))
+    if typed.plan:  # a sweep's job (a single run's plan is printed before Hydra makes its dir)
+        _print_plan(typed, host)
         return
     info = dataclasses.replace(info, uid=run_uid(Path(info.run_dir)))
     try:  # before any rank starts: the run dir is this run's alone
@@ -191,16 +190,29 @@ def launch(cfg: DictConfig, info: RunInfo) -> None:
             return
     else:
         keep_on_loopback()
-        try:  # a checkpoint this job cannot resume is refused before any rank starts
-            run = run_identity(config, host.world_size, info.uid)
-            choose_checkpoint(resume_settings(typed, Path(info.run_dir), run), host.world_size)
-        except CheckpointError as err:
-            raise ConfigError([f"resume={typed.resume!r}: {err}"]) from None
         if typed.launch.nproc_per_node == 1:
-            run_rank(config, info.as_dict())
+            _single_rank(config, info, typed)
         else:
             self_launch(config, info, typed)
     run_clock.record_exit(Path(info.run_dir), launched_at)
+
+
+def _single_rank(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig) -> None:
+    """The one rank, in this process: its stderr in its log while it runs (as a self-launched rank's), its
+    failure in one line, the traceback in its log."""
+    run_dir = Path(info.run_dir)
+    try:
+        with stderr_kept_in(run_dir / "rank0.log"):
+            run_rank(config, info.as_dict())
+    except Exception as err:
+        otherwise = f"rank 0 failed ({type(err).__name__}: {err})"
+        line = _failure_line(cfg, run_dir, 1, failures.recorded(run_dir, info.uid, 0), {}, otherwise)
+        raise RankFailure(line) from None
+
+
+def _print_plan(cfg: FlodlConfig, host: HostFacts) -> None:
+    if RankEnv.from_environ().rank == 0:  # torchrun's ranks: one says it
+        print(describe(cfg, host, data_plane_settings(cfg, host.ranks_per_node)))
 
 
 def keep_on_loopback() -> None:
@@ -225,9 +237,27 @@ def check_job(config: dict[str, Any]) -> tuple[FlodlConfig, HostFacts]:
 
 
 def self_launch(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig) -> None:
-    if cfg.fault_tolerance == "survive":
-        _supervised_launch(config, info, cfg)
-        return
+    """Start the ranks and wait for them. The terminal gets one line of flodl's for a failure or a stop: what
+    the ranks, torch's launcher and gloo write to stderr goes to the run dir (each rank's own into its
+    rank{N}.log, the rest into .launch/launcher.log)."""
+    run_dir = Path(info.run_dir)
+    catch_stop_signals()  # a stop while the launcher sets up is a stop too (torch's launcher takes over)
+    try:
+        with stderr_kept_in(run_dir / ".launch" / "launcher.log"):
+            if cfg.fault_tolerance == "survive":
+                _supervised_launch(config, info, cfg)
+            else:
+                _elastic_launch(config, info, cfg)
+    except Stopped as stop:
+        _say(_stopped_line(stop.signum, cfg, run_dir, info))
+        raise
+
+
+def _say(line: str) -> None:
+    print(f"flodl: {line}", file=sys.stderr)
+
+
+def _elastic_launch(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig) -> None:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -266,13 +296,14 @@ def self_launch(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig) -> None
         if len(codes) == 1 and codes <= STOP_EXIT_CODES:  # a rank got it and every rank stopped on it
             raise Stopped(codes.pop() - 128) from None
         failed = sorted(err.failures)
-        logs = ", ".join(str(run_dir / f"rank{r}.log") for r in failed)
+        deaths = {r: signal_name(-f.exitcode) for r, f in err.failures.items() if f.exitcode < 0}
         exits = ", ".join(f"rank {r}: exit code {err.failures[r].exitcode}" for r in failed)
-        latest = checkpoint_store(cfg, run_dir).latest()
-        where = f"the last checkpoint is {latest.path}" if latest else "no checkpoint was written"
-        first = first_failure(run_dir, cfg.launch.max_restarts)
-        cause = f"rank {first[0]} failed first ({first[1]}); " if first else ""
-        raise RankFailure(f"{cause}rank(s) {failed} failed ({exits}); {where}; see {logs}") from None
+        logs = ", ".join(str(run_dir / f"rank{r}.log") for r in failed)
+        recorded = failures.recorded(run_dir, info.uid, cfg.launch.max_restarts)
+        otherwise = f"rank(s) {failed} failed ({exits}; see {logs})"
+        raise RankFailure(
+            _failure_line(cfg, run_dir, cfg.launch.nproc_per_node, recorded, deaths, otherwise)
+        ) from None
 
 
 def _supervised_launch(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig) -> None:
@@ -286,27 +317,52 @@ def _supervised_launch(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig) 
             self_launched_rank, (config, info.as_dict()), cfg.launch.nproc_per_node, cfg.launch.max_restarts,
             cfg.launch.start_method, store, store.port, run_dir,
         )  # fmt: skip
-    except SupervisedRankFailure as err:
-        recorded = first_failure(run_dir, 0, rank=0)
-        cause = f": {recorded[1]}" if recorded else ""
-        latest = checkpoint_store(cfg, run_dir).latest()
-        where = f"the last checkpoint is {latest.path}" if latest else "no checkpoint was written"
-        raise RankFailure(f"{err}{cause}; {where}") from None
+    except SupervisedRankFailure as err:  # rank 0's end is the job's: only its own record counts
+        rank0 = [e for e in err.exits if e.rank == 0][-1]
+        deaths = {0: rank0.signal_name} if rank0.signal_name else {}
+        recorded = failures.recorded(run_dir, info.uid, 0, rank=0)
+        line = _failure_line(
+            cfg, run_dir, cfg.launch.nproc_per_node, recorded, deaths, str(err),
+            note="fault_tolerance=survive cannot go on without rank 0 (the coordinator)",
+        )  # fmt: skip
+        raise RankFailure(line) from None
+
+
+def _failure_line(
+    cfg: FlodlConfig,
+    run_dir: Path,
+    world_size: int,
+    recorded: list[failures.Failure],
+    deaths: dict[int, str],
+    otherwise: str,
+    note: str = "",
+) -> str:
+    """The launcher's line for failed ranks: the one that began it (flodl/failures.py) and its log, or
+    `otherwise` when none recorded why and none was killed; `note` on a fault; where the run stands."""
+    latest = checkpoint_store(cfg, run_dir).latest()
+    where = f"the last checkpoint is {latest.path}" if latest else "no checkpoint was written"
+    blamed = failures.blame(recorded, deaths)
+    if blamed is None:
+        return f"{otherwise}; {where}"
+    if note and not blamed.planned:
+        where = f"{note}; {where}"
+    return failures.verdict(blamed, world_size, where, run_dir)
 
 
 def _quiet_stops(record: logging.LogRecord) -> bool:
     """The elastic launcher logs a rank that exits 130 / 143 as failed, with a traceback: a stop is not; nor
-    is a rank that recorded a worded error (the launcher prints it)."""
+    is a rank that recorded its failure (EXIT_WORDED: the launcher words it)."""
     err = record.exc_info[1] if record.exc_info else None
     return getattr(err, "exit_code", None) not in {*STOP_EXIT_CODES, EXIT_WORDED}
 
 
-def run_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
+def run_rank(config: dict[str, Any], info_fields: dict[str, Any], self_launched: bool = False) -> None:
     """The body of every rank, whichever way it was started (plain values only: it may be spawned).
-    SIGINT / SIGTERM stop it quietly with exit code 130 / 143."""
+    SIGINT / SIGTERM stop it quietly with exit code 130 / 143. `self_launched`: this process's launcher
+    tells the user how the run ended (the rank's own lines about it go to its log only)."""
     catch_stop_signals()
     try:
-        _run_rank(config, info_fields)
+        _run_rank(config, info_fields, self_launched)
     except Stopped as stop:  # everything worth doing is done, and a preempted job has no seconds to spare
         _leave_now(stop.exit_code)
 
@@ -315,20 +371,22 @@ class RankZeroFailed(RuntimeError):
     """Rank 0 could not start the run (its reason is in the message): every other rank stops with it."""
 
 
-# Errors whose message says all a user needs (what is wrong, what to do): no traceback goes with them.
+# Errors whose message says all a user needs (what is wrong, what to do): rank 0 failing to start its
+# coordinator with one tells the other ranks why.
 _WORDED = (ConfigError, CheckpointError, WandbStartError, CallbackError, RankZeroFailed)
-# A self-launched rank's exit code after such an error (the launcher prints the error the rank recorded).
+# A self-launched rank's exit code after a failure it recorded and logged (the launcher words it).
 EXIT_WORDED = 3
 # Where rank 0 says whether its coordinator (and its sinks: W&B) started.
 _COORDINATOR_STARTED = "coordinator_started"
 
 
 def self_launched_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
-    """A rank this process's launcher started: an error flodl words for the user ends it with exit code 1
-    and no traceback in the launcher's log; the launcher prints the cause the rank recorded, as one line."""
+    """A rank this process's launcher started. Its stderr goes to its log (native code's reports too); a
+    failure, recorded and logged with its traceback, ends it with EXIT_WORDED, and the launcher words it."""
+    stderr_to(Path(info_fields["run_dir"]) / f"rank{RankEnv.from_environ().rank}.log")
     try:
-        run_rank(config, info_fields)
-    except _WORDED:
+        run_rank(config, info_fields, self_launched=True)
+    except Exception:
         _leave_now(EXIT_WORDED)
 
 
@@ -341,24 +399,28 @@ def _leave_now(code: int) -> None:
     os._exit(code)
 
 
-def _run_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
+def _run_rank(config: dict[str, Any], info_fields: dict[str, Any], self_launched: bool) -> None:
     cfg = to_config(config)
     info = RunInfo(**info_fields)
     env = RankEnv.from_environ()
     run_dir = Path(info.run_dir)
     setup_rank_logging(env.rank, run_dir)
-    device = pick_device(cfg.device, env.local_rank)
-    backend = collective_backend(cfg.backend, device.type)
-    survive = cfg.fault_tolerance == "survive"
-    group = init_group(env, backend, device, cfg.launch.timeout_s, world=not survive)
-    log.info(
-        "rank %d/%d (pid %d) on %s (%s), master port %s, CUDA_VISIBLE_DEVICES=%s, run dir %s",
-        env.rank, env.world_size, os.getpid(), device, backend, group.store_port,
-        os.environ.get("CUDA_VISIBLE_DEVICES", "(all)"), run_dir,
-    )  # fmt: skip
+    # Who tells the user how the run ended: a self-launched rank's launcher, the launch in this process for
+    # a single rank; ranks torchrun (or a scheduler) started say it themselves.
+    failure_extra = None if env.launched and not self_launched else FILE_ONLY
+    stop_extra = FILE_ONLY if self_launched else None
     coordinator: Coordinator | None = None
     outbox: Mailbox | None = None
     try:
+        device = pick_device(cfg.device, env.local_rank)
+        backend = collective_backend(cfg.backend, device.type)
+        survive = cfg.fault_tolerance == "survive"
+        group = init_group(env, backend, device, cfg.launch.timeout_s, world=not survive)
+        log.info(
+            "rank %d/%d (pid %d) on %s (%s), master port %s, CUDA_VISIBLE_DEVICES=%s, run dir %s",
+            env.rank, env.world_size, os.getpid(), device, backend, group.store_port,
+            os.environ.get("CUDA_VISIBLE_DEVICES", "(all)"), run_dir,
+        )  # fmt: skip
         namespace = agree_on_config(config, env.rank, env.world_size, group.exchange)
 
         def connect(owner: int | str) -> Mailbox:
@@ -370,7 +432,6 @@ def _run_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
         joining = survival is not None and survival.joining
         parts = build_task(task_settings(cfg), device, env.world_size, env.rank)
         total_picks = len(parts.train_data) * cfg.augment
-        _check_epoch_fits(cfg, total_picks, env.world_size)
         settings = resume_settings(cfg, run_dir, run_identity(config, env.world_size, info.uid))
         checkpoint = agree_on_checkpoint(settings, env.rank, env.world_size, group.exchange)
         if joining:
@@ -397,9 +458,9 @@ def _run_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
                     (parts.model, device),
                 )  # fmt: skip
             except _WORDED as err:  # the others hear it before they wait for rank 0 in a collective
-                cause = f"{type(err).__name__}: {err}"
-                _record_failure(run_dir, env, cause)  # first: the launcher names the first failure's cause
-                publish_json(group.exchange, _COORDINATOR_STARTED, {"error": cause})
+                # First: the launcher names the first failure's cause.
+                failures.record(run_dir, info.uid, env.restart_count, env.rank, err)
+                publish_json(group.exchange, _COORDINATOR_STARTED, {"error": f"{type(err).__name__}: {err}"})
                 raise
             publish_json(group.exchange, _COORDINATOR_STARTED, {})
             coordinator.start()
@@ -420,9 +481,8 @@ def _run_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
         rank0_watch = None
         if env.rank != 0:  # its store client gives up within a beat: the store may live in frozen rank 0
             quick = Mailbox.connect(group.store_host, group.store_port, namespace, env.rank, interval)
-            rank0_watch = Rank0Watch(
-                quick, cfg.heartbeat_timeout_s, interval, lambda why: _stop_on_hang(run_dir, env, why)
-            )
+            on_hang = functools.partial(_stop_on_hang, run_dir, info.uid, env)
+            rank0_watch = Rank0Watch(quick, cfg.heartbeat_timeout_s, interval, on_hang)
             rank0_watch.start()
         try:
             worker.run(alive=lambda: _raise_if_failed(coordinator))
@@ -437,10 +497,12 @@ def _run_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
             save_model(parts.model, run_dir / MODEL_FILE)
             log.info("run dir %s: %s, %s", run_dir, METRICS_FILE, MODEL_FILE)
             _end_run(coordinator, run_dir)
-            if coordinator.too_few is not None:  # the consensus is saved: now the run fails, naming why
-                raise coordinator.too_few
+            if coordinator.too_few is not None:  # the consensus is saved: now the run ends, naming why
+                raise TooFewRanks(f"{coordinator.too_few}; its consensus is saved as {run_dir / MODEL_FILE}")
     except BaseException as err:
-        _record_failure(run_dir, env, f"{type(err).__name__}: {err}")
+        step = err.step if isinstance(err, NonFiniteError) else None
+        planned = isinstance(err, TooFewRanks)
+        failures.record(run_dir, info.uid, env.restart_count, env.rank, err, step, planned)
         # A stop signal to this rank, or to a peer (whose leaving is then why this rank failed).
         signum = received() or (posted(outbox) if outbox is not None else None)
         if signum is not None and outbox is not None:
@@ -452,50 +514,22 @@ def _run_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
             with contextlib.suppress(Exception):
                 outbox.send(COORDINATOR, Exiting(env.rank, f"{type(err).__name__}: {err}"))
         if signum is None:
-            log.error("rank %d failed: %s: %s", env.rank, type(err).__name__, err)
+            name = type(err).__name__
+            log.error("rank %d failed: %s: %s", env.rank, name, err, exc_info=True, extra=failure_extra)
             raise
         if env.rank == 0:
-            log.warning("%s", _stopped_line(signum, cfg, run_dir, info))
+            log.warning("%s", _stopped_line(signum, cfg, run_dir, info), extra=stop_extra)
         raise Stopped(signum) from None
     finally:
         if dist.is_initialized():  # survive never forms the world (a dead member would hang its teardown)
             dist.destroy_process_group()
 
 
-def _failure_file(run_dir: Path, restart: int, rank: int) -> Path:
-    return run_dir / ".launch" / f"failure-{restart}-{rank}.json"
-
-
-def _record_failure(run_dir: Path, env: RankEnv, cause: str) -> None:
-    """When and why this rank failed, first cause only: the launcher names the rank whose failure came first
-    (the first to exit is often a peer stopped by it)."""
-    path = _failure_file(run_dir, env.restart_count, env.rank)
-    with contextlib.suppress(OSError):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if not path.exists():
-            path.write_text(
-                json.dumps({"rank": env.rank, "time": time.time(), "cause": " ".join(cause.split())})
-            )
-
-
-def first_failure(run_dir: Path, restart: int, rank: int | None = None) -> tuple[int, str] | None:
-    """(rank, cause) of the earliest failure the ranks of attempt `restart` (or only `rank`) recorded; None
-    if none did."""
-    records = []
-    for path in (run_dir / ".launch").glob(f"failure-{restart}-{'*' if rank is None else rank}.json"):
-        with contextlib.suppress(OSError, ValueError):
-            records.append(json.loads(path.read_text()))
-    if not records:
-        return None
-    first = min(records, key=lambda r: r["time"])
-    return first["rank"], first["cause"]
-
-
-def _stop_on_hang(run_dir: Path, env: RankEnv, why: str) -> None:
+def _stop_on_hang(run_dir: Path, uid: str, env: RankEnv, why: str) -> None:
     """Rank 0 went silent: this rank's training thread waits in a collective with it, so end the process now
     (the launcher stops the others), naming rank 0."""
     log.error("%s; stopping rank %d", why, env.rank)
-    _record_failure(run_dir, env, f"RankHung: {why}")
+    failures.record(run_dir, uid, env.restart_count, env.rank, RankHung(why))
     logging.shutdown()
     os._exit(1)
 
@@ -529,16 +563,6 @@ def _log_plan(cfg: FlodlConfig, world_size: int) -> None:
         cfg.policy, world_size, step_words(cfg), step_samples(cfg) * world_size, factor,
         cfg.lr_scale_ratio, cfg.precision, cfg.compile_mode if cfg.compile else "off",
     )  # fmt: skip
-
-
-def _check_epoch_fits(cfg: FlodlConfig, total_picks: int, world_size: int) -> None:
-    if equal_slices(total_picks, world_size, step_samples(cfg))[0].size == 0:
-        raise ConfigError(
-            [
-                f"batch_size={cfg.batch_size}: {world_size} rank(s) x {step_words(cfg)} exceeds the "
-                f"{total_picks} training picks (task.train_data x augment), so an epoch has no optimizer step"
-            ]
-        )
 
 
 def _raise_if_failed(coordinator: Coordinator | None) -> None:

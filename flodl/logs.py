@@ -1,10 +1,13 @@
-"""Rank-prefixed logging: `[rN]` on the console, and `rank{N}.log` in the run dir."""
+"""Rank-prefixed logging: `[rN]` on the console, and `rank{N}.log` in the run dir (tracebacks there only)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import socket
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from flodl.config.host import RankEnv
@@ -27,10 +30,61 @@ def setup_rank_logging(rank: int, run_dir: Path) -> logging.Logger:
         handler.close()
     console = logging.StreamHandler(sys.stdout)
     tag = rank_tag(rank)
-    console.setFormatter(logging.Formatter(f"[{tag}] %(message)s"))
+    console.setFormatter(_OneLine(f"[{tag}] %(message)s"))
+    console.addFilter(_on_console)
     logger.addHandler(console)
     run_dir.mkdir(parents=True, exist_ok=True)
     to_file = logging.FileHandler(run_dir / f"rank{rank}.log", encoding="utf-8")
     to_file.setFormatter(logging.Formatter(f"%(asctime)s [{tag}] %(levelname)s %(message)s"))
     logger.addHandler(to_file)
     return logger
+
+
+# `extra=FILE_ONLY`: a record for the rank's log file alone (the launcher tells the user in its own line).
+FILE_ONLY = {"file_only": True}
+
+
+def _on_console(record: logging.LogRecord) -> bool:
+    return not getattr(record, "file_only", False)
+
+
+class _OneLine(logging.Formatter):
+    """The console gets a record's line; its traceback goes to the log file only."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        saved = record.exc_info, record.exc_text
+        record.exc_info, record.exc_text = None, None
+        try:
+            return super().format(record)
+        finally:
+            record.exc_info, record.exc_text = saved
+
+
+def one_line(text: str, limit: int | None = None) -> str:
+    """`text` on one line (whitespace collapsed); past `limit` characters, cut at a word and marked `…`."""
+    flat = " ".join(text.split())
+    if limit is None or len(flat) <= limit:
+        return flat
+    return flat[: limit - 2].rsplit(" ", 1)[0] + " …"
+
+
+def stderr_to(path: Path) -> None:
+    """Send this process's stderr (file descriptor 2: Python's, native code's, and that of every child it
+    starts from now on) to the end of `path`."""
+    sys.stderr.flush()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("ab") as target:
+        os.dup2(target.fileno(), 2)
+
+
+@contextlib.contextmanager
+def stderr_kept_in(path: Path) -> Iterator[None]:
+    """While inside: stderr into `path` (`stderr_to`); then back where it was."""
+    saved = os.dup(2)
+    try:
+        stderr_to(path)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)

@@ -99,7 +99,21 @@ def describe(cfg: FlodlConfig, host: HostFacts, data: DataPlaneSettings) -> str:
             + (f"({cfg.divergence_threshold or 'auto'})" if cfg.divergence_guard == "trend" else "")
         )
     lines.append(faults_line(cfg))
+    lines += crowding_lines(host, uses_gpu)
     return "\n".join(lines)
+
+
+def crowding_lines(host: HostFacts, uses_gpu: bool) -> list[str]:
+    """A warning when this host's ranks outnumber what they run on: they would take turns, not speed up."""
+    ranks = host.ranks_per_node
+    if uses_gpu and ranks > host.gpus:
+        return [f"  warning         {ranks} ranks on this host share its {host.gpus} GPU(s)"]
+    if not uses_gpu and host.cpu_cores is not None and ranks > host.cpu_cores:
+        return [
+            f"  warning         {ranks} ranks on this host share its {host.cpu_cores} CPU core(s): they take "
+            f"turns, each slower than alone (launch.nproc_per_node={host.cpu_cores} uses every core once)"
+        ]
+    return []
 
 
 def faults_line(cfg: FlodlConfig) -> str:

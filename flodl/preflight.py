@@ -2,9 +2,10 @@
 
 The CLI calls it before Hydra creates the run dir (flodl/launch.py's `Preflight` callback), and a sweep can
 call it for each of its jobs. Beyond the pure rules (flodl/config/rules.py) it reads what costs little:
-the task's `_target_`s bound against their signatures (nothing is built but the model on the meta device),
-the paths the run will write, and the Hydra settings of the job (the checkpoint `resume` names is checked by
-flodl/launch.py once the run has its identity, still before any rank starts).
+the task's `_target_`s bound against their signatures, then its parts built once (flodl/task_probe.py: the
+datasets, the model, optimizer and scheduler on the meta device, eval_fn on one batch), the paths the run
+will write (a dir made and removed in each), W&B's API key, the checkpoint `resume` names, and the Hydra
+settings of the job.
 """
 
 from __future__ import annotations
@@ -12,26 +13,31 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-import os
-import warnings
+import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, get_type_hints
 
 import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from flodl.assembly import resume_settings, wandb_settings
+from flodl.checkpoint import CheckpointError
 from flodl.config.host import HostFacts, RankEnv, stage_dir_of
 from flodl.config.rules import ConfigError, validate
 from flodl.config.schema import FlodlConfig, to_config
 from flodl.config.targets import TASK_TARGETS, list_target_problems, locate, task_target_problems
+from flodl.metrics.wandb_sink import start_problem
+from flodl.resume import choose_checkpoint
+from flodl.run_identity import run_identity
+from flodl.task_probe import HYDRA_KEYS, given, task_problems
+from flodl.worker.task_setup import lr_scale_factor
 
 log = logging.getLogger("flodl")
 
-# Hydra's own keys in a `_target_` node: not arguments of the target.
-_HYDRA_KEYS = ("_target_", "_partial_", "_recursive_", "_convert_", "_args_")
+# The largest float32: an optimizer's learning rate meets the parameters in their precision.
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def preflight(cfg: DictConfig, run_dir: Path | None = None) -> tuple[FlodlConfig, HostFacts]:
@@ -58,11 +64,15 @@ def preflight(cfg: DictConfig, run_dir: Path | None = None) -> tuple[FlodlConfig
     except ConfigError as err:
         problems += err.problems
     targets = OmegaConf.to_container(OmegaConf.structured(typed).task, resolve=True)
-    # The task node's container: a dict keyed by names (the stubs allow any DictConfig key, or a list).
-    problems += _target_problems(typed, targets)  # type: ignore[arg-type]
+    # The task node's container: a dict keyed by names (the stubs allow any DictConfig key, or a list). Its
+    # parts are built (beyond the model) only on values the rules accept.
+    problems += _target_problems(typed, targets, host.world_size, not problems)  # type: ignore[arg-type]
     if run_dir is None and hydra is not None and hydra.run.dir:
         run_dir = Path(hydra.run.dir)
     problems += _path_problems(typed, run_dir)
+    problems += _logger_problems(typed)
+    if not problems and run_dir is not None:
+        problems += _resume_problems(typed, data, host, run_dir)
     if problems:
         raise ConfigError(problems)
     return typed, host
@@ -100,20 +110,36 @@ def _hydra_problems(cfg: DictConfig, hydra: DictConfig) -> Iterator[str]:
             yield f"{key}={value}: a list of options merges them into one run; sweep them with -m {key}=a,b"
 
 
-def _target_problems(typed: FlodlConfig, task: Mapping[str, Any]) -> list[str]:
+def _target_problems(
+    typed: FlodlConfig, task: Mapping[str, Any], world_size: int, rules_passed: bool
+) -> list[str]:
     # Each target imports (config/targets.py), then its arguments bind to its signature.
     problems = task_target_problems(typed) + list(list_target_problems("callbacks", typed.callbacks))
     for name in TASK_TARGETS:
         node = task.get(name)
         if node is not None:
             problems += _bind_problems(node, f"task.{name}")
-    if not problems:  # only a model whose arguments bind is built
-        problems += _capacity_problems(task["model"])
     optimizer = task.get("optimizer")
     lr = optimizer.get("lr") if isinstance(optimizer, Mapping) else None
-    if isinstance(lr, (int, float)) and not (math.isfinite(lr) and lr > 0):
-        problems.append(f"task.optimizer.lr={lr!r}: must be finite and > 0 (a zero rate trains nothing)")
-    return problems
+    lr_problems = _lr_problems(typed, lr, world_size) if isinstance(lr, (int, float)) else []
+    if not problems:  # only parts whose arguments bind are built
+        problems += task_problems(typed, task, world_size, whole=rules_passed and not lr_problems)
+    return problems + lr_problems
+
+
+def _lr_problems(typed: FlodlConfig, lr: float, world_size: int) -> list[str]:
+    if not (math.isfinite(lr) and lr > 0):
+        return [f"task.optimizer.lr={lr!r}: must be finite and > 0 (a zero rate trains nothing)"]
+    factor = lr_scale_factor(world_size, typed.lr_scale_ratio)
+    if lr * factor <= _FLOAT32_MAX:
+        return []
+    fits = f"beyond a float32's {_FLOAT32_MAX:.3g}, where the optimizer meets the parameters"
+    if factor == 1:
+        return [f"task.optimizer.lr={lr!r}: is {fits}"]
+    return [
+        f"lr_scale_ratio={typed.lr_scale_ratio!r}: scales task.optimizer.lr={lr!r} by {factor:g} on "
+        f"{world_size} ranks, to {lr * factor:g}, {fits}; linear scaling is lr_scale_ratio=1"
+    ]
 
 
 def _bind_problems(node: Any, key: str) -> list[str]:
@@ -122,7 +148,7 @@ def _bind_problems(node: Any, key: str) -> list[str]:
     if not isinstance(node, Mapping) or "_target_" not in node:
         return [f"{key}={node!r}: must be a `_target_` config (a mapping with _target_ and its arguments)"]
     problems: list[str] = []
-    kwargs = {k: v for k, v in node.items() if k not in _HYDRA_KEYS}
+    kwargs = {k: v for k, v in node.items() if k not in HYDRA_KEYS}
     for arg, value in kwargs.items():
         if isinstance(value, Mapping) and "_target_" in value:
             problems += _bind_problems(value, f"{key}.{arg}")
@@ -138,38 +164,8 @@ def _bind_problems(node: Any, key: str) -> list[str]:
     try:
         bind(*node.get("_args_", ()), **kwargs)
     except TypeError as err:
-        problems.append(f"{key}: {target}{signature} does not take these arguments ({err}); {_args(kwargs)}")
+        problems.append(f"{key}: {target}{signature} does not take these arguments ({err}); {given(node)}")
     return problems
-
-
-def _args(kwargs: Mapping[str, Any]) -> str:
-    return "given " + (", ".join(f"{k}={v!r}" for k, v in kwargs.items()) or "no arguments")
-
-
-def _capacity_problems(model: Mapping[str, Any]) -> list[str]:
-    """Built on the meta device (no memory, no weights): a model whose trainable tensors hold no element."""
-    try:
-        with torch.device("meta"), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch warns about zero-element tensors: reported below
-            built = instantiate(model)
-    except Exception as err:
-        return [f"task.model: building it failed ({type(err).__name__}: {err})"]
-    if not isinstance(built, torch.nn.Module):
-        return [f"task.model: expected an nn.Module, got {type(built).__name__}"]
-    params = [(name, p) for name, p in built.named_parameters() if p.requires_grad]
-    empty = [f"{name} {tuple(p.shape)}" for name, p in params if p.numel() == 0]
-    if not params or empty:
-        what = (
-            f"parameters with a zero-size dimension: {', '.join(empty)}"
-            if empty
-            else "no trainable parameter"
-        )
-        return [f"task.model: has {what}; check its width arguments ({_args(model_args(model))})"]
-    return []
-
-
-def model_args(model: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in model.items() if k not in _HYDRA_KEYS}
 
 
 def _path_problems(cfg: FlodlConfig, run_dir: Path | None) -> Iterator[str]:
@@ -177,16 +173,51 @@ def _path_problems(cfg: FlodlConfig, run_dir: Path | None) -> Iterator[str]:
     if cfg.disk_stage_gb > 0:
         paths.append(("disk_stage_dir", stage_dir_of(cfg.disk_stage_dir)))
     for key, path in paths:
-        if path and not _writable(Path(path)):
-            yield f"{key}={path!r}: cannot be written by this user (no write permission on it or its parent)"
+        why = _unwritable(Path(path)) if path else None
+        if why is not None:
+            yield f"{key}={path!r}: cannot be written by this user ({why})"
 
 
-def _writable(path: Path) -> bool:
-    """The path, or its nearest existing ancestor (it will be created), is a dir this user can write."""
+def _unwritable(path: Path) -> str | None:
+    """Why the path cannot be made a dir of this run's: tried in it, or in its nearest existing ancestor
+    (it will be created), with a dir made and removed (permissions alone do not say it for root, a
+    read-only mount or /proc)."""
     path = path.absolute()
     while not path.exists():
         path = path.parent
-    return path.is_dir() and os.access(path, os.W_OK | os.X_OK)
+    if not path.is_dir():
+        return f"{path} is not a dir"
+    try:
+        Path(tempfile.mkdtemp(prefix=".flodl-write-check-", dir=path)).rmdir()
+    except OSError as err:
+        return f"making a dir in {path} failed: {err.strerror or err}"
+    return None
+
+
+def _logger_problems(cfg: FlodlConfig) -> list[str]:
+    """W&B that must start (logger.required) and would be refused at once."""
+    if cfg.logger.name != "wandb" or not cfg.logger.required:
+        return []
+    why = start_problem(wandb_settings(cfg))
+    if why is None:
+        return []
+    return [
+        f"logger=wandb: {why}; log in (`wandb login`, or WANDB_API_KEY), run W&B offline "
+        "(logger.mode=offline), or train without it (logger.required=false)"
+    ]
+
+
+def _resume_problems(cfg: FlodlConfig, config: dict[str, Any], host: HostFacts, run_dir: Path) -> list[str]:
+    """The checkpoint `resume` names, checked against this job. Not for torchrun's ranks: the ranks check it
+    together (a restart's checkpoint is its own run's, by the uid the ranks agree on)."""
+    if RankEnv.from_environ().launched:
+        return []
+    run = run_identity(config, host.world_size, uid="")
+    try:
+        choose_checkpoint(resume_settings(cfg, run_dir, run), host.world_size)
+    except CheckpointError as err:
+        return [f"resume={cfg.resume!r}: {err}"]
+    return []
 
 
 def _resident(train_data: Any) -> bool:

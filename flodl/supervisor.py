@@ -125,7 +125,7 @@ def _rank_main(entry: Callable[..., None], args: tuple[Any, ...], env: dict[str,
     entry(*args)
 
 
-def _signal_name(signum: int) -> str:
+def signal_name(signum: int) -> str:
     try:
         return signal.Signals(signum).name
     except ValueError:
@@ -226,7 +226,7 @@ class _Supervisor:
             rank.rank,
             rank.incarnation,
             code if code >= 0 else None,
-            _signal_name(-code) if code < 0 else None,
+            signal_name(-code) if code < 0 else None,
             rank.cut,
         )
         process.close()
@@ -257,7 +257,7 @@ class _Supervisor:
         who = f"rank {rank.rank} (pid {pid}, incarnation {rank.incarnation})"
         how = f"was cut by the coordinator ({ended.cause})" if ended.cut else f"died ({ended.cause})"
         if stop is not None and not ended.cut:
-            log.warning("%s stopped on %s; it is not started again", who, _signal_name(stop))
+            log.warning("%s stopped on %s; it is not started again", who, signal_name(stop))
         elif rank.restarts_left > 0:
             rank.restarts_left -= 1
             rank.incarnation += 1

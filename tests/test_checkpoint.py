@@ -12,6 +12,7 @@ import torch
 from flodl.checkpoint import (
     COORDINATOR_FILE,
     LATEST_FILE,
+    MANIFEST_FILE,
     MODEL_FILE,
     CheckpointDir,
     CheckpointError,
@@ -66,6 +67,26 @@ def test_a_truncated_file_in_the_newest_checkpoint_falls_back_to_the_one_before(
     # Asked for by path, the damaged checkpoint is refused with the reason.
     with pytest.raises(CheckpointError, match=r"rank1\.pt does not match"):
         resolve_resume(str(store.root / "epoch-000003"), store)
+
+
+@pytest.mark.parametrize("unlisted", [[MODEL_FILE, COORDINATOR_FILE, "rank0.pt", "rank1.pt"], ["rank1.pt"]])
+def test_a_checkpoint_whose_manifest_does_not_list_every_part_is_incomplete_and_never_picked(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, unlisted: list[str]
+) -> None:
+    store = CheckpointDir(tmp_path, keep=3)
+    write_checkpoint(store, 1)
+    write_checkpoint(store, 2)
+    newest = store.root / "epoch-000002"
+    manifest = json.loads((newest / MANIFEST_FILE).read_text())
+    manifest["files"] = {k: v for k, v in manifest["files"].items() if k not in unlisted}
+    (newest / MANIFEST_FILE).write_text(json.dumps(manifest))
+    (newest / unlisted[0]).unlink()  # what a manifest does not list is not checked: it may be gone
+    with caplog.at_level(logging.WARNING, logger="flodl"):
+        found = store.latest()
+    assert found is not None and found.epoch == 1  # the one before, and the log says why
+    assert f"skipping checkpoint {newest}: {MANIFEST_FILE} does not list {unlisted[0]}" in caplog.text
+    with pytest.raises(CheckpointError, match=rf"does not list {unlisted[0]}"):
+        resolve_resume(str(newest), store)
 
 
 def test_commit_refuses_a_checkpoint_with_a_missing_part(tmp_path: Path) -> None:

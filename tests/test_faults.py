@@ -33,15 +33,24 @@ def _first_pid(log: Path) -> int:
 
 
 def _kill_rank1_after(checkpoint: str, args: list[str], cwd: Path, run_dir: Path, timeout: float) -> Result:
-    """Start the job, SIGKILL rank 1 once `checkpoint` is committed, and wait for the job's end."""
-    proc = start(args, cwd)
+    """Start the job, SIGKILL rank 1 once `checkpoint` is committed, and wait for the job's end (its stderr
+    apart)."""
+    proc = start(args, cwd, errors=subprocess.PIPE)
     try:
         _wait_for(run_dir / "checkpoints" / checkpoint, proc, timeout=120)
         os.kill(_first_pid(run_dir / "rank1.log"), signal.SIGKILL)
-        out = proc.communicate(timeout=timeout)[0]
+        out, err = proc.communicate(timeout=timeout)
     finally:
         kill_group(proc)
-    return Result(proc.returncode, out)
+    return Result(proc.returncode, out, err=err)
+
+
+def one_line_on_stderr(result: Result) -> str:
+    """flodl's line, the only thing the job wrote to stderr; no traceback anywhere on the terminal."""
+    lines = result.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("flodl: "), result.err[-6000:]
+    assert "Traceback" not in result.out, result.out[-4000:]
+    return lines[0]
 
 
 def test_a_rank_killed_mid_epoch_is_restarted_and_the_job_resumes_from_its_checkpoint(tmp_path: Path) -> None:
@@ -74,8 +83,11 @@ def test_with_no_restarts_left_the_error_names_the_dead_rank_and_the_last_checkp
     ]
     result = _kill_rank1_after("epoch-000002", args, tmp_path, run_dir, timeout=120)
     assert result.code == 1, result.out[-4000:]
-    failure = r"rank\(s\) \[1\] failed \(rank 1: exit code -9\); the last checkpoint is \S+epoch-0000"
-    assert re.search(failure, result.out), result.out[-4000:]
+    # Rank 0 failed too (its collective lost its peer), after rank 1's death: rank 1 is blamed, with its log.
+    line = one_line_on_stderr(result)
+    verdict = r"flodl: rank 1 was killed by SIGKILL; the last checkpoint is \S+epoch-0000\d+; see (\S+)$"
+    found = re.match(verdict, line)
+    assert found and found.group(1) == str(run_dir / "rank1.log"), line
 
 
 def test_a_frozen_rank_is_reported_within_the_heartbeat_timeout(tmp_path: Path) -> None:
@@ -144,6 +156,44 @@ def test_a_nan_injected_at_step_k_stops_the_run_naming_rank_and_step(tmp_path: P
     latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text()
     state = torch.load(latest / "model.pt", weights_only=True)
     assert all(torch.isfinite(t).all() for t in state.values())
+
+
+def test_under_sync_a_nan_is_blamed_on_its_rank_in_one_line_and_the_detail_is_in_that_rank_s_log(
+    tmp_path: Path,
+) -> None:
+    """DDP's all-reduce spreads rank 1's NaN gradient: rank 0's loss is NaN one step later, and either rank
+    may reach its chunk's check first."""
+    run_dir = tmp_path / "run"
+    result = train(
+        "launch.nproc_per_node=2", "policy=sync", "epochs=4", "simulate.nan_rank=1",
+        "simulate.nan_at_step=30", f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=150, apart=True,
+    )  # fmt: skip
+    assert result.code == 1, result.err[-4000:]
+    line = one_line_on_stderr(result)
+    assert line.startswith("flodl: rank 1 failed first (NonFiniteError: rank 1: the training loss became "), (
+        line
+    )
+    assert "non-finite (NaN/Inf) at step 30" in line and line.endswith(f"see {run_dir / 'rank1.log'}"), line
+    assert "rank 1 failed:" not in result.out  # said once, by the launcher
+    for rank in (0, 1):  # each rank's own error, its traceback included, is in its log
+        text = (run_dir / f"rank{rank}.log").read_text()
+        assert "Traceback" in text and f"rank {rank}: the training loss became non-finite" in text
+
+
+def test_a_nan_in_a_single_process_cadence_run_with_skip_stops_in_one_line(tmp_path: Path) -> None:
+    """One rank: its dropped window leaves no other rank's consensus to take, so the run stops."""
+    run_dir = tmp_path / "run"
+    result = train(
+        "policy=cadence", "on_nonfinite=skip", "epochs=2", "simulate.nan_rank=0", "simulate.nan_at_step=5",
+        f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=120, apart=True,
+    )  # fmt: skip
+    assert result.code == 1, result.err[-4000:]
+    line = one_line_on_stderr(result)
+    assert line.startswith(
+        "flodl: rank 0 failed (NonFiniteError: rank 0: every rank's window had a non-finite"
+    ), line
+    assert line.endswith(f"see {run_dir / 'rank0.log'}"), line
+    assert "Traceback" in (run_dir / "rank0.log").read_text()
 
 
 def test_on_nonfinite_skip_drops_the_bad_window_and_training_goes_on(tmp_path: Path) -> None:

@@ -45,6 +45,9 @@ FLOORS = {
     "flodl.resume": 3,
     "flodl.assembly": 4,
     "flodl.plan": 4,
+    # The task's parts built once before any rank (preflight asks); why the ranks failed (launch asks).
+    "flodl.task_probe": 4,
+    "flodl.failures": 4,
     # The command line and its Hydra plumbing; the package's public API.
     "flodl.preflight": 5,
     "flodl.launch": 6,

@@ -72,3 +72,9 @@ def test_plan_says_what_a_dead_rank_does_to_the_run():
     survive = plan_of(policy="async", fault_tolerance="survive", min_ranks=2, heartbeat_timeout_s=5)
     assert "survive: the others train on without a dead rank (min_ranks=2)" in survive
     assert "silent for 5 s" in survive
+
+
+def test_plan_warns_when_the_ranks_outnumber_the_cores_they_run_on():
+    crowded = plan_of(dataclasses.replace(HOST, cpu_cores=2))
+    assert "warning         4 ranks on this host share its 2 CPU core(s)" in crowded
+    assert "warning" not in plan_of(dataclasses.replace(HOST, cpu_cores=4))

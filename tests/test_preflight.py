@@ -7,6 +7,9 @@ words them). A few go through the real CLI to show exit code 2, one line per pro
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +18,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
+from flodl.checkpoint import MANIFEST_FILE
 from flodl.config.rules import ConfigError
 from flodl.config.schema import register_configs
 from flodl.launch import hydra_problem
@@ -92,6 +96,27 @@ INVALID: list[tuple[tuple[str, ...], str]] = [
     (("disk_stage_gb=1", f"disk_stage_dir={FILE}"), "disk_stage_dir"),
     ((f"hydra.run.dir={FILE}/run",), "hydra.run.dir"),
     (("resume=/nonexistent/run",), "resume"),
+    # /proc: its permissions say root may write; making a dir there fails for everyone
+    (("save_path=/proc/flodl-checkpoints", "checkpoint_every=1"), "save_path"),
+    # the task's parts, built once as a rank builds them (the model and what goes with it on the meta device)
+    (("batch_size=2000",), "batch_size"),
+    (("task.eval_data.split=validation",), "task.eval_data"),
+    (
+        (
+            "task.train_data._target_=flodl.data.npy.NpyFolderDataSet",
+            "~task.train_data.split",
+            "+task.train_data.folder=/nonexistent",
+        ),
+        "task.train_data",
+    ),
+    (
+        ("task.train_data._target_=tests.helpers.bad_tasks.stream", "~task.train_data.split"),
+        "task.train_data",
+    ),
+    (("task.scheduler={_target_:torch.optim.lr_scheduler.StepLR,_partial_:true}",), "task.scheduler"),
+    (("task.eval_fn={_target_:tests.helpers.bad_tasks.sums_forgotten,_partial_:true}",), "task.eval_fn"),
+    (("launch.nproc_per_node=2", "lr_scale_ratio=1e308"), "lr_scale_ratio"),
+    (("launch.timeout_s=0.000001",), "launch.timeout_s"),
     # keys that would do nothing in this config
     (("policy=[sync,async]",), "policy"),
     (("hydra.run.dir=",), "hydra.run.dir"),
@@ -228,3 +253,60 @@ def test_hydra_full_error_still_shows_the_traceback(tmp_path: Path) -> None:
 def test_a_disk_tier_on_in_memory_data_runs_with_one_warning(tmp_path: Path) -> None:
     result = train("policy=async", "disk_stage_gb=1", "epochs=1", cwd=tmp_path, timeout=120).check()
     assert result.out.count("the disk tier has nothing to stage") == 1, result.out
+
+
+def test_the_cli_refuses_a_missing_dataset_and_w_and_b_without_a_key_before_any_rank(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    home = tmp_path_factory.mktemp("home")  # W&B's settings and .netrc: none, and nothing of the user's
+    wandb = {f"WANDB_{d}_DIR": str(home / d.lower()) for d in ("CONFIG", "CACHE", "DATA")}
+    result = train(
+        "task.train_data._target_=flodl.data.npy.NpyFolderDataSet",
+        "~task.train_data.split",
+        f"+task.train_data.folder={home / 'no-such-data'}",
+        "logger=wandb",
+        "logger.mode=online",
+        cwd=tmp_path, timeout=60, HYDRA_FULL_ERROR="0", HOME=str(home), WANDB_API_KEY="", **wandb,
+    )  # fmt: skip
+    assert result.code == 2, result.out
+    assert "Traceback" not in result.out, result.out
+    problems = result.out.strip().splitlines()
+    assert problems[0] == "flodl: invalid flodl config: ", result.out
+    assert problems[1].startswith("  - task.train_data: building it failed (FileNotFoundError: "), result.out
+    assert problems[2].startswith("  - logger=wandb: W&B has no API key, and it runs online; "), result.out
+    assert len(problems) == 3 and list(tmp_path.iterdir()) == [], result.out  # no run dir
+
+
+def test_a_checkpoint_this_job_cannot_resume_is_refused_before_the_run_dir_is_made(
+    tmp_path: Path, hydra_conf: None
+) -> None:
+    first = tmp_path / "first"
+    train("epochs=1", "checkpoint_every=1", f"hydra.run.dir={first}", cwd=tmp_path, timeout=120).check()
+    (checkpoint,) = [p for p in (first / "checkpoints").iterdir() if p.is_dir()]
+    # An older flodl's checkpoint does not say which run wrote it: its world size and policy are checked.
+    older = tmp_path / "older" / checkpoint.name
+    shutil.copytree(checkpoint, older)
+    manifest = json.loads((older / MANIFEST_FILE).read_text())
+    (older / MANIFEST_FILE).write_text(json.dumps({k: v for k, v in manifest.items() if k != "run"}))
+    second = tmp_path / "second"
+    for overrides, why in [
+        ((f"resume={checkpoint}", "seed=7"), "whose config differs from this run's (seed: 42 there, 7 here"),
+        ((f"resume={older}", "launch.nproc_per_node=2"), "was written by 1 rank(s); this job has 2"),
+        ((f"resume={older}", "policy=cadence"), "was written under policy=sync"),
+    ]:
+        text = rejection((*overrides, f"hydra.run.dir={second}"))
+        assert text is not None, overrides
+        assert f"resume='{overrides[0].removeprefix('resume=')}': " in text and why in text, text
+    refused = train(
+        f"resume={checkpoint}", "seed=7", f"hydra.run.dir={second}", cwd=tmp_path, HYDRA_FULL_ERROR="0"
+    )
+    assert refused.code == 2 and "Traceback" not in refused.out, refused.out
+    assert "whose config differs" in refused.out and not second.exists(), refused.out
+
+
+def test_a_plan_writes_nothing_and_warns_of_more_ranks_than_cores(tmp_path: Path) -> None:
+    ranks = len(os.sched_getaffinity(0)) + 1
+    result = train("plan=true", f"launch.nproc_per_node={ranks}", cwd=tmp_path, timeout=60).check()
+    assert "flodl plan (nothing was started)" in result.out, result.out
+    assert f"warning         {ranks} ranks on this host share its {ranks - 1} CPU core(s)" in result.out
+    assert list(tmp_path.iterdir()) == []  # not even the run dir Hydra would have made

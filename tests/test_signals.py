@@ -4,6 +4,7 @@ command it prints finishes it with every epoch exactly once."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -13,6 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import pytest
 
 from flodl.checkpoint import verify
@@ -22,7 +24,10 @@ from tests.helpers.runs import assert_complete_run, epochs_of
 pytestmark = pytest.mark.multiproc
 
 EPOCHS = 8
-STOPPED = re.compile(r"\[r0\] stopped by (SIG\w+): last checkpoint (\S+) \(epoch (\d+)\); resume with: (.+)")
+# Said by rank 0 under torchrun, by flodl's launcher when it started the ranks.
+STOPPED = re.compile(
+    r"(?:\[r0\]|flodl:) stopped by (SIG\w+): last checkpoint (\S+) \(epoch (\d+)\); resume with: (.+)"
+)
 
 
 def overrides(tmp_path: Path) -> list[str]:
@@ -52,9 +57,9 @@ def stop_mid_run(
     args: list[str], tmp_path: Path, signum: int, target: Callable[[subprocess.Popen], int]
 ) -> Result:
     """Start the job; once its second checkpoint is committed, send `signum` to `target(job)`. The job must
-    end within 10 s of it."""
+    end within 10 s of it. Its stderr is kept apart."""
     (tmp_path / "stage").mkdir()
-    proc = start(args, tmp_path)
+    proc = start(args, tmp_path, errors=subprocess.PIPE)
     try:
         checkpoint = tmp_path / "run" / "checkpoints" / "epoch-000002"
         deadline = time.monotonic() + 180
@@ -65,17 +70,18 @@ def stop_mid_run(
         assert list((tmp_path / "stage").iterdir()), "the ranks staged nothing to disk"
         os.kill(target(proc), signum)
         sent = time.monotonic()
-        out = proc.communicate(timeout=30)[0]
+        out, err = proc.communicate(timeout=30)
         assert time.monotonic() - sent < 10, f"stopped after {time.monotonic() - sent:.1f} s:\n{out[-4000:]}"
     finally:
         kill_group(proc)
-    return Result(proc.returncode, out)
+    return Result(proc.returncode, out, err=err)
 
 
 def check_stopped_and_resume(result: Result, tmp_path: Path, signame: str) -> None:
     """What every stopped run must leave behind, then the printed command finishes it."""
-    assert not re.search(r'File "[^"]*/flodl/', result.out), result.out[-4000:]  # no traceback of flodl's
-    lines = STOPPED.findall(result.out)
+    terminal = result.out + result.err
+    assert not re.search(r'File "[^"]*/flodl/', terminal), terminal[-4000:]  # no traceback of flodl's
+    lines = STOPPED.findall(terminal)
     assert len(lines) == 1, result.out[-4000:]  # one line, from rank 0
     got, checkpoint, epoch, resume = lines[0]
     assert got == signame and int(epoch) >= 2  # as lines count, from 1: at least the second checkpoint
@@ -102,7 +108,43 @@ def test_sigint_to_the_elastic_launcher_stops_every_rank_and_the_printed_command
     result = stop_mid_run(args, tmp_path, signal.SIGINT, lambda proc: proc.pid)
     assert result.code == 130, result.out[-4000:]
     assert "Traceback" not in result.out, result.out[-4000:]
+    # The launcher's line is all of stderr: torch's reports and gloo's native stack frames are in the run dir.
+    assert len(result.err.strip().splitlines()) == 1 and STOPPED.match(result.err), result.err[-4000:]
     check_stopped_and_resume(result, tmp_path, "SIGINT")
+
+
+def _spawned(launcher: psutil.Process) -> int:
+    """How many of the launcher's children are spawned ranks (a short-lived other child may be gone)."""
+    count = 0
+    for child in launcher.children():
+        with contextlib.suppress(psutil.Error):
+            count += "spawn_main" in " ".join(child.cmdline())
+    return count
+
+
+def test_ctrl_c_while_the_self_launched_ranks_start_stops_them_in_one_line(tmp_path: Path) -> None:
+    """The terminal's SIGINT reaches the launcher and its spawned ranks, still importing torch."""
+    proc = start(
+        [PYTHON, TRAIN, "launch.nproc_per_node=2", f"hydra.run.dir={tmp_path / 'run'}"],
+        tmp_path,
+        errors=subprocess.PIPE,
+    )
+    try:
+        launcher = psutil.Process(proc.pid)
+        deadline = time.monotonic() + 120
+        while _spawned(launcher) < 2:
+            assert proc.poll() is None, f"the job ended early:\n{proc.communicate()[0][-4000:]}"
+            assert time.monotonic() < deadline, "the ranks were not started within 120 s"
+            time.sleep(0.02)
+        os.killpg(proc.pid, signal.SIGINT)  # as Ctrl-C in a terminal: to every process of the job
+        out, err = proc.communicate(timeout=60)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 130, out[-4000:] + err[-4000:]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("flodl: stopped by SIGINT: "), err[-6000:]
+    assert "Traceback" not in out, out[-4000:]
+    assert not leftovers(tmp_path)
 
 
 def test_sigterm_to_one_rank_under_flodl_torchrun_stops_every_rank_and_the_printed_command_resumes(

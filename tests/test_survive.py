@@ -41,10 +41,13 @@ COMMON = (
 )
 
 
-def survive_run(tmp_path: Path, epochs: int, batch_size: int, *overrides: str) -> tuple[Result, Path]:
+def survive_run(
+    tmp_path: Path, epochs: int, batch_size: int, *overrides: str, apart: bool = False
+) -> tuple[Result, Path]:
     result = train(
-        *COMMON, f"epochs={epochs}", f"batch_size={batch_size}", *overrides, cwd=tmp_path, timeout=240
-    )
+        *COMMON, f"epochs={epochs}", f"batch_size={batch_size}", *overrides, cwd=tmp_path, timeout=240,
+        apart=apart,
+    )  # fmt: skip
     return result, tmp_path / "run"
 
 
@@ -165,10 +168,16 @@ def test_a_frozen_rank_is_cut_the_rest_finish_and_resume_after_it(tmp_path: Path
 @pytest.mark.parametrize(("policy", "end"), [("cadence", "final round"), ("sync", "the last epoch")])
 def test_too_few_ranks_left_stops_with_the_consensus_saved(tmp_path: Path, policy: str, end: str) -> None:
     result, run = survive_run(
-        tmp_path, 4, 32, f"policy={policy}", "simulate.kill_rank=1", "simulate.kill_at_step=4", "min_ranks=3"
-    )
+        tmp_path, 4, 32, f"policy={policy}", "simulate.kill_rank=1", "simulate.kill_at_step=4", "min_ranks=3",
+        apart=True,
+    )  # fmt: skip
     assert result.code != 0 and not result.timed_out, result.out[-4000:]
-    assert "min_ranks=3" in result.out and "only 2 rank(s) left" in result.out
+    # A planned stop, in one line naming min_ranks: no traceback, no "rank 0 failed".
+    lines = result.err.strip().splitlines()
+    planned = "flodl: only 2 rank(s) left ([0, 2]) after rank 1 was cut"
+    assert len(lines) == 1 and lines[0].startswith(planned), result.err[-6000:]
+    assert "min_ranks=3" in lines[0] and f"consensus is saved as {run / 'model.pt'}" in lines[0], lines[0]
+    assert "Traceback" not in result.out and "failed" not in lines[0], result.out[-4000:]
     assert (run / "model.pt").is_file()
     final = digests(result.out, end)
     assert set(final) == {0, 2} and len(set(final.values())) == 1, final

@@ -4,6 +4,7 @@ for the coordinator's word over a real store inbox."""
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import threading
 import time
@@ -195,3 +196,23 @@ def test_a_failure_no_change_follows_is_raised_as_what_it_was() -> None:
     with pytest.raises(RuntimeError, match="no member's death: ValueError: the loss of batch 7") as raised:
         survival.await_regroup(1, "epoch 2 was cut", cause)
     assert raised.value.__cause__ is cause
+
+
+def test_a_cut_round_s_cause_is_logged_on_one_line_cut_at_a_word(caplog: pytest.LogCaptureFixture) -> None:
+    """gloo's errors run long: the warning keeps whole words, and says it shortened the cause."""
+    store = loopback_store(0, None, timedelta(seconds=20))
+    sender = Mailbox.connect("127.0.0.1", store.port, "ns", "coordinator", 10.0)
+    reader = InboxReader(Mailbox.connect("127.0.0.1", store.port, "ns", 1, 10.0))
+    group = AveragingGroup(store, "gloo", 1, torch.device("cpu"), 10.0)
+    survival = Survival(group, reader, incarnation=0, wait_s=10.0)
+    reader.start()
+    text = "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:40915"
+    cause = RuntimeError(text + " while the all-reduce of bucket 3 waited" * 6 + "\nException raised from")
+    regroup = Regroup(generation=1, members=[0, 2], cut_round=4)
+    sender.send(1, regroup)
+    with caplog.at_level(logging.WARNING, logger="flodl"):
+        assert survival.await_regroup(1, "the round's collective failed", cause) == regroup
+    (line,) = [r.getMessage() for r in caplog.records if "waiting for the new group" in r.getMessage()]
+    why = line.split(" (RuntimeError: ", 1)[1].removesuffix("); waiting for the new group")
+    assert why.startswith(text) and why.endswith(" …") and len(why) <= 200, why
+    assert set(why.removesuffix(" …").split()) <= set(str(cause).split()), why  # whole words only

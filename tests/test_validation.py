@@ -135,9 +135,10 @@ RANGE_CASES = [
     ("simulate.hang_rank", -1, "must be a rank of this job, 0..0"),
     ("launch.nproc_per_node", 0, "must be >= 1"),
     ("launch.start_method", "thread", "must be one of ('spawn', 'fork', 'forkserver')"),
-    ("launch.timeout_s", 0.0, "must be in (0, 604800] seconds"),
-    ("launch.timeout_s", INF, "must be in (0, 604800] seconds"),
-    ("launch.timeout_s", -5.0, "must be in (0, 604800] seconds"),
+    ("launch.timeout_s", 0.0, "must be in [10, 604800] seconds"),
+    ("launch.timeout_s", 0.000001, "must be in [10, 604800] seconds"),
+    ("launch.timeout_s", INF, "must be in [10, 604800] seconds"),
+    ("launch.timeout_s", -5.0, "must be in [10, 604800] seconds"),
     ("partition_ratios", [], "must be a non-empty list of finite values > 0"),
     ("partition_ratios", [1.0, -1.0], "must be a non-empty list of finite values > 0"),
     ("partition_ratios", [1.0, 0.0], "must be a non-empty list of finite values > 0"),
@@ -177,6 +178,7 @@ def test_range_problem_text_is_key_value_rule():
         ("max_batch_diff", 0),
         ("max_overshoot", 0),
         ("disk_stage_gb", 0.0),
+        ("launch.timeout_s", 10.0),
     ],
 )
 def test_boundary_values_pass_the_range_rules(key, value):

@@ -131,27 +131,26 @@ def test_multirun_jobs_share_the_sweeps_group_and_are_named_by_what_varies(tmp_p
 
 @pytest.mark.multiproc
 def test_wandb_failing_to_start_is_an_error_unless_not_required(tmp_path: Path) -> None:
-    # Online mode without an API key: wandb refuses at init.
+    # Online mode without an API key: refused before any rank starts, with no run dir.
     args = ("epochs=2", "logger=wandb", "logger.mode=online")
-    failed = train(*args, "hydra.run.dir=failed", cwd=tmp_path, **wandb_env(tmp_path))
-    assert failed.code == 1, failed.out[-4000:]
-    assert "flodl: W&B could not start (" in failed.out and "logger.required=false" in failed.out
-    assert "Traceback" not in failed.out
-    assert (tmp_path / "failed" / "metrics.jsonl").read_text() == ""  # stopped before training
-    # Self-launched ranks: the same cause in one line, and no rank's or launcher's traceback.
+    failed = train(*args, "hydra.run.dir=failed", cwd=tmp_path, apart=True, **wandb_env(tmp_path))
+    assert failed.code == 2, failed.err[-4000:]
+    assert "logger=wandb: W&B has no API key" in failed.err and "logger.required=false" in failed.err
+    assert "Traceback" not in failed.out + failed.err and not (tmp_path / "failed").exists()
+    # A key, and a server that does not answer: W&B fails in rank 0, and the others stop with it. One line
+    # says why, naming rank 0; no rank's or launcher's traceback.
+    unreachable = {"WANDB_API_KEY": "a" * 40, "WANDB_BASE_URL": "http://127.0.0.1:9"}
+    unreachable["WANDB_INIT_TIMEOUT"] = "5"
     ranks = train(
-        *args,
-        "launch.nproc_per_node=2",
-        FAST_START,
-        "hydra.run.dir=ranks",
-        cwd=tmp_path,
-        **wandb_env(tmp_path),
-    )
-    assert ranks.code == 1, ranks.out[-4000:]
-    assert "flodl: rank 0 failed first (WandbStartError: W&B could not start (" in ranks.out, ranks.out[
-        -4000:
-    ]
+        *args, "launch.nproc_per_node=2", FAST_START, "hydra.run.dir=ranks", cwd=tmp_path, apart=True,
+        **{**wandb_env(tmp_path), **unreachable},
+    )  # fmt: skip
+    assert ranks.code == 1, ranks.err[-4000:]
+    (line,) = ranks.err.strip().splitlines()
+    assert line.startswith("flodl: rank 0 failed first (WandbStartError: W&B could not start ("), line
+    assert "logger.required=false" in line and line.endswith(f"see {tmp_path / 'ranks' / 'rank0.log'}"), line
     assert "Traceback" not in ranks.out, ranks.out[-4000:]
+    assert "rank 0 could not start the run: WandbStartError" in (tmp_path / "ranks" / "rank1.log").read_text()
     optional = train(*args, "logger.required=false", "hydra.run.dir=run", cwd=tmp_path, **wandb_env(tmp_path))
     optional.check()
     assert optional.out.count("training goes on without W&B") == 1

@@ -77,6 +77,8 @@ class HostFacts:
     # The ranks run under torchrun's agent (TORCHELASTIC_RUN_ID), which stops every rank of a host when one
     # dies; not so for ranks started one by one with RANK / WORLD_SIZE set.
     elastic_agent: bool = False
+    # CPU cores this process may run on (None: not probed).
+    cpu_cores: int | None = None
 
     @classmethod
     def probe(cls, nproc_per_node: int, disk_stage_dir: str | None) -> HostFacts:
@@ -88,7 +90,8 @@ class HostFacts:
         world = env.world_size if under_torchrun else nproc_per_node
         stage_dir = stage_dir_of(disk_stage_dir)
         free = shutil.disk_usage(stage_dir).free if os.path.isdir(stage_dir) else None
-        return cls(gpu_count(), ranks, world, under_torchrun, free, available_ram(), env.run_id != "")
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        return cls(gpu_count(), ranks, world, under_torchrun, free, available_ram(), env.run_id != "", cores)
 
 
 def gpu_count() -> int:

@@ -32,6 +32,8 @@ GIB = 1 << 30
 MAX_SEED = (1 << 32) - 1
 # Longer than any collective or rendezvous wait worth having; far inside what datetime.timedelta holds.
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
+# Ranks take seconds to start (importing torch) and meet: a shorter wait for them fails a sound run.
+MIN_LAUNCH_TIMEOUT_S = 10.0
 # A slow rank simulated past this is a hang: simulate.hang_* tests that.
 MAX_SLOW_FACTOR = 1000.0
 # Views of one sample per epoch: beyond this the epoch's pick index outgrows memory for any real dataset.
@@ -167,7 +169,10 @@ def _range_problems(cfg: FlodlConfig) -> Iterator[str]:
     yield from check("logger.log_every", lambda v: v >= 0, "must be >= 0 steps (0: per epoch only)")
     yield from check("launch.start_method", lambda v: v in START_METHODS, f"must be one of {START_METHODS}")
     yield from check(
-        "launch.timeout_s", lambda v: 0 < v <= MAX_TIMEOUT_S, f"must be in (0, {MAX_TIMEOUT_S:g}] seconds"
+        "launch.timeout_s",
+        lambda v: MIN_LAUNCH_TIMEOUT_S <= v <= MAX_TIMEOUT_S,
+        f"must be in [{MIN_LAUNCH_TIMEOUT_S:g}, {MAX_TIMEOUT_S:g}] seconds (ranks take seconds to start and "
+        "meet; a shorter wait fails a sound run)",
     )
     yield from check(
         "simulate.factor",

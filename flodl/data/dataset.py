@@ -52,6 +52,12 @@ def is_batch_dataset(data: Any) -> bool:
 def as_dataset(data: Any, what: str) -> Any:
     """A user-provided dataset, checked: a BatchDataSet, or a torch map-style Dataset (len + __getitem__)
     whose samples `collate_fn` batches; `what` names the config key in errors."""
+    if isinstance(data, torch.utils.data.IterableDataset):
+        raise TypeError(
+            f"{what}: {type(data).__name__} is an IterableDataset (a stream), which flodl does not read yet: "
+            "it splits every epoch among the ranks by sample index; give a map-style Dataset (__len__ and "
+            "__getitem__) or a BatchDataSet (len + get_batch) over the same samples"
+        )
     if not is_batch_dataset(data) and not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
         raise TypeError(
             f"{what}: {type(data).__name__} is neither a BatchDataSet (len + get_batch) nor a "

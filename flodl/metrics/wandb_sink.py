@@ -76,6 +76,27 @@ def init_arguments(settings: WandbSettings, info: RunInfo, policy: str) -> dict[
     return {key: value for key, value in chosen.items() if value is not None}
 
 
+def start_problem(settings: WandbSettings) -> str | None:
+    """Why W&B would refuse to start at once, asked before any rank starts: online (the config's mode, else
+    W&B's environment's) without an API key where W&B looks for one (its environment, .netrc, its settings).
+    None: it would start, or this W&B cannot be asked (the rank then reports what it says)."""
+    try:
+        from wandb.sdk import wandb_setup
+        from wandb.sdk.lib import wbauth
+
+        environment = wandb_setup.singleton().settings
+        mode, host = settings.mode or environment.mode, environment.base_url
+    except Exception:  # another W&B's internals, or settings W&B refuses (its own start says why)
+        return None
+    if mode in ("offline", "disabled"):
+        return None
+    try:
+        found = wbauth.authenticate_session(host=host, source="flodl", prompt=False, update_session=False)
+    except Exception as err:  # a key it finds and refuses (its format)
+        return f"W&B refuses its API key ({type(err).__name__}: {err})"
+    return None if found is not None else "W&B has no API key, and it runs online"
+
+
 class WandbSink:
     def __init__(self, settings: WandbSettings, info: RunInfo, config: dict[str, Any], policy: str) -> None:
         self.run: Any = None

@@ -175,7 +175,7 @@ class WorkerBase:
     def raise_if_nonfinite(self) -> None:
         step = self.first_nonfinite_step()
         if step is not None:
-            raise NonFiniteError(nonfinite_message(self.rank, step, self.on_nonfinite))
+            raise NonFiniteError(nonfinite_message(self.rank, step, self.on_nonfinite), step)
 
     def on_nonfinite_progress(self) -> None:
         """A live loss report read a non-finite value: stop now, rather than at the window's end."""

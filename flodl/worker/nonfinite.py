@@ -16,6 +16,11 @@ _INITIAL_SLOTS = 256
 class NonFiniteError(RuntimeError):
     """A rank's loss or the consensus stopped being finite; the message names rank and step."""
 
+    def __init__(self, message: str, step: int | None = None) -> None:
+        super().__init__(message)
+        # The first step whose loss was not finite, when known (which rank's NaN came first).
+        self.step = step
+
 
 class NonFiniteWatch:
     def __init__(self, device: torch.device) -> None:

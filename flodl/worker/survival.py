@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import psutil
 
+from flodl.logs import one_line
 from flodl.wire.membership import AveragingGroup
 from flodl.wire.messages import AverageNow, Joined, Message, Regroup, Regrouped, Shutdown
 from flodl.wire.transport import InboxReader
@@ -167,5 +168,6 @@ class Survival:
 
 
 def _first_line(err: BaseException) -> str:
+    """The error's first line, at most 200 characters, cut at a word."""
     text = str(err).strip()
-    return text.splitlines()[0][:200] if text else ""
+    return one_line(text.splitlines()[0], 200) if text else ""

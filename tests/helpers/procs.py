@@ -29,8 +29,10 @@ FAST_START = f"launch.start_method={'spawn' if torch.cuda.device_count() else 'f
 @dataclass
 class Result:
     code: int
+    # stdout, and stderr too unless it was kept apart (then in `err`).
     out: str
     timed_out: bool = False
+    err: str = ""
 
     @property
     def ok(self) -> bool:
@@ -51,15 +53,20 @@ def child_env(**extra: str) -> dict[str, str]:
 
 
 def start(
-    args: list[str], cwd: Path, env: dict[str, str] | None = None, output: int = subprocess.PIPE
+    args: list[str],
+    cwd: Path,
+    env: dict[str, str] | None = None,
+    output: int = subprocess.PIPE,
+    errors: int = subprocess.STDOUT,
 ) -> subprocess.Popen:
-    """Start `args` as the leader of a new process group, so that its launcher and ranks stop together."""
+    """Start `args` as the leader of a new process group, so that its launcher and ranks stop together.
+    `errors`: where stderr goes (with stdout by default; PIPE keeps it apart)."""
     return subprocess.Popen(
         args,
         cwd=cwd,
         env=child_env() if env is None else env,
         stdout=output,
-        stderr=subprocess.STDOUT,
+        stderr=errors,
         text=True,
         start_new_session=True,
     )
@@ -79,24 +86,26 @@ def kill_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
 def finish(proc: subprocess.Popen, timeout: float) -> Result:
     """Wait for `proc` and its output; past `timeout`, kill its group and return what it wrote, timed out."""
     try:
-        out, _ = proc.communicate(timeout=timeout)
+        out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         kill_group(proc)
-        out, _ = proc.communicate()
-        return Result(proc.returncode, out, timed_out=True)
-    return Result(proc.returncode, out)
+        out, err = proc.communicate()
+        return Result(proc.returncode, out, timed_out=True, err=err or "")
+    return Result(proc.returncode, out, err=err or "")
 
 
-def run(args: list[str], cwd: Path, timeout: float = 180, **env: str) -> Result:
-    """Run `args` to its end; a timeout kills the whole process group and fails the test."""
-    result = finish(start(args, cwd, child_env(**env)), timeout)
+def run(args: list[str], cwd: Path, timeout: float = 180, apart: bool = False, **env: str) -> Result:
+    """Run `args` to its end; a timeout kills the whole process group and fails the test. `apart`: stderr
+    in `Result.err`, not mixed into `out`."""
+    errors = subprocess.PIPE if apart else subprocess.STDOUT
+    result = finish(start(args, cwd, child_env(**env), errors=errors), timeout)
     if result.timed_out:
         raise AssertionError(f"timed out after {timeout}s: {' '.join(args)}\n{result.out[-6000:]}")
     return result
 
 
-def train(*overrides: str, cwd: Path, timeout: float = 180, **env: str) -> Result:
-    return run([PYTHON, TRAIN, *overrides], cwd=cwd, timeout=timeout, **env)
+def train(*overrides: str, cwd: Path, timeout: float = 180, apart: bool = False, **env: str) -> Result:
+    return run([PYTHON, TRAIN, *overrides], cwd=cwd, timeout=timeout, apart=apart, **env)
 
 
 def torchrun(nproc: int, *overrides: str, cwd: Path, timeout: float = 180, **env: str) -> Result:

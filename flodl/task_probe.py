@@ -1,0 +1,164 @@
+"""The task's parts built once before any rank starts, as a rank builds them, to find what would fail there.
+
+- The datasets are built (not their batches): a missing path, a split that does not exist, a stream
+  (an IterableDataset), an empty dataset, and a batch larger than the training data fail here.
+- The model is built on the meta device (no memory, no weights), its optimizer and scheduler on its
+  parameters: a model with nothing to train and a scheduler missing an argument fail here.
+- `eval_fn` is called once on the first eval batch, on the meta device: what it returns must be the
+  dict of sums the eval adds up. An eval_fn the meta device cannot run (one that reads a value with
+  `.item()`) is left to the ranks.
+
+A sweep checks every job: the outcome is kept per task config, so each is built once per process.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from torch import nn
+from torch.utils.data import default_collate
+
+from flodl.config.policy import step_samples, step_words
+from flodl.config.schema import FlodlConfig
+from flodl.data.dataset import as_dataset, read_batch
+from flodl.data.partition import equal_slices
+from flodl.data.sample import to_device
+from flodl.logs import one_line
+
+# Hydra's own keys in a `_target_` node: not arguments of the target.
+HYDRA_KEYS = ("_target_", "_partial_", "_recursive_", "_convert_", "_args_")
+_META = torch.device("meta")
+# Per task config and the settings it is checked with: the problems found.
+_PROBED: dict[str, list[str]] = {}
+
+
+def task_problems(
+    cfg: FlodlConfig, task: Mapping[str, Any], world_size: int, whole: bool = True
+) -> list[str]:
+    """What building the task's parts (`task`: its target nodes as plain data) finds wrong for a job of
+    `world_size` ranks; each problem names its key. Not `whole`: the model alone (the config's values
+    are refused already, and the rest would be built on them)."""
+    key = json.dumps([task, world_size, cfg.batch_size, step_samples(cfg), cfg.augment, whole], default=str)
+    if key not in _PROBED:
+        _PROBED[key] = _probe(cfg, task, world_size) if whole else _model_problems(task)[1]
+    return list(_PROBED[key])
+
+
+def _probe(cfg: FlodlConfig, task: Mapping[str, Any], world_size: int) -> list[str]:
+    model, problems = _model_problems(task)
+    data = {}
+    for name in ("train_data", "eval_data"):
+        if task.get(name) is not None:
+            try:
+                data[name] = as_dataset(instantiate(task[name]), f"task.{name}")
+            except Exception as err:
+                problems.append(_failed(f"task.{name}", "building it", err))
+    if "train_data" in data:
+        problems += _epoch_fit_problems(cfg, len(data["train_data"]) * cfg.augment, world_size)
+    if model is not None:
+        problems += _optimizer_problems(cfg, task, model, data.get("eval_data"))
+    return problems
+
+
+def _failed(key: str, what: str, err: BaseException) -> str:
+    """`key: what failed (Error: message)`; Hydra's wrapper of a target's error gives way to the error."""
+    cause = err.__cause__ if isinstance(err, InstantiationException) and err.__cause__ is not None else err
+    message = str(cause)
+    if message.startswith(f"{key}: "):  # flodl's own words already name the key
+        return one_line(message)
+    return f"{key}: {what} failed ({type(cause).__name__}: {one_line(message)})"
+
+
+def _epoch_fit_problems(cfg: FlodlConfig, total_picks: int, world_size: int) -> list[str]:
+    if equal_slices(total_picks, world_size, step_samples(cfg))[0].size > 0:
+        return []
+    return [
+        f"batch_size={cfg.batch_size}: {world_size} rank(s) x {step_words(cfg)} exceeds the {total_picks} "
+        "training picks (task.train_data x augment), so an epoch has no optimizer step"
+    ]
+
+
+def _model_problems(task: Mapping[str, Any]) -> tuple[nn.Module | None, list[str]]:
+    """The model built on the meta device, or why it cannot train."""
+    try:
+        with _META, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch warns about zero-element tensors: reported below
+            model = instantiate(task["model"])
+    except Exception as err:
+        return None, [_failed("task.model", "building it", err)]
+    if not isinstance(model, nn.Module):
+        return None, [f"task.model: expected an nn.Module, got {type(model).__name__}"]
+    capacity = _capacity_problem(model, task["model"])
+    return (None, [capacity]) if capacity is not None else (model, [])
+
+
+def _optimizer_problems(
+    cfg: FlodlConfig, task: Mapping[str, Any], model: nn.Module, eval_data: Any
+) -> list[str]:
+    try:
+        optimizer = instantiate(task["optimizer"])(model.parameters())
+    except Exception as err:
+        return [_failed("task.optimizer", "building it on the model's parameters", err)]
+    problems = []
+    if task.get("scheduler"):
+        try:
+            instantiate(task["scheduler"])(optimizer)
+        except Exception as err:
+            problems.append(_failed("task.scheduler", "building it on the optimizer", err))
+    if eval_data is not None and task.get("eval_fn"):
+        problems += _eval_fn_problems(cfg, task, model, eval_data)
+    return problems
+
+
+def _capacity_problem(model: nn.Module, node: Mapping[str, Any]) -> str | None:
+    """A model whose trainable tensors hold no element."""
+    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    empty = [f"{name} {tuple(p.shape)}" for name, p in params if p.numel() == 0]
+    if params and not empty:
+        return None
+    what = f"parameters with a zero-size dimension: {', '.join(empty)}" if empty else "no trainable parameter"
+    return f"task.model: has {what}; check its width arguments ({given(node)})"
+
+
+def _eval_fn_problems(
+    cfg: FlodlConfig, task: Mapping[str, Any], model: nn.Module, eval_data: Any
+) -> list[str]:
+    """eval_fn on the first eval batch, as the rank's eval calls it; what it returns must be a dict of
+    tensors (per-batch sums, which the eval adds up and divides by the eval samples)."""
+    try:
+        collate = instantiate(task["collate_fn"]) if task.get("collate_fn") else default_collate
+        indices = torch.arange(min(cfg.batch_size, len(eval_data)))
+        batch = read_batch(eval_data, indices, collate)
+        eval_fn = instantiate(task["eval_fn"])
+    except Exception as err:
+        return [_failed("task.eval_data", "reading its first batch", err)]
+    model.eval()
+    try:
+        with torch.no_grad():
+            measured = eval_fn(model, to_device(batch, _META))
+    except Exception:  # the meta device cannot run every eval_fn: its ranks will tell
+        return []
+    tensors = isinstance(measured, Mapping) and all(isinstance(v, torch.Tensor) for v in measured.values())
+    if tensors and measured:
+        return []
+    got = (
+        ", ".join(f"{k}: {type(v).__name__}" for k, v in measured.items()) or "an empty dict"
+        if isinstance(measured, Mapping)
+        else type(measured).__name__
+    )
+    return [
+        f"task.eval_fn: returned {got} for a batch; it must return a dict of tensors, the batch's sums "
+        "by metric name (the eval adds them up over the eval set and divides by its samples)"
+    ]
+
+
+def given(node: Mapping[str, Any]) -> str:
+    """A target node's arguments, as a problem quotes them."""
+    kwargs = {k: v for k, v in node.items() if k not in HYDRA_KEYS}
+    return "given " + (", ".join(f"{k}={v!r}" for k, v in kwargs.items()) or "no arguments")
