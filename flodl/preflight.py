@@ -51,7 +51,7 @@ def preflight(cfg: DictConfig, run_dir: Path | None = None) -> tuple[FlodlConfig
     try:
         # Plain values: a structured node merged as it is keeps a key Hydra's `+` forced into it.
         data = {
-            k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
+            str(k): OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
             for k, v in cfg.items()
             if k != "hydra"
         }
