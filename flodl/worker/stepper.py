@@ -28,7 +28,7 @@ from flodl.metrics.flops import peak_flops, train_flops_per_sample
 from flodl.metrics.scalars import record_scalar
 from flodl.wire.messages import EpochSlice, EvalResult
 from flodl.worker.faults import FaultInjection
-from flodl.worker.graph_storage import CapturedStorage
+from flodl.worker.graph_storage import GRAPH_MODES, CapturedStorage
 from flodl.worker.nonfinite import NonFiniteWatch
 from flodl.worker.task_setup import TaskParts
 
@@ -76,6 +76,10 @@ class Stepper:
         # The model's tensors are final now (the averagers flattened them; a resume loaded them): a graph
         # captured later reads them where they are, and every state write must leave them there.
         self.storage = CapturedStorage(parts.model, settings.compile_mode)
+        # A CUDA graph's replay overwrites the outputs of the one before, gradients included: a gradient kept
+        # as it came out (.grad set from None) would be overwritten by the next micro-batch's backward. Zeroed
+        # in place instead, each backward adds its gradients into the parameter's own .grad at once.
+        self._grads_to_none = settings.compile_mode not in GRAPH_MODES
         # What the reports say of throughput (metrics/flops.py): FLOPs per sample, counted at the first step.
         self._flops_per_sample: float | None = None
         self._peak_flops = peak_flops(device, settings.peak_tflops) or 0.0
@@ -156,7 +160,7 @@ class Stepper:
             self._flops_per_sample = train_flops_per_sample(
                 parts.model, parts.loss_fn, micro_batches[0], self.batch_size
             )
-        parts.optimizer.zero_grad(set_to_none=True)
+        parts.optimizer.zero_grad(set_to_none=self._grads_to_none)
         accumulated = len(micro_batches)
         loss_sum: Tensor | None = None
         for i, batch in enumerate(micro_batches):
