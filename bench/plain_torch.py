@@ -64,9 +64,12 @@ class PlainLoop:
         world: int = 1,
         rank: int = 0,
         wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+        graphs: bool = False,
     ) -> None:
+        """`graphs`: the model is compiled in a mode that captures CUDA graphs."""
         self.batch_size = int(cfg.batch_size)
         self.grad_accum = int(cfg.get("grad_accum", 1))
+        self.graphs = graphs
         self.device, self.seed, self.world, self.rank = device, seed, world, rank
         torch.manual_seed(seed)
         model = instantiate(cfg.task.model).to(device)
@@ -100,8 +103,10 @@ class PlainLoop:
     def train(self, steps: int) -> None:
         """`steps` optimizer steps of `grad_accum` micro-batches each."""
         for _ in range(steps):
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad(set_to_none=not self.graphs)
             for micro in range(self.grad_accum):
+                if self.graphs:  # CUDA graphs: each micro-batch a new replay (gradients are added in place)
+                    torch.compiler.cudagraph_mark_step_begin()
                 last = micro == self.grad_accum - 1
                 with contextlib.nullcontext() if last or self.no_sync is None else self.no_sync():
                     loss = self.loss_fn(self.train_module, self.batch_at(self.step))
@@ -185,7 +190,8 @@ def main() -> None:
             ddp.register_comm_hook(dist.group.WORLD, hook)
         return torch.compile(ddp, mode=args.compile_mode) if args.compile else ddp
 
-    loop = PlainLoop(cfg, device, args.seed, world, rank, wrap)
+    graphs = args.compile and args.compile_mode in ("reduce-overhead", "max-autotune")
+    loop = PlainLoop(cfg, device, args.seed, world, rank, wrap, graphs)
     clock = Clock(device)
     loop.train(args.warmup)
     steps = args.steps

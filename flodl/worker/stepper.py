@@ -78,8 +78,9 @@ class Stepper:
         self.storage = CapturedStorage(parts.model, settings.compile_mode)
         # A CUDA graph's replay overwrites the outputs of the one before, gradients included: a gradient kept
         # as it came out (.grad set from None) would be overwritten by the next micro-batch's backward. Zeroed
-        # in place instead, each backward adds its gradients into the parameter's own .grad at once.
-        self._grads_to_none = settings.compile_mode not in GRAPH_MODES
+        # in place instead, each backward adds its gradients into the parameter's own .grad at once, and each
+        # micro-batch begins a new replay.
+        self._graphs = settings.compile_mode in GRAPH_MODES
         # What the reports say of throughput (metrics/flops.py): FLOPs per sample, counted at the first step.
         self._flops_per_sample: float | None = None
         self._peak_flops = peak_flops(device, settings.peak_tflops) or 0.0
@@ -160,10 +161,12 @@ class Stepper:
             self._flops_per_sample = train_flops_per_sample(
                 parts.model, parts.loss_fn, micro_batches[0], self.batch_size
             )
-        parts.optimizer.zero_grad(set_to_none=self._grads_to_none)
+        parts.optimizer.zero_grad(set_to_none=not self._graphs)
         accumulated = len(micro_batches)
         loss_sum: Tensor | None = None
         for i, batch in enumerate(micro_batches):
+            if self._graphs:  # a new replay: nothing of the last one is read again (gradients were added)
+                torch.compiler.cudagraph_mark_step_begin()
             no_sync = self._no_sync if i < accumulated - 1 else None
             with no_sync() if no_sync is not None else contextlib.nullcontext():
                 with self.autocast():
