@@ -78,6 +78,11 @@ class PlainLoop:
         self.scheduler = instantiate(scheduler)(self.optimizer) if scheduler else None
         self.loss_fn = direct_callable(instantiate(cfg.task.loss))
         self.data = instantiate(cfg.task.train_data)
+        if (
+            graphs
+        ):  # gradients in tensors of the parameters' own, zeroed in place (a replay overwrites its outputs)
+            for param in model.parameters():
+                param.grad = torch.zeros_like(param)
         self.train_module = wrap(model) if wrap is not None else model
         self.train_module.train()
         self.batches_per_epoch = len(self.data) // (self.batch_size * world)

@@ -77,10 +77,13 @@ class Stepper:
         # captured later reads them where they are, and every state write must leave them there.
         self.storage = CapturedStorage(parts.model, settings.compile_mode)
         # A CUDA graph's replay overwrites the outputs of the one before, gradients included: a gradient kept
-        # as it came out (.grad set from None) would be overwritten by the next micro-batch's backward. Zeroed
-        # in place instead, each backward adds its gradients into the parameter's own .grad at once, and each
-        # micro-batch begins a new replay.
+        # as it came out (.grad set from None) would be overwritten by the next replay. Held in tensors of
+        # the parameters' own and zeroed in place, each backward adds its gradients into them at once, and
+        # each micro-batch begins a new replay.
         self._graphs = settings.compile_mode in GRAPH_MODES
+        if self._graphs:
+            for param in self.params:
+                param.grad = torch.zeros_like(param)
         # What the reports say of throughput (metrics/flops.py): FLOPs per sample, counted at the first step.
         self._flops_per_sample: float | None = None
         self._peak_flops = peak_flops(device, settings.peak_tflops) or 0.0
