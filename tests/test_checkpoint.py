@@ -76,7 +76,7 @@ def test_a_checkpoint_whose_manifest_does_not_list_every_part_is_incomplete_and_
     store = CheckpointDir(tmp_path, keep=3)
     write_checkpoint(store, 1)
     write_checkpoint(store, 2)
-    newest = store.root / "epoch-000002"
+    newest = store.root / "epoch-000003"  # epoch index 2: after epoch 3, as lines count
     manifest = json.loads((newest / MANIFEST_FILE).read_text())
     manifest["files"] = {k: v for k, v in manifest["files"].items() if k not in unlisted}
     (newest / MANIFEST_FILE).write_text(json.dumps(manifest))

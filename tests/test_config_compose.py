@@ -45,6 +45,7 @@ OVERRIDES = [
     ("precision=bf16", "precision", "bf16", str),
     ("compile=true", "compile", True, bool),
     ("compile_mode=max-autotune", "compile_mode", "max-autotune", str),
+    ("peak_tflops=989", "peak_tflops", 989.0, float),
     ("max_grad_norm=1.0", "max_grad_norm", 1.0, float),
     ("lr_scale_ratio=0.25", "lr_scale_ratio", 0.25, float),
     ("eval_every=2", "eval_every", 2, int),

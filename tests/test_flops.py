@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from flodl.metrics.flops import PEAK_BF16_TFLOPS, peak_flops, train_flops_per_sample
+from flodl.metrics.scalars import drain_scalars, record_scalar
 from flodl.tasks.classification import cross_entropy_loss
 from flodl.tasks.gpt import GPT, next_token_loss
 
@@ -16,7 +17,14 @@ def test_a_counted_model_costs_three_forward_passes_and_counting_leaves_no_trace
     batch = [torch.randn(4, 8), torch.tensor([0, 1, 0, 1])]
     stats = model[1].running_mean.clone()
     generator_state = torch.get_rng_state()
-    flops = train_flops_per_sample(model, cross_entropy_loss, batch, 4)
+    record_scalar("mine", 1.0)
+
+    def recording_loss(model: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
+        record_scalar("mine", 5.0)
+        return cross_entropy_loss(model, batch)
+
+    flops = train_flops_per_sample(model, recording_loss, batch, 4)
+    assert drain_scalars() == {"mine": [1.0, 1.0]}  # the loss's values from the count are left out
     # Forward matmuls: 2·8·16 + 2·16·2 per sample; the step is three times that.
     assert flops == 3 * (2 * 8 * 16 + 2 * 16 * 2)
     assert torch.equal(model[1].running_mean, stats) and model.training

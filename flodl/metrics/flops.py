@@ -6,7 +6,8 @@ large-model papers), so MFU compares runs, frameworks and settings fairly.
 
 - FLOPs per sample: the model's own formula when it has one (`train_flops(batch)`, e.g. 6N + 12·L·d·T per
   token for a GPT), else three times its forward pass as torch's FlopCounterMode counts it on the first
-  batch (the backward pass costs about twice the forward).
+  batch (the backward pass costs about twice the forward): the task's loss is called once more on that
+  batch, without gradients, in eval mode, its random draws and `record_scalar` values left out.
 - Peak: a device's dense bf16 tensor-core throughput, from the table below by the CUDA device's name;
   `peak_tflops` sets it (a device not in the table, or another convention). No CUDA device, or one not in
   the table and no override: MFU is not known, and the run says so once.
@@ -20,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
+
+from flodl.metrics.scalars import scalars_ignored
 
 # Dense bf16 tensor-core TFLOPS by device name (the vendor's datasheet figures, without sparsity). Looked up
 # by the first entry contained in torch.cuda.get_device_name(): longer names first.
@@ -64,7 +67,7 @@ def train_flops_per_sample(
     was_training = model.training
     counter = FlopCounterMode(display=False)
     try:
-        with torch.random.fork_rng(devices=devices), torch.no_grad(), counter:
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), scalars_ignored(), counter:
             model.eval()
             loss_fn(model, batch)
     finally:

@@ -7,6 +7,8 @@ chunk report (one read per chunk) and rank 0 reports the per-epoch mean over eve
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from torch import Tensor
 
@@ -24,6 +26,16 @@ def record_scalar(name: str, value: Tensor | float) -> None:
     entry = _store().setdefault(name, [0.0, 0])
     entry[0] = entry[0] + (value.detach().float() if isinstance(value, Tensor) else float(value))
     entry[1] += 1
+
+
+@contextmanager
+def scalars_ignored() -> Iterator[None]:
+    """Within: what `record_scalar` records is dropped (a pass that is no training step: FLOPs counting)."""
+    kept = {name: list(entry) for name, entry in _store().items()}
+    try:
+        yield
+    finally:
+        _local.sums = kept
 
 
 def drain_scalars() -> dict[str, list[float]]:
