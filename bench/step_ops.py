@@ -82,7 +82,7 @@ def flodl_run(task: str, overrides: list[str], device: torch.device) -> Callable
         )
     cfg = to_config(raw)
     parts = build_task(task_settings(cfg), device, 1)
-    stepper = Stepper(stepper_settings(cfg, RankEnv(0, 1, 0, 1)), parts, device, parts.model)
+    stepper = Stepper(stepper_settings(cfg, RankEnv(0, 1, 0, 1), device.type), parts, device, parts.model)
     link = RankLink(0, 1, None, None)  # type: ignore[arg-type]
     worker = SyncWorker(stepper, link, worker_settings(cfg), bf16_wire=False, checkpointer=None)
     epochs = iter(range(1_000_000))

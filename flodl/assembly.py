@@ -27,6 +27,7 @@ from flodl.config.host import RankEnv, stage_dir_of
 from flodl.config.policy import (
     averages_parameters,
     checkpoint_epochs,
+    compile_mode_for,
     easgd_alpha_of,
     guarded,
     step_samples,
@@ -89,7 +90,9 @@ def data_plane_settings(cfg: FlodlConfig, ranks_on_host: int) -> DataPlaneSettin
     )
 
 
-def stepper_settings(cfg: FlodlConfig, env: RankEnv, first_start: bool = True) -> StepperSettings:
+def stepper_settings(
+    cfg: FlodlConfig, env: RankEnv, device_type: str, first_start: bool = True
+) -> StepperSettings:
     """`first_start`: false for a rank restarted under fault_tolerance=survive, which injects no fault."""
     sim = cfg.simulate
 
@@ -108,7 +111,7 @@ def stepper_settings(cfg: FlodlConfig, env: RankEnv, first_start: bool = True) -
         ),
         grad_accum=cfg.grad_accum,
         precision=cfg.precision,
-        compile_mode=cfg.compile_mode if cfg.compile else None,
+        compile_mode=compile_mode_for(cfg, device_type, env.world_size),
         peak_tflops=cfg.peak_tflops,
     )
 
@@ -203,7 +206,7 @@ def make_worker(
             wrap = functools.partial(_ddp, cfg, parts, device)
             lockstep = LockstepSurvival(survival, wrap)
         train_module = _ddp(cfg, parts, device) if world_size > 1 and survival is None else parts.model
-        stepper = Stepper(stepper_settings(cfg, env, first_start), parts, device, train_module)
+        stepper = Stepper(stepper_settings(cfg, env, device.type, first_start), parts, device, train_module)
         checkpoints = checkpointer(stepper)
         return SyncWorker(stepper, link, settings, cfg.bf16_wire, checkpoints, cfg.lr_scale_ratio, lockstep)
     outer = OuterSettings.resolve(cfg.outer, cfg.outer_lr, cfg.outer_momentum)
@@ -218,7 +221,7 @@ def make_worker(
         averager = DeviceAverager(parts.model, cfg.gamma, device, cfg.bf16_wire, outer, keeps_own, membership)
     # Built (and compiled) after the averager re-pointed the parameters into its flat buffers: compiled
     # graphs read them there, so each round's in-place update is what the next step sees.
-    stepper = Stepper(stepper_settings(cfg, env, first_start), parts, device, parts.model)
+    stepper = Stepper(stepper_settings(cfg, env, device.type, first_start), parts, device, parts.model)
     keep_training = cfg.backend == "cpu" and cfg.policy == "async"
     alpha = easgd_alpha_of(cfg)
     return LocalSgdWorker(

@@ -45,7 +45,7 @@ from flodl.assembly import (
 from flodl.checkpoint import MODEL_FILE, CheckpointError, save_model
 from flodl.cluster_env import adopt_scheduler_environ
 from flodl.config.host import HostFacts, RankEnv
-from flodl.config.policy import collective_backend, step_samples, step_words
+from flodl.config.policy import collective_backend, compile_mode_for, step_samples, step_words
 from flodl.config.rules import ConfigError
 from flodl.config.schema import FlodlConfig, to_config
 from flodl.coordinator.coordinator import Coordinator, RankHung, TooFewRanks
@@ -447,7 +447,7 @@ def _run_rank(config: dict[str, Any], info_fields: dict[str, Any], self_launched
                 return
 
         if env.rank == 0:
-            _log_plan(cfg, env.world_size)
+            _log_plan(cfg, env.world_size, device.type)
             has_eval = parts.eval_data is not None
             reader = InboxReader(connect(COORDINATOR))
             outbox = connect(COORDINATOR)
@@ -556,12 +556,12 @@ def _stopped_line(signum: int, cfg: FlodlConfig, run_dir: Path, info: RunInfo) -
     return f"stopped by {signal.Signals(signum).name}: {where}; resume with: {resume}"
 
 
-def _log_plan(cfg: FlodlConfig, world_size: int) -> None:
+def _log_plan(cfg: FlodlConfig, world_size: int, device_type: str) -> None:
     factor = lr_scale_factor(world_size, cfg.lr_scale_ratio)
     log.info(
         "policy=%s world=%d batch=%s/rank (global %d) lr x%.3g (lr_scale_ratio=%g) precision=%s compile=%s",
         cfg.policy, world_size, step_words(cfg), step_samples(cfg) * world_size, factor,
-        cfg.lr_scale_ratio, cfg.precision, cfg.compile_mode if cfg.compile else "off",
+        cfg.lr_scale_ratio, cfg.precision, compile_mode_for(cfg, device_type, world_size) or "off",
     )  # fmt: skip
 
 

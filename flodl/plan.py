@@ -13,7 +13,13 @@ import torch
 from hydra.utils import instantiate
 
 from flodl.config.host import HostFacts
-from flodl.config.policy import averages_parameters, collective_backend, step_samples, step_words
+from flodl.config.policy import (
+    averages_parameters,
+    collective_backend,
+    compile_mode_for,
+    step_samples,
+    step_words,
+)
 from flodl.config.rules import GIB
 from flodl.config.schema import FlodlConfig
 from flodl.data.feeder import DataPlaneSettings, staging_budgets
@@ -52,6 +58,18 @@ def model_size(cfg: FlodlConfig) -> ModelSize:
     )
 
 
+def compile_words(cfg: FlodlConfig, device_type: str, world: int) -> str:
+    """The compile mode the run takes, and why when compile_mode=auto chose it."""
+    mode = compile_mode_for(cfg, device_type, world)
+    if cfg.compile_mode != "auto":
+        return str(mode)
+    if mode == "reduce-overhead":
+        return "reduce-overhead: auto, CUDA graphs on a GPU"
+    if device_type != "cuda":
+        return "default: auto, on the CPU"
+    return "default: auto, sync over NCCL with several ranks (CUDA graphs not measured there)"
+
+
 def describe(cfg: FlodlConfig, host: HostFacts, data: DataPlaneSettings) -> str:
     """`data`: the data plane settings the run would map for this host (flodl/assembly.py)."""
     size = model_size(cfg)
@@ -71,7 +89,8 @@ def describe(cfg: FlodlConfig, host: HostFacts, data: DataPlaneSettings) -> str:
     if uses_gpu and host.ranks_per_node > host.gpus:
         devices += f" (shared: rank r on cuda:(r mod {host.gpus}), up to "
         devices += f"{-(-host.ranks_per_node // host.gpus)} ranks per GPU)"
-    backend = collective_backend(cfg.backend, "cuda" if uses_gpu else "cpu")
+    device_type = "cuda" if uses_gpu else "cpu"
+    backend = collective_backend(cfg.backend, device_type)
     unit = "averaging round" if averages_parameters(cfg) else "step (DDP gradients)"
     lines = [
         "flodl plan (nothing was started)",
@@ -88,7 +107,7 @@ def describe(cfg: FlodlConfig, host: HostFacts, data: DataPlaneSettings) -> str:
         f"  policy          {cfg.policy} on backend={cfg.backend}, batch {step_words(cfg)}/rank "
         f"(global {step_samples(cfg) * world}), {cfg.epochs} epochs, seed {cfg.seed}",
         f"  step            precision={cfg.precision}, compile="
-        + (f"true (mode {cfg.compile_mode})" if cfg.compile else "false"),
+        + (f"true (mode {compile_words(cfg, device_type, world)})" if cfg.compile else "false"),
     ]
     if cfg.policy != "sync":
         lines.append(

@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from flodl.config.host import HostFacts
+from flodl.config.policy import compile_mode_for
 from flodl.config.rules import GIB, LOCAL_SGD_KNOBS, NOT_IMPLEMENTED, ConfigError, validate
 from flodl.config.schema import FlodlConfig, to_config
 from flodl.config.targets import list_target_problems
@@ -93,7 +94,7 @@ RANGE_CASES = [
     ("augment", 10**9, "must be in [1, 4096]"),
     ("grad_accum", 0, "must be >= 1 micro-batches per optimizer step"),
     ("precision", "fp8", "must be one of fp32, bf16, fp16"),
-    ("compile_mode", "fastest", "must be one of default, lite, reduce-overhead"),
+    ("compile_mode", "fastest", "must be one of auto, default, lite, reduce-overhead"),
     ("eval_every", -1, "must be >= 0"),
     ("max_grad_norm", 0.0, "must be a finite value > 0"),
     ("max_grad_norm", -1.0, "must be a finite value > 0"),
@@ -605,3 +606,19 @@ def test_survive_refuses_torchrun_s_agent_with_several_ranks_per_host():
     # Ranks started one by one (RANK / WORLD_SIZE set, no agent), or one rank per torchrun: allowed.
     assert problems_of(survive, dataclasses.replace(agent, elastic_agent=False)) == []
     assert problems_of(survive, dataclasses.replace(agent, ranks_per_node=1)) == []
+
+
+@pytest.mark.parametrize(
+    ("overrides", "device", "world", "mode"),
+    [
+        ({"compile": False}, "cuda", 1, None),
+        ({"compile": True}, "cpu", 2, "default"),  # CUDA graphs need CUDA
+        ({"compile": True}, "cuda", 1, "reduce-overhead"),
+        ({"compile": True, "policy": "cadence"}, "cuda", 4, "reduce-overhead"),
+        ({"compile": True, "policy": "sync", "backend": "cpu"}, "cuda", 2, "reduce-overhead"),
+        ({"compile": True, "policy": "sync"}, "cuda", 2, "default"),  # over NCCL: not measured yet
+        ({"compile": True, "compile_mode": "max-autotune"}, "cpu", 1, "max-autotune"),  # asked for: kept
+    ],
+)
+def test_compile_mode_auto_takes_cuda_graphs_where_they_are_measured_safe(overrides, device, world, mode):
+    assert compile_mode_for(make(**overrides), device, world) == mode

@@ -20,6 +20,21 @@ def collective_backend(backend: str, device_type: str) -> str:
     return "nccl" if backend == "nccl" and device_type == "cuda" else "gloo"
 
 
+def compile_mode_for(cfg: FlodlConfig, device_type: str, world_size: int) -> str | None:
+    """torch.compile's mode for the run (None: compile=false). compile_mode=auto takes the fastest mode that
+    is safe here: CUDA graphs (reduce-overhead) on a GPU (measured on one H200: ResNet-20 2.0x and GPT-nano
+    2.8x eager, a GPT-2-small as fast as default), but sync over NCCL with several ranks, not measured yet."""
+    if not cfg.compile:
+        return None
+    if cfg.compile_mode != "auto":
+        return cfg.compile_mode
+    if device_type != "cuda":
+        return "default"
+    if cfg.policy == "sync" and collective_backend(cfg.backend, device_type) == "nccl" and world_size > 1:
+        return "default"
+    return "reduce-overhead"
+
+
 def step_samples(cfg: FlodlConfig) -> int:
     """Samples per rank per optimizer step: the batch the coordinator plans in (ElChe, windows, metrics and
     the LR clock count optimizer steps); a worker trains it as `grad_accum` micro-batches of batch_size."""

@@ -290,7 +290,7 @@ def _cross_field_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
             f"fp16 autocast with a GradScaler needs CUDA (device={cfg.device}, {host.gpus} GPU(s) visible); "
             "use precision=bf16 on CPU",
         )
-    chosen_mode = cfg.compile_mode != "default" and cfg.compile_mode in COMPILE_MODES  # unknown: named above
+    chosen_mode = cfg.compile_mode != "auto" and cfg.compile_mode in COMPILE_MODES  # unknown: named above
     if chosen_mode and not cfg.compile:
         yield _problem(
             "compile_mode", cfg.compile_mode, "applies to compile=true; set compile=true or drop it"

@@ -23,7 +23,7 @@ ON_NONFINITE = ("error", "skip")
 FAULT_TOLERANCE = ("none", "survive")
 PRECISIONS = ("fp32", "bf16", "fp16")
 # torch.compile's modes (torch._inductor.list_mode_options()).
-COMPILE_MODES = ("default", "lite", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+COMPILE_MODES = ("auto", "default", "lite", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 @dataclass
@@ -160,9 +160,11 @@ class FlodlConfig:
     # Autocast of the forward pass: fp32 (off), bf16, or fp16 with a GradScaler (CUDA only). Parameters,
     # optimizer state, the consensus and checkpoints stay float32.
     precision: str = "fp32"
-    # torch.compile the training module (DDP under sync); compile_mode is torch.compile's `mode`.
+    # torch.compile the training module (DDP under sync); compile_mode is torch.compile's `mode`, or auto:
+    # reduce-overhead (CUDA graphs) on a GPU, where it measured fastest (never slower than default), except
+    # sync over NCCL with several ranks (not measured there yet: default); default on the CPU.
     compile: bool = False
-    compile_mode: str = "default"
+    compile_mode: str = "auto"
     # One device's dense bf16 peak in TFLOPS, for MFU (null: flodl's table of known GPUs; MFU is not known
     # on a device it lacks, the CPU included).
     peak_tflops: float | None = None
