@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import os
 import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -169,6 +170,11 @@ def _bind_problems(node: Any, key: str) -> list[str]:
 
 
 def _path_problems(cfg: FlodlConfig, run_dir: Path | None) -> Iterator[str]:
+    if cfg.resume not in ("auto", "never") and not os.path.isdir(cfg.resume):
+        yield (
+            f"resume={cfg.resume!r}: must be auto, never, or an existing checkpoint dir "
+            "(checkpoints/epoch-NNNNNN) or run dir"
+        )
     paths = [("save_path", cfg.save_path), ("hydra.run.dir", None if run_dir is None else str(run_dir))]
     if cfg.disk_stage_gb > 0:
         paths.append(("disk_stage_dir", stage_dir_of(cfg.disk_stage_dir)))

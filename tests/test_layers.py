@@ -224,3 +224,18 @@ def test_a_fresh_interpreter_importing_the_rules_has_not_loaded_torch():
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
     )
     assert out.stdout.strip() == "False"
+
+
+def test_the_rules_read_no_files():
+    """The rules judge values and the host facts they are handed; what touches the filesystem (writable paths,
+    the checkpoint `resume` names) is the preflight's (flodl/preflight.py)."""
+    tree = ast.parse((PACKAGE / "config" / "rules.py").read_text())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert not imported & {"os", "os.path", "pathlib", "shutil", "tempfile", "glob"}, imported
+    calls = [
+        node.func.id
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+    ]
+    assert "open" not in calls

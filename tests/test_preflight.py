@@ -93,6 +93,7 @@ INVALID: list[tuple[tuple[str, ...], str]] = [
     (("device=gpu",), "device"),
     # writable paths
     ((f"save_path={FILE}/ckpt", "checkpoint_every=1"), "save_path"),
+    ((f"save_path={FILE}", "checkpoint_every=1"), "save_path"),
     (("disk_stage_gb=1", f"disk_stage_dir={FILE}"), "disk_stage_dir"),
     ((f"hydra.run.dir={FILE}/run",), "hydra.run.dir"),
     (("resume=/nonexistent/run",), "resume"),

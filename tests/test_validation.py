@@ -128,7 +128,6 @@ RANGE_CASES = [
     ("heartbeat_timeout_s", 0.001, "must be in [1, 604800] seconds"),
     ("heartbeat_timeout_s", INF, "must be in [1, 604800] seconds"),
     ("on_nonfinite", "ignore", "must be one of error, skip"),
-    ("resume", "/no/such/run", "must be auto, never, or an existing checkpoint dir"),
     ("launch.max_restarts", -1, "must be >= 0"),
     ("simulate.nan_at_step", 0, "must be >= 1 (a 1-based step)"),
     ("simulate.hang_at_step", 0, "must be >= 1 (a 1-based step)"),
@@ -526,14 +525,6 @@ def test_restarts_under_torchrun_are_torchruns_to_count():
     assert (
         problems_of(make(**{"launch.max_restarts": 2, "launch.nproc_per_node": 2}), host(world_size=2)) == []
     )
-
-
-def test_save_path_must_not_be_a_file(tmp_path):
-    file = tmp_path / "model.pt"
-    file.write_bytes(b"")
-    assert_problem(problems_of(make(save_path=str(file))), "save_path", str(file), "is not a directory")
-    fine = make(save_path=str(tmp_path / "new"), resume=str(tmp_path), checkpoint_every=1)
-    assert problems_of(fine) == []
 
 
 def test_fp16_needs_cuda_and_says_to_use_bf16():

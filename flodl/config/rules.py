@@ -7,7 +7,6 @@ without the hardware. All violations are reported together, each naming key, val
 from __future__ import annotations
 
 import math
-import os
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import fields
@@ -303,7 +302,6 @@ def _cross_field_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
         yield from _gamma_problems(cfg, host.world_size)
     yield from _survive_problems(cfg, host)
     yield from _do_nothing_problems(cfg, host)
-    yield from _persistence_problems(cfg)
     yield from _debug_problems(cfg)
     yield from _disk_problems(cfg, host)
     yield from _loader_problems(cfg)
@@ -382,17 +380,6 @@ def _do_nothing_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
     if cfg.disk_stage_gb > 0 and cfg.disk_stage_dir is not None and not cfg.disk_stage_dir.strip():
         yield _problem(
             "disk_stage_dir", cfg.disk_stage_dir, "is empty: name a directory, or null for the default"
-        )
-
-
-def _persistence_problems(cfg: FlodlConfig) -> Iterator[str]:
-    if cfg.save_path is not None and os.path.exists(cfg.save_path) and not os.path.isdir(cfg.save_path):
-        yield _problem("save_path", cfg.save_path, "exists and is not a directory")
-    if cfg.resume not in ("auto", "never") and not os.path.isdir(cfg.resume):
-        yield _problem(
-            "resume",
-            cfg.resume,
-            "must be auto, never, or an existing checkpoint dir (checkpoints/epoch-NNNNNN) or run dir",
         )
 
 
