@@ -30,6 +30,7 @@ from flodl.config.policy import (
     compile_mode_for,
     easgd_alpha_of,
     guarded,
+    heartbeat_timeout_of,
     step_samples,
 )
 from flodl.config.rules import GIB
@@ -244,10 +245,10 @@ def make_survival(
     incarnation = exchange.add(f"incarnation/{env.rank}", 1) - 1
     # gloo has no abort: its timeout bounds a collective (or a group's forming) that a member left without
     # closing its sockets. NCCL's is aborted instead, and its watchdog must not fire on a slow first round.
-    timeout_s = cfg.launch.timeout_s if backend == "nccl" else max(3 * cfg.heartbeat_timeout_s, 10.0)
+    timeout_s = cfg.launch.timeout_s if backend == "nccl" else max(3 * heartbeat_timeout_of(cfg), 10.0)
     membership = AveragingGroup(exchange, backend, env.rank, device, timeout_s)
     # A rank whose round failed hears who is still in once the coordinator has seen the silence.
-    wait_s = 2 * cfg.heartbeat_timeout_s + 10
+    wait_s = 2 * heartbeat_timeout_of(cfg) + 10
     return Survival(membership, reader, incarnation, wait_s)
 
 
@@ -298,7 +299,7 @@ def make_coordinator(
         from flodl.metrics.wandb_sink import WandbSink
 
         sinks.append(WandbSink(wandb_settings(cfg), info, config, cfg.policy))
-    monitor = HeartbeatMonitor(world_size, cfg.heartbeat_timeout_s, started=0.0)
+    monitor = HeartbeatMonitor(world_size, heartbeat_timeout_of(cfg), started=0.0)
     saver = None if averages_parameters(cfg) else consensus_saver(*rank0_model, run_dir / HANG_MODEL_FILE)
     run = Run(run_dir, cfg.policy, world_size, cfg.epochs, config)
     hooks = Hooks(build_callbacks(cfg.callbacks), run)

@@ -45,7 +45,13 @@ from flodl.assembly import (
 from flodl.checkpoint import MODEL_FILE, CheckpointError, save_model
 from flodl.cluster_env import adopt_scheduler_environ
 from flodl.config.host import HostFacts, RankEnv
-from flodl.config.policy import collective_backend, compile_mode_for, step_samples, step_words
+from flodl.config.policy import (
+    collective_backend,
+    compile_mode_for,
+    heartbeat_timeout_of,
+    step_samples,
+    step_words,
+)
 from flodl.config.rules import ConfigError
 from flodl.config.schema import FlodlConfig, to_config
 from flodl.coordinator.coordinator import Coordinator, RankHung, TooFewRanks
@@ -473,7 +479,7 @@ def _run_rank(config: dict[str, Any], info_fields: dict[str, Any], self_launched
         worker = make_worker(cfg, parts, env, device, inbox, outbox, run_dir, keeps_evaluated, survival)
         if checkpoint is not None:
             restore_worker(checkpoint, worker)
-        interval = beat_interval(cfg.heartbeat_timeout_s)
+        interval = beat_interval(heartbeat_timeout_of(cfg))
         heartbeat = HeartbeatSender(env.rank, connect(env.rank), interval, lambda: worker.stepper.steps_total)
         heartbeat.start()
         watch = StopWatch(connect(env.rank))
@@ -482,7 +488,7 @@ def _run_rank(config: dict[str, Any], info_fields: dict[str, Any], self_launched
         if env.rank != 0:  # its store client gives up within a beat: the store may live in frozen rank 0
             quick = Mailbox.connect(group.store_host, group.store_port, namespace, env.rank, interval)
             on_hang = functools.partial(_stop_on_hang, run_dir, info.uid, env)
-            rank0_watch = Rank0Watch(quick, cfg.heartbeat_timeout_s, interval, on_hang)
+            rank0_watch = Rank0Watch(quick, heartbeat_timeout_of(cfg), interval, on_hang)
             rank0_watch.start()
         try:
             worker.run(alive=lambda: _raise_if_failed(coordinator))

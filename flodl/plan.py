@@ -17,6 +17,7 @@ from flodl.config.policy import (
     averages_parameters,
     collective_backend,
     compile_mode_for,
+    heartbeat_timeout_of,
     step_samples,
     step_words,
 )
@@ -140,7 +141,7 @@ def faults_line(cfg: FlodlConfig) -> str:
     if cfg.fault_tolerance == "survive":
         what = (
             f"survive: the others train on without a dead rank (min_ranks={cfg.min_ranks}); a self-launched "
-            f"rank restarts alone, up to {cfg.launch.max_restarts} time(s)"
+            f"rank restarts alone, up to {cfg.launch.max_restarts} time(s), and is cut the moment it exits"
         )
     else:
         what = "a dead rank ends the job" + (
@@ -148,7 +149,7 @@ def faults_line(cfg: FlodlConfig) -> str:
             if cfg.launch.max_restarts
             else ""
         )
-    return f"  faults          {what}; a rank silent for {cfg.heartbeat_timeout_s:g} s counts as dead"
+    return f"  faults          {what}; a rank silent for {heartbeat_timeout_of(cfg):g} s counts as dead"
 
 
 def staging_lines(settings: DataPlaneSettings, host: HostFacts) -> list[str]:

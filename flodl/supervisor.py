@@ -27,7 +27,7 @@ from typing import Any
 
 from torch.distributed import TCPStore
 
-from flodl.wire.membership import cut_key
+from flodl.wire.membership import cut_key, post_exit
 from flodl.wire.stop import STOP_SIGNALS, Stopped
 
 log = logging.getLogger("flodl")
@@ -256,6 +256,8 @@ class _Supervisor:
             return False
         who = f"rank {rank.rank} (pid {pid}, incarnation {rank.incarnation})"
         how = f"was cut by the coordinator ({ended.cause})" if ended.cut else f"died ({ended.cause})"
+        if not ended.cut and stop is None:  # the coordinator cuts it now, not after a heartbeat timeout
+            post_exit(self.store, rank.rank, ended.incarnation, ended.cause)
         if stop is not None and not ended.cut:
             log.warning("%s stopped on %s; it is not started again", who, signal_name(stop))
         elif rank.restarts_left > 0:

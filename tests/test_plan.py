@@ -71,7 +71,9 @@ def test_plan_says_what_a_dead_rank_does_to_the_run():
     assert "self-launched: every rank restarts, up to 2 time(s)" in restarts
     survive = plan_of(policy="async", fault_tolerance="survive", min_ranks=2, heartbeat_timeout_s=5)
     assert "survive: the others train on without a dead rank (min_ranks=2)" in survive
-    assert "silent for 5 s" in survive
+    assert "is cut the moment it exits; a rank silent for 5 s counts as dead" in survive
+    # Unset, the timeout is 10 s under survive (exits are seen at once; it is for a frozen rank), else 60 s.
+    assert "silent for 10 s" in plan_of(policy="async", fault_tolerance="survive")
 
 
 def test_plan_warns_when_the_ranks_outnumber_the_cores_they_run_on():

@@ -23,7 +23,7 @@ from torch.distributed import TCPStore
 from flodl import supervisor
 from flodl.supervisor import RankExit, SupervisedRankFailure, supervise
 from flodl.wire.group import loopback_store
-from flodl.wire.membership import cut_key
+from flodl.wire.membership import ExitReader, cut_key
 from flodl.wire.stop import Stopped
 from tests.helpers.supervised import RELEASE, VARIABLES, pid_key, rank_main
 
@@ -168,6 +168,9 @@ def test_a_dead_or_cut_rank_alone_is_started_again_and_the_others_train_on(
         exits = run(store, tmp_path, {1: "kill", 2: "hang"}, WORLD, max_restarts)
 
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
+    # The coordinator hears of rank 1's death at once; not of rank 2's, which it cut itself.
+    posted = [(e["rank"], e["incarnation"], e["cause"]) for e in ExitReader(store).new()]
+    assert posted == [(1, 0, "signal SIGKILL")], posted
     expected = [
         RankExit(0, 0, 0, None),
         RankExit(1, 0, None, "SIGKILL"),

@@ -32,13 +32,12 @@ from tests.helpers.procs import (
 
 pytestmark = pytest.mark.multiproc
 
-COMMON = (
-    "launch.nproc_per_node=3",
-    FAST_START,
-    "fault_tolerance=survive",
-    "heartbeat_timeout_s=2",
-    "hydra.run.dir=run",
-)
+COMMON = ("launch.nproc_per_node=3", FAST_START, "fault_tolerance=survive", "hydra.run.dir=run")
+# A rank that exits is cut at once (its supervisor says so); one that is frozen, or has no supervisor (ranks
+# started one by one), after the heartbeat timeout: short here.
+QUICK_HEARTBEAT = "heartbeat_timeout_s=2"
+# The cut of a rank whose process ended, as its supervisor saw it.
+EXITED = "its process ended: signal SIGKILL"
 
 
 def survive_run(
@@ -125,6 +124,7 @@ def test_a_killed_rank_is_cut_out_restarted_and_admitted_back(
     records = check_every_epoch_once(run)
     events = membership(run)
     assert [(e["event"], e["rank"]) for e in events] == [("rank_cut", 1), ("rank_admitted", 1)], events
+    assert events[0]["why"] == EXITED, events[0]  # at once, as its supervisor saw it: no heartbeat waited out
     for event in events:
         assert event["first_round_s"] >= event["formed_s"] >= 0
     assert "rank 1 is out" in result.out
@@ -141,7 +141,7 @@ def test_a_killed_rank_is_cut_out_restarted_and_admitted_back(
 
 def test_a_frozen_rank_is_cut_the_rest_finish_and_resume_after_it(tmp_path: Path) -> None:
     frozen = ("policy=cadence", "simulate.hang_rank=2", "simulate.hang_at_step=5", "checkpoint_every=1")
-    result, run = survive_run(tmp_path, 4, 32, *frozen, "launch.max_restarts=0")
+    result, run = survive_run(tmp_path, 4, 32, *frozen, QUICK_HEARTBEAT, "launch.max_restarts=0")
     result.check()
     started = pids(result.out)
     assert all(len(started[r]) == 1 for r in range(3)), started
@@ -174,7 +174,7 @@ def test_too_few_ranks_left_stops_with_the_consensus_saved(tmp_path: Path, polic
     assert result.code != 0 and not result.timed_out, result.out[-4000:]
     # A planned stop, in one line naming min_ranks: no traceback, no "rank 0 failed".
     lines = result.err.strip().splitlines()
-    planned = "flodl: only 2 rank(s) left ([0, 2]) after rank 1 was cut"
+    planned = f"flodl: only 2 rank(s) left ([0, 2]) after rank 1 was cut ({EXITED})"
     assert len(lines) == 1 and lines[0].startswith(planned), result.err[-6000:]
     assert "min_ranks=3" in lines[0] and f"consensus is saved as {run / 'model.pt'}" in lines[0], lines[0]
     assert "Traceback" not in result.out and "failed" not in lines[0], result.out[-4000:]
@@ -188,8 +188,8 @@ def test_ranks_started_one_by_one_survive_and_a_restart_is_admitted(tmp_path: Pa
     supervisor); rank 0 hosts the store. The test is rank 2's restart loop."""
     port = free_port()
     args = [
-        PYTHON, TRAIN, *COMMON[2:], "policy=cadence", f"epochs={EPOCHS_AT_MOST}", "batch_size=8",
-        "simulate.kill_rank=2", "simulate.kill_at_step=4", STOP_ONCE_ADMITTED, "eval_every=0",
+        PYTHON, TRAIN, *COMMON[2:], QUICK_HEARTBEAT, "policy=cadence", f"epochs={EPOCHS_AT_MOST}",
+        "batch_size=8", "simulate.kill_rank=2", "simulate.kill_at_step=4", STOP_ONCE_ADMITTED, "eval_every=0",
     ]  # fmt: skip
 
     def rank(r: int) -> subprocess.Popen:
@@ -233,7 +233,7 @@ def test_a_rank_dying_while_the_ranks_start_is_cut_and_the_others_share_a_start(
     )
     result.check()
     check_every_epoch_once(run, 3)
-    assert [(e["event"], e["rank"]) for e in membership(run)] == [("rank_cut", 2)]
+    assert [(e["event"], e["rank"], e["why"]) for e in membership(run)] == [("rank_cut", 2, EXITED)]
     final = digests(result.out, "final round")
     assert set(final) == {0, 1} and len(set(final.values())) == 1, final
 
@@ -281,6 +281,7 @@ def test_sync_a_killed_rank_is_cut_its_rest_planned_again_and_it_heals_back(tmp_
     assert len(started[0]) == 1 and len(started[2]) == 1 and len(started[1]) == 2, started
     events = membership(run)
     assert [(e["event"], e["rank"]) for e in events] == [("rank_cut", 1), ("rank_admitted", 1)], events
+    assert events[0]["why"] == EXITED, events[0]  # at once, as its supervisor saw it: no heartbeat waited out
     for event in events:
         assert event["first_round_s"] >= event["formed_s"] >= 0
     records, whole = check_sync_epochs(run)
@@ -307,7 +308,7 @@ def test_sync_a_killed_rank_is_cut_its_rest_planned_again_and_it_heals_back(tmp_
 
 def test_sync_a_frozen_rank_is_cut_and_a_resume_hands_it_the_members_optimizer(tmp_path: Path) -> None:
     frozen = ("policy=sync", "simulate.hang_rank=2", "simulate.hang_at_step=5", "checkpoint_every=1")
-    result, run = survive_run(tmp_path, 3, 32, *frozen, "launch.max_restarts=0")
+    result, run = survive_run(tmp_path, 3, 32, *frozen, QUICK_HEARTBEAT, "launch.max_restarts=0")
     result.check()
     assert all(len(ranks) == 1 for ranks in pids(result.out).values())
     assert [(e["event"], e["rank"]) for e in membership(run)] == [("rank_cut", 2)]

@@ -35,6 +35,14 @@ def compile_mode_for(cfg: FlodlConfig, device_type: str, world_size: int) -> str
     return "reduce-overhead"
 
 
+def heartbeat_timeout_of(cfg: FlodlConfig) -> float:
+    """How long a silent rank counts as alive: as set, or 10 s under survive (exits are seen at once there;
+    the timeout is for a frozen rank) and 60 s otherwise (a restart of the whole job is the remedy)."""
+    if cfg.heartbeat_timeout_s is not None:
+        return cfg.heartbeat_timeout_s
+    return 10.0 if cfg.fault_tolerance == "survive" else 60.0
+
+
 def step_samples(cfg: FlodlConfig) -> int:
     """Samples per rank per optimizer step: the batch the coordinator plans in (ElChe, windows, metrics and
     the LR clock count optimizer steps); a worker trains it as `grad_accum` micro-batches of batch_size."""

@@ -142,8 +142,9 @@ def _range_problems(cfg: FlodlConfig) -> Iterator[str]:
     yield from check(
         "heartbeat_timeout_s",
         lambda v: MIN_HEARTBEAT_S <= v <= MAX_TIMEOUT_S,
-        f"must be in [{MIN_HEARTBEAT_S:g}, {MAX_TIMEOUT_S:g}] seconds (ranks beat every 0.2-10 s; a shorter "
+        f"must be in [{MIN_HEARTBEAT_S:g}, {MAX_TIMEOUT_S:g}] seconds (ranks beat every 0.2-1 s; a shorter "
         "silence is ordinary scheduling noise)",
+        True,
     )
     yield from check("on_nonfinite", lambda v: v in ON_NONFINITE, f"must be one of {', '.join(ON_NONFINITE)}")
     yield from check("launch.max_restarts", lambda v: v >= 0, "must be >= 0")

@@ -23,11 +23,12 @@ from flodl.coordinator.hooks import CallbackError, Hooks
 from flodl.coordinator.ledger import EpochLedger
 from flodl.coordinator.local_sgd_driver import LocalSgdDriver
 from flodl.coordinator.lockstep import LockstepPlan, Segment
-from flodl.coordinator.survivors import MembershipChange, SurviveSettings, post_cut
+from flodl.coordinator.survivors import MembershipChange, SurviveSettings, post_cut, root_store
 from flodl.counting import shown_epoch
 from flodl.metrics.sinks import Sink
 from flodl.metrics.timeline import Timeline
 from flodl.wire.heartbeat import HeartbeatMonitor
+from flodl.wire.membership import ExitReader
 from flodl.wire.messages import (
     ChunkReport,
     EvalResult,
@@ -318,6 +319,8 @@ class Coordinator(threading.Thread):
         # survive: each rank's current process (0: the first), the change being carried out, and why the
         # run ended short of ranks (an error once model.pt is written).
         self.incarnations: dict[int, int] = {}
+        # The exits the self-launch supervisor posts (each one cut at once).
+        self._exits = ExitReader(root_store(outbox.store)) if survive is not None else None
         # Restarted ranks waiting for admission: when they said so, and their start-up time.
         self.joined: dict[int, tuple[float, float]] = {}
         self.changes: list[MembershipChange] = []
@@ -359,6 +362,8 @@ class Coordinator(threading.Thread):
                 if message is not None:
                     self._handle(message)
                 self._check_heartbeats(time.perf_counter())
+                if self._exits is not None:
+                    self._check_exits()
             self.ended_at = time.time()
             if self.survive is not None:
                 self._follow_changes(run_ended=True)
@@ -405,14 +410,16 @@ class Coordinator(threading.Thread):
 
     # --- fault_tolerance=survive ------------------------------------------------------------------------
 
-    def _cut(self, rank: int, why: str) -> None:
-        """`rank` is gone: the others go on without it, or the run ends if too few are left."""
+    def _cut(self, rank: int, why: str, exited_at: float | None = None) -> None:
+        """`rank` is gone: the others go on without it, or the run ends if too few are left. `exited_at`: when
+        its supervisor saw its process end (unix seconds), if that is how it is known."""
         assert self.survive is not None
         driver = self._survivors()
         post_cut(self.outbox.store, rank, self.incarnations.get(rank, 0))
-        self.ledger.membership_event(
-            "rank_cut", rank, {"silent_s": self.monitor.silence_of(rank, time.perf_counter())}
-        )
+        timings = {"silent_s": self.monitor.silence_of(rank, time.perf_counter())}
+        if exited_at is not None:  # how long after the death the cut came
+            timings["after_exit_s"] = time.time() - exited_at
+        self.ledger.membership_event("rank_cut", rank, timings)
         self.monitor.forget(rank)
         driver.cut(rank)
         members = sorted(driver.members)
@@ -429,6 +436,8 @@ class Coordinator(threading.Thread):
         """A restarted rank: its old process is gone for certain; it is admitted at the next round's end."""
         if self.survive is None:
             raise CoordinatorError(f"rank {message.rank} restarted, but fault_tolerance is not survive")
+        if self._exits is not None:  # its supervisor posted the old process's end before it started this one
+            self._check_exits()
         driver = self._survivors()
         if message.rank in driver.members:
             self._cut(message.rank, f"restarted as incarnation {message.incarnation}")
@@ -486,6 +495,15 @@ class Coordinator(threading.Thread):
         return (
             str(committed.path) if committed is not None else "none (checkpoint_every is off or none was due)"
         )
+
+    def _check_exits(self) -> None:
+        """survive: cut at once the members whose process ended, as their supervisor saw it (an earlier
+        incarnation's exit is old news: its restart is here already)."""
+        assert self._exits is not None
+        for ended in self._exits.new():
+            rank = ended["rank"]
+            if rank in self._survivors().members and ended["incarnation"] == self.incarnations.get(rank, 0):
+                self._cut(rank, f"its process ended: {ended['cause']}", exited_at=ended["at"])
 
     def _check_heartbeats(self, now: float) -> None:
         silent = self.monitor.silent(now)

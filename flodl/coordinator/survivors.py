@@ -97,8 +97,12 @@ class MembershipChange:
         )
 
 
+def root_store(store: Store) -> Store:
+    """The run's store itself, under the prefix a mailbox uses: where the supervisor's keys are."""
+    return getattr(store, "underlying_store", store)
+
+
 def post_cut(store: Store, rank: int, incarnation: int) -> None:
     """Tell the supervisor to end the cut process, and empty its inbox."""
-    root = getattr(store, "underlying_store", store)
-    root.set(cut_key(rank), str(incarnation))
+    root_store(store).set(cut_key(rank), str(incarnation))
     store.delete_key(inbox(rank))

@@ -18,8 +18,8 @@ from flodl.wire.transport import COORDINATOR, Mailbox
 
 
 def beat_interval(timeout_s: float) -> float:
-    """A quarter of the timeout, so one late beat never trips it; between 0.2 s and 10 s."""
-    return min(max(timeout_s / 4, 0.2), 10.0)
+    """A quarter of the timeout, so one late beat never trips it; between 0.2 s and 1 s."""
+    return min(max(timeout_s / 4, 0.2), 1.0)
 
 
 @dataclass

@@ -15,10 +15,11 @@ the others no timeout.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from datetime import timedelta
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,35 @@ def cut_key(rank: int) -> str:
     """The store key (at the store's root) through which the coordinator cuts `rank` and the self-launch
     supervisor learns of it; its value is the incarnation cut."""
     return f"flodl/cut/{rank}"
+
+
+# The other way: the supervisor, which reaps a rank's exit the moment it happens, tells the coordinator
+# (without waiting out a heartbeat timeout). A counter says how many exits were posted, so that the
+# coordinator reads one key per look; each exit is a JSON record under its own key.
+_EXITS = "flodl/exits"
+
+
+def post_exit(store: Store, rank: int, incarnation: int, cause: str) -> None:
+    """The supervisor saw incarnation `incarnation` of `rank` end (`cause`: its exit code or signal)."""
+    record = {"rank": rank, "incarnation": incarnation, "cause": cause, "at": time.time()}
+    number = store.add(_EXITS, 1)
+    store.set(f"{_EXITS}/{number}", json.dumps(record))
+
+
+class ExitReader:
+    """The coordinator's side: the exits posted since it last looked (one store read when there are none)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.read = 0
+
+    def new(self) -> list[dict[str, Any]]:
+        posted = self.store.add(_EXITS, 0)
+        found = []
+        while self.read < posted:
+            self.read += 1
+            found.append(json.loads(self.store.get(f"{_EXITS}/{self.read}")))
+        return found
 
 
 class AveragingGroup:
