@@ -17,6 +17,7 @@ import psutil
 import pytest
 import yaml
 
+from flodl.checkpoint import CheckpointDir
 from tests.helpers.procs import PYTHON, TRAIN, Result, finish, kill_group, start, train
 from tests.helpers.runs import epochs_of
 
@@ -94,14 +95,17 @@ def _corrupt_every_checkpoint(run_dir: Path) -> None:
 def test_metrics_hold_each_epoch_once_whatever_came_before(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     here = f"hydra.run.dir={run_dir}"
-    # Killed after its first epoch, before its first checkpoint (epoch 1): the restart starts over.
-    proc = launch("epochs=3", "checkpoint_every=2", here, cwd=tmp_path)
+    # Killed after its first epoch, before its first checkpoint (after epoch 2) was committed: the restart
+    # starts over. The coordinator is held once it has written the first record (nothing commits after it).
+    hold = "callbacks=[{_target_:tests.helpers.callback_log.HoldAfterFirstEpoch}]"
+    proc = launch("epochs=3", "checkpoint_every=2", hold, here, cwd=tmp_path)
     try:
         deadline = time.monotonic() + 180
-        while not (run_dir / "metrics.jsonl").is_file() or not (run_dir / "metrics.jsonl").read_text():
+        while not (run_dir / "first-epoch-recorded").is_file():
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
             time.sleep(0.05)
-        assert not (run_dir / "checkpoints").exists()
+        assert strict_epochs(run_dir) == [0]
+        assert CheckpointDir(run_dir, 1).latest() is None
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # a crash: no clean-up of any kind
         kill_group(proc)

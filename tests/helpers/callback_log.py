@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -72,3 +73,16 @@ class StopOnceAdmitted:
         assert self.run is not None
         if any(change["event"] == "rank_admitted" for change in metrics["membership"]):
             self.run.stop(f"a rank was admitted back in epoch {epoch}")
+
+
+class HoldAfterFirstEpoch:
+    """Writes `first-epoch-recorded` in the run dir once the first epoch's record is written, then holds the
+    coordinator there for good (nothing is committed after it): a test kills the run at that point, before
+    any checkpoint, however fast the ranks train on meanwhile."""
+
+    def on_run_start(self, run: Run) -> None:
+        self.run_dir = run.run_dir
+
+    def on_epoch_end(self, epoch: int, metrics: dict[str, Any]) -> None:
+        (self.run_dir / "first-epoch-recorded").touch()
+        threading.Event().wait()

@@ -21,7 +21,7 @@ def digits_stepper(*overrides: str) -> Stepper:
         cfg = to_config(compose(config_name="config", overrides=["device=cpu", *overrides]))
     device = torch.device("cpu")
     parts = build_task(task_settings(cfg), device, 1)
-    return Stepper(stepper_settings(cfg, RankEnv(0, 1, 0, 1)), parts, device, parts.model)
+    return Stepper(stepper_settings(cfg, RankEnv(0, 1, 0, 1), device.type), parts, device, parts.model)
 
 
 def train_steps(stepper: Stepper, steps: int) -> None:
