@@ -1,22 +1,36 @@
 """fault_tolerance=survive under real kills: how long the survivors take to go on, and what they keep.
 
-Two runs of one self-launched 2-rank job (`--policy`, cadence by default), rank 1 SIGKILLed from outside:
+Default: two runs of one self-launched 2-rank job (`--policy`, cadence by default), rank 1 SIGKILLed from
+outside:
 1. kills: rank 1's current process is killed every `--every-s` seconds, `--kills` times, each time
    restarted by the supervisor and admitted back. Per event, from the run's timeline: detection (kill ->
-   cut, bounded by heartbeat_timeout_s), release of the survivors' collective, forming the new group, the
-   first good round after the cut; per admission: the restart's start-up, its wait for a round boundary,
-   forming and the first round with it.
+   cut: the supervisor posts the exit, the coordinator cuts), release of the survivors' collective, forming
+   the new group, the first good round after the cut; per admission: the restart's start-up, its wait for a
+   round boundary, forming and the first round with it.
 2. throughput: rank 1 killed once, not restarted, after `--before` epochs: epoch samples/s with one rank
    left against (survivors / world) x samples/s of the epochs before.
 
+`--churn`: `--ranks` ranks (3), a random one (rank 0 included) killed every `--every-s` seconds (20) for
+`--duration-s` seconds, each restarted and admitted back; beside it, in the same invocation, the same job
+undisturbed for as long. Reports each step's median and p95 over the events, and goodput: the samples/s
+the churned run trained over its window against the undisturbed run's.
+
+`--rank0`: under each policy, rank 0 killed `--kills` times (3) in one run of `--epochs` epochs, against the
+same run undisturbed: the run finishes, every epoch recorded once, one final state on every rank, and the
+final eval accuracy of both.
+
     python bench/survive.py                                  # task=resnet on the GPUs
     python bench/survive.py --cpu --kills 3 -- task=digits   # a smoke run on CPU
+    python bench/survive.py --cpu --churn                    # goodput under churn, 3 gloo ranks
+    python bench/survive.py --cpu --rank0                    # rank 0 dying, every policy
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import random
 import re
 import signal
 import statistics
@@ -48,14 +62,17 @@ def epochs_done(run: Path) -> int:
 
 
 def launch(work: Path, name: str, overrides: list[str], timeout: float, kills: int, every_s: float,
-           kill_after_epochs: int | None) -> tuple[Path, list[float]]:  # fmt: skip
-    """Run the job, killing rank 1 from outside; the run dir and the kills' wall times (the job's output is
-    kept beside the run dir)."""
+           kill_after_epochs: int | None, victims: list[int] | None = None, run_out: bool = False,
+           ) -> tuple[Path, list[float]]:  # fmt: skip
+    """Run the job, killing a rank from outside (rank 1, or one of `victims` at random each time); the run
+    dir and the kills' wall times (the job's output is kept beside the run dir). `run_out`: the job ends on
+    its own after the kills (else it is stopped a kill interval after the last one)."""
     run = work / name
     args = [PYTHON, TRAIN, *overrides, f"hydra.run.dir={run}"]
     proc = start(args, cwd=work, env=child_env())
     killed: list[float] = []
     deadline = time.time() + timeout
+    chooser = random.Random(0)
     try:
         next_kill = time.time() + every_s
         while proc.poll() is None and time.time() < deadline and len(killed) < kills:
@@ -65,12 +82,13 @@ def launch(work: Path, name: str, overrides: list[str], timeout: float, kills: i
                 if kill_after_epochs is not None
                 else time.time() >= next_kill
             )
-            target = rank_process(run, 1) if due else None
+            rank = chooser.choice(victims) if victims else 1
+            target = rank_process(run, rank) if due else None
             if target is not None:
                 target.send_signal(signal.SIGKILL)
                 killed.append(time.time())
                 next_kill = time.time() + every_s
-        if kill_after_epochs is None:  # let the last restart be admitted, then stop the run where it is
+        if kill_after_epochs is None and not run_out:  # the last restart admitted, stop the run where it is
             time.sleep(every_s)
             proc.send_signal(signal.SIGTERM)
         result = finish(proc, max(deadline - time.time(), 30))
@@ -83,6 +101,83 @@ def launch(work: Path, name: str, overrides: list[str], timeout: float, kills: i
 
 def median(values: list[float]) -> str:
     return f"{statistics.median(values):.2f}" if values else "-"
+
+
+def p95(values: list[float]) -> str:
+    """The 95th percentile (nearest rank)."""
+    return f"{sorted(values)[math.ceil(0.95 * len(values)) - 1]:.2f}" if values else "-"
+
+
+def both(values: list[float]) -> str:
+    return f"{median(values)} / {p95(values)}"
+
+
+def window_rate(run: Path, since: float = 0.0, until: float = float("inf")) -> float:
+    """Samples/s over the epochs whose work lies within [since, until] (unix seconds; all by default)."""
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    inside = [r for r in records if r["window_start"] >= since and r["window_end"] <= until]
+    if not inside:
+        return 0.0
+    span = max(r["window_end"] for r in inside) - min(r["window_start"] for r in inside)
+    return sum(r["samples"] for r in inside) / span
+
+
+def seconds(events: list[dict], key: str, scale: float = 1.0) -> list[float]:
+    """The events' `key` (those that have one: a change the next one overtook has none), in seconds."""
+    return [e[key] / scale for e in events if e.get(key) is not None]
+
+
+def churn_report(run: Path, killed: list[float], calm: Path) -> list[str]:
+    events = json.loads((run / "timeline.json").read_text())["membership"]
+    cuts = [e for e in events if e["event"] == "rank_cut"]
+    admits = [e for e in events if e["event"] == "rank_admitted" and e["formed_s"] is not None]
+    # Each cut follows one kill: the kill closest before it.
+    after_kill = [(c, c["at"] - max(k for k in killed if k <= c["at"])) for c in cuts if killed[0] <= c["at"]]
+    detect = [d for _, d in after_kill]
+    # kill -> first good round among the survivors: detection, then the cut's own first good round.
+    to_round = [d + c["first_round_s"] for c, d in after_kill if c["first_round_s"] is not None]
+    churned, undisturbed = window_rate(run, killed[0], killed[-1]), window_rate(calm)
+    why = "; ".join(sorted({c["why"] for c in cuts}))
+    return [
+        f"- kills: {len(killed)} (ranks chosen at random, rank 0 included), cuts: {len(cuts)}, admissions: "
+        f"{len(admits)}; cut by: {why}",
+        "",
+        "| step (s) | median / p95 |",
+        "|---|---|",
+        f"| kill -> cut | {both(detect)} |",
+        f"| collective released (max over members) | {both(seconds(cuts, 'release_ms', 1000))} |",
+        f"| cut -> group re-formed | {both(seconds(cuts, 'formed_s'))} |",
+        f"| cut -> first good round | {both(seconds(cuts, 'first_round_s'))} |",
+        f"| kill -> first good round among the survivors | {both(to_round)} |",
+        f"| restart's start-up | {both(seconds(admits, 'startup_s'))} |",
+        f"| restart ready -> admitted (a round boundary) | {both(seconds(admits, 'waited_s'))} |",
+        f"| admission -> first good round with it | {both(seconds(admits, 'first_round_s'))} |",
+        "",
+        f"- goodput: {churned:,.0f} samples/s under churn (between the first and the last kill) against "
+        f"{undisturbed:,.0f} undisturbed: **{churned / undisturbed:.2f}**",
+    ]
+
+
+def final_states(out: str, policy: str) -> dict[str, str]:
+    end = "the last epoch" if policy == "sync" else "final round"
+    return dict(re.findall(rf"rank (\d+): state after {end}[^:]*: ([0-9a-f]+)", out))
+
+
+def rank0_report(work: Path, name: str, run: Path, calm: Path, kills: list[float], policy: str) -> str:
+    """The table row of one policy's run with rank 0 killed, against its undisturbed twin."""
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    reference = [json.loads(line) for line in (calm / "metrics.jsonl").read_text().splitlines()]
+    states = final_states((work / f"{name}.out").read_text(), policy)
+    events = json.loads((run / "timeline.json").read_text())["membership"]
+    rank0_cuts = sum(e["event"] == "rank_cut" and e["rank"] == 0 for e in events)
+    once = "yes" if [r["epoch"] for r in records] == list(range(len(reference))) else "**no**"
+    one_state = "yes" if len(states) > 1 and len(set(states.values())) == 1 else "**no**"
+    accuracy = records[-1].get("eval/accuracy", float("nan"))
+    expected = reference[-1].get("eval/accuracy", float("nan"))
+    return (
+        f"| {policy} | {len(kills)} | {rank0_cuts} | {once} | {one_state} ({len(states)} ranks) | "
+        f"{accuracy:.4f} | {expected:.4f} | {100 * (accuracy - expected):+.2f} |"
+    )
 
 
 def kill_report(run: Path, killed: list[float]) -> list[str]:
@@ -134,32 +229,48 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--kills", type=int, default=10)
-    parser.add_argument("--every-s", type=float, default=8.0, help="seconds between kills")
-    parser.add_argument("--heartbeat-s", type=float, default=2.0, help="heartbeat_timeout_s")
+    parser.add_argument("--kills", type=int, default=None, help="kills (default 10; --rank0: 3)")
+    parser.add_argument("--every-s", type=float, default=None, help="seconds between kills (8; --churn: 20)")
+    parser.add_argument("--heartbeat-s", type=float, default=None, help="heartbeat_timeout_s (survive's own)")
     parser.add_argument("--before", type=int, default=3, help="epochs before the throughput run's kill")
     parser.add_argument("--policy", default="cadence", choices=["sync", "cadence", "async"])
+    parser.add_argument("--churn", action="store_true", help="a random rank killed every --every-s seconds")
+    parser.add_argument("--rank0", action="store_true", help="rank 0 killed --kills times, every policy")
+    parser.add_argument("--ranks", type=int, default=None, help="ranks (2; --churn and --rank0: 3)")
+    parser.add_argument("--duration-s", type=float, default=200.0, help="--churn: how long it kills")
+    parser.add_argument("--epochs", type=int, default=12, help="--rank0: epochs of each run")
     parser.add_argument("--cpu", action="store_true")
     parser.add_argument("--work", type=Path, default=Path("/tmp/flodl-bench-survive"))
     parser.add_argument("--results-dir", type=Path, default=REPO / "bench" / "results")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides for both runs (after --)")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
+    ranks = args.ranks or (3 if args.churn or args.rank0 else 2)
     start_method = "fork" if args.cpu else "spawn"
+    heartbeat = [f"heartbeat_timeout_s={args.heartbeat_s}"] if args.heartbeat_s else []
     common = [
-        "launch.nproc_per_node=2", f"launch.start_method={start_method}", "fault_tolerance=survive",
-        f"heartbeat_timeout_s={args.heartbeat_s}", f"policy={args.policy}", "eval_every=0",
-        *(["device=cpu"] if args.cpu else ["task=resnet"]), *args.overrides,
+        f"launch.nproc_per_node={ranks}", f"launch.start_method={start_method}", "fault_tolerance=survive",
+        *heartbeat, *(["device=cpu"] if args.cpu else ["task=resnet"]), *args.overrides,
     ]  # fmt: skip
     stamp = int(time.time())
+    if args.churn:
+        lines = churn(args, common, ranks, stamp)
+    elif args.rank0:
+        lines = rank0(args, common, stamp)
+    else:
+        lines = kills_and_throughput(args, [*common, f"policy={args.policy}", "eval_every=0"], stamp)
+    write_report(results_path(args.results_dir, "survive", args.cpu), "\n".join(lines))
+
+
+def kills_and_throughput(args: argparse.Namespace, common: list[str], stamp: int) -> list[str]:
+    kills, every_s = args.kills or 10, args.every_s or 8.0
     run, killed = launch(
-        args.work, f"kills-{stamp}", [*common, "epochs=1000", f"launch.max_restarts={args.kills}"],
-        timeout=args.kills * args.every_s + 240, kills=args.kills, every_s=args.every_s,
-        kill_after_epochs=None,
+        args.work, f"kills-{stamp}", [*common, "epochs=1000", f"launch.max_restarts={kills}"],
+        timeout=kills * every_s + 240, kills=kills, every_s=every_s, kill_after_epochs=None,
     )  # fmt: skip
     lines = [
         "",
-        f"## survive ({args.policy}): {args.kills} kills of rank 1, every {args.every_s:g} s",
+        f"## survive ({args.policy}): {kills} kills of rank 1, every {every_s:g} s",
         *environment_lines(args.cpu),
     ]
     lines += [f"- overrides: `{' '.join(common)}`", *kill_report(run, killed)]
@@ -167,12 +278,57 @@ def main() -> None:
         args.work, f"throughput-{stamp}", [*common, f"epochs={args.before + 3}", "launch.max_restarts=0"],
         timeout=600, kills=1, every_s=0, kill_after_epochs=args.before,
     )  # fmt: skip
-    lines += [
+    return [*lines, "", "### throughput retained (rank 1 killed once, not restarted)",
+            *throughput_report(run2, args.cpu)]  # fmt: skip
+
+
+def churn(args: argparse.Namespace, common: list[str], ranks: int, stamp: int) -> list[str]:
+    every_s = args.every_s or 20.0
+    kills = args.kills or max(1, int(args.duration_s // every_s))
+    job = [*common, f"policy={args.policy}", "eval_every=0", "epochs=100000"]
+    run, killed = launch(
+        args.work, f"churn-{stamp}", [*job, f"launch.max_restarts={kills}"], timeout=args.duration_s + 300,
+        kills=kills, every_s=every_s, kill_after_epochs=None, victims=list(range(ranks)),
+    )  # fmt: skip
+    calm, _ = launch(
+        args.work, f"calm-{stamp}", [*job, "launch.max_restarts=0"], timeout=every_s * 3 + 300, kills=1,
+        every_s=every_s * 3, kill_after_epochs=None, victims=[-1],
+    )  # fmt: skip
+    return [
         "",
-        "### throughput retained (rank 1 killed once, not restarted)",
-        *throughput_report(run2, args.cpu),
+        f"## survive ({args.policy}) under churn: {ranks} ranks, a random one killed every {every_s:g} s",
+        *environment_lines(args.cpu),
+        f"- overrides: `{' '.join(job)}`",
+        *churn_report(run, killed, calm),
     ]
-    write_report(results_path(args.results_dir, "survive", args.cpu), "\n".join(lines))
+
+
+def rank0(args: argparse.Namespace, common: list[str], stamp: int) -> list[str]:
+    kills = args.kills or 3
+    lines = [
+        "",
+        f"## survive: rank 0 killed {kills} times in one run of {args.epochs} epochs, every policy",
+        *environment_lines(args.cpu),
+        f"- overrides: `{' '.join(common)}`",
+        "",
+        "| policy | kills | rank 0 cut | every epoch once | one final state | eval accuracy | undisturbed | "
+        "points |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for policy in ("sync", "cadence", "async"):
+        job = [*common, f"policy={policy}", f"epochs={args.epochs}"]
+        name = f"rank0-{policy}-{stamp}"
+        every_s = args.every_s or 6.0
+        run, killed = launch(
+            args.work, name, [*job, f"launch.max_restarts={kills}"], timeout=600, kills=kills,
+            every_s=every_s, kill_after_epochs=None, victims=[0], run_out=True,
+        )  # fmt: skip
+        calm, _ = launch(
+            args.work, f"calm-{name}", [*job, "launch.max_restarts=0"], timeout=600, kills=0, every_s=0,
+            kill_after_epochs=None, run_out=True,
+        )  # fmt: skip
+        lines.append(rank0_report(args.work, name, run, calm, killed, policy))
+    return lines
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -252,22 +254,39 @@ def make_survival(
     return Survival(membership, reader, incarnation, wait_s)
 
 
-def make_coordinator(
-    cfg: FlodlConfig,
-    config: dict[str, Any],
-    info: RunInfo,
-    world_size: int,
-    total_picks: int,
-    has_eval: bool,
-    reader: InboxReader,
-    outbox: Mailbox,
-    resumed: dict[str, Any] | None,
-    rank0_model: tuple[nn.Module, torch.device],
-) -> Coordinator:
-    """`resumed`: the coordinator state of the checkpoint this run continues from (None: a fresh run).
-    `rank0_model`: rank 0's model and device, saved if a peer hangs under sync (it is the consensus)."""
+@dataclass(frozen=True)
+class CoordinatorSetup:
+    """What the run's host (flodl/run_host.py) knows when it builds the coordinator, beyond the config."""
+
+    # The resolved config (recorded in checkpoints and W&B) and the job's names.
+    config: dict[str, Any]
+    info: RunInfo
+    world_size: int
+    # The task, as the ranks built it: the epoch's picks, and whether there is eval data.
+    total_picks: int
+    has_eval: bool
+    # The coordinator's inbox and its outbox to the ranks.
+    reader: InboxReader
+    outbox: Mailbox
+    # The coordinator state of the checkpoint this run continues from (None: a fresh run).
+    resumed: dict[str, Any] | None
+    # Under sync with the host in rank 0's process: writes rank 0's parameters (the consensus) if a peer
+    # hangs (None: nothing worth saving there).
+    hang_saver: Callable[[], None] | None = None
+
+
+def hang_saver(
+    cfg: FlodlConfig, model: nn.Module, device: torch.device, run_dir: Path
+) -> Callable[[], None] | None:
+    """Under sync, rank 0's parameters are the consensus a hung peer leaves: what its host saves then."""
+    return None if averages_parameters(cfg) else consensus_saver(model, device, run_dir / HANG_MODEL_FILE)
+
+
+def make_coordinator(cfg: FlodlConfig, setup: CoordinatorSetup) -> Coordinator:
+    config, info, world_size, total_picks = setup.config, setup.info, setup.world_size, setup.total_picks
+    outbox, resumed = setup.outbox, setup.resumed
     step_size = step_samples(cfg)
-    schedule = EpochSchedule(cfg.epochs, world_size, total_picks, step_size, cfg.eval_every, has_eval)
+    schedule = EpochSchedule(cfg.epochs, world_size, total_picks, step_size, cfg.eval_every, setup.has_eval)
     timeline = Timeline(world_size)
     run_dir = Path(info.run_dir)
     first = resumed["epoch"] + 1 if resumed else 0
@@ -300,13 +319,13 @@ def make_coordinator(
 
         sinks.append(WandbSink(wandb_settings(cfg), info, config, cfg.policy))
     monitor = HeartbeatMonitor(world_size, heartbeat_timeout_of(cfg), started=0.0)
-    saver = None if averages_parameters(cfg) else consensus_saver(*rank0_model, run_dir / HANG_MODEL_FILE)
     run = Run(run_dir, cfg.policy, world_size, cfg.epochs, config)
     hooks = Hooks(build_callbacks(cfg.callbacks), run)
     survive = SurviveSettings(cfg.min_ranks) if cfg.fault_tolerance == "survive" else None
     return Coordinator(
-        reader, outbox, ledger, driver, sinks, timeline, run_dir, monitor, committer, hooks, saver, survive
-    )
+        setup.reader, outbox, ledger, driver, sinks, timeline, run_dir, monitor, committer, hooks,
+        setup.hang_saver, survive,
+    )  # fmt: skip
 
 
 def build_callbacks(nodes: list[Any]) -> list[object]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import hydra
@@ -42,11 +43,29 @@ def _hydra_main(cfg: DictConfig) -> None:
     launch_from_hydra(cfg)
 
 
+@hydra.main(config_path=_configs(), config_name="config", version_base="1.3")
+def _coordinator_main(cfg: DictConfig) -> None:
+    from flodl.launch import coordinator_from_hydra
+
+    coordinator_from_hydra(cfg)
+
+
 def main() -> None:
+    """`flodl-train`."""
+    _run(_hydra_main)
+
+
+def coordinator() -> None:
+    """`flodl-coordinator`: the host of a fault_tolerance=survive run whose ranks are started apart (several
+    hosts): WORLD_SIZE and MASTER_PORT set, the same overrides as the ranks; start it before them."""
+    _run(_coordinator_main)
+
+
+def _run(entry: Callable[[], None]) -> None:
     # The user's project is importable from where they run, as under `python -m flodl`; a console script's
     # sys.path starts at the venv's bin/ instead. Spawned ranks inherit sys.path.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     from flodl.launch import report_config_errors
 
-    report_config_errors(_hydra_main)  # Hydra's rejections too: one line, exit code 2
+    report_config_errors(entry)  # Hydra's rejections too: one line, exit code 2

@@ -10,71 +10,55 @@ The config is validated before any rank starts; every rank then checks it holds 
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import dataclasses
-import functools
-import json
 import logging
 import os
-import signal
 import socket
 import sys
+import threading
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
 from hydra.errors import HydraException, OverrideParseException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+from torch.distributed import TCPStore
 
 from flodl import failures
 from flodl.assembly import (
     checkpoint_store,
     data_plane_settings,
-    make_coordinator,
-    make_survival,
-    make_worker,
-    resume_settings,
-    task_settings,
 )
-from flodl.checkpoint import MODEL_FILE, CheckpointError, save_model
 from flodl.cluster_env import adopt_scheduler_environ
 from flodl.config.host import HostFacts, RankEnv
-from flodl.config.policy import (
-    collective_backend,
-    compile_mode_for,
-    heartbeat_timeout_of,
-    step_samples,
-    step_words,
-)
 from flodl.config.rules import ConfigError
-from flodl.config.schema import FlodlConfig, to_config
-from flodl.coordinator.coordinator import Coordinator, RankHung, TooFewRanks
-from flodl.coordinator.hooks import CallbackError, RunSummary
-from flodl.counting import shown_epoch
-from flodl.logs import FILE_ONLY, setup_rank_logging, stderr_kept_in, stderr_to
+from flodl.config.schema import FlodlConfig
+from flodl.coordinator.coordinator import TooFewRanks
+from flodl.logs import setup_host_logging, stderr_kept_in
 from flodl.metrics import run_clock
 from flodl.metrics.run_info import RunInfo, from_hydra
-from flodl.metrics.sinks import METRICS_FILE
 from flodl.metrics.wandb_sink import WandbStartError
 from flodl.plan import describe
 from flodl.preflight import omegaconf_problem, preflight, warn_of_idle_disk_tier
-from flodl.resume import agree_on_checkpoint, coordinator_state, load_model, restore_worker
+from flodl.rank import (
+    EXIT_WORDED,
+    device_type_of,
+    hosts_apart,
+    log_plan,
+    run_rank,
+    self_launched_rank,
+    stopped_line,
+)
 from flodl.run_dir import RunDirTaken, claim_run_dir, release_claimed, run_uid
-from flodl.run_identity import run_identity
+from flodl.run_host import HostFailed, RunHost
 from flodl.supervisor import SupervisedRankFailure, signal_name, supervise
-from flodl.wire.group import agree_on_config, init_group, loopback_store, pick_device, publish_json, read_json
-from flodl.wire.heartbeat import HeartbeatSender, Rank0Watch, beat_interval
-from flodl.wire.messages import Exiting
-from flodl.wire.stop import STOP_EXIT_CODES, Stopped, StopWatch, catch_stop_signals, post, posted, received
-from flodl.wire.transport import COORDINATOR, InboxReader, Mailbox
-from flodl.worker.nonfinite import NonFiniteError
-from flodl.worker.task_setup import build_task, lr_scale_factor
+from flodl.wire.group import hosted_exchange, is_loopback, loopback_store
+from flodl.wire.stop import STOP_EXIT_CODES, Stopped, catch_stop_signals
+from flodl.wire.transport import Mailbox
 
 log = logging.getLogger("flodl")
 
@@ -167,7 +151,7 @@ def launch_from_hydra(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         launch(cfg, from_hydra(run_dir, cfg.logger.group))
-    except (ConfigError, RankFailure, WandbStartError, RankZeroFailed) as err:
+    except (ConfigError, RankFailure, WandbStartError, HostFailed) as err:
         if isinstance(err, RankFailure) or RankEnv.from_environ().rank == 0:  # torchrun's ranks: one says it
             print(f"flodl: {err}", file=sys.stderr)
         sys.exit(EXIT_CONFIG if isinstance(err, ConfigError) else 1)
@@ -199,8 +183,57 @@ def launch(cfg: DictConfig, info: RunInfo) -> None:
         if typed.launch.nproc_per_node == 1:
             _single_rank(config, info, typed)
         else:
-            self_launch(config, info, typed)
+            self_launch(config, info, typed, host.gpus)
     run_clock.record_exit(Path(info.run_dir), launched_at)
+
+
+def coordinator_from_hydra(cfg: DictConfig) -> None:
+    """`flodl-coordinator`'s @hydra.main body: the run of ranks started apart from it, on several hosts."""
+    from hydra.core.hydra_config import HydraConfig
+
+    _hand_back_full_error()
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        host_apart(cfg, from_hydra(run_dir, cfg.logger.group))
+    except (ConfigError, RankFailure, WandbStartError) as err:
+        print(f"flodl: {err}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG if isinstance(err, ConfigError) else 1)
+    except Stopped as stop:
+        sys.exit(stop.exit_code)
+
+
+def host_apart(cfg: DictConfig, info: RunInfo) -> None:
+    """Host a fault_tolerance=survive run whose WORLD_SIZE ranks are started apart (each with RANK,
+    WORLD_SIZE, MASTER_ADDR pointing here and MASTER_PORT): its store on MASTER_PORT, its coordinator, its
+    records. Any rank may die and come back; this process must live as long as the run."""
+    config: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
+    typed, facts = check_job(config)
+    env = RankEnv.from_environ()
+    if env.launched or not env.hosts_ranks_apart or env.master_port is None:
+        why = "set WORLD_SIZE (the ranks) and MASTER_PORT (where they meet), and no RANK: it is no rank"
+        raise ConfigError([f"flodl-coordinator: {why}"])
+    if not hosts_apart(typed):
+        why = "flodl-coordinator hosts a fault_tolerance=survive run (otherwise rank 0 hosts the run)"
+        raise ConfigError([f"fault_tolerance={typed.fault_tolerance!r}: {why}"])
+    info = dataclasses.replace(info, uid=run_uid(Path(info.run_dir)))
+    try:
+        claim_run_dir(Path(info.run_dir), info.uid)
+    except RunDirTaken as err:
+        raise ConfigError([str(err)]) from None
+    catch_stop_signals()
+    timeout = timedelta(seconds=typed.launch.timeout_s)
+    address = env.master_addr or "0.0.0.0"
+    if is_loopback(address):
+        store = loopback_store(env.master_port, None, timeout)
+    else:
+        store = TCPStore(
+            address, env.master_port, None, is_master=True, timeout=timeout, wait_for_workers=False
+        )
+    try:
+        _host(config, info, typed, env.world_size, facts.gpus, store)
+    except Stopped as stop:
+        _say(stopped_line(stop.signum, typed, Path(info.run_dir), info))
+        raise
 
 
 def _single_rank(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig) -> None:
@@ -242,7 +275,7 @@ def check_job(config: dict[str, Any]) -> tuple[FlodlConfig, HostFacts]:
     return preflight(OmegaConf.create(config))
 
 
-def self_launch(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig) -> None:
+def self_launch(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig, gpus: int) -> None:
     """Start the ranks and wait for them. The terminal gets one line of flodl's for a failure or a stop: what
     the ranks, torch's launcher and gloo write to stderr goes to the run dir (each rank's own into its
     rank{N}.log, the rest into .launch/launcher.log)."""
@@ -250,12 +283,12 @@ def self_launch(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig) -> None
     catch_stop_signals()  # a stop while the launcher sets up is a stop too (torch's launcher takes over)
     try:
         with stderr_kept_in(run_dir / ".launch" / "launcher.log"):
-            if cfg.fault_tolerance == "survive":
-                _supervised_launch(config, info, cfg)
+            if hosts_apart(cfg):
+                _supervised_launch(config, info, cfg, gpus)
             else:
                 _elastic_launch(config, info, cfg)
     except Stopped as stop:
-        _say(_stopped_line(stop.signum, cfg, run_dir, info))
+        _say(stopped_line(stop.signum, cfg, run_dir, info))
         raise
 
 
@@ -312,26 +345,61 @@ def _elastic_launch(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig) -> 
         ) from None
 
 
-def _supervised_launch(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig) -> None:
+def _supervised_launch(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig, gpus: int) -> None:
     """fault_tolerance=survive: each rank supervised on its own (torch's elastic agent would stop them all
-    when one dies); this process hosts the store, which outlives any rank but rank 0's coordinator."""
-    run_dir = Path(info.run_dir)
+    when one dies); this process hosts the store and the run (flodl/run_host.py), which outlive any rank,
+    rank 0 included."""
+    world = cfg.launch.nproc_per_node
     store = loopback_store(0, None, timedelta(seconds=cfg.launch.timeout_s))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    try:
+
+    def supervised(ended: Callable[[], bool]) -> None:
         supervise(
-            self_launched_rank, (config, info.as_dict()), cfg.launch.nproc_per_node, cfg.launch.max_restarts,
-            cfg.launch.start_method, store, store.port, run_dir,
+            self_launched_rank, (config, info.as_dict()), world, cfg.launch.max_restarts,
+            cfg.launch.start_method, store, store.port, Path(info.run_dir), ended,
         )  # fmt: skip
-    except SupervisedRankFailure as err:  # rank 0's end is the job's: only its own record counts
-        rank0 = [e for e in err.exits if e.rank == 0][-1]
-        deaths = {0: rank0.signal_name} if rank0.signal_name else {}
-        recorded = failures.recorded(run_dir, info.uid, 0, rank=0)
-        line = _failure_line(
-            cfg, run_dir, cfg.launch.nproc_per_node, recorded, deaths, str(err),
-            note="fault_tolerance=survive cannot go on without rank 0 (the coordinator)",
-        )  # fmt: skip
-        raise RankFailure(line) from None
+
+    _host(config, info, cfg, world, gpus, store, supervised)
+
+
+def _host(
+    config: dict[str, Any],
+    info: RunInfo,
+    cfg: FlodlConfig,
+    world: int,
+    gpus: int,
+    store: TCPStore,
+    ranks: Callable[[Callable[[], bool]], None] | None = None,
+) -> None:
+    """This process hosts the run (flodl/run_host.py) in `store`, while `ranks(ended)` supervises its ranks
+    until `ended()` (None: the ranks run apart; the host ends with the run). A planned stop (min_ranks) and a
+    failure end in one line."""
+    run_dir = Path(info.run_dir)
+    setup_host_logging(run_dir)
+
+    def connect(namespace: str, owner: int | str) -> Mailbox:  # the store listens here too
+        return Mailbox.connect("127.0.0.1", store.port, namespace, owner, cfg.launch.timeout_s)
+
+    host = RunHost(cfg, config, info, world, hosted_exchange(store), connect)
+    host.open()
+    log_plan(cfg, world, device_type_of(cfg, gpus))
+    serving = threading.Thread(target=host.serve, name="flodl-run-host", daemon=True)
+    serving.start()
+    try:
+        if ranks is not None:
+            ranks(host.ended.is_set)
+        while not host.ended.wait(0.5):  # a stop signal can land between the waits
+            pass
+        serving.join()
+        host.finish()
+    except SupervisedRankFailure as err:
+        host.stop()
+        raise RankFailure(f"{err}; {_where(cfg, run_dir)}") from None
+    except TooFewRanks as err:  # a planned stop: one line naming min_ranks
+        raise RankFailure(str(err)) from None
+    except BaseException:
+        host.stop()
+        raise
 
 
 def _failure_line(
@@ -345,8 +413,7 @@ def _failure_line(
 ) -> str:
     """The launcher's line for failed ranks: the one that began it (flodl/failures.py) and its log, or
     `otherwise` when none recorded why and none was killed; `note` on a fault; where the run stands."""
-    latest = checkpoint_store(cfg, run_dir).latest()
-    where = f"the last checkpoint is {latest.path}" if latest else "no checkpoint was written"
+    where = _where(cfg, run_dir)
     blamed = failures.blame(recorded, deaths)
     if blamed is None:
         return f"{otherwise}; {where}"
@@ -355,222 +422,13 @@ def _failure_line(
     return failures.verdict(blamed, world_size, where, run_dir)
 
 
+def _where(cfg: FlodlConfig, run_dir: Path) -> str:
+    latest = checkpoint_store(cfg, run_dir).latest()
+    return f"the last checkpoint is {latest.path}" if latest else "no checkpoint was written"
+
+
 def _quiet_stops(record: logging.LogRecord) -> bool:
     """The elastic launcher logs a rank that exits 130 / 143 as failed, with a traceback: a stop is not; nor
     is a rank that recorded its failure (EXIT_WORDED: the launcher words it)."""
     err = record.exc_info[1] if record.exc_info else None
     return getattr(err, "exit_code", None) not in {*STOP_EXIT_CODES, EXIT_WORDED}
-
-
-def run_rank(config: dict[str, Any], info_fields: dict[str, Any], self_launched: bool = False) -> None:
-    """The body of every rank, whichever way it was started (plain values only: it may be spawned).
-    SIGINT / SIGTERM stop it quietly with exit code 130 / 143. `self_launched`: this process's launcher
-    tells the user how the run ended (the rank's own lines about it go to its log only)."""
-    catch_stop_signals()
-    try:
-        _run_rank(config, info_fields, self_launched)
-    except Stopped as stop:  # everything worth doing is done, and a preempted job has no seconds to spare
-        _leave_now(stop.exit_code)
-
-
-class RankZeroFailed(RuntimeError):
-    """Rank 0 could not start the run (its reason is in the message): every other rank stops with it."""
-
-
-# Errors whose message says all a user needs (what is wrong, what to do): rank 0 failing to start its
-# coordinator with one tells the other ranks why.
-_WORDED = (ConfigError, CheckpointError, WandbStartError, CallbackError, RankZeroFailed)
-# A self-launched rank's exit code after a failure it recorded and logged (the launcher words it).
-EXIT_WORDED = 3
-# Where rank 0 says whether its coordinator (and its sinks: W&B) started.
-_COORDINATOR_STARTED = "coordinator_started"
-
-
-def self_launched_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
-    """A rank this process's launcher started. Its stderr goes to its log (native code's reports too); a
-    failure, recorded and logged with its traceback, ends it with EXIT_WORDED, and the launcher words it."""
-    stderr_to(Path(info_fields["run_dir"]) / f"rank{RankEnv.from_environ().rank}.log")
-    try:
-        run_rank(config, info_fields, self_launched=True)
-    except Exception:
-        _leave_now(EXIT_WORDED)
-
-
-def _leave_now(code: int) -> None:
-    """Run the exit handlers (logs, stage files) and end the process without the interpreter's teardown of
-    torch and gloo, which can take seconds."""
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def _run_rank(config: dict[str, Any], info_fields: dict[str, Any], self_launched: bool) -> None:
-    cfg = to_config(config)
-    info = RunInfo(**info_fields)
-    env = RankEnv.from_environ()
-    run_dir = Path(info.run_dir)
-    setup_rank_logging(env.rank, run_dir)
-    # Who tells the user how the run ended: a self-launched rank's launcher, the launch in this process for
-    # a single rank; ranks torchrun (or a scheduler) started say it themselves.
-    failure_extra = None if env.launched and not self_launched else FILE_ONLY
-    stop_extra = FILE_ONLY if self_launched else None
-    coordinator: Coordinator | None = None
-    outbox: Mailbox | None = None
-    try:
-        device = pick_device(cfg.device, env.local_rank)
-        backend = collective_backend(cfg.backend, device.type)
-        survive = cfg.fault_tolerance == "survive"
-        group = init_group(env, backend, device, cfg.launch.timeout_s, world=not survive)
-        log.info(
-            "rank %d/%d (pid %d) on %s (%s), master port %s, CUDA_VISIBLE_DEVICES=%s, run dir %s",
-            env.rank, env.world_size, os.getpid(), device, backend, group.store_port,
-            os.environ.get("CUDA_VISIBLE_DEVICES", "(all)"), run_dir,
-        )  # fmt: skip
-        namespace = agree_on_config(config, env.rank, env.world_size, group.exchange)
-
-        def connect(owner: int | str) -> Mailbox:
-            return Mailbox.connect(group.store_host, group.store_port, namespace, owner, cfg.launch.timeout_s)
-
-        inbox = InboxReader(connect(env.rank))
-        survival = make_survival(cfg, env, device, backend, group.exchange, inbox)
-        # A restarted rank receives the running group's state when it is admitted, not from a checkpoint.
-        joining = survival is not None and survival.joining
-        parts = build_task(task_settings(cfg), device, env.world_size, env.rank)
-        total_picks = len(parts.train_data) * cfg.augment
-        settings = resume_settings(cfg, run_dir, run_identity(config, env.world_size, info.uid))
-        checkpoint = agree_on_checkpoint(settings, env.rank, env.world_size, group.exchange)
-        if joining:
-            checkpoint = None
-        if checkpoint is not None:
-            load_model(checkpoint, parts.model)
-            if checkpoint.epoch + 1 >= cfg.epochs:
-                log.info(
-                    "checkpoint %s covers all %d epochs: nothing left to train", checkpoint.path, cfg.epochs
-                )
-                if env.rank == 0:
-                    save_model(parts.model, run_dir / MODEL_FILE)
-                return
-
-        if env.rank == 0:
-            _log_plan(cfg, env.world_size, device.type)
-            has_eval = parts.eval_data is not None
-            reader = InboxReader(connect(COORDINATOR))
-            outbox = connect(COORDINATOR)
-            resumed = coordinator_state(checkpoint) if checkpoint is not None else None
-            try:
-                coordinator = make_coordinator(
-                    cfg, config, info, env.world_size, total_picks, has_eval, reader, outbox, resumed,
-                    (parts.model, device),
-                )  # fmt: skip
-            except _WORDED as err:  # the others hear it before they wait for rank 0 in a collective
-                # First: the launcher names the first failure's cause.
-                failures.record(run_dir, info.uid, env.restart_count, env.rank, err)
-                publish_json(group.exchange, _COORDINATOR_STARTED, {"error": f"{type(err).__name__}: {err}"})
-                raise
-            publish_json(group.exchange, _COORDINATOR_STARTED, {})
-            coordinator.start()
-        else:
-            started = read_json(group.exchange, _COORDINATOR_STARTED)
-            if "error" in started:
-                raise RankZeroFailed(f"rank 0 could not start the run: {started['error']}")
-        outbox = connect(env.rank)
-        keeps_evaluated = coordinator is not None and coordinator.hooks.run.keeps_evaluated_models
-        worker = make_worker(cfg, parts, env, device, inbox, outbox, run_dir, keeps_evaluated, survival)
-        if checkpoint is not None:
-            restore_worker(checkpoint, worker)
-        interval = beat_interval(heartbeat_timeout_of(cfg))
-        heartbeat = HeartbeatSender(env.rank, connect(env.rank), interval, lambda: worker.stepper.steps_total)
-        heartbeat.start()
-        watch = StopWatch(connect(env.rank))
-        watch.start()
-        rank0_watch = None
-        if env.rank != 0:  # its store client gives up within a beat: the store may live in frozen rank 0
-            quick = Mailbox.connect(group.store_host, group.store_port, namespace, env.rank, interval)
-            on_hang = functools.partial(_stop_on_hang, run_dir, info.uid, env)
-            rank0_watch = Rank0Watch(quick, heartbeat_timeout_of(cfg), interval, on_hang)
-            rank0_watch.start()
-        try:
-            worker.run(alive=lambda: _raise_if_failed(coordinator))
-        finally:
-            if rank0_watch is not None:
-                rank0_watch.stop()
-            watch.stop()
-            heartbeat.stop()
-        if coordinator is not None:
-            coordinator.join()
-            _raise_if_failed(coordinator)
-            save_model(parts.model, run_dir / MODEL_FILE)
-            log.info("run dir %s: %s, %s", run_dir, METRICS_FILE, MODEL_FILE)
-            _end_run(coordinator, run_dir)
-            if coordinator.too_few is not None:  # the consensus is saved: now the run ends, naming why
-                raise TooFewRanks(f"{coordinator.too_few}; its consensus is saved as {run_dir / MODEL_FILE}")
-    except BaseException as err:
-        step = err.step if isinstance(err, NonFiniteError) else None
-        planned = isinstance(err, TooFewRanks)
-        failures.record(run_dir, info.uid, env.restart_count, env.rank, err, step, planned)
-        # A stop signal to this rank, or to a peer (whose leaving is then why this rank failed).
-        signum = received() or (posted(outbox) if outbox is not None else None)
-        if signum is not None and outbox is not None:
-            post(outbox, signum)
-        if coordinator is not None:  # it shares this process's store: let it stop before the store goes
-            coordinator.stop_requested.set()
-            coordinator.join(timeout=10)
-        elif outbox is not None:  # tell the coordinator why, so rank 0 stops with this rank's reason
-            with contextlib.suppress(Exception):
-                outbox.send(COORDINATOR, Exiting(env.rank, f"{type(err).__name__}: {err}"))
-        if signum is None:
-            name = type(err).__name__
-            log.error("rank %d failed: %s: %s", env.rank, name, err, exc_info=True, extra=failure_extra)
-            raise
-        if env.rank == 0:
-            log.warning("%s", _stopped_line(signum, cfg, run_dir, info), extra=stop_extra)
-        raise Stopped(signum) from None
-    finally:
-        if dist.is_initialized():  # survive never forms the world (a dead member would hang its teardown)
-            dist.destroy_process_group()
-
-
-def _stop_on_hang(run_dir: Path, uid: str, env: RankEnv, why: str) -> None:
-    """Rank 0 went silent: this rank's training thread waits in a collective with it, so end the process now
-    (the launcher stops the others), naming rank 0."""
-    log.error("%s; stopping rank %d", why, env.rank)
-    failures.record(run_dir, uid, env.restart_count, env.rank, RankHung(why))
-    logging.shutdown()
-    os._exit(1)
-
-
-def _end_run(coordinator: Coordinator, run_dir: Path) -> None:
-    """Rank 0, once model.pt is written: the run's times for the compare report, then on_run_end."""
-    assert coordinator.started_at is not None and coordinator.ended_at is not None
-    run_clock.record(
-        run_dir, training_started_at=coordinator.started_at, training_ended_at=coordinator.ended_at
-    )
-    records = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines() if line]
-    summary = RunSummary(coordinator.last_epoch, coordinator.stopped, run_dir / MODEL_FILE, records[-1])
-    coordinator.hooks.run_end(summary)
-
-
-def _stopped_line(signum: int, cfg: FlodlConfig, run_dir: Path, info: RunInfo) -> str:
-    """Where a stopped run stands and the command that continues it."""
-    latest = checkpoint_store(cfg, run_dir).latest()
-    if latest is not None:
-        where = f"last checkpoint {latest.path} (epoch {shown_epoch(latest.epoch)})"
-    else:
-        where = "no checkpoint to resume from (checkpoint_every is off or none was due): resume starts over"
-    resume = info.resume_command or f"resume=auto hydra.run.dir={run_dir}"
-    return f"stopped by {signal.Signals(signum).name}: {where}; resume with: {resume}"
-
-
-def _log_plan(cfg: FlodlConfig, world_size: int, device_type: str) -> None:
-    factor = lr_scale_factor(world_size, cfg.lr_scale_ratio)
-    log.info(
-        "policy=%s world=%d batch=%s/rank (global %d) lr x%.3g (lr_scale_ratio=%g) precision=%s compile=%s",
-        cfg.policy, world_size, step_words(cfg), step_samples(cfg) * world_size, factor,
-        cfg.lr_scale_ratio, cfg.precision, compile_mode_for(cfg, device_type, world_size) or "off",
-    )  # fmt: skip
-
-
-def _raise_if_failed(coordinator: Coordinator | None) -> None:
-    if coordinator is not None and coordinator.error is not None:
-        raise RuntimeError(f"the coordinator failed: {coordinator.error}") from coordinator.error

@@ -21,6 +21,16 @@ def rank_tag(rank: int) -> str:
 
 
 def setup_rank_logging(rank: int, run_dir: Path) -> logging.Logger:
+    """`[rN]` on the console, `rank{N}.log` in the run dir."""
+    return _setup_logging(rank_tag(rank), run_dir / f"rank{rank}.log")
+
+
+def setup_host_logging(run_dir: Path) -> logging.Logger:
+    """The run's host apart from the ranks (flodl/run_host.py): `[coordinator]`, `coordinator.log`."""
+    return _setup_logging("coordinator", run_dir / "coordinator.log")
+
+
+def _setup_logging(tag: str, path: Path) -> logging.Logger:
     logger = logging.getLogger(LOGGER)
     logger.setLevel(logging.INFO)
     # Our own handlers, whatever Hydra or torch configured on the root logger.
@@ -29,12 +39,11 @@ def setup_rank_logging(rank: int, run_dir: Path) -> logging.Logger:
         logger.removeHandler(handler)
         handler.close()
     console = logging.StreamHandler(sys.stdout)
-    tag = rank_tag(rank)
     console.setFormatter(_OneLine(f"[{tag}] %(message)s"))
     console.addFilter(_on_console)
     logger.addHandler(console)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    to_file = logging.FileHandler(run_dir / f"rank{rank}.log", encoding="utf-8")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    to_file = logging.FileHandler(path, encoding="utf-8")
     to_file.setFormatter(logging.Formatter(f"%(asctime)s [{tag}] %(levelname)s %(message)s"))
     logger.addHandler(to_file)
     return logger

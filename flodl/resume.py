@@ -57,25 +57,26 @@ def choose_checkpoint(settings: ResumeSettings, world_size: int) -> Checkpoint |
     return found
 
 
-def agree_on_checkpoint(
-    settings: ResumeSettings, rank: int, world_size: int, exchange: PrefixStore
+def publish_checkpoint_choice(
+    settings: ResumeSettings, world_size: int, exchange: PrefixStore
 ) -> Checkpoint | None:
-    """Rank 0 chooses (so every rank loads the same checkpoint, even while files change), puts the run
-    dir's history in line with it, and publishes its choice as JSON; a bad choice fails on every rank with
-    rank 0's reason."""
-    if rank == 0:
-        try:
-            found = choose_checkpoint(settings, world_size)
-            prepare_history(settings.metrics, settings.checkpoints, found)
-            choice: dict[str, Any] = {"checkpoint": None}
-            if found is not None:
-                saved = [str(found.path), found.epoch, found.world_size, found.run, found.part_ranks]
-                choice = {"checkpoint": saved}
-        except CheckpointError as err:
-            choice = {"error": str(err)}
-        publish_json(exchange, "checkpoint", choice)
-    else:
-        choice = read_json(exchange, "checkpoint")
+    """The run's host chooses (so every rank loads the same checkpoint, even while files change), puts the run
+    dir's history in line with it, and publishes its choice as JSON (or why there is none to load)."""
+    try:
+        found = choose_checkpoint(settings, world_size)
+        prepare_history(settings.metrics, settings.checkpoints, found)
+    except CheckpointError as err:
+        publish_json(exchange, "checkpoint", {"error": str(err)})
+        raise
+    saved = [str(found.path), found.epoch, found.world_size, found.run, found.part_ranks] if found else None
+    publish_json(exchange, "checkpoint", {"checkpoint": saved})
+    return found
+
+
+def agreed_checkpoint(rank: int, exchange: PrefixStore) -> Checkpoint | None:
+    """The checkpoint the host chose, as every rank loads it; a bad choice fails on every rank with the
+    host's reason."""
+    choice = read_json(exchange, "checkpoint")
     if "error" in choice:
         raise CheckpointError(choice["error"])
     if choice["checkpoint"] is None:
@@ -84,9 +85,15 @@ def agree_on_checkpoint(
     checkpoint = Checkpoint(Path(path), int(epoch), int(saved_world), saved_run, tuple(ranks))
     if not checkpoint.path.is_dir():
         raise CheckpointError(
-            f"rank {rank} cannot see checkpoint {path} (rank 0 can): put save_path on storage every host sees"
+            f"rank {rank} cannot see checkpoint {path} (the run's host can): put save_path on storage every "
+            "host sees"
         )
     return checkpoint
+
+
+def covers_every_epoch(checkpoint: Checkpoint, epochs: int) -> bool:
+    """A run of `epochs` resumed from `checkpoint` has nothing left to train."""
+    return checkpoint.epoch + 1 >= epochs
 
 
 def load_model(checkpoint: Checkpoint, model: nn.Module) -> None:

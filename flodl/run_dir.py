@@ -122,12 +122,12 @@ def run_uid(run_dir: Path) -> str:
     """The same on every rank of this run and across its restarts; new for each run (each job of a sweep
     that ranks walk together is a run of its own, in its own dir)."""
     env = RankEnv.from_environ()
-    if not env.launched:  # one process, or the process that self-launches the ranks
+    if not env.launched and not env.hosts_ranks_apart:  # one process, or one that self-launches the ranks
         return uuid.uuid4().hex
     store = _agent_store()
     if store is not None:
         return store.compare_set(_launch_key(f"run_uid/{run_dir}"), "", uuid.uuid4().hex).decode()
-    # Ranks a scheduler started (no agent store): what they all share about this run.
+    # Ranks a scheduler (or a person) started, and flodl-coordinator beside them: what they share of this run.
     shared = [env.job_id, env.run_id, env.master_addr or "", str(env.master_port or ""), str(run_dir)]
     return hashlib.sha256("/".join(shared).encode()).hexdigest()[:32]
 

@@ -1,9 +1,11 @@
 """fault_tolerance=survive: the self-launched ranks as processes of their own, each death its own event.
 
 torch's elastic agent ends every rank when one fails (and restarts them all). Here each rank is watched
-alone: a rank > 0 that dies, or that the coordinator cuts, is started again while it has restarts left,
-else the others train on without it. Rank 0 holds the coordinator, so its failure ends the job. The
-supervisor's process hosts the ranks' store (they join it as clients); the coordinator posts its cuts there.
+alone: a rank that dies, or that the coordinator cuts, is started again while it has restarts left, else the
+others train on without it; rank 0 is a rank like any other. The supervisor's process hosts the ranks'
+store (they join it as clients) and the run itself (flodl/run_host.py: the coordinator, on a thread): the
+supervisor posts each death there for the coordinator, the coordinator its cuts for the supervisor, and the
+supervisor runs until the run's host says the run ended.
 
 A stop (SIGINT / SIGTERM) is no death: one sent to the supervisor is forwarded to every rank, and a rank
 that stopped on one (exit code 130 / 143) is not started again.
@@ -32,7 +34,7 @@ from flodl.wire.stop import STOP_SIGNALS, Stopped
 
 log = logging.getLogger("flodl")
 
-# Once rank 0 finished, how long the others may take to leave on their own.
+# Once the run ended, how long the ranks may take to leave on their own.
 _FINISH_S = 30.0
 # How long a rank may take to exit on SIGTERM before it is killed.
 _TERM_S = 5.0
@@ -65,7 +67,7 @@ class RankExit:
 
 
 class SupervisedRankFailure(RuntimeError):
-    """Rank 0 failed under fault_tolerance=survive: the job cannot go on without its coordinator."""
+    """Every rank ended before the run did, and none can be started again."""
 
     def __init__(self, message: str, exits: list[RankExit]) -> None:
         super().__init__(message)
@@ -82,13 +84,16 @@ def supervise(
     store: TCPStore,
     store_port: int,
     log_dir: Path,
+    ended: Callable[[], bool],
     poll_s: float = 0.1,
 ) -> list[RankExit]:
-    """Run `entry(*args)` as ranks 0..world_size-1 on this host until rank 0 finishes; every exit seen.
+    """Run `entry(*args)` as ranks 0..world_size-1 on this host until `ended()` says the run did (its host,
+    in this process, told the ranks); every exit seen.
 
-    A rank > 0 that dies or is cut is started again, `max_restarts` times at most (counted per rank).
-    Raises SupervisedRankFailure if rank 0 fails, and Stopped if the supervisor or rank 0 is stopped by
-    SIGINT / SIGTERM; no rank outlives the call. Call it from the main thread: it handles those signals.
+    A rank that dies or is cut, rank 0 included, is started again, `max_restarts` times at most (counted per
+    rank). Raises Stopped when the supervisor is stopped by SIGINT / SIGTERM, or every rank stopped on one,
+    and SupervisedRankFailure when every rank ended before the run and none has restarts left; no rank
+    outlives the call. Call it from the main thread: it handles those signals.
     """
     context = multiprocessing.get_context(start_method)
     assert isinstance(context, (ForkContext, SpawnContext, ForkServerContext)), (
@@ -96,7 +101,7 @@ def supervise(
     )  # named, not default
     ranks = [_Rank(rank, _rank_env(rank, world_size, store_port), max_restarts) for rank in range(world_size)]
     with _StopSignals() as stop:
-        watch = _Supervisor(context, entry, args, ranks, store, log_dir, poll_s, stop)
+        watch = _Supervisor(context, entry, args, ranks, store, log_dir, poll_s, stop, ended)
         try:
             return watch.run()
         finally:
@@ -182,6 +187,7 @@ class _Supervisor:
     log_dir: Path
     poll_s: float
     stop: _StopSignals
+    run_ended: Callable[[], bool]
 
     def __post_init__(self) -> None:
         self.exits: list[RankExit] = []
@@ -193,10 +199,14 @@ class _Supervisor:
             ended = self._ended(self.poll_s)
             if self.stop.signum is not None:
                 self._stop_all(self.stop.signum)
-            for rank in ended:  # rank 0 first: once it ended, nobody else is started again
-                if self._on_exit(rank):
-                    return self.exits
+            if self.run_ended():
+                self._finish()
+                return self.exits
+            for rank in ended:
+                self._on_exit(rank)
             self._take_cuts()
+            if not self._live() and self._none_left():
+                return self.exits
 
     def _start(self, rank: _Rank) -> None:
         rank.process = self.context.Process(
@@ -234,26 +244,14 @@ class _Supervisor:
         self.exits.append(ended)
         return ended
 
-    def _on_exit(self, rank: _Rank) -> bool:
-        """Act on the exit of `rank`; True once the job is done (rank 0 finished and the others are gone)."""
+    def _on_exit(self, rank: _Rank) -> None:
+        """Act on the exit of `rank`: a death is posted for the coordinator and restarted if it may be."""
         assert rank.process is not None
         pid = rank.process.pid
         ended = self._reap(rank)
         stop = ended.stop_signal
-        if rank.rank == 0:
-            if ended.exitcode == 0:
-                self._finish()
-                return True
-            if stop is not None:  # rank 0 stopped: the others stop with it
-                self._stop_all(stop)  # raises Stopped
-            self._wind_down(signal.SIGTERM, _TERM_S)
-            raise SupervisedRankFailure(
-                f"rank 0 (the coordinator) failed ({ended.cause}); fault_tolerance=survive cannot survive "
-                f"rank 0; see {self.log_dir / 'rank0.log'}",
-                self.exits,
-            )
         if ended.exitcode == 0:
-            return False
+            return
         who = f"rank {rank.rank} (pid {pid}, incarnation {rank.incarnation})"
         how = f"was cut by the coordinator ({ended.cause})" if ended.cut else f"died ({ended.cause})"
         if not ended.cut and stop is None:  # the coordinator cuts it now, not after a heartbeat timeout
@@ -273,14 +271,31 @@ class _Supervisor:
                 "%s %s; no restarts left (launch.max_restarts): the others go on without it; see %s",
                 who, how, self.log_dir / f"rank{rank.rank}.log",
             )  # fmt: skip
-        return False
+
+    def _none_left(self) -> bool:
+        """No rank is left and none was started again: True when one finished (a rank ends well only when the
+        run told it, just before its host says the run ended); a stop each of them got is the run's stop;
+        anything else, a failure."""
+        last = {exit.rank: exit for exit in self.exits}
+        if any(exit.exitcode == 0 for exit in last.values()):
+            return True
+        stops = {exit.stop_signal for exit in last.values()}
+        signum = stops.pop() if len(stops) == 1 else None
+        if signum is not None:
+            raise Stopped(signum)
+        causes = ", ".join(f"rank {r}: {e.cause}" for r, e in sorted(last.items()))
+        raise SupervisedRankFailure(
+            f"every rank ended before the run ({causes}) and none has restarts left (launch.max_restarts); "
+            f"see {self.log_dir}/rank*.log",
+            self.exits,
+        )
 
     def _take_cuts(self) -> None:
         """Kill each rank the coordinator cut: a hung rank (SIGSTOPped, stuck) must really end, so that its
         peers' collectives with it fail and they go on. A cut of an earlier incarnation is stale."""
         for rank in self._live():
             key = cut_key(rank.rank)
-            if rank.rank == 0 or rank.cut or not self.store.check([key]):
+            if rank.cut or not self.store.check([key]):
                 continue
             incarnation = self.store.get(key).decode()
             self.store.delete_key(key)
@@ -289,14 +304,14 @@ class _Supervisor:
                 rank.live_process.kill()  # its exit is reaped by the loop, as any other
 
     def _finish(self) -> None:
-        """Rank 0 finished: give the others `_FINISH_S` to leave, then end them."""
+        """The run ended: give the ranks `_FINISH_S` to leave, then end them."""
         deadline = time.monotonic() + _FINISH_S
         while self._live() and time.monotonic() < deadline:
             self._await_exits(deadline)
             if self.stop.signum is not None:
                 self._stop_all(self.stop.signum)
         for rank in self._live():
-            log.warning("rank %d still runs %.0f s after rank 0 finished: ending it", rank.rank, _FINISH_S)
+            log.warning("rank %d still runs %.0f s after the run ended: ending it", rank.rank, _FINISH_S)
         self._wind_down(signal.SIGTERM, _TERM_S)
 
     def _stop_all(self, signum: int) -> None:

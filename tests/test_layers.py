@@ -50,8 +50,11 @@ FLOORS = {
     "flodl.failures": 4,
     # The command line and its Hydra plumbing; the package's public API.
     "flodl.preflight": 5,
-    "flodl.launch": 6,
     "flodl.supervisor": 5,
+    # The run's host (coordinator, records, the run's end), then every rank's body, then the launcher.
+    "flodl.run_host": 5,
+    "flodl.rank": 6,
+    "flodl.launch": 7,
     # The run dir's stamp resolver for Hydra, and its owner and uid for the launch.
     "flodl.run_dir": 4,
     "flodl.slots": 5,
@@ -59,9 +62,9 @@ FLOORS = {
     "flodl.callbacks": 5,
     "flodl": 5,
     # The command (`flodl-train`, `python -m flodl`): above everything it starts.
-    "flodl.cli": 7,
-    "flodl.torchrun": 7,
-    "flodl.__main__": 7,
+    "flodl.cli": 8,
+    "flodl.torchrun": 8,
+    "flodl.__main__": 8,
 }
 # Imports that break the rule above, and why.
 EXCEPTIONS = {

@@ -1,6 +1,7 @@
 """The per-rank supervisor of fault_tolerance=survive (flodl/supervisor.py), with real processes and a real
 TCPStore: the ranks are forked (from a fork server) and run tests/helpers/supervised.py; a thread of the test
-plays the coordinator's part (cuts) and releases the ranks once it has seen what it came for."""
+plays the run host's part (cuts, the run's end) and releases the ranks once it has seen what it came for.
+Rank 0 is a rank like any other: it may die and be started again."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from flodl.supervisor import RankExit, SupervisedRankFailure, supervise
 from flodl.wire.group import loopback_store
 from flodl.wire.membership import ExitReader, cut_key
 from flodl.wire.stop import Stopped
-from tests.helpers.supervised import RELEASE, VARIABLES, pid_key, rank_main
+from tests.helpers.supervised import ENDED, RELEASE, VARIABLES, pid_key, rank_main
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(30)]
 
@@ -76,7 +77,7 @@ def run(
 ) -> list[RankExit]:
     return supervise(
         rank_main, (store.port, str(tmp_path), plan), world, max_restarts, START_METHOD, store, store.port,
-        tmp_path / "logs", poll_s=POLL_S,
+        tmp_path / "logs", lambda: store.check([ENDED]), poll_s=POLL_S,
     )  # fmt: skip
 
 
@@ -121,7 +122,7 @@ def assert_dead(pids: list[int]) -> None:
 @contextlib.contextmanager
 def conducted(port: int, script: Callable[[TCPStore], None]) -> Iterator[None]:
     """Run `script` on a thread with a store client of its own while the test supervises. The ranks are
-    released after it, whether or not it failed; its failure is raised after the block."""
+    released after it, and the run ended, whether or not it failed; its failure is raised after the block."""
     errors: list[BaseException] = []
 
     def body() -> None:
@@ -132,6 +133,7 @@ def conducted(port: int, script: Callable[[TCPStore], None]) -> Iterator[None]:
             errors.append(err)
         finally:
             client.set(RELEASE, "1")
+            client.set(ENDED, "1")
 
     thread = threading.Thread(target=body, name="conductor", daemon=True)
     thread.start()
@@ -145,45 +147,46 @@ def conducted(port: int, script: Callable[[TCPStore], None]) -> Iterator[None]:
 def test_a_dead_or_cut_rank_alone_is_started_again_and_the_others_train_on(
     max_restarts: int, store: TCPStore, tmp_path: Path, warnings_logged: list[str]
 ):
-    """Rank 1 SIGKILLs itself and rank 2 SIGSTOPs itself (first incarnation only), and the coordinator's
-    cut of rank 2 must really end it; with restarts each comes back once, without, ranks 0 and 3 finish."""
+    """Rank 0 SIGKILLs itself and rank 2 SIGSTOPs itself (first incarnation only), and the coordinator's
+    cut of rank 2 must really end it; with restarts each comes back once (rank 0 like any other), without,
+    ranks 1 and 3 finish."""
     restarts = max_restarts > 0
 
     def script(client: TCPStore) -> None:
-        died = pid_of(client, 1, 1)
-        until(lambda: gone(died), "rank 1's first incarnation is reaped")
+        died = pid_of(client, 0, 1)
+        until(lambda: gone(died), "rank 0's first incarnation is reaped")
         hung = pid_of(client, 2, 1)
         until(lambda: stopped(hung), "rank 2 has stopped itself")
         client.set(cut_key(2), "0")
         until(lambda: gone(hung), "the cut rank 2 is killed and reaped")
         assert not client.check([cut_key(2)]), "the supervisor acted on the cut but left its key"
         if restarts:
-            pid_of(client, 1, 2)
+            pid_of(client, 0, 2)
             pid_of(client, 2, 2)
-            client.set(cut_key(1), "0")  # incarnation 0 of rank 1 is gone: a stale cut, to be ignored
-            until(lambda: not client.check([cut_key(1)]), "the supervisor took the stale cut")
+            client.set(cut_key(0), "0")  # incarnation 0 of rank 0 is gone: a stale cut, to be ignored
+            until(lambda: not client.check([cut_key(0)]), "the supervisor took the stale cut")
 
     handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     with conducted(store.port, script):
-        exits = run(store, tmp_path, {1: "kill", 2: "hang"}, WORLD, max_restarts)
+        exits = run(store, tmp_path, {0: "kill", 2: "hang"}, WORLD, max_restarts)
 
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
-    # The coordinator hears of rank 1's death at once; not of rank 2's, which it cut itself.
+    # The coordinator hears of rank 0's death at once; not of rank 2's, which it cut itself.
     posted = [(e["rank"], e["incarnation"], e["cause"]) for e in ExitReader(store).new()]
-    assert posted == [(1, 0, "signal SIGKILL")], posted
+    assert posted == [(0, 0, "signal SIGKILL")], posted
     expected = [
-        RankExit(0, 0, 0, None),
-        RankExit(1, 0, None, "SIGKILL"),
+        RankExit(0, 0, None, "SIGKILL"),
+        RankExit(1, 0, 0, None),
         RankExit(2, 0, None, "SIGKILL", cut=True),
         RankExit(3, 0, 0, None),
     ]
-    if restarts:  # the stale cut left rank 1's second incarnation alone: it finished
-        expected += [RankExit(1, 1, 0, None), RankExit(2, 1, 0, None)]
+    if restarts:  # the stale cut left rank 0's second incarnation alone: it finished
+        expected += [RankExit(0, 1, 0, None), RankExit(2, 1, 0, None)]
     assert in_order(exits) == in_order(expected)
-    # Ranks 0 and 3 started once (their pids unchanged), 1 and 2 once per incarnation, each with its env.
+    # Ranks 1 and 3 started once (their pids unchanged), 0 and 2 once per incarnation, each with its env.
     for rank in range(WORLD):
         seen = starts(tmp_path, rank)
-        assert len(seen) == (2 if restarts and rank in (1, 2) else 1), seen
+        assert len(seen) == (2 if restarts and rank in (0, 2) else 1), seen
         for start in seen:
             assert {v: start[v] for v in VARIABLES} == {
                 "RANK": str(rank),
@@ -195,55 +198,56 @@ def test_a_dead_or_cut_rank_alone_is_started_again_and_the_others_train_on(
                 "TORCHELASTIC_USE_AGENT_STORE": "True",
             }
     then = "starting it again as incarnation 1 (0 restart(s) left)" if restarts else "no restarts left"
-    pids = [starts(tmp_path, rank)[0]["pid"] for rank in (1, 2)]
+    pids = [starts(tmp_path, rank)[0]["pid"] for rank in (0, 2)]
     assert len(warnings_logged) == 2, warnings_logged
     assert warnings_logged[0].startswith(
-        f"rank 1 (pid {pids[0]}, incarnation 0) died (signal SIGKILL); {then}"
+        f"rank 0 (pid {pids[0]}, incarnation 0) died (signal SIGKILL); {then}"
     )
     assert warnings_logged[1].startswith(
         f"rank 2 (pid {pids[1]}, incarnation 0) was cut by the coordinator (signal SIGKILL); {then}"
     )
 
 
-@pytest.mark.parametrize("code", [1, 0])
-def test_once_rank_0_ended_no_rank_outlives_it(
-    code: int, store: TCPStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_once_the_run_ended_no_rank_outlives_it(
+    store: TCPStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
-    """Rank 0 failing ends the job at once, naming rank 0; rank 0 finishing leaves the others a while (cut
-    short here) to leave. Either way the rest get SIGTERM, and a rank that ignores it SIGKILL."""
+    """The run's host says the run ended: the ranks have a while (cut short here) to leave, then SIGTERM, and
+    a rank that ignores it SIGKILL."""
     monkeypatch.setattr(supervisor, "_FINISH_S", 0.5)
     monkeypatch.setattr(supervisor, "_TERM_S", 1.0)
-    plan = {0: f"exit:{code}", 2: "stubborn"}
+
+    def end_the_run() -> None:  # once every rank is up, without releasing them
+        client = TCPStore("127.0.0.1", store.port, is_master=False, timeout=STORE_TIMEOUT)
+        for rank in range(3):
+            pid_of(client, rank, 1)
+        client.set(ENDED, "1")
+
+    ender = threading.Thread(target=end_the_run, daemon=True)
+    ender.start()
     began = time.monotonic()
-    if code:
-        with pytest.raises(SupervisedRankFailure) as failure:
-            run(store, tmp_path, plan, 3, max_restarts=2)
-        assert str(failure.value) == (
-            "rank 0 (the coordinator) failed (exit code 1); fault_tolerance=survive cannot survive rank 0; "
-            f"see {tmp_path / 'logs' / 'rank0.log'}"
-        )
-        exits = failure.value.exits
-    else:
-        exits = run(store, tmp_path, plan, 3, max_restarts=2)
+    exits = run(store, tmp_path, {2: "stubborn"}, 3, max_restarts=2)
+    ender.join()
     assert time.monotonic() - began < 6
     assert in_order(exits) == [
-        RankExit(0, 0, code, None),
+        RankExit(0, 0, None, "SIGTERM"),
         RankExit(1, 0, None, "SIGTERM"),
         RankExit(2, 0, None, "SIGKILL"),
     ]
-    assert_dead([int(store.get(pid_key(rank, 1))) for rank in (1, 2)])
+    assert_dead([int(store.get(pid_key(rank, 1))) for rank in range(3)])
 
 
-def test_rank_0_stopping_is_a_stop_and_stops_the_others(
-    store: TCPStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_every_rank_failing_for_good_fails_the_run_and_every_rank_stopping_stops_it(
+    store: TCPStore, tmp_path: Path
 ):
-    """Rank 0 exits 143: it stopped on SIGTERM (its own, or a peer's through the store), which is no failure.
-    The others get the same signal, and a rank that ignores it SIGKILL."""
-    monkeypatch.setattr(supervisor, "_STOP_S", 1.0)
+    """No rank left and none to start again: a failure, naming each rank's end; when each stopped on the same
+    signal (as a stop posted through the store ends them), the run's stop."""
+    failed = r"every rank ended before the run \(rank 0: exit code 1, "
+    with pytest.raises(SupervisedRankFailure, match=failed):
+        run(store, tmp_path, dict.fromkeys(range(3), "exit:1"), 3, max_restarts=0)
+    # A store of its own: a rank follows its plan at its first start only.
     with pytest.raises(Stopped) as stop:
-        run(store, tmp_path, {0: "exit:143", 2: "stubborn"}, 3, max_restarts=1)
+        run(loopback_store(0, None, STORE_TIMEOUT), tmp_path, dict.fromkeys(range(3), "exit:143"), 3, 1)
     assert stop.value.signum == signal.SIGTERM
-    assert_dead([int(store.get(pid_key(rank, 1))) for rank in (1, 2)])
 
 
 def supervise_until_stopped(out: str) -> None:

@@ -18,12 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from flodl.checkpoint import CheckpointDir
 from tests.helpers.procs import (
     FAST_START,
     PYTHON,
     TRAIN,
     Result,
     child_env,
+    finish,
     free_port,
     kill_group,
     start,
@@ -139,6 +141,29 @@ def test_a_killed_rank_is_cut_out_restarted_and_admitted_back(
     assert min(worlds) <= 3 and worlds[-1] == 3, worlds
 
 
+@pytest.mark.parametrize("policy", ["sync", "cadence", "async"])
+def test_rank_0_dies_and_comes_back_like_any_rank(tmp_path: Path, policy: str) -> None:
+    """The run's records live in the launcher's process (its host), not in rank 0: rank 0 killed mid-run is
+    cut at once, the others train on (checkpoints keep being committed), and its restart is admitted."""
+    result, run = survive_run(
+        tmp_path, EPOCHS_AT_MOST, 8, f"policy={policy}", "simulate.kill_rank=0", "simulate.kill_at_step=6",
+        "launch.max_restarts=1", "checkpoint_every=1", STOP_ONCE_ADMITTED,
+    )  # fmt: skip
+    result.check()
+    started = pids(result.out)
+    assert len(started[0]) == 2 and len(started[1]) == 1 and len(started[2]) == 1, started
+    events = membership(run)
+    assert [(e["event"], e["rank"], e.get("why")) for e in events][:1] == [("rank_cut", 0, EXITED)], events
+    assert [(e["event"], e["rank"]) for e in events] == [("rank_cut", 0), ("rank_admitted", 0)], events
+    records = epoch_records(run, None)
+    cut_epoch = next(r["epoch"] for r in records if r["membership"])
+    assert CheckpointDir(run, 2).latest().epoch >= cut_epoch  # committed after rank 0 died
+    end = "the last epoch" if policy == "sync" else "final round"
+    final = digests(result.out, end)
+    assert set(final) == {0, 1, 2} and len(set(final.values())) == 1, final
+    assert torch.load(run / "model.pt", weights_only=True)
+
+
 def test_a_frozen_rank_is_cut_the_rest_finish_and_resume_after_it(tmp_path: Path) -> None:
     frozen = ("policy=cadence", "simulate.hang_rank=2", "simulate.hang_at_step=5", "checkpoint_every=1")
     result, run = survive_run(tmp_path, 4, 32, *frozen, QUICK_HEARTBEAT, "launch.max_restarts=0")
@@ -183,42 +208,50 @@ def test_too_few_ranks_left_stops_with_the_consensus_saved(tmp_path: Path, polic
     assert set(final) == {0, 2} and len(set(final.values())) == 1, final
 
 
-def test_ranks_started_one_by_one_survive_and_a_restart_is_admitted(tmp_path: Path) -> None:
-    """The several-hosts way: each rank its own process with RANK / WORLD_SIZE / MASTER_* (no torchrun, no
-    supervisor); rank 0 hosts the store. The test is rank 2's restart loop."""
+def test_ranks_started_one_by_one_beside_flodl_coordinator_survive_rank_0_dying(tmp_path: Path) -> None:
+    """The several-hosts way: flodl-coordinator started first (it hosts the store and the run), then each
+    rank its own process with RANK / WORLD_SIZE / MASTER_* (no torchrun, no supervisor). Rank 0 dies like any
+    rank: the others train on, and the test, as rank 0's restart loop, starts it again."""
     port = free_port()
-    args = [
-        PYTHON, TRAIN, *COMMON[2:], QUICK_HEARTBEAT, "policy=cadence", f"epochs={EPOCHS_AT_MOST}",
-        "batch_size=8", "simulate.kill_rank=2", "simulate.kill_at_step=4", STOP_ONCE_ADMITTED, "eval_every=0",
+    overrides = [
+        *COMMON[2:], QUICK_HEARTBEAT, "policy=cadence", f"epochs={EPOCHS_AT_MOST}", "batch_size=8",
+        "simulate.kill_rank=0", "simulate.kill_at_step=4", STOP_ONCE_ADMITTED, "eval_every=0",
     ]  # fmt: skip
+    job = {"WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    coordinator = start(
+        [str(Path(PYTHON).parent / "flodl-coordinator"), *overrides], tmp_path, child_env(**job)
+    )
 
     def rank(r: int) -> subprocess.Popen:
-        env = child_env(RANK=str(r), WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        return start(args, tmp_path, env, output=subprocess.DEVNULL)
+        return start([PYTHON, TRAIN, *overrides], tmp_path, child_env(RANK=str(r), **job), subprocess.DEVNULL)
 
     procs = [rank(r) for r in range(3)]
     restarted = None
     try:
         deadline = time.time() + 240
-        while time.time() < deadline and any(p.poll() is None for p in procs[:2]):
-            if restarted is None and procs[2].poll() is not None:
-                assert procs[2].returncode == -signal.SIGKILL, procs[2].returncode
-                restarted = rank(2)
+        while time.time() < deadline and coordinator.poll() is None:
+            if restarted is None and procs[0].poll() is not None:
+                assert procs[0].returncode == -signal.SIGKILL, procs[0].returncode
+                restarted = rank(0)
             time.sleep(0.2)
-        codes = [p.wait(timeout=30) for p in procs[:2]]
-        assert restarted is not None, "rank 2 was never killed"
+        hosted = finish(coordinator, 30)
+        codes = [p.wait(timeout=30) for p in procs[1:]]
+        assert restarted is not None, "rank 0 was never killed"
         assert restarted.wait(timeout=60) == 0
     finally:
-        for p in [*procs, *([restarted] if restarted else [])]:
+        for p in [coordinator, *procs, *([restarted] if restarted else [])]:
             if p.poll() is None:
                 kill_group(p)
-    assert codes == [0, 0], codes
+    assert hosted.code == 0 and codes == [0, 0], (codes, hosted.out[-3000:])
     run = tmp_path / "run"
     check_every_epoch_once(run)
-    assert [(e["event"], e["rank"]) for e in membership(run)] == [("rank_cut", 2), ("rank_admitted", 2)]
+    events = membership(run)
+    assert [(e["event"], e["rank"]) for e in events] == [("rank_cut", 0), ("rank_admitted", 0)], events
+    assert "[coordinator] rank 0 is out" in hosted.out
     log = "".join((run / f"rank{r}.log").read_text() for r in range(3))
     final = digests(log, "final round")
     assert set(final) == {0, 1, 2} and len(set(final.values())) == 1, final
+    assert (run / "model.pt").is_file()
 
 
 def test_a_rank_dying_while_the_ranks_start_is_cut_and_the_others_share_a_start(tmp_path: Path) -> None:

@@ -590,13 +590,14 @@ def test_survive_takes_every_policy_and_refuses_what_it_cannot_restore_yet():
     )
 
 
-def test_survive_refuses_torchrun_s_agent_with_several_ranks_per_host():
+def test_survive_refuses_torchrun_s_agent():
     survive = make(fault_tolerance="survive", policy="cadence")
     agent = host(world_size=2, ranks_per_node=2, under_torchrun=True, elastic_agent=True)
-    assert_problem(problems_of(survive, agent), "fault_tolerance", "survive", "stops every rank of its host")
-    # Ranks started one by one (RANK / WORLD_SIZE set, no agent), or one rank per torchrun: allowed.
+    problem = assert_problem(problems_of(survive, agent), "fault_tolerance", "survive", "not under torchrun")
+    assert "start flodl-coordinator and then each rank on its own" in problem
+    assert problems_of(survive, dataclasses.replace(agent, ranks_per_node=1))  # one rank per torchrun too
+    # Ranks started one by one (RANK / WORLD_SIZE set, no agent), beside flodl-coordinator: allowed.
     assert problems_of(survive, dataclasses.replace(agent, elastic_agent=False)) == []
-    assert problems_of(survive, dataclasses.replace(agent, ranks_per_node=1)) == []
 
 
 @pytest.mark.parametrize(

@@ -55,6 +55,12 @@ class RankEnv:
         )
 
     @property
+    def hosts_ranks_apart(self) -> bool:
+        """This process hosts a run whose WORLD_SIZE ranks are started apart from it (flodl-coordinator: the
+        job's variables set, but no RANK)."""
+        return not self.launched and "WORLD_SIZE" in os.environ
+
+    @property
     def spans_hosts(self) -> bool:
         """The job has ranks on more than this host (torchrun --nnodes > 1)."""
         return self.world_size > self.local_world_size
@@ -86,8 +92,8 @@ class HostFacts:
         host knows nothing of the schema, which imports the CLI's resolvers that ask RankEnv)."""
         env = RankEnv.from_environ()
         under_torchrun = env.launched
-        ranks = env.local_world_size if under_torchrun else nproc_per_node
-        world = env.world_size if under_torchrun else nproc_per_node
+        ranks = env.local_world_size if under_torchrun else 1 if env.hosts_ranks_apart else nproc_per_node
+        world = env.world_size if under_torchrun or env.hosts_ranks_apart else nproc_per_node
         stage_dir = stage_dir_of(disk_stage_dir)
         free = shutil.disk_usage(stage_dir).free if os.path.isdir(stage_dir) else None
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

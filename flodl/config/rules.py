@@ -328,13 +328,13 @@ def _survive_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
         )
     if not 1 <= cfg.min_ranks <= host.world_size:
         yield _problem("min_ranks", cfg.min_ranks, f"must be in [1, {host.world_size}] (the job's ranks)")
-    if host.elastic_agent and host.ranks_per_node > 1:
+    if host.elastic_agent:
         yield _problem(
             "fault_tolerance",
             "survive",
-            "torchrun's agent stops every rank of its host when one dies; start each rank on its own "
-            "(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set, not under torchrun), or self-launch with "
-            "launch.nproc_per_node",
+            "not under torchrun: its agent stops every rank of its host when one dies, and a survive run is "
+            "hosted apart from its ranks; self-launch with launch.nproc_per_node, or start flodl-coordinator "
+            "and then each rank on its own (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set)",
         )
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from flodl.checkpoint import MODEL_FILE
 from flodl.coordinator.commit import CheckpointCommitter
 from flodl.coordinator.hooks import CallbackError, Hooks
 from flodl.coordinator.ledger import EpochLedger
@@ -37,10 +38,12 @@ from flodl.wire.messages import (
     Heartbeat,
     Joined,
     Message,
+    ModelSaved,
     Progress,
     Regroup,
     Regrouped,
     Saved,
+    SaveModel,
     Shutdown,
     StartEpoch,
 )
@@ -120,6 +123,16 @@ class Driver(Protocol):
 
     @property
     def done(self) -> bool: ...
+
+    @property
+    def members(self) -> set[int]:
+        """The ranks that train and average (every rank, unless fault_tolerance=survive cut one)."""
+        ...
+
+    @property
+    def holders(self) -> set[int]:
+        """The members that hold the run's latest model (not one admitted and still waiting for it)."""
+        ...
 
 
 class SyncDriver:
@@ -245,6 +258,10 @@ class SyncDriver:
         for member in sorted(self.members):
             self.outbox.send(member, order)
 
+    @property
+    def holders(self) -> set[int]:
+        return self.members - self.unformed
+
     def join(self, rank: int) -> None:
         """A restarted rank is admitted with the next epoch planned."""
         self.joiners.add(rank)
@@ -367,6 +384,7 @@ class Coordinator(threading.Thread):
             self.ended_at = time.time()
             if self.survive is not None:
                 self._follow_changes(run_ended=True)
+            self._save_model()
             self._shut_down(self.stopped or "done")
             self.timeline.save(self.run_dir)
         except BaseException as err:  # surfaced to rank 0's main thread through self.error
@@ -391,6 +409,34 @@ class Coordinator(threading.Thread):
                 saver.join(timeout=30)
             logging.shutdown()
             os._exit(1)
+
+    def _save_model(self) -> None:
+        """The run's end: every member holds the final model; the first writes it as model.pt (a member cut
+        meanwhile hands it to the next one)."""
+        path = self.run_dir / MODEL_FILE
+        asked: int | None = None
+        while True:
+            holders = sorted(self.driver.holders)
+            if not holders:
+                raise CoordinatorError("no member holding the final model is left to write it")
+            if asked not in holders:
+                asked = holders[0]
+                self.outbox.send(asked, SaveModel(str(path)))
+            if self.stop_requested.is_set():
+                raise CoordinatorError("stopped while the final model was written")
+            message = self.reader.next_message(_WAIT_S)
+            if isinstance(message, ModelSaved) and message.rank == asked:
+                return
+            if isinstance(message, Exiting) and message.rank == asked and self.survive is None:
+                raise CoordinatorError(
+                    f"rank {asked} exited before it wrote the final model: {message.reason}"
+                )
+            rank = getattr(message, "rank", None)
+            if rank is not None:
+                self.monitor.heard(rank, time.perf_counter())
+            self._check_heartbeats(time.perf_counter())
+            if self._exits is not None:
+                self._check_exits()
 
     def _shut_down(self, reason: str) -> None:
         # Every rank's inbox, the cut ones' too: a restarted rank waiting to be admitted ends with the run.
@@ -507,10 +553,10 @@ class Coordinator(threading.Thread):
 
     def _check_heartbeats(self, now: float) -> None:
         silent = self.monitor.silent(now)
-        if self.survive is not None:  # rank 0 itself cannot be cut: it holds the coordinator and the store
-            for rank in [r for r in silent if r != 0]:
+        if self.survive is not None:  # the coordinator's process trains nothing: any rank may be cut
+            for rank in silent:
                 self._cut(rank, f"no heartbeat for {self.monitor.silence_of(rank, now):.1f} s")
-            silent = [r for r in silent if r == 0]
+            return
         if silent:
             described = "; ".join(self.monitor.describe(rank, now) for rank in silent)
             raise RankHung(
@@ -547,7 +593,7 @@ class Coordinator(threading.Thread):
                 sink.progress(message)
         elif isinstance(message, Exiting):
             why = f": {message.reason}" if message.reason else ""
-            if self.survive is None or message.rank == 0:
+            if self.survive is None:
                 raise CoordinatorError(f"rank {message.rank} exited before the run finished{why}")
             if message.rank in self._survivors().members:
                 self._cut(message.rank, f"exiting{why}")

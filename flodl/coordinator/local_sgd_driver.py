@@ -83,6 +83,11 @@ class LocalSgdDriver:
         """The ranks in the averaging group (those admitted train from the next window on)."""
         return self.planner.members | self.planner.joining
 
+    @property
+    def holders(self) -> set[int]:
+        """The members that took part in the last round (one admitted since waits for the next window)."""
+        return set(self.planner.members)
+
     def on_chunk(self, chunk: ChunkReport) -> bool:
         """The rank trained one slice it was handed, whole; False: the rank was cut before this report was
         read, and its slice was handed to another (the report must not count)."""

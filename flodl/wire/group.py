@@ -6,7 +6,6 @@ import hashlib
 import ipaddress
 import json
 import socket
-import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -14,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import yaml
-from torch.distributed import PrefixStore, TCPStore
+from torch.distributed import PrefixStore, Store, TCPStore
 
 from flodl.config.host import RankEnv
 
@@ -63,11 +62,23 @@ def loopback_store(port: int, world_size: int | None, timeout: timedelta) -> TCP
 _groups_started = 0
 
 
+# The key space of a run whose store a process apart from its ranks hosts (fault_tolerance=survive: the
+# supervisor, or flodl-coordinator): one run per store, whatever the ranks' processes count.
+HOSTED_RUN = "flodl/run/"
+
+
+def hosted_exchange(store: Store) -> PrefixStore:
+    """The exchange of a run whose store this process hosts apart from the ranks (see `init_group`)."""
+    return PrefixStore(f"{HOSTED_RUN}exchange/", store)
+
+
 def init_group(
-    env: RankEnv, backend: str, device: torch.device, timeout_s: float, world: bool = True
+    env: RankEnv, backend: str, device: torch.device, timeout_s: float, hosted_apart: bool = False
 ) -> GroupHandle:
-    """Join this job's process group (`world` False: only its store; fault_tolerance=survive averages on
-    groups of its own, and a world with a dead member in it cannot be used or destroyed).
+    """Join this job's process group. `hosted_apart` (fault_tolerance=survive): a process apart from the
+    ranks hosts the store and the run (flodl/run_host.py), so no rank hosts it, and there is no WORLD group
+    (the members average on groups of their own; a world with a dead member in it cannot be used or
+    destroyed).
 
     Each group a process starts gets its own key prefix in the store: ranks that walk a multirun sweep
     together under one torchrun share one store, and a later job must never see an earlier job's keys.
@@ -82,7 +93,7 @@ def init_group(
             )
         host, port = env.master_addr, env.master_port
         # torchrun's agent hosts the store; otherwise rank 0 hosts it, as env:// would.
-        hosts = not env.agent_store and env.rank == 0
+        hosts = not env.agent_store and env.rank == 0 and not hosted_apart
         if hosts and is_loopback(host):  # every rank is on this host: nobody else needs to reach it
             store = loopback_store(port, env.world_size, timeout)
         else:
@@ -94,8 +105,8 @@ def init_group(
         host, port, owned = "127.0.0.1", store.port, store
     _groups_started += 1
     # torchrun's agent store outlives a restart: a restarted group must not meet its predecessor's keys.
-    prefix = f"flodl/group/{env.restart_count}/{_groups_started}/"
-    if world:
+    prefix = HOSTED_RUN if hosted_apart else f"flodl/group/{env.restart_count}/{_groups_started}/"
+    if not hosted_apart:
         dist.init_process_group(
             backend,
             store=PrefixStore(prefix, store),
@@ -120,17 +131,14 @@ class ConfigMismatchError(RuntimeError):
     pass
 
 
-def agree_on_config(config: dict[str, Any], rank: int, world_size: int, exchange: PrefixStore) -> str:
-    """Check every rank composed the same config; return a namespace unique to this run.
-
-    Each rank publishes its resolved config and a fresh id in the group's store, as JSON; rank 0's id
-    becomes the run's mailbox namespace.
-    """
+def agree_on_config(config: dict[str, Any], rank: int, world_size: int, exchange: PrefixStore) -> None:
+    """Check every rank composed the same config: each publishes its resolved config in the group's store,
+    as JSON, and compares the others' with rank 0's."""
     text = yaml.safe_dump(config, sort_keys=True)
-    publish_json(exchange, f"config/{rank}", [text, uuid.uuid4().hex])
+    publish_json(exchange, f"config/{rank}", text)
     gathered = [read_json(exchange, f"config/{other}") for other in range(world_size)]
-    reference = gathered[0][0]
-    for other, (other_text, _) in enumerate(gathered):
+    reference = gathered[0]
+    for other, other_text in enumerate(gathered):
         if other_text != reference:
             raise ConfigMismatchError(
                 f"rank {other} composed a different config than rank 0 "
@@ -138,7 +146,6 @@ def agree_on_config(config: dict[str, Any], rank: int, world_size: int, exchange
                 + ", ".join(_differences(yaml.safe_load(reference), yaml.safe_load(other_text)))
                 + ". Launch every rank with the same overrides and environment."
             )
-    return gathered[0][1]
 
 
 def _digest(text: str) -> str:

@@ -1,10 +1,10 @@
 """Typed control and report messages, encoded as JSON (never pickle).
 
 Worker -> coordinator: ChunkReport (one per chunk), Reached, RoundAck, EvalResult, Saved, Heartbeat, Exiting,
-Joined and Regrouped (fault_tolerance=survive).
+ModelSaved, Joined and Regrouped (fault_tolerance=survive).
 Coordinator -> worker: StartEpoch (sync: the rank's slice of the epoch), ExtendPartition (local SGD: more
 batches and the count to report at), AverageNow (start an averaging round), Regroup (survive: the averaging
-group changed), Shutdown.
+group changed), SaveModel (the run's end: one member writes model.pt), Shutdown.
 """
 
 from __future__ import annotations
@@ -76,6 +76,18 @@ class AverageNow:
 @dataclass
 class Shutdown:
     reason: str = "done"
+
+
+@dataclass
+class SaveModel:
+    """The run is over: write the model (every member holds the final one) to `path`, then say ModelSaved."""
+
+    path: str
+
+
+@dataclass
+class ModelSaved:
+    rank: int
 
 
 @dataclass
@@ -253,6 +265,8 @@ Message = (
     | ExtendPartition
     | AverageNow
     | Shutdown
+    | SaveModel
+    | ModelSaved
     | ChunkReport
     | Progress
     | Reached

@@ -19,7 +19,7 @@ import torch
 
 from flodl.checkpoint import evaluated_model_path, save_model
 from flodl.counting import shown_epoch
-from flodl.wire.messages import ChunkReport, EvalResult, Message, Progress, Shutdown
+from flodl.wire.messages import ChunkReport, EvalResult, Message, ModelSaved, Progress, SaveModel, Shutdown
 from flodl.wire.transport import COORDINATOR, InboxReader, Mailbox
 from flodl.worker.checkpoint_part import RankCheckpointer
 from flodl.worker.nonfinite import NonFiniteError, nonfinite_message
@@ -96,7 +96,9 @@ class WorkerBase:
                         log.info("rank %d stops %s: %s", self.rank, self._trained_so_far(), message.reason)
                     self.on_done()
                     return
-                if message is not None:
+                if isinstance(message, SaveModel):
+                    self._save_model(Path(message.path))
+                elif message is not None:
                     self.handle(message)
                 elif self.has_work():
                     self.work()
@@ -125,10 +127,17 @@ class WorkerBase:
             self.last_epoch = max(message.epoch, self.last_epoch if self.last_epoch is not None else -1)
         self.outbox.send(COORDINATOR, message)
 
+    def _save_model(self, path: Path) -> None:
+        """The run's end: every member holds the final model; the coordinator asked this one to write it."""
+        save_model(self.stepper.parts.model, path)
+        log.info("rank %d: the final model is %s", self.rank, path)
+        self.report(ModelSaved(self.rank))
+
     def report_evals(self, result: EvalResult, epochs: list[int]) -> None:
-        """Report this rank's eval `result` for each epoch it stands for; rank 0 first writes the parameters
-        it evaluated when a callback keeps them (they are the consensus: every rank evaluated the same)."""
-        if self.evaluated_models is not None:
+        """Report this rank's eval `result` for each epoch it stands for; the group's first member first
+        writes the parameters it evaluated when a callback keeps them (they are the consensus: every member
+        evaluated the same)."""
+        if self.evaluated_models is not None and self.is_first_member:
             first = evaluated_model_path(self.evaluated_models, epochs[0])
             first.parent.mkdir(exist_ok=True)
             save_model(self.stepper.parts.model, first)
@@ -189,6 +198,12 @@ class WorkerBase:
     def group_size(self) -> int:
         """The ranks training together now: the members of the group (survive), else the world."""
         return self.survival.membership.size if self.survival is not None else self.world_size
+
+    @property
+    def is_first_member(self) -> bool:
+        """The group's first member (rank 0 unless survive cut it): it writes what one copy of the members'
+        shared state is enough for (a checkpoint's model, an evaluated model)."""
+        return self._eval_shard()[0] == 0
 
     def _eval_shard(self) -> tuple[int, int]:
         """Which share of the eval set this rank evaluates, of how many: one per member of the group."""

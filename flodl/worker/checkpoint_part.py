@@ -1,7 +1,7 @@
 """A rank's own part of a checkpoint: written before the rank acknowledges, loaded back on resume.
 
-Rank 0 also writes the model (every rank holds the same consensus at a checkpoint). Files load with
-`weights_only=True`.
+The group's first member also writes the model (every member holds the same consensus at a checkpoint).
+Files load with `weights_only=True`.
 """
 
 from __future__ import annotations
@@ -24,8 +24,10 @@ class RankCheckpointer:
         self.model = model
         self.stepper = stepper
 
-    def save(self, epoch: int, worker_state: dict[str, Any]) -> None:
-        if self.rank == 0:  # every rank holds the same consensus here: one copy is enough
+    def save(self, epoch: int, worker_state: dict[str, Any], first_member: bool = True) -> None:
+        """`first_member`: this rank writes the model too (every member holds the same one here: one copy is
+        enough)."""
+        if first_member:
             self.store.write_part(epoch, MODEL_FILE, model_state(self.model))
         part = {"stepper": stepper_state(self.stepper), "worker": worker_state}
         self.store.write_part(epoch, rank_file(self.rank), part)

@@ -310,7 +310,7 @@ class LocalSgdWorker(WorkerBase):
         self.global_steps += outcome.total_steps
         if order.checkpoint_epoch is not None and self.checkpointer is not None:
             started = time.perf_counter()
-            self.checkpointer.save(order.checkpoint_epoch, self.state())
+            self.checkpointer.save(order.checkpoint_epoch, self.state(), self.is_first_member)
             epoch_work_s += time.perf_counter() - started
         now = time.perf_counter()
         window_s = now - (self.window_started if self.window_started is not None else now)

@@ -138,7 +138,7 @@ class SyncWorker(WorkerBase):
             result = self.stepper.evaluate(shard, shards, epoch, step, self.global_samples, step)
             self.report_evals(replace(result, generation=self._generation()), [epoch])
         if plan.checkpoint and self.checkpointer is not None:
-            self.checkpointer.save(epoch, self.state())
+            self.checkpointer.save(epoch, self.state(), self.is_first_member)
             self.report(Saved(self.rank, epoch))
 
     def train_epoch(self, plan: StartEpoch) -> ChunkReport:

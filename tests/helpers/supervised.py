@@ -20,6 +20,8 @@ from types import FrameType
 from torch.distributed import TCPStore
 
 RELEASE = "test/release"
+# The run's end, as the run's host would say it (what `supervise` waits for).
+ENDED = "test/ended"
 VARIABLES = (
     "RANK",
     "LOCAL_RANK",
@@ -44,8 +46,8 @@ def pid_key(rank: int, start: int) -> str:
 
 def rank_main(port: int, out: str, plan: dict[int, str]) -> None:
     """One rank. Plans: "kill" (SIGKILL itself), "hang" (SIGSTOP itself), "stubborn" (ignores SIGTERM),
-    "record-stop" (writes the stop signal it gets to rank<r>.signal, exits 128 + it), "exit:N" (rank 0:
-    exits N once every peer published its pid)."""
+    "record-stop" (writes the stop signal it gets to rank<r>.signal, exits 128 + it), "exit:N" (exits N once
+    every rank published its pid)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     out_dir = Path(out)
     store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=_WAIT_S))
@@ -69,7 +71,7 @@ def rank_main(port: int, out: str, plan: dict[int, str]) -> None:
     elif action == "hang":
         os.kill(os.getpid(), signal.SIGSTOP)
     elif action.startswith("exit:"):
-        store.wait([pid_key(peer, 1) for peer in range(1, world)])
+        store.wait([pid_key(peer, 1) for peer in range(world)])
         sys.exit(int(action.removeprefix("exit:")))
     # Short sleeps, not store.wait: a signal's Python handler runs only between them.
     deadline = time.monotonic() + _WAIT_S

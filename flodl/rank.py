@@ -1,0 +1,238 @@
+"""The body of every rank, whichever way it was started (torchrun, flodl's launcher or supervisor, by hand).
+
+A rank joins the run's store and group, checks it composed the same config as the others, builds its task,
+meets the run's host (flodl/run_host.py: rank 0's own process under fault_tolerance=none, a process apart
+under survive) for the mailboxes' namespace and the checkpoint to continue from, then trains what the
+coordinator hands it until Shutdown.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from flodl import failures
+from flodl.assembly import checkpoint_store, hang_saver, make_survival, make_worker, task_settings
+from flodl.checkpoint import CheckpointError
+from flodl.config.host import RankEnv
+from flodl.config.policy import (
+    collective_backend,
+    compile_mode_for,
+    heartbeat_timeout_of,
+    step_samples,
+    step_words,
+)
+from flodl.config.rules import ConfigError
+from flodl.config.schema import FlodlConfig, to_config
+from flodl.coordinator.coordinator import RankHung, TooFewRanks
+from flodl.coordinator.hooks import CallbackError
+from flodl.counting import shown_epoch
+from flodl.logs import FILE_ONLY, setup_rank_logging, stderr_to
+from flodl.metrics.run_info import RunInfo
+from flodl.metrics.wandb_sink import WandbStartError
+from flodl.resume import agreed_checkpoint, covers_every_epoch, load_model, restore_worker
+from flodl.run_host import HostFailed, RunHost, TaskFacts, coordinator_started, host_namespace, publish_task
+from flodl.wire.group import agree_on_config, init_group, pick_device
+from flodl.wire.heartbeat import HeartbeatSender, Rank0Watch, beat_interval
+from flodl.wire.messages import Exiting
+from flodl.wire.stop import Stopped, StopWatch, catch_stop_signals, post, posted, received
+from flodl.wire.transport import COORDINATOR, InboxReader, Mailbox
+from flodl.worker.nonfinite import NonFiniteError
+from flodl.worker.task_setup import build_task, lr_scale_factor
+
+log = logging.getLogger("flodl")
+
+# Errors whose message says all a user needs (what is wrong, what to do).
+WORDED = (ConfigError, CheckpointError, WandbStartError, CallbackError, HostFailed)
+# A self-launched rank's exit code after a failure it recorded and logged (the launcher words it).
+EXIT_WORDED = 3
+
+
+def hosts_apart(cfg: FlodlConfig) -> bool:
+    """Whether the run's host is a process apart from the ranks: under survive, any rank may die."""
+    return cfg.fault_tolerance == "survive"
+
+
+def run_rank(config: dict[str, Any], info_fields: dict[str, Any], self_launched: bool = False) -> None:
+    """The body of every rank (plain values only: it may be spawned). SIGINT / SIGTERM stop it quietly with
+    exit code 130 / 143. `self_launched`: this process's launcher tells the user how the run ended (the
+    rank's own lines about it go to its log only)."""
+    catch_stop_signals()
+    try:
+        _run_rank(config, info_fields, self_launched)
+    except Stopped as stop:  # everything worth doing is done, and a preempted job has no seconds to spare
+        leave_now(stop.exit_code)
+
+
+def self_launched_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
+    """A rank this process's launcher started. Its stderr goes to its log (native code's reports too); a
+    failure, recorded and logged with its traceback, ends it with EXIT_WORDED, and the launcher words it."""
+    stderr_to(Path(info_fields["run_dir"]) / f"rank{RankEnv.from_environ().rank}.log")
+    try:
+        run_rank(config, info_fields, self_launched=True)
+    except Exception:
+        leave_now(EXIT_WORDED)
+
+
+def leave_now(code: int) -> None:
+    """Run the exit handlers (logs, stage files) and end the process without the interpreter's teardown of
+    torch and gloo, which can take seconds."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _run_rank(config: dict[str, Any], info_fields: dict[str, Any], self_launched: bool) -> None:
+    cfg = to_config(config)
+    info = RunInfo(**info_fields)
+    env = RankEnv.from_environ()
+    run_dir = Path(info.run_dir)
+    setup_rank_logging(env.rank, run_dir)
+    # Who tells the user how the run ended: a self-launched rank's launcher, the launch in this process for
+    # a single rank; ranks torchrun (or a scheduler) started say it themselves.
+    failure_extra = None if env.launched and not self_launched else FILE_ONLY
+    stop_extra = FILE_ONLY if self_launched else None
+    apart = hosts_apart(cfg) and env.launched  # one in-process rank is its own host
+    host: RunHost | None = None
+    outbox: Mailbox | None = None
+    try:
+        device = pick_device(cfg.device, env.local_rank)
+        backend = collective_backend(cfg.backend, device.type)
+        group = init_group(env, backend, device, cfg.launch.timeout_s, hosted_apart=apart)
+        log.info(
+            "rank %d/%d (pid %d) on %s (%s), master port %s, CUDA_VISIBLE_DEVICES=%s, run dir %s",
+            env.rank, env.world_size, os.getpid(), device, backend, group.store_port,
+            os.environ.get("CUDA_VISIBLE_DEVICES", "(all)"), run_dir,
+        )  # fmt: skip
+        agree_on_config(config, env.rank, env.world_size, group.exchange)
+
+        def connect(namespace: str, owner: int | str) -> Mailbox:
+            return Mailbox.connect(group.store_host, group.store_port, namespace, owner, cfg.launch.timeout_s)
+
+        if not apart and env.rank == 0:  # this process is the run's host
+            host = RunHost(cfg, config, info, env.world_size, group.exchange, connect)
+            host.open()
+        checkpoint = agreed_checkpoint(env.rank, group.exchange)
+        if checkpoint is not None and covers_every_epoch(checkpoint, cfg.epochs):
+            return  # the host made the checkpoint's model the run's
+        namespace = host_namespace(group.exchange)
+        inbox = InboxReader(connect(namespace, env.rank))
+        survival = make_survival(cfg, env, device, backend, group.exchange, inbox)
+        parts = build_task(task_settings(cfg), device, env.world_size, env.rank)
+        facts = TaskFacts(len(parts.train_data) * cfg.augment, parts.eval_data is not None)
+        publish_task(group.exchange, facts)
+        if host is not None:
+            log_plan(cfg, env.world_size, device.type)
+            try:
+                host.start(facts, hang_saver(cfg, parts.model, device, run_dir))
+            except WORDED as err:  # the others hear it before they wait for the host in a collective
+                failures.record(run_dir, info.uid, env.restart_count, env.rank, err)  # first: the cause
+                raise
+        keeps_evaluated_models = coordinator_started(group.exchange)
+        # A restarted rank receives the running group's state when it is admitted, not from a checkpoint.
+        if checkpoint is not None and not (survival is not None and survival.joining):
+            load_model(checkpoint, parts.model)
+        else:
+            checkpoint = None
+        outbox = connect(namespace, env.rank)
+        worker = make_worker(
+            cfg, parts, env, device, inbox, outbox, run_dir, keeps_evaluated_models, survival
+        )
+        if checkpoint is not None:
+            restore_worker(checkpoint, worker)
+        interval = beat_interval(heartbeat_timeout_of(cfg))
+        beats = connect(namespace, env.rank)
+        heartbeat = HeartbeatSender(env.rank, beats, interval, lambda: worker.stepper.steps_total)
+        heartbeat.start()
+        watch = StopWatch(connect(namespace, env.rank))
+        watch.start()
+        host_watch = None
+        if not apart and env.rank != 0:  # the store, and the coordinator, live in rank 0: it may freeze
+            # Its store client gives up within a beat.
+            quick = Mailbox.connect(group.store_host, group.store_port, namespace, env.rank, interval)
+            on_hang = functools.partial(_stop_on_hang, run_dir, info.uid, env)
+            host_watch = Rank0Watch(quick, heartbeat_timeout_of(cfg), interval, on_hang)
+            host_watch.start()
+        try:
+            worker.run(alive=lambda: _raise_if_failed(host))
+        finally:
+            if host_watch is not None:
+                host_watch.stop()
+            watch.stop()
+            heartbeat.stop()
+        if host is not None:
+            host.finish()
+    except BaseException as err:
+        step = err.step if isinstance(err, NonFiniteError) else None
+        planned = isinstance(err, TooFewRanks)
+        failures.record(run_dir, info.uid, env.restart_count, env.rank, err, step, planned)
+        # A stop signal to this rank, or to a peer (whose leaving is then why this rank failed).
+        signum = received() or (posted(outbox) if outbox is not None else None)
+        if signum is not None and outbox is not None:
+            post(outbox, signum)
+        if host is not None:  # it shares this process's store: let it stop before the store goes
+            host.stop()
+        elif outbox is not None:  # tell the coordinator why, so it cuts (survive) or stops with this reason
+            with contextlib.suppress(Exception):
+                outbox.send(COORDINATOR, Exiting(env.rank, f"{type(err).__name__}: {err}"))
+        if signum is None:
+            name = type(err).__name__
+            log.error("rank %d failed: %s: %s", env.rank, name, err, exc_info=True, extra=failure_extra)
+            raise
+        if host is not None:
+            log.warning("%s", stopped_line(signum, cfg, run_dir, info), extra=stop_extra)
+        raise Stopped(signum) from None
+    finally:
+        if dist.is_initialized():  # survive never forms the world (a dead member would hang its teardown)
+            dist.destroy_process_group()
+
+
+def _raise_if_failed(host: RunHost | None) -> None:
+    """While this rank waits for work: the coordinator in its process failed (rank 0 as the host)."""
+    coordinator = host.coordinator if host is not None else None
+    if coordinator is not None and coordinator.error is not None:
+        raise RuntimeError(f"the coordinator failed: {coordinator.error}") from coordinator.error
+
+
+def _stop_on_hang(run_dir: Path, uid: str, env: RankEnv, why: str) -> None:
+    """Rank 0 went silent: this rank's training thread waits in a collective with it, so end the process now
+    (the launcher stops the others), naming rank 0."""
+    log.error("%s; stopping rank %d", why, env.rank)
+    failures.record(run_dir, uid, env.restart_count, env.rank, RankHung(why))
+    logging.shutdown()
+    os._exit(1)
+
+
+def stopped_line(signum: int, cfg: FlodlConfig, run_dir: Path, info: RunInfo) -> str:
+    """Where a stopped run stands and the command that continues it."""
+    latest = checkpoint_store(cfg, run_dir).latest()
+    if latest is not None:
+        where = f"last checkpoint {latest.path} (epoch {shown_epoch(latest.epoch)})"
+    else:
+        where = "no checkpoint to resume from (checkpoint_every is off or none was due): resume starts over"
+    resume = info.resume_command or f"resume=auto hydra.run.dir={run_dir}"
+    return f"stopped by {signal.Signals(signum).name}: {where}; resume with: {resume}"
+
+
+def log_plan(cfg: FlodlConfig, world_size: int, device_type: str) -> None:
+    factor = lr_scale_factor(world_size, cfg.lr_scale_ratio)
+    log.info(
+        "policy=%s world=%d batch=%s/rank (global %d) lr x%.3g (lr_scale_ratio=%g) precision=%s compile=%s",
+        cfg.policy, world_size, step_words(cfg), step_samples(cfg) * world_size, factor,
+        cfg.lr_scale_ratio, cfg.precision, compile_mode_for(cfg, device_type, world_size) or "off",
+    )  # fmt: skip
+
+
+def device_type_of(cfg: FlodlConfig, gpus: int) -> str:
+    """The ranks' device type, as a host apart (which touches no device) tells it from the host facts."""
+    return "cuda" if cfg.device != "cpu" and gpus > 0 else "cpu"
