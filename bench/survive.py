@@ -290,9 +290,10 @@ def churn(args: argparse.Namespace, common: list[str], ranks: int, stamp: int) -
         args.work, f"churn-{stamp}", [*job, f"launch.max_restarts={kills}"], timeout=args.duration_s + 300,
         kills=kills, every_s=every_s, kill_after_epochs=None, victims=list(range(ranks)),
     )  # fmt: skip
+    calm_s = min(60.0, args.duration_s)  # no kill: stopped after this long
     calm, _ = launch(
-        args.work, f"calm-{stamp}", [*job, "launch.max_restarts=0"], timeout=every_s * 3 + 300, kills=1,
-        every_s=every_s * 3, kill_after_epochs=None, victims=[-1],
+        args.work, f"calm-{stamp}", [*job, "launch.max_restarts=0"], timeout=calm_s + 300, kills=0,
+        every_s=calm_s, kill_after_epochs=None,
     )  # fmt: skip
     return [
         "",

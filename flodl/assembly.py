@@ -21,8 +21,8 @@ from torch import nn
 from torch.distributed import PrefixStore
 from torch.nn.parallel import DistributedDataParallel
 
-from flodl.averaging.bf16_hook import bf16_gradient_hook
 from flodl.averaging.consensus import DeviceAverager, HostAverager
+from flodl.averaging.ddp_hooks import SettledBuckets, bf16_gradient_hook, settled_gradient_hook
 from flodl.averaging.outer import OuterSettings
 from flodl.checkpoint import CheckpointDir
 from flodl.config.host import RankEnv, stage_dir_of
@@ -163,9 +163,14 @@ def wandb_settings(cfg: FlodlConfig) -> WandbSettings:
 
 
 def _ddp(
-    cfg: FlodlConfig, parts: TaskParts, device: torch.device, group: dist.ProcessGroup | None = None
+    cfg: FlodlConfig,
+    parts: TaskParts,
+    device: torch.device,
+    group: dist.ProcessGroup | None = None,
+    settle: Callable[[dist.Work], object] | None = None,
 ) -> DistributedDataParallel:
-    """DDP around the model, on `group` (survive: the members' group; None: the world's)."""
+    """DDP around the model, on `group` (survive: the members' group; None: the world's). `settle`:
+    survive over gloo, how the group's collectives are waited for (so that a cut frees a step)."""
     device_ids = [device.index] if device.type == "cuda" else None
     # The cpu backend averages the gradients on the host: DDP over a gloo group, also for CUDA tensors
     # (collective: every rank builds its worker in step). Survive's group is gloo then already.
@@ -174,7 +179,10 @@ def _ddp(
     ddp = DistributedDataParallel(
         parts.model, device_ids=device_ids, gradient_as_bucket_view=True, process_group=group
     )
-    if cfg.bf16_wire:  # gradients cross the wire as bf16
+    if settle is not None:
+        assert group is not None, "a settled DDP runs on survive's group"
+        ddp.register_comm_hook(SettledBuckets(group, settle, cfg.bf16_wire), settled_gradient_hook)
+    elif cfg.bf16_wire:  # gradients cross the wire as bf16
         ddp.register_comm_hook(group or dist.group.WORLD, bf16_gradient_hook)
     return ddp
 
@@ -206,7 +214,8 @@ def make_worker(
     if not averages_parameters(cfg):
         lockstep = None
         if survival is not None:  # DDP is wrapped on each group the members form
-            wrap = functools.partial(_ddp, cfg, parts, device)
+            settle = survival.membership.settle if survival.membership.backend == "gloo" else None
+            wrap = functools.partial(_ddp, cfg, parts, device, settle=settle)
             lockstep = LockstepSurvival(survival, wrap)
         train_module = _ddp(cfg, parts, device) if world_size > 1 and survival is None else parts.model
         stepper = Stepper(stepper_settings(cfg, env, device.type, first_start), parts, device, train_module)

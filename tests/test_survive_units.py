@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
 import torch
 from torch.distributed import HashStore, TCPStore
+from torch.nn.parallel import DistributedDataParallel
 
+from flodl.averaging.ddp_hooks import SettledBuckets, settled_gradient_hook
+from flodl.averaging.reducer import Reducer
 from flodl.coordinator.coordinator import EpochSchedule, SyncDriver
 from flodl.coordinator.ledger import EpochLedger
 from flodl.coordinator.survivors import MembershipChange
@@ -125,6 +130,102 @@ def test_the_averaging_group_forms_per_generation_and_hands_a_joiner_the_first_m
     assert got[0][0] == [(0, 0, 3)]
     assert got[1][0] == [(0, 1, 3), (1, 0, 2)] and got[2][0] == [(0, 2, 3), (1, 1, 2)]
     assert all(state == [1.0] * 5 for _, state in got.values())
+
+
+def _left_waiting(rank: int, port: int, results: multiprocessing.Queue) -> None:
+    """One rank of the cut-collective test: rank 2 forms each three-rank group and then stays out of its
+    collectives, alive and holding its sockets open (as a member does whose own part failed on a dead
+    peer's socket); ranks 0 and 1 are left waiting on it until the group is cut (`abort`, as a Regroup does
+    on arrival). The group's timeout is far beyond the test's: only the cut can free them."""
+    store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    group = AveragingGroup(store, "gloo", rank, torch.device("cpu"), 600.0)
+    seen: list[str] = []
+    held: list[object] = []  # rank 2's groups: dropping one would close its sockets
+
+    def cut_when_told(generation: int) -> None:
+        store.wait([f"cut/{generation}"], timedelta(seconds=60))
+        group.abort()
+
+    def stuck(generation: int, prepare: Callable[[], object], collective: Callable[[], object]) -> None:
+        group.form(generation, [0, 1, 2])
+        prepared = prepare()
+        if rank == 2:
+            held.extend([group.group, prepared])
+            store.set(f"cut/{generation}", "1")
+            return
+        threading.Thread(target=cut_when_told, args=(generation,), daemon=True).start()
+        try:
+            collective()
+        except RuntimeError as err:  # DDP's backward raises the GroupAborted as a RuntimeError naming it
+            seen.append(str(err))
+
+    # A local-SGD round (the reducer) and a DDP backward (the settled bucket hook), each cut, then done again
+    # by the two that are left.
+    reducer = Reducer(gamma=0.0, bf16_wire=False, backend="gloo", settle=group.settle)
+    params = torch.full((1000,), float(rank + 1))
+    model = torch.nn.Linear(4, 1, bias=False)
+    torch.nn.init.constant_(model.weight, 1.0)
+    inputs = torch.full((2, 4), float(rank + 1))
+    ddp: list[DistributedDataParallel] = []
+
+    def on_group() -> None:
+        reducer.set_group(group.group, "gloo")
+
+    def reduce() -> None:
+        reducer.reduce([params], None, None, steps=1 + rank)
+
+    def wrap() -> DistributedDataParallel:  # a collective of every member
+        process_group = group.process_group()
+        ddp[:] = [DistributedDataParallel(model, process_group=process_group)]
+        ddp[0].register_comm_hook(SettledBuckets(process_group, group.settle, False), settled_gradient_hook)
+        return ddp[0]
+
+    def backward() -> None:
+        model.zero_grad()
+        ddp[0](inputs).sum().backward()
+
+    stuck(0, on_group, reduce)
+    stuck(1, wrap, backward)
+    if rank == 2:
+        store.wait(["done/0", "done/1"], timedelta(seconds=120))
+    else:
+        group.form(2, [0, 1])
+        on_group()
+        reduce()
+        wrap()
+        backward()
+        seen.extend([str(params[0].item()), str(model.weight.grad[0, 0].item())])
+        store.set(f"done/{rank}", "1")
+    results.put((rank, seen))
+    results.close()
+    results.join_thread()
+    os._exit(0)  # a given-up group would block a destructor until its operation's timeout
+
+
+@pytest.mark.multiproc
+def test_a_cut_frees_a_member_waiting_on_a_live_peer_that_left_the_collective() -> None:
+    """gloo has no abort: without waiting in slices, ranks 0 and 1 would wait out the group's timeout."""
+    store = loopback_store(0, None, timedelta(seconds=60))
+    context = multiprocessing.get_context("forkserver")
+    results = context.Queue()
+    ranks = [context.Process(target=_left_waiting, args=(r, store.port, results)) for r in range(3)]
+    for process in ranks:
+        process.start()
+    try:
+        got = dict(results.get(timeout=120) for _ in ranks)
+    finally:
+        for process in ranks:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+    assert got[2] == []
+    for rank in (0, 1):
+        cuts, after = got[rank][:2], got[rank][2:]
+        assert len(cuts) == 2
+        for generation, cut in enumerate(cuts):
+            assert f"averaging group {generation} was cut while rank {rank} waited on a collective" in cut
+        # gamma 0: the two ranks weigh the same; the gradient of sum(w.x) is x, averaged over the two.
+        assert after == [str((1.0 + 2.0) / 2), str((1.0 + 2.0) / 2 * 2)]
 
 
 def test_an_aborted_group_is_marked_and_a_rank_forms_only_groups_it_is_in() -> None:

@@ -56,6 +56,8 @@ class Membership(Protocol):
     backend: str
     timeout: timedelta
 
+    def settle(self, work: dist.Work) -> None: ...
+
 
 def _broadcast_from_rank0(tensors: list[Tensor]) -> None:
     for tensor in tensors:
@@ -82,7 +84,7 @@ class _AveragerBase:
             self.share(_broadcast_from_rank0)
             self.reducer = Reducer(gamma, bf16_wire, group)
         else:
-            self.reducer = Reducer(gamma, bf16_wire, membership.group, membership.backend)
+            self.reducer = Reducer(gamma, bf16_wire, membership.group, membership.backend, membership.settle)
             self.reducer.capture_after = None  # a captured round cannot follow the group to a new one
         self.outer_settings = outer
         self.outer: OuterOptimizer | None = None
@@ -332,7 +334,7 @@ class HostAverager(_AveragerBase):
 
     def discard_round(self) -> None:
         """survive: the round was cut. The rank's parameters were never touched (the reduce ran on the host
-        copy); the round's thread ends with its group (a dead peer's closed socket, or the group timeout)."""
+        copy); its thread ends when the group is cut (or on a dead peer's closed socket, or the timeout)."""
         if self.thread is not None:
             assert self.membership is not None
             self.thread.join(timeout=self.membership.timeout.total_seconds() + 5)

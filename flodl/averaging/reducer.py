@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from flodl.averaging.replayed import ReplayedRound
+from flodl.averaging.replayed import ReplayedRound, Settle
 from flodl.averaging.stages import ChunkStages
 from flodl.averaging.weights import prescale_factors, rank_contribution
 
@@ -66,8 +66,10 @@ class Reducer:
         bf16_wire: bool,
         group: dist.ProcessGroup | None = None,
         backend: str | None = None,
+        settle: Settle = dist.Work.wait,
     ) -> None:
-        """`backend`: the group's, for a group built outside torch's registry (survive's averaging group)."""
+        """`backend`: the group's, for a group built outside torch's registry (survive's averaging group).
+        `settle`: how a collective is waited for (survive: given up once the group is cut)."""
         self.gamma = gamma
         self.bf16_wire = bf16_wire
         self.chunks = PIPELINE_CHUNKS
@@ -80,6 +82,7 @@ class Reducer:
         self._replayed: ReplayedRound | None = None
         self.group: dist.ProcessGroup | None = None
         self.premul = False
+        self.settle = settle
         self.set_group(group, backend)
 
     def set_group(self, group: dist.ProcessGroup | None, backend: str | None = None) -> None:
@@ -126,7 +129,7 @@ class Reducer:
         device = params[0].device
         own = self._pinned_totals([*rank_contribution(steps, self.gamma), steps, kept], device)
         totals = own.to(device, non_blocking=True)
-        dist.all_reduce(totals, group=self.group)
+        self.settle(self._async(dist.all_reduce(totals, group=self.group, async_op=True)))
         plans = [self._spans(t) for t in params] if stages is not None else []
         if stages is not None:
             stages.before(0, plans[0][0])
@@ -143,7 +146,7 @@ class Reducer:
                 sent += self._reduce_bf16_delta(i, tensor, ref, scale.param_factor, stages)
                 continue
             if stages is None:
-                self._all_reduce(tensor, scale.param_factor)
+                self._weighted_sum(tensor, scale.param_factor)
             else:
                 self._pipeline(i, tensor, scale.param_factor, plans[i], stages, first_prepared=i == 0)
             sent += tensor.numel() * tensor.element_size()
@@ -158,7 +161,9 @@ class Reducer:
         if replayed is None or not (replayed.tensor is tensor and replayed.stages is stages):
             self.release()
             capture_after = self.capture_after if self.premul else None  # gloo cannot be captured
-            replayed = ReplayedRound(tensor, buffers, stages, self._all_reduce, self.group, capture_after)
+            replayed = ReplayedRound(
+                tensor, buffers, stages, self._all_reduce, self.settle, self.group, capture_after
+            )
             self._replayed = replayed
         if replayed.run(steps, self.gamma):
             return ReduceResult(True, 0, 0)
@@ -200,22 +205,24 @@ class Reducer:
     ) -> None:
         """Chunk k+1 is prepared and put on the wire before chunk k's result is waited for and settled,
         so the stages' work overlaps the transfer of the next chunk."""
-        in_flight: deque[tuple[slice, dist.Work]] = deque()
+        in_flight: deque[tuple[slice, dist.Work | None]] = deque()
         for k, span in enumerate(spans):
             if not (first_prepared and k == 0):
                 stages.before(index, span)
-            work = self._all_reduce(tensor[span], factor, async_op=True)
-            assert work is not None  # async_op: torch hands back the work
-            in_flight.append((span, work))
+            in_flight.append((span, self._all_reduce(tensor[span], factor, async_op=True)))
             if len(in_flight) == 2:
                 self._settle(index, stages, *in_flight.popleft())
         while in_flight:
             self._settle(index, stages, *in_flight.popleft())
 
-    @staticmethod
-    def _settle(index: int, stages: ChunkStages, span: slice, work: dist.Work) -> None:
-        work.wait()  # on a GPU: the current stream waits for the chunk; the host does not
+    def _settle(self, index: int, stages: ChunkStages, span: slice, work: dist.Work | None) -> None:
+        self.settle(self._async(work))  # on a GPU: the current stream waits for the chunk; the host does not
         stages.after(index, span)
+
+    @staticmethod
+    def _async(work: dist.Work | None) -> dist.Work:
+        assert work is not None  # async_op: torch hands back the work
+        return work
 
     def _all_reduce(self, tensor: Tensor, factor: float | Tensor, async_op: bool = False) -> dist.Work | None:
         """SUM of `factor * tensor` over the group; a tensor `factor` (one element) is read on the device."""
@@ -228,7 +235,7 @@ class Reducer:
         return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
 
     def _weighted_sum(self, tensor: Tensor, factor: float) -> int:
-        self._all_reduce(tensor, factor)
+        self.settle(self._async(self._all_reduce(tensor, factor, async_op=True)))
         return tensor.numel() * tensor.element_size()
 
     def _reduce_bf16_delta(
@@ -242,7 +249,9 @@ class Reducer:
         payload = ((tensor - ref) * factor).to(torch.bfloat16)
         world = dist.get_world_size(self.group)
         gathered = torch.empty(world * payload.numel(), dtype=torch.bfloat16, device=payload.device)
-        _all_gather_flat(gathered, payload.reshape(-1), group=self.group)
+        self.settle(
+            self._async(_all_gather_flat(gathered, payload.reshape(-1), group=self.group, async_op=True))
+        )
         # Accumulate in float32: ref + Σ_k w_k (θ_k - ref) = Σ_k w_k θ_k, since the weights sum to 1.
         summed = gathered.view(world, -1).float().sum(dim=0).view_as(tensor)
         torch.add(ref, summed, out=tensor)

@@ -23,6 +23,8 @@ from flodl.averaging.weights import rank_contribution
 
 # (tensor, factor, async_op): the reducer's weighted SUM all-reduce.
 AllReduce = Callable[[Tensor, float | Tensor, bool], dist.Work | None]
+# How a collective's work is waited for (survive on gloo: given up once the group is cut).
+Settle = Callable[[dist.Work], object]
 
 
 class ReplayedRound:
@@ -32,13 +34,14 @@ class ReplayedRound:
         buffers: Tensor | None,
         stages: ChunkStages | None,
         all_reduce: AllReduce,
+        settle: Settle,
         group: dist.ProcessGroup | None,
         capture_after: int | None,
     ) -> None:
         """`capture_after`: eager rounds before the capture (None: never capture; CUDA tensors only)."""
         self.tensor, self.buffers, self.stages = tensor, buffers, stages
         self.whole = slice(0, tensor.numel())
-        self.all_reduce, self.group = all_reduce, group
+        self.all_reduce, self.settle, self.group = all_reduce, settle, group
         cuda = tensor.is_cuda
         # This rank's [n^gamma, mover, n]: the round's only input.
         self.own_host = torch.zeros(3, dtype=torch.float64, pin_memory=cuda)
@@ -97,16 +100,18 @@ class ReplayedRound:
         totals = self.totals
         own = self.own_host.to(totals.device, non_blocking=True)
         totals.copy_(own)
-        dist.all_reduce(totals, group=self.group)
+        self._settle(dist.all_reduce(totals, group=self.group, async_op=True))
         self.totals_host.copy_(totals, non_blocking=True)
         # [n^gamma / Σ n^gamma, mover / Σ mover] in float32, the payload's dtype (PreMulSum reads it there).
         factors = (own[:2] / totals[:2]).float()
         if self.stages is not None:
             self.stages.before(0, self.whole)
-        work = self.all_reduce(self.tensor, factors[0:1], True)
-        assert work is not None
-        work.wait()  # on a GPU: the current stream waits for the collective; the host does not
+        self._settle(self.all_reduce(self.tensor, factors[0:1], True))
         if self.stages is not None:
             self.stages.after(0, self.whole)
         if self.buffers is not None:
-            self.all_reduce(self.buffers, factors[1:2], False)
+            self._settle(self.all_reduce(self.buffers, factors[1:2], True))
+
+    def _settle(self, work: dist.Work | None) -> None:
+        assert work is not None  # async_op: torch hands back the work
+        self.settle(work)  # on a GPU: the current stream waits for the collective; the host does not

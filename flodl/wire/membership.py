@@ -4,9 +4,11 @@ let go of and formed again when one dies or comes back.
 Each membership gets a process group of its own, built directly on a fresh prefix of the run's store
 (`averaging/<generation>/`): nothing of it derives from the world the dead rank was part of (a group split
 from that world's communicator fails once a member is gone). A collective pending with a dead peer is
-released by `abort` (NCCL: the communicator's abort, from any thread); gloo has no abort that wakes a
-pending operation, so there the dead peer's closed sockets end it (the self-launch supervisor kills a cut
-rank), and the group's timeout bounds it otherwise.
+released by `abort` (NCCL: the communicator's abort, from any thread). gloo has no abort that wakes a
+pending operation, and a survivor can wait on a live peer that already left the collective (its own part
+failed on the dead rank's closed socket); so on gloo every collective of the group is waited for in short
+slices (`settle`) and given up once the group is aborted, and the abandoned group is kept until its
+operation ends (at its timeout: dropping it earlier would block in its destructor).
 
 Forming waits until every member said it is ready on the store before the backend is built, and gives up as
 soon as a newer generation is announced: a member that died, or a change that overtook this one, then costs
@@ -30,10 +32,16 @@ from torch.distributed import PrefixStore, Store
 # gently (a sync admission may wait out the members' epochs).
 _POLL_S = 0.005
 _PATIENT_POLL_S = 0.1
+# How long a gloo collective is waited for before the waiter looks whether the group was aborted.
+_SETTLE_SLICE = timedelta(seconds=0.1)
 
 
 class Superseded(RuntimeError):
     """A newer membership was announced while this one formed: form that one instead."""
+
+
+class GroupAborted(RuntimeError):
+    """The coordinator cut the group while this rank waited for one of its collectives."""
 
 
 def cut_key(rank: int) -> str:
@@ -88,6 +96,8 @@ class AveragingGroup:
         self.announced = -1
         # Set when the run ends (any thread): no group is formed any more.
         self.abandoned = threading.Event()
+        # gloo: groups given up with an operation still pending, kept until it ends (see the module's doc).
+        self._given_up: list[tuple[dist.ProcessGroup, dist.Work]] = []
 
     @property
     def index(self) -> int:
@@ -120,6 +130,7 @@ class AveragingGroup:
         # calls, and torch's functions (dist.all_reduce) take it as a group.
         group = cast(dist.ProcessGroup, backend)
         with self._lock:
+            self._given_up = [(g, w) for g, w in self._given_up if not w.is_completed()]
             self.group, self.generation, self.members = group, generation, ordered
             if self.announced <= generation:  # else a newer change arrived meanwhile: this group is doomed
                 self.aborted.clear()
@@ -157,6 +168,28 @@ class AveragingGroup:
         if group is not None and self.backend == "nccl":
             group.abort()
 
+    def settle(self, work: dist.Work) -> None:
+        """Wait for `work`, a collective of this group. On gloo, in slices: once the group is aborted the
+        wait ends with GroupAborted (its operation may be stuck on a member that left it; the group's
+        timeout would end it much later)."""
+        if self.backend == "nccl":
+            work.wait()  # an abort fails it; on a GPU the current stream waits for it, not the host
+            return
+        while True:
+            try:
+                work.wait(_SETTLE_SLICE)
+                return
+            except RuntimeError:
+                if work.is_completed():  # it failed (a closed socket, its timeout): that error
+                    raise
+            if self.aborted.is_set():
+                with self._lock:
+                    if self.group is not None:
+                        self._given_up.append((self.group, work))
+                raise GroupAborted(
+                    f"averaging group {self.generation} was cut while rank {self.rank} waited on a collective"
+                )
+
     def broadcast_from_first(self, tensors: list[Tensor]) -> None:
         """Every member gets the first member's `tensors` (a joiner receives the consensus)."""
         self.broadcast(tensors, 0)
@@ -167,13 +200,13 @@ class AveragingGroup:
         options = dist.BroadcastOptions()
         options.rootRank = source
         for tensor in tensors:
-            self.group.broadcast([tensor], options).wait()
+            self.settle(self.group.broadcast([tensor], options))
 
     def all_gather(self, tensor: Tensor) -> list[Tensor]:
         """Every member's `tensor` (same shape on each), in member order."""
         assert self.group is not None, "all_gather before the group was formed"
         out = [torch.empty_like(tensor) for _ in self.members]
-        self.group.allgather([out], [tensor]).wait()
+        self.settle(self.group.allgather([out], [tensor]))
         return out
 
     def process_group(self) -> dist.ProcessGroup:

@@ -1,0 +1,85 @@
+"""DDP communication hooks: `bf16_wire` under sync (each gradient bucket crosses the wire as bf16), and
+survive's averaging over gloo (each bucket's all-reduce is waited for so that a cut group lets go of it).
+
+torch ships the bf16 idea for NCCL only; this one also runs on gloo, so CPU runs and tests take the same
+path as GPUs. (No `from __future__ import annotations` here: DDP checks a hook's annotations as real
+types.)
+"""
+
+import threading
+from collections import deque
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+
+def _compressed(buffer: torch.Tensor, size: int) -> torch.Tensor:
+    return buffer.to(torch.bfloat16).div_(size)
+
+
+def bf16_gradient_hook(group: dist.ProcessGroup, bucket: dist.GradBucket) -> Future[torch.Tensor]:
+    buffer = bucket.buffer()
+    compressed = _compressed(buffer, dist.get_world_size(group))
+    reduced = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+    def decompress(fut: Future[list[torch.Tensor]]) -> torch.Tensor:
+        buffer.copy_(fut.value()[0])
+        return buffer
+
+    return reduced.then(decompress)
+
+
+class SettledBuckets:
+    """The state of `settled_gradient_hook`: the group, how its collectives are waited for (`settle`, which
+    raises once the group is cut), and the buckets in flight, waited for in order on a thread that lives
+    while there are any (backward goes on computing meanwhile, as with DDP's own hook)."""
+
+    def __init__(self, group: dist.ProcessGroup, settle: Callable[[dist.Work], object], bf16: bool) -> None:
+        self.group, self.settle, self.bf16 = group, settle, bf16
+        self.size = group.size()
+        self._lock = threading.Lock()
+        self._pending: deque = deque()  # (work, payload, bucket buffer, future DDP waits on)
+        self._draining = False
+
+    def submit(self, work: dist.Work, payload: torch.Tensor, buffer: torch.Tensor, done: Future) -> None:
+        with self._lock:
+            self._pending.append((work, payload, buffer, done))
+            if not self._draining:
+                self._draining = True
+                threading.Thread(target=self._drain, name="flodl-ddp-buckets", daemon=True).start()
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                if not self._pending:
+                    self._draining = False
+                    return
+                work, payload, buffer, done = self._pending.popleft()
+            try:
+                self.settle(work)
+                if payload is not buffer:
+                    buffer.copy_(payload)
+                done.set_result(buffer)
+            except Exception as err:  # raised from backward by `_raised` (the step failed with the group)
+                done.set_result(err)
+
+
+def settled_gradient_hook(state: SettledBuckets, bucket: dist.GradBucket) -> Future[torch.Tensor]:
+    buffer = bucket.buffer()
+    payload = _compressed(buffer, state.size) if state.bf16 else buffer.div_(state.size)
+    work: dist.Work | None = dist.all_reduce(payload, group=state.group, async_op=True)
+    assert work is not None  # async_op: torch hands back the work
+    done: Future[torch.Tensor] = Future()
+    state.submit(work, payload, buffer, done)
+    return done.then(_raised)
+
+
+def _raised(done: Future[torch.Tensor]) -> torch.Tensor:
+    """An error raised here reaches DDP's backward as one (`Future.set_exception` only reaches Python's
+    `wait`: DDP would read the exception as the bucket)."""
+    outcome = done.value()
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome
