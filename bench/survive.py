@@ -15,9 +15,9 @@ outside:
 undisturbed for as long. Reports each step's median and p95 over the events, and goodput: the samples/s
 the churned run trained over its window against the undisturbed run's.
 
-`--rank0`: under each policy, rank 0 killed `--kills` times (3) in one run of `--epochs` epochs, against the
-same run undisturbed: the run finishes, every epoch recorded once, one final state on every rank, and the
-final eval accuracy of both.
+`--rank0`: under each policy, rank 0 killed `--kills` times (3) in one run of `--epochs` epochs (40), spread
+over the run by its recorded epochs, against the same run undisturbed: the run finishes, every epoch recorded
+once, one final state on every rank, and the final eval accuracy of both.
 
     python bench/survive.py                                  # task=resnet on the GPUs
     python bench/survive.py --cpu --kills 3 -- task=digits   # a smoke run on CPU
@@ -62,11 +62,12 @@ def epochs_done(run: Path) -> int:
 
 
 def launch(work: Path, name: str, overrides: list[str], timeout: float, kills: int, every_s: float,
-           kill_after_epochs: int | None, victims: list[int] | None = None, run_out: bool = False,
+           kill_after_epochs: list[int] | None, victims: list[int] | None = None, run_out: bool = False,
            ) -> tuple[Path, list[float]]:  # fmt: skip
-    """Run the job, killing a rank from outside (rank 1, or one of `victims` at random each time); the run
-    dir and the kills' wall times (the job's output is kept beside the run dir). `run_out`: the job ends on
-    its own after the kills (else it is stopped a kill interval after the last one)."""
+    """Run the job, killing a rank from outside (rank 1, or one of `victims` at random each time) every
+    `every_s` seconds, or once its records reach each of `kill_after_epochs`; the run dir and the kills' wall
+    times (the job's output is kept beside the run dir). `run_out`: the job ends on its own after the kills
+    (else it is stopped a kill interval after the last one)."""
     run = work / name
     args = [PYTHON, TRAIN, *overrides, f"hydra.run.dir={run}"]
     proc = start(args, cwd=work, env=child_env())
@@ -78,7 +79,7 @@ def launch(work: Path, name: str, overrides: list[str], timeout: float, kills: i
         while proc.poll() is None and time.time() < deadline and len(killed) < kills:
             time.sleep(0.2)
             due = (
-                epochs_done(run) >= kill_after_epochs
+                epochs_done(run) >= kill_after_epochs[len(killed)]
                 if kill_after_epochs is not None
                 else time.time() >= next_kill
             )
@@ -129,7 +130,8 @@ def seconds(events: list[dict], key: str, scale: float = 1.0) -> list[float]:
 
 def churn_report(run: Path, killed: list[float], calm: Path) -> list[str]:
     events = json.loads((run / "timeline.json").read_text())["membership"]
-    cuts = [e for e in events if e["event"] == "rank_cut"]
+    # The kills' cuts: not those of the ranks leaving when the bench stops the run (they say they exit).
+    cuts = [e for e in events if e["event"] == "rank_cut" and not e["why"].startswith("exiting")]
     admits = [e for e in events if e["event"] == "rank_admitted" and e["formed_s"] is not None]
     # Each cut follows one kill: the kill closest before it.
     after_kill = [(c, c["at"] - max(k for k in killed if k <= c["at"])) for c in cuts if killed[0] <= c["at"]]
@@ -238,7 +240,7 @@ def main() -> None:
     parser.add_argument("--rank0", action="store_true", help="rank 0 killed --kills times, every policy")
     parser.add_argument("--ranks", type=int, default=None, help="ranks (2; --churn and --rank0: 3)")
     parser.add_argument("--duration-s", type=float, default=200.0, help="--churn: how long it kills")
-    parser.add_argument("--epochs", type=int, default=12, help="--rank0: epochs of each run")
+    parser.add_argument("--epochs", type=int, default=40, help="--rank0: epochs of each run")
     parser.add_argument("--cpu", action="store_true")
     parser.add_argument("--work", type=Path, default=Path("/tmp/flodl-bench-survive"))
     parser.add_argument("--results-dir", type=Path, default=REPO / "bench" / "results")
@@ -276,7 +278,7 @@ def kills_and_throughput(args: argparse.Namespace, common: list[str], stamp: int
     lines += [f"- overrides: `{' '.join(common)}`", *kill_report(run, killed)]
     run2, _ = launch(
         args.work, f"throughput-{stamp}", [*common, f"epochs={args.before + 3}", "launch.max_restarts=0"],
-        timeout=600, kills=1, every_s=0, kill_after_epochs=args.before,
+        timeout=600, kills=1, every_s=0, kill_after_epochs=[args.before],
     )  # fmt: skip
     return [*lines, "", "### throughput retained (rank 1 killed once, not restarted)",
             *throughput_report(run2, args.cpu)]  # fmt: skip
@@ -319,10 +321,11 @@ def rank0(args: argparse.Namespace, common: list[str], stamp: int) -> list[str]:
     for policy in ("sync", "cadence", "async"):
         job = [*common, f"policy={policy}", f"epochs={args.epochs}"]
         name = f"rank0-{policy}-{stamp}"
-        every_s = args.every_s or 6.0
+        # Spread over the run by its records: the epochs of a small task on CPU are short.
+        after = [(k + 1) * args.epochs // (kills + 1) for k in range(kills)]
         run, killed = launch(
             args.work, name, [*job, f"launch.max_restarts={kills}"], timeout=600, kills=kills,
-            every_s=every_s, kill_after_epochs=None, victims=[0], run_out=True,
+            every_s=0, kill_after_epochs=after, victims=[0], run_out=True,
         )  # fmt: skip
         calm, _ = launch(
             args.work, f"calm-{name}", [*job, "launch.max_restarts=0"], timeout=600, kills=0, every_s=0,

@@ -181,7 +181,7 @@ def _ddp(
     )
     if settle is not None:
         assert group is not None, "a settled DDP runs on survive's group"
-        ddp.register_comm_hook(SettledBuckets(group, settle, cfg.bf16_wire), settled_gradient_hook)
+        ddp.register_comm_hook(SettledBuckets(group, settle), settled_gradient_hook)  # bf16_wire: refused
     elif cfg.bf16_wire:  # gradients cross the wire as bf16
         ddp.register_comm_hook(group or dist.group.WORLD, bf16_gradient_hook)
     return ddp

@@ -177,7 +177,7 @@ def _left_waiting(rank: int, port: int, results: multiprocessing.Queue) -> None:
     def wrap() -> DistributedDataParallel:  # a collective of every member
         process_group = group.process_group()
         ddp[:] = [DistributedDataParallel(model, process_group=process_group)]
-        ddp[0].register_comm_hook(SettledBuckets(process_group, group.settle, False), settled_gradient_hook)
+        ddp[0].register_comm_hook(SettledBuckets(process_group, group.settle), settled_gradient_hook)
         return ddp[0]
 
     def backward() -> None:

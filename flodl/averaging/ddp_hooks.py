@@ -15,13 +15,9 @@ import torch.distributed as dist
 from torch.futures import Future
 
 
-def _compressed(buffer: torch.Tensor, size: int) -> torch.Tensor:
-    return buffer.to(torch.bfloat16).div_(size)
-
-
 def bf16_gradient_hook(group: dist.ProcessGroup, bucket: dist.GradBucket) -> Future[torch.Tensor]:
     buffer = bucket.buffer()
-    compressed = _compressed(buffer, dist.get_world_size(group))
+    compressed = buffer.to(torch.bfloat16).div_(dist.get_world_size(group))
     reduced = dist.all_reduce(compressed, group=group, async_op=True).get_future()
 
     def decompress(fut: Future[list[torch.Tensor]]) -> torch.Tensor:
@@ -36,16 +32,16 @@ class SettledBuckets:
     raises once the group is cut), and the buckets in flight, waited for in order on a thread that lives
     while there are any (backward goes on computing meanwhile, as with DDP's own hook)."""
 
-    def __init__(self, group: dist.ProcessGroup, settle: Callable[[dist.Work], object], bf16: bool) -> None:
-        self.group, self.settle, self.bf16 = group, settle, bf16
+    def __init__(self, group: dist.ProcessGroup, settle: Callable[[dist.Work], object]) -> None:
+        self.group, self.settle = group, settle
         self.size = group.size()
         self._lock = threading.Lock()
-        self._pending: deque = deque()  # (work, payload, bucket buffer, future DDP waits on)
+        self._pending: deque = deque()  # (work, bucket buffer, future DDP waits on)
         self._draining = False
 
-    def submit(self, work: dist.Work, payload: torch.Tensor, buffer: torch.Tensor, done: Future) -> None:
+    def submit(self, work: dist.Work, buffer: torch.Tensor, done: Future) -> None:
         with self._lock:
-            self._pending.append((work, payload, buffer, done))
+            self._pending.append((work, buffer, done))
             if not self._draining:
                 self._draining = True
                 threading.Thread(target=self._drain, name="flodl-ddp-buckets", daemon=True).start()
@@ -56,11 +52,9 @@ class SettledBuckets:
                 if not self._pending:
                     self._draining = False
                     return
-                work, payload, buffer, done = self._pending.popleft()
+                work, buffer, done = self._pending.popleft()
             try:
                 self.settle(work)
-                if payload is not buffer:
-                    buffer.copy_(payload)
                 done.set_result(buffer)
             except Exception as err:  # raised from backward by `_raised` (the step failed with the group)
                 done.set_result(err)
@@ -68,11 +62,10 @@ class SettledBuckets:
 
 def settled_gradient_hook(state: SettledBuckets, bucket: dist.GradBucket) -> Future[torch.Tensor]:
     buffer = bucket.buffer()
-    payload = _compressed(buffer, state.size) if state.bf16 else buffer.div_(state.size)
-    work: dist.Work | None = dist.all_reduce(payload, group=state.group, async_op=True)
+    work: dist.Work | None = dist.all_reduce(buffer.div_(state.size), group=state.group, async_op=True)
     assert work is not None  # async_op: torch hands back the work
     done: Future[torch.Tensor] = Future()
-    state.submit(work, payload, buffer, done)
+    state.submit(work, buffer, done)
     return done.then(_raised)
 
 

@@ -11,8 +11,10 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import torch
 
@@ -52,24 +54,48 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+class Child(subprocess.Popen):
+    """A child whose output goes to files, not pipes: a job that logs more than a pipe holds (64 KiB) while
+    nobody reads it would block on its next line and stall; `communicate` reads the files once it ended."""
+
+    def __init__(
+        self, args: list[str], cwd: Path, env: dict[str, str], output: int | None, apart: bool
+    ) -> None:
+        # Appended to, so that reading the output as the child writes moves no write position; open for as
+        # long as the Child is (its output may be read more than once).
+        self.out_file = tempfile.TemporaryFile("ab+") if output is None else None  # noqa: SIM115
+        self.err_file = tempfile.TemporaryFile("ab+") if apart else None  # noqa: SIM115
+        stderr = self.err_file if apart else subprocess.STDOUT if output is None else output
+        super().__init__(
+            args, cwd=cwd, env=env, stdout=self.out_file or output, stderr=stderr, start_new_session=True
+        )
+
+    def communicate(self, input: object = None, timeout: float | None = None) -> tuple[str, str]:
+        """Wait for the end (TimeoutExpired past `timeout`); its stdout and stderr (stderr: "" unless kept
+        apart)."""
+        assert input is None, "a Child reads nothing"
+        self.wait(timeout)
+        return _read(self.out_file), _read(self.err_file)
+
+
+def _read(file: IO[bytes] | None) -> str:
+    if file is None:
+        return ""
+    file.seek(0)
+    return file.read().decode(errors="replace")
+
+
 def start(
     args: list[str],
     cwd: Path,
     env: dict[str, str] | None = None,
-    output: int = subprocess.PIPE,
+    output: int | None = None,
     errors: int = subprocess.STDOUT,
-) -> subprocess.Popen:
+) -> Child:
     """Start `args` as the leader of a new process group, so that its launcher and ranks stop together.
-    `errors`: where stderr goes (with stdout by default; PIPE keeps it apart)."""
-    return subprocess.Popen(
-        args,
-        cwd=cwd,
-        env=child_env() if env is None else env,
-        stdout=output,
-        stderr=errors,
-        text=True,
-        start_new_session=True,
-    )
+    Its output is kept (`output`: subprocess.DEVNULL drops it); `errors`: subprocess.PIPE keeps stderr
+    apart from stdout."""
+    return Child(args, cwd, child_env() if env is None else env, output, apart=errors == subprocess.PIPE)
 
 
 def kill_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
