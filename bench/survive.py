@@ -11,9 +11,9 @@ outside:
    left against (survivors / world) x samples/s of the epochs before.
 
 `--churn`: `--ranks` ranks (3), a random one (rank 0 included) killed every `--every-s` seconds (20) for
-`--duration-s` seconds, each restarted and admitted back; beside it, in the same invocation, the same job
-undisturbed for as long. Reports each step's median and p95 over the events, and goodput: the samples/s
-the churned run trained over its window against the undisturbed run's.
+`--duration-s` seconds, each restarted and admitted back; in the same invocation, the same job undisturbed
+for 40 s before it and after it. Reports each step's median and p95 over the events, and goodput: the
+samples/s the churned run trained over its window against the undisturbed runs' mean.
 
 `--rank0`: under each policy, rank 0 killed `--kills` times (3) in one run of `--epochs` epochs (40), spread
 over the run by its recorded epochs, against the same run undisturbed: the run finishes, every epoch recorded
@@ -128,7 +128,7 @@ def seconds(events: list[dict], key: str, scale: float = 1.0) -> list[float]:
     return [e[key] / scale for e in events if e.get(key) is not None]
 
 
-def churn_report(run: Path, killed: list[float], calm: Path) -> list[str]:
+def churn_report(run: Path, killed: list[float], calms: list[Path]) -> list[str]:
     events = json.loads((run / "timeline.json").read_text())["membership"]
     # The kills' cuts: not those of the ranks leaving when the bench stops the run (they say they exit).
     cuts = [e for e in events if e["event"] == "rank_cut" and not e["why"].startswith("exiting")]
@@ -138,7 +138,9 @@ def churn_report(run: Path, killed: list[float], calm: Path) -> list[str]:
     detect = [d for _, d in after_kill]
     # kill -> first good round among the survivors: detection, then the cut's own first good round.
     to_round = [d + c["first_round_s"] for c, d in after_kill if c["first_round_s"] is not None]
-    churned, undisturbed = window_rate(run, killed[0], killed[-1]), window_rate(calm)
+    churned = window_rate(run, killed[0], killed[-1])
+    before, after = (window_rate(calm) for calm in calms)
+    undisturbed = (before + after) / 2
     why = "; ".join(sorted({c["why"] for c in cuts}))
     return [
         f"- kills: {len(killed)} (ranks chosen at random, rank 0 included), cuts: {len(cuts)}, admissions: "
@@ -156,7 +158,13 @@ def churn_report(run: Path, killed: list[float], calm: Path) -> list[str]:
         f"| admission -> first good round with it | {both(seconds(admits, 'first_round_s'))} |",
         "",
         f"- goodput: {churned:,.0f} samples/s under churn (between the first and the last kill) against "
-        f"{undisturbed:,.0f} undisturbed: **{churned / undisturbed:.2f}**",
+        f"{undisturbed:,.0f} undisturbed ({before:,.0f} before it, {after:,.0f} after): "
+        f"**{churned / undisturbed:.2f}**"
+        + (
+            ""
+            if abs(before - after) <= 0.1 * undisturbed
+            else " — the undisturbed runs differ by more than 10%: the machine's load changed; run it again"
+        ),
     ]
 
 
@@ -288,21 +296,27 @@ def churn(args: argparse.Namespace, common: list[str], ranks: int, stamp: int) -
     every_s = args.every_s or 20.0
     kills = args.kills or max(1, int(args.duration_s // every_s))
     job = [*common, f"policy={args.policy}", "eval_every=0", "epochs=100000"]
+    calm_s = min(40.0, args.duration_s)  # the undisturbed runs: stopped after this long
+
+    def calm(when: str) -> Path:
+        return launch(
+            args.work, f"calm-{when}-{stamp}", [*job, "launch.max_restarts=0"], timeout=calm_s + 300, kills=0,
+            every_s=calm_s, kill_after_epochs=None,
+        )[0]  # fmt: skip
+
+    # Undisturbed before and after the churned run: a change in the machine's load between them shows.
+    before = calm("before")
     run, killed = launch(
         args.work, f"churn-{stamp}", [*job, f"launch.max_restarts={kills}"], timeout=args.duration_s + 300,
         kills=kills, every_s=every_s, kill_after_epochs=None, victims=list(range(ranks)),
     )  # fmt: skip
-    calm_s = min(60.0, args.duration_s)  # no kill: stopped after this long
-    calm, _ = launch(
-        args.work, f"calm-{stamp}", [*job, "launch.max_restarts=0"], timeout=calm_s + 300, kills=0,
-        every_s=calm_s, kill_after_epochs=None,
-    )  # fmt: skip
+    after = calm("after")
     return [
         "",
         f"## survive ({args.policy}) under churn: {ranks} ranks, a random one killed every {every_s:g} s",
         *environment_lines(args.cpu),
         f"- overrides: `{' '.join(job)}`",
-        *churn_report(run, killed, calm),
+        *churn_report(run, killed, [before, after]),
     ]
 
 

@@ -28,6 +28,7 @@ from flodl.wire.membership import AveragingGroup, Superseded
 from flodl.wire.messages import AverageNow, ExtendPartition, FirstStep, Regroup, Shutdown
 from flodl.wire.transport import InboxReader, Mailbox
 from flodl.worker.survival import Survival
+from flodl.worker.sync import steps_trained_of_cut
 
 
 def test_a_forgotten_rank_is_never_silent_until_watched_again() -> None:
@@ -95,6 +96,21 @@ def test_sync_names_the_newest_group_whose_first_step_went_through() -> None:
     assert driver.good_round_generation == 1
 
 
+def test_a_cut_segment_counts_what_the_members_trained_of_it() -> None:
+    # The members agreed they stand at step 30 of epoch 2; the segment: 20 steps of epoch 2 from step 5.
+    assert steps_trained_of_cut((2, 30), 2, 5, 20, 3) == 20  # every step (a member finished it)
+    assert steps_trained_of_cut((2, 12), 2, 5, 20, 3) == 7  # up to step 12: more than this rank's 3
+    assert steps_trained_of_cut((2, 6), 2, 5, 20, 3) == 3  # this rank is the furthest
+    assert steps_trained_of_cut((3, 0), 2, 5, 20, 3) == 20  # a member is in the next epoch already
+    assert steps_trained_of_cut((1, 59), 2, 0, 20, 0) == 0  # died in the segment's first step
+
+
+def test_the_state_shared_on_a_change_is_a_member_s_never_a_joiner_s() -> None:
+    assert Regroup(generation=1, members=[0, 1, 2], shares_state=True).sharer == 0
+    assert Regroup(generation=3, members=[0, 1, 2], joining=[0], shares_state=True).sharer == 1
+    assert Regroup(generation=4, members=[0, 2, 3], joining=[0, 2], shares_state=True).sharer == 3
+
+
 def _member(rank: int, port: int, results: multiprocessing.Queue) -> None:
     """One rank of the group test (a process of its own: gloo holds the interpreter while it forms)."""
     store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=20))
@@ -106,13 +122,14 @@ def _member(rank: int, port: int, results: multiprocessing.Queue) -> None:
     if rank != 0:  # rank 0 is out: a group of two, in rank order
         group.form(1, [2, 1])
         seen.append((group.generation, group.index, group.size))
-    group.form(2, [0, 1, 2])  # rank 0 is back and receives the first member's state
-    group.broadcast_from_first([state])
+    back = Regroup(generation=2, members=[0, 1, 2], joining=[0], shares_state=True)
+    group.form(back.generation, back.members)  # rank 0 is back and receives a member's state: rank 1's
+    group.broadcast_from([state], member=back.sharer)
     results.put((rank, seen, state.tolist()))
 
 
 @pytest.mark.multiproc
-def test_the_averaging_group_forms_per_generation_and_hands_a_joiner_the_first_member_s_state() -> None:
+def test_the_averaging_group_forms_per_generation_and_hands_a_joiner_a_member_s_state() -> None:
     store = loopback_store(0, None, timedelta(seconds=20))
     # Forked from a clean server: a fork of this process could inherit a lock an earlier test's thread holds.
     context = multiprocessing.get_context("forkserver")
@@ -129,7 +146,7 @@ def test_the_averaging_group_forms_per_generation_and_hands_a_joiner_the_first_m
                 process.kill()
     assert got[0][0] == [(0, 0, 3)]
     assert got[1][0] == [(0, 1, 3), (1, 0, 2)] and got[2][0] == [(0, 2, 3), (1, 1, 2)]
-    assert all(state == [1.0] * 5 for _, state in got.values())
+    assert all(state == [2.0] * 5 for _, state in got.values())
 
 
 def _left_waiting(rank: int, port: int, results: multiprocessing.Queue) -> None:

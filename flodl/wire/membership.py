@@ -190,9 +190,9 @@ class AveragingGroup:
                     f"averaging group {self.generation} was cut while rank {self.rank} waited on a collective"
                 )
 
-    def broadcast_from_first(self, tensors: list[Tensor]) -> None:
-        """Every member gets the first member's `tensors` (a joiner receives the consensus)."""
-        self.broadcast(tensors, 0)
+    def broadcast_from(self, tensors: list[Tensor], member: int) -> None:
+        """Every member gets the `tensors` of rank `member` (a joiner receives the consensus)."""
+        self.broadcast(tensors, self.members.index(member))
 
     def broadcast(self, tensors: list[Tensor], source: int) -> None:
         """Every member gets the `tensors` of the member at index `source`."""

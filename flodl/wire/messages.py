@@ -214,12 +214,18 @@ class Regroup:
     joining: list[int] = field(default_factory=list)
     # The round in flight that the change cut (None: the change came between rounds).
     cut_round: int | None = None
-    # Every member receives the first member's state: a joiner's first, or any change before the first round
+    # Every member receives the `sharer`'s state: a joiner's first, or any change before the first round
     # closed (a death while the ranks started may have cut the start's own broadcast).
     shares_state: bool = False
     # Sync's admissions: taken where the members reach it in their inboxes (after the epochs planned before
     # it), releasing nothing in flight. Otherwise a Regroup aborts the group the moment it arrives.
     in_order: bool = False
+
+    @property
+    def sharer(self) -> int:
+        """The member whose state the others receive when it `shares_state`: the first one that is not
+        joining (a joiner holds nothing yet; rank 0 restarted is one)."""
+        return min(set(self.members) - set(self.joining))
 
 
 @dataclass

@@ -11,6 +11,7 @@ window.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import deque
@@ -133,7 +134,7 @@ class LocalSgdWorker(WorkerBase):
     def _settle_first(self, group: AveragingGroup) -> None:
         """Every original member starts from rank 0's state (a Regroup before the first round shares it
         again: a member's death may have cut this broadcast)."""
-        self._share(group.broadcast_from_first)
+        self._share(functools.partial(group.broadcast_from, member=group.members[0]))
         self.averager.regroup()
 
     def handle(self, message: Message) -> None:
@@ -355,12 +356,12 @@ class LocalSgdWorker(WorkerBase):
         self.stepper.schedule_to(self.schedule_position())
 
     def _settle(self, message: Regroup) -> Callable[[AveragingGroup], None]:
-        """What the members do once the group `message` names is formed: share the first member's state
-        when it says so."""
+        """What the members do once the group `message` names is formed: share the sharer's state when it
+        says so."""
 
         def settle(group: AveragingGroup) -> None:
             if message.shares_state:
-                self._share(group.broadcast_from_first)
+                self._share(functools.partial(group.broadcast_from, member=message.sharer))
 
         return settle
 

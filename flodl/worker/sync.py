@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -64,6 +64,16 @@ class _SegmentCut(Exception):
         super().__init__(str(cause))
         self.segment = segment
         self.cause = cause
+
+
+def steps_trained_of_cut(position: Sequence[int], epoch: int, first_step: int, steps: int, done: int) -> int:
+    """How much of a cut segment (`steps` steps of `epoch` from its step `first_step`, `done` of them on this
+    rank) the members trained, where they agreed they stand: `position`, [epoch, steps of it trained]. Members
+    that stand in an earlier epoch (the death came in the segment's first step) trained none of it."""
+    at_epoch, at_step = position
+    if at_epoch != epoch:
+        return steps if at_epoch > epoch else done  # behind: no member got further, this one neither
+    return min(steps, max(at_step - first_step, done))
 
 
 @dataclass(frozen=True)
@@ -252,9 +262,8 @@ class SyncWorker(WorkerBase):
     def _report_cut(self, cut: _Segment) -> None:
         """The segment a change cut, trained up to where the members agreed: a step that failed here but went
         through on a member further on was trained (its gradients were in that member's all-reduce)."""
-        epoch, step = self.position
         plan = cut.plan
-        trained = cut.steps if epoch > plan.epoch else min(cut.steps, max(step - plan.first_step, cut.done))
+        trained = steps_trained_of_cut(self.position, plan.epoch, plan.first_step, cut.steps, cut.done)
         if trained > cut.done:
             cut.loss_sum += self.stepper.interrupted_loss()
         if trained:  # a segment finished this way: its eval and checkpoint are the coordinator's to ask again
