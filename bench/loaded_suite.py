@@ -50,15 +50,19 @@ def main() -> None:
     args = parser.parse_args()
 
     rows = []
+
+    def run(name: str) -> None:
+        rows.append((name, *_suite(args.pytest_args)))
+        print(f"{name}: {rows[-1][3]} ({rows[-1][2]:.0f} s)", flush=True)
+
     if args.unloaded:
-        rows.append(("unloaded", *_suite(args.pytest_args)))
+        run("unloaded")
     burners = [mp.Process(target=_burn, daemon=True) for _ in range(os.cpu_count() or 1)]
     for burner in burners:
         burner.start()
     try:
         for i in range(args.runs):
-            rows.append((f"loaded {i + 1}/{args.runs}", *_suite(args.pytest_args)))
-            print(f"{rows[-1][0]}: {rows[-1][3]} ({rows[-1][2]:.0f} s)", flush=True)
+            run(f"loaded {i + 1}/{args.runs}")
     finally:
         for burner in burners:
             burner.kill()
