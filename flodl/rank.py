@@ -28,6 +28,7 @@ from flodl.config.policy import (
     collective_backend,
     compile_mode_for,
     heartbeat_timeout_of,
+    hosts_apart,
     step_samples,
     step_words,
 )
@@ -55,11 +56,6 @@ log = logging.getLogger("flodl")
 WORDED = (ConfigError, CheckpointError, WandbStartError, CallbackError, HostFailed)
 # A self-launched rank's exit code after a failure it recorded and logged (the launcher words it).
 EXIT_WORDED = 3
-
-
-def hosts_apart(cfg: FlodlConfig) -> bool:
-    """Whether the run's host is a process apart from the ranks: under survive, any rank may die."""
-    return cfg.fault_tolerance == "survive"
 
 
 def run_rank(config: dict[str, Any], info_fields: dict[str, Any], self_launched: bool = False) -> None:
