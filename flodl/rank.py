@@ -21,7 +21,7 @@ from typing import Any
 import torch.distributed as dist
 
 from flodl import failures
-from flodl.assembly import checkpoint_store, hang_saver, make_survival, make_worker, task_settings
+from flodl.assembly import checkpoint_store, hang_saver, make_group, make_worker, task_settings
 from flodl.checkpoint import CheckpointError
 from flodl.config.host import RankEnv
 from flodl.config.policy import (
@@ -123,7 +123,7 @@ def _run_rank(config: dict[str, Any], info_fields: dict[str, Any], self_launched
             return  # the host made the checkpoint's model the run's
         namespace = host_namespace(group.exchange)
         inbox = InboxReader(connect(namespace, env.rank))
-        survival = make_survival(cfg, env, device, backend, group.exchange, inbox)
+        rank_group = make_group(cfg, env, device, backend, group.exchange, inbox)
         parts = build_task(task_settings(cfg), device, env.world_size, env.rank)
         facts = TaskFacts(len(parts.train_data) * cfg.augment, parts.eval_data is not None)
         publish_task(group.exchange, facts)
@@ -136,13 +136,13 @@ def _run_rank(config: dict[str, Any], info_fields: dict[str, Any], self_launched
                 raise
         keeps_evaluated_models = coordinator_started(group.exchange)
         # A restarted rank receives the running group's state when it is admitted, not from a checkpoint.
-        if checkpoint is not None and not (survival is not None and survival.joining):
+        if checkpoint is not None and not rank_group.joining:
             load_model(checkpoint, parts.model)
         else:
             checkpoint = None
         outbox = connect(namespace, env.rank)
         worker = make_worker(
-            cfg, parts, env, device, inbox, outbox, run_dir, keeps_evaluated_models, survival
+            cfg, parts, env, device, inbox, outbox, run_dir, rank_group, keeps_evaluated_models
         )
         if checkpoint is not None:
             restore_worker(checkpoint, worker)

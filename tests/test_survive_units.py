@@ -27,7 +27,7 @@ from flodl.wire.heartbeat import HeartbeatMonitor
 from flodl.wire.membership import AveragingGroup, Superseded
 from flodl.wire.messages import AverageNow, ExtendPartition, FirstStep, Regroup, Shutdown
 from flodl.wire.transport import InboxReader, Mailbox
-from flodl.worker.survival import Survival
+from flodl.worker.group import SurvivingGroup
 
 
 def test_a_forgotten_rank_is_never_silent_until_watched_again() -> None:
@@ -262,25 +262,25 @@ def test_a_rank_waiting_for_the_coordinator_keeps_what_else_came_and_ends_with_t
     sender = Mailbox.connect("127.0.0.1", store.port, "ns", "coordinator", 10.0)
     reader = InboxReader(Mailbox.connect("127.0.0.1", store.port, "ns", 1, 10.0))
     group = AveragingGroup(store, "gloo", 1, torch.device("cpu"), 10.0)
-    survival = Survival(group, reader, incarnation=0, wait_s=10.0)
+    survival = SurvivingGroup(group, reader, 2, incarnation=0, wait_s=10.0)
     reader.start()
     regroup = Regroup(generation=1, members=[0, 1], cut_round=4)
     for message in (AverageNow(round=4), regroup, ExtendPartition([], 0)):
         sender.send(1, message)
-    assert survival.await_regroup(1, "round 4 was cut", None) == regroup
+    assert survival.await_regroup("round 4 was cut", None) == regroup
     assert group.aborted.is_set()  # the Regroup freed whatever the loop was blocked in, on arrival
     assert reader.next_message(5.0) == AverageNow(round=4)  # given back, in order, before the queue's
     assert reader.next_message(5.0) == ExtendPartition([], 0)
     # A restart waits for its admission; what was meant for its previous incarnation is dropped.
-    joiner = Survival(group, reader, incarnation=1, wait_s=10.0)
+    joiner = SurvivingGroup(group, reader, 2, incarnation=1, wait_s=10.0)
     assert joiner.joining
     admission = Regroup(generation=2, members=[0, 1], joining=[1])
     for message in (AverageNow(round=5), regroup, admission):
         sender.send(1, message)
-    assert joiner.await_admission(1) == admission
+    assert joiner.await_admission() == admission
     assert reader.next_message(None) is None
     sender.send(1, Shutdown("done"))  # the run ends first: no Regroup, and the loop still sees the end
-    assert survival.await_regroup(1, "round 6 was cut", None) is None
+    assert survival.await_regroup("round 6 was cut", None) is None
     assert group.abandoned.is_set()  # a group still forming stops waiting for its members
     assert reader.next_message(5.0) == Shutdown("done")
 
@@ -291,11 +291,11 @@ def test_a_failure_no_change_follows_is_raised_as_what_it_was() -> None:
     store = loopback_store(0, None, timedelta(seconds=20))
     reader = InboxReader(Mailbox.connect("127.0.0.1", store.port, "ns", 1, 10.0))
     group = AveragingGroup(store, "gloo", 1, torch.device("cpu"), 10.0)
-    survival = Survival(group, reader, incarnation=0, wait_s=0.5)
+    survival = SurvivingGroup(group, reader, 2, incarnation=0, wait_s=0.5)
     reader.start()
     cause = ValueError("the loss of batch 7 is a string")
     with pytest.raises(RuntimeError, match="no member's death: ValueError: the loss of batch 7") as raised:
-        survival.await_regroup(1, "epoch 2 was cut", cause)
+        survival.await_regroup("epoch 2 was cut", cause)
     assert raised.value.__cause__ is cause
 
 
@@ -305,14 +305,14 @@ def test_a_cut_round_s_cause_is_logged_on_one_line_cut_at_a_word(caplog: pytest.
     sender = Mailbox.connect("127.0.0.1", store.port, "ns", "coordinator", 10.0)
     reader = InboxReader(Mailbox.connect("127.0.0.1", store.port, "ns", 1, 10.0))
     group = AveragingGroup(store, "gloo", 1, torch.device("cpu"), 10.0)
-    survival = Survival(group, reader, incarnation=0, wait_s=10.0)
+    survival = SurvivingGroup(group, reader, 2, incarnation=0, wait_s=10.0)
     reader.start()
     text = "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:40915"
     cause = RuntimeError(text + " while the all-reduce of bucket 3 waited" * 6 + "\nException raised from")
     regroup = Regroup(generation=1, members=[0, 2], cut_round=4)
     sender.send(1, regroup)
     with caplog.at_level(logging.WARNING, logger="flodl"):
-        assert survival.await_regroup(1, "the round's collective failed", cause) == regroup
+        assert survival.await_regroup("the round's collective failed", cause) == regroup
     (line,) = [r.getMessage() for r in caplog.records if "waiting for the new group" in r.getMessage()]
     why = line.split(" (RuntimeError: ", 1)[1].removesuffix("); waiting for the new group")
     assert why.startswith(text) and why.endswith(" …") and len(why) <= 200, why
