@@ -39,11 +39,14 @@ from flodl.config.policy import (
 from flodl.config.rules import GIB
 from flodl.config.schema import FlodlConfig
 from flodl.coordinator.commit import HANG_MODEL_FILE, CheckpointCommitter, consensus_saver, run_kind
-from flodl.coordinator.coordinator import PLAN_LOOKAHEAD, Coordinator, Driver, EpochSchedule, SyncDriver
+from flodl.coordinator.coordinator import Coordinator
+from flodl.coordinator.driver import Driver, EpochSchedule
 from flodl.coordinator.hooks import CallbackError, Hooks, Run
 from flodl.coordinator.ledger import EpochLedger
 from flodl.coordinator.local_sgd_driver import LocalSgdDriver
+from flodl.coordinator.roster import Roster, SurvivingRoster
 from flodl.coordinator.survivors import SurviveSettings
+from flodl.coordinator.sync_driver import PLAN_LOOKAHEAD, SyncDriver
 from flodl.data.feeder import DataPlaneSettings
 from flodl.data.partition import equal_slices
 from flodl.metrics.run_info import RunInfo
@@ -310,18 +313,31 @@ def make_coordinator(cfg: FlodlConfig, setup: CoordinatorSetup) -> Coordinator:
         due = {e for e in checkpoint_epochs(cfg) if e >= first}
         settings = resume_settings(cfg, run_dir, run_identity(config, world_size, info.uid))
         committer = CheckpointCommitter(settings.checkpoints, world_size, due, settings.kind, settings.run)
+    monitor = HeartbeatMonitor(world_size, heartbeat_timeout_of(cfg), started=0.0)
+    survive = cfg.fault_tolerance == "survive"
+
+    def roster_of(ledger: EpochLedger) -> Roster:
+        """Who is in, chosen once: survive's members, cut and admitted, or the fixed world."""
+        if survive:
+            return SurvivingRoster(
+                world_size, outbox, monitor, ledger, timeline, SurviveSettings(cfg.min_ranks)
+            )
+        return Roster(world_size, outbox, monitor)
+
     driver: Driver
     if not averages_parameters(cfg):
         per_rank = equal_slices(total_picks, world_size, step_size)[0].size // step_size
         ledger = EpochLedger(cfg.epochs, world_size, per_rank * world_size, False, first, comm_total)
-        lookahead = 0 if cfg.fault_tolerance == "survive" else PLAN_LOOKAHEAD  # admissions at the next epoch
-        driver = SyncDriver(schedule, ledger, outbox, first, committer, lookahead)
+        roster = roster_of(ledger)
+        lookahead = 0 if survive else PLAN_LOOKAHEAD  # admissions at the next epoch
+        driver = SyncDriver(schedule, ledger, outbox, roster, first, committer, lookahead)
     else:
         batches_per_epoch = total_picks // step_size
         overlapping = cfg.policy == "async"  # no epoch barrier
         ledger = EpochLedger(cfg.epochs, world_size, batches_per_epoch, True, first, comm_total, overlapping)
+        roster = roster_of(ledger)
         driver = _local_sgd_driver(
-            cfg, schedule, ledger, outbox, batches_per_epoch, timeline, committer, resumed
+            cfg, schedule, ledger, outbox, roster, batches_per_epoch, timeline, committer, resumed
         )
     total_batches = (cfg.epochs - first) * ledger.batches_per_epoch
     sinks: list[Sink] = [
@@ -332,13 +348,11 @@ def make_coordinator(cfg: FlodlConfig, setup: CoordinatorSetup) -> Coordinator:
         from flodl.metrics.wandb_sink import WandbSink
 
         sinks.append(WandbSink(wandb_settings(cfg), info, config, cfg.policy))
-    monitor = HeartbeatMonitor(world_size, heartbeat_timeout_of(cfg), started=0.0)
     run = Run(run_dir, cfg.policy, world_size, cfg.epochs, config)
     hooks = Hooks(build_callbacks(cfg.callbacks), run)
-    survive = SurviveSettings(cfg.min_ranks) if cfg.fault_tolerance == "survive" else None
     return Coordinator(
-        setup.reader, outbox, ledger, driver, sinks, timeline, run_dir, monitor, committer, hooks,
-        setup.hang_saver, survive,
+        setup.reader, outbox, ledger, driver, sinks, timeline, run_dir, monitor, committer, hooks, roster,
+        setup.hang_saver,
     )  # fmt: skip
 
 
@@ -358,6 +372,7 @@ def _local_sgd_driver(
     schedule: EpochSchedule,
     ledger: EpochLedger,
     outbox: Mailbox,
+    roster: Roster,
     batches_per_epoch: int,
     timeline: Timeline,
     committer: CheckpointCommitter | None,
@@ -394,4 +409,4 @@ def _local_sgd_driver(
             elche.admit(rank)
         guard = guard_from_state(state["guard"])
         log.info("ElChe resumed at anchor %d (round %d)", elche.anchor, planner.round)
-    return LocalSgdDriver(planner, elche, guard, ledger, outbox, timeline, committer)
+    return LocalSgdDriver(planner, elche, guard, ledger, outbox, timeline, roster, committer)

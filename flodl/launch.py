@@ -38,7 +38,7 @@ from flodl.config.host import HostFacts, RankEnv
 from flodl.config.policy import hosts_apart
 from flodl.config.rules import ConfigError
 from flodl.config.schema import FlodlConfig
-from flodl.coordinator.coordinator import TooFewRanks
+from flodl.coordinator.roster import TooFewRanks
 from flodl.logs import setup_host_logging, stderr_kept_in
 from flodl.metrics import run_clock
 from flodl.metrics.run_info import RunInfo, from_hydra

@@ -34,8 +34,8 @@ from flodl.config.policy import (
 )
 from flodl.config.rules import ConfigError
 from flodl.config.schema import FlodlConfig, to_config
-from flodl.coordinator.coordinator import RankHung, TooFewRanks
 from flodl.coordinator.hooks import CallbackError
+from flodl.coordinator.roster import RankHung, TooFewRanks
 from flodl.counting import shown_epoch
 from flodl.logs import FILE_ONLY, setup_rank_logging, stderr_to
 from flodl.metrics.run_info import RunInfo
