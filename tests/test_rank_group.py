@@ -60,7 +60,7 @@ def test_the_fixed_world_is_generation_0_of_every_rank_and_raises_what_failed() 
     with pytest.raises(RuntimeError, match="cuts no round"):
         group.back_to_round_start([torch.zeros(2)])
     said: list[str] = []
-    group.say_state(2, lambda: said.append("read") or "")  # type: ignore[func-returns-value]
+    group.say_state(lambda: said.append("read") or "")  # type: ignore[func-returns-value]
     assert said == [], "nothing is read for a state nobody compares"
 
 

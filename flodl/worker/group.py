@@ -89,7 +89,7 @@ class RankGroup(ReduceGroup, Protocol):
         """The coordinator's `Regroup`, as the worker's loop reads it."""
         ...
 
-    def say_state(self, rank: int, state: Callable[[], str]) -> None:
+    def say_state(self, state: Callable[[], str]) -> None:
         """Log `state()`, this rank's state fingerprinted where the members must hold the same."""
         ...
 
@@ -129,7 +129,7 @@ class FixedGroup(WorldGroup):
     def change(self, message: Regroup, member: GroupMember) -> None:
         raise RuntimeError(f"rank {self.rank}: a Regroup without fault_tolerance=survive: {message!r}")
 
-    def say_state(self, rank: int, state: Callable[[], str]) -> None:
+    def say_state(self, state: Callable[[], str]) -> None:
         """Nothing: DDP and the exact rounds keep the world equal, and nothing changes it."""
 
 
@@ -201,10 +201,10 @@ class SurvivingGroup:
         assert self._round_start, "no round began"
         torch._foreach_copy_(tensors, self._round_start)
 
-    def say_state(self, rank: int, state: Callable[[], str]) -> None:
+    def say_state(self, state: Callable[[], str]) -> None:
         """The members compare these lines after each change and at the end (they hold the same state, bit
         for bit)."""
-        log.info("rank %d: state after %s", rank, state())
+        log.info("rank %d: state after %s", self.rank, state())
 
     # --- the changes -------------------------------------------------------------------------------------
 

@@ -136,7 +136,7 @@ class LocalSgdWorker(WorkerBase):
         """The state every member holds after the run's last, exact round (a fingerprint)."""
         final = self.final_round
         if final is not None:
-            self.group.say_state(self.rank, lambda: f"final round {final}: {self.averager.state_digest()}")
+            self.group.say_state(lambda: f"final round {final}: {self.averager.state_digest()}")
 
     def handle(self, message: Message) -> None:
         if isinstance(message, ExtendPartition):
@@ -384,7 +384,7 @@ class LocalSgdWorker(WorkerBase):
         if change.shares_state:
             what = f"admitting {change.joining}" if change.joining else "the first member's state was shared"
             digest = self.averager.state_digest
-            self.group.say_state(self.rank, lambda: f"{what}: {digest()}, global steps {self.global_steps}")
+            self.group.say_state(lambda: f"{what}: {digest()}, global steps {self.global_steps}")
 
     def _share(self, send: Callable[[list[torch.Tensor]], None]) -> None:
         """The first member's state to every member: parameters and f32 buffers, and its LR schedule's clock

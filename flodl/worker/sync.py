@@ -242,7 +242,7 @@ class SyncWorker(WorkerBase):
             digest = state_digest([*model.parameters(), *model.buffers()])
             return f"{what}: {digest}, global steps {self.stepper.steps_total}"
 
-        self.group.say_state(self.rank, state)
+        self.group.say_state(state)
 
     def _agree(self, group: AveragingGroup) -> tuple[int, int]:
         device = self.stepper.device if group.backend == "nccl" else torch.device("cpu")
