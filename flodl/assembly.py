@@ -29,6 +29,7 @@ from flodl.config.host import RankEnv, stage_dir_of
 from flodl.config.policy import (
     averages_parameters,
     checkpoint_epochs,
+    collective_backend,
     compile_mode_for,
     easgd_alpha_of,
     guarded,
@@ -38,11 +39,14 @@ from flodl.config.policy import (
 from flodl.config.rules import GIB
 from flodl.config.schema import FlodlConfig
 from flodl.coordinator.commit import HANG_MODEL_FILE, CheckpointCommitter, consensus_saver, run_kind
-from flodl.coordinator.coordinator import PLAN_LOOKAHEAD, Coordinator, Driver, EpochSchedule, SyncDriver
+from flodl.coordinator.coordinator import Coordinator
+from flodl.coordinator.driver import Driver, EpochSchedule
 from flodl.coordinator.hooks import CallbackError, Hooks, Run
 from flodl.coordinator.ledger import EpochLedger
 from flodl.coordinator.local_sgd_driver import LocalSgdDriver
+from flodl.coordinator.roster import Roster, SurvivingRoster
 from flodl.coordinator.survivors import SurviveSettings
+from flodl.coordinator.sync_driver import PLAN_LOOKAHEAD, SyncDriver
 from flodl.data.feeder import DataPlaneSettings
 from flodl.data.partition import equal_slices
 from flodl.metrics.run_info import RunInfo
@@ -60,10 +64,10 @@ from flodl.wire.transport import InboxReader, Mailbox
 from flodl.worker.base import RankLink, WorkerBase, WorkerSettings
 from flodl.worker.checkpoint_part import RankCheckpointer
 from flodl.worker.faults import FaultInjection
+from flodl.worker.group import FixedGroup, RankGroup, SurvivingGroup
 from flodl.worker.local_sgd import LocalSgdWorker
 from flodl.worker.stepper import Stepper, StepperSettings
-from flodl.worker.survival import Survival
-from flodl.worker.sync import LockstepSurvival, SyncWorker
+from flodl.worker.sync import SyncWorker
 from flodl.worker.task_setup import TaskParts, TaskSettings
 
 log = logging.getLogger("flodl")
@@ -195,12 +199,11 @@ def make_worker(
     reader: InboxReader,
     outbox: Mailbox,
     run_dir: Path,
+    group: RankGroup,
     keeps_evaluated_models: bool = False,
-    survival: Survival | None = None,
 ) -> WorkerBase:
-    """`keeps_evaluated_models` (rank 0): write the parameters of each eval for a callback (BestModel).
-    `survival` (fault_tolerance=survive): the averaging group to average on, formed (or, for a restarted
-    rank, still to be joined)."""
+    """`group`: who the rank trains and averages with (`make_group`). `keeps_evaluated_models` (rank 0):
+    write the parameters of each eval for a callback (BestModel)."""
     rank, world_size = env.rank, env.world_size
     link = RankLink(rank, world_size, reader, outbox)
     settings = worker_settings(cfg, run_dir if keeps_evaluated_models else None)
@@ -210,49 +213,54 @@ def make_worker(
             return None
         return RankCheckpointer(checkpoint_store(cfg, run_dir), rank, parts.model, stepper)
 
-    first_start = survival is None or not survival.joining
+    stepper_for = stepper_settings(cfg, env, device.type, first_start=not group.joining)
     if not averages_parameters(cfg):
-        lockstep = None
-        if survival is not None:  # DDP is wrapped on each group the members form
-            settle = survival.membership.settle if survival.membership.backend == "gloo" else None
-            wrap = functools.partial(_ddp, cfg, parts, device, settle=settle)
-            lockstep = LockstepSurvival(survival, wrap)
-        train_module = _ddp(cfg, parts, device) if world_size > 1 and survival is None else parts.model
-        stepper = Stepper(stepper_settings(cfg, env, device.type, first_start), parts, device, train_module)
+        wrap = None
+        if cfg.fault_tolerance == "survive":  # DDP is wrapped on each group the members form
+            # Over gloo its buckets are waited for the way the group's collectives are (a cut frees them).
+            gloo = collective_backend(cfg.backend, device.type) == "gloo"
+            wrap = functools.partial(_ddp, cfg, parts, device, settle=group.settle if gloo else None)
+            train_module = parts.model
+        else:
+            train_module = _ddp(cfg, parts, device) if world_size > 1 else parts.model
+        stepper = Stepper(stepper_for, parts, device, train_module)
         checkpoints = checkpointer(stepper)
-        return SyncWorker(stepper, link, settings, cfg.bf16_wire, checkpoints, cfg.lr_scale_ratio, lockstep)
+        return SyncWorker(
+            stepper, link, settings, cfg.bf16_wire, checkpoints, cfg.lr_scale_ratio, group, wrap
+        )
     outer = OuterSettings.resolve(cfg.outer, cfg.outer_lr, cfg.outer_momentum)
     averager: DeviceAverager | HostAverager
-    membership = survival.membership if survival is not None else None
     if cfg.backend == "cpu":
-        # Collective: every rank builds its worker in step (survive: the membership's group is gloo).
-        gloo = dist.new_group(backend="gloo") if membership is None else None
-        averager = HostAverager(parts.model, cfg.gamma, device, gloo, cfg.bf16_wire, outer, membership)
+        averager = HostAverager(parts.model, cfg.gamma, device, group, cfg.bf16_wire, outer)
     else:
         keeps_own = guarded(cfg) or easgd_alpha_of(cfg) is not None
-        averager = DeviceAverager(parts.model, cfg.gamma, device, cfg.bf16_wire, outer, keeps_own, membership)
+        averager = DeviceAverager(parts.model, cfg.gamma, device, cfg.bf16_wire, outer, keeps_own, group)
     # Built (and compiled) after the averager re-pointed the parameters into its flat buffers: compiled
     # graphs read them there, so each round's in-place update is what the next step sees.
-    stepper = Stepper(stepper_settings(cfg, env, device.type, first_start), parts, device, parts.model)
+    stepper = Stepper(stepper_for, parts, device, parts.model)
     keep_training = cfg.backend == "cpu" and cfg.policy == "async"
     alpha = easgd_alpha_of(cfg)
     return LocalSgdWorker(
-        stepper, link, settings, averager, alpha, keep_training, checkpointer(stepper), survival
+        stepper, link, settings, averager, alpha, keep_training, checkpointer(stepper), group
     )
 
 
-def make_survival(
+def make_group(
     cfg: FlodlConfig,
     env: RankEnv,
     device: torch.device,
     backend: str,
     exchange: PrefixStore,
     reader: InboxReader,
-) -> Survival | None:
-    """fault_tolerance=survive: this rank's averaging group, formed with every rank, unless this process is
-    a restart (the store counts each rank's starts), which joins the running group when admitted."""
+) -> RankGroup:
+    """The group this rank trains and averages with, chosen here once. fault_tolerance=none: the world (the
+    cpu backend's host rounds over a gloo group of its own: collective, every rank makes it in step).
+    survive: the members' averaging group, formed by the worker with every rank, unless this process is a
+    restart (the store counts each rank's starts), which joins the running group when admitted."""
     if cfg.fault_tolerance != "survive":
-        return None
+        host_rounds = averages_parameters(cfg) and cfg.backend == "cpu"
+        gloo = dist.new_group(backend="gloo") if host_rounds else None
+        return FixedGroup(env.rank, env.world_size, gloo, cfg.launch.timeout_s)
     incarnation = exchange.add(f"incarnation/{env.rank}", 1) - 1
     # gloo has no abort: its timeout bounds a collective (or a group's forming) that a member left without
     # closing its sockets. NCCL's is aborted instead, and its watchdog must not fire on a slow first round.
@@ -260,7 +268,7 @@ def make_survival(
     membership = AveragingGroup(exchange, backend, env.rank, device, timeout_s)
     # A rank whose round failed hears who is still in once the coordinator has seen the silence.
     wait_s = 2 * heartbeat_timeout_of(cfg) + 10
-    return Survival(membership, reader, incarnation, wait_s)
+    return SurvivingGroup(membership, reader, env.world_size, incarnation, wait_s)
 
 
 @dataclass(frozen=True)
@@ -305,18 +313,31 @@ def make_coordinator(cfg: FlodlConfig, setup: CoordinatorSetup) -> Coordinator:
         due = {e for e in checkpoint_epochs(cfg) if e >= first}
         settings = resume_settings(cfg, run_dir, run_identity(config, world_size, info.uid))
         committer = CheckpointCommitter(settings.checkpoints, world_size, due, settings.kind, settings.run)
+    monitor = HeartbeatMonitor(world_size, heartbeat_timeout_of(cfg), started=0.0)
+    survive = cfg.fault_tolerance == "survive"
+
+    def roster_of(ledger: EpochLedger) -> Roster:
+        """Who is in, chosen once: survive's members, cut and admitted, or the fixed world."""
+        if survive:
+            return SurvivingRoster(
+                world_size, outbox, monitor, ledger, timeline, SurviveSettings(cfg.min_ranks)
+            )
+        return Roster(world_size, outbox, monitor)
+
     driver: Driver
     if not averages_parameters(cfg):
         per_rank = equal_slices(total_picks, world_size, step_size)[0].size // step_size
         ledger = EpochLedger(cfg.epochs, world_size, per_rank * world_size, False, first, comm_total)
-        lookahead = 0 if cfg.fault_tolerance == "survive" else PLAN_LOOKAHEAD  # admissions at the next epoch
-        driver = SyncDriver(schedule, ledger, outbox, first, committer, lookahead)
+        roster = roster_of(ledger)
+        lookahead = 0 if survive else PLAN_LOOKAHEAD  # admissions at the next epoch
+        driver = SyncDriver(schedule, ledger, outbox, roster, first, committer, lookahead)
     else:
         batches_per_epoch = total_picks // step_size
         overlapping = cfg.policy == "async"  # no epoch barrier
         ledger = EpochLedger(cfg.epochs, world_size, batches_per_epoch, True, first, comm_total, overlapping)
+        roster = roster_of(ledger)
         driver = _local_sgd_driver(
-            cfg, schedule, ledger, outbox, batches_per_epoch, timeline, committer, resumed
+            cfg, schedule, ledger, outbox, roster, batches_per_epoch, timeline, committer, resumed
         )
     total_batches = (cfg.epochs - first) * ledger.batches_per_epoch
     sinks: list[Sink] = [
@@ -327,13 +348,11 @@ def make_coordinator(cfg: FlodlConfig, setup: CoordinatorSetup) -> Coordinator:
         from flodl.metrics.wandb_sink import WandbSink
 
         sinks.append(WandbSink(wandb_settings(cfg), info, config, cfg.policy))
-    monitor = HeartbeatMonitor(world_size, heartbeat_timeout_of(cfg), started=0.0)
     run = Run(run_dir, cfg.policy, world_size, cfg.epochs, config)
     hooks = Hooks(build_callbacks(cfg.callbacks), run)
-    survive = SurviveSettings(cfg.min_ranks) if cfg.fault_tolerance == "survive" else None
     return Coordinator(
-        setup.reader, outbox, ledger, driver, sinks, timeline, run_dir, monitor, committer, hooks,
-        setup.hang_saver, survive,
+        setup.reader, outbox, ledger, driver, sinks, timeline, run_dir, monitor, committer, hooks, roster,
+        setup.hang_saver,
     )  # fmt: skip
 
 
@@ -353,6 +372,7 @@ def _local_sgd_driver(
     schedule: EpochSchedule,
     ledger: EpochLedger,
     outbox: Mailbox,
+    roster: Roster,
     batches_per_epoch: int,
     timeline: Timeline,
     committer: CheckpointCommitter | None,
@@ -389,4 +409,4 @@ def _local_sgd_driver(
             elche.admit(rank)
         guard = guard_from_state(state["guard"])
         log.info("ElChe resumed at anchor %d (round %d)", elche.anchor, planner.round)
-    return LocalSgdDriver(planner, elche, guard, ledger, outbox, timeline, committer)
+    return LocalSgdDriver(planner, elche, guard, ledger, outbox, timeline, roster, committer)

@@ -35,9 +35,10 @@ from flodl.assembly import (
 )
 from flodl.cluster_env import adopt_scheduler_environ
 from flodl.config.host import HostFacts, RankEnv
+from flodl.config.policy import hosts_apart
 from flodl.config.rules import ConfigError
 from flodl.config.schema import FlodlConfig
-from flodl.coordinator.coordinator import TooFewRanks
+from flodl.coordinator.roster import TooFewRanks
 from flodl.logs import setup_host_logging, stderr_kept_in
 from flodl.metrics import run_clock
 from flodl.metrics.run_info import RunInfo, from_hydra
@@ -47,7 +48,6 @@ from flodl.preflight import omegaconf_problem, preflight, warn_of_idle_disk_tier
 from flodl.rank import (
     EXIT_WORDED,
     device_type_of,
-    hosts_apart,
     log_plan,
     run_rank,
     self_launched_rank,

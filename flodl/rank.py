@@ -21,20 +21,21 @@ from typing import Any
 import torch.distributed as dist
 
 from flodl import failures
-from flodl.assembly import checkpoint_store, hang_saver, make_survival, make_worker, task_settings
+from flodl.assembly import checkpoint_store, hang_saver, make_group, make_worker, task_settings
 from flodl.checkpoint import CheckpointError
 from flodl.config.host import RankEnv
 from flodl.config.policy import (
     collective_backend,
     compile_mode_for,
     heartbeat_timeout_of,
+    hosts_apart,
     step_samples,
     step_words,
 )
 from flodl.config.rules import ConfigError
 from flodl.config.schema import FlodlConfig, to_config
-from flodl.coordinator.coordinator import RankHung, TooFewRanks
 from flodl.coordinator.hooks import CallbackError
+from flodl.coordinator.roster import RankHung, TooFewRanks
 from flodl.counting import shown_epoch
 from flodl.logs import FILE_ONLY, setup_rank_logging, stderr_to
 from flodl.metrics.run_info import RunInfo
@@ -55,11 +56,6 @@ log = logging.getLogger("flodl")
 WORDED = (ConfigError, CheckpointError, WandbStartError, CallbackError, HostFailed)
 # A self-launched rank's exit code after a failure it recorded and logged (the launcher words it).
 EXIT_WORDED = 3
-
-
-def hosts_apart(cfg: FlodlConfig) -> bool:
-    """Whether the run's host is a process apart from the ranks: under survive, any rank may die."""
-    return cfg.fault_tolerance == "survive"
 
 
 def run_rank(config: dict[str, Any], info_fields: dict[str, Any], self_launched: bool = False) -> None:
@@ -127,7 +123,7 @@ def _run_rank(config: dict[str, Any], info_fields: dict[str, Any], self_launched
             return  # the host made the checkpoint's model the run's
         namespace = host_namespace(group.exchange)
         inbox = InboxReader(connect(namespace, env.rank))
-        survival = make_survival(cfg, env, device, backend, group.exchange, inbox)
+        rank_group = make_group(cfg, env, device, backend, group.exchange, inbox)
         parts = build_task(task_settings(cfg), device, env.world_size, env.rank)
         facts = TaskFacts(len(parts.train_data) * cfg.augment, parts.eval_data is not None)
         publish_task(group.exchange, facts)
@@ -140,13 +136,13 @@ def _run_rank(config: dict[str, Any], info_fields: dict[str, Any], self_launched
                 raise
         keeps_evaluated_models = coordinator_started(group.exchange)
         # A restarted rank receives the running group's state when it is admitted, not from a checkpoint.
-        if checkpoint is not None and not (survival is not None and survival.joining):
+        if checkpoint is not None and not rank_group.joining:
             load_model(checkpoint, parts.model)
         else:
             checkpoint = None
         outbox = connect(namespace, env.rank)
         worker = make_worker(
-            cfg, parts, env, device, inbox, outbox, run_dir, keeps_evaluated_models, survival
+            cfg, parts, env, device, inbox, outbox, run_dir, rank_group, keeps_evaluated_models
         )
         if checkpoint is not None:
             restore_worker(checkpoint, worker)

@@ -31,8 +31,9 @@ from torch.distributed import PrefixStore
 from flodl.assembly import CoordinatorSetup, make_coordinator, resume_settings
 from flodl.checkpoint import MODEL_FILE, Checkpoint, atomic_save
 from flodl.config.schema import FlodlConfig
-from flodl.coordinator.coordinator import Coordinator, TooFewRanks
+from flodl.coordinator.coordinator import Coordinator
 from flodl.coordinator.hooks import RunSummary
+from flodl.coordinator.roster import TooFewRanks
 from flodl.metrics import run_clock
 from flodl.metrics.run_info import RunInfo
 from flodl.metrics.sinks import METRICS_FILE
@@ -182,8 +183,9 @@ class RunHost:
         lines = (self.run_dir / METRICS_FILE).read_text().splitlines()
         records = [json.loads(line) for line in lines if line]
         coordinator.hooks.run_end(RunSummary(coordinator.last_epoch, coordinator.stopped, model, records[-1]))
-        if coordinator.too_few is not None:  # the consensus is saved: now the run ends, naming why
-            raise TooFewRanks(f"{coordinator.too_few}; its consensus is saved as {model}")
+        too_few = coordinator.roster.too_few
+        if too_few is not None:  # the consensus is saved: now the run ends, naming why
+            raise TooFewRanks(f"{too_few}; its consensus is saved as {model}")
 
     def stop(self) -> None:
         """The run stops (a signal, a failure): let the coordinator end (it keeps the timeline so far)."""

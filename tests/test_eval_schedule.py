@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flodl.coordinator.coordinator import EpochSchedule
+from flodl.coordinator.driver import EpochSchedule
 
 
 def schedule(eval_every: int, epochs: int = 10, has_eval: bool = True) -> EpochSchedule:

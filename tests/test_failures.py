@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flodl.coordinator.coordinator import TooFewRanks
+from flodl.coordinator.roster import TooFewRanks
 from flodl.failures import Failure, blame, record, recorded, verdict
 from flodl.worker.nonfinite import NonFiniteError
 

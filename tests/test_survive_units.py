@@ -19,15 +19,17 @@ from torch.nn.parallel import DistributedDataParallel
 
 from flodl.averaging.ddp_hooks import SettledBuckets, settled_gradient_hook
 from flodl.averaging.reducer import Reducer
-from flodl.coordinator.coordinator import EpochSchedule, SyncDriver
+from flodl.coordinator.driver import EpochSchedule
 from flodl.coordinator.ledger import EpochLedger
+from flodl.coordinator.roster import Roster
 from flodl.coordinator.survivors import MembershipChange
+from flodl.coordinator.sync_driver import SyncDriver
 from flodl.wire.group import loopback_store
 from flodl.wire.heartbeat import HeartbeatMonitor
 from flodl.wire.membership import AveragingGroup, Superseded
 from flodl.wire.messages import AverageNow, ExtendPartition, FirstStep, Regroup, Shutdown
 from flodl.wire.transport import InboxReader, Mailbox
-from flodl.worker.survival import Survival
+from flodl.worker.group import SurvivingGroup
 from flodl.worker.sync import steps_trained_of_cut
 
 
@@ -85,15 +87,17 @@ def test_sync_names_the_newest_group_whose_first_step_went_through() -> None:
         epochs=2, world_size=3, total_picks=48, batch_size=4, eval_every=0, has_eval=False
     )
     ledger = EpochLedger(epochs=2, world_size=3, batches_per_epoch=4)
-    driver = SyncDriver(schedule, ledger, Mailbox(HashStore(), "coordinator"), first_epoch=0)
-    assert driver.good_round_generation == -1
+    outbox = Mailbox(HashStore(), "coordinator")
+    roster = Roster(3, outbox, HeartbeatMonitor(3, timeout_s=2.0, started=0.0))
+    driver = SyncDriver(schedule, ledger, outbox, roster, first_epoch=0)
+    assert roster.good_round_generation == -1
     driver.on_message(FirstStep(0, 0))
-    assert driver.good_round_generation == 0
-    driver.cut(2)
+    assert roster.good_round_generation == 0
+    roster.generation += 1  # rank 2 was cut
     driver.on_message(FirstStep(0, 0))  # late: the group the cut ended
-    assert (driver.generation, driver.good_round_generation) == (1, 0)
+    assert roster.good_round_generation == 0
     driver.on_message(FirstStep(0, 1))
-    assert driver.good_round_generation == 1
+    assert roster.good_round_generation == 1
 
 
 def test_a_cut_segment_counts_what_the_members_trained_of_it() -> None:
@@ -279,25 +283,25 @@ def test_a_rank_waiting_for_the_coordinator_keeps_what_else_came_and_ends_with_t
     sender = Mailbox.connect("127.0.0.1", store.port, "ns", "coordinator", 10.0)
     reader = InboxReader(Mailbox.connect("127.0.0.1", store.port, "ns", 1, 10.0))
     group = AveragingGroup(store, "gloo", 1, torch.device("cpu"), 10.0)
-    survival = Survival(group, reader, incarnation=0, wait_s=10.0)
+    survival = SurvivingGroup(group, reader, 2, incarnation=0, wait_s=10.0)
     reader.start()
     regroup = Regroup(generation=1, members=[0, 1], cut_round=4)
     for message in (AverageNow(round=4), regroup, ExtendPartition([], 0)):
         sender.send(1, message)
-    assert survival.await_regroup(1, "round 4 was cut", None) == regroup
+    assert survival.await_regroup("round 4 was cut", None) == regroup
     assert group.aborted.is_set()  # the Regroup freed whatever the loop was blocked in, on arrival
     assert reader.next_message(5.0) == AverageNow(round=4)  # given back, in order, before the queue's
     assert reader.next_message(5.0) == ExtendPartition([], 0)
     # A restart waits for its admission; what was meant for its previous incarnation is dropped.
-    joiner = Survival(group, reader, incarnation=1, wait_s=10.0)
+    joiner = SurvivingGroup(group, reader, 2, incarnation=1, wait_s=10.0)
     assert joiner.joining
     admission = Regroup(generation=2, members=[0, 1], joining=[1])
     for message in (AverageNow(round=5), regroup, admission):
         sender.send(1, message)
-    assert joiner.await_admission(1) == admission
+    assert joiner.await_admission() == admission
     assert reader.next_message(None) is None
     sender.send(1, Shutdown("done"))  # the run ends first: no Regroup, and the loop still sees the end
-    assert survival.await_regroup(1, "round 6 was cut", None) is None
+    assert survival.await_regroup("round 6 was cut", None) is None
     assert group.abandoned.is_set()  # a group still forming stops waiting for its members
     assert reader.next_message(5.0) == Shutdown("done")
 
@@ -308,11 +312,11 @@ def test_a_failure_no_change_follows_is_raised_as_what_it_was() -> None:
     store = loopback_store(0, None, timedelta(seconds=20))
     reader = InboxReader(Mailbox.connect("127.0.0.1", store.port, "ns", 1, 10.0))
     group = AveragingGroup(store, "gloo", 1, torch.device("cpu"), 10.0)
-    survival = Survival(group, reader, incarnation=0, wait_s=0.5)
+    survival = SurvivingGroup(group, reader, 2, incarnation=0, wait_s=0.5)
     reader.start()
     cause = ValueError("the loss of batch 7 is a string")
     with pytest.raises(RuntimeError, match="no member's death: ValueError: the loss of batch 7") as raised:
-        survival.await_regroup(1, "epoch 2 was cut", cause)
+        survival.await_regroup("epoch 2 was cut", cause)
     assert raised.value.__cause__ is cause
 
 
@@ -322,14 +326,14 @@ def test_a_cut_round_s_cause_is_logged_on_one_line_cut_at_a_word(caplog: pytest.
     sender = Mailbox.connect("127.0.0.1", store.port, "ns", "coordinator", 10.0)
     reader = InboxReader(Mailbox.connect("127.0.0.1", store.port, "ns", 1, 10.0))
     group = AveragingGroup(store, "gloo", 1, torch.device("cpu"), 10.0)
-    survival = Survival(group, reader, incarnation=0, wait_s=10.0)
+    survival = SurvivingGroup(group, reader, 2, incarnation=0, wait_s=10.0)
     reader.start()
     text = "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:40915"
     cause = RuntimeError(text + " while the all-reduce of bucket 3 waited" * 6 + "\nException raised from")
     regroup = Regroup(generation=1, members=[0, 2], cut_round=4)
     sender.send(1, regroup)
     with caplog.at_level(logging.WARNING, logger="flodl"):
-        assert survival.await_regroup(1, "the round's collective failed", cause) == regroup
+        assert survival.await_regroup("the round's collective failed", cause) == regroup
     (line,) = [r.getMessage() for r in caplog.records if "waiting for the new group" in r.getMessage()]
     why = line.split(" (RuntimeError: ", 1)[1].removesuffix("); waiting for the new group")
     assert why.startswith(text) and why.endswith(" …") and len(why) <= 200, why

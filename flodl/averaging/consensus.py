@@ -22,7 +22,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
@@ -32,7 +31,7 @@ from torch import Tensor, nn
 from flodl.averaging.divergence import DivergenceSums, divergence
 from flodl.averaging.flat import flatten_float32_buffers, flatten_parameters, state_digest
 from flodl.averaging.outer import OuterOptimizer, OuterSettings
-from flodl.averaging.reducer import Reducer, ReduceResult
+from flodl.averaging.reducer import CAPTURE_AFTER, Reducer, ReduceResult
 
 
 @dataclass(frozen=True)
@@ -49,43 +48,81 @@ class RoundOutcome:
     payload_bytes: int = 0
 
 
-class Membership(Protocol):
-    """survive's averaging group as the averagers see it (flodl/wire/membership.py builds it)."""
+class ReduceGroup(Protocol):
+    """Who an averager reduces with, chosen once by the assembly (flodl/worker/group.py): the fixed world
+    (`WorldGroup`), or survive's members, whose group a death or a restart replaces under a round."""
 
-    group: dist.ProcessGroup | None
-    backend: str
-    timeout: timedelta
+    # Eager rounds before a round weighted on the device is replayed from a CUDA graph (None: never; a graph
+    # cannot follow a group to its next communicator).
+    capture_after: int | None
+    # How long a collective of the group may take (a cut round's thread ends within it).
+    timeout_s: float
 
-    def settle(self, work: dist.Work) -> None: ...
+    def collective(self) -> tuple[dist.ProcessGroup | None, str | None]:
+        """The members' process group now (None: the world's) and its backend (None: torch knows it)."""
+        ...
+
+    def settle(self, work: dist.Work) -> None:
+        """Wait for `work`, one of the group's collectives."""
+        ...
+
+    def share_before_start(self, tensors: list[Tensor]) -> None:
+        """Every member starts from the first member's `tensors`: the world's as the averager is built;
+        survive's members once their first group is formed (the worker's start shares then)."""
+        ...
+
+    def keep_round_start(self, tensors: list[Tensor]) -> None:
+        """A round begins on `tensors`: what a cut round goes back to (a group that cuts no round keeps
+        nothing)."""
+        ...
+
+    def back_to_round_start(self, tensors: list[Tensor]) -> None:
+        """A round was cut: `tensors` go back to what `keep_round_start` kept."""
+        ...
 
 
-def _broadcast_from_rank0(tensors: list[Tensor]) -> None:
-    for tensor in tensors:
-        dist.broadcast(tensor, src=0)
+class WorldGroup:
+    """A group whose members never change: the world, over its default process group or `process_group` (a
+    gloo group of the same ranks for host tensors). A failed collective ends the run: no round is undone."""
+
+    capture_after: int | None = CAPTURE_AFTER
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None, timeout_s: float = 1800.0) -> None:
+        """`timeout_s`: the world's collective timeout (torch's default unless the run sets its own)."""
+        self.process_group = process_group
+        self.timeout_s = timeout_s
+
+    def collective(self) -> tuple[dist.ProcessGroup | None, str | None]:
+        return self.process_group, None
+
+    def settle(self, work: dist.Work) -> None:
+        work.wait()
+
+    def share_before_start(self, tensors: list[Tensor]) -> None:
+        for tensor in tensors:  # over the default group: the host averager's gloo group spans the same ranks
+            dist.broadcast(tensor, src=0)
+
+    def keep_round_start(self, tensors: list[Tensor]) -> None:
+        """Nothing: a failed round ends the run."""
+
+    def back_to_round_start(self, tensors: list[Tensor]) -> None:
+        raise RuntimeError("a fixed group cuts no round: there is no round start to go back to")
+
+
+WORLD = WorldGroup()
 
 
 class _AveragerBase:
     def __init__(
-        self,
-        model: nn.Module,
-        gamma: float,
-        bf16_wire: bool,
-        outer: OuterSettings | None,
-        group: dist.ProcessGroup | None,
-        membership: Membership | None = None,
+        self, model: nn.Module, gamma: float, bf16_wire: bool, outer: OuterSettings | None, group: ReduceGroup
     ) -> None:
         self.params = flatten_parameters(model)
         self.buffers = flatten_float32_buffers(model)
-        # fault_tolerance=survive: the group comes from the membership, and each round keeps the rank's
-        # pre-round state, which it goes back to when a member's death cuts the round.
-        self.membership = membership
-        self.pre_round: list[Tensor] | None = None
-        if membership is None:
-            self.share(_broadcast_from_rank0)
-            self.reducer = Reducer(gamma, bf16_wire, group)
-        else:
-            self.reducer = Reducer(gamma, bf16_wire, membership.group, membership.backend, membership.settle)
-            self.reducer.capture_after = None  # a captured round cannot follow the group to a new one
+        self.group = group
+        self.share(group.share_before_start)
+        process_group, backend = group.collective()
+        self.reducer = Reducer(gamma, bf16_wire, process_group, backend, group.settle)
+        self.reducer.capture_after = group.capture_after
         self.outer_settings = outer
         self.outer: OuterOptimizer | None = None
         self.outcome: RoundOutcome | None = None
@@ -121,19 +158,9 @@ class _AveragerBase:
         send(self._state_tensors())
 
     @torch.no_grad()
-    def keep_pre_round(self) -> None:
-        """survive: keep this rank's state as it enters a round (a cut round goes back to it)."""
-        if self.membership is None:
-            return
-        tensors = self._state_tensors()
-        if self.pre_round is None:
-            self.pre_round = [torch.empty_like(t) for t in tensors]
-        torch._foreach_copy_(self.pre_round, tensors)
-
-    @torch.no_grad()
     def restore_pre_round(self) -> None:
-        assert self.pre_round is not None, "no pre-round state kept (fault_tolerance is not survive)"
-        torch._foreach_copy_(self._state_tensors(), self.pre_round)
+        """A round this rank finished was cut elsewhere: back to the state it began from."""
+        self.group.back_to_round_start(self._state_tensors())
 
     @torch.no_grad()
     def state_digest(self) -> str:
@@ -141,9 +168,8 @@ class _AveragerBase:
         return state_digest(self._state_tensors())
 
     def regroup(self) -> None:
-        """Average over the membership's newly formed group from the next round on."""
-        assert self.membership is not None
-        self.reducer.set_group(self.membership.group, self.membership.backend)
+        """Average over the group's newly formed members from the next round on."""
+        self.reducer.set_group(*self.group.collective())
 
     def _flat_params(self) -> list[Tensor]:
         return [g.buffer for g in self.params]
@@ -178,11 +204,11 @@ class DeviceAverager(_AveragerBase):
         bf16_wire: bool = False,
         outer: OuterSettings | None = None,
         keeps_own: bool = True,
-        membership: Membership | None = None,
+        group: ReduceGroup = WORLD,
     ) -> None:
         """`keeps_own`: keep a pre-reduce copy of the rank's parameters, which the divergence and the
         EASGD blend need; without it a round is the two all-reduces and nothing else."""
-        super().__init__(model, gamma, bf16_wire, outer, None, membership)
+        super().__init__(model, gamma, bf16_wire, outer, group)
         # The rank's own parameters before the reduce, turned into `own - consensus` after it (the
         # divergence is measured in place, sparing a parameter-sized temporary and a pass over memory).
         self.drift = [torch.empty_like(t) for t in self._flat_params()] if keeps_own else None
@@ -197,7 +223,7 @@ class DeviceAverager(_AveragerBase):
         """Queue the round, in place; `exact` and `kept` as in `Reducer.reduce`. What it measured (the
         totals, the divergence) is read from the device in `finish`."""
         start = time.perf_counter()
-        self.keep_pre_round()
+        self.group.keep_round_start(self._state_tensors())
         flat = self._flat_params()
         buffers = self.buffers.buffer if self.buffers is not None else None
         # The guard's copy and norms ride along chunk by chunk while the reduce is on the wire. An outer
@@ -272,12 +298,15 @@ class HostAverager(_AveragerBase):
         model: nn.Module,
         gamma: float,
         device: torch.device,
-        group: dist.ProcessGroup | None,
+        group: ReduceGroup | dist.ProcessGroup | None,
         bf16_wire: bool = False,
         outer: OuterSettings | None = None,
-        membership: Membership | None = None,
     ) -> None:
-        super().__init__(model, gamma, bf16_wire, outer, group, membership)
+        """`group`: who the round's thread reduces with; a bare gloo process group (None: the world's) stands
+        for the fixed world over it."""
+        if group is None or isinstance(group, dist.ProcessGroup):
+            group = WorldGroup(group)
+        super().__init__(model, gamma, bf16_wire, outer, group)
         self.device = device
         pin = device.type == "cuda"
         flat = self._flat_params()
@@ -301,7 +330,7 @@ class HostAverager(_AveragerBase):
     def begin(self, steps: int, exact: bool = False, kept: bool = True) -> None:
         """Snapshot and start the round on a thread; `exact` and `kept` as in `Reducer.reduce`."""
         start = time.perf_counter()
-        self.keep_pre_round()
+        self.group.keep_round_start(self._state_tensors())
         snapshot_done = self._to_host()
         self.thread = threading.Thread(
             target=self._round, args=(steps, exact, kept, snapshot_done), daemon=True
@@ -336,8 +365,7 @@ class HostAverager(_AveragerBase):
         """survive: the round was cut. The rank's parameters were never touched (the reduce ran on the host
         copy); its thread ends when the group is cut (or on a dead peer's closed socket, or the timeout)."""
         if self.thread is not None:
-            assert self.membership is not None
-            self.thread.join(timeout=self.membership.timeout.total_seconds() + 5)
+            self.thread.join(timeout=self.group.timeout_s + 5)
             if self.thread.is_alive():
                 raise RuntimeError("a cut averaging round did not end within the group's timeout")
         self.thread, self.error, self.outcome = None, None, None

@@ -35,6 +35,11 @@ def compile_mode_for(cfg: FlodlConfig, device_type: str, world_size: int) -> str
     return "reduce-overhead"
 
 
+def hosts_apart(cfg: FlodlConfig) -> bool:
+    """Whether the run's host is a process apart from the ranks: under survive, any rank may die."""
+    return cfg.fault_tolerance == "survive"
+
+
 def heartbeat_timeout_of(cfg: FlodlConfig) -> float:
     """How long a silent rank counts as alive: as set, or 10 s under survive (exits are seen at once there;
     the timeout is for a frozen rank) and 60 s otherwise (a restart of the whole job is the remedy)."""

@@ -12,6 +12,7 @@ from typing import Any
 
 from flodl.coordinator.commit import CheckpointCommitter
 from flodl.coordinator.ledger import EpochLedger
+from flodl.coordinator.roster import Roster
 from flodl.metrics.aggregate import RoundCost
 from flodl.metrics.timeline import Timeline
 from flodl.rounds import elche as el
@@ -26,7 +27,6 @@ from flodl.wire.messages import (
     ExtendPartition,
     Message,
     Reached,
-    Regroup,
     Regrouped,
     RoundAck,
 )
@@ -44,9 +44,12 @@ class LocalSgdDriver:
         ledger: EpochLedger,
         outbox: Mailbox,
         timeline: Timeline,
+        roster: Roster,
         committer: CheckpointCommitter | None = None,
     ) -> None:
+        """`roster`: who is in (the planner's and ElChe's members follow its changes)."""
         self.timeline = timeline
+        self.roster = roster
         self.committer = committer
         # The epoch the round in flight checkpoints (None: not a checkpoint round).
         self._checkpoint_epoch: int | None = None
@@ -58,15 +61,8 @@ class LocalSgdDriver:
         self._undecided_evals: set[int] = set()
         self._decided_evals: set[int] = set()
         self._round_costs: dict[int, RoundCost] = {}
-        # fault_tolerance=survive: the averaging group's generation (one per membership change) and the
-        # restarted ranks waiting for a round boundary.
-        self.generation = 0
-        self.joiners: set[int] = set()
-        # Ranks admitted since the coordinator last looked (it watches their heartbeats from then on).
-        self.admitted: list[int] = []
-        # Rounds every member acknowledged, and the newest group generation one closed in (-1: none yet).
+        # Rounds every member acknowledged.
         self.rounds_closed = 0
-        self.good_round_generation = -1
 
     @property
     def done(self) -> bool:
@@ -78,25 +74,20 @@ class LocalSgdDriver:
     def state(self) -> dict[str, Any]:
         return {"planner": self.planner.state(), "elche": self.elche.state(), "guard": self.guard.state()}
 
-    @property
-    def members(self) -> set[int]:
-        """The ranks in the averaging group (those admitted train from the next window on)."""
-        return self.planner.members | self.planner.joining
-
-    @property
-    def holders(self) -> set[int]:
-        """The members that took part in the last round (one admitted since waits for the next window)."""
-        return set(self.planner.members)
-
     def on_chunk(self, chunk: ChunkReport) -> bool:
         """The rank trained one slice it was handed, whole; False: the rank was cut before this report was
         read, and its slice was handed to another (the report must not count)."""
         return self.planner.on_chunk(chunk.rank, EpochSlice(chunk.epoch, chunk.offset, chunk.samples))
 
-    def cut(self, rank: int) -> None:
-        """`rank` is gone: the others form a group without it, a round it cut is run again among them, and
-        its untrained batches go to them."""
-        self.generation += 1
+    def counts_eval(self, result: EvalResult) -> bool:
+        """Not the eval of a round a membership change cut (it is run again)."""
+        return result.generation == self.roster.generation
+
+    # --- the roster's changes ----------------------------------------------------------------------------
+
+    def on_cut(self, rank: int) -> None:
+        """The others form a group without `rank`, a round it cut is run again among them, and its untrained
+        batches go to them."""
         instructions = self.planner.drop(rank)
         self.elche.retire(rank)
         redo = next((a for a in instructions if isinstance(a, Average) and a.redo), None)
@@ -104,36 +95,24 @@ class LocalSgdDriver:
             self._round_costs = {}
             self.timeline.round_redone(redo.round)
             for epoch in redo.evaluate_epochs:  # its evals so far came from the cut round
-                self.ledger.expect_eval(epoch, True, ranks=len(self.members))
-        self._regroup(cut_round=redo.round if redo is not None else None)
+                self.ledger.expect_eval(epoch, True, ranks=len(self.roster.members))
+        # The members share the first one's state again while no round has closed (a death while the ranks
+        # started may have cut the start's own broadcast).
+        cut_round = redo.round if redo is not None else None
+        self.roster.send_regroup([], cut_round, shares_state=self.rounds_closed == 0)
         self._carry(instructions)
 
-    def counts_eval(self, result: EvalResult) -> bool:
-        """Not the eval of a round a membership change cut (it is run again)."""
-        return result.generation == self.generation
-
     def on_regrouped(self, message: Regrouped) -> None:
-        """A member formed the group (the coordinator times the change; the rounds need nothing of it)."""
-
-    def join(self, rank: int) -> None:
-        """A restarted rank waits to be admitted at the next round boundary."""
-        self.joiners.add(rank)
+        """A member formed the group (the roster times the change; the rounds need nothing of it)."""
 
     def _admit_joiners(self) -> None:
-        for rank in sorted(self.joiners):
+        """At a round's end: the restarted ranks waiting take part from the next window on, and receive the
+        first member's state as the group forms."""
+        joining = self.roster.admit_joiners()
+        for rank in joining:
             self.planner.admit(rank)
             self.elche.admit(rank)
-            self.admitted.append(rank)
-        self.generation += 1
-        self._regroup(joining=sorted(self.joiners))
-        self.joiners = set()
-
-    def _regroup(self, cut_round: int | None = None, joining: list[int] | None = None) -> None:
-        members = sorted(self.members)
-        shares = bool(joining) or self.rounds_closed == 0
-        order = Regroup(self.generation, members, joining or [], cut_round, shares)
-        for rank in members:
-            self.outbox.send(rank, order)
+        self.roster.send_regroup(joining)
 
     def on_epoch_complete(self, epoch: int) -> None:
         self.planner.on_epoch_complete(epoch)
@@ -152,7 +131,7 @@ class LocalSgdDriver:
         if isinstance(message, Reached):
             self._carry(self.planner.on_reached(WindowReport(message.rank, message.steps, message.busy_ms)))
         elif isinstance(message, RoundAck):
-            if message.generation != self.generation:
+            if message.generation != self.roster.generation:
                 return  # a round the membership change cut: it is run again
             ack = PlannerAck(
                 message.rank,
@@ -171,7 +150,7 @@ class LocalSgdDriver:
                 self.ledger.close_round(message.round, self._round_costs)
                 self._round_costs = {}
                 self.rounds_closed += 1
-                self.good_round_generation = self.generation
+                self.roster.on_good_round(message.generation)
                 if not message.skipped:  # a skip is the same on every rank: nobody moved
                     self._feed_round()
                 if self._checkpoint_epoch is not None and self.committer is not None:
@@ -183,7 +162,7 @@ class LocalSgdDriver:
                     return
                 if self.planner.segment_done:
                     self.planner.next_segment()
-                if self.joiners:
+                if self.roster.joiners:
                     self._admit_joiners()
                 self._open_window()
         else:
@@ -225,9 +204,9 @@ class LocalSgdDriver:
                 self._checkpoint_epoch = average.checkpoint_epoch
                 order = AverageNow(
                     average.round, list(average.evaluate_epochs), average.final, average.checkpoint_epoch,
-                    self.generation,
+                    self.roster.generation,
                 )  # fmt: skip
-                for rank in sorted(self.members):
+                for rank in sorted(self.roster.members):
                     self.outbox.send(rank, order)
 
     def _decide_evals(self, average: Average) -> None:
@@ -237,6 +216,6 @@ class LocalSgdDriver:
             first = self.ledger.first_epoch
             deciding |= set(range(first, self.planner.segment_end)) - self._decided_evals
         for epoch in deciding:
-            self.ledger.expect_eval(epoch, epoch in average.evaluate_epochs, ranks=len(self.members))
+            self.ledger.expect_eval(epoch, epoch in average.evaluate_epochs, ranks=len(self.roster.members))
         self._undecided_evals -= deciding
         self._decided_evals |= deciding

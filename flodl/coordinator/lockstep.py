@@ -108,8 +108,9 @@ class LockstepPlan:
         self._epochs[epoch] = _EpochPlan([segment])
         return segment
 
-    def last_segment(self, epoch: int) -> Segment:
-        return self._epochs[epoch].segments[-1]
+    def end_steps(self) -> dict[int, int]:
+        """The step each planned epoch's latest segment ends at."""
+        return {epoch: plan.segments[-1].end_step for epoch, plan in self._epochs.items()}
 
     def current_generation(self, epoch: int) -> int | None:
         """The generation of `epoch`'s latest plan (None: the epoch is no longer planned)."""

@@ -1,9 +1,9 @@
-"""fault_tolerance=survive on rank 0: who is in, and how each membership change went.
+"""What the surviving roster (flodl/coordinator/roster.py) records and posts: how each membership change
+went, and each cut.
 
-A member is cut when it goes silent past the heartbeat timeout, says it is exiting, or comes back as a
-restart (its old process is then certainly gone). The cut is posted in the store, where the self-launch
-supervisor reads it and kills the process (a hung rank must not hold its peers' collectives), and its inbox
-is emptied so that a restarted process never reads what was meant for the dead one.
+A cut is posted in the store, where the self-launch supervisor reads it and kills the process (a hung rank
+must not hold its peers' collectives), and the rank's inbox is emptied so that a restarted process never
+reads what was meant for the dead one.
 """
 
 from __future__ import annotations

@@ -19,12 +19,23 @@ import torch
 
 from flodl.checkpoint import evaluated_model_path, save_model
 from flodl.counting import shown_epoch
-from flodl.wire.messages import ChunkReport, EvalResult, Message, ModelSaved, Progress, SaveModel, Shutdown
+from flodl.wire.membership import AveragingGroup
+from flodl.wire.messages import (
+    ChunkReport,
+    EvalResult,
+    Message,
+    ModelSaved,
+    Progress,
+    Regroup,
+    Regrouped,
+    SaveModel,
+    Shutdown,
+)
 from flodl.wire.transport import COORDINATOR, InboxReader, Mailbox
 from flodl.worker.checkpoint_part import RankCheckpointer
+from flodl.worker.group import FixedGroup, RankGroup
 from flodl.worker.nonfinite import NonFiniteError, nonfinite_message
 from flodl.worker.stepper import Stepper
-from flodl.worker.survival import Survival
 
 _WAIT_S = 0.5
 log = logging.getLogger("flodl")
@@ -65,7 +76,9 @@ class WorkerBase:
         link: RankLink,
         settings: WorkerSettings,
         checkpointer: RankCheckpointer | None = None,
+        group: RankGroup | None = None,
     ) -> None:
+        """`group`: who this rank trains and averages with (the assembly's choice; None: the link's world)."""
         self.stepper = stepper
         self.on_nonfinite = settings.on_nonfinite
         # Writes this rank's checkpoint parts (None: checkpoint_every is off).
@@ -76,8 +89,7 @@ class WorkerBase:
         self.outbox = link.outbox
         self.log_every = settings.log_every
         self.evaluated_models = settings.evaluated_models
-        # fault_tolerance=survive: the averaging group and the waits around it (None: a death ends the run).
-        self.survival: Survival | None = None
+        self.group: RankGroup = group if group is not None else FixedGroup(link.rank, link.world_size)
         # The last epoch this rank trained any batch of.
         self.last_epoch: int | None = None
         self._recent_loss: torch.Tensor | None = None
@@ -88,7 +100,7 @@ class WorkerBase:
         """`alive` raises when this rank must stop waiting (rank 0: the coordinator failed)."""
         self.reader.start()
         try:
-            self.on_start()
+            self.group.start(self, self.stepper.fault.before_start)
             while True:
                 message = self.reader.next_message(None if self.has_work() else _WAIT_S)
                 if isinstance(message, Shutdown):
@@ -98,6 +110,8 @@ class WorkerBase:
                     return
                 if isinstance(message, SaveModel):
                     self._save_model(Path(message.path))
+                elif isinstance(message, Regroup):
+                    self.group.change(message, self)
                 elif message is not None:
                     self.handle(message)
                 elif self.has_work():
@@ -112,9 +126,6 @@ class WorkerBase:
         if self.last_epoch is None:
             return "before its first epoch"
         return f"after epoch {shown_epoch(self.last_epoch)}"
-
-    def on_start(self) -> None:
-        """Before the first message is handled (the inbox is being read)."""
 
     def on_done(self) -> None:
         """The coordinator ended the run (its last epoch trained, or stopped early)."""
@@ -190,25 +201,11 @@ class WorkerBase:
         """A live loss report read a non-finite value: stop now, rather than at the window's end."""
         self.raise_if_nonfinite()
 
-    def _generation(self) -> int:
-        """The averaging group's generation (survive; 0 otherwise): what reports of this group carry."""
-        return self.survival.membership.generation if self.survival is not None else 0
-
-    @property
-    def group_size(self) -> int:
-        """The ranks training together now: the members of the group (survive), else the world."""
-        return self.survival.membership.size if self.survival is not None else self.world_size
-
     @property
     def is_first_member(self) -> bool:
         """The group's first member (rank 0 unless survive cut it): it writes what one copy of the members'
         shared state is enough for (a checkpoint's model, an evaluated model)."""
-        return self._eval_shard()[0] == 0
-
-    def _eval_shard(self) -> tuple[int, int]:
-        """Which share of the eval set this rank evaluates, of how many: one per member of the group."""
-        index = self.survival.membership.index if self.survival is not None else self.rank
-        return index, self.group_size
+        return self.group.index == 0
 
     def state(self) -> dict[str, Any]:
         """This worker's own state for a checkpoint (beyond the stepper's)."""
@@ -221,4 +218,18 @@ class WorkerBase:
         """One unit of training between message checks."""
 
     def handle(self, message: Message) -> None:
+        raise NotImplementedError
+
+    # --- a change of the group (survive; see flodl/worker/group.py) ---------------------------------------
+
+    def let_go(self, change: Regroup) -> None:
+        """Before the group `change` names is formed: leave what the change cut."""
+        raise NotImplementedError
+
+    def settle(self, group: AveragingGroup, change: Regroup | None) -> None:
+        """On a newly formed group (None: the first): make the members' state agree."""
+        raise NotImplementedError
+
+    def regrouped(self, change: Regroup, formed: Regrouped) -> None:
+        """The group `change` names is formed and settled."""
         raise NotImplementedError

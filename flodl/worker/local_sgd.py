@@ -7,6 +7,10 @@ it on a background thread, and when `keep_training` (async) the rank trains on a
 at a later step boundary, so steps taken meanwhile count toward the next round. Between steps the worker
 only checks a local queue for control messages; the device is read once per chunk (the loss) and once per
 window.
+
+Under fault_tolerance=survive the rank's group (flodl/worker/group.py) carries each membership change out:
+the worker lets go of a round the change cut (back to its state before it, when that round must be redone),
+and the members share the first one's state when the change says so.
 """
 
 from __future__ import annotations
@@ -32,13 +36,14 @@ from flodl.wire.messages import (
     Message,
     Reached,
     Regroup,
+    Regrouped,
     RoundAck,
 )
 from flodl.worker.base import RankLink, WorkerBase, WorkerSettings
 from flodl.worker.checkpoint_part import RankCheckpointer
+from flodl.worker.group import RankGroup
 from flodl.worker.nonfinite import NonFiniteError
 from flodl.worker.stepper import Stepper
-from flodl.worker.survival import FinishedRound, Survival
 
 log = logging.getLogger("flodl")
 
@@ -61,6 +66,18 @@ class _Chunk:
     compile_s: float = 0.0
 
 
+@dataclass(frozen=True)
+class FinishedRound:
+    """The last round this rank finished, kept until the next window opens (until then a member's death can
+    still cut it elsewhere, and an exact round is then redone by everyone)."""
+
+    order: AverageNow
+    # This rank's steps in it, every rank's, and the busy time the steps took.
+    steps: int
+    total_steps: int
+    busy_s: float
+
+
 class LocalSgdWorker(WorkerBase):
     def __init__(
         self,
@@ -71,12 +88,10 @@ class LocalSgdWorker(WorkerBase):
         easgd_alpha: float | None,
         keep_training: bool,
         checkpointer: RankCheckpointer | None = None,
-        survival: Survival | None = None,
+        group: RankGroup | None = None,
     ) -> None:
-        """`survival`: fault_tolerance=survive (None: a member's death ends the run)."""
-        super().__init__(stepper, link, settings, checkpointer)
-        self.survival = survival
-        # survive: the last round finished here, until the next window commits it.
+        super().__init__(stepper, link, settings, checkpointer, group)
+        # The last round finished here, until the next window commits it (a change may still cut it).
         self.finished: FinishedRound | None = None
         self.averager = averager
         self.easgd_alpha = easgd_alpha
@@ -118,30 +133,13 @@ class LocalSgdWorker(WorkerBase):
     def has_work(self) -> bool:
         return self.round is not None or self.chunk is not None or bool(self.pending)
 
-    def on_start(self) -> None:
-        if self.survival is not None:
-            self.survival.begin(
-                self.rank, self.world_size, self._settle_first, self._regroup, self.report,
-                self.stepper.fault.before_start,
-            )  # fmt: skip
-
     def on_done(self) -> None:
-        """Under survive, the state every member holds after the run's last, exact round (a fingerprint)."""
-        if self.survival is not None and self.final_round is not None:
-            digest = self.averager.state_digest()
-            log.info("rank %d: state after final round %d: %s", self.rank, self.final_round, digest)
-
-    def _settle_first(self, group: AveragingGroup) -> None:
-        """Every original member starts from rank 0's state (a Regroup before the first round shares it
-        again: a member's death may have cut this broadcast)."""
-        self._share(functools.partial(group.broadcast_from, member=group.members[0]))
-        self.averager.regroup()
+        """The state every member holds after the run's last, exact round (a fingerprint)."""
+        final = self.final_round
+        if final is not None:
+            self.group.say_state(lambda: f"final round {final}: {self.averager.state_digest()}")
 
     def handle(self, message: Message) -> None:
-        if isinstance(message, Regroup):
-            if self.survival is None or not self.survival.superseded(message):
-                self._regroup(message)
-            return
         if isinstance(message, ExtendPartition):
             self.finished = None  # a new window: the last round is every member's for good
             if self.window_started is None:
@@ -152,7 +150,7 @@ class LocalSgdWorker(WorkerBase):
             self.target = message.target
             self._report_if_reached()
         elif isinstance(message, AverageNow):
-            if message.generation == self._generation():  # else meant for a group never formed
+            if message.generation == self.group.generation:  # else meant for a group never formed
                 self._begin_round(message)
         else:
             raise RuntimeError(f"rank {self.rank}: unexpected message under local SGD: {message!r}")
@@ -273,7 +271,7 @@ class LocalSgdWorker(WorkerBase):
         except Exception as err:
             self._cut(order, err)
             return
-        if self.survival is not None and self.survival.membership.aborted.is_set():
+        if self.group.aborted:
             self._cut(order, None)  # an aborted NCCL round returns what it had: not a consensus
             return
         evaluate = None
@@ -289,10 +287,10 @@ class LocalSgdWorker(WorkerBase):
             def evaluate() -> None:  # on the consensus itself, before an async rank blends it
                 nonlocal epoch_work_s
                 started = time.perf_counter()
-                shard, shards = self._eval_shard()
+                group = self.group
                 epoch = order.evaluate_epochs[0]
-                result = self.stepper.evaluate(shard, shards, epoch, step, samples, own_steps)
-                result = replace(result, generation=self._generation())
+                result = self.stepper.evaluate(group.index, group.size, epoch, step, samples, own_steps)
+                result = replace(result, generation=group.generation)
                 # One eval of this consensus stands for every epoch it is due for.
                 self.report_evals(result, order.evaluate_epochs)
                 epoch_work_s += time.perf_counter() - started
@@ -328,13 +326,12 @@ class LocalSgdWorker(WorkerBase):
                 steps_during_round=self.steps_since_avg - self.steps_at_snapshot,
                 payload_bytes=outcome.payload_bytes,
                 idle_ms=idle_s * 1000,
-                generation=self._generation(),
+                generation=self.group.generation,
             )
         )
-        if self.survival is not None:
-            self.finished = FinishedRound(
-                order, self.steps_at_snapshot, outcome.total_steps, self.busy_at_snapshot
-            )
+        self.finished = FinishedRound(
+            order, self.steps_at_snapshot, outcome.total_steps, self.busy_at_snapshot
+        )
         self.final_round = order.round if order.final else None
         # Steps taken while the round was in flight keep their weight (and time) for the next one.
         self.steps_since_avg -= self.steps_at_snapshot
@@ -343,44 +340,17 @@ class LocalSgdWorker(WorkerBase):
         self.target = None
         self.round = None
 
-    # --- fault_tolerance=survive ---------------------------------------------------------------------
-
-    def _share(self, send: Callable[[list[torch.Tensor]], None]) -> None:
-        """The first member's state to every member: parameters and f32 buffers, and its LR schedule's clock
-        (every rank's steps up to the last round; a restarted rank starts there)."""
-        self.averager.share(send)
-        self.stepper.storage.check("the first member's state was shared")
-        clock = torch.tensor([self.global_steps], dtype=torch.int64, device=self.stepper.device)
-        send([clock])
-        self.global_steps = int(clock.item())
-        self.stepper.schedule_to(self.schedule_position())
-
-    def _settle(self, message: Regroup) -> Callable[[AveragingGroup], None]:
-        """What the members do once the group `message` names is formed: share the sharer's state when it
-        says so."""
-
-        def settle(group: AveragingGroup) -> None:
-            if message.shares_state:
-                self._share(functools.partial(group.broadcast_from, member=message.sharer))
-
-        return settle
-
     def _cut(self, order: AverageNow, cause: BaseException | None) -> None:
-        """The round's collective failed (without survive: the run fails here). Wait for the coordinator's
-        Regroup, which names who is still in and sends the round again."""
-        if self.survival is None:
-            assert cause is not None
-            raise cause
+        """The round's collective failed: the group raises `cause` (fault_tolerance=none) or carries out the
+        change that follows, whose Regroup names who is still in (the coordinator sends the round again)."""
         self.round = order
-        regroup = self.survival.await_regroup(self.rank, f"round {order.round} was cut", cause)
-        if regroup is not None:  # else the run ended first
-            self._regroup(regroup)
+        self.group.failed(f"round {order.round} was cut", cause, self)
 
-    def _regroup(self, message: Regroup) -> None:
-        """Leave a round the change cut the way the rest of the group leaves it, then form the new group."""
-        assert self.survival is not None, "a Regroup without fault_tolerance=survive"
-        started = time.perf_counter()
-        cut = message.cut_round
+    # --- a change of the group (survive) ----------------------------------------------------------------
+
+    def let_go(self, change: Regroup) -> None:
+        """Leave a round the change cut the way the rest of the group leaves it."""
+        cut = change.cut_round
         if self.round is not None and self.round.round == cut:
             # Cut here before it finished: the parameters go back to before it (a cpu-backend round never
             # touched them), and its steps stay this rank's for the round's second run.
@@ -400,23 +370,31 @@ class LocalSgdWorker(WorkerBase):
             self.global_steps -= self.finished.total_steps
             self.window_busy_s += self.finished.busy_s
         self.finished = None
-        release_ms = (time.perf_counter() - started) * 1000
-        try:
-            formed = self.survival.form(self.rank, message, self._settle(message), release_ms)
-        except Exception as err:  # a member died while the group formed: the coordinator cuts it next
-            failed = f"averaging group {message.generation} could not be formed"
-            retry = self.survival.await_regroup(self.rank, failed, err)
-            if retry is not None:
-                self._regroup(retry)
-            return
-        self.report(formed)
+
+    def settle(self, group: AveragingGroup, change: Regroup | None) -> None:
+        """The sharer's state to every member when the change says so (every original member starts from
+        rank 0's; a change before the first round closed shares it again: a member's death may have cut the
+        start's broadcast; a joiner, rank 0 restarted among them, receives a member's); the averager reduces
+        over the new group from the next round on."""
+        if change is None or change.shares_state:
+            sharer = group.members[0] if change is None else change.sharer
+            self._share(functools.partial(group.broadcast_from, member=sharer))
         self.averager.regroup()
-        self.stepper.storage.check(f"averaging group {message.generation} formed")
-        if message.shares_state:
-            shared = (
-                f"admitting {message.joining}" if message.joining else "the first member's state was shared"
-            )
-            log.info(
-                "rank %d: state after %s: %s, global steps %d",
-                self.rank, shared, self.averager.state_digest(), self.global_steps,
-            )  # fmt: skip
+
+    def regrouped(self, change: Regroup, formed: Regrouped) -> None:
+        self.report(formed)
+        self.stepper.storage.check(f"averaging group {change.generation} formed")
+        if change.shares_state:
+            what = f"admitting {change.joining}" if change.joining else "a member's state was shared"
+            digest = self.averager.state_digest
+            self.group.say_state(lambda: f"{what}: {digest()}, global steps {self.global_steps}")
+
+    def _share(self, send: Callable[[list[torch.Tensor]], None]) -> None:
+        """One member's state to every member: parameters and f32 buffers, and its LR schedule's clock
+        (every rank's steps up to the last round; a restarted rank starts there)."""
+        self.averager.share(send)
+        self.stepper.storage.check("a member's state was shared")
+        clock = torch.tensor([self.global_steps], dtype=torch.int64, device=self.stepper.device)
+        send([clock])
+        self.global_steps = int(clock.item())
+        self.stepper.schedule_to(self.schedule_position())

@@ -4,15 +4,15 @@ Policy `sync`: the model is wrapped in DistributedDataParallel (gradients all-re
 overlapped with backward), so each optimizer step sees the mean gradient of the global batch.
 
 Under fault_tolerance=survive DDP runs on the averaging group of the members (flodl/wire/membership.py),
-wrapped again on each new group. A member's death fails the step in flight on every survivor; they form the
-group the coordinator names, agree where they are (a survivor may have finished the step that another did
-not: the one furthest on gives the others its state), and the coordinator plans the rest of the epoch for
-them. A restarted rank is admitted where the members reach its Regroup in their inboxes, between epochs.
+wrapped again on each new group. A member's death fails the step in flight on every survivor; the rank's
+group (flodl/worker/group.py) forms the group the coordinator names, and the worker settles on it: the
+members agree where they are (a survivor may have finished the step that another did not: the one furthest
+on gives the others its state), and the coordinator plans the rest of the epoch for them. A restarted rank
+is admitted where the members reach its Regroup in their inboxes, between epochs.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -27,13 +27,13 @@ from flodl.averaging.flat import state_digest
 from flodl.counting import shown_epoch
 from flodl.metrics.scalars import drain_scalars
 from flodl.wire.membership import AveragingGroup
-from flodl.wire.messages import ChunkReport, FirstStep, Message, Regroup, Saved, StartEpoch
+from flodl.wire.messages import ChunkReport, FirstStep, Message, Regroup, Regrouped, Saved, StartEpoch
 from flodl.wire.state_bytes import state_from_bytes, state_to_bytes
 from flodl.worker.base import RankLink, WorkerBase, WorkerSettings
 from flodl.worker.checkpoint_part import RankCheckpointer
+from flodl.worker.group import RankGroup
 from flodl.worker.rank_state import restore_stepper, shared_state, stepper_state
 from flodl.worker.stepper import Stepper
-from flodl.worker.survival import Survival
 from flodl.worker.task_setup import lr_scale_factor
 
 log = logging.getLogger("flodl")
@@ -45,8 +45,8 @@ RESTARTED = (-1, -1)
 
 
 @dataclass
-class _Segment:
-    """The part of a StartEpoch trained so far."""
+class _Share:
+    """This rank's share of one StartEpoch (under survive, of one membership segment), trained so far."""
 
     plan: StartEpoch
     steps: int
@@ -57,33 +57,14 @@ class _Segment:
     done: int = 0
 
 
-class _SegmentCut(Exception):
-    """A step of `segment` failed under fault_tolerance=survive (a member died, or the group was aborted)."""
-
-    def __init__(self, segment: _Segment, cause: BaseException) -> None:
-        super().__init__(str(cause))
-        self.segment = segment
-        self.cause = cause
-
-
 def steps_trained_of_cut(position: Sequence[int], epoch: int, first_step: int, steps: int, done: int) -> int:
-    """How much of a cut segment (`steps` steps of `epoch` from its step `first_step`, `done` of them on this
+    """How much of a cut share (`steps` steps of `epoch` from its step `first_step`, `done` of them on this
     rank) the members trained, where they agreed they stand: `position`, [epoch, steps of it trained]. Members
-    that stand in an earlier epoch (the death came in the segment's first step) trained none of it."""
+    that stand in an earlier epoch (the death came in the share's first step) trained none of it."""
     at_epoch, at_step = position
     if at_epoch != epoch:
         return steps if at_epoch > epoch else done  # behind: no member got further, this one neither
     return min(steps, max(at_step - first_step, done))
-
-
-@dataclass(frozen=True)
-class LockstepSurvival:
-    """What the sync worker needs to go on under fault_tolerance=survive."""
-
-    survival: Survival
-    # DDP around the model on a process group (every member calls it together: it broadcasts the first
-    # member's parameters).
-    wrap: Callable[[dist.ProcessGroup], nn.Module]
 
 
 class SyncWorker(WorkerBase):
@@ -98,14 +79,16 @@ class SyncWorker(WorkerBase):
         bf16_wire: bool,
         checkpointer: RankCheckpointer | None,
         lr_scale_ratio: float = 0.0,
-        lockstep: LockstepSurvival | None = None,
+        group: RankGroup | None = None,
+        wrap: Callable[[dist.ProcessGroup], nn.Module] | None = None,
     ) -> None:
         """`lr_scale_ratio`: the learning rate follows the world, x (1 + (n - 1) * ratio) for n ranks (as
-        the task was built); it matters when the world changes (survive) or differs from a checkpoint's."""
-        super().__init__(stepper, link, settings, checkpointer)
-        self.lockstep = lockstep
+        the task was built); it matters when the world changes (survive) or differs from a checkpoint's.
+        `wrap`: DDP around the model on a group's process group, wrapped again on each group survive forms
+        (every member calls it together: it broadcasts the first member's parameters)."""
+        super().__init__(stepper, link, settings, checkpointer, group)
         self.lr_scale_ratio = lr_scale_ratio
-        self.survival = lockstep.survival if lockstep is not None else None
+        self.wrap = wrap
         # What DDP all-reduces per optimizer step (once, after the last micro-batch): every gradient, as
         # bf16 under bf16_wire.
         self.gradient_bytes = sum(p.numel() * (2 if bf16_wire else p.element_size()) for p in stepper.params)
@@ -113,28 +96,21 @@ class SyncWorker(WorkerBase):
         self.global_samples = 0
         # The world the learning rate is scaled for (survive: the members of the group).
         self.lr_world = self.world_size
-        joining = self.survival is not None and self.survival.joining
-        self.position = RESTARTED if joining else UNTRAINED
+        self.position = RESTARTED if self.group.joining else UNTRAINED
         # survive: the group's first member says when the first step of a new group went through.
         self._first_step_due = False
+        # survive: the share a failed step cut, reported once the members agreed where it ended.
+        self._cut: _Share | None = None
 
     # --- the epochs -----------------------------------------------------------------------------------
 
     def handle(self, message: Message) -> None:
-        if isinstance(message, Regroup) and self.survival is not None:
-            if message.generation > self._generation() and not self.survival.superseded(message):
-                self._regroup(message)
-            return
         if not isinstance(message, StartEpoch):
             raise RuntimeError(f"rank {self.rank}: unexpected message under policy=sync: {message!r}")
-        if message.generation != self._generation():
+        if message.generation != self.group.generation:
             return  # planned for a group a change overtook: the coordinator plans the rest again
-        try:
-            chunk = self.train_epoch(message)
-        except _SegmentCut as cut:
-            regroup = self._await_regroup(f"epoch {shown_epoch(message.epoch)} was cut", cut.cause)
-            if regroup is not None:  # else the run ended first
-                self._regroup(regroup, cut.segment)
+        chunk = self.train_epoch(message)
+        if chunk is None:  # a step failed, and the group changed (or the run ended)
             return
         if chunk.batches:
             self.report(chunk)
@@ -144,14 +120,16 @@ class SyncWorker(WorkerBase):
         epoch = plan.epoch
         if plan.evaluate and self.stepper.parts.eval_data is not None:
             step = self.stepper.steps_total  # each step is one on the global batch
-            shard, shards = self._eval_shard()
-            result = self.stepper.evaluate(shard, shards, epoch, step, self.global_samples, step)
-            self.report_evals(replace(result, generation=self._generation()), [epoch])
+            group = self.group
+            result = self.stepper.evaluate(group.index, group.size, epoch, step, self.global_samples, step)
+            self.report_evals(replace(result, generation=group.generation), [epoch])
         if plan.checkpoint and self.checkpointer is not None:
             self.checkpointer.save(epoch, self.state(), self.is_first_member)
             self.report(Saved(self.rank, epoch))
 
-    def train_epoch(self, plan: StartEpoch) -> ChunkReport:
+    def train_epoch(self, plan: StartEpoch) -> ChunkReport | None:
+        """The epoch's share `plan` hands this rank; None when a step of it failed (survive: the group
+        changed meanwhile, and the part trained is reported once the members agreed where it ended)."""
         stepper = self.stepper
         step_samples = stepper.step_samples
         pieces = [stepper.picks(part) for part in plan.slices]
@@ -159,55 +137,55 @@ class SyncWorker(WorkerBase):
         for part in plan.slices:
             stepper.advise(part)
         stepper.train_module.train()
-        segment = _Segment(
+        share = _Share(
             plan,
             len(picks) // step_samples,
             torch.zeros((), device=stepper.device),
             time.time(),
             time.perf_counter(),
         )
-        members = self.group_size
-        for b in range(segment.steps):
+        members = self.group.size
+        for b in range(share.steps):
             fetched = time.perf_counter()
             micro_batches = stepper.load_step(picks[b * step_samples : (b + 1) * step_samples], plan.epoch)
-            segment.data_s += time.perf_counter() - fetched
+            share.data_s += time.perf_counter() - fetched
             try:
                 loss = stepper.step(micro_batches)
             except Exception as err:
-                if self.survival is None:
-                    raise
-                raise _SegmentCut(segment, err) from err
-            segment.loss_sum += loss
-            segment.done += 1
+                self._cut = share
+                self.group.failed(f"epoch {shown_epoch(plan.epoch)} was cut", err, self)
+                return None
+            share.loss_sum += loss
+            share.done += 1
             self.global_samples += step_samples * members
-            self.position = (plan.epoch, plan.first_step + segment.done)
+            self.position = (plan.epoch, plan.first_step + share.done)
             if self._first_step_due:
                 self._say_first_step()
             stepper.schedule_to(stepper.steps_total)
             self.observe(loss, plan.epoch)
         self.raise_if_nonfinite()  # before the epoch is reported, and long before it is checkpointed
-        self.position = (plan.epoch, plan.first_step + segment.steps)
-        return self._chunk(segment, segment.steps)
+        self.position = (plan.epoch, plan.first_step + share.steps)
+        return self._chunk(share, share.steps)
 
-    def _chunk(self, segment: _Segment, batches: int) -> ChunkReport:
+    def _chunk(self, share: _Share, batches: int) -> ChunkReport:
         stepper = self.stepper
         compile_s = stepper.take_compile_s()
         return ChunkReport(
             rank=self.rank,
-            epoch=segment.plan.epoch,
+            epoch=share.plan.epoch,
             batches=batches,
             samples=batches * stepper.step_samples,
-            loss_sum=float(segment.loss_sum),  # the segment's one read-back from the device
-            wall_ms=(time.perf_counter() - segment.start - compile_s) * 1000,
+            loss_sum=float(share.loss_sum),  # the share's one read-back from the device
+            wall_ms=(time.perf_counter() - share.start - compile_s) * 1000,
             compile_s=compile_s,
-            data_ms=segment.data_s * 1000,
+            data_ms=share.data_s * 1000,
             steps_total=stepper.steps_total,
-            comm_bytes=batches * self.gradient_bytes if self.group_size > 1 else 0,
+            comm_bytes=batches * self.gradient_bytes if self.group.size > 1 else 0,
             lr=stepper.lr,
             scalars=drain_scalars(),
-            started_at=segment.started_at + compile_s,  # the work's window starts after the compilation
+            started_at=share.started_at + compile_s,  # the work's window starts after the compilation
             ended_at=time.time(),
-            generation=segment.plan.generation,
+            generation=share.plan.generation,
             **stepper.throughput(),
         )
 
@@ -227,40 +205,33 @@ class SyncWorker(WorkerBase):
     def release(self) -> None:
         self.stepper.set_train_module(self.stepper.parts.model)  # DDP holds the group's buckets
 
-    # --- fault_tolerance=survive ---------------------------------------------------------------------
+    # --- a change of the group (survive) ----------------------------------------------------------------
 
-    def _await_regroup(self, failed: str, cause: BaseException | None) -> Regroup | None:
-        assert self.survival is not None
-        return self.survival.await_regroup(self.rank, failed, cause)
+    def let_go(self, change: Regroup) -> None:
+        self.release()  # the old group's DDP is done with
 
-    def on_start(self) -> None:
-        if self.survival is not None:  # DDP, wrapped on the first group, starts every rank from rank 0's
-            self.survival.begin(
-                self.rank, self.world_size, self._settle, self._regroup, self.report,
-                self.stepper.fault.before_start,
-            )  # fmt: skip
+    def settle(self, group: AveragingGroup, change: Regroup | None) -> None:
+        """On a new group: agree where the members are (the one furthest on shares its state when they
+        differ), wrap DDP on it, and scale the learning rate to its size."""
+        assert self.wrap is not None, "a group formed for a sync worker without a DDP wrap"
+        self.position = self._agree(group)
+        self.stepper.set_train_module(self.wrap(group.process_group()))
+        self._scale_lr(group.size, say=group.index == 0)
+        self._first_step_due = group.index == 0
+        if change is not None:
+            what = f"admitting {change.joining}" if change.joining else "regrouping"
+            self._log_state(f"{what} at epoch {shown_epoch(self.position[0])} step {self.position[1]}")
 
-    def _regroup(self, message: Regroup, cut: _Segment | None = None) -> None:
-        """Form the group `message` names, agree with its members where they are, and report the segment
-        the change cut (up to where the members agreed it ended) and the agreed position."""
-        assert self.survival is not None, "a Regroup without fault_tolerance=survive"
-        started = time.perf_counter()
-        self.stepper.set_train_module(self.stepper.parts.model)  # the old group's DDP is done with
-        release_ms = (time.perf_counter() - started) * 1000
-        try:
-            settle = functools.partial(self._settle, message=message)
-            formed = self.survival.form(self.rank, message, settle, release_ms)
-        except Exception as err:  # a member died while the group formed: the coordinator cuts it next
-            retry = self._await_regroup(f"group {message.generation} could not be formed", err)
-            if retry is not None:
-                self._regroup(retry, cut)
-            return
-        if cut is not None:
-            self._report_cut(cut)
+    def regrouped(self, change: Regroup, formed: Regrouped) -> None:
+        """Report the share a failed step cut (up to where the members agreed it ended) and the agreed
+        position."""
+        if self._cut is not None:
+            self._report_cut(self._cut)
+            self._cut = None
         self.report(replace(formed, position=list(self.position)))
 
-    def _report_cut(self, cut: _Segment) -> None:
-        """The segment a change cut, trained up to where the members agreed: a step that failed here but went
+    def _report_cut(self, cut: _Share) -> None:
+        """The share a change cut, trained up to where the members agreed: a step that failed here but went
         through on a member further on was trained (its gradients were in that member's all-reduce)."""
         plan = cut.plan
         trained = steps_trained_of_cut(self.position, plan.epoch, plan.first_step, cut.steps, cut.done)
@@ -269,29 +240,18 @@ class SyncWorker(WorkerBase):
         if trained:  # a segment finished this way: its eval and checkpoint are the coordinator's to ask again
             self.report(self._chunk(cut, trained))
 
-    def _settle(self, group: AveragingGroup, message: Regroup | None = None) -> None:
-        """On a new group (`message`'s; None: the first): agree where the members are (the one furthest on
-        shares its state when they differ), wrap DDP on it, and scale the learning rate to its size."""
-        assert self.lockstep is not None
-        self.position = self._agree(group)
-        self.stepper.set_train_module(self.lockstep.wrap(group.process_group()))
-        self._scale_lr(group.size, say=group.index == 0)
-        self._first_step_due = group.index == 0
-        if message is not None:
-            change = f"admitting {message.joining}" if message.joining else "regrouping"
-            self._log_state(f"{change} at epoch {shown_epoch(self.position[0])} step {self.position[1]}")
-
     def on_done(self) -> None:
-        if self.survival is not None:
-            self._log_state("the last epoch")
+        self._log_state("the last epoch")
 
     def _log_state(self, what: str) -> None:
         """This rank's parameters and buffers, fingerprinted (members hold the same, bit for bit)."""
         model = self.stepper.parts.model
-        digest = state_digest([*model.parameters(), *model.buffers()])
-        log.info(
-            "rank %d: state after %s: %s, global steps %d", self.rank, what, digest, self.stepper.steps_total
-        )
+
+        def state() -> str:
+            digest = state_digest([*model.parameters(), *model.buffers()])
+            return f"{what}: {digest}, global steps {self.stepper.steps_total}"
+
+        self.group.say_state(state)
 
     def _agree(self, group: AveragingGroup) -> tuple[int, int]:
         device = self.stepper.device if group.backend == "nccl" else torch.device("cpu")
@@ -357,4 +317,4 @@ class SyncWorker(WorkerBase):
         """The first step on a new group went through on every member (its all-reduce finished here)."""
         self._first_step_due = False
         self.stepper.synchronize()
-        self.report(FirstStep(self.rank, self._generation()))
+        self.report(FirstStep(self.rank, self.group.generation))

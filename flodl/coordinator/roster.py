@@ -1,0 +1,249 @@
+"""Who is in the run, as its host sees it, in one place: the members, the generation of their averaging group,
+restarted ranks waiting to be admitted and those admitted but not yet in a formed group.
+
+The assembly picks the roster once. `Roster` is the fixed world of fault_tolerance=none: a rank lost (silent,
+exiting, restarted) ends the run. `SurvivingRoster` (survive) cuts it instead: the cut is posted for the
+self-launch supervisor and the rank's inbox emptied (flodl/coordinator/survivors.py), the driver hands its
+work to the members left (`Driver.on_cut`), and a restart is taken back at the driver's next boundary. The
+drivers plan for the members and send each change's `Regroup` through the roster.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from flodl.coordinator.driver import CoordinatorError, Driver
+from flodl.coordinator.ledger import EpochLedger
+from flodl.coordinator.survivors import MembershipChange, SurviveSettings, post_cut, root_store
+from flodl.metrics.timeline import Timeline
+from flodl.wire.heartbeat import HeartbeatMonitor
+from flodl.wire.membership import ExitReader
+from flodl.wire.messages import Exiting, Joined, Regroup, Regrouped
+from flodl.wire.transport import Mailbox
+
+log = logging.getLogger("flodl")
+
+
+class RankHung(CoordinatorError):
+    """A rank went silent for longer than heartbeat_timeout_s."""
+
+
+class TooFewRanks(CoordinatorError):
+    """fault_tolerance=survive: fewer members than min_ranks are left (the run ended at a consensus)."""
+
+
+class Roster:
+    """The fixed world (fault_tolerance=none): every rank a member for the whole run; a lost one ends it."""
+
+    # Set by the coordinator (`attach`): the policy's driver, how the run stops at its next consensus (the
+    # last epoch trained), and the last checkpoint's path in words.
+    driver: Driver
+    stop_at_consensus: Callable[[str], int]
+    last_checkpoint: Callable[[], str]
+
+    def __init__(self, world_size: int, outbox: Mailbox, monitor: HeartbeatMonitor) -> None:
+        self.outbox = outbox
+        self.monitor = monitor
+        # The averaging group's number: one more at each change (what plans, rounds and reports carry).
+        self.generation = 0
+        self.members = set(range(world_size))
+        # Restarted ranks waiting for the driver's next boundary; ranks admitted, not yet in a formed group.
+        self.joiners: set[int] = set()
+        self.unformed: set[int] = set()
+        # Ranks admitted since the coordinator last looked (it watches their heartbeats from then on).
+        self.admitted: list[int] = []
+        # The newest group in which a round (sync: its first step) went through; -1: none yet.
+        self.good_round_generation = -1
+        # Why the run ends short of members (an error once model.pt is written).
+        self.too_few: TooFewRanks | None = None
+
+    def attach(
+        self, driver: Driver, stop_at_consensus: Callable[[str], int], last_checkpoint: Callable[[], str]
+    ) -> None:
+        self.driver, self.stop_at_consensus, self.last_checkpoint = driver, stop_at_consensus, last_checkpoint
+
+    @property
+    def holders(self) -> set[int]:
+        """The members that hold the run's latest model (not one admitted and still waiting for it)."""
+        return self.members - self.unformed
+
+    # --- what the drivers ask ---------------------------------------------------------------------------
+
+    def admit_joiners(self) -> list[int]:
+        """At a driver's boundary: the waiting ranks become members of a new group; they, sorted."""
+        joining = sorted(self.joiners)
+        self.generation += 1
+        self.members |= self.joiners
+        self.unformed |= self.joiners
+        self.admitted.extend(joining)
+        self.joiners = set()
+        return joining
+
+    def send_regroup(
+        self,
+        joining: list[int],
+        cut_round: int | None = None,
+        shares_state: bool = True,
+        in_order: bool = False,
+    ) -> None:
+        """Tell every member the group is now the members, of this generation (see `Regroup`)."""
+        order = Regroup(self.generation, sorted(self.members), joining, cut_round, shares_state, in_order)
+        for member in sorted(self.members):
+            self.outbox.send(member, order)
+
+    def on_good_round(self, generation: int) -> None:
+        """A round (sync: a new group's first step) went through in group `generation` (an older one's is
+        late news)."""
+        if generation == self.generation:
+            self.good_round_generation = generation
+
+    def on_regrouped(self, message: Regrouped) -> None:
+        """A member formed a group: once it formed the newest, an admitted rank holds the members' state."""
+        if message.generation == self.generation:
+            self.unformed.discard(message.rank)
+
+    # --- a rank lost or back: the fixed world ends the run ------------------------------------------------
+
+    def on_silent(self, ranks: list[int], now: float) -> None:
+        described = "; ".join(self.monitor.describe(rank, now) for rank in ranks)
+        raise RankHung(
+            f"{described} (heartbeat_timeout_s={self.monitor.timeout_s:g}); stopping the job. "
+            f"Last checkpoint: {self.last_checkpoint()}"
+        )
+
+    def on_exiting(self, message: Exiting) -> None:
+        why = f": {message.reason}" if message.reason else ""
+        raise CoordinatorError(f"rank {message.rank} exited before the run finished{why}")
+
+    def on_writer_exiting(self, message: Exiting) -> None:
+        """The member asked to write the final model exited first."""
+        raise CoordinatorError(
+            f"rank {message.rank} exited before it wrote the final model: {message.reason}"
+        )
+
+    def on_joined(self, message: Joined) -> None:
+        raise CoordinatorError(f"rank {message.rank} restarted, but fault_tolerance is not survive")
+
+    def check_exits(self) -> None:
+        """Nothing: no supervisor posts a rank's exit (a dead rank fails its peers' collectives)."""
+
+    def follow_changes(self, run_ended: bool = False) -> None:
+        """Nothing: the world never changes."""
+
+
+class SurvivingRoster(Roster):
+    """fault_tolerance=survive: a member silent past the heartbeat timeout, exiting, or back as a restart (its
+    old process is then certainly gone) is cut; a restart is admitted at the driver's next boundary; fewer
+    than min_ranks members stop the run at its next consensus. Each change is timed (`MembershipChange`)."""
+
+    def __init__(
+        self,
+        world_size: int,
+        outbox: Mailbox,
+        monitor: HeartbeatMonitor,
+        ledger: EpochLedger,
+        timeline: Timeline,
+        settings: SurviveSettings,
+    ) -> None:
+        super().__init__(world_size, outbox, monitor)
+        self.ledger = ledger
+        self.timeline = timeline
+        self.min_ranks = settings.min_ranks
+        # Each rank's current process (0: the first).
+        self.incarnations: dict[int, int] = {}
+        # The exits the self-launch supervisor posts (each one cut at once).
+        self._exits = ExitReader(root_store(outbox.store))
+        # Restarted ranks waiting for admission: when they said so, and their start-up time.
+        self.joined: dict[int, tuple[float, float]] = {}
+        # The changes being carried out, oldest first.
+        self.changes: list[MembershipChange] = []
+
+    def cut(self, rank: int, why: str, exited_at: float | None = None) -> None:
+        """`rank` is gone: the others go on without it, or the run ends if too few are left. `exited_at`: when
+        its supervisor saw its process end (unix seconds), if that is how it is known."""
+        post_cut(self.outbox.store, rank, self.incarnations.get(rank, 0))
+        timings = {"silent_s": self.monitor.silence_of(rank, time.perf_counter())}
+        if exited_at is not None:  # how long after the death the cut came
+            timings["after_exit_s"] = time.time() - exited_at
+        self.ledger.membership_event("rank_cut", rank, timings)
+        self.monitor.forget(rank)
+        self.generation += 1
+        self.members.discard(rank)
+        self.joiners.discard(rank)
+        self.unformed.discard(rank)
+        self.driver.on_cut(rank)
+        members = sorted(self.members)
+        log.warning("rank %d is out (%s); the run goes on with ranks %s", rank, why, members)
+        self.changes.append(MembershipChange("cut", rank, self.generation, members, why))
+        if len(members) < self.min_ranks and self.too_few is None:
+            self.too_few = TooFewRanks(
+                f"only {len(members)} rank(s) left ({members}) after rank {rank} was cut ({why}); "
+                f"min_ranks={self.min_ranks}: the run stops at its next consensus"
+            )
+            self.stop_at_consensus(str(self.too_few))
+
+    def on_silent(self, ranks: list[int], now: float) -> None:
+        """The host's process trains nothing: any rank may be cut."""
+        for rank in ranks:
+            self.cut(rank, f"no heartbeat for {self.monitor.silence_of(rank, now):.1f} s")
+
+    def on_exiting(self, message: Exiting) -> None:
+        if message.rank in self.members:
+            self.cut(message.rank, f"exiting: {message.reason}" if message.reason else "exiting")
+
+    def on_writer_exiting(self, message: Exiting) -> None:
+        """Nothing yet: its exit, posted by its supervisor, or its silence cuts it, and the next holder is
+        asked."""
+
+    def on_joined(self, message: Joined) -> None:
+        """A restarted rank: its old process is gone for certain; it is admitted at the driver's next
+        boundary."""
+        self.check_exits()  # its supervisor posted the old process's end before it started this one
+        if message.rank in self.members:
+            self.cut(message.rank, f"restarted as incarnation {message.incarnation}")
+        self.incarnations[message.rank] = message.incarnation
+        self.joined[message.rank] = (time.perf_counter(), message.startup_s)
+        if self.too_few is None and not self.driver.done:
+            log.info("rank %d (incarnation %d) waits to be admitted", message.rank, message.incarnation)
+            self.joiners.add(message.rank)
+
+    def check_exits(self) -> None:
+        """Cut at once the members whose process ended, as their supervisor saw it (an earlier incarnation's
+        exit is old news: its restart is here already)."""
+        for ended in self._exits.new():
+            rank = ended["rank"]
+            if rank in self.members and ended["incarnation"] == self.incarnations.get(rank, 0):
+                self.cut(rank, f"its process ended: {ended['cause']}", exited_at=ended["at"])
+
+    def on_regrouped(self, message: Regrouped) -> None:
+        for change in self.changes:
+            if change.generation == message.generation:
+                change.on_formed(message.rank, message.release_ms, message.form_ms)
+        super().on_regrouped(message)
+
+    def follow_changes(self, run_ended: bool = False) -> None:
+        """Admissions the driver made, first good rounds after a change, and each finished change's line
+        (`run_ended`: every change's, finished or not)."""
+        while self.admitted:
+            rank = self.admitted.pop(0)
+            self.monitor.watch(rank, time.perf_counter())
+            members = sorted(self.members)
+            joined_at, startup_s = self.joined.pop(rank)
+            change = MembershipChange(
+                "admitted", rank, self.generation, members, f"incarnation {self.incarnations[rank]}",
+                startup_s=startup_s,
+            )  # fmt: skip
+            change.waited_s = change.started - joined_at
+            self.changes.append(change)
+            self.ledger.membership_event(
+                "rank_admitted", rank, {"startup_s": startup_s, "waited_s": change.waited_s}
+            )
+        for change in self.changes:
+            change.on_good_round(self.good_round_generation)
+        # In order; a change the next one overtook (its group never formed, or no round closed in it) too.
+        while self.changes and (self.changes[0].done or len(self.changes) > 1 or run_ended):
+            change = self.changes.pop(0)
+            log.warning("%s", change.line(run_ended and len(self.changes) == 0))
+            self.timeline.membership_changed(change.event())

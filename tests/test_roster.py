@@ -1,0 +1,114 @@
+"""Who is in the run, as its host sees it (flodl/coordinator/roster.py): the fixed world ends the run on a
+lost rank; survive's roster cuts it, tells the driver, takes its restart back and stops the run when too few
+are left."""
+
+from __future__ import annotations
+
+import pytest
+from torch.distributed import HashStore
+
+from flodl.coordinator.driver import CoordinatorError
+from flodl.coordinator.ledger import EpochLedger
+from flodl.coordinator.roster import RankHung, Roster, SurvivingRoster
+from flodl.coordinator.survivors import SurviveSettings
+from flodl.metrics.timeline import Timeline
+from flodl.wire.heartbeat import HeartbeatMonitor
+from flodl.wire.membership import cut_key
+from flodl.wire.messages import Exiting, Joined, Regrouped
+from flodl.wire.transport import Mailbox
+
+
+class Driver:
+    """What the roster asks of a driver, recorded."""
+
+    def __init__(self, roster: Roster) -> None:
+        self.roster = roster
+        self.cuts: list[tuple[int, int, set[int]]] = []
+        self.done = False
+        self.stops: list[str] = []
+
+    def on_cut(self, rank: int) -> None:  # the roster's change is made before the driver hears of it
+        self.cuts.append((rank, self.roster.generation, set(self.roster.members)))
+
+    def stop(self, reason: str) -> int:
+        self.stops.append(reason)
+        return 3
+
+
+def fixed() -> Roster:
+    monitor = HeartbeatMonitor(3, timeout_s=2.0, started=0.0)
+    roster = Roster(3, Mailbox(HashStore(), "coordinator"), monitor)
+    driver = Driver(roster)
+    roster.attach(driver, driver.stop, lambda: "ckpt/epoch_2")  # type: ignore[arg-type]
+    return roster
+
+
+def surviving(min_ranks: int = 1) -> tuple[SurvivingRoster, Driver, HashStore]:
+    store = HashStore()
+    monitor = HeartbeatMonitor(3, timeout_s=2.0, started=0.0)
+    ledger = EpochLedger(epochs=2, world_size=3, batches_per_epoch=4)
+    roster = SurvivingRoster(
+        3, Mailbox(store, "coordinator"), monitor, ledger, Timeline(3), SurviveSettings(min_ranks)
+    )
+    driver = Driver(roster)
+    roster.attach(driver, driver.stop, lambda: "none")  # type: ignore[arg-type]
+    return roster, driver, store
+
+
+def test_the_fixed_world_ends_the_run_on_a_rank_lost_and_never_changes() -> None:
+    roster = fixed()
+    assert (roster.generation, roster.members, roster.holders) == (0, {0, 1, 2}, {0, 1, 2})
+    with pytest.raises(
+        RankHung, match=r"rank 1 stopped responding.*stopping the job. Last checkpoint: ckpt/epoch_2"
+    ):
+        roster.on_silent([1], now=5.0)
+    with pytest.raises(CoordinatorError, match="rank 2 exited before the run finished: OOM"):
+        roster.on_exiting(Exiting(2, "OOM"))
+    with pytest.raises(CoordinatorError, match="rank 0 exited before it wrote the final model: OOM"):
+        roster.on_writer_exiting(Exiting(0, "OOM"))
+    with pytest.raises(CoordinatorError, match="restarted, but fault_tolerance is not survive"):
+        roster.on_joined(Joined(1, incarnation=1, startup_s=2.0))
+    roster.check_exits()
+    roster.follow_changes(run_ended=True)
+    assert roster.generation == 0
+
+
+def test_a_cut_is_posted_for_the_supervisor_and_the_driver_hears_it_after_the_roster_changed() -> None:
+    roster, driver, store = surviving()
+    roster.on_exiting(Exiting(1, "OOM"))
+    assert driver.cuts == [(1, 1, {0, 2})]
+    assert store.get(cut_key(1)) == b"0"  # the incarnation the supervisor ends
+    roster.on_exiting(Exiting(1, "OOM"))  # no longer a member: nothing more
+    roster.on_silent([2], now=5.0)
+    assert driver.cuts[-1] == (2, 2, {0})
+    assert driver.stops == []
+
+
+def test_too_few_members_stop_the_run_at_its_next_consensus() -> None:
+    roster, driver, _ = surviving(min_ranks=3)
+    roster.on_silent([0], now=5.0)
+    assert roster.too_few is not None and "min_ranks=3" in str(roster.too_few)
+    assert driver.stops == [str(roster.too_few)]
+    roster.on_joined(Joined(0, incarnation=1, startup_s=2.0))
+    assert roster.joiners == set(), "a run that stops admits no one"
+
+
+def test_a_restart_of_a_member_is_cut_then_admitted_and_holds_the_model_once_its_group_formed() -> None:
+    roster, driver, _ = surviving()
+    roster.on_joined(Joined(2, incarnation=1, startup_s=2.0))
+    assert driver.cuts == [(2, 1, {0, 1})] and roster.joiners == {2}
+    assert roster.admit_joiners() == [2]
+    assert (roster.generation, roster.members, roster.holders) == (2, {0, 1, 2}, {0, 1})
+    roster.follow_changes()  # the admission is timed from here; the cut before it was overtaken
+    assert [(c.kind, c.rank) for c in roster.changes] == [("admitted", 2)]
+    roster.on_regrouped(Regrouped(2, 1, 1.0, 2.0))  # an older group's: the joiner has not formed the newest
+    assert roster.holders == {0, 1}
+    for rank in (0, 1, 2):
+        roster.on_regrouped(Regrouped(rank, 2, 1.0, 2.0))
+    assert roster.holders == {0, 1, 2}
+    roster.on_good_round(1)  # late: an older group
+    assert roster.good_round_generation == -1
+    roster.on_good_round(2)
+    roster.follow_changes()
+    assert roster.changes == [], "the admission is done: its group formed and a round went through"
+    assert roster.monitor.silent(now=1.0) == []
