@@ -23,6 +23,7 @@ once, one final state on every rank, and the final eval accuracy of both.
     python bench/survive.py --cpu --kills 3 -- task=digits   # a smoke run on CPU
     python bench/survive.py --cpu --churn                    # goodput under churn, 3 gloo ranks
     python bench/survive.py --cpu --rank0                    # rank 0 dying, every policy
+    python bench/survive.py --rank0 --epochs 20 -- task=digits backend=cpu  # 3 ranks sharing one GPU
 """
 
 from __future__ import annotations
@@ -44,13 +45,16 @@ from tests.helpers.procs import PYTHON, TRAIN, child_env, finish, kill_group, st
 
 
 def rank_process(run: Path, rank: int) -> psutil.Process | None:
-    """The live process of `rank`: the last start its log names (a restart appends to the same log)."""
+    """The live process of `rank` once it is a member: the last start its log names (a restart appends to the
+    same log), if it is the rank's first or has been admitted since (a kill while a restart still starts up
+    cuts nothing: it is not a member yet)."""
     log = run / f"rank{rank}.log"
-    starts = re.findall(rf"rank {rank}/\d+ \(pid (\d+)\)", log.read_text()) if log.exists() else []
-    if not starts:
+    text = log.read_text() if log.exists() else ""
+    starts = list(re.finditer(rf"rank {rank}/\d+ \(pid (\d+)\)", text))
+    if not starts or (len(starts) > 1 and ", admitting [" not in text[starts[-1].end() :]):
         return None
     try:
-        process = psutil.Process(int(starts[-1]))
+        process = psutil.Process(int(starts[-1].group(1)))
         return process if process.status() != psutil.STATUS_ZOMBIE else None
     except psutil.NoSuchProcess:
         return None
@@ -258,9 +262,11 @@ def main() -> None:
     ranks = args.ranks or (3 if args.churn or args.rank0 else 2)
     start_method = "fork" if args.cpu else "spawn"
     heartbeat = [f"heartbeat_timeout_s={args.heartbeat_s}"] if args.heartbeat_s else []
+    task_given = any(override.startswith("task=") for override in args.overrides)
+    device = ["device=cpu"] if args.cpu else [] if task_given else ["task=resnet"]
     common = [
         f"launch.nproc_per_node={ranks}", f"launch.start_method={start_method}", "fault_tolerance=survive",
-        *heartbeat, *(["device=cpu"] if args.cpu else ["task=resnet"]), *args.overrides,
+        *heartbeat, *device, *args.overrides,
     ]  # fmt: skip
     stamp = int(time.time())
     if args.churn:

@@ -4,6 +4,7 @@ forming fails, over a real one-rank gloo group and a real store inbox."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from datetime import timedelta
 
@@ -12,7 +13,7 @@ import torch
 
 from flodl.wire.group import loopback_store
 from flodl.wire.membership import AveragingGroup
-from flodl.wire.messages import Joined, Message, Regroup, Regrouped
+from flodl.wire.messages import Joined, Message, Regroup, Regrouped, Shutdown
 from flodl.wire.transport import InboxReader, Mailbox
 from flodl.worker.group import FixedGroup, SurvivingGroup
 
@@ -108,3 +109,16 @@ def test_a_restart_says_it_joined_and_waits_for_its_admission() -> None:
     (joined,) = member.reports
     assert isinstance(joined, Joined) and joined.incarnation == 1
     assert member.calls == ["let go for 1", "settle 1", "regrouped 1"]
+
+
+def test_a_restart_the_run_ended_before_admitting_says_no_state(caplog: pytest.LogCaptureFixture) -> None:
+    # Its model is a fresh one, no member's: a state line from it would read as the members disagreeing.
+    group, coordinator = surviving(incarnation=1)
+    member = Member()
+    coordinator.send(0, Shutdown("done"))
+    group.start(member, before_start=lambda: None)
+    assert member.calls == [], "never admitted: nothing formed"
+    said: list[str] = []
+    with caplog.at_level(logging.INFO, logger="flodl"):
+        group.say_state(lambda: said.append("read") or "fresh")  # type: ignore[func-returns-value]
+    assert said == [] and "state after" not in caplog.text

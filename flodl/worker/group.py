@@ -203,8 +203,9 @@ class SurvivingGroup:
 
     def say_state(self, state: Callable[[], str]) -> None:
         """The members compare these lines after each change and at the end (they hold the same state, bit
-        for bit)."""
-        log.info("rank %d: state after %s", self.rank, state())
+        for bit). A restart the run ended before admitting holds a fresh model, no member's: it says none."""
+        if self.membership.generation >= 0:
+            log.info("rank %d: state after %s", self.rank, state())
 
     # --- the changes -------------------------------------------------------------------------------------
 
