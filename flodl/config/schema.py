@@ -30,6 +30,7 @@ COMPILE_MODES = ("auto", "default", "lite", "reduce-overhead", "max-autotune", "
 class TaskConfig:
     """What to train. Each entry is a Hydra `_target_` config, so users bring their own."""
 
+    # A name for the task, kept with the run's config (each task's yaml sets its own).
     name: str = MISSING
     # nn.Module, built identically on every rank (seeded) before DDP broadcasts rank 0's copy.
     model: Any = MISSING
@@ -71,7 +72,9 @@ class LoggerConfig:
     # WANDB_RUN_GROUP, WANDB_NAME, WANDB_JOB_TYPE, WANDB_TAGS, WANDB_NOTES, WANDB_DIR, ...) or its default.
     # online, offline (`wandb sync` later) or disabled.
     mode: str | None = None
+    # The W&B project (null and no WANDB_PROJECT: W&B's default, "uncategorized").
     project: str | None = None
+    # The W&B user or team the run belongs to (null and no WANDB_ENTITY: the API key's default).
     entity: str | None = None
     # The W&B group (null and no WANDB_RUN_GROUP: the sweep's stamp under multirun, else the run's). The slots
     # launcher sets it to its sweep's for each job it starts.
@@ -79,9 +82,11 @@ class LoggerConfig:
     # The W&B run name (`name` is the logger's own); null and no WANDB_NAME: the overrides the sweep varies
     # (or the run dir's name).
     run_name: str | None = None
+    # W&B tags (null and no WANDB_TAGS: none).
     tags: list[str] | None = None
     # null and no WANDB_JOB_TYPE: the policy.
     job_type: str | None = None
+    # The W&B run's notes (null and no WANDB_NOTES: none).
     notes: str | None = None
     # W&B failing to start stops the run before it trains; false: warn once and train without W&B.
     required: bool = True
@@ -111,16 +116,20 @@ class SimulateConfig:
     factor: float = 1.0
     # Make the loss of rank `nan_rank` at its step `nan_at_step` (1-based) NaN: checks on_nonfinite.
     nan_at_step: int | None = None
+    # The rank whose loss becomes NaN at nan_at_step.
     nan_rank: int = 0
     # Freeze rank `hang_rank` (SIGSTOP: every thread stops) at its step `hang_at_step`: checks the
     # heartbeat timeout. The frozen process is left for the launcher to kill.
     hang_at_step: int | None = None
+    # The rank frozen at hang_at_step.
     hang_rank: int = 0
     # Kill rank `kill_rank` (SIGKILL) at its step `kill_at_step`, or, with kill_in=round, as it enters the
     # first averaging round after that step (kill_in=start: as the ranks form their first averaging group,
     # survive only): checks fault_tolerance=survive. A restarted rank runs clean.
     kill_at_step: int | None = None
+    # The rank killed at kill_at_step.
     kill_rank: int = 0
+    # Where the kill lands: window (at the step), round (entering the next averaging round) or start.
     kill_in: str = "window"
 
 
@@ -141,7 +150,11 @@ class DebugConfig:
 @dataclass
 class FlodlConfig:
     # --- policy and backend (set through the config groups of the same name) ---
+    # When ranks average: sync (DDP, every step), cadence (local SGD, ElChe-balanced windows) or async
+    # (local SGD, no epoch barrier, EASGD blend); the group also sets that policy's defaults.
     policy: str = "sync"
+    # How a local-SGD round runs: nccl (on the device; gloo without a GPU) or cpu (a host snapshot, gloo on a
+    # background thread). Sync is DDP on either.
     backend: str = "nccl"
     # auto: one CUDA device per rank when CUDA is available, else CPU.
     device: str = "auto"
@@ -150,10 +163,15 @@ class FlodlConfig:
     plan: bool = False
 
     # --- training loop ---
+    # Model init (the same on every rank), the epoch shuffle, each rank's and each batch's random streams.
     seed: int = 42
+    # Epochs to train.
     epochs: int = 10
+    # Samples per rank per micro-batch.
     batch_size: int = 32
+    # Views per sample: an epoch's pick space is len(dataset) x augment; task.transform makes them differ.
     augment: int = 1
+    # Clip each rank's gradient norm before each optimizer step (fp16: of the unscaled gradients; null: off).
     max_grad_norm: float | None = None
     # Micro-batches of batch_size per optimizer step (the global batch is world x grad_accum x batch_size).
     grad_accum: int = 1
@@ -164,44 +182,70 @@ class FlodlConfig:
     # reduce-overhead (CUDA graphs) on a GPU, where it measured fastest (never slower than default), except
     # sync over NCCL with several ranks (not measured there yet: default); default on the CPU.
     compile: bool = False
+    # torch.compile's mode when compile=true (auto: as above).
     compile_mode: str = "auto"
     # One device's dense bf16 peak in TFLOPS, for MFU (null: flodl's table of known GPUs; MFU is not known
     # on a device it lacks, the CPU included).
     peak_tflops: float | None = None
+    # The learning rate is scaled by 1 + (world_size - 1) x this ratio (0: not scaled).
     lr_scale_ratio: float = 1.0
+    # Evaluate after every this many epochs and after the last (0: no eval).
     eval_every: int = 1
 
     # --- averaging ---
+    # Local SGD: rank k weighs n_k ** gamma in the consensus (n_k: its steps since the last round; 0: equal
+    # weight among the ranks that moved).
     gamma: float = 1.0
+    # What crosses the wire is bf16 (half the bytes); the consensus, checkpoints and model.pt stay float32.
     bf16_wire: bool = False
+    # Async: each rank blends the consensus in, W += easgd_alpha x (avg - W), in (0, 1] (null: the policy's
+    # default, 0.5 under async; cadence adopts the consensus).
     easgd_alpha: float | None = None
     # Outer optimizer on the averaged parameters (cadence / async): avg (none), slowmo, diloco.
     outer: str = "avg"
     # null: the outer optimizer's default (slowmo 1.0 / 0.9, diloco 0.7 / 0.9).
     outer_lr: float | None = None
+    # The outer optimizer's momentum, in [0, 1) (null: its default; DiLoCo needs > 0).
     outer_momentum: float | None = None
 
     # --- ElChe cadence balancer (cadence / async) ---
+    # Batches the slowest rank trains per window at the start (faster ranks proportionally more).
     anchor: int = 10
+    # The floor of the anchor's tuning (null: anchor).
     min_anchor: int | None = None
+    # The ceiling of the anchor's growth.
     max_anchor: int = 1000
+    # The share of a window averaging may cost; above it the anchor grows (committed on a stable guard).
     overhead_target: float = 0.05
+    # The most a rank's batch count may move at one re-balance beyond the anchor's own move (0: every rank
+    # trains the anchor, lockstep; null: no limit).
     max_batch_diff: int | None = None
+    # Async: batches a rank may train past its count while it waits for the round (null: the policy's).
     max_overshoot: int | None = None
+    # The trend guard's bound on the worst rank's divergence from the consensus (null: 0.05, 0.3 with EASGD).
     divergence_threshold: float | None = None
     # trend: 3 rises above divergence_threshold suppress growth; msf: the divergence growth rate; none: off.
     divergence_guard: str = "trend"
+    # Fixed per-rank shares of each epoch instead of ElChe's (not implemented yet: refused before any rank).
     partition_ratios: list[float] | None = None
 
     # --- data plane ---
+    # Keep samples resident on the GPU when VRAM remains after the prefetch queue (only misses are uploaded).
     vram_pool: bool = True
+    # The share of total VRAM the data plane may plan with (prefetch depth and pool), in [0.5, 0.99].
     vram_max_usage: float = 0.90
+    # The share of available RAM (a container's limit counts) the RAM tier may hold, split among a host's
+    # ranks, in [0, 0.9] (0: no RAM tier).
     ram_max_usage: float = 0.50
+    # The RAM tier (false: samples are staged to disk only).
     sample_cache: bool = True
+    # The local-disk stage tier per rank, in GiB (0: off; it must fit in disk_stage_dir's free space).
     disk_stage_gb: float = 0.0
+    # Where the disk tier lives (null: <tmp>/flodl-<uid>/).
     disk_stage_dir: str | None = None
     # torch DataLoader knobs for a map-style Dataset read afresh (see task.cacheable).
     num_workers: int = 0
+    # Batches each DataLoader worker reads ahead (null: torch's 2; needs num_workers > 0).
     prefetch_factor: int | None = None
     # Unlike torch's default: the workers otherwise restart for every slice a rank is handed.
     persistent_workers: bool = True
