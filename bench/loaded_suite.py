@@ -4,8 +4,8 @@
 What a newcomer's `make test` meets on a shared or busy machine. The burner is one busy-looping process per
 core (`os.cpu_count()`), at the same priority as the tests; `--unloaded` adds one run without it first, for
 the suite's plain wall time. Each run is `python -m pytest -q` with `OMP_NUM_THREADS=1` (what `make test`
-runs); its result line and wall time go to bench/results/<date>-loaded-suite-<host>.md. The burners are
-stopped however the script ends.
+runs), its whole output kept in a temporary dir the script names; its result line and wall time go to
+bench/results/<date>-loaded-suite-<host>.md. The burners are stopped however the script ends.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 from benchlib import REPO, environment_lines, results_path, write_report
 
@@ -25,8 +27,9 @@ def _burn() -> None:
         pass
 
 
-def _suite(extra: list[str]) -> tuple[bool, float, str]:
-    """One full pytest run: (passed, wall seconds, its summary line)."""
+def _suite(extra: list[str], log: Path) -> tuple[bool, float, str]:
+    """One full pytest run, its whole output kept in `log` (a failure under load is read there afterwards):
+    (passed, wall seconds, its summary line)."""
     started = time.perf_counter()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
@@ -34,6 +37,7 @@ def _suite(extra: list[str]) -> tuple[bool, float, str]:
         cwd=REPO, env=env, capture_output=True, text=True,
     )  # fmt: skip
     wall = time.perf_counter() - started
+    log.write_text(done.stdout + done.stderr)
     lines = done.stdout.strip().splitlines()
     summary = lines[-1] if lines else f"exit code {done.returncode}"
     if done.returncode != 0:
@@ -50,10 +54,12 @@ def main() -> None:
     args = parser.parse_args()
 
     rows = []
+    logs = Path(tempfile.mkdtemp(prefix="flodl-loaded-suite-"))
 
     def run(name: str) -> None:
-        rows.append((name, *_suite(args.pytest_args)))
-        print(f"{name}: {rows[-1][3]} ({rows[-1][2]:.0f} s)", flush=True)
+        log = logs / f"{name.replace(' ', '-').replace('/', '-of-')}.log"
+        rows.append((name, *_suite(args.pytest_args, log)))
+        print(f"{name}: {rows[-1][3]} ({rows[-1][2]:.0f} s; its output: {log})", flush=True)
 
     if args.unloaded:
         run("unloaded")

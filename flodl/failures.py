@@ -5,6 +5,8 @@ first cause only: what it does after that follows from it) before it leaves; a r
 has a uid of its own. Once the ranks are gone, the launcher blames one of them (`blame`):
 - a rank that died by a signal without a record (SIGKILL, the OOM killer, a crash in native code) began it:
   its peers' errors (a collective whose peer left) follow from its death;
+- else a rank's own fault before one that only follows from another process's (`Consequence`: the run's
+  host could not start, and each rank stops with it, possibly recording that before the host records why);
 - else the fault that names the earliest training step: under sync a non-finite loss reaches every rank
   through the gradient all-reduce, each rank catching it a step later at its own chunk end, in any order;
 - else the record written first.
@@ -22,6 +24,10 @@ from pathlib import Path
 from flodl.logs import one_line
 
 
+class Consequence(RuntimeError):
+    """A rank's failure that follows from another process's: never blamed over that one's own record."""
+
+
 @dataclass(frozen=True)
 class Failure:
     rank: int
@@ -36,6 +42,8 @@ class Failure:
     planned: bool = False
     # The signal that killed a rank that recorded nothing (seen by the launcher).
     killed_by: str | None = None
+    # It follows from another process's failure (a `Consequence`).
+    follows: bool = False
 
     @property
     def cause(self) -> str:
@@ -57,7 +65,15 @@ def record(
 ) -> None:
     """Record why `rank` of run `run` (its uid), attempt `restart`, fails: its first cause only."""
     path = _path(run_dir, run, restart, rank)
-    failure = Failure(rank, time.time(), type(err).__name__, one_line(str(err)), step, planned)
+    failure = Failure(
+        rank,
+        time.time(),
+        type(err).__name__,
+        one_line(str(err)),
+        step,
+        planned,
+        follows=isinstance(err, Consequence),
+    )
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
         if not path.exists():
@@ -83,7 +99,7 @@ def blame(failures: list[Failure], signal_deaths: Mapping[int, str]) -> Failure 
         return Failure(rank, 0.0, "", "", killed_by=signal_deaths[rank])
     if not failures:
         return None
-    return min(failures, key=lambda f: (f.step is None, f.step or 0, f.time))
+    return min(failures, key=lambda f: (f.follows, f.step is None, f.step or 0, f.time))
 
 
 def verdict(blamed: Failure, world_size: int, where: str, run_dir: Path) -> str:

@@ -34,6 +34,7 @@ from flodl.config.schema import FlodlConfig
 from flodl.coordinator.coordinator import Coordinator
 from flodl.coordinator.hooks import RunSummary
 from flodl.coordinator.roster import TooFewRanks
+from flodl.failures import Consequence
 from flodl.metrics import run_clock
 from flodl.metrics.run_info import RunInfo
 from flodl.metrics.sinks import METRICS_FILE
@@ -50,7 +51,7 @@ _TASK = "task"
 _STARTED = "coordinator_started"
 
 
-class HostFailed(RuntimeError):
+class HostFailed(Consequence):
     """The run's host could not start the run (its reason is in the message): every rank stops with it."""
 
 

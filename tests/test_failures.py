@@ -6,6 +6,7 @@ from pathlib import Path
 
 from flodl.coordinator.roster import TooFewRanks
 from flodl.failures import Failure, blame, record, recorded, verdict
+from flodl.run_host import HostFailed
 from flodl.worker.nonfinite import NonFiniteError
 
 
@@ -25,6 +26,18 @@ def test_the_earliest_step_of_a_non_finite_loss_goes_before_the_earliest_record(
     assert blame([caught_first, origin, peer_gone], {}) == origin
     assert blame([peer_gone, Failure(0, 8.5, "ValueError", "x")], {}).rank == 0  # else the earliest
     assert blame([], {}) is None
+
+
+def test_a_rank_that_stopped_because_another_failed_is_not_blamed_for_it(tmp_path: Path) -> None:
+    """rank 0's W&B failed to start (its process hosts the run); rank 1 heard it and recorded its own stop
+    first (a loaded machine ran rank 1 ahead of rank 0's record)."""
+    record(tmp_path, "uid", 0, 1, HostFailed("the run's host could not start the run: WandbStartError: ..."))
+    record(tmp_path, "uid", 0, 0, ValueError("W&B could not start"))
+    found = recorded(tmp_path, "uid", 0)
+    assert min(found, key=lambda f: f.time).rank == 1, "rank 1 recorded first"
+    assert blame(found, {}).rank == 0
+    # When every record follows from another's (the host apart from the ranks failed), the earliest is named.
+    assert blame([f for f in found if f.rank == 1], {}).rank == 1
 
 
 def test_the_line_names_the_rank_its_cause_and_its_log(tmp_path: Path) -> None:
