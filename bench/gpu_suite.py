@@ -147,7 +147,7 @@ def run_plain(arm: Arm, settings: Settings, work: Path, seconds: float | None, s
         args.append("--bf16-hook")
     outcome = run_child(args, work, settings.timeout, settings.env)
     if not outcome.ok or not out.exists():
-        print(f"FAILED {arm.key}: {' '.join(args)}\n{outcome.out[-4000:]}", file=sys.stderr)
+        print(f"FAILED {arm.key}: {' '.join(args)}\n{outcome.out[-8000:]}", file=sys.stderr)
         return None
     return json.loads(out.read_text())
 

@@ -21,7 +21,8 @@ def test_gpu_suite_smoke_writes_arms_and_goals(tmp_path: Path) -> None:
     # The plain 1-GPU arm always runs; plain DDP (torchrun) and a slowed flodl cadence run beside it.
     script = str(REPO / "bench" / "gpu_suite.py")
     arms = "--arms=torch-ddp-bf16,cadence-slow"
-    run([PYTHON, script, "--cpu-smoke", arms, f"--results-dir={tmp_path}"], cwd=tmp_path, timeout=150).check()
+    args = [PYTHON, script, "--cpu-smoke", arms, f"--results-dir={tmp_path}"]
+    result = run(args, cwd=tmp_path, timeout=150).check()
     text = only_result(tmp_path, "suite-gpt_nano-nvlink")
     baseline = next(line for line in text.splitlines() if line.startswith("| plain torch, 1 GPU |"))
     assert len(baseline.rstrip(" |").rsplit("|", 1)[1].split(", ")) == 2  # run first and last
@@ -29,7 +30,7 @@ def test_gpu_suite_smoke_writes_arms_and_goals(tmp_path: Path) -> None:
         "| plain torch DDP + bf16 compress hook |",
         "| flodl cadence, rank 1 slowed",
     ):
-        assert row in text
+        assert row in text, result.out[-8000:]  # a failed arm says why there (its ranks' output first)
     assert "| measure | value | goal (issue 9) | verdict |" in text
     assert "| flodl 1 GPU / plain torch 1 GPU | — | ≥ 0.97 | not measured" in text
 
