@@ -139,18 +139,21 @@ def torchrun(nproc: int, *overrides: str, cwd: Path, timeout: float = 180, **env
     return run(args, cwd=cwd, timeout=timeout, **env)
 
 
-def leftovers(cwd: Path) -> list[str]:
-    """Processes still running in `cwd` (the ranks of a finished run must all be gone)."""
+def leftovers(cwd: Path, grace_s: float = 60.0) -> list[str]:
+    """Processes running in `cwd` that do not end within `grace_s` (the ranks of a finished run must all be
+    gone; a helper its launcher started, such as multiprocessing's resource tracker, ends on its own once the
+    launcher is gone, later on a loaded machine: it is waited for, not raced)."""
     import psutil
 
     found = []
     for proc in psutil.process_iter(["pid", "cmdline"]):
         try:
             if proc.pid != os.getpid() and Path(proc.cwd()) == cwd:
-                found.append(f"{proc.pid}: {' '.join(proc.info['cmdline'] or [])}")
+                found.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied, FileNotFoundError):
             continue
-    return found
+    _, alive = psutil.wait_procs(found, timeout=grace_s)
+    return [f"{proc.pid}: {' '.join(proc.info['cmdline'] or [])}" for proc in alive]
 
 
 def free_port() -> int:
