@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch
@@ -132,22 +133,27 @@ def _member(rank: int, port: int, results: multiprocessing.Queue) -> None:
     results.put((rank, seen, state.tolist()))
 
 
-@pytest.mark.multiproc
-def test_the_averaging_group_forms_per_generation_and_hands_a_joiner_a_member_s_state() -> None:
-    store = loopback_store(0, None, timedelta(seconds=20))
-    # Forked from a clean server: a fork of this process could inherit a lock an earlier test's thread holds.
+def three_ranks(target: Callable[..., None], port: int, timeout_s: float) -> list[Any]:
+    """What each of three processes running `target(rank, port, results)` put in `results` (one item each).
+    Forked from a clean server: a fork of this process could inherit a lock an earlier test's thread holds."""
     context = multiprocessing.get_context("forkserver")
     results = context.Queue()
-    ranks = [context.Process(target=_member, args=(r, store.port, results)) for r in range(3)]
+    ranks = [context.Process(target=target, args=(r, port, results)) for r in range(3)]
     for process in ranks:
         process.start()
     try:
-        got = {rank: (seen, state) for rank, seen, state in (results.get(timeout=60) for _ in ranks)}
+        return [results.get(timeout=timeout_s) for _ in ranks]
     finally:
         for process in ranks:
             process.join(timeout=10)
             if process.is_alive():
                 process.kill()
+
+
+@pytest.mark.multiproc
+def test_the_averaging_group_forms_per_generation_and_hands_a_joiner_a_member_s_state() -> None:
+    store = loopback_store(0, None, timedelta(seconds=20))
+    got = {rank: (seen, state) for rank, seen, state in three_ranks(_member, store.port, timeout_s=60)}
     assert got[0][0] == [(0, 0, 3)]
     assert got[1][0] == [(0, 1, 3), (1, 0, 2)] and got[2][0] == [(0, 2, 3), (1, 1, 2)]
     assert all(state == [2.0] * 5 for _, state in got.values())
@@ -227,18 +233,7 @@ def _left_waiting(rank: int, port: int, results: multiprocessing.Queue) -> None:
 def test_a_cut_frees_a_member_waiting_on_a_live_peer_that_left_the_collective() -> None:
     """gloo has no abort: without waiting in slices, ranks 0 and 1 would wait out the group's timeout."""
     store = loopback_store(0, None, timedelta(seconds=60))
-    context = multiprocessing.get_context("forkserver")
-    results = context.Queue()
-    ranks = [context.Process(target=_left_waiting, args=(r, store.port, results)) for r in range(3)]
-    for process in ranks:
-        process.start()
-    try:
-        got = dict(results.get(timeout=120) for _ in ranks)
-    finally:
-        for process in ranks:
-            process.join(timeout=10)
-            if process.is_alive():
-                process.kill()
+    got = dict(three_ranks(_left_waiting, store.port, timeout_s=120))
     assert got[2] == []
     for rank in (0, 1):
         cuts, after = got[rank][:2], got[rank][2:]
