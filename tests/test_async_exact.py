@@ -72,9 +72,11 @@ def test_async_last_round_throughput_and_eval_labels(tmp_path: Path, backend: st
     assert sum(n for r in rounds for n in r["steps"].values()) == batches
 
     # 2. Steps trained while a round was in flight: only on the cpu backend, where every round was held back.
+    # Which rank still had work in its window when a round began depends on timing (on a loaded machine the
+    # fast rank may have spent its overshoot before the round started): some rank did.
     during = [sum(r["per_rank"][rank]["steps_during_averaging"] for r in records) for rank in range(2)]
     if backend == "cpu":
-        assert all(n > 0 for n in during), during
+        assert sum(during) > 0, during
     else:
         assert during == [0, 0]
 

@@ -78,7 +78,3 @@ def rank0_line(job: Path) -> tuple[str, str, str]:
     port = first.split("master port ")[1].split(",")[0]
     visible = first.split("CUDA_VISIBLE_DEVICES=")[1].split(",")[0]
     return first[:23], port, visible
-
-
-def finished_at(job: Path) -> str:
-    return (job / "rank0.log").read_text().splitlines()[-1][:23]
