@@ -24,11 +24,13 @@ from torch.nn.parallel import DistributedDataParallel
 from flodl.averaging.consensus import DeviceAverager, HostAverager
 from flodl.averaging.ddp_hooks import SettledBuckets, bf16_gradient_hook, settled_gradient_hook
 from flodl.averaging.outer import OuterSettings
-from flodl.checkpoint import CheckpointDir
+from flodl.checkpoint import CheckpointDir, Point
 from flodl.config.host import RankEnv, stage_dir_of
 from flodl.config.policy import (
     averages_parameters,
     checkpoint_epochs,
+    checkpoint_every_samples,
+    checkpoints_on,
     collective_backend,
     compile_mode_for,
     easgd_alpha_of,
@@ -209,7 +211,7 @@ def make_worker(
     settings = worker_settings(cfg, run_dir if keeps_evaluated_models else None)
 
     def checkpointer(stepper: Stepper) -> RankCheckpointer | None:
-        if cfg.checkpoint_every is None:
+        if not checkpoints_on(cfg):
             return None
         return RankCheckpointer(checkpoint_store(cfg, run_dir), rank, parts.model, stepper)
 
@@ -306,10 +308,12 @@ def make_coordinator(cfg: FlodlConfig, setup: CoordinatorSetup) -> Coordinator:
     schedule = EpochSchedule(cfg.epochs, world_size, total_picks, step_size, cfg.eval_every, setup.has_eval)
     timeline = Timeline(world_size)
     run_dir = Path(info.run_dir)
-    first = resumed["epoch"] + 1 if resumed else 0
+    # Where a resumed run starts: the epoch after its checkpoint, or the one it was taken inside.
+    first = Point(resumed["epoch"], resumed.get("into")).next_epoch if resumed else 0
     comm_total = resumed["comm_bytes_total"] if resumed else 0
+    inside = resumed.get("ledger") if resumed else None  # what the epoch's record held at the checkpoint
     committer = None
-    if cfg.checkpoint_every is not None:
+    if checkpoints_on(cfg):
         due = {e for e in checkpoint_epochs(cfg) if e >= first}
         settings = resume_settings(cfg, run_dir, run_identity(config, world_size, info.uid))
         committer = CheckpointCommitter(settings.checkpoints, world_size, due, settings.kind, settings.run)
@@ -328,18 +332,26 @@ def make_coordinator(cfg: FlodlConfig, setup: CoordinatorSetup) -> Coordinator:
     if not averages_parameters(cfg):
         per_rank = equal_slices(total_picks, world_size, step_size)[0].size // step_size
         ledger = EpochLedger(cfg.epochs, world_size, per_rank * world_size, False, first, comm_total)
+        if inside is not None:
+            ledger.resume_partial(first, inside)
         roster = roster_of(ledger)
         lookahead = 0 if survive else PLAN_LOOKAHEAD  # admissions at the next epoch
-        driver = SyncDriver(schedule, ledger, outbox, roster, first, committer, lookahead)
+        every = checkpoint_every_samples(cfg, world_size)
+        driver_state = resumed["driver"] if resumed is not None and inside is not None else None
+        driver = SyncDriver(
+            schedule, ledger, outbox, roster, first, committer, lookahead, every, driver_state
+        )
     else:
         batches_per_epoch = total_picks // step_size
         overlapping = cfg.policy == "async"  # no epoch barrier
         ledger = EpochLedger(cfg.epochs, world_size, batches_per_epoch, True, first, comm_total, overlapping)
+        if inside is not None:
+            ledger.resume_partial(first, inside)
         roster = roster_of(ledger)
         driver = _local_sgd_driver(
             cfg, schedule, ledger, outbox, roster, batches_per_epoch, timeline, committer, resumed
         )
-    total_batches = (cfg.epochs - first) * ledger.batches_per_epoch
+    total_batches = (cfg.epochs - first) * ledger.batches_per_epoch - ledger.reported_batches(first)
     sinks: list[Sink] = [
         ConsoleSink(cfg.epochs, total_batches, world_size),
         JsonlSink(run_dir / METRICS_FILE),
@@ -398,6 +410,8 @@ def _local_sgd_driver(
         eval_epochs=schedule.eval_epochs(),
         barrier_epochs=checkpoint_epochs(cfg),
         first_epoch=ledger.first_epoch,
+        first_batch=(resumed.get("into") or 0) // schedule.batch_size if resumed else 0,
+        checkpoint_every_batches=_checkpoint_every_batches(cfg, schedule),
     )
     guard = make_guard(cfg.divergence_guard, cfg.divergence_threshold, easgd_alpha_of(cfg) is not None)
     elche = ElChe(settings, epoch_batches=batches_per_epoch)
@@ -409,4 +423,12 @@ def _local_sgd_driver(
             elche.admit(rank)
         guard = guard_from_state(state["guard"])
         log.info("ElChe resumed at anchor %d (round %d)", elche.anchor, planner.round)
-    return LocalSgdDriver(planner, elche, guard, ledger, outbox, timeline, roster, committer)
+    return LocalSgdDriver(
+        planner, elche, guard, ledger, outbox, timeline, roster, committer, cfg.checkpoint_every_s
+    )
+
+
+def _checkpoint_every_batches(cfg: FlodlConfig, schedule: EpochSchedule) -> int | None:
+    """checkpoint_every_steps as batches the local-SGD planner hands out (a global step: one per rank)."""
+    every = checkpoint_every_samples(cfg, schedule.world_size)
+    return None if every is None else max(1, every // schedule.batch_size)

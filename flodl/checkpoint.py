@@ -1,10 +1,11 @@
 """Checkpoints on disk: atomic files, complete-or-invisible checkpoint dirs, a `latest` pointer.
 
 A checkpoint is a dir `checkpoints/epoch-NNNNNN/` (NNNNNN: the epochs it holds, so the checkpoint after
-epoch 3 as lines count, metrics.jsonl's epoch 2, is `epoch-000003`) holding `model.pt` (the consensus,
-float32), one `rank{r}.pt` per rank (optimizer, scheduler, RNG, counters) that was a member at the
-checkpoint round (every rank unless one was cut), `coordinator.pt` (epoch, ElChe, guard, planner) and,
-written last, `manifest.json` with every file's size and CRC32 and the ranks whose parts it holds. Ranks
+epoch 3 as lines count, metrics.jsonl's epoch 2, is `epoch-000003`), or, taken inside an epoch (by steps or
+time), `checkpoints/epoch-NNNNNN-sample-SSSSSSSSS/` (SSSSSSSSS samples into epoch NNNNNN as lines count),
+holding `model.pt` (the consensus, float32), one `rank{r}.pt` per rank (optimizer, scheduler, RNG,
+counters) that was a member at the checkpoint round (every rank unless one was cut), `coordinator.pt`
+(epoch, ElChe, guard, planner; inside an epoch, what its record holds so far) and, written last, `manifest.json` with every file's size and CRC32 and the ranks whose parts it holds. Ranks
 write their parts into `epoch-NNNNNN.partial/`; rank 0 commits by writing the manifest and renaming the
 dir, then points `latest` at it. The manifest also records the run that wrote it (flodl/run_identity.py)
 and its 0-based epoch. A dir without a valid manifest (a crash mid-write, a truncated file) is never
@@ -17,6 +18,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -35,7 +37,7 @@ MODEL_FILE = "model.pt"
 COORDINATOR_FILE = "coordinator.pt"
 MANIFEST_FILE = "manifest.json"
 LATEST_FILE = "latest"
-_DIR_PATTERN = re.compile(r"^epoch-(\d+)$")
+_DIR_PATTERN = re.compile(r"^epoch-(\d+)(?:-sample-(\d+))?$")
 
 log = logging.getLogger("flodl")
 
@@ -87,9 +89,39 @@ def evaluated_model_path(run_dir: Path, epoch: int) -> Path:
     return run_dir / "evaluated" / f"epoch-{epoch:06d}.pt"
 
 
-def dir_name(epoch: int) -> str:
-    """The dir of the checkpoint after the 0-based `epoch`: named as lines count it (flodl/counting.py)."""
-    return f"epoch-{shown_epoch(epoch):06d}"
+@dataclass(frozen=True)
+class Point:
+    """Where in the run a checkpoint is taken: after the 0-based `epoch` whole (`into` None), or `into`
+    samples (picks of its permutation) into it, at a step (sync) or round (local SGD) boundary inside it."""
+
+    epoch: int
+    into: int | None = None
+
+    @property
+    def order(self) -> tuple[int, float]:
+        """Later checkpoints sort after earlier ones: inside an epoch before its end."""
+        return (self.epoch, math.inf if self.into is None else self.into)
+
+    @property
+    def next_epoch(self) -> int:
+        """The epoch a run resumed here trains first (the same epoch, from `into`, inside one)."""
+        return self.epoch + 1 if self.into is None else self.epoch
+
+    @property
+    def last_whole_epoch(self) -> int:
+        """The last epoch it holds whole (-1: none); its record is the last metrics.jsonl keeps on resume."""
+        return self.epoch if self.into is None else self.epoch - 1
+
+    def words(self) -> str:
+        if self.into is None:
+            return f"after epoch {shown_epoch(self.epoch)}"
+        return f"epoch {shown_epoch(self.epoch)}, {self.into} samples into it"
+
+
+def dir_name(point: Point) -> str:
+    """The checkpoint dir's name, counting epochs as lines do (flodl/counting.py)."""
+    name = f"epoch-{shown_epoch(point.epoch):06d}"
+    return name if point.into is None else f"{name}-sample-{point.into:09d}"
 
 
 def rank_file(rank: int) -> str:
@@ -98,7 +130,8 @@ def rank_file(rank: int) -> str:
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A committed checkpoint: taken after `epoch` (training resumes at epoch + 1)."""
+    """A committed checkpoint: taken after `epoch` (training resumes at epoch + 1), or `into` samples into
+    it (training resumes there)."""
 
     path: Path
     epoch: int
@@ -107,18 +140,25 @@ class Checkpoint:
     run: dict[str, Any] | None = None
     # The ranks whose parts it holds (None: every rank's, as a manifest without `ranks` says).
     ranks: tuple[int, ...] | None = None
+    into: int | None = None
 
     @classmethod
     def from_manifest(cls, path: Path) -> Checkpoint:
         manifest = json.loads((path / MANIFEST_FILE).read_text())
         ranks = manifest.get("ranks")
+        into = manifest.get("into")
         return cls(
             path,
             int(manifest["epoch"]),
             int(manifest["world_size"]),
             manifest.get("run"),
             None if ranks is None else tuple(ranks),
+            None if into is None else int(into),
         )
+
+    @property
+    def point(self) -> Point:
+        return Point(self.epoch, self.into)
 
     @property
     def part_ranks(self) -> tuple[int, ...]:
@@ -136,25 +176,25 @@ class CheckpointDir:
         self.root = root / "checkpoints"
         self.keep = keep
 
-    def partial(self, epoch: int) -> Path:
-        path = self.root / f"{dir_name(epoch)}.partial"
+    def partial(self, point: Point) -> Path:
+        path = self.root / f"{dir_name(point)}.partial"
         path.mkdir(parents=True, exist_ok=True)
         return path
 
-    def write_part(self, epoch: int, name: str, obj: object) -> None:
-        """One rank's part (or the model, or the coordinator's), into the epoch's uncommitted dir."""
-        atomic_save(obj, self.partial(epoch) / name)
+    def write_part(self, point: Point, name: str, obj: object) -> None:
+        """One rank's part (or the model, or the coordinator's), into the point's uncommitted dir."""
+        atomic_save(obj, self.partial(point) / name)
 
     def commit(
         self,
-        epoch: int,
+        point: Point,
         world_size: int,
         run: dict[str, Any] | None = None,
         ranks: Collection[int] | None = None,
     ) -> Checkpoint:
-        """Seal the epoch's dir (every part must be there: the parts of `ranks`, None: of every rank), make
+        """Seal the point's dir (every part must be there: the parts of `ranks`, None: of every rank), make
         it `latest`, drop the oldest."""
-        partial = self.partial(epoch)
+        partial = self.partial(point)
         members = tuple(sorted(range(world_size) if ranks is None else ranks))
         expected = [MODEL_FILE, COORDINATOR_FILE, *(rank_file(r) for r in members)]
         missing = [name for name in expected if not (partial / name).is_file()]
@@ -162,26 +202,27 @@ class CheckpointDir:
             raise CheckpointError(f"checkpoint {partial}: parts missing: {', '.join(missing)}")
         files = {name: _fingerprint(partial / name) for name in expected}
         manifest = {
-            "epoch": epoch,
+            "epoch": point.epoch,
+            "into": point.into,
             "world_size": world_size,
             "run": run,
             "ranks": list(members),
             "files": files,
         }
         atomic_write_bytes(json.dumps(manifest, indent=1).encode(), partial / MANIFEST_FILE)
-        final = self.root / dir_name(epoch)
-        if final.exists():  # a resumed run re-reached this epoch: the new one wins
+        final = self.root / dir_name(point)
+        if final.exists():  # a resumed run re-reached this point: the new one wins
             shutil.rmtree(final)
         partial.rename(final)
         _fsync_dir(self.root)
         atomic_write_bytes(final.name.encode(), self.root / LATEST_FILE)
         self._prune()
-        return Checkpoint(final, epoch, world_size, run, members)
+        return Checkpoint(final, point.epoch, world_size, run, members, point.into)
 
     def latest(self) -> Checkpoint | None:
         """The newest checkpoint whose manifest and files check out; damaged ones are skipped with a
         warning (the `latest` pointer is only a hint: a checkpoint dir is trusted on its manifest)."""
-        for path in sorted(self._committed(), key=lambda p: -_epoch_of(p)):
+        for path in sorted(self._committed(), key=_point_of, reverse=True):
             problem = verify(path)
             if problem is None:
                 return Checkpoint.from_manifest(path)
@@ -194,14 +235,16 @@ class CheckpointDir:
         return [p for p in self.root.iterdir() if p.is_dir() and _DIR_PATTERN.match(p.name)]
 
     def _prune(self) -> None:
-        for path in sorted(self._committed(), key=_epoch_of)[: -self.keep]:
+        for path in sorted(self._committed(), key=_point_of)[: -self.keep]:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def _epoch_of(path: Path) -> int:
+def _point_of(path: Path) -> tuple[int, float]:
+    """A checkpoint dir's place in the run, from its name (the same order as `Point.order`)."""
     match = _DIR_PATTERN.match(path.name)
     assert match is not None
-    return int(match.group(1))
+    into = match.group(2)
+    return (int(match.group(1)), math.inf if into is None else int(into))
 
 
 def _fingerprint(path: Path) -> dict[str, int]:

@@ -36,7 +36,6 @@ from flodl.config.rules import ConfigError
 from flodl.config.schema import FlodlConfig, to_config
 from flodl.coordinator.hooks import CallbackError
 from flodl.coordinator.roster import RankHung, TooFewRanks
-from flodl.counting import shown_epoch
 from flodl.logs import FILE_ONLY, setup_rank_logging, stderr_to
 from flodl.metrics.run_info import RunInfo
 from flodl.metrics.wandb_sink import WandbStartError
@@ -213,9 +212,9 @@ def stopped_line(signum: int, cfg: FlodlConfig, run_dir: Path, info: RunInfo) ->
     """Where a stopped run stands and the command that continues it."""
     latest = checkpoint_store(cfg, run_dir).latest()
     if latest is not None:
-        where = f"last checkpoint {latest.path} (epoch {shown_epoch(latest.epoch)})"
+        where = f"last checkpoint {latest.path} ({latest.point.words()})"
     else:
-        where = "no checkpoint to resume from (checkpoint_every is off or none was due): resume starts over"
+        where = "no checkpoint to resume from (checkpoints are off or none was due): resume starts over"
     resume = info.resume_command or f"resume=auto hydra.run.dir={run_dir}"
     return f"stopped by {signal.Signals(signum).name}: {where}; resume with: {resume}"
 

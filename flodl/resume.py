@@ -68,7 +68,11 @@ def publish_checkpoint_choice(
     except CheckpointError as err:
         publish_json(exchange, "checkpoint", {"error": str(err)})
         raise
-    saved = [str(found.path), found.epoch, found.world_size, found.run, found.part_ranks] if found else None
+    saved = (
+        [str(found.path), found.epoch, found.world_size, found.run, found.part_ranks, found.into]
+        if found
+        else None
+    )
     publish_json(exchange, "checkpoint", {"checkpoint": saved})
     return found
 
@@ -81,8 +85,8 @@ def agreed_checkpoint(rank: int, exchange: PrefixStore) -> Checkpoint | None:
         raise CheckpointError(choice["error"])
     if choice["checkpoint"] is None:
         return None
-    path, epoch, saved_world, saved_run, ranks = choice["checkpoint"]
-    checkpoint = Checkpoint(Path(path), int(epoch), int(saved_world), saved_run, tuple(ranks))
+    path, epoch, saved_world, saved_run, ranks, into = choice["checkpoint"]
+    checkpoint = Checkpoint(Path(path), int(epoch), int(saved_world), saved_run, tuple(ranks), into)
     if not checkpoint.path.is_dir():
         raise CheckpointError(
             f"rank {rank} cannot see checkpoint {path} (the run's host can): put save_path on storage every "
@@ -93,7 +97,7 @@ def agreed_checkpoint(rank: int, exchange: PrefixStore) -> Checkpoint | None:
 
 def covers_every_epoch(checkpoint: Checkpoint, epochs: int) -> bool:
     """A run of `epochs` resumed from `checkpoint` has nothing left to train."""
-    return checkpoint.epoch + 1 >= epochs
+    return checkpoint.point.next_epoch >= epochs
 
 
 def load_model(checkpoint: Checkpoint, model: nn.Module) -> None:
@@ -114,8 +118,7 @@ def _restore(checkpoint: Checkpoint, worker: WorkerBase) -> None:
     ranks = checkpoint.part_ranks
     if worker.rank in ranks:
         worker.restore(restore_rank_part(checkpoint, worker.rank, worker.stepper))
-        next_epoch = shown_epoch(checkpoint.epoch + 1)
-        log.info("resumed from %s: training continues at epoch %d", checkpoint.path, next_epoch)
+        log.info("resumed from %s: training continues %s", checkpoint.path, continues_at(checkpoint))
         return
     member = checkpoint.load(rank_file(ranks[0]))
     if worker.shares_optimizer:  # sync: the member's optimizer is everyone's (its RNG streams stay its own)
@@ -123,16 +126,24 @@ def _restore(checkpoint: Checkpoint, worker: WorkerBase) -> None:
         worker.restore(member["worker"])
         log.warning(
             "rank %d has no part in %s (not a member at its checkpoint): it resumes with rank %d's optimizer "
-            "state; training continues at epoch %d",
-            worker.rank, checkpoint.path, ranks[0], shown_epoch(checkpoint.epoch + 1),
+            "state; training continues %s",
+            worker.rank, checkpoint.path, ranks[0], continues_at(checkpoint),
         )  # fmt: skip
         return
     worker.restore(member["worker"])
     log.warning(
         "rank %d has no part in %s (not a member at its checkpoint round): it resumes from the consensus "
-        "with a fresh optimizer; training continues at epoch %d",
-        worker.rank, checkpoint.path, shown_epoch(checkpoint.epoch + 1),
+        "with a fresh optimizer; training continues %s",
+        worker.rank, checkpoint.path, continues_at(checkpoint),
     )  # fmt: skip
+
+
+def continues_at(checkpoint: Checkpoint) -> str:
+    """Where a run resumed from `checkpoint` continues, in words."""
+    point = checkpoint.point
+    if point.into is None:
+        return f"at epoch {shown_epoch(point.next_epoch)}"
+    return f"inside epoch {shown_epoch(point.epoch)}, {point.into} samples into it"
 
 
 def coordinator_state(checkpoint: Checkpoint) -> dict[str, Any]:
@@ -144,7 +155,7 @@ def prepare_history(metrics_path: Path, checkpoints: CheckpointDir, resumed: Che
     covers (it writes the rest again); a fresh start moves an earlier start's history (metrics and
     checkpoints) aside as `*.superseded-N`, so neither its records nor its checkpoints mix with this run's."""
     if resumed is not None:
-        truncate_history(metrics_path, resumed.epoch)
+        truncate_history(metrics_path, resumed.point.last_whole_epoch)
         return
     old = [path for path in (metrics_path, checkpoints.root) if path.exists()]
     if not old:

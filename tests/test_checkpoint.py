@@ -16,6 +16,7 @@ from flodl.checkpoint import (
     MODEL_FILE,
     CheckpointDir,
     CheckpointError,
+    Point,
     rank_file,
     resolve_resume,
 )
@@ -28,12 +29,12 @@ from tests.helpers.digits_stepper import digits_stepper, train_steps
 
 
 def write_checkpoint(store: CheckpointDir, epoch: int, world_size: int = 2, commit: bool = True) -> None:
-    store.write_part(epoch, MODEL_FILE, {"w": torch.full((64,), float(epoch))})
-    store.write_part(epoch, COORDINATOR_FILE, {"epoch": epoch})
+    store.write_part(Point(epoch), MODEL_FILE, {"w": torch.full((64,), float(epoch))})
+    store.write_part(Point(epoch), COORDINATOR_FILE, {"epoch": epoch})
     for rank in range(world_size):
-        store.write_part(epoch, rank_file(rank), {"rank": rank, "epoch": epoch})
+        store.write_part(Point(epoch), rank_file(rank), {"rank": rank, "epoch": epoch})
     if commit:
-        store.commit(epoch, world_size)
+        store.commit(Point(epoch), world_size)
 
 
 def test_a_committed_checkpoint_is_latest_and_loads_with_weights_only(tmp_path: Path) -> None:
@@ -91,11 +92,11 @@ def test_a_checkpoint_whose_manifest_does_not_list_every_part_is_incomplete_and_
 
 def test_commit_refuses_a_checkpoint_with_a_missing_part(tmp_path: Path) -> None:
     store = CheckpointDir(tmp_path, keep=2)
-    store.write_part(3, MODEL_FILE, {})
-    store.write_part(3, COORDINATOR_FILE, {})
-    store.write_part(3, rank_file(0), {})
+    store.write_part(Point(3), MODEL_FILE, {})
+    store.write_part(Point(3), COORDINATOR_FILE, {})
+    store.write_part(Point(3), rank_file(0), {})
     with pytest.raises(CheckpointError, match=r"parts missing: rank1\.pt"):
-        store.commit(3, world_size=2)
+        store.commit(Point(3), world_size=2)
     assert store.latest() is None
 
 
@@ -139,13 +140,13 @@ def test_history_after_the_checkpoint_is_dropped_on_resume(tmp_path: Path) -> No
 
 def test_a_checkpoint_holds_the_parts_of_the_members_at_its_round(tmp_path: Path) -> None:
     store = CheckpointDir(tmp_path, keep=2)
-    store.write_part(2, MODEL_FILE, {})
-    store.write_part(2, COORDINATOR_FILE, {})
-    store.write_part(2, rank_file(0), {})
+    store.write_part(Point(2), MODEL_FILE, {})
+    store.write_part(Point(2), COORDINATOR_FILE, {})
+    store.write_part(Point(2), rank_file(0), {})
     with pytest.raises(CheckpointError, match=r"parts missing: rank2\.pt"):
-        store.commit(2, world_size=3, ranks={0, 2})
-    store.write_part(2, rank_file(2), {})
-    committed = store.commit(2, world_size=3, ranks={2, 0})
+        store.commit(Point(2), world_size=3, ranks={0, 2})
+    store.write_part(Point(2), rank_file(2), {})
+    committed = store.commit(Point(2), world_size=3, ranks={2, 0})
     found = store.latest()
     assert found == committed and found.part_ranks == (0, 2) and found.world_size == 3
     assert json.loads((found.path / "manifest.json").read_text())["ranks"] == [0, 2]
@@ -174,20 +175,20 @@ def _emitted_ledger(epochs: int, world_size: int) -> EpochLedger:
 
 
 def _write_parts(store: CheckpointDir, epoch: int, ranks: list[int]) -> None:
-    store.write_part(epoch, MODEL_FILE, {})
+    store.write_part(Point(epoch), MODEL_FILE, {})
     for rank in ranks:
-        store.write_part(epoch, rank_file(rank), {"worker": {}})
+        store.write_part(Point(epoch), rank_file(rank), {"worker": {}})
 
 
 def test_the_committer_waits_for_the_members_at_the_checkpoint_round(tmp_path: Path) -> None:
     store = CheckpointDir(tmp_path, keep=3)
     ledger = _emitted_ledger(epochs=3, world_size=3)
     committer = CheckpointCommitter(store, 3, {0}, run_kind("cadence", True), {"uid": "u"})
-    committer.expect_parts(0, {0, 2})  # rank 1 was cut before the checkpoint round
+    committer.expect_parts(Point(0), {0, 2})  # rank 1 was cut before the checkpoint round
     _write_parts(store, 0, [0, 2])
-    committer.on_saved(0, 0)
+    committer.on_saved(Point(0), 0, ledger)
     assert committer.poll(ledger, {}) == []
-    committer.on_saved(0, 2)
+    committer.on_saved(Point(0), 2, ledger)
     (checkpoint,) = committer.poll(ledger, {"elche": None})
     assert checkpoint.part_ranks == (0, 2) and committer.remaining == set()
 
@@ -197,9 +198,9 @@ def test_the_committer_waits_for_every_rank_unless_told_otherwise(tmp_path: Path
     ledger = _emitted_ledger(epochs=3, world_size=2)
     committer = CheckpointCommitter(store, 2, {0}, run_kind("sync", False), {"uid": "u"})
     _write_parts(store, 0, [0, 1])
-    committer.on_saved(0, 0)
+    committer.on_saved(Point(0), 0, ledger)
     assert committer.poll(ledger, {}) == []
-    committer.on_saved(0, 1)
+    committer.on_saved(Point(0), 1, ledger)
     (checkpoint,) = committer.poll(ledger, {})
     assert checkpoint.part_ranks == (0, 1)
 
@@ -208,9 +209,9 @@ def test_a_local_sgd_checkpoint_round_acknowledged_by_the_members_commits_their_
     store = CheckpointDir(tmp_path, keep=3)
     ledger = _emitted_ledger(epochs=3, world_size=3)
     committer = CheckpointCommitter(store, 3, {0}, run_kind("async", True), {"uid": "u"})
-    committer.expect_parts(0, [0, 1])
+    committer.expect_parts(Point(0), [0, 1])
     _write_parts(store, 0, [0, 1])
-    committer.on_all_saved(0, {"planner": {}})
+    committer.on_all_saved(Point(0), {"planner": {}}, ledger)
     (checkpoint,) = committer.poll(ledger, {})
     assert checkpoint.part_ranks == (0, 1)
     assert checkpoint.load(COORDINATOR_FILE)["driver"] == {"planner": {}}
@@ -236,9 +237,9 @@ def test_a_rank_without_a_part_resumes_from_the_consensus_with_a_fresh_optimizer
     store = CheckpointDir(tmp_path, keep=2)
     writer = digits_stepper()
     train_steps(writer, 3)
-    RankCheckpointer(store, 0, writer.parts.model, writer).save(4, {"global_steps": 9})
-    store.write_part(4, COORDINATOR_FILE, {})
-    checkpoint = store.commit(4, world_size=2, ranks={0})  # rank 1 had been cut
+    RankCheckpointer(store, 0, writer.parts.model, writer).save(Point(4), {"global_steps": 9})
+    store.write_part(Point(4), COORDINATOR_FILE, {})
+    checkpoint = store.commit(Point(4), world_size=2, ranks={0})  # rank 1 had been cut
 
     member = _Worker(0, digits_stepper())
     with caplog.at_level(logging.INFO, logger="flodl"):

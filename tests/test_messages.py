@@ -104,7 +104,9 @@ def test_message_round_trip(message):
 
 
 def test_encoding_is_json_not_pickle():
-    assert encode(Saved(rank=3, epoch=1)) == b'{"type": "Saved", "body": {"rank": 3, "epoch": 1}}'
+    assert (
+        encode(Saved(rank=3, epoch=1)) == b'{"type": "Saved", "body": {"rank": 3, "epoch": 1, "into": null}}'
+    )
 
 
 @pytest.mark.parametrize(

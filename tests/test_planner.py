@@ -242,9 +242,10 @@ def check_cadence_window(log: WindowLog, bpe: int, batch_size: int) -> None:
 
 def check_async_window(log: WindowLog, total: int, bpe: int, batch_size: int) -> None:
     cursor = log.cursor_before
-    for rank, dispatch in enumerate(log.dispatches):
-        want = max(0, log.counts[rank] + log.overshoot - log.queued_at_ack[rank])
-        n = min(want, total - cursor)
+    wants = [max(0, c + log.overshoot - q) for c, q in zip(log.counts, log.queued_at_ack, strict=True)]
+    if sum(wants) > total - cursor:  # the tail: shared in proportion to what each rank asked for
+        wants = proportional_split(total - cursor, wants)
+    for dispatch, n in zip(log.dispatches, wants, strict=True):
         batches = [b for piece in dispatch.slices for b in expand(piece, batch_size)]
         assert batches == [divmod(g, bpe) for g in range(cursor, cursor + n)]
         # One slice per epoch touched (a slice never straddles an epoch boundary).
@@ -474,18 +475,20 @@ def test_async_window_by_hand():
     assert not planner.finished
 
     second = planner.open_window([2, 3], 1)
+    # They ask for 2 + 1 - 1 and 3 + 1 - 1 batches; 3 are left, shared in proportion (1 and 2), not to the
+    # first asker; the data ran out: every target is all the rank holds.
     assert second == [
-        Dispatch(0, (EpochSlice(1, 4, 4),), 3),  # 2 + 1 - 1 batches; rank 1 runs the data out: all queued
-        Dispatch(1, (EpochSlice(1, 8, 2),), 2),  # 1 batch left: the data ran out, target = all queued
+        Dispatch(0, (EpochSlice(1, 4, 2),), 2),
+        Dispatch(1, (EpochSlice(1, 6, 4),), 3),
     ]
     planner.on_epoch_complete(0)  # rank 0 trained (0, 2)
-    assert planner.on_reached(WindowReport(1, 2, 1.0)) == []
+    assert planner.on_reached(WindowReport(1, 3, 1.0)) == []
     planner.on_epoch_complete(1)
     # Every rank trained all it held: this is the last reduce.
-    assert planner.on_reached(WindowReport(0, 3, 1.0)) == [Average(2, (0, 1), True)]
-    assert not planner.on_ack(AckReport(1, 2, 0.0, 0.0, queued=0))
+    assert planner.on_reached(WindowReport(0, 2, 1.0)) == [Average(2, (0, 1), True)]
+    assert not planner.on_ack(AckReport(1, 3, 0.0, 0.0, queued=0))
     assert not planner.finished
-    assert planner.on_ack(AckReport(0, 3, 0.0, 0.0, queued=0))
+    assert planner.on_ack(AckReport(0, 2, 0.0, 0.0, queued=0))
     assert planner.finished
 
 

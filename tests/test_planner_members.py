@@ -93,8 +93,8 @@ def test_a_redo_is_final_once_nobody_holds_anything_and_keeps_its_checkpoint():
     assert reach(planner, 0, 2) == []
     assert planner.on_chunk(1, first[1].slices[0])
     planner.on_epoch_complete(0)
-    assert reach(planner, 1, 2) == [Average(1, (0,), True, checkpoint_epoch=0)]
-    assert planner.drop(1) == [Average(1, (0,), True, checkpoint_epoch=0, redo=True)]
+    assert reach(planner, 1, 2) == [Average(1, (0,), True, checkpoint_at=(0, None))]
+    assert planner.drop(1) == [Average(1, (0,), True, checkpoint_at=(0, None), redo=True)]
     assert ack(planner, 0) and planner.finished
 
 
@@ -427,7 +427,7 @@ def check_membership_run(sim: MembershipSim) -> None:
     assert [a.rank for a in sim.planner.window_acks()] == sorted(sim.planner.members)
     assert all(not p.queue for p in sim.members())
     assert sim.evaluated == sim.eval_epochs
-    assert {a.checkpoint_epoch for a in sim.averages} - {None} == sim.barrier_epochs
+    assert {a.checkpoint_at for a in sim.averages} - {None} == {(e, None) for e in sim.barrier_epochs}
 
 
 @pytest.mark.parametrize("is_async", [False, True])

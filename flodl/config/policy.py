@@ -64,9 +64,28 @@ def guarded(cfg: FlodlConfig) -> bool:
     return cfg.divergence_guard != "none" and cfg.policy != "sync"
 
 
+# The keys that turn checkpoints on (any of them).
+CHECKPOINT_KEYS = "checkpoint_every, checkpoint_every_steps or checkpoint_every_s"
+
+
+def checkpoints_on(cfg: FlodlConfig) -> bool:
+    return any(
+        v is not None for v in (cfg.checkpoint_every, cfg.checkpoint_every_steps, cfg.checkpoint_every_s)
+    )
+
+
 def checkpoint_epochs(cfg: FlodlConfig) -> frozenset[int]:
-    """Every `checkpoint_every` epochs and after the last one."""
-    if cfg.checkpoint_every is None:
+    """The epochs after which a checkpoint is taken: every `checkpoint_every` epochs, and the last one
+    whenever checkpoints are on (by epochs, steps or time)."""
+    if not checkpoints_on(cfg):
         return frozenset()
     every = cfg.checkpoint_every
-    return frozenset(e for e in range(cfg.epochs) if (e + 1) % every == 0 or e == cfg.epochs - 1)
+    return frozenset(
+        e for e in range(cfg.epochs) if e == cfg.epochs - 1 or (every is not None and (e + 1) % every == 0)
+    )
+
+
+def checkpoint_every_samples(cfg: FlodlConfig, world_size: int) -> int | None:
+    """checkpoint_every_steps in samples of the run (a global step: one step of every rank)."""
+    steps = cfg.checkpoint_every_steps
+    return None if steps is None else steps * world_size * step_samples(cfg)

@@ -13,6 +13,7 @@ from dataclasses import fields
 from typing import Any
 
 from flodl.config.host import HostFacts, stage_dir_of
+from flodl.config.policy import CHECKPOINT_KEYS, checkpoints_on
 from flodl.config.schema import (
     BACKENDS,
     COMPILE_MODES,
@@ -138,6 +139,10 @@ def _range_problems(cfg: FlodlConfig) -> Iterator[str]:
         "prefetch_factor", lambda v: v >= 1, "must be >= 1 (batches each worker reads ahead)", True
     )
     yield from check("checkpoint_every", lambda v: v >= 1, "must be >= 1 (epochs)", True)
+    yield from check("checkpoint_every_steps", lambda v: v >= 1, "must be >= 1 (global steps)", True)
+    yield from check(
+        "checkpoint_every_s", lambda v: finite(v) and v > 0, "must be finite and > 0 (seconds)", True
+    )
     yield from check("checkpoint_keep", lambda v: v >= 1, "must be >= 1")
     yield from check(
         "heartbeat_timeout_s",
@@ -365,13 +370,20 @@ def _do_nothing_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
             "restarts apply to ranks flodl starts itself (launch.nproc_per_node > 1); one in-process rank is "
             "never restarted",
         )
-    if cfg.checkpoint_every is None:
+    if not checkpoints_on(cfg):
         if cfg.checkpoint_keep != defaults.checkpoint_keep:
             yield _problem(
-                "checkpoint_keep", cfg.checkpoint_keep, "applies to checkpoints: set checkpoint_every"
+                "checkpoint_keep", cfg.checkpoint_keep, f"applies to checkpoints: set {CHECKPOINT_KEYS}"
             )
         if cfg.save_path is not None:
-            yield _problem("save_path", cfg.save_path, "is where checkpoints go: set checkpoint_every")
+            yield _problem("save_path", cfg.save_path, f"is where checkpoints go: set {CHECKPOINT_KEYS}")
+    if cfg.checkpoint_every_s is not None and cfg.policy == "sync":
+        yield _problem(
+            "checkpoint_every_s",
+            cfg.checkpoint_every_s,
+            "is for cadence and async (a round boundary every rank reaches); under policy=sync use "
+            "checkpoint_every_steps",
+        )
     if cfg.simulate.slow_rank is None and cfg.simulate.factor != defaults.simulate.factor:
         yield _problem("simulate.factor", cfg.simulate.factor, "slows simulate.slow_rank, which is not set")
     if cfg.logger.name != "wandb":

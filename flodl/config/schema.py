@@ -253,8 +253,14 @@ class FlodlConfig:
     pin_memory: bool = True
 
     # --- persistence ---
-    # Checkpoint every this many epochs and after the last one (null: no checkpoints).
+    # Checkpoint every this many epochs and after the last one (null: not by epochs).
     checkpoint_every: int | None = None
+    # Also checkpoint inside epochs, every this many global steps (one step of every rank, as sync counts
+    # them), at the next step (sync) or round (cadence, async) boundary; and after the last epoch.
+    checkpoint_every_steps: int | None = None
+    # Also checkpoint at the first round boundary this many seconds after the last checkpoint (cadence,
+    # async; sync has no boundary every rank reaches together without a collective); and after the last epoch.
+    checkpoint_every_s: float | None = None
     # Complete checkpoints kept; older ones are removed once a newer one is committed.
     checkpoint_keep: int = 2
     # Where checkpoints/ goes (null: the run dir).

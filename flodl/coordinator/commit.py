@@ -1,9 +1,12 @@
-"""The coordinator's side of a checkpoint: commit an epoch once every rank wrote its part.
+"""The coordinator's side of a checkpoint: commit a point once every rank wrote its part.
 
-A checkpoint is taken where every rank holds the same consensus: after a sync epoch, or after the exact
-reduce that ends a local-SGD segment. Each rank writes its part (flodl/worker/checkpoint_part.py) and says
-so; the coordinator, once every part is on disk and the epoch is emitted, writes its own state and commits
-(see flodl/checkpoint.py). With a rank cut, the parts are the members' at the checkpoint round.
+A checkpoint is taken where every rank holds the same consensus: after a sync step (at an epoch's end, or
+inside it by steps), or after the exact reduce that ends a local-SGD segment (at an epoch's end, or inside
+it by steps or time). Each rank writes its part (flodl/worker/checkpoint_part.py) and says so; the
+coordinator, once every part is on disk and the epochs before the point are emitted, writes its own state
+and commits (see flodl/checkpoint.py). Inside an epoch its state holds what the epoch's record has so far
+(the ledger's chunks up to the point), so a resumed run writes the same record. With a rank cut, the parts
+are the members' at the checkpoint round.
 """
 
 from __future__ import annotations
@@ -18,9 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from flodl.checkpoint import COORDINATOR_FILE, Checkpoint, CheckpointDir, atomic_save
+from flodl.checkpoint import COORDINATOR_FILE, Checkpoint, CheckpointDir, Point, atomic_save
 from flodl.coordinator.ledger import EpochLedger
-from flodl.counting import shown_epoch
 
 log = logging.getLogger("flodl")
 
@@ -49,55 +51,79 @@ def run_kind(policy: str, local_sgd: bool) -> dict[str, Any]:
 
 @dataclass
 class CheckpointCommitter:
-    """The coordinator's side: commit an epoch's checkpoint once every rank saved and it is emitted."""
+    """The coordinator's side: commit a point's checkpoint once every rank saved and what comes before it
+    is emitted."""
 
     store: CheckpointDir
     world_size: int
-    # Epochs whose checkpoint is still to be committed: the run is not over before they are.
+    # Epochs whose end's checkpoint is still to be committed: the run is not over before they are.
     remaining: set[int]
     # What the driver's state means: the policy, and whether it averages in local-SGD rounds.
     kind: dict[str, Any]
     # Who wrote it, for the manifest (flodl/run_identity.py): resume=auto resumes only its own run.
     run: dict[str, Any]
-    saved: dict[int, set[int]] = field(default_factory=dict)
-    driver_state: dict[int, dict[str, Any]] = field(default_factory=dict)
+    # Per point, the ranks that saved their part, and how many chunks of the point's epoch each had
+    # reported by then (a rank reports its chunks before it says it saved: those are the point's).
+    saved: dict[Point, dict[int, int]] = field(default_factory=dict)
+    driver_state: dict[Point, dict[str, Any]] = field(default_factory=dict)
+    # Per point inside an epoch whose parts are all saved: what the epoch's record holds up to it (the
+    # ledger's entry then, before any later round adds to it).
+    ledger_state: dict[Point, dict[str, Any]] = field(default_factory=dict)
     committed: Checkpoint | None = None
-    # Per epoch, the ranks whose parts its checkpoint waits for (absent: every rank).
-    expected: dict[int, frozenset[int]] = field(default_factory=dict)
+    # Per point, the ranks whose parts its checkpoint waits for (absent: every rank).
+    expected: dict[Point, frozenset[int]] = field(default_factory=dict)
 
-    def expect_parts(self, epoch: int, ranks: Collection[int]) -> None:
-        """The epoch's checkpoint holds the parts of `ranks`: the members at its checkpoint round."""
-        self.expected[epoch] = frozenset(ranks)
+    def expect_parts(
+        self, point: Point, ranks: Collection[int], driver_state: dict[str, Any] | None = None
+    ) -> None:
+        """The point's checkpoint holds the parts of `ranks`: the members at its checkpoint round.
+        `driver_state`: the driver's state at the point, when the driver knows it ahead (sync)."""
+        self.expected[point] = frozenset(ranks)
+        if driver_state is not None:
+            self.driver_state[point] = driver_state
 
-    def on_saved(self, epoch: int, rank: int) -> None:
-        self.saved.setdefault(epoch, set()).add(rank)
+    def on_saved(self, point: Point, rank: int, ledger: EpochLedger) -> None:
+        self.saved.setdefault(point, {})[rank] = ledger.chunk_count(point.epoch, rank)
+        self._all_saved(point, ledger)
 
-    def on_all_saved(self, epoch: int, driver_state: dict[str, Any]) -> None:
-        """Every member saved (local SGD: the checkpoint round is acknowledged); the driver's state then."""
-        self.saved[epoch] = set(self._parts(epoch))
-        self.driver_state[epoch] = driver_state
+    def on_all_saved(self, point: Point, driver_state: dict[str, Any], ledger: EpochLedger) -> None:
+        """Every member saved (local SGD: the checkpoint round is acknowledged, and no window after it is
+        open); the driver's state then."""
+        self.saved[point] = {rank: ledger.chunk_count(point.epoch, rank) for rank in self._parts(point)}
+        self.driver_state[point] = driver_state
+        self._all_saved(point, ledger)
+
+    def _all_saved(self, point: Point, ledger: EpochLedger) -> None:
+        chunks = self.saved[point]
+        if point.into is not None and self._parts(point) <= chunks.keys():
+            self.ledger_state[point] = ledger.partial(point.epoch, chunks)
 
     def poll(self, ledger: EpochLedger, driver_state: dict[str, Any]) -> list[Checkpoint]:
-        """Commit every epoch whose parts are all saved and that the ledger has emitted; return those."""
+        """Commit every point whose parts are all saved and whose epochs before it the ledger has emitted
+        (its own too, at an epoch's end); return those."""
         committed = []
-        for epoch in sorted(self.saved):
-            ranks = self._parts(epoch)
-            if not ranks <= self.saved[epoch] or ledger.next_to_emit <= epoch:
+        for point in sorted(self.saved, key=lambda p: p.order):
+            ranks = self._parts(point)
+            if not ranks <= self.saved[point].keys() or ledger.next_to_emit <= point.last_whole_epoch:
                 continue
             state = {
                 **self.kind,
-                "epoch": epoch,
+                "epoch": point.epoch,
+                "into": point.into,
                 "comm_bytes_total": ledger.comm_bytes_total,
-                "driver": self.driver_state.pop(epoch, driver_state),
+                "driver": self.driver_state.pop(point, driver_state),
+                # Inside an epoch: what its record holds so far (a resumed run starts its ledger there).
+                "ledger": self.ledger_state.pop(point, None),
             }
-            self.store.write_part(epoch, COORDINATOR_FILE, state)
-            self.committed = self.store.commit(epoch, self.world_size, self.run, ranks)
-            del self.saved[epoch]
-            self.expected.pop(epoch, None)
-            self.remaining.discard(epoch)
+            self.store.write_part(point, COORDINATOR_FILE, state)
+            self.committed = self.store.commit(point, self.world_size, self.run, ranks)
+            del self.saved[point]
+            self.expected.pop(point, None)
+            if point.into is None:
+                self.remaining.discard(point.epoch)
             committed.append(self.committed)
-            log.info("checkpoint after epoch %d: %s", shown_epoch(epoch), self.committed.path)
+            log.info("checkpoint %s: %s", point.words(), self.committed.path)
         return committed
 
-    def _parts(self, epoch: int) -> frozenset[int]:
-        return self.expected.get(epoch, frozenset(range(self.world_size)))
+    def _parts(self, point: Point) -> frozenset[int]:
+        return self.expected.get(point, frozenset(range(self.world_size)))

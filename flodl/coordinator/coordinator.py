@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from flodl.checkpoint import MODEL_FILE
+from flodl.checkpoint import MODEL_FILE, Point
 from flodl.coordinator.commit import CheckpointCommitter
 from flodl.coordinator.driver import CoordinatorError, Driver
 from flodl.coordinator.hooks import CallbackError, Hooks
@@ -74,7 +74,7 @@ class Coordinator(threading.Thread):
         self.monitor = monitor
         # Writes the consensus rank 0 holds when a peer goes silent (None: it holds none worth saving).
         self.save_on_hang = save_on_hang
-        # Commits checkpoints (None: checkpoint_every is off).
+        # Commits checkpoints (None: checkpoints are off).
         self.committer = committer
         self.timeline = timeline
         self.run_dir = run_dir
@@ -187,9 +187,7 @@ class Coordinator(threading.Thread):
 
     def last_checkpoint(self) -> str:
         committed = self.committer.committed if self.committer is not None else None
-        return (
-            str(committed.path) if committed is not None else "none (checkpoint_every is off or none was due)"
-        )
+        return str(committed.path) if committed is not None else "none (checkpoints are off or none was due)"
 
     def _check_heartbeats(self, now: float) -> None:
         silent = self.monitor.silent(now)
@@ -204,7 +202,7 @@ class Coordinator(threading.Thread):
             return
         if isinstance(message, Saved):
             assert self.committer is not None, "a Saved report without checkpoints"
-            self.committer.on_saved(message.epoch, message.rank)
+            self.committer.on_saved(Point(message.epoch, message.into), message.rank, self.ledger)
         elif isinstance(message, ChunkReport):
             if self.driver.on_chunk(message):  # else a cut rank's late report: its slice went to another
                 self.timeline.chunk(message.rank, message.epoch, message.wall_ms, message.batches)

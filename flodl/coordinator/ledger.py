@@ -8,7 +8,8 @@ evaluated it (the members at its round).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from flodl.counting import shown_epoch
@@ -81,6 +82,45 @@ class EpochLedger:
         if epoch < self.next_to_emit or epoch >= self.epochs:
             raise LedgerError(f"a report for epoch {shown_epoch(epoch)}, outside the open epochs")
         return self._open.setdefault(epoch, _Epoch())
+
+    def chunk_count(self, epoch: int, rank: int) -> int:
+        """How many chunks of `epoch` the rank has reported so far."""
+        entry = self._open.get(epoch)
+        return 0 if entry is None else sum(1 for c in entry.chunks if c.rank == rank)
+
+    def reported_batches(self, epoch: int) -> int:
+        """Batches of `epoch` reported so far (a run resumed inside it: those its checkpoint held)."""
+        entry = self._open.get(epoch)
+        return 0 if entry is None else sum(c.batches for c in entry.chunks)
+
+    def partial(self, epoch: int, chunks: Mapping[int, int]) -> dict[str, Any]:
+        """What `epoch`'s record holds so far, as plain data for a checkpoint inside it: of each rank in
+        `chunks`, its first `chunks[rank]` chunks (those it reported before its part), and the rounds and
+        membership changes recorded against the epoch."""
+        entry = self._open.get(epoch, _Epoch())
+        seen: dict[int, int] = {}
+        kept = []
+        for chunk in entry.chunks:
+            seen[chunk.rank] = seen.get(chunk.rank, 0) + 1
+            if seen[chunk.rank] <= chunks.get(chunk.rank, 0):
+                kept.append(asdict(chunk))
+        return {
+            "chunks": kept,
+            "rounds_closed": entry.rounds_closed,
+            "rounds": {rank: asdict(cost) for rank, cost in entry.rounds.items()},
+            "membership": list(entry.membership),
+            "step": self.step,
+        }
+
+    def resume_partial(self, epoch: int, state: Mapping[str, Any]) -> None:
+        """A run resumed inside `epoch` (its first open one): its record starts from what the checkpoint's
+        held (`partial`), so it is the uninterrupted run's."""
+        entry = self._epoch(epoch)
+        entry.chunks = [ChunkReport(**chunk) for chunk in state["chunks"]]
+        entry.rounds_closed = int(state["rounds_closed"])
+        entry.rounds = {int(rank): RoundCost(**cost) for rank, cost in state["rounds"].items()}
+        entry.membership = list(state["membership"])
+        self.step = int(state["step"])
 
     def add_chunk(self, chunk: ChunkReport) -> bool:
         """Record a chunk; True when it completes its epoch."""

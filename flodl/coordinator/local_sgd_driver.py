@@ -8,8 +8,10 @@ round, ElChe gets the window's timings and the guard's verdict, and the next win
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
+from flodl.checkpoint import Point
 from flodl.coordinator.commit import CheckpointCommitter
 from flodl.coordinator.ledger import EpochLedger
 from flodl.coordinator.roster import Roster
@@ -46,13 +48,18 @@ class LocalSgdDriver:
         timeline: Timeline,
         roster: Roster,
         committer: CheckpointCommitter | None = None,
+        checkpoint_every_s: float | None = None,
     ) -> None:
-        """`roster`: who is in (the planner's and ElChe's members follow its changes)."""
+        """`roster`: who is in (the planner's and ElChe's members follow its changes).
+        `checkpoint_every_s`: a checkpoint at the first round boundary this long after the last one (or the
+        run's start)."""
         self.timeline = timeline
         self.roster = roster
         self.committer = committer
-        # The epoch the round in flight checkpoints (None: not a checkpoint round).
-        self._checkpoint_epoch: int | None = None
+        self.checkpoint_every_s = checkpoint_every_s
+        self._last_checkpoint = time.monotonic()
+        # Where the round in flight checkpoints (None: not a checkpoint round).
+        self._checkpoint_at: Point | None = None
         self.planner = planner
         self.elche = elche
         self.guard = guard
@@ -153,10 +160,11 @@ class LocalSgdDriver:
                 self.roster.on_good_round(message.generation)
                 if not message.skipped:  # a skip is the same on every rank: nobody moved
                     self._feed_round()
-                if self._checkpoint_epoch is not None and self.committer is not None:
-                    self.committer.expect_parts(self._checkpoint_epoch, self.planner.members)
-                    self.committer.on_all_saved(self._checkpoint_epoch, self.state())
-                    self._checkpoint_epoch = None
+                if self._checkpoint_at is not None and self.committer is not None:
+                    self.committer.expect_parts(self._checkpoint_at, self.planner.members)
+                    self.committer.on_all_saved(self._checkpoint_at, self.state(), self.ledger)
+                    self._checkpoint_at = None
+                    self._last_checkpoint = time.monotonic()
                 if self.done:
                     self.ledger.release()
                     return
@@ -164,9 +172,18 @@ class LocalSgdDriver:
                     self.planner.next_segment()
                 if self.roster.joiners:
                     self._admit_joiners()
+                if self._checkpoint_due():
+                    self.planner.cut_segment()
                 self._open_window()
         else:
             raise RuntimeError(f"unexpected message under local SGD: {message!r}")
+
+    def _checkpoint_due(self) -> bool:
+        """A checkpoint by time: the window about to open ends its segment."""
+        every = self.checkpoint_every_s
+        if every is None or self.committer is None or self.planner.cut_requested:
+            return False
+        return time.monotonic() - self._last_checkpoint >= every
 
     def _feed_round(self) -> None:
         """The guard reads the round's divergence; ElChe gets the window's timings and the verdict."""
@@ -201,10 +218,12 @@ class LocalSgdDriver:
                 if not average.redo:
                     self.ledger.open_round(average.round)
                     self.timeline.round_started(average.round, average.evaluate_epochs)
-                self._checkpoint_epoch = average.checkpoint_epoch
+                self._checkpoint_at = self._point(average.checkpoint_at)
+                point = self._checkpoint_at
                 order = AverageNow(
-                    average.round, list(average.evaluate_epochs), average.final, average.checkpoint_epoch,
-                    self.roster.generation,
+                    average.round, list(average.evaluate_epochs), average.final,
+                    None if point is None else point.epoch, self.roster.generation,
+                    None if point is None else point.into,
                 )  # fmt: skip
                 for rank in sorted(self.roster.members):
                     self.outbox.send(rank, order)
@@ -214,8 +233,15 @@ class LocalSgdDriver:
         deciding = {e for e in self._undecided_evals if e < self.planner.settled_end}
         if average.final:  # every epoch of the segment not decided yet is decided now
             first = self.ledger.first_epoch
-            deciding |= set(range(first, self.planner.segment_end)) - self._decided_evals
+            deciding |= set(range(first, self.planner.whole_epochs_end)) - self._decided_evals
         for epoch in deciding:
             self.ledger.expect_eval(epoch, epoch in average.evaluate_epochs, ranks=len(self.roster.members))
         self._undecided_evals -= deciding
         self._decided_evals |= deciding
+
+    def _point(self, checkpoint_at: tuple[int, int | None] | None) -> Point | None:
+        """The planner's checkpoint place as a checkpoint's point: inside an epoch, in samples into it."""
+        if checkpoint_at is None:
+            return None
+        epoch, batches = checkpoint_at
+        return Point(epoch, None if batches is None else batches * self.planner.batch_size)

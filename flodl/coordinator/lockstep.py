@@ -15,8 +15,9 @@ others, but it died before saying so. What the ledger waits for is what the repo
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from flodl.counting import shown_epoch
 from flodl.data.partition import equal_slices
@@ -83,9 +84,45 @@ def _window(pieces: tuple[EpochSlice, ...], start: int, size: int | None) -> tup
     return tuple(out)
 
 
+def segment_state(segment: Segment) -> dict[str, Any]:
+    """`segment` as plain data (a checkpoint's: the rest of an epoch from the step it was taken at)."""
+    return {
+        "epoch": segment.epoch,
+        "members": list(segment.members),
+        "first_step": segment.first_step,
+        "steps": segment.steps,
+        "shares": [[rank, [asdict(piece) for piece in segment.shares[rank]]] for rank in segment.members],
+    }
+
+
+def segment_from_state(state: Mapping[str, Any], generation: int) -> Segment:
+    shares = {int(rank): tuple(EpochSlice(**piece) for piece in pieces) for rank, pieces in state["shares"]}
+    members = tuple(int(rank) for rank in state["members"])
+    return Segment(
+        int(state["epoch"]), generation, members, int(state["first_step"]), int(state["steps"]), shares
+    )
+
+
+def checkpoint_steps(
+    segment: Segment, before: int, step_samples: int, total_picks: int, every: int
+) -> list[int]:
+    """The steps of `segment`'s epoch, inside the segment and before its end, after which the run has trained
+    a multiple of `every` samples (counted from the run's start: epoch x total_picks + picks of the epoch
+    trained; `before`: picks of the epoch trained before the segment)."""
+    per_step = len(segment.members) * step_samples
+    start = segment.epoch * total_picks + before
+    steps = []
+    for k in range(1, segment.steps):  # the segment's last step ends the epoch or a cut: no checkpoint here
+        if (start + k * per_step) // every > (start + (k - 1) * per_step) // every:
+            steps.append(segment.first_step + k)
+    return steps
+
+
 @dataclass
 class _EpochPlan:
     segments: list[Segment] = field(default_factory=list)
+    # Batches of the epoch reported before its first segment here (a run resumed inside the epoch).
+    before: int = 0
     # Per segment (by generation): the steps its members trained, once they agreed it ended early.
     trained: dict[int, int] = field(default_factory=dict)
     # Per segment (by generation): the members that reported it.
@@ -107,6 +144,25 @@ class LockstepPlan:
         segment = opening_segment(epoch, self.total_picks, members, self.step_samples, generation)
         self._epochs[epoch] = _EpochPlan([segment])
         return segment
+
+    def resume(self, segment: Segment, members: Iterable[int], before: int) -> Segment:
+        """A run resumed inside `segment.epoch`: the rest a checkpoint recorded, `before` batches of the epoch
+        reported already; shared by `members` (the same ones keep their own picks)."""
+        if tuple(sorted(members)) != segment.members:
+            segment = rest_of(segment, 0, members, self.step_samples, segment.generation)
+        self._epochs[segment.epoch] = _EpochPlan([segment], before=before)
+        return segment
+
+    def samples_before(self, epoch: int) -> int:
+        """Picks of `epoch` its reporting members trained before its latest segment."""
+        plan = self._epochs[epoch]
+        trained = 0
+        for segment in plan.segments[:-1]:
+            reporters = plan.reporters.get(segment.generation, frozenset(segment.members))
+            trained += (
+                plan.trained.get(segment.generation, segment.steps) * len(reporters) * self.step_samples
+            )
+        return trained + plan.before * self.step_samples
 
     def end_steps(self) -> dict[int, int]:
         """The step each planned epoch's latest segment ends at."""
@@ -151,7 +207,7 @@ class LockstepPlan:
     def expected_batches(self, epoch: int) -> int:
         """Batches the members will have reported for `epoch` once every segment is done."""
         plan = self._epochs[epoch]
-        total = 0
+        total = plan.before
         for segment in plan.segments:
             reporters = plan.reporters.get(segment.generation, frozenset(segment.members))
             total += plan.trained.get(segment.generation, segment.steps) * len(reporters)

@@ -13,10 +13,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from flodl.checkpoint import Point
 from flodl.coordinator.commit import CheckpointCommitter
 from flodl.coordinator.driver import CoordinatorError, EpochSchedule
 from flodl.coordinator.ledger import EpochLedger
-from flodl.coordinator.lockstep import LockstepPlan, Segment
+from flodl.coordinator.lockstep import (
+    LockstepPlan,
+    Segment,
+    checkpoint_steps,
+    rest_of,
+    segment_from_state,
+    segment_state,
+)
 from flodl.coordinator.roster import Roster
 from flodl.counting import shown_epoch
 from flodl.wire.messages import ChunkReport, EvalResult, FirstStep, Message, Regrouped, StartEpoch
@@ -76,9 +84,13 @@ class SyncDriver:
         first_epoch: int,
         committer: CheckpointCommitter | None = None,
         lookahead: int = PLAN_LOOKAHEAD,
+        checkpoint_every_samples: int | None = None,
+        resumed: dict[str, Any] | None = None,
     ) -> None:
-        """`committer`: the checkpoints (None: checkpoint_every is off); its due epochs are the ones whose
-        plan asks for the ranks' parts. `lookahead`: epochs planned beyond the one being aggregated."""
+        """`committer`: the checkpoints (None: checkpointing is off); its due epochs are the ones whose
+        plan asks for the ranks' parts. `lookahead`: epochs planned beyond the one being aggregated.
+        `checkpoint_every_samples`: a checkpoint inside an epoch at each step after which the run has trained
+        a multiple of it. `resumed`: the driver's state of a checkpoint inside `first_epoch` (its rest)."""
         self.schedule = schedule
         self.lookahead = lookahead
         self.ledger = ledger
@@ -91,6 +103,8 @@ class SyncDriver:
         self.plan = LockstepPlan(schedule.total_picks, schedule.batch_size)
         # A cut's generation whose rest is still to be planned (once its members agreed where they are).
         self._replan: int | None = None
+        self.checkpoint_every_samples = checkpoint_every_samples
+        self._resumed_rest = resumed.get("rest") if resumed else None
 
     def begin(self) -> None:
         for epoch in range(
@@ -137,6 +151,12 @@ class SyncDriver:
         if roster.joiners:  # admitted where the members reach this Regroup: after the epochs planned before
             roster.send_regroup(roster.admit_joiners(), in_order=True)
         self.planned = epoch
+        rest, self._resumed_rest = self._resumed_rest, None
+        if rest is not None:  # resumed inside this epoch: the rest its checkpoint recorded
+            segment = segment_from_state(rest, roster.generation)
+            before = self.ledger.reported_batches(epoch)
+            self._send(self.plan.resume(segment, roster.members, before))
+            return
         self._send(self.plan.open(epoch, roster.members, roster.generation))
 
     def _send(self, segment: Segment) -> None:
@@ -146,7 +166,8 @@ class SyncDriver:
         checkpoint = self.committer is not None and epoch in self.committer.remaining
         self.ledger.expect_eval(epoch, evaluate, ranks=len(segment.members))
         if checkpoint and self.committer is not None:
-            self.committer.expect_parts(epoch, segment.members)
+            self.committer.expect_parts(Point(epoch), segment.members)
+        inside = self._checkpoints_inside(segment)
         self.ledger.expect_batches(epoch, self.plan.expected_batches(epoch))
         if not (segment.steps or evaluate or checkpoint):
             return
@@ -158,8 +179,28 @@ class SyncDriver:
                 checkpoint,
                 segment.generation,
                 segment.first_step,
+                inside,
             )
             self.outbox.send(rank, order)
+
+    def _checkpoints_inside(self, segment: Segment) -> list[list[int]]:
+        """The checkpoints by steps inside `segment`, as [step of the epoch, samples of it trained]; the
+        committer expects each with the rest of the epoch from there (the driver's state at it)."""
+        every = self.checkpoint_every_samples
+        if every is None or self.committer is None:
+            return []
+        plan, step_samples = self.plan, self.plan.step_samples
+        before = plan.samples_before(segment.epoch)
+        inside = []
+        for step in checkpoint_steps(segment, before, step_samples, plan.total_picks, every):
+            trained = step - segment.first_step
+            into = before + trained * len(segment.members) * step_samples
+            rest = rest_of(segment, trained, segment.members, step_samples, segment.generation)
+            self.committer.expect_parts(
+                Point(segment.epoch, into), segment.members, {"rest": segment_state(rest)}
+            )
+            inside.append([step, into])
+        return inside
 
     # --- the roster's changes ----------------------------------------------------------------------------
 

@@ -10,9 +10,12 @@ time. Batches are handed out from one cursor over the epochs: batch i of epoch e
 - async: rank r is kept supplied up to `counts[r] + overshoot` batches per window and may run into the
   next epoch; the reduce fires once every rank has done `counts[r]`.
 
-Barrier epochs (checkpoints) cut the run into segments: the cursor stops at a segment's end, every rank
-trains out its queue, and the segment's last reduce is exact (no EASGD blend), so every rank holds the
-same consensus when the checkpoint is taken. The next segment opens once that reduce is acknowledged.
+Checkpoints cut the run into segments: the cursor stops at a segment's end, every rank trains out its
+queue, and the segment's last reduce is exact (no EASGD blend), so every rank holds the same consensus
+when the checkpoint is taken. The next segment opens once that reduce is acknowledged. A segment ends
+after a barrier epoch, at a step threshold inside an epoch (every `checkpoint_every_batches` batches
+handed out, counted from the run's start), or with the window after `cut_segment` (a checkpoint by time,
+or a stop that saves).
 
 Membership (fault_tolerance=survive): only members get windows, are waited for and acknowledge rounds.
 A rank that dies is dropped: the slices it was handed and had not reported trained (`on_chunk`) return
@@ -45,8 +48,9 @@ class Average:
     evaluate_epochs: tuple[int, ...]
     # The last reduce of a segment (or of the run): every rank adopts the consensus exactly (no EASGD blend).
     final: bool
-    # Take a checkpoint after this epoch once the round is done (None: no checkpoint).
-    checkpoint_epoch: int | None = None
+    # Take a checkpoint once the round is done, at (epoch, batches of it handed out: None, the epoch whole);
+    # None: no checkpoint.
+    checkpoint_at: tuple[int, int | None] | None = None
     # The round of the same number redone among the members left after a rank died during it.
     redo: bool = False
 
@@ -83,16 +87,28 @@ class Cursor:
     """The next undispatched batch, across epochs."""
 
     batches_per_epoch: int
-    # The end (exclusive) of the segment being handed out.
-    end: int
+    # The end (exclusive) of the segment being handed out: (epoch, batch); (e + 1, 0) ends after epoch e.
+    end: tuple[int, int]
     epoch: int = 0
     batch: int = 0
 
+    @property
+    def position(self) -> tuple[int, int]:
+        return (self.epoch, self.batch)
+
     def exhausted(self) -> bool:
-        return self.epoch >= self.end
+        return self.position >= self.end
+
+    def left_in_segment(self) -> int:
+        """Batches still to hand out before the segment's end, across epochs."""
+        end = self.end[0] * self.batches_per_epoch + self.end[1]
+        return max(end - (self.epoch * self.batches_per_epoch + self.batch), 0)
 
     def left_in_epoch(self) -> int:
-        return 0 if self.exhausted() else self.batches_per_epoch - self.batch
+        if self.exhausted():
+            return 0
+        stop = self.end[1] if self.end[0] == self.epoch else self.batches_per_epoch
+        return stop - self.batch
 
     def take(self, n: int, batch_size: int, cross_epochs: bool) -> tuple[EpochSlice, ...]:
         slices = []
@@ -119,8 +135,11 @@ class LocalSgdPlanner:
     eval_epochs: frozenset[int]
     # Epochs after which every rank holds the consensus for a checkpoint.
     barrier_epochs: frozenset[int] = frozenset()
-    # Where a resumed run starts.
+    # Where a resumed run starts: its first epoch, and the batches of it a checkpoint inside it had trained.
     first_epoch: int = 0
+    first_batch: int = 0
+    # A checkpoint every this many batches handed out (counted from the run's start; None: by epochs only).
+    checkpoint_every_batches: int | None = None
     cursor: Cursor = field(init=False)
     round: int = 0
     targets: list[int] = field(init=False)
@@ -145,9 +164,14 @@ class LocalSgdPlanner:
     window_open: bool = False
     # The round in flight (what a drop redoes).
     in_flight: Average | None = None
+    # Whether the segment being handed out ends with a checkpoint, and whether the next window ends it.
+    checkpoint_at_end: bool = field(init=False)
+    cut_requested: bool = False
 
     def __post_init__(self) -> None:
-        self.cursor = Cursor(self.batches_per_epoch, self._segment_end(self.first_epoch), self.first_epoch)
+        start = (self.first_epoch, self.first_batch)
+        end, self.checkpoint_at_end = self._segment_end(start)
+        self.cursor = Cursor(self.batches_per_epoch, end, *start)
         self.targets = [0] * self.world_size
         self.queued = [0] * self.world_size
         self.carried = [0] * self.world_size
@@ -166,7 +190,10 @@ class LocalSgdPlanner:
         ranks = sorted(self.members)
         epoch: int | None = None  # async: returned slices of any epoch
         if self.is_async:
-            allocation = [counts[r] + overshoot - self.queued[r] for r in ranks]
+            allocation = [max(counts[r] + overshoot - self.queued[r], 0) for r in ranks]
+            left = self.cursor.left_in_segment() + self._batches(tuple(self.returned))
+            if sum(allocation) > left:  # the segment's tail: shared in proportion, not to the first asker
+                allocation = proportional_split(left, allocation)
         else:
             allocation = [counts[r] for r in ranks]
             epoch, left = self._cadence_epoch()
@@ -183,6 +210,9 @@ class LocalSgdPlanner:
             self.queued[rank] += given
             self.handed[rank].extend(slices)
             taken.append((rank, slices, given))
+        if self.cut_requested:  # this window ends the segment, with a checkpoint
+            self.cursor.end, self.checkpoint_at_end = self.cursor.position, True
+            self.cut_requested = False
         # Targets once every rank is served: a later rank's take may run the data out, and then every rank,
         # earlier ones too, must train all it holds before this round, so that it is the exact last one.
         # A target counts steps since the last round, so the steps a rank carried out of it count too.
@@ -283,28 +313,52 @@ class LocalSgdPlanner:
 
     @property
     def finished(self) -> bool:
-        return self.segment_done and self.cursor.end == self.epochs
+        return self.segment_done and self.cursor.end == (self.epochs, 0)
 
     @property
-    def segment_end(self) -> int:
-        return self.cursor.end
+    def whole_epochs_end(self) -> int:
+        """The first epoch the segment does not train whole: those before it are trained at its end."""
+        return self.cursor.end[0]
 
     def next_segment(self) -> None:
         """Open the segment after a completed one (the caller opens its first window)."""
-        self.cursor.end = self._segment_end(self.cursor.end)
+        self.cursor.end, self.checkpoint_at_end = self._segment_end(self.cursor.end)
         self.final_round = False
+
+    def cut_segment(self) -> None:
+        """The next window to open is the segment's last, and a checkpoint follows its exact round (one by
+        time, or a stop that saves)."""
+        self.cut_requested = True
 
     def stop(self) -> int:
         """End the run at the first epoch boundary the cursor has not passed (every batch handed out is still
         trained, and the last reduce is exact); return the last epoch."""
         end = self.cursor.epoch + (1 if self.cursor.batch else 0)
         self.epochs = end
-        self.cursor.end = min(self.cursor.end, end)
+        if (end, 0) < self.cursor.end:
+            self.cursor.end, self.checkpoint_at_end = (end, 0), end - 1 in self.barrier_epochs
         self.barrier_epochs = frozenset(e for e in self.barrier_epochs if e < end)
         return end - 1
 
-    def _segment_end(self, start: int) -> int:
-        return min([e + 1 for e in self.barrier_epochs if e >= start] + [self.epochs])
+    def _segment_end(self, start: tuple[int, int]) -> tuple[tuple[int, int], bool]:
+        """Where the segment that opens at `start` ends, and whether a checkpoint is taken there: after the
+        next barrier epoch, at the next step threshold, or at the run's end (a checkpoint if its last epoch
+        is a barrier)."""
+        ends = [((e + 1, 0), True) for e in self.barrier_epochs if (e + 1, 0) > start]
+        ends.append(((self.epochs, 0), self.epochs - 1 in self.barrier_epochs))
+        every = self.checkpoint_every_batches
+        if every is not None:
+            handed = start[0] * self.batches_per_epoch + start[1]
+            epoch, batch = divmod((handed // every + 1) * every, self.batches_per_epoch)
+            ends.append(((epoch, batch), True))
+        end = min(position for position, _ in ends)
+        return end, any(checkpoint for position, checkpoint in ends if position == end)
+
+    def _checkpoint_point(self) -> tuple[int, int | None]:
+        """The segment's end as a checkpoint's place: (epoch, None) after an epoch, else (epoch, batches of
+        it handed out)."""
+        epoch, batch = self.cursor.end
+        return (epoch - 1, None) if batch == 0 else (epoch, batch)
 
     def state(self) -> dict[str, Any]:
         """What a resumed planner needs beyond its settings (taken between segments)."""
@@ -364,12 +418,11 @@ class LocalSgdPlanner:
         # of its round (the driver decided them then), and adds only those left if it became the final.
         left = self.eval_epochs - self.evaluated_epochs
         if self.final_round:
-            due = {e for e in left if e < self.cursor.end}
+            due = {e for e in left if e < self.whole_epochs_end}
         else:
             due = set() if redo else {e for e in left if e < self.settled_end}
         self.evaluated_epochs.update(due)
-        barrier = self.final_round and self.cursor.end - 1 in self.barrier_epochs
-        checkpoint = self.cursor.end - 1 if barrier else None
+        checkpoint = self._checkpoint_point() if self.final_round and self.checkpoint_at_end else None
         evaluate = tuple(sorted({*carried, *due}))
         self.in_flight = Average(self.round, evaluate, self.final_round, checkpoint, redo)
         return self.in_flight

@@ -42,6 +42,9 @@ class StartEpoch:
     # the steps of the epoch the members trained before it (the rest of an epoch a membership change cut).
     generation: int = 0
     first_step: int = 0
+    # Checkpoints inside the share: [step of the epoch after which to save, samples of the epoch trained
+    # by then], in order (each saved and reported with Saved, after a ChunkReport of the steps before it).
+    checkpoint_steps: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.slices = [_as_slice(s) for s in self.slices]
@@ -71,6 +74,8 @@ class AverageNow:
     # The averaging group's generation it is meant for (survive: an order for a group that could not be
     # formed is superseded by the next Regroup's).
     generation: int = 0
+    # A checkpoint inside `checkpoint_epoch`: the samples of it trained (None: after the epoch, whole).
+    checkpoint_into: int | None = None
 
 
 @dataclass
@@ -190,10 +195,12 @@ class EvalResult:
 
 @dataclass
 class Saved:
-    """This rank's checkpoint part for the epoch is on disk (sync; local SGD says so with its RoundAck)."""
+    """This rank's checkpoint part is on disk (sync; local SGD says so with its RoundAck)."""
 
     rank: int
     epoch: int
+    # A part inside the epoch: the samples of it trained (None: after the epoch).
+    into: int | None = None
 
 
 @dataclass

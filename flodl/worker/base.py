@@ -81,7 +81,7 @@ class WorkerBase:
         """`group`: who this rank trains and averages with (the assembly's choice; None: the link's world)."""
         self.stepper = stepper
         self.on_nonfinite = settings.on_nonfinite
-        # Writes this rank's checkpoint parts (None: checkpoint_every is off).
+        # Writes this rank's checkpoint parts (None: checkpoints are off).
         self.checkpointer = checkpointer
         self.rank = link.rank
         self.world_size = link.world_size

@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import nn
 
-from flodl.checkpoint import MODEL_FILE, Checkpoint, CheckpointDir, model_state, rank_file
+from flodl.checkpoint import MODEL_FILE, Checkpoint, CheckpointDir, Point, model_state, rank_file
 from flodl.worker.rank_state import restore_stepper, stepper_state
 from flodl.worker.stepper import Stepper
 
@@ -24,13 +24,13 @@ class RankCheckpointer:
         self.model = model
         self.stepper = stepper
 
-    def save(self, epoch: int, worker_state: dict[str, Any], first_member: bool = True) -> None:
+    def save(self, point: Point, worker_state: dict[str, Any], first_member: bool = True) -> None:
         """`first_member`: this rank writes the model too (every member holds the same one here: one copy is
         enough)."""
         if first_member:
-            self.store.write_part(epoch, MODEL_FILE, model_state(self.model))
+            self.store.write_part(point, MODEL_FILE, model_state(self.model))
         part = {"stepper": stepper_state(self.stepper), "worker": worker_state}
-        self.store.write_part(epoch, rank_file(self.rank), part)
+        self.store.write_part(point, rank_file(self.rank), part)
 
 
 def restore_rank_part(checkpoint: Checkpoint, rank: int, stepper: Stepper) -> dict[str, Any]:

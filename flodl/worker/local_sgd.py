@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from flodl.averaging.consensus import DeviceAverager, HostAverager
+from flodl.checkpoint import Point
 from flodl.metrics.scalars import drain_scalars
 from flodl.wire.membership import AveragingGroup
 from flodl.wire.messages import (
@@ -309,7 +310,8 @@ class LocalSgdWorker(WorkerBase):
         self.global_steps += outcome.total_steps
         if order.checkpoint_epoch is not None and self.checkpointer is not None:
             started = time.perf_counter()
-            self.checkpointer.save(order.checkpoint_epoch, self.state(), self.is_first_member)
+            point = Point(order.checkpoint_epoch, order.checkpoint_into)
+            self.checkpointer.save(point, self.state(), self.is_first_member)
             epoch_work_s += time.perf_counter() - started
         now = time.perf_counter()
         window_s = now - (self.window_started if self.window_started is not None else now)

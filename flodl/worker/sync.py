@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flodl.averaging.flat import state_digest
+from flodl.checkpoint import Point
 from flodl.counting import shown_epoch
 from flodl.metrics.scalars import drain_scalars
 from flodl.wire.membership import AveragingGroup
@@ -55,6 +56,8 @@ class _Share:
     start: float
     data_s: float = 0.0
     done: int = 0
+    # Steps already reported (in a chunk before a checkpoint inside the share).
+    reported: int = 0
 
 
 def steps_trained_of_cut(position: Sequence[int], epoch: int, first_step: int, steps: int, done: int) -> int:
@@ -124,7 +127,7 @@ class SyncWorker(WorkerBase):
             result = self.stepper.evaluate(group.index, group.size, epoch, step, self.global_samples, step)
             self.report_evals(replace(result, generation=group.generation), [epoch])
         if plan.checkpoint and self.checkpointer is not None:
-            self.checkpointer.save(epoch, self.state(), self.is_first_member)
+            self.checkpointer.save(Point(epoch), self.state(), self.is_first_member)
             self.report(Saved(self.rank, epoch))
 
     def train_epoch(self, plan: StartEpoch) -> ChunkReport | None:
@@ -145,6 +148,7 @@ class SyncWorker(WorkerBase):
             time.perf_counter(),
         )
         members = self.group.size
+        inside = {step: into for step, into in plan.checkpoint_steps}
         for b in range(share.steps):
             fetched = time.perf_counter()
             micro_batches = stepper.load_step(picks[b * step_samples : (b + 1) * step_samples], plan.epoch)
@@ -163,9 +167,25 @@ class SyncWorker(WorkerBase):
                 self._say_first_step()
             stepper.schedule_to(stepper.steps_total)
             self.observe(loss, plan.epoch)
+            into = inside.get(self.position[1])
+            if into is not None:
+                self._save_inside(share, Point(plan.epoch, into))
         self.raise_if_nonfinite()  # before the epoch is reported, and long before it is checkpointed
         self.position = (plan.epoch, plan.first_step + share.steps)
-        return self._chunk(share, share.steps)
+        return self._chunk(share, share.steps - share.reported)
+
+    def _save_inside(self, share: _Share, point: Point) -> None:
+        """A checkpoint inside the share: the steps so far reported as a chunk (what the epoch's record
+        holds at the checkpoint), then this rank's part, then Saved."""
+        self.raise_if_nonfinite()
+        self.report(self._chunk(share, share.done - share.reported))
+        share.reported = share.done
+        share.loss_sum = torch.zeros((), device=self.stepper.device)
+        share.data_s = 0.0
+        share.started_at, share.start = time.time(), time.perf_counter()
+        if self.checkpointer is not None:
+            self.checkpointer.save(point, self.state(), self.is_first_member)
+            self.report(Saved(self.rank, point.epoch, point.into))
 
     def _chunk(self, share: _Share, batches: int) -> ChunkReport:
         stepper = self.stepper
@@ -237,8 +257,8 @@ class SyncWorker(WorkerBase):
         trained = steps_trained_of_cut(self.position, plan.epoch, plan.first_step, cut.steps, cut.done)
         if trained > cut.done:
             cut.loss_sum += self.stepper.interrupted_loss()
-        if trained:  # a segment finished this way: its eval and checkpoint are the coordinator's to ask again
-            self.report(self._chunk(cut, trained))
+        if trained > cut.reported:  # a segment finished this way: its eval and checkpoint are asked again
+            self.report(self._chunk(cut, trained - cut.reported))
 
     def on_done(self) -> None:
         self._log_state("the last epoch")
