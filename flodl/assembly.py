@@ -29,7 +29,6 @@ from flodl.config.host import RankEnv, stage_dir_of
 from flodl.config.policy import (
     averages_parameters,
     checkpoint_epochs,
-    checkpoint_every_samples,
     checkpoints_on,
     collective_backend,
     compile_mode_for,
@@ -336,7 +335,7 @@ def make_coordinator(cfg: FlodlConfig, setup: CoordinatorSetup) -> Coordinator:
             ledger.resume_partial(first, inside)
         roster = roster_of(ledger)
         lookahead = 0 if survive else PLAN_LOOKAHEAD  # admissions at the next epoch
-        every = checkpoint_every_samples(cfg, world_size)
+        every = cfg.checkpoint_every_steps
         driver_state = resumed["driver"] if resumed is not None and inside is not None else None
         driver = SyncDriver(
             schedule, ledger, outbox, roster, first, committer, lookahead, every, driver_state
@@ -430,5 +429,5 @@ def _local_sgd_driver(
 
 def _checkpoint_every_batches(cfg: FlodlConfig, schedule: EpochSchedule) -> int | None:
     """checkpoint_every_steps as batches the local-SGD planner hands out (a global step: one per rank)."""
-    every = checkpoint_every_samples(cfg, schedule.world_size)
-    return None if every is None else max(1, every // schedule.batch_size)
+    every = cfg.checkpoint_every_steps
+    return None if every is None else every * schedule.world_size

@@ -1,17 +1,16 @@
 """Checkpoints on disk: atomic files, complete-or-invisible checkpoint dirs, a `latest` pointer.
 
-A checkpoint is a dir `checkpoints/epoch-NNNNNN/` (NNNNNN: the epochs it holds, so the checkpoint after
-epoch 3 as lines count, metrics.jsonl's epoch 2, is `epoch-000003`), or, taken inside an epoch (by steps or
-time), `checkpoints/epoch-NNNNNN-sample-SSSSSSSSS/` (SSSSSSSSS samples into epoch NNNNNN as lines count),
-holding `model.pt` (the consensus, float32), one `rank{r}.pt` per rank (optimizer, scheduler, RNG,
-counters) that was a member at the checkpoint round (every rank unless one was cut), `coordinator.pt`
-(epoch, ElChe, guard, planner; inside an epoch, what its record holds so far) and, written last, `manifest.json` with every file's size and CRC32 and the ranks whose parts it holds. Ranks
-write their parts into `epoch-NNNNNN.partial/`; rank 0 commits by writing the manifest and renaming the
-dir, then points `latest` at it. The manifest also records the run that wrote it (flodl/run_identity.py)
-and its 0-based epoch. A dir without a valid manifest (a crash mid-write, a truncated file) is never
-loaded.
-Everything is loaded with `weights_only=True`.
-"""
+A checkpoint is a dir `checkpoints/epoch-NNNNNN/` (NNNNNN: the epochs it holds, so the checkpoint after epoch
+3 as lines count, metrics.jsonl's epoch 2, is `epoch-000003`), or, taken inside an epoch (by steps or time),
+`checkpoints/epoch-NNNNNN-sample-SSSSSSSSS/` (SSSSSSSSS samples into epoch NNNNNN as lines count), holding
+`model.pt` (the consensus, float32), one `rank{r}.pt` per rank (optimizer, scheduler, RNG, counters) that was
+a member at the checkpoint round (every rank unless one was cut), `coordinator.pt` (epoch, ElChe, guard,
+planner; inside an epoch, what its record holds so far) and, written last, `manifest.json` with every file's
+size and CRC32 and the ranks whose parts it holds. Ranks write their parts into `<dir>.partial/`; rank 0
+commits by writing the manifest and renaming the dir, then points `latest` at it. The manifest also records
+the run that wrote it (flodl/run_identity.py) and its place: the 0-based epoch, and the samples into it (null:
+after it). A dir without a valid manifest (a crash mid-write, a truncated file) is never loaded.
+Everything is loaded with `weights_only=True`."""
 
 from __future__ import annotations
 

@@ -123,6 +123,9 @@ RANGE_CASES = [
     ("num_workers", -1, "must be >= 0"),
     ("prefetch_factor", 0, "must be >= 1"),
     ("checkpoint_every", 0, "must be >= 1"),
+    ("checkpoint_every_steps", 0, "must be >= 1 (global steps)"),
+    ("checkpoint_every_s", 0.0, "must be finite and > 0 (seconds)"),
+    ("checkpoint_every_s", INF, "must be finite and > 0 (seconds)"),
     ("checkpoint_keep", 0, "must be >= 1"),
     ("heartbeat_timeout_s", 0.0, "must be in [1, 604800] seconds"),
     ("heartbeat_timeout_s", 0.001, "must be in [1, 604800] seconds"),
@@ -198,6 +201,21 @@ def test_easgd_alpha_needs_async(policy):
 def test_max_overshoot_needs_async(policy):
     problems = problems_of(make(policy=policy, max_overshoot=3))
     assert_problem(problems, "max_overshoot", 3, f"applies to policy=async only (policy={policy})")
+
+
+def test_checkpoints_by_time_need_a_round_boundary_and_keep_needs_some_checkpoint_key():
+    problems = problems_of(make(policy="sync", checkpoint_every_s=600.0))
+    assert_problem(problems, "checkpoint_every_s", 600.0, "is for cadence and async")
+    assert "under policy=sync use checkpoint_every_steps" in " ".join(problems)
+    assert not [p for p in problems_of(make(policy="cadence", checkpoint_every_s=600.0)) if "checkpoint" in p]
+    for key in ("checkpoint_every", "checkpoint_every_steps", "checkpoint_every_s"):
+        assert not [
+            p for p in problems_of(make(policy="async", checkpoint_keep=5, **{key: 100})) if "keep" in p
+        ]
+    problem = assert_problem(
+        problems_of(make(checkpoint_keep=5)), "checkpoint_keep", 5, "applies to checkpoints"
+    )
+    assert "checkpoint_every, checkpoint_every_steps or checkpoint_every_s" in problem
 
 
 def test_async_takes_easgd_alpha_and_max_overshoot():

@@ -83,9 +83,3 @@ def checkpoint_epochs(cfg: FlodlConfig) -> frozenset[int]:
     return frozenset(
         e for e in range(cfg.epochs) if e == cfg.epochs - 1 or (every is not None and (e + 1) % every == 0)
     )
-
-
-def checkpoint_every_samples(cfg: FlodlConfig, world_size: int) -> int | None:
-    """checkpoint_every_steps in samples of the run (a global step: one step of every rank)."""
-    steps = cfg.checkpoint_every_steps
-    return None if steps is None else steps * world_size * step_samples(cfg)

@@ -103,19 +103,12 @@ def segment_from_state(state: Mapping[str, Any], generation: int) -> Segment:
     )
 
 
-def checkpoint_steps(
-    segment: Segment, before: int, step_samples: int, total_picks: int, every: int
-) -> list[int]:
-    """The steps of `segment`'s epoch, inside the segment and before its end, after which the run has trained
-    a multiple of `every` samples (counted from the run's start: epoch x total_picks + picks of the epoch
-    trained; `before`: picks of the epoch trained before the segment)."""
-    per_step = len(segment.members) * step_samples
-    start = segment.epoch * total_picks + before
-    steps = []
-    for k in range(1, segment.steps):  # the segment's last step ends the epoch or a cut: no checkpoint here
-        if (start + k * per_step) // every > (start + (k - 1) * per_step) // every:
-            steps.append(segment.first_step + k)
-    return steps
+def checkpoint_steps(segment: Segment, steps_per_epoch: int, every: int) -> list[int]:
+    """The steps of `segment`'s epoch, inside the segment and before its end, that end a multiple of `every`
+    global steps, counted from the run's start as `epoch x steps_per_epoch + step of the epoch`."""
+    start = segment.epoch * steps_per_epoch + segment.first_step
+    # The segment's last step ends the epoch (its own checkpoint, if one is due) or a cut: none there.
+    return [segment.first_step + k for k in range(1, segment.steps) if (start + k) % every == 0]
 
 
 @dataclass

@@ -84,13 +84,13 @@ class SyncDriver:
         first_epoch: int,
         committer: CheckpointCommitter | None = None,
         lookahead: int = PLAN_LOOKAHEAD,
-        checkpoint_every_samples: int | None = None,
+        checkpoint_every_steps: int | None = None,
         resumed: dict[str, Any] | None = None,
     ) -> None:
         """`committer`: the checkpoints (None: checkpointing is off); its due epochs are the ones whose
         plan asks for the ranks' parts. `lookahead`: epochs planned beyond the one being aggregated.
-        `checkpoint_every_samples`: a checkpoint inside an epoch at each step after which the run has trained
-        a multiple of it. `resumed`: the driver's state of a checkpoint inside `first_epoch` (its rest)."""
+        `checkpoint_every_steps`: a checkpoint inside an epoch at each multiple of it of the run's global
+        steps. `resumed`: the driver's state of a checkpoint inside `first_epoch` (its rest)."""
         self.schedule = schedule
         self.lookahead = lookahead
         self.ledger = ledger
@@ -103,7 +103,7 @@ class SyncDriver:
         self.plan = LockstepPlan(schedule.total_picks, schedule.batch_size)
         # A cut's generation whose rest is still to be planned (once its members agreed where they are).
         self._replan: int | None = None
-        self.checkpoint_every_samples = checkpoint_every_samples
+        self.checkpoint_every_steps = checkpoint_every_steps
         self._resumed_rest = resumed.get("rest") if resumed else None
 
     def begin(self) -> None:
@@ -186,13 +186,14 @@ class SyncDriver:
     def _checkpoints_inside(self, segment: Segment) -> list[list[int]]:
         """The checkpoints by steps inside `segment`, as [step of the epoch, samples of it trained]; the
         committer expects each with the rest of the epoch from there (the driver's state at it)."""
-        every = self.checkpoint_every_samples
+        every = self.checkpoint_every_steps
         if every is None or self.committer is None:
             return []
         plan, step_samples = self.plan, self.plan.step_samples
         before = plan.samples_before(segment.epoch)
+        steps_per_epoch = plan.total_picks // (self.schedule.world_size * step_samples)
         inside = []
-        for step in checkpoint_steps(segment, before, step_samples, plan.total_picks, every):
+        for step in checkpoint_steps(segment, steps_per_epoch, every):
             trained = step - segment.first_step
             into = before + trained * len(segment.members) * step_samples
             rest = rest_of(segment, trained, segment.members, step_samples, segment.generation)

@@ -1,0 +1,94 @@
+"""A run resumed from a checkpoint taken inside an epoch continues exactly there, on 2 gloo ranks: sync and
+cadence (windows pinned) end bitwise equal to the uninterrupted run, with the same records; async, whose
+windows follow timing, trains every sample of every epoch exactly once across the checkpoint (counted from
+the reads of a Dataset that logs them). The async run checkpoints by time (at every round: the interval is
+a microsecond), the others by steps."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from flodl.data.partition import epoch_permutation
+from tests.helpers.byo_data import reads
+from tests.helpers.procs import REPO, train
+from tests.helpers.runs import epochs_of
+
+pytestmark = pytest.mark.multiproc
+
+PINNED = ("anchor=4", "min_anchor=4", "max_anchor=4", "max_batch_diff=0")
+SHOWN = ("epoch", "step", "lr", "loss", "eval/loss", "eval/accuracy")
+
+
+def _inside(run_dir: Path, shown_epochs: range) -> Path:
+    """The first checkpoint the run took inside one of its epochs `shown_epochs` (as lines count)."""
+    found = sorted(
+        path
+        for epoch in shown_epochs
+        for path in (run_dir / "checkpoints").glob(f"epoch-{epoch:06d}-sample-*")
+    )
+    assert found, f"no checkpoint inside epochs {shown_epochs}: {sorted((run_dir / 'checkpoints').iterdir())}"
+    return found[0]
+
+
+@pytest.mark.parametrize("policy", ["sync", "cadence"])
+def test_a_run_resumed_inside_an_epoch_ends_bitwise_equal_to_the_uninterrupted_one(
+    tmp_path: Path, policy: str
+) -> None:
+    windows = PINNED if policy == "cadence" else ()
+    common = ["launch.nproc_per_node=2", f"policy={policy}", "epochs=3", "checkpoint_every_steps=5",
+              "checkpoint_keep=50", *windows]  # fmt: skip
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    train(*common, f"hydra.run.dir={whole}", cwd=tmp_path, timeout=240).check()
+    checkpoint = _inside(whole, range(2, 3))
+    result = train(*common, f"resume={checkpoint}", f"hydra.run.dir={split}", cwd=tmp_path, timeout=240)
+    result.check()
+    into = int(checkpoint.name.split("-sample-")[1])
+    assert f"training continues inside epoch 2, {into} samples into it" in result.out
+    a = torch.load(whole / "model.pt", weights_only=True)
+    b = torch.load(split / "model.pt", weights_only=True)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # The resumed epoch's record holds what was trained before the checkpoint too: the same record.
+    ran, resumed = epochs_of(whole), epochs_of(split)
+    assert [r["epoch"] for r in resumed] == [1, 2]
+    assert [[r.get(k) for k in SHOWN] for r in resumed] == [[r.get(k) for k in SHOWN] for r in ran[1:]]
+    assert [r["per_rank"][0]["batches"] for r in resumed] == [r["per_rank"][0]["batches"] for r in ran[1:]]
+
+
+def test_async_resumed_inside_an_epoch_trains_every_sample_of_every_epoch_exactly_once(
+    tmp_path: Path,
+) -> None:
+    conf = str(REPO / "tests" / "helpers" / "conf")
+    common = ["--config-dir", conf, "task=byo_points", "launch.nproc_per_node=2", "policy=async",
+              "epochs=3", "checkpoint_every_s=0.000001", "checkpoint_keep=50", "anchor=2", "min_anchor=2",
+              "max_anchor=2", "max_batch_diff=0", "max_overshoot=1"]  # fmt: skip
+    common.append(f"task.train_data.log={tmp_path / 'reads'}")  # the same config: the same dir
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    train(*common, f"hydra.run.dir={whole}", cwd=tmp_path, timeout=240).check()
+    (tmp_path / "reads").rename(tmp_path / "reads-whole")
+    checkpoint = _inside(whole, range(2, 4))
+    train(*common, f"resume={checkpoint}", f"hydra.run.dir={split}", cwd=tmp_path, timeout=240).check()
+    samples = 192  # byo_points' training set, 12 batches of 16 an epoch: none dropped
+    counted: Counter[int] = Counter()
+    for process in reads(tmp_path / "reads-whole"):
+        counted.update({i: len(v) for i, v in process.items()})
+    assert counted == Counter({i: 3 for i in range(samples)})  # the uninterrupted run, checkpoints and all
+    # Before the checkpoint: the slices the resumed epoch's record held (its chunks), as samples.
+    state = torch.load(checkpoint / "coordinator.pt", weights_only=True)
+    epoch = state["epoch"]
+    order = epoch_permutation(samples, 42, epoch)  # the default seed
+    before = Counter(
+        int(i) for c in state["ledger"]["chunks"] for i in order[c["offset"] : c["offset"] + c["samples"]]
+    )
+    assert sum(before.values()) == state["into"] and max(before.values()) == 1
+    after: Counter[int] = Counter()
+    for process in reads(tmp_path / "reads"):
+        after.update({i: len(v) for i, v in process.items()})
+    # Every sample: once in the resumed epoch (before the checkpoint or after it), once in each epoch after.
+    assert {i: before[i] + after[i] for i in range(samples)} == {i: 3 - epoch for i in range(samples)}
+    assert sum(r["per_rank"][0]["samples"] + r["per_rank"][1]["samples"] for r in epochs_of(split)) == (
+        (3 - epoch) * samples
+    )
