@@ -29,6 +29,7 @@ from flodl.config.policy import (
     compile_mode_for,
     heartbeat_timeout_of,
     hosts_apart,
+    saves_on_stop,
     step_samples,
     step_words,
 )
@@ -43,9 +44,19 @@ from flodl.resume import agreed_checkpoint, covers_every_epoch, load_model, rest
 from flodl.run_host import HostFailed, RunHost, TaskFacts, coordinator_started, host_namespace, publish_task
 from flodl.wire.group import agree_on_config, init_group, pick_device
 from flodl.wire.heartbeat import HeartbeatSender, Rank0Watch, beat_interval
-from flodl.wire.messages import Exiting
-from flodl.wire.stop import Stopped, StopWatch, catch_stop_signals, post, posted, received
+from flodl.wire.messages import Exiting, StopRequested
+from flodl.wire.stop import (
+    Stopped,
+    StopWatch,
+    agree_stop_step,
+    catch_stop_signals,
+    post,
+    posted,
+    received,
+    save_on_stop,
+)
 from flodl.wire.transport import COORDINATOR, InboxReader, Mailbox
+from flodl.worker.base import WorkerBase
 from flodl.worker.nonfinite import NonFiniteError
 from flodl.worker.task_setup import build_task, lr_scale_factor
 
@@ -149,7 +160,7 @@ def _run_rank(config: dict[str, Any], info_fields: dict[str, Any], self_launched
         beats = connect(namespace, env.rank)
         heartbeat = HeartbeatSender(env.rank, beats, interval, lambda: worker.stepper.steps_total)
         heartbeat.start()
-        watch = StopWatch(connect(namespace, env.rank))
+        watch = _stop_watch(cfg, env.rank, connect(namespace, env.rank), worker)
         watch.start()
         host_watch = None
         if not apart and env.rank != 0:  # the store, and the coordinator, live in rank 0: it may freeze
@@ -165,6 +176,8 @@ def _run_rank(config: dict[str, Any], info_fields: dict[str, Any], self_launched
                 host_watch.stop()
             watch.stop()
             heartbeat.stop()
+        if worker.stopped_by is not None:  # a stop that saved: its checkpoint is committed
+            raise Stopped(worker.stopped_by)
         if host is not None:
             host.finish()
     except BaseException as err:
@@ -172,7 +185,8 @@ def _run_rank(config: dict[str, Any], info_fields: dict[str, Any], self_launched
         planned = isinstance(err, TooFewRanks)
         failures.record(run_dir, info.uid, env.restart_count, env.rank, err, step, planned)
         # A stop signal to this rank, or to a peer (whose leaving is then why this rank failed).
-        signum = received() or (posted(outbox) if outbox is not None else None)
+        signum = err.signum if isinstance(err, Stopped) else None
+        signum = signum or received() or (posted(outbox) if outbox is not None else None)
         if signum is not None and outbox is not None:
             post(outbox, signum)
         if host is not None:  # it shares this process's store: let it stop before the store goes
@@ -190,6 +204,21 @@ def _run_rank(config: dict[str, Any], info_fields: dict[str, Any], self_launched
     finally:
         if dist.is_initialized():  # survive never forms the world (a dead member would hang its teardown)
             dist.destroy_process_group()
+
+
+def _stop_watch(cfg: FlodlConfig, rank: int, mailbox: Mailbox, worker: WorkerBase) -> StopWatch:
+    """The rank's stop watch: a peer's stop raised here; with a stop that saves, this rank's signal carried
+    out (the request posted and sent to the coordinator, sync's step agreed), within stop_grace_s."""
+    if not saves_on_stop(cfg):
+        return StopWatch(mailbox)
+
+    def announce(signum: int) -> None:
+        mailbox.send(COORDINATOR, StopRequested(rank, signum))
+
+    def on_request() -> bool:
+        return worker.on_stop_request(functools.partial(agree_stop_step, mailbox))
+
+    return StopWatch(mailbox, save_on_stop(), announce, on_request, cfg.stop_grace_s)
 
 
 def _raise_if_failed(host: RunHost | None) -> None:

@@ -31,6 +31,7 @@ from flodl.wire.messages import (
     SaveModel,
     Shutdown,
     StartEpoch,
+    StopRequested,
     decode,
     encode,
 )
@@ -43,6 +44,9 @@ MESSAGES = [
     StartEpoch(2, [EpochSlice(2, 96, 32), EpochSlice(2, 320, 64)], generation=3, first_step=7),
     StartEpoch(4, [], evaluate=True, checkpoint=True, generation=1, first_step=12),
     Saved(rank=1, epoch=5),
+    Saved(rank=0, epoch=2, into=640, step=10),
+    StopRequested(rank=1, signum=15),
+    Shutdown("stopped by SIGTERM", signum=15),
     Heartbeat(rank=0, step=123),
     Exiting(rank=1, reason="NonFiniteError: rank 1: the training loss became non-finite at step 7"),
     Shutdown(),
@@ -104,9 +108,8 @@ def test_message_round_trip(message):
 
 
 def test_encoding_is_json_not_pickle():
-    assert (
-        encode(Saved(rank=3, epoch=1)) == b'{"type": "Saved", "body": {"rank": 3, "epoch": 1, "into": null}}'
-    )
+    encoded = b'{"type": "Saved", "body": {"rank": 3, "epoch": 1, "into": null, "step": null}}'
+    assert encode(Saved(rank=3, epoch=1)) == encoded
 
 
 @pytest.mark.parametrize(

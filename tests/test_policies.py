@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.procs import FAST_START
-from tests.helpers.runs import fast_rank_share, final_accuracy, run_policy
+from tests.helpers.runs import fast_rank_share, fast_rank_speed_share, final_accuracy, run_policy
 
 pytestmark = pytest.mark.multiproc
 
@@ -28,8 +28,10 @@ def test_slowed_rank_gets_a_quarter_and_accuracy_matches_sync(
     # Every batch of every epoch was trained exactly once, split between the ranks.
     batches_per_epoch = records[0]["per_rank"][0]["batches"] + records[0]["per_rank"][1]["batches"]
     assert all(sum(p["batches"] for p in r["per_rank"]) == batches_per_epoch for r in records)
-    # Rank 1 is 3x slower: ElChe gives rank 0 three of every four batches (within 15%).
-    assert fast_rank_share(records) == pytest.approx(0.75, rel=0.15)
+    # Rank 1 is slowed 3x: ElChe gives rank 0 its share of the two ranks' speeds (within 15%) as measured in
+    # this run (3 of every 4 batches on an idle machine; load shifts the ratio of their step times).
+    assert fast_rank_speed_share(records) > 0.6
+    assert fast_rank_share(records) == pytest.approx(fast_rank_speed_share(records), rel=0.15)
     assert fast_rank_share(sync_records) == 0.5
     # Async's split of the batches depends on timing: over nine runs its accuracy spread 0.963-0.976 around
     # sync's 0.973 (359 test images; one image is 0.0028). Within 2 points of sync, and above 0.95.

@@ -1,6 +1,7 @@
 """Ctrl-C and preemption end to end on 2 gloo ranks: SIGINT to the elastic launcher, SIGTERM to one rank under
-torchrun; each run stops within seconds, keeps its checkpoint and records, cleans its stage files, and the
-command it prints finishes it with every epoch exactly once."""
+torchrun; each run saves a checkpoint at the next boundary (a stop that saves: checkpoints are on) and stops
+within seconds, keeps its records, cleans its stage files, and the command it prints finishes it with every
+epoch exactly once. Past stop_grace_s the ranks stop at once, naming the checkpoint they had."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
-from flodl.checkpoint import verify
+from flodl.checkpoint import Checkpoint, Point, verify
+from flodl.resume import continues_at
 from tests.helpers.procs import PYTHON, TRAIN, Result, kill_group, leftovers, run, start
 from tests.helpers.runs import assert_complete_run, epochs_of
 
@@ -26,7 +29,8 @@ pytestmark = pytest.mark.multiproc
 EPOCHS = 8
 # Said by rank 0 under torchrun, by flodl's launcher when it started the ranks.
 STOPPED = re.compile(
-    r"(?:\[r0\]|flodl:) stopped by (SIG\w+): last checkpoint (\S+) \(epoch (\d+)\); resume with: (.+)"
+    r"(?:\[r0\]|flodl:) stopped by (SIG\w+): last checkpoint (\S+) \((after epoch \d+|epoch \d+, \d+ samples "
+    r"into it)\); resume with: (.+)"
 )
 
 
@@ -77,23 +81,29 @@ def stop_mid_run(
     return Result(proc.returncode, out, err=err)
 
 
-def check_stopped_and_resume(result: Result, tmp_path: Path, signame: str) -> None:
-    """What every stopped run must leave behind, then the printed command finishes it."""
+def check_stopped_and_resume(result: Result, tmp_path: Path, signame: str, saved: bool = True) -> None:
+    """What every stopped run must leave behind, then the printed command finishes it. `saved`: the stop
+    saved a checkpoint of its own, newer than the second (there when the signal was sent)."""
     terminal = result.out + result.err
     assert not re.search(r'File "[^"]*/flodl/', terminal), terminal[-4000:]  # no traceback of flodl's
     lines = STOPPED.findall(terminal)
     assert len(lines) == 1, result.out[-4000:]  # one line, from rank 0
-    got, checkpoint, epoch, resume = lines[0]
-    assert got == signame and int(epoch) >= 2  # as lines count, from 1: at least the second checkpoint
-    assert verify(Path(checkpoint)) is None and checkpoint.endswith(f"epoch-{int(epoch):06d}")
+    got, checkpoint, where, resume = lines[0]
+    assert got == signame and verify(Path(checkpoint)) is None
+    stopped_at = Checkpoint.from_manifest(Path(checkpoint))
+    point = stopped_at.point
+    assert where == point.words()
+    if saved:
+        assert point.order > Point(1).order, checkpoint  # the stop's own, after the second epoch's
     run_dir = tmp_path / "run"
     recorded = [r["epoch"] for r in epochs_of(run_dir)]  # 0-based
-    assert recorded[: int(epoch)] == list(range(int(epoch))) and len(recorded) < EPOCHS
+    whole = point.last_whole_epoch + 1
+    assert recorded[:whole] == list(range(whole)) and whole >= 2 and len(recorded) < EPOCHS
     assert (run_dir / "timeline.json").is_file()
     assert list((tmp_path / "stage").iterdir()) == []  # every pack file removed
     assert not leftovers(tmp_path)
     resumed = run(shlex.split(resume), cwd=tmp_path, timeout=240).check()
-    assert f"training continues at epoch {int(epoch) + 1}" in resumed.out, resumed.out[-4000:]
+    assert f"training continues {continues_at(stopped_at)}" in resumed.out, resumed.out[-4000:]
     assert_complete_run(run_dir, world=2, epochs=EPOCHS)  # every epoch exactly once, in order
 
 
@@ -189,3 +199,66 @@ def test_a_forked_child_such_as_a_dataloader_worker_keeps_the_default_signal_beh
     out = run([PYTHON, "-c", child], cwd=tmp_path, timeout=60).check().out
     # SIGTERM ends the child by the signal; SIGINT is a KeyboardInterrupt there, as torch's workers expect.
     assert out.strip().splitlines()[-1] == f"[{-signal.SIGTERM}, 7]", out
+
+
+def _stop_after_first_checkpoint(args: list[str], tmp_path: Path) -> Result:
+    """Start a digits job (checkpoint_every=1); SIGTERM its launcher once its first checkpoint is in."""
+    proc = start(args, tmp_path, errors=subprocess.PIPE)
+    try:
+        checkpoint = tmp_path / "run" / "checkpoints" / "epoch-000001"
+        deadline = time.monotonic() + 180
+        while not checkpoint.exists():
+            assert proc.poll() is None, f"the job ended early:\n{proc.communicate()[0][-4000:]}"
+            assert time.monotonic() < deadline, f"{checkpoint} did not appear"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        kill_group(proc)
+    return Result(proc.returncode, out, err=err)
+
+
+# Digits under sync, one rank slowed so that an epoch lasts a second or so: a stop lands inside the run.
+SYNC_STOP = ["launch.nproc_per_node=2", "policy=sync", "epochs=5", "checkpoint_every=1",
+             "simulate.slow_rank=0", "simulate.factor=40"]  # fmt: skip
+
+
+def test_a_sync_run_stopped_at_a_step_saves_there_and_resumed_ends_bitwise_equal_to_the_uninterrupted_run(
+    tmp_path: Path,
+) -> None:
+    whole = tmp_path / "whole"
+    run([PYTHON, TRAIN, *SYNC_STOP, f"hydra.run.dir={whole}"], cwd=tmp_path, timeout=240).check()
+    result = _stop_after_first_checkpoint(
+        [PYTHON, TRAIN, *SYNC_STOP, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path
+    )
+    assert result.code == 143, result.out[-4000:] + result.err[-4000:]
+    (line,) = result.err.strip().splitlines()
+    _, checkpoint, _, resume = STOPPED.match(line).groups()  # type: ignore[union-attr]
+    point = Checkpoint.from_manifest(Path(checkpoint)).point
+    assert point.order > Point(0).order  # saved at the stop, after the first epoch's checkpoint
+    resumed = run(shlex.split(resume), cwd=tmp_path, timeout=240).check()
+    assert "training continues" in resumed.out
+    a = torch.load(whole / "model.pt", weights_only=True)
+    b = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # The same records; an epoch's training loss summed in float32 in two chunks around the stop differs in
+    # its last bits from one chunk's.
+    shown = ("epoch", "step", "lr", "eval/loss")
+    stopped, ran = epochs_of(tmp_path / "run"), epochs_of(whole)
+    assert [[r[k] for k in shown] for r in stopped] == [[r[k] for k in shown] for r in ran]
+    assert [r["loss"] for r in stopped] == pytest.approx([r["loss"] for r in ran], rel=1e-6)
+
+
+def test_a_stop_that_cannot_save_within_stop_grace_s_stops_at_once_naming_the_checkpoint_it_had(
+    tmp_path: Path,
+) -> None:
+    args = [PYTHON, TRAIN, *SYNC_STOP, "stop_grace_s=0.001", f"hydra.run.dir={tmp_path / 'run'}"]
+    result = _stop_after_first_checkpoint(args, tmp_path)
+    assert result.code == 143, result.out[-4000:] + result.err[-4000:]
+    (line,) = result.err.strip().splitlines()
+    _, checkpoint, _, _ = STOPPED.match(line).groups()  # type: ignore[union-attr]
+    assert Path(checkpoint).name == "epoch-000001" or Checkpoint.from_manifest(Path(checkpoint)).into is None
+    assert not list((tmp_path / "run" / "checkpoints").glob("*-sample-*"))  # nothing saved inside an epoch
+    assert "the stop could not save (no checkpoint within stop_grace_s=0.001)" in "".join(
+        (tmp_path / "run" / f"rank{r}.log").read_text() for r in (0, 1)
+    )

@@ -83,3 +83,9 @@ def checkpoint_epochs(cfg: FlodlConfig) -> frozenset[int]:
     return frozenset(
         e for e in range(cfg.epochs) if e == cfg.epochs - 1 or (every is not None and (e + 1) % every == 0)
     )
+
+
+def saves_on_stop(cfg: FlodlConfig) -> bool:
+    """Whether a stop signal saves a checkpoint before the ranks stop: checkpoints on, a grace budget, and the
+    fixed world (under survive a stop ends the ranks at once, as before)."""
+    return checkpoints_on(cfg) and cfg.stop_grace_s > 0 and cfg.fault_tolerance == "none"

@@ -40,6 +40,8 @@ MAX_SLOW_FACTOR = 1000.0
 MAX_AUGMENT = 4096
 # A heartbeat beats at most every 0.2 s (wire/heartbeat.py): a shorter silence is scheduling noise.
 MIN_HEARTBEAT_S = 1.0
+# torch's elastic agent kills its ranks this long after it forwards a stop signal to them.
+MAX_STOP_GRACE_S = 30.0
 # The smallest and largest normal float64: every consensus weight n^gamma and its share must stay in between.
 TINY = sys.float_info.min
 # Steps of an async window past its count when max_overshoot is null (auto, rounds/elche.py's ceiling).
@@ -144,6 +146,12 @@ def _range_problems(cfg: FlodlConfig) -> Iterator[str]:
         "checkpoint_every_s", lambda v: finite(v) and v > 0, "must be finite and > 0 (seconds)", True
     )
     yield from check("checkpoint_keep", lambda v: v >= 1, "must be >= 1")
+    yield from check(
+        "stop_grace_s",
+        lambda v: 0 <= v <= MAX_STOP_GRACE_S,
+        f"must be in [0, {MAX_STOP_GRACE_S:g}] seconds (0: a stop does not save; torch's launcher kills the "
+        f"ranks {MAX_STOP_GRACE_S:g} s after it forwards the signal)",
+    )
     yield from check(
         "heartbeat_timeout_s",
         lambda v: MIN_HEARTBEAT_S <= v <= MAX_TIMEOUT_S,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +38,7 @@ from flodl.wire.messages import (
     Saved,
     SaveModel,
     Shutdown,
+    StopRequested,
 )
 from flodl.wire.transport import InboxReader, Mailbox
 
@@ -85,6 +87,11 @@ class Coordinator(threading.Thread):
         self.sinks = sinks
         self.error: BaseException | None = None
         self.stop_requested = threading.Event()
+        # A stop that saves: the signal a rank got, and whether the checkpoint it waits for is committed (any
+        # committed after the request: a newer one than `_before_stop`).
+        self.stop_signal: int | None = None
+        self._before_stop: object = None
+        self._stop_saved = False
 
     def run(self) -> None:
         try:
@@ -95,7 +102,7 @@ class Coordinator(threading.Thread):
             self.started_at = time.time()
             self.driver.begin()
             self.monitor.started = time.perf_counter()
-            while not (self.driver.done and self.ledger.all_emitted and self._checkpoints_committed):
+            while not (self._stop_saved or self._run_complete):
                 if self.stop_requested.is_set():
                     raise CoordinatorError("stopped while waiting for rank reports")
                 message = self.reader.next_message(_WAIT_S)
@@ -104,6 +111,11 @@ class Coordinator(threading.Thread):
                 self._check_heartbeats(time.perf_counter())
                 self.roster.check_exits()
             self.ended_at = time.time()
+            if self._stop_saved:
+                assert self.stop_signal is not None
+                self._shut_down(f"stopped by {signal.Signals(self.stop_signal).name}", self.stop_signal)
+                self.timeline.save(self.run_dir, plot=False)
+                return
             self.roster.follow_changes(run_ended=True)
             self._save_model()
             self._shut_down(self.stopped or "done")
@@ -156,10 +168,26 @@ class Coordinator(threading.Thread):
             self._check_heartbeats(time.perf_counter())
             self.roster.check_exits()
 
-    def _shut_down(self, reason: str) -> None:
+    @property
+    def _run_complete(self) -> bool:
+        return self.driver.done and self.ledger.all_emitted and self._checkpoints_committed
+
+    def _shut_down(self, reason: str, signum: int | None = None) -> None:
         # Every rank's inbox, the cut ones' too: a restarted rank waiting to be admitted ends with the run.
         for rank in range(self.ledger.world_size):
-            self.outbox.send(rank, Shutdown(reason))
+            self.outbox.send(rank, Shutdown(reason, signum))
+
+    def _on_stop_requested(self, message: StopRequested) -> None:
+        """A rank got a stop signal: the ranks save a checkpoint at the next boundary, then stop."""
+        if self.stop_signal is not None or self.committer is None:
+            return  # asked already (every rank may get the signal); without checkpoints ranks stop at once
+        self.stop_signal = message.signum
+        self._before_stop = self.committer.committed
+        self.driver.stop_saving()
+        log.info(
+            "rank %d got %s: the ranks save a checkpoint at the next %s, then stop",
+            message.rank, signal.Signals(message.signum).name, self.driver.boundary,
+        )  # fmt: skip
 
     @property
     def last_epoch(self) -> int:
@@ -202,7 +230,12 @@ class Coordinator(threading.Thread):
             return
         if isinstance(message, Saved):
             assert self.committer is not None, "a Saved report without checkpoints"
-            self.committer.on_saved(Point(message.epoch, message.into), message.rank, self.ledger)
+            point = Point(message.epoch, message.into)
+            if message.step is not None and point not in self.committer.expected:  # a stop's, unplanned
+                self.driver.expect_checkpoint(point, message.step)
+            self.committer.on_saved(point, message.rank, self.ledger)
+        elif isinstance(message, StopRequested):
+            self._on_stop_requested(message)
         elif isinstance(message, ChunkReport):
             if self.driver.on_chunk(message):  # else a cut rank's late report: its slice went to another
                 self.timeline.chunk(message.rank, message.epoch, message.wall_ms, message.batches)
@@ -234,4 +267,6 @@ class Coordinator(threading.Thread):
             for checkpoint in self.committer.poll(self.ledger, self.driver.state()):
                 self.hooks.checkpoint(checkpoint.epoch, checkpoint.path)
                 self._stop_if_asked()
+            if self.stop_signal is not None and self.committer.committed is not self._before_stop:
+                self._stop_saved = True
         self.roster.follow_changes()  # last: planning the next epoch may have admitted a rank (sync)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from flodl.checkpoint import Point
 from flodl.wire.messages import ChunkReport, EvalResult, Message, Regrouped
 
 
@@ -66,6 +67,20 @@ class Driver(Protocol):
 
     @property
     def done(self) -> bool: ...
+
+    def stop_saving(self) -> None:
+        """A stop that saves: end the work at the next boundary where a checkpoint can be taken."""
+        ...
+
+    @property
+    def boundary(self) -> str:
+        """Where a stop that saves takes its checkpoint, in words."""
+        ...
+
+    def expect_checkpoint(self, point: Point, step: int) -> None:
+        """A checkpoint no plan asked for (sync: a stop's, after `step` of `point.epoch`): what the committer
+        waits for and the driver's state there."""
+        ...
 
     def on_cut(self, rank: int) -> None:
         """survive: `rank` is out (the roster's new generation is without it): hand its work to the members

@@ -60,6 +60,8 @@ class LocalSgdDriver:
         self._last_checkpoint = time.monotonic()
         # Where the round in flight checkpoints (None: not a checkpoint round).
         self._checkpoint_at: Point | None = None
+        # A stop that saves: no window opens after the segment it cut.
+        self._stopping = False
         self.planner = planner
         self.elche = elche
         self.guard = guard
@@ -128,6 +130,18 @@ class LocalSgdDriver:
     def on_epoch_emitted(self, epoch: int) -> None:
         pass
 
+    boundary = "round (the window in flight, or the next, ends with it)"
+
+    def stop_saving(self) -> None:
+        self._stopping = True
+        if self.planner.averaging or not self.planner.window_open:
+            self.planner.cut_segment()  # the next window is the last
+        else:  # the window in flight is the last: its round is final and checkpoints
+            self.planner.end_segment_here()
+
+    def expect_checkpoint(self, point: Point, step: int) -> None:
+        raise RuntimeError(f"an unplanned checkpoint part under local SGD: {point}")
+
     def stop(self) -> int:
         last = self.planner.stop()
         if last not in self._decided_evals:  # the last epoch gets its eval, as a run's last epoch does
@@ -168,6 +182,8 @@ class LocalSgdDriver:
                 if self.done:
                     self.ledger.release()
                     return
+                if self._stopping and self.planner.segment_done:
+                    return  # its checkpoint commits, then the coordinator stops the ranks
                 if self.planner.segment_done:
                     self.planner.next_segment()
                 if self.roster.joiners:

@@ -157,6 +157,10 @@ class LockstepPlan:
             )
         return trained + plan.before * self.step_samples
 
+    def segment(self, epoch: int) -> Segment:
+        """`epoch`'s latest segment."""
+        return self._epochs[epoch].segments[-1]
+
     def end_steps(self) -> dict[int, int]:
         """The step each planned epoch's latest segment ends at."""
         return {epoch: plan.segments[-1].end_step for epoch, plan in self._epochs.items()}

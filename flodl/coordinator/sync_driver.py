@@ -136,6 +136,21 @@ class SyncDriver:
         if epoch + self.lookahead + 1 < self.schedule.epochs and not self.stopped:
             self._plan(epoch + self.lookahead + 1)
 
+    boundary = "step every rank agrees on"
+
+    def stop_saving(self) -> None:
+        pass  # the ranks agree on the step themselves (flodl/wire/stop.py), and say Saved with it
+
+    def expect_checkpoint(self, point: Point, step: int) -> None:
+        """A stop's checkpoint after `step` of `point.epoch`: the parts of the segment's members, and the rest
+        of the epoch from there as the driver's state."""
+        if self.committer is None:
+            return
+        segment = self.plan.segment(point.epoch)
+        rest = rest_of(segment, step - segment.first_step, segment.members, self.plan.step_samples,
+                       segment.generation)  # fmt: skip
+        self.committer.expect_parts(point, segment.members, {"rest": segment_state(rest)})
+
     def stop(self) -> int:
         # The epochs already sent are trained by every rank (their StartEpoch is queued on each).
         self.stopped = True

@@ -330,6 +330,11 @@ class LocalSgdPlanner:
         time, or a stop that saves)."""
         self.cut_requested = True
 
+    def end_segment_here(self) -> None:
+        """The window open now is the segment's last (nothing more is handed out), and a checkpoint follows
+        the exact round after which every member trained out what it holds (a stop that saves)."""
+        self.cursor.end, self.checkpoint_at_end = self.cursor.position, True
+
     def stop(self) -> int:
         """End the run at the first epoch boundary the cursor has not passed (every batch handed out is still
         trained, and the last reduce is exact); return the last epoch."""

@@ -81,6 +81,8 @@ class AverageNow:
 @dataclass
 class Shutdown:
     reason: str = "done"
+    # A stop that saved: the signal that asked for it (the rank exits 128 + it); None: the run's end.
+    signum: int | None = None
 
 
 @dataclass
@@ -201,6 +203,8 @@ class Saved:
     epoch: int
     # A part inside the epoch: the samples of it trained (None: after the epoch).
     into: int | None = None
+    # Sync, a part no plan asked for (a stop that saves): the step of the epoch it was written after.
+    step: int | None = None
 
 
 @dataclass
@@ -267,6 +271,14 @@ class Joined:
 
 
 @dataclass
+class StopRequested:
+    """This rank got a stop signal: the ranks save a checkpoint at the next boundary, then stop."""
+
+    rank: int
+    signum: int
+
+
+@dataclass
 class Exiting:
     rank: int
     # Why, when the rank knows (an error message).
@@ -288,6 +300,7 @@ Message = (
     | Saved
     | Heartbeat
     | Exiting
+    | StopRequested
     | Regroup
     | Regrouped
     | FirstStep

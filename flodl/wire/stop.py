@@ -3,24 +3,42 @@
 A launcher (torchrun's agent, the elastic launcher) forwards the signal it gets to every rank; Ctrl-C in a
 terminal reaches every process of the job; Slurm signals every task. A signal sent to one rank alone reaches
 its peers through the store: that rank posts it, and every peer's `StopWatch` raises it in its own process.
-"""
+
+A stop that saves (`save_on_stop`: checkpoints on, `stop_grace_s` > 0): the first signal raises nothing.
+The rank's `StopWatch` posts the request in the store and tells the coordinator (`StopRequested`), which has
+the ranks save a checkpoint at the next boundary where one can be taken and then shuts them down with the
+signal; sync's ranks agree on the step themselves (`agree_stop_step`: the first proposal in the store wins).
+If the run has not stopped within the grace budget, the rank posts a stop for every rank and stops at once,
+as without saving."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import threading
+import time
+from collections.abc import Callable
 from types import FrameType
 
 from flodl.wire.transport import Mailbox
+
+log = logging.getLogger("flodl")
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # The shell's convention, 128 + the signal: how a stopped rank exits.
 STOP_EXIT_CODES = frozenset(128 + signum for signum in STOP_SIGNALS)
 _STOP_KEY = "stop"
+# A stop that saves: requested (the signal's number), and sync's agreed step.
+_REQUEST_KEY = "stop_request"
+_STEP_KEY = "stop_step"
 _WATCH_S = 0.25
 _received: int | None = None
+# Set once this process saves on a stop: the first signal is carried out by its StopWatch.
+_save_requested: threading.Event | None = None
+# The next signal raises Stopped whatever came before (a stop that could not save, or a peer's stop).
+_force = False
 
 
 class Stopped(BaseException):
@@ -45,14 +63,21 @@ def catch_stop_signals() -> None:
 
     def handler(signum: int, frame: FrameType | None) -> None:
         global _received
+        global _force
         if os.getpid() != owner:  # a forked child (a DataLoader worker): what it would do without us
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
+        if _force:
+            _force = False
+            raise Stopped(_received or signum)
         if _received is None:
             _received = signum
+            if _save_requested is not None:  # the StopWatch carries it out: the ranks save, then stop
+                _save_requested.set()
+                return
             raise Stopped(signum)
 
     for signum in STOP_SIGNALS:
@@ -62,6 +87,27 @@ def catch_stop_signals() -> None:
 def received() -> int | None:
     """The stop signal this process got, if any."""
     return _received
+
+
+def save_on_stop() -> threading.Event:
+    """From now on the first stop signal saves before it stops (the returned event is set when it comes)."""
+    global _save_requested
+    _save_requested = threading.Event()
+    if _received is not None:  # it came while the rank started: carry it out now
+        _save_requested.set()
+    return _save_requested
+
+
+def stop_now(signum: int) -> None:
+    """Raise Stopped in this process's main thread (from any thread), whatever signal came before."""
+    global _force
+    _force = True
+    os.kill(os.getpid(), signum)
+
+
+def agree_stop_step(mailbox: Mailbox, proposal: int) -> int:
+    """The step every rank saves after (sync): the first rank's proposal in the store."""
+    return int(mailbox.store.compare_set(_STEP_KEY, "", str(proposal)).decode())
 
 
 def post(mailbox: Mailbox, signum: int) -> None:
@@ -80,25 +126,66 @@ def posted(mailbox: Mailbox) -> int | None:
 
 class StopWatch(threading.Thread):
     """Raises a peer's posted stop signal in this process, so a rank that is not waiting on that peer (local
-    SGD trains alone between rounds) stops within a fraction of a second too."""
+    SGD trains alone between rounds) stops within a fraction of a second too. With a stop that saves
+    (`saving`), it also carries out this rank's own signal: posts the request and tells the coordinator
+    (`announce`), calls `on_request` once a request is posted by any rank (False: this rank cannot reach a
+    boundary in time), and stops every rank once `grace_s` passed without the run's end."""
 
-    def __init__(self, mailbox: Mailbox) -> None:
+    def __init__(
+        self,
+        mailbox: Mailbox,
+        saving: threading.Event | None = None,
+        announce: Callable[[int], None] | None = None,
+        on_request: Callable[[], bool] | None = None,
+        grace_s: float = 0.0,
+    ) -> None:
         super().__init__(name="flodl-stop-watch", daemon=True)
         self.mailbox = mailbox
+        self.saving = saving
+        self.announce = announce
+        self.on_request = on_request
+        self.grace_s = grace_s
         self.stopped = threading.Event()
+        self._deadline: float | None = None
+        self._answered = False
 
     def run(self) -> None:
         while not self.stopped.wait(_WATCH_S):
-            if _received is not None:
-                return
+            if _received is not None and self.saving is None:
+                return  # the main thread stops on it
             try:
                 found = self.mailbox.store.check([_STOP_KEY])
+                signum = posted(self.mailbox) if found else None
+                if signum is None and self.saving is not None:
+                    self._carry_out_saving_stop()
             except Exception:  # the store is gone: the run is over or failing, and says so elsewhere
                 return
-            signum = posted(self.mailbox) if found else None
             if signum is not None:
-                os.kill(os.getpid(), signum)  # the main thread's handler takes it as its own
+                stop_now(signum)  # the main thread's handler takes it as its own
                 return
+            if self._deadline is not None and time.monotonic() > self._deadline:
+                self._give_up(f"no checkpoint within stop_grace_s={self.grace_s:g}")
+                return
+
+    def _carry_out_saving_stop(self) -> None:
+        assert self.saving is not None
+        if self.saving.is_set() and self._deadline is None:  # this rank's own signal
+            signum = _received or signal.SIGTERM
+            self._deadline = time.monotonic() + self.grace_s
+            self.mailbox.store.set(_REQUEST_KEY, str(signum))
+            if self.announce is not None:
+                self.announce(signum)
+        if not self._answered and self.mailbox.store.check([_REQUEST_KEY]):
+            self._answered = True
+            if self.on_request is not None and not self.on_request():
+                self._give_up("this rank was past the agreed step before it learned it")
+
+    def _give_up(self, why: str) -> None:
+        """The stop cannot save: every rank stops now, naming the last checkpoint."""
+        signum = _received or int(self.mailbox.store.get(_REQUEST_KEY))
+        log.warning("the stop could not save (%s): stopping now", why)
+        post(self.mailbox, signum)
+        stop_now(signum)
 
     def stop(self) -> None:
         """Stop and wait: a thread left inside a store call when the process exits aborts it."""

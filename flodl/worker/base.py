@@ -95,6 +95,8 @@ class WorkerBase:
         self._recent_loss: torch.Tensor | None = None
         self._recent_steps = 0
         self._recent_since = time.perf_counter()
+        # The signal of a stop that saved (the coordinator's Shutdown says it): the rank exits 128 + it.
+        self.stopped_by: int | None = None
 
     def run(self, alive: Callable[[], None]) -> None:
         """`alive` raises when this rank must stop waiting (rank 0: the coordinator failed)."""
@@ -104,7 +106,10 @@ class WorkerBase:
             while True:
                 message = self.reader.next_message(None if self.has_work() else _WAIT_S)
                 if isinstance(message, Shutdown):
-                    if message.reason != "done":
+                    self.stopped_by = message.signum
+                    if message.signum is not None:  # a stop that saved: where is the checkpoint's to say
+                        log.info("rank %d stops: %s", self.rank, message.reason)
+                    elif message.reason != "done":
                         log.info("rank %d stops %s: %s", self.rank, self._trained_so_far(), message.reason)
                     self.on_done()
                     return
@@ -206,6 +211,11 @@ class WorkerBase:
         """The group's first member (rank 0 unless survive cut it): it writes what one copy of the members'
         shared state is enough for (a checkpoint's model, an evaluated model)."""
         return self.group.index == 0
+
+    def on_stop_request(self, agree: Callable[[int], int]) -> bool:
+        """A stop that saves was asked for (called from the stop watch's thread): the coordinator ends the
+        work at the next boundary (local SGD's round). False: this rank cannot get there."""
+        return True
 
     def state(self) -> dict[str, Any]:
         """This worker's own state for a checkpoint (beyond the stepper's)."""

@@ -14,6 +14,7 @@ is admitted where the members reach its Regroup in their inboxes, between epochs
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -104,14 +105,19 @@ class SyncWorker(WorkerBase):
         self._first_step_due = False
         # survive: the share a failed step cut, reported once the members agreed where it ended.
         self._cut: _Share | None = None
+        # A stop that saves: the global step every member saves after, then trains no more (None: no stop
+        # asked); and when this rank started training, for how far ahead that step must be.
+        self.stop_at: int | None = None
+        self.stopping = False
+        self._pace_from: tuple[float, int] | None = None
 
     # --- the epochs -----------------------------------------------------------------------------------
 
     def handle(self, message: Message) -> None:
         if not isinstance(message, StartEpoch):
             raise RuntimeError(f"rank {self.rank}: unexpected message under policy=sync: {message!r}")
-        if message.generation != self.group.generation:
-            return  # planned for a group a change overtook: the coordinator plans the rest again
+        if message.generation != self.group.generation or self.stopping:
+            return  # planned for a group a change overtook (the coordinator plans the rest again), or stopped
         chunk = self.train_epoch(message)
         if chunk is None:  # a step failed, and the group changed (or the run ended)
             return
@@ -149,6 +155,8 @@ class SyncWorker(WorkerBase):
         )
         members = self.group.size
         inside = {step: into for step, into in plan.checkpoint_steps}
+        if self._pace_from is None:
+            self._pace_from = (time.perf_counter(), stepper.steps_total)
         for b in range(share.steps):
             fetched = time.perf_counter()
             micro_batches = stepper.load_step(picks[b * step_samples : (b + 1) * step_samples], plan.epoch)
@@ -170,13 +178,19 @@ class SyncWorker(WorkerBase):
             into = inside.get(self.position[1])
             if into is not None:
                 self._save_inside(share, Point(plan.epoch, into))
+            if self.stop_at == stepper.steps_total:  # a stop that saves: every member saves here
+                step = self.position[1]
+                self.stopping = True
+                self._save_inside(share, Point(plan.epoch, step * members * step_samples), step)
+                return None
         self.raise_if_nonfinite()  # before the epoch is reported, and long before it is checkpointed
         self.position = (plan.epoch, plan.first_step + share.steps)
         return self._chunk(share, share.steps - share.reported)
 
-    def _save_inside(self, share: _Share, point: Point) -> None:
+    def _save_inside(self, share: _Share, point: Point, unplanned_step: int | None = None) -> None:
         """A checkpoint inside the share: the steps so far reported as a chunk (what the epoch's record
-        holds at the checkpoint), then this rank's part, then Saved."""
+        holds at the checkpoint), then this rank's part, then Saved (`unplanned_step`: the step of the epoch
+        of a checkpoint no plan asked for, a stop's)."""
         self.raise_if_nonfinite()
         self.report(self._chunk(share, share.done - share.reported))
         share.reported = share.done
@@ -185,7 +199,7 @@ class SyncWorker(WorkerBase):
         share.started_at, share.start = time.time(), time.perf_counter()
         if self.checkpointer is not None:
             self.checkpointer.save(point, self.state(), self.is_first_member)
-            self.report(Saved(self.rank, point.epoch, point.into))
+            self.report(Saved(self.rank, point.epoch, point.into, unplanned_step))
 
     def _chunk(self, share: _Share, batches: int) -> ChunkReport:
         stepper = self.stepper
@@ -208,6 +222,19 @@ class SyncWorker(WorkerBase):
             generation=share.plan.generation,
             **stepper.throughput(),
         )
+
+    def on_stop_request(self, agree: Callable[[int], int]) -> bool:
+        """A stop that saves: propose a step far enough ahead that every member learns it before it gets
+        there (the steps of two seconds, and two more); every member saves after the agreed one. False: this
+        rank is already past it."""
+        steps, pace = self.stepper.steps_total, self._pace_from
+        if pace is None:
+            lead = 2
+        else:
+            started, first = pace
+            lead = math.ceil(2.0 * (steps - first) / max(time.perf_counter() - started, 1e-3)) + 2
+        self.stop_at = agree(steps + lead)
+        return self.stepper.steps_total < self.stop_at
 
     def state(self) -> dict[str, Any]:
         return {"global_samples": self.global_samples, "lr_world": self.lr_world}

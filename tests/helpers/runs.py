@@ -66,6 +66,14 @@ def fast_rank_share(records: list[dict]) -> float:
     return fast / (fast + slow)
 
 
+def fast_rank_speed_share(records: list[dict]) -> float:
+    """Rank 0's share of the two ranks' own speeds (samples over their busy time), after the first two
+    epochs: the share of the batches a balancer that knows their speeds gives it."""
+    fast = sum(r["per_rank"][0]["samples_per_s"] for r in records[2:])
+    slow = sum(r["per_rank"][1]["samples_per_s"] for r in records[2:])
+    return fast / (fast + slow)
+
+
 def final_accuracy(records: list[dict]) -> float:
     """Mean test accuracy of the last three evaluated epochs (one epoch is noisy on 359 images)."""
     evaluated = [r["eval/accuracy"] for r in records if "eval/accuracy" in r]
