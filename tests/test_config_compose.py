@@ -78,6 +78,7 @@ OVERRIDES = [
     ("checkpoint_every=2", "checkpoint_every", 2, int),
     ("checkpoint_every_steps=500", "checkpoint_every_steps", 500, int),
     ("checkpoint_every_s=1800", "checkpoint_every_s", 1800.0, float),
+    ("stop_grace_s=25", "stop_grace_s", 25.0, float),
     ("save_path=/tmp/ckpts", "save_path", "/tmp/ckpts", str),
     ("checkpoint_keep=5", "checkpoint_keep", 5, int),
     ("resume=never", "resume", "never", str),
