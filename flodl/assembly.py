@@ -36,6 +36,7 @@ from flodl.config.policy import (
     guarded,
     heartbeat_timeout_of,
     step_samples,
+    writes_in_background,
 )
 from flodl.config.rules import GIB
 from flodl.config.schema import FlodlConfig
@@ -212,7 +213,8 @@ def make_worker(
     def checkpointer(stepper: Stepper) -> RankCheckpointer | None:
         if not checkpoints_on(cfg):
             return None
-        return RankCheckpointer(checkpoint_store(cfg, run_dir), rank, parts.model, stepper)
+        store = checkpoint_store(cfg, run_dir)
+        return RankCheckpointer(store, rank, parts.model, stepper, writes_in_background(cfg))
 
     stepper_for = stepper_settings(cfg, env, device.type, first_start=not group.joining)
     if not averages_parameters(cfg):

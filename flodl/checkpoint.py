@@ -14,7 +14,6 @@ Everything is loaded with `weights_only=True`."""
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import math
@@ -22,10 +21,10 @@ import os
 import re
 import shutil
 import zlib
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from torch import nn
@@ -53,30 +52,29 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(data: bytes, path: Path) -> None:
+def _atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
     """Temp file, fsync, rename: a reader sees the old file or the new one, never half of one."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with tmp.open("wb") as f:
-        f.write(data)
+        write(f)
         f.flush()
         os.fsync(f.fileno())
     tmp.replace(path)
     _fsync_dir(path.parent)
 
 
-def serialize(obj: object) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
+def atomic_write_bytes(data: bytes, path: Path) -> None:
+    _atomic_write(path, lambda f: f.write(data))
 
 
 def atomic_save(obj: object, path: Path) -> None:
-    atomic_write_bytes(serialize(obj), path)
+    """torch.save straight into the temp file (no copy of the bytes in memory first)."""
+    _atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's parameters and buffers as CPU tensors, loadable with weights_only=True."""
-    return {name: tensor.detach().cpu().clone() for name, tensor in model.state_dict().items()}
+    return {name: tensor.detach().to("cpu", copy=True) for name, tensor in model.state_dict().items()}
 
 
 def save_model(model: nn.Module, path: Path) -> None:

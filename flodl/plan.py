@@ -15,11 +15,14 @@ from hydra.utils import instantiate
 from flodl.config.host import HostFacts
 from flodl.config.policy import (
     averages_parameters,
+    checkpoints_on,
     collective_backend,
     compile_mode_for,
     heartbeat_timeout_of,
+    saves_on_stop,
     step_samples,
     step_words,
+    writes_in_background,
 )
 from flodl.config.rules import GIB
 from flodl.config.schema import FlodlConfig
@@ -118,6 +121,7 @@ def describe(cfg: FlodlConfig, host: HostFacts, data: DataPlaneSettings) -> str:
             f"max_overshoot={cfg.max_overshoot or 'auto 3-15'} guard={cfg.divergence_guard}"
             + (f"({cfg.divergence_threshold or 'auto'})" if cfg.divergence_guard == "trend" else "")
         )
+    lines.append(checkpoints_line(cfg))
     lines.append(faults_line(cfg))
     lines += crowding_lines(host, uses_gpu)
     return "\n".join(lines)
@@ -134,6 +138,26 @@ def crowding_lines(host: HostFacts, uses_gpu: bool) -> list[str]:
             f"turns, each slower than alone (launch.nproc_per_node={host.cpu_cores} uses every core once)"
         ]
     return []
+
+
+def checkpoints_line(cfg: FlodlConfig) -> str:
+    """When checkpoints are taken, how they are written, and what a stop signal does."""
+    if not checkpoints_on(cfg):
+        return "  checkpoints     off: a stop or a dead rank ends the run where it is (resume starts over)"
+    when = [f"every {cfg.checkpoint_every} epoch(s)"] if cfg.checkpoint_every else []
+    if cfg.checkpoint_every_steps:
+        when.append(f"every {cfg.checkpoint_every_steps} global steps, inside epochs too")
+    if cfg.checkpoint_every_s:
+        when.append(f"at the first round {cfg.checkpoint_every_s:g} s after the last")
+    when.append("after the last epoch")
+    how = "written in the background" if writes_in_background(cfg) else "written at the boundary"
+    stop = (
+        f"a stop signal saves at the next {'step' if cfg.policy == 'sync' else 'round'} within "
+        f"{cfg.stop_grace_s:g} s, then stops"
+        if saves_on_stop(cfg)
+        else "a stop signal stops at once, naming the last checkpoint"
+    )
+    return f"  checkpoints     {', '.join(when)}; {how}; {stop}"
 
 
 def faults_line(cfg: FlodlConfig) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ from flodl.checkpoint import (
 from flodl.coordinator.commit import CheckpointCommitter, run_kind
 from flodl.coordinator.ledger import EpochLedger
 from flodl.resume import check_world_size, restore_worker, truncate_history
-from flodl.wire.messages import ChunkReport
+from flodl.wire.messages import ChunkReport, Saved
 from flodl.worker.checkpoint_part import RankCheckpointer
 from tests.helpers.digits_stepper import digits_stepper, train_steps
 
@@ -186,10 +187,11 @@ def test_the_committer_waits_for_the_members_at_the_checkpoint_round(tmp_path: P
     committer = CheckpointCommitter(store, 3, {0}, run_kind("cadence", True), {"uid": "u"})
     committer.expect_parts(Point(0), {0, 2})  # rank 1 was cut before the checkpoint round
     _write_parts(store, 0, [0, 2])
-    committer.on_saved(Point(0), 0, ledger)
-    assert committer.poll(ledger, {}) == []
-    committer.on_saved(Point(0), 2, ledger)
-    (checkpoint,) = committer.poll(ledger, {"elche": None})
+    committer.on_saved(Point(0), 0, 1, ledger)
+    committer.on_saved(Point(0), 2, 1, ledger)
+    assert committer.poll(ledger) == []  # the checkpoint round is not acknowledged yet
+    committer.on_checkpoint_round(Point(0), {"elche": None}, ledger)
+    (checkpoint,) = committer.poll(ledger)
     assert checkpoint.part_ranks == (0, 2) and committer.remaining == set()
 
 
@@ -197,11 +199,12 @@ def test_the_committer_waits_for_every_rank_unless_told_otherwise(tmp_path: Path
     store = CheckpointDir(tmp_path, keep=3)
     ledger = _emitted_ledger(epochs=3, world_size=2)
     committer = CheckpointCommitter(store, 2, {0}, run_kind("sync", False), {"uid": "u"})
+    committer.expect_parts(Point(0), range(2), {})
     _write_parts(store, 0, [0, 1])
-    committer.on_saved(Point(0), 0, ledger)
-    assert committer.poll(ledger, {}) == []
-    committer.on_saved(Point(0), 1, ledger)
-    (checkpoint,) = committer.poll(ledger, {})
+    committer.on_saved(Point(0), 0, 1, ledger)
+    assert committer.poll(ledger) == []
+    committer.on_saved(Point(0), 1, 1, ledger)
+    (checkpoint,) = committer.poll(ledger)
     assert checkpoint.part_ranks == (0, 1)
 
 
@@ -211,8 +214,11 @@ def test_a_local_sgd_checkpoint_round_acknowledged_by_the_members_commits_their_
     committer = CheckpointCommitter(store, 3, {0}, run_kind("async", True), {"uid": "u"})
     committer.expect_parts(Point(0), [0, 1])
     _write_parts(store, 0, [0, 1])
-    committer.on_all_saved(Point(0), {"planner": {}}, ledger)
-    (checkpoint,) = committer.poll(ledger, {})
+    committer.on_checkpoint_round(Point(0), {"planner": {}}, ledger)
+    committer.on_saved(Point(0), 1, 1, ledger)
+    assert committer.poll(ledger) == []  # rank 0's part is still being written
+    committer.on_saved(Point(0), 0, 1, ledger)
+    (checkpoint,) = committer.poll(ledger)
     assert checkpoint.part_ranks == (0, 1)
     assert checkpoint.load(COORDINATOR_FILE)["driver"] == {"planner": {}}
 
@@ -237,7 +243,10 @@ def test_a_rank_without_a_part_resumes_from_the_consensus_with_a_fresh_optimizer
     store = CheckpointDir(tmp_path, keep=2)
     writer = digits_stepper()
     train_steps(writer, 3)
-    RankCheckpointer(store, 0, writer.parts.model, writer).save(Point(4), {"global_steps": 9})
+    receipt = Saved(0, 4)
+    checkpointer = RankCheckpointer(store, 0, writer.parts.model, writer)
+    checkpointer.save(Point(4), {"global_steps": 9}, receipt)
+    assert checkpointer.written() == [receipt]
     store.write_part(Point(4), COORDINATOR_FILE, {})
     checkpoint = store.commit(Point(4), world_size=2, ranks={0})  # rank 1 had been cut
 
@@ -270,3 +279,37 @@ def test_a_rank_without_a_part_resumes_from_the_consensus_with_a_fresh_optimizer
     for key, state in written["state"].items():
         assert torch.equal(taken["state"][key]["exp_avg"], state["exp_avg"])
     assert torch.equal(torch.get_rng_state(), rng_before)
+
+
+def test_a_part_written_in_the_background_is_the_state_at_the_boundary_and_said_once_on_disk(
+    tmp_path: Path,
+) -> None:
+    store = CheckpointDir(tmp_path, keep=2)
+    stepper = digits_stepper()
+    train_steps(stepper, 3)
+    at_boundary = {k: v.clone() for k, v in stepper.parts.model.state_dict().items()}
+    moments = [s["exp_avg"].clone() for s in stepper.parts.optimizer.state_dict()["state"].values()]
+    trained_on = threading.Event()
+    write_part = store.write_part
+
+    def write_after_training(*args: object) -> None:  # the writer thread holds off until training went on
+        assert trained_on.wait(60)
+        write_part(*args)  # type: ignore[arg-type]
+
+    store.write_part = write_after_training  # type: ignore[method-assign]
+    checkpointer = RankCheckpointer(store, 0, stepper.parts.model, stepper, background=True)
+    receipt = Saved(0, 1, into=96, chunks=1)
+    checkpointer.save(Point(1, 96), {"global_steps": 3}, receipt)
+    train_steps(stepper, 2)  # training goes on while the part is written
+    assert checkpointer.written() == []  # not on disk yet: nothing to say
+    trained_on.set()
+    checkpointer.flush()
+    assert checkpointer.written() == [receipt] and checkpointer.written() == []
+    checkpointer.close()
+    part = torch.load(store.partial(Point(1, 96)) / rank_file(0), weights_only=True)
+    model = torch.load(store.partial(Point(1, 96)) / MODEL_FILE, weights_only=True)
+    # What was written is the state at the save, not the state the two later steps made.
+    assert all(torch.equal(model[k], at_boundary[k]) for k in at_boundary)
+    written = [s["exp_avg"] for s in part["stepper"]["optimizer"]["state"].values()]
+    assert all(torch.equal(a, b) for a, b in zip(written, moments, strict=True))
+    assert part["stepper"]["steps_total"] == 3 and part["worker"] == {"global_steps": 3}

@@ -205,11 +205,11 @@ def test_a_checkpoint_inside_an_epoch_keeps_each_rank_s_chunks_reported_before_i
         store.write_part(point, rank_file(rank), {})
     store.write_part(point, MODEL_FILE, {})
     ledger.add_chunk(_chunk(0, 0, 2, 1.5))
-    committer.on_saved(point, 0, ledger)
-    ledger.add_chunk(_chunk(0, 0, 2, 0.5))  # rank 0 went on past the checkpoint before rank 1 saved
+    ledger.add_chunk(_chunk(0, 0, 2, 0.5))  # rank 0 went on past the checkpoint before its part was written
     ledger.add_chunk(_chunk(1, 0, 2, 1.25))
-    committer.on_saved(point, 1, ledger)
-    (checkpoint,) = committer.poll(ledger, {})
+    committer.on_saved(point, 0, 1, ledger)  # one chunk of the epoch before its part
+    committer.on_saved(point, 1, 1, ledger)
+    (checkpoint,) = committer.poll(ledger)
     assert checkpoint.point == point and checkpoint.into == 16
     state = checkpoint.load(COORDINATOR_FILE)
     assert state["driver"] == {"rest": "of epoch 1"} and (state["epoch"], state["into"]) == (0, 16)
@@ -225,13 +225,14 @@ def test_a_checkpoint_inside_an_epoch_waits_until_the_epochs_before_it_are_emitt
     ledger = EpochLedger(epochs=3, world_size=1, batches_per_epoch=2)
     committer = CheckpointCommitter(store, 1, set(), run_kind("sync", False), {"uid": "u"})
     point = Point(1, 4)
+    committer.expect_parts(point, [0], {"rest": None})
     store.write_part(point, rank_file(0), {})
     store.write_part(point, MODEL_FILE, {})
     ledger.add_chunk(_chunk(0, 0, 2, 1.0))
     ledger.expect_eval(0, True)  # epoch 0's eval is still to come
-    committer.on_saved(point, 0, ledger)
-    assert committer.poll(ledger, {}) == []
+    committer.on_saved(point, 0, 0, ledger)
+    assert committer.poll(ledger) == []
     ledger.add_eval(EvalResult(0, 0, {"accuracy": 1.0}, 4))
     assert [m.epoch for m in ledger.emit_ready()] == [0]
-    (checkpoint,) = committer.poll(ledger, {})
+    (checkpoint,) = committer.poll(ledger)
     assert checkpoint.point == point

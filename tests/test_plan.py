@@ -76,6 +76,20 @@ def test_plan_says_what_a_dead_rank_does_to_the_run():
     assert "silent for 10 s" in plan_of(policy="async", fault_tolerance="survive")
 
 
+def test_plan_says_when_checkpoints_are_taken_and_what_a_stop_does():
+    assert "checkpoints     off: a stop or a dead rank ends the run where it is" in plan_of()
+    steps = plan_of(checkpoint_every=2, checkpoint_every_steps=500)
+    assert (
+        "checkpoints     every 2 epoch(s), every 500 global steps, inside epochs too, after the last epoch; "
+        "written in the background; a stop signal saves at the next step within 20 s, then stops"
+    ) in steps
+    timed = plan_of(policy="cadence", checkpoint_every_s=600.0, checkpoint_background=False, stop_grace_s=0.0)
+    assert "at the first round 600 s after the last, after the last epoch; written at the boundary" in timed
+    assert "a stop signal stops at once, naming the last checkpoint" in timed
+    survive = plan_of(policy="async", fault_tolerance="survive", checkpoint_every_steps=10)
+    assert "written at the boundary; a stop signal stops at once" in survive
+
+
 def test_plan_warns_when_the_ranks_outnumber_the_cores_they_run_on():
     crowded = plan_of(dataclasses.replace(HOST, cpu_cores=2))
     assert "warning         4 ranks on this host share its 2 CPU core(s)" in crowded

@@ -2,19 +2,23 @@
 cadence (windows pinned) end bitwise equal to the uninterrupted run, with the same records; async, whose
 windows follow timing, trains every sample of every epoch exactly once across the checkpoint (counted from
 the reads of a Dataset that logs them). The async run checkpoints by time (at every round: the interval is
-a microsecond), the others by steps."""
+a microsecond), the others by steps. A job killed while its parts are written in the background (held there
+by tests/helpers/slow_write) resumes from the checkpoint before."""
 
 from __future__ import annotations
 
+import os
+import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 
+from flodl.checkpoint import CheckpointDir, Point
 from flodl.data.partition import epoch_permutation
 from tests.helpers.byo_data import reads
-from tests.helpers.procs import REPO, train
+from tests.helpers.procs import PYTHON, REPO, TRAIN, child_env, kill_group, start, train
 from tests.helpers.runs import epochs_of
 
 pytestmark = pytest.mark.multiproc
@@ -92,3 +96,31 @@ def test_async_resumed_inside_an_epoch_trains_every_sample_of_every_epoch_exactl
     assert sum(r["per_rank"][0]["samples"] + r["per_rank"][1]["samples"] for r in epochs_of(split)) == (
         (3 - epoch) * samples
     )
+
+
+def test_a_job_killed_while_a_part_is_written_in_the_background_resumes_from_the_checkpoint_before(
+    tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "run"
+    overrides = ["launch.nproc_per_node=2", "epochs=3", "checkpoint_every=1", f"hydra.run.dir={run_dir}"]
+    held = {  # the parts of the checkpoint after the second epoch are held on their writer threads
+        "FLODL_TEST_WRITE_DELAY_S": "600",
+        "FLODL_TEST_WRITE_DELAY_FROM_EPOCH": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "helpers" / "slow_write"), str(REPO)]),
+    }
+    proc = start([PYTHON, TRAIN, *overrides], tmp_path, env=child_env(**held))
+    try:
+        in_flight = run_dir / "checkpoints" / "epoch-000002.partial"
+        deadline = time.monotonic() + 180
+        while not in_flight.exists():
+            assert proc.poll() is None, f"the job ended early:\n{proc.communicate()[0][-4000:]}"
+            assert time.monotonic() < deadline, f"{in_flight} did not appear"
+            time.sleep(0.05)
+    finally:
+        kill_group(proc)  # SIGKILL to every process of the job, while the save is in flight
+    latest = CheckpointDir(run_dir, keep=2).latest()
+    assert latest is not None and latest.point == Point(0)  # the one before: no half-written one is picked
+    # The job again (resume=auto), its parts written at once: it continues after epoch 1 and completes.
+    result = train(*overrides, cwd=tmp_path, timeout=240).check()
+    assert "training continues at epoch 2" in result.out
+    assert [r["epoch"] for r in epochs_of(run_dir)] == [0, 1, 2]

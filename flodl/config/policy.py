@@ -89,3 +89,8 @@ def saves_on_stop(cfg: FlodlConfig) -> bool:
     """Whether a stop signal saves a checkpoint before the ranks stop: checkpoints on, a grace budget, and the
     fixed world (under survive a stop ends the ranks at once, as before)."""
     return checkpoints_on(cfg) and cfg.stop_grace_s > 0 and cfg.fault_tolerance == "none"
+
+
+def writes_in_background(cfg: FlodlConfig) -> bool:
+    """Whether checkpoint parts are written on a thread of their own (the fixed world only)."""
+    return cfg.checkpoint_background and cfg.fault_tolerance == "none"

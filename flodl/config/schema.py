@@ -265,6 +265,10 @@ class FlodlConfig:
     checkpoint_keep: int = 2
     # Where checkpoints/ goes (null: the run dir).
     save_path: str | None = None
+    # Write checkpoint parts on a thread of their own from a copy in host memory taken at the boundary, so
+    # training goes on while they are written (under fault_tolerance=survive parts are written at the
+    # boundary: a member cut mid-write must not hold up the others' checkpoint).
+    checkpoint_background: bool = True
     # A stop signal (SIGTERM from a scheduler, Ctrl-C) first saves a checkpoint at the next step (sync) or
     # round (cadence, async) boundary, within this many seconds, then stops; past it, or 0, the ranks stop at
     # once and the last checkpoint is named. Needs checkpoints on, and fault_tolerance=none.

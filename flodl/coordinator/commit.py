@@ -82,36 +82,37 @@ class CheckpointCommitter:
         if driver_state is not None:
             self.driver_state[point] = driver_state
 
-    def on_saved(self, point: Point, rank: int, ledger: EpochLedger) -> None:
-        self.saved.setdefault(point, {})[rank] = ledger.chunk_count(point.epoch, rank)
-        self._all_saved(point, ledger)
+    def on_saved(self, point: Point, rank: int, chunks: int, ledger: EpochLedger) -> None:
+        """`rank`'s part is on disk; it had reported `chunks` chunks of the point's epoch before it."""
+        saved = self.saved.setdefault(point, {})
+        saved[rank] = chunks
+        if point.into is not None and self._parts(point) <= saved.keys():  # the epoch's record up to it
+            self.ledger_state.setdefault(point, ledger.partial(point.epoch, saved))
 
-    def on_all_saved(self, point: Point, driver_state: dict[str, Any], ledger: EpochLedger) -> None:
-        """Every member saved (local SGD: the checkpoint round is acknowledged, and no window after it is
-        open); the driver's state then."""
-        self.saved[point] = {rank: ledger.chunk_count(point.epoch, rank) for rank in self._parts(point)}
+    def on_checkpoint_round(self, point: Point, driver_state: dict[str, Any], ledger: EpochLedger) -> None:
+        """Local SGD: the checkpoint round is acknowledged (and no window after it is open): the driver's
+        state then, and the epoch's record (every chunk before the point is in, no later one)."""
         self.driver_state[point] = driver_state
-        self._all_saved(point, ledger)
+        if point.into is not None:
+            counts = {rank: ledger.chunk_count(point.epoch, rank) for rank in self._parts(point)}
+            self.ledger_state[point] = ledger.partial(point.epoch, counts)
 
-    def _all_saved(self, point: Point, ledger: EpochLedger) -> None:
-        chunks = self.saved[point]
-        if point.into is not None and self._parts(point) <= chunks.keys():
-            self.ledger_state[point] = ledger.partial(point.epoch, chunks)
-
-    def poll(self, ledger: EpochLedger, driver_state: dict[str, Any]) -> list[Checkpoint]:
-        """Commit every point whose parts are all saved and whose epochs before it the ledger has emitted
-        (its own too, at an epoch's end); return those."""
+    def poll(self, ledger: EpochLedger) -> list[Checkpoint]:
+        """Commit every point whose parts are all on disk, whose driver state is known and whose epochs
+        before it the ledger has emitted (its own too, at an epoch's end); return those."""
         committed = []
         for point in sorted(self.saved, key=lambda p: p.order):
             ranks = self._parts(point)
-            if not ranks <= self.saved[point].keys() or ledger.next_to_emit <= point.last_whole_epoch:
+            if not ranks <= self.saved[point].keys() or point not in self.driver_state:
+                continue
+            if ledger.next_to_emit <= point.last_whole_epoch:
                 continue
             state = {
                 **self.kind,
                 "epoch": point.epoch,
                 "into": point.into,
                 "comm_bytes_total": ledger.comm_bytes_total,
-                "driver": self.driver_state.pop(point, driver_state),
+                "driver": self.driver_state.pop(point),
                 # Inside an epoch: what its record holds so far (a resumed run starts its ledger there).
                 "ledger": self.ledger_state.pop(point, None),
             }

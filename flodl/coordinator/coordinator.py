@@ -233,7 +233,7 @@ class Coordinator(threading.Thread):
             point = Point(message.epoch, message.into)
             if message.step is not None and point not in self.committer.expected:  # a stop's, unplanned
                 self.driver.expect_checkpoint(point, message.step)
-            self.committer.on_saved(point, message.rank, self.ledger)
+            self.committer.on_saved(point, message.rank, message.chunks, self.ledger)
         elif isinstance(message, StopRequested):
             self._on_stop_requested(message)
         elif isinstance(message, ChunkReport):
@@ -264,7 +264,7 @@ class Coordinator(threading.Thread):
             self._stop_if_asked()
             self.driver.on_epoch_emitted(metrics.epoch)
         if self.committer is not None:
-            for checkpoint in self.committer.poll(self.ledger, self.driver.state()):
+            for checkpoint in self.committer.poll(self.ledger):
                 self.hooks.checkpoint(checkpoint.epoch, checkpoint.path)
                 self._stop_if_asked()
             if self.stop_signal is not None and self.committer.committed is not self._before_stop:

@@ -176,7 +176,7 @@ class LocalSgdDriver:
                     self._feed_round()
                 if self._checkpoint_at is not None and self.committer is not None:
                     self.committer.expect_parts(self._checkpoint_at, self.planner.members)
-                    self.committer.on_all_saved(self._checkpoint_at, self.state(), self.ledger)
+                    self.committer.on_checkpoint_round(self._checkpoint_at, self.state(), self.ledger)
                     self._checkpoint_at = None
                     self._last_checkpoint = time.monotonic()
                 if self.done:

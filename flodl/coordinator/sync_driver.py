@@ -181,7 +181,7 @@ class SyncDriver:
         checkpoint = self.committer is not None and epoch in self.committer.remaining
         self.ledger.expect_eval(epoch, evaluate, ranks=len(segment.members))
         if checkpoint and self.committer is not None:
-            self.committer.expect_parts(Point(epoch), segment.members)
+            self.committer.expect_parts(Point(epoch), segment.members, self.state())
         inside = self._checkpoints_inside(segment)
         self.ledger.expect_batches(epoch, self.plan.expected_batches(epoch))
         if not (segment.steps or evaluate or checkpoint):

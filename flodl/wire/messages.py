@@ -197,7 +197,7 @@ class EvalResult:
 
 @dataclass
 class Saved:
-    """This rank's checkpoint part is on disk (sync; local SGD says so with its RoundAck)."""
+    """This rank's checkpoint part is on disk."""
 
     rank: int
     epoch: int
@@ -205,6 +205,8 @@ class Saved:
     into: int | None = None
     # Sync, a part no plan asked for (a stop that saves): the step of the epoch it was written after.
     step: int | None = None
+    # The chunks of the epoch this rank reported before the part (the epoch's record at the checkpoint).
+    chunks: int = 0
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from flodl.checkpoint import evaluated_model_path, save_model
+from flodl.checkpoint import Point, evaluated_model_path, save_model
 from flodl.counting import shown_epoch
 from flodl.wire.membership import AveragingGroup
 from flodl.wire.messages import (
@@ -28,6 +28,7 @@ from flodl.wire.messages import (
     Progress,
     Regroup,
     Regrouped,
+    Saved,
     SaveModel,
     Shutdown,
 )
@@ -95,6 +96,8 @@ class WorkerBase:
         self._recent_loss: torch.Tensor | None = None
         self._recent_steps = 0
         self._recent_since = time.perf_counter()
+        # Chunks reported per epoch (a checkpoint part says how many came before it).
+        self._chunks: dict[int, int] = {}
         # The signal of a stop that saved (the coordinator's Shutdown says it): the rank exits 128 + it.
         self.stopped_by: int | None = None
 
@@ -104,6 +107,7 @@ class WorkerBase:
         try:
             self.group.start(self, self.stepper.fault.before_start)
             while True:
+                self.report_written()
                 message = self.reader.next_message(None if self.has_work() else _WAIT_S)
                 if isinstance(message, Shutdown):
                     self.stopped_by = message.signum
@@ -124,6 +128,8 @@ class WorkerBase:
                 else:
                     alive()
         finally:
+            if self.checkpointer is not None:  # a part in flight is finished (the coordinator may not wait)
+                self.checkpointer.close()
             self.reader.stop(self.outbox)
             self.release()
 
@@ -141,7 +147,22 @@ class WorkerBase:
     def report(self, message: Message) -> None:
         if isinstance(message, ChunkReport):
             self.last_epoch = max(message.epoch, self.last_epoch if self.last_epoch is not None else -1)
+            self._chunks[message.epoch] = self._chunks.get(message.epoch, 0) + 1
         self.outbox.send(COORDINATOR, message)
+
+    def save_part(self, point: Point, step: int | None = None) -> None:
+        """This rank's part of the checkpoint at `point` (`step`: sync's step of the epoch, for a part no plan
+        asked for); its Saved goes out once it is on disk."""
+        assert self.checkpointer is not None
+        receipt = Saved(self.rank, point.epoch, point.into, step, self._chunks.get(point.epoch, 0))
+        self.checkpointer.save(point, self.state(), receipt, self.is_first_member)
+        self.report_written()
+
+    def report_written(self) -> None:
+        """Say Saved for each part written in the background since the last look."""
+        if self.checkpointer is not None:
+            for receipt in self.checkpointer.written():
+                self.report(receipt)
 
     def _save_model(self, path: Path) -> None:
         """The run's end: every member holds the final model; the coordinator asked this one to write it."""

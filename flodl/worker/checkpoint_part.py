@@ -1,36 +1,94 @@
-"""A rank's own part of a checkpoint: written before the rank acknowledges, loaded back on resume.
+"""A rank's own part of a checkpoint: written at the boundary (or in the background, from a copy taken
+there), said `Saved` once it is on disk, loaded back on resume.
 
 The group's first member also writes the model (every member holds the same consensus at a checkpoint).
-Files load with `weights_only=True`.
+In the background (`background=True`), the rank's state is copied to host memory at the boundary, which is
+all training waits for; a thread of its own writes it (one part in flight at a time: the next save waits for
+the last), and the worker reports the `Saved` receipts of the parts written at its next look (`written`), so
+the coordinator commits only what is on disk. Files load with `weights_only=True`.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import torch
 from torch import nn
 
 from flodl.checkpoint import MODEL_FILE, Checkpoint, CheckpointDir, Point, model_state, rank_file
+from flodl.wire.messages import Saved
 from flodl.worker.rank_state import restore_stepper, stepper_state
 from flodl.worker.stepper import Stepper
 
 
-class RankCheckpointer:
-    """A worker's side: write this rank's part of an epoch's checkpoint."""
+def host_copy(obj: Any) -> Any:
+    """`obj` with every tensor copied to host memory (the optimizer goes on writing into its own)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {key: host_copy(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(host_copy(value) for value in obj)
+    return obj
 
-    def __init__(self, store: CheckpointDir, rank: int, model: nn.Module, stepper: Stepper) -> None:
+
+class RankCheckpointer:
+    """A worker's side: write this rank's part of a checkpoint, then hand back its `Saved` receipt."""
+
+    def __init__(
+        self, store: CheckpointDir, rank: int, model: nn.Module, stepper: Stepper, background: bool = False
+    ) -> None:
         self.store = store
         self.rank = rank
         self.model = model
         self.stepper = stepper
+        self._writer = ThreadPoolExecutor(1, "flodl-checkpoint") if background else None
+        self._in_flight: tuple[Future[None], Saved] | None = None
+        self._receipts: list[Saved] = []
 
-    def save(self, point: Point, worker_state: dict[str, Any], first_member: bool = True) -> None:
-        """`first_member`: this rank writes the model too (every member holds the same one here: one copy is
-        enough)."""
-        if first_member:
-            self.store.write_part(point, MODEL_FILE, model_state(self.model))
+    def save(
+        self, point: Point, worker_state: dict[str, Any], receipt: Saved, first_member: bool = True
+    ) -> None:
+        """Write the part at `point` (`first_member`: the model too: every member holds the same one here,
+        one copy is enough); `receipt` is reported once it is on disk."""
+        self.flush()  # one part in flight: a copy of the state at a time, and parts committed in order
         part = {"stepper": stepper_state(self.stepper), "worker": worker_state}
+        model = model_state(self.model) if first_member else None
+        if self._writer is None:
+            self._write(point, part, model)
+            self._receipts.append(receipt)
+            return
+        copied = host_copy(part)
+        self._in_flight = (self._writer.submit(self._write, point, copied, model), receipt)
+
+    def _write(self, point: Point, part: dict[str, Any], model: dict[str, torch.Tensor] | None) -> None:
+        if model is not None:
+            self.store.write_part(point, MODEL_FILE, model)
         self.store.write_part(point, rank_file(self.rank), part)
+
+    def written(self) -> list[Saved]:
+        """The receipts of the parts on disk since the last look (a failed write raises here)."""
+        if self._in_flight is not None and self._in_flight[0].done():
+            self._finish()
+        receipts, self._receipts = self._receipts, []
+        return receipts
+
+    def flush(self) -> None:
+        """Wait for the part in flight (at a save, and before the rank ends)."""
+        if self._in_flight is not None:
+            self._finish()
+
+    def _finish(self) -> None:
+        assert self._in_flight is not None
+        future, receipt = self._in_flight
+        self._in_flight = None
+        future.result()  # a failed write raises in the rank's own thread, naming its file
+        self._receipts.append(receipt)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
 
 
 def restore_rank_part(checkpoint: Checkpoint, rank: int, stepper: Stepper) -> dict[str, Any]:

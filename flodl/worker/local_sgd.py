@@ -310,8 +310,7 @@ class LocalSgdWorker(WorkerBase):
         self.global_steps += outcome.total_steps
         if order.checkpoint_epoch is not None and self.checkpointer is not None:
             started = time.perf_counter()
-            point = Point(order.checkpoint_epoch, order.checkpoint_into)
-            self.checkpointer.save(point, self.state(), self.is_first_member)
+            self.save_part(Point(order.checkpoint_epoch, order.checkpoint_into))
             epoch_work_s += time.perf_counter() - started
         now = time.perf_counter()
         window_s = now - (self.window_started if self.window_started is not None else now)

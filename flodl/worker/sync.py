@@ -29,7 +29,7 @@ from flodl.checkpoint import Point
 from flodl.counting import shown_epoch
 from flodl.metrics.scalars import drain_scalars
 from flodl.wire.membership import AveragingGroup
-from flodl.wire.messages import ChunkReport, FirstStep, Message, Regroup, Regrouped, Saved, StartEpoch
+from flodl.wire.messages import ChunkReport, FirstStep, Message, Regroup, Regrouped, StartEpoch
 from flodl.wire.state_bytes import state_from_bytes, state_to_bytes
 from flodl.worker.base import RankLink, WorkerBase, WorkerSettings
 from flodl.worker.checkpoint_part import RankCheckpointer
@@ -133,8 +133,7 @@ class SyncWorker(WorkerBase):
             result = self.stepper.evaluate(group.index, group.size, epoch, step, self.global_samples, step)
             self.report_evals(replace(result, generation=group.generation), [epoch])
         if plan.checkpoint and self.checkpointer is not None:
-            self.checkpointer.save(Point(epoch), self.state(), self.is_first_member)
-            self.report(Saved(self.rank, epoch))
+            self.save_part(Point(epoch))
 
     def train_epoch(self, plan: StartEpoch) -> ChunkReport | None:
         """The epoch's share `plan` hands this rank; None when a step of it failed (survive: the group
@@ -175,6 +174,7 @@ class SyncWorker(WorkerBase):
                 self._say_first_step()
             stepper.schedule_to(stepper.steps_total)
             self.observe(loss, plan.epoch)
+            self.report_written()
             into = inside.get(self.position[1])
             if into is not None:
                 self._save_inside(share, Point(plan.epoch, into))
@@ -198,8 +198,7 @@ class SyncWorker(WorkerBase):
         share.data_s = 0.0
         share.started_at, share.start = time.time(), time.perf_counter()
         if self.checkpointer is not None:
-            self.checkpointer.save(point, self.state(), self.is_first_member)
-            self.report(Saved(self.rank, point.epoch, point.into, unplanned_step))
+            self.save_part(point, unplanned_step)
 
     def _chunk(self, share: _Share, batches: int) -> ChunkReport:
         stepper = self.stepper
