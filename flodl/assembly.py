@@ -340,8 +340,9 @@ def make_coordinator(cfg: FlodlConfig, setup: CoordinatorSetup) -> Coordinator:
         every = cfg.checkpoint_every_steps
         driver_state = resumed["driver"] if resumed is not None and inside is not None else None
         driver = SyncDriver(
-            schedule, ledger, outbox, roster, first, committer, lookahead, every, driver_state
-        )
+            schedule, ledger, outbox, roster, first, committer, lookahead, every, driver_state,
+            cfg.checkpoint_every_s,
+        )  # fmt: skip
     else:
         batches_per_epoch = total_picks // step_size
         overlapping = cfg.policy == "async"  # no epoch barrier

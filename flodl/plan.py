@@ -148,7 +148,8 @@ def checkpoints_line(cfg: FlodlConfig) -> str:
     if cfg.checkpoint_every_steps:
         when.append(f"every {cfg.checkpoint_every_steps} global steps, inside epochs too")
     if cfg.checkpoint_every_s:
-        when.append(f"at the first round {cfg.checkpoint_every_s:g} s after the last")
+        where = "a step the ranks agree on" if cfg.policy == "sync" else "the next round"
+        when.append(f"{cfg.checkpoint_every_s:g} s after the last, at {where}")
     when.append("after the last epoch")
     how = "written in the background" if writes_in_background(cfg) else "written at the boundary"
     stop = (

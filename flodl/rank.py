@@ -48,7 +48,7 @@ from flodl.wire.messages import Exiting, StopRequested
 from flodl.wire.stop import (
     Stopped,
     StopWatch,
-    agree_stop_step,
+    agree_step,
     catch_stop_signals,
     post,
     posted,
@@ -208,17 +208,23 @@ def _run_rank(config: dict[str, Any], info_fields: dict[str, Any], self_launched
 
 def _stop_watch(cfg: FlodlConfig, rank: int, mailbox: Mailbox, worker: WorkerBase) -> StopWatch:
     """The rank's stop watch: a peer's stop raised here; with a stop that saves, this rank's signal carried
-    out (the request posted and sent to the coordinator, sync's step agreed), within stop_grace_s."""
+    out (the request posted and sent to the coordinator, sync's step agreed), within stop_grace_s; sync's
+    checkpoints by time handed to the worker."""
+
+    def on_checkpoint(request: int) -> None:
+        worker.on_checkpoint_request(functools.partial(agree_step, mailbox, request=request))
+
+    checkpoints = on_checkpoint if cfg.checkpoint_every_s is not None else None
     if not saves_on_stop(cfg):
-        return StopWatch(mailbox)
+        return StopWatch(mailbox, on_checkpoint=checkpoints)
 
     def announce(signum: int) -> None:
         mailbox.send(COORDINATOR, StopRequested(rank, signum))
 
     def on_request() -> bool:
-        return worker.on_stop_request(functools.partial(agree_stop_step, mailbox))
+        return worker.on_stop_request(functools.partial(agree_step, mailbox))
 
-    return StopWatch(mailbox, save_on_stop(), announce, on_request, cfg.stop_grace_s)
+    return StopWatch(mailbox, save_on_stop(), announce, on_request, cfg.stop_grace_s, checkpoints)
 
 
 def _raise_if_failed(host: RunHost | None) -> None:

@@ -84,7 +84,8 @@ def test_plan_says_when_checkpoints_are_taken_and_what_a_stop_does():
         "written in the background; a stop signal saves at the next step within 20 s, then stops"
     ) in steps
     timed = plan_of(policy="cadence", checkpoint_every_s=600.0, checkpoint_background=False, stop_grace_s=0.0)
-    assert "at the first round 600 s after the last, after the last epoch; written at the boundary" in timed
+    assert "600 s after the last, at the next round, after the last epoch; written at the boundary" in timed
+    assert "600 s after the last, at a step the ranks agree on" in plan_of(checkpoint_every_s=600.0)
     assert "a stop signal stops at once, naming the last checkpoint" in timed
     survive = plan_of(policy="async", fault_tolerance="survive", checkpoint_every_steps=10)
     assert "written at the boundary; a stop signal stops at once" in survive

@@ -226,10 +226,14 @@ SYNC_STOP = ["launch.nproc_per_node=2", "policy=sync", "epochs=5", "checkpoint_e
 def test_a_sync_run_stopped_at_a_step_saves_there_and_resumed_ends_bitwise_equal_to_the_uninterrupted_run(
     tmp_path: Path,
 ) -> None:
+    """With checkpoints by time (every second, at steps the ranks agree on): they change nothing trained."""
+    timed = [*SYNC_STOP, "checkpoint_every_s=1", "checkpoint_keep=50"]
     whole = tmp_path / "whole"
-    run([PYTHON, TRAIN, *SYNC_STOP, f"hydra.run.dir={whole}"], cwd=tmp_path, timeout=240).check()
+    first = run([PYTHON, TRAIN, *timed, f"hydra.run.dir={whole}"], cwd=tmp_path, timeout=240).check()
+    inside = list((whole / "checkpoints").glob("*-sample-*"))
+    assert inside and all(verify(path) is None for path in inside), first.out[-4000:]
     result = _stop_after_first_checkpoint(
-        [PYTHON, TRAIN, *SYNC_STOP, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path
+        [PYTHON, TRAIN, *timed, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path
     )
     assert result.code == 143, result.out[-4000:] + result.err[-4000:]
     (line,) = result.err.strip().splitlines()

@@ -206,11 +206,14 @@ def test_max_overshoot_needs_async(policy):
     assert_problem(problems, "max_overshoot", 3, f"applies to policy=async only (policy={policy})")
 
 
-def test_checkpoints_by_time_need_a_round_boundary_and_keep_needs_some_checkpoint_key():
-    problems = problems_of(make(policy="sync", checkpoint_every_s=600.0))
-    assert_problem(problems, "checkpoint_every_s", 600.0, "is for cadence and async")
-    assert "under policy=sync use checkpoint_every_steps" in " ".join(problems)
-    assert not [p for p in problems_of(make(policy="cadence", checkpoint_every_s=600.0)) if "checkpoint" in p]
+def test_checkpoints_by_time_under_sync_need_the_fixed_world_and_keep_needs_some_checkpoint_key():
+    problems = problems_of(make(policy="sync", fault_tolerance="survive", checkpoint_every_s=600.0))
+    assert_problem(problems, "checkpoint_every_s", 600.0, "under policy=sync needs fault_tolerance=none")
+    assert "with survive use checkpoint_every_steps" in " ".join(problems)
+    for policy in ("sync", "cadence"):
+        assert not [
+            p for p in problems_of(make(policy=policy, checkpoint_every_s=600.0)) if "checkpoint" in p
+        ]
     for key in ("checkpoint_every", "checkpoint_every_steps", "checkpoint_every_s"):
         assert not [
             p for p in problems_of(make(policy="async", checkpoint_keep=5, **{key: 100})) if "keep" in p

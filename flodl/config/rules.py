@@ -385,12 +385,12 @@ def _do_nothing_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
             )
         if cfg.save_path is not None:
             yield _problem("save_path", cfg.save_path, f"is where checkpoints go: set {CHECKPOINT_KEYS}")
-    if cfg.checkpoint_every_s is not None and cfg.policy == "sync":
+    if cfg.checkpoint_every_s is not None and cfg.policy == "sync" and cfg.fault_tolerance == "survive":
         yield _problem(
             "checkpoint_every_s",
             cfg.checkpoint_every_s,
-            "is for cadence and async (a round boundary every rank reaches); under policy=sync use "
-            "checkpoint_every_steps",
+            "under policy=sync needs fault_tolerance=none (the members agree on the step through the store, "
+            "which a cut member would leave half agreed); with survive use checkpoint_every_steps",
         )
     if cfg.simulate.slow_rank is None and cfg.simulate.factor != defaults.simulate.factor:
         yield _problem("simulate.factor", cfg.simulate.factor, "slows simulate.slow_rank, which is not set")

@@ -258,8 +258,8 @@ class FlodlConfig:
     # Also checkpoint inside epochs, every this many global steps (one step of every rank, as sync counts
     # them), at the next step (sync) or round (cadence, async) boundary; and after the last epoch.
     checkpoint_every_steps: int | None = None
-    # Also checkpoint at the first round boundary this many seconds after the last checkpoint (cadence,
-    # async; sync has no boundary every rank reaches together without a collective); and after the last epoch.
+    # Also checkpoint this many seconds after the last one: at the next round boundary (cadence, async), or
+    # at a step the ranks agree on a few seconds ahead (sync; fault_tolerance=none); and after the last epoch.
     checkpoint_every_s: float | None = None
     # Complete checkpoints kept; older ones are removed once a newer one is committed.
     checkpoint_keep: int = 2

@@ -108,6 +108,7 @@ class Coordinator(threading.Thread):
                 message = self.reader.next_message(_WAIT_S)
                 if message is not None:
                     self._handle(message)
+                self.driver.tick()
                 self._check_heartbeats(time.perf_counter())
                 self.roster.check_exits()
             self.ended_at = time.time()

@@ -68,6 +68,10 @@ class Driver(Protocol):
     @property
     def done(self) -> bool: ...
 
+    def tick(self) -> None:
+        """Called as the coordinator waits for reports (at least every half second): what is due by time."""
+        ...
+
     def stop_saving(self) -> None:
         """A stop that saves: end the work at the next boundary where a checkpoint can be taken."""
         ...

@@ -130,6 +130,9 @@ class LocalSgdDriver:
     def on_epoch_emitted(self, epoch: int) -> None:
         pass
 
+    def tick(self) -> None:
+        pass  # checkpoints by time are taken at round boundaries (_checkpoint_due)
+
     boundary = "round (the window in flight, or the next, ends with it)"
 
     def stop_saving(self) -> None:

@@ -9,6 +9,7 @@ admitted with the next epoch planned.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,7 @@ from flodl.coordinator.lockstep import (
 from flodl.coordinator.roster import Roster
 from flodl.counting import shown_epoch
 from flodl.wire.messages import ChunkReport, EvalResult, FirstStep, Message, Regrouped, StartEpoch
+from flodl.wire.stop import post_checkpoint_request
 from flodl.wire.transport import Mailbox
 
 log = logging.getLogger("flodl")
@@ -86,11 +88,13 @@ class SyncDriver:
         lookahead: int = PLAN_LOOKAHEAD,
         checkpoint_every_steps: int | None = None,
         resumed: dict[str, Any] | None = None,
+        checkpoint_every_s: float | None = None,
     ) -> None:
         """`committer`: the checkpoints (None: checkpointing is off); its due epochs are the ones whose
         plan asks for the ranks' parts. `lookahead`: epochs planned beyond the one being aggregated.
         `checkpoint_every_steps`: a checkpoint inside an epoch at each multiple of it of the run's global
-        steps. `resumed`: the driver's state of a checkpoint inside `first_epoch` (its rest)."""
+        steps. `resumed`: the driver's state of a checkpoint inside `first_epoch` (its rest).
+        `checkpoint_every_s`: a checkpoint this long after the last request, at a step the ranks agree on."""
         self.schedule = schedule
         self.lookahead = lookahead
         self.ledger = ledger
@@ -104,6 +108,9 @@ class SyncDriver:
         # A cut's generation whose rest is still to be planned (once its members agreed where they are).
         self._replan: int | None = None
         self.checkpoint_every_steps = checkpoint_every_steps
+        self.checkpoint_every_s = checkpoint_every_s
+        self._checkpoint_requests = 0
+        self._last_request = time.monotonic()
         self._resumed_rest = resumed.get("rest") if resumed else None
 
     def begin(self) -> None:
@@ -137,6 +144,16 @@ class SyncDriver:
             self._plan(epoch + self.lookahead + 1)
 
     boundary = "step every rank agrees on"
+
+    def tick(self) -> None:
+        """A checkpoint by time is due: ask the ranks for it (they agree on its step, flodl/wire/stop.py)."""
+        every = self.checkpoint_every_s
+        if every is None or self.committer is None or self.stopped:
+            return
+        if time.monotonic() - self._last_request >= every:
+            self._checkpoint_requests += 1
+            self._last_request = time.monotonic()
+            post_checkpoint_request(self.outbox, self._checkpoint_requests)
 
     def stop_saving(self) -> None:
         pass  # the ranks agree on the step themselves (flodl/wire/stop.py), and say Saved with it

@@ -7,9 +7,10 @@ its peers through the store: that rank posts it, and every peer's `StopWatch` ra
 A stop that saves (`save_on_stop`: checkpoints on, `stop_grace_s` > 0): the first signal raises nothing.
 The rank's `StopWatch` posts the request in the store and tells the coordinator (`StopRequested`), which has
 the ranks save a checkpoint at the next boundary where one can be taken and then shuts them down with the
-signal; sync's ranks agree on the step themselves (`agree_stop_step`: the first proposal in the store wins).
+signal; sync's ranks agree on the step themselves (`agree_step`: the first proposal in the store wins).
 If the run has not stopped within the grace budget, the rank posts a stop for every rank and stops at once,
-as without saving."""
+as without saving. Sync's checkpoints by time travel the same way: the coordinator posts the n-th request
+(`post_checkpoint_request`), each rank's watch hands it to the worker, whose members agree on its step."""
 
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ _STOP_KEY = "stop"
 # A stop that saves: requested (the signal's number), and sync's agreed step.
 _REQUEST_KEY = "stop_request"
 _STEP_KEY = "stop_step"
+# Sync's checkpoints by time: how many were requested, and each one's agreed step.
+_CHECKPOINT_KEY = "checkpoint_request"
 _WATCH_S = 0.25
 _received: int | None = None
 # Set once this process saves on a stop: the first signal is carried out by its StopWatch.
@@ -105,9 +108,16 @@ def stop_now(signum: int) -> None:
     os.kill(os.getpid(), signum)
 
 
-def agree_stop_step(mailbox: Mailbox, proposal: int) -> int:
-    """The step every rank saves after (sync): the first rank's proposal in the store."""
-    return int(mailbox.store.compare_set(_STEP_KEY, "", str(proposal)).decode())
+def agree_step(mailbox: Mailbox, proposal: int, request: int | None = None) -> int:
+    """The step every rank saves after (sync): the first rank's proposal in the store; for the stop, or for
+    the checkpoint by time `request`."""
+    key = _STEP_KEY if request is None else f"{_CHECKPOINT_KEY}/{request}"
+    return int(mailbox.store.compare_set(key, "", str(proposal)).decode())
+
+
+def post_checkpoint_request(mailbox: Mailbox, request: int) -> None:
+    """The coordinator asks sync's ranks for a checkpoint by time: its `request`-th."""
+    mailbox.store.set(_CHECKPOINT_KEY, str(request))
 
 
 def post(mailbox: Mailbox, signum: int) -> None:
@@ -129,7 +139,8 @@ class StopWatch(threading.Thread):
     SGD trains alone between rounds) stops within a fraction of a second too. With a stop that saves
     (`saving`), it also carries out this rank's own signal: posts the request and tells the coordinator
     (`announce`), calls `on_request` once a request is posted by any rank (False: this rank cannot reach a
-    boundary in time), and stops every rank once `grace_s` passed without the run's end."""
+    boundary in time), and stops every rank once `grace_s` passed without the run's end. `on_checkpoint`
+    gets each checkpoint by time the coordinator requests (sync), by number."""
 
     def __init__(
         self,
@@ -138,6 +149,7 @@ class StopWatch(threading.Thread):
         announce: Callable[[int], None] | None = None,
         on_request: Callable[[], bool] | None = None,
         grace_s: float = 0.0,
+        on_checkpoint: Callable[[int], None] | None = None,
     ) -> None:
         super().__init__(name="flodl-stop-watch", daemon=True)
         self.mailbox = mailbox
@@ -148,6 +160,8 @@ class StopWatch(threading.Thread):
         self.stopped = threading.Event()
         self._deadline: float | None = None
         self._answered = False
+        self.on_checkpoint = on_checkpoint
+        self._checkpoints_seen = 0
 
     def run(self) -> None:
         while not self.stopped.wait(_WATCH_S):
@@ -158,6 +172,8 @@ class StopWatch(threading.Thread):
                 signum = posted(self.mailbox) if found else None
                 if signum is None and self.saving is not None:
                     self._carry_out_saving_stop()
+                if signum is None and self.on_checkpoint is not None:
+                    self._follow_checkpoint_requests(self.on_checkpoint)
             except Exception:  # the store is gone: the run is over or failing, and says so elsewhere
                 return
             if signum is not None:
@@ -179,6 +195,14 @@ class StopWatch(threading.Thread):
             self._answered = True
             if self.on_request is not None and not self.on_request():
                 self._give_up("this rank was past the agreed step before it learned it")
+
+    def _follow_checkpoint_requests(self, on_checkpoint: Callable[[int], None]) -> None:
+        if not self.mailbox.store.check([_CHECKPOINT_KEY]):
+            return
+        latest = int(self.mailbox.store.get(_CHECKPOINT_KEY))
+        for request in range(self._checkpoints_seen + 1, latest + 1):
+            on_checkpoint(request)
+        self._checkpoints_seen = max(self._checkpoints_seen, latest)
 
     def _give_up(self, why: str) -> None:
         """The stop cannot save: every rank stops now, naming the last checkpoint."""

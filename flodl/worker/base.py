@@ -238,6 +238,10 @@ class WorkerBase:
         work at the next boundary (local SGD's round). False: this rank cannot get there."""
         return True
 
+    def on_checkpoint_request(self, agree: Callable[[int], int]) -> None:
+        """A checkpoint by time that sync's members agree on (called from the stop watch's thread); local SGD
+        takes its own at a round boundary."""
+
     def state(self) -> dict[str, Any]:
         """This worker's own state for a checkpoint (beyond the stepper's)."""
         return {}

@@ -106,9 +106,11 @@ class SyncWorker(WorkerBase):
         # survive: the share a failed step cut, reported once the members agreed where it ended.
         self._cut: _Share | None = None
         # A stop that saves: the global step every member saves after, then trains no more (None: no stop
-        # asked); and when this rank started training, for how far ahead that step must be.
+        # asked); the steps of the checkpoints by time the members agreed on; and when this rank started
+        # training, for how far ahead such a step must be.
         self.stop_at: int | None = None
         self.stopping = False
+        self.save_at: set[int] = set()
         self._pace_from: tuple[float, int] | None = None
 
     # --- the epochs -----------------------------------------------------------------------------------
@@ -178,6 +180,10 @@ class SyncWorker(WorkerBase):
             into = inside.get(self.position[1])
             if into is not None:
                 self._save_inside(share, Point(plan.epoch, into))
+            if stepper.steps_total in self.save_at:  # a checkpoint by time: every member saves here
+                self.save_at.discard(stepper.steps_total)
+                step = self.position[1]
+                self._save_inside(share, Point(plan.epoch, step * members * step_samples), step)
             if self.stop_at == stepper.steps_total:  # a stop that saves: every member saves here
                 step = self.position[1]
                 self.stopping = True
@@ -223,17 +229,30 @@ class SyncWorker(WorkerBase):
         )
 
     def on_stop_request(self, agree: Callable[[int], int]) -> bool:
-        """A stop that saves: propose a step far enough ahead that every member learns it before it gets
-        there (the steps of two seconds, and two more); every member saves after the agreed one. False: this
-        rank is already past it."""
+        """A stop that saves: every member saves after the agreed step, then trains no more. False: this rank
+        is already past it."""
+        self.stop_at = agree(self._step_ahead())
+        return self.stepper.steps_total < self.stop_at
+
+    def on_checkpoint_request(self, agree: Callable[[int], int]) -> None:
+        """A checkpoint by time: every member saves after the agreed step (a rank already past it says so,
+        and that checkpoint is not taken: its other parts are never committed)."""
+        step = agree(self._step_ahead())
+        if self.stepper.steps_total < step:
+            self.save_at.add(step)
+        else:
+            log.warning(
+                "rank %d was past step %d before it learned it: that checkpoint is skipped", self.rank, step
+            )
+
+    def _step_ahead(self) -> int:
+        """A step far enough ahead that every member learns it before it gets there: the steps of two
+        seconds, and two more."""
         steps, pace = self.stepper.steps_total, self._pace_from
         if pace is None:
-            lead = 2
-        else:
-            started, first = pace
-            lead = math.ceil(2.0 * (steps - first) / max(time.perf_counter() - started, 1e-3)) + 2
-        self.stop_at = agree(steps + lead)
-        return self.stepper.steps_total < self.stop_at
+            return steps + 2
+        started, first = pace
+        return steps + math.ceil(2.0 * (steps - first) / max(time.perf_counter() - started, 1e-3)) + 2
 
     def state(self) -> dict[str, Any]:
         return {"global_samples": self.global_samples, "lr_world": self.lr_world}
