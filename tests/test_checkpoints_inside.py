@@ -236,3 +236,22 @@ def test_a_checkpoint_inside_an_epoch_waits_until_the_epochs_before_it_are_emitt
     assert [m.epoch for m in ledger.emit_ready()] == [0]
     (checkpoint,) = committer.poll(ledger)
     assert checkpoint.point == point
+
+
+def test_a_point_whose_epoch_record_is_gone_before_its_parts_are_on_disk_is_let_go(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A part written in the background can land after the epoch after its own was emitted (tiny epochs):
+    the epoch's record is gone, so the checkpoint is not taken (a later one is)."""
+    ledger = EpochLedger(epochs=3, world_size=1, batches_per_epoch=2)
+    committer = CheckpointCommitter(CheckpointDir(tmp_path, keep=3), 1, set(), run_kind("sync", False), {})
+    point = Point(0, 4)
+    committer.expect_parts(point, [0], {"rest": None})
+    for epoch in (0, 1):
+        ledger.add_chunk(_chunk(0, epoch, 2, 1.0))
+        ledger.expect_eval(epoch, False)
+    assert [m.epoch for m in ledger.emit_ready()] == [0, 1] and not ledger.holds(0)
+    with caplog.at_level("WARNING", logger="flodl"):
+        committer.on_saved(point, 0, 1, ledger)
+    assert committer.poll(ledger) == [] and point not in committer.expected
+    assert "the checkpoint at epoch 1, 4 samples into it is not taken" in caplog.text

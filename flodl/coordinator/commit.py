@@ -84,6 +84,9 @@ class CheckpointCommitter:
 
     def on_saved(self, point: Point, rank: int, chunks: int, ledger: EpochLedger) -> None:
         """`rank`'s part is on disk; it had reported `chunks` chunks of the point's epoch before it."""
+        if point.into is not None and point not in self.ledger_state and not ledger.holds(point.epoch):
+            self._abandon(point, "its epoch's record was gone before every part was on disk")
+            return
         saved = self.saved.setdefault(point, {})
         saved[rank] = chunks
         if point.into is not None and self._parts(point) <= saved.keys():  # the epoch's record up to it
@@ -96,6 +99,13 @@ class CheckpointCommitter:
         if point.into is not None:
             counts = {rank: ledger.chunk_count(point.epoch, rank) for rank in self._parts(point)}
             self.ledger_state[point] = ledger.partial(point.epoch, counts)
+
+    def _abandon(self, point: Point, why: str) -> None:
+        """The checkpoint at `point` will not be committed (a later one will be)."""
+        if point in self.saved or point in self.expected:
+            log.warning("the checkpoint at %s is not taken: %s", point.words(), why)
+        for records in (self.saved, self.expected, self.driver_state, self.ledger_state):
+            records.pop(point, None)
 
     def poll(self, ledger: EpochLedger) -> list[Checkpoint]:
         """Commit every point whose parts are all on disk, whose driver state is known and whose epochs

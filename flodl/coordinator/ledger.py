@@ -88,6 +88,11 @@ class EpochLedger:
         entry = self._open.get(epoch)
         return 0 if entry is None else sum(1 for c in entry.chunks if c.rank == rank)
 
+    def holds(self, epoch: int) -> bool:
+        """Whether `epoch`'s record can still be read: not emitted yet, or the entry kept until the epoch
+        after it is emitted."""
+        return epoch >= self.next_to_emit or epoch in self._open
+
     def reported_batches(self, epoch: int) -> int:
         """Batches of `epoch` reported so far (a run resumed inside it: those its checkpoint held)."""
         entry = self._open.get(epoch)

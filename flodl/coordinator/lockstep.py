@@ -157,6 +157,9 @@ class LockstepPlan:
             )
         return trained + plan.before * self.step_samples
 
+    def has(self, epoch: int) -> bool:
+        return epoch in self._epochs
+
     def segment(self, epoch: int) -> Segment:
         """`epoch`'s latest segment."""
         return self._epochs[epoch].segments[-1]

@@ -161,8 +161,8 @@ class SyncDriver:
     def expect_checkpoint(self, point: Point, step: int) -> None:
         """A stop's checkpoint after `step` of `point.epoch`: the parts of the segment's members, and the rest
         of the epoch from there as the driver's state."""
-        if self.committer is None:
-            return
+        if self.committer is None or not self.plan.has(point.epoch):
+            return  # the epoch is emitted and forgotten: the committer lets the point go
         segment = self.plan.segment(point.epoch)
         rest = rest_of(segment, step - segment.first_step, segment.members, self.plan.step_samples,
                        segment.generation)  # fmt: skip
