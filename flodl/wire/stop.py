@@ -60,8 +60,11 @@ class Stopped(BaseException):
 
 def catch_stop_signals() -> None:
     """From now on the first SIGINT or SIGTERM raises Stopped in the main thread. Later ones are ignored:
-    a launcher forwards the signal a terminal already sent, and a second one must not break the stop."""
-
+    a launcher forwards the signal a terminal already sent, and a second one must not break the stop.
+    A stop saves only once this rank says so (`save_on_stop`): a sweep's next job in this process starts
+    without the last one's."""
+    global _save_requested, _force
+    _save_requested, _force = None, False
     owner = os.getpid()
 
     def handler(signum: int, frame: FrameType | None) -> None:
