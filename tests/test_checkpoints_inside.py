@@ -255,3 +255,23 @@ def test_a_point_whose_epoch_record_is_gone_before_its_parts_are_on_disk_is_let_
         committer.on_saved(point, 0, 1, ledger)
     assert committer.poll(ledger) == [] and point not in committer.expected
     assert "the checkpoint at epoch 1, 4 samples into it is not taken" in caplog.text
+
+
+def test_a_checkpoint_committed_late_records_the_bytes_on_the_wire_through_its_own_epoch(
+    tmp_path: Path,
+) -> None:
+    """Parts written in the background can commit a checkpoint after a later epoch was emitted: a resumed run
+    must not count that epoch's bytes twice."""
+    store = CheckpointDir(tmp_path, keep=3)
+    ledger = EpochLedger(epochs=3, world_size=1, batches_per_epoch=2)
+    committer = CheckpointCommitter(store, 1, {0}, run_kind("sync", False), {})
+    committer.expect_parts(Point(0), [0], {})
+    for epoch, sent in ((0, 100), (1, 30)):
+        ledger.add_chunk(ChunkReport(0, epoch, 2, 8, 1.0, 10.0, 1.0, comm_bytes=sent))
+        ledger.expect_eval(epoch, False)
+    assert [m.comm_bytes_total for m in ledger.emit_ready()] == [100, 130]
+    store.write_part(Point(0), MODEL_FILE, {})
+    store.write_part(Point(0), rank_file(0), {})
+    committer.on_saved(Point(0), 0, 1, ledger)  # epoch 0's parts land once epoch 1 is emitted too
+    (checkpoint,) = committer.poll(ledger)
+    assert checkpoint.load(COORDINATOR_FILE)["comm_bytes_total"] == 100

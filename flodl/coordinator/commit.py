@@ -121,7 +121,8 @@ class CheckpointCommitter:
                 **self.kind,
                 "epoch": point.epoch,
                 "into": point.into,
-                "comm_bytes_total": ledger.comm_bytes_total,
+                # Through the last whole epoch: a point inside the next one holds its epoch's bytes so far.
+                "comm_bytes_total": ledger.comm_bytes_after(point.last_whole_epoch),
                 "driver": self.driver_state.pop(point),
                 # Inside an epoch: what its record holds so far (a resumed run starts its ledger there).
                 "ledger": self.ledger_state.pop(point, None),

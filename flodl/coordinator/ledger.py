@@ -68,6 +68,8 @@ class EpochLedger:
         self.first_epoch = first_epoch
         self.next_to_emit = first_epoch
         self.comm_bytes_total = comm_bytes_total
+        # The total after each epoch emitted (a checkpoint committed later records its own epoch's).
+        self._comm_bytes_after: dict[int, int] = {first_epoch - 1: comm_bytes_total}
         self._last_finish: float | None = None
         self._round_epoch: dict[int, int] = {}
         self.local_sgd = local_sgd
@@ -87,6 +89,10 @@ class EpochLedger:
         """How many chunks of `epoch` the rank has reported so far."""
         entry = self._open.get(epoch)
         return 0 if entry is None else sum(1 for c in entry.chunks if c.rank == rank)
+
+    def comm_bytes_after(self, epoch: int) -> int:
+        """Bytes on the wire through the end of `epoch` (emitted), from the run's start."""
+        return self._comm_bytes_after[epoch]
 
     def holds(self, epoch: int) -> bool:
         """Whether `epoch`'s record can still be read: not emitted yet, or the entry kept until the epoch
@@ -234,6 +240,7 @@ class EpochLedger:
                 self.step,
             )
             self.comm_bytes_total, self.step = metrics.comm_bytes_total, metrics.step
+            self._comm_bytes_after[self.next_to_emit] = self.comm_bytes_total
             ready.append(metrics)
             self._open.pop(self.next_to_emit - 1, None)
             self.next_to_emit += 1
