@@ -6,7 +6,8 @@ of these methods (a missing one is skipped):
 - `on_run_start(run: Run)`: before the first epoch; keep `run` to stop the run or reach its files.
 - `on_epoch_end(epoch: int, metrics: dict)`: after each epoch, with its `metrics.jsonl` record.
 - `on_eval(epoch: int, metrics: dict[str, float])`: after each evaluated epoch, with its `eval/<name>` values.
-- `on_checkpoint(epoch: int, path: Path)`: after a checkpoint is committed.
+- `on_checkpoint(epoch: int, path: Path)`: after a checkpoint is committed (after its epoch's hooks; with
+  parts written in the background, possibly after a later epoch's).
 - `on_run_end(summary: RunSummary)`: after the final `model.pt` is written.
 
 They run in rank 0's coordinator thread, never on the training step's path; an exception stops the run,
