@@ -14,18 +14,20 @@ import psutil
 import pytest
 import torch
 
-from tests.helpers.procs import PYTHON, TORCHRUN, TRAIN, Result, kill_group, leftovers, start, train
+from tests.helpers.procs import (
+    PYTHON,
+    TORCHRUN,
+    TRAIN,
+    Result,
+    kill_group,
+    leftovers,
+    start,
+    train,
+    wait_for_path,
+)
 from tests.helpers.runs import MODEL_KEYS, assert_complete_run, epochs_of
 
 pytestmark = pytest.mark.multiproc
-
-
-def _wait_for(path: Path, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert proc.poll() is None, f"the job ended before {path} appeared:\n{proc.communicate()[0][-4000:]}"
-        assert time.monotonic() < deadline, f"{path} did not appear within {timeout}s"
-        time.sleep(0.05)
 
 
 def _first_pid(log: Path) -> int:
@@ -37,7 +39,7 @@ def _kill_rank1_after(checkpoint: str, args: list[str], cwd: Path, run_dir: Path
     apart)."""
     proc = start(args, cwd, errors=subprocess.PIPE)
     try:
-        _wait_for(run_dir / "checkpoints" / checkpoint, proc, timeout=120)
+        wait_for_path(run_dir / "checkpoints" / checkpoint, proc, timeout=120)
         os.kill(_first_pid(run_dir / "rank1.log"), signal.SIGKILL)
         out, err = proc.communicate(timeout=timeout)
     finally:

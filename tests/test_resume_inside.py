@@ -8,7 +8,6 @@ by tests/helpers/slow_write) resumes from the checkpoint before."""
 from __future__ import annotations
 
 import os
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import torch
 from flodl.checkpoint import CheckpointDir, Point
 from flodl.data.partition import epoch_permutation
 from tests.helpers.byo_data import reads
-from tests.helpers.procs import PYTHON, REPO, TRAIN, child_env, kill_group, start, train
+from tests.helpers.procs import PYTHON, REPO, TRAIN, child_env, kill_group, start, train, wait_for_path
 from tests.helpers.runs import epochs_of
 
 pytestmark = pytest.mark.multiproc
@@ -110,12 +109,7 @@ def test_a_job_killed_while_a_part_is_written_in_the_background_resumes_from_the
     }
     proc = start([PYTHON, TRAIN, *overrides], tmp_path, env=child_env(**held))
     try:
-        in_flight = run_dir / "checkpoints" / "epoch-000002.partial"
-        deadline = time.monotonic() + 180
-        while not in_flight.exists():
-            assert proc.poll() is None, f"the job ended early:\n{proc.communicate()[0][-4000:]}"
-            assert time.monotonic() < deadline, f"{in_flight} did not appear"
-            time.sleep(0.05)
+        wait_for_path(run_dir / "checkpoints" / "epoch-000002.partial", proc)
     finally:
         kill_group(proc)  # SIGKILL to every process of the job, while the save is in flight
     latest = CheckpointDir(run_dir, keep=2).latest()

@@ -21,7 +21,7 @@ import torch
 
 from flodl.checkpoint import Checkpoint, Point, verify
 from flodl.resume import continues_at
-from tests.helpers.procs import PYTHON, TRAIN, Result, kill_group, leftovers, run, start
+from tests.helpers.procs import PYTHON, TRAIN, Result, kill_group, leftovers, run, start, wait_for_path
 from tests.helpers.runs import assert_complete_run, epochs_of
 
 pytestmark = pytest.mark.multiproc
@@ -65,12 +65,7 @@ def stop_mid_run(
     (tmp_path / "stage").mkdir()
     proc = start(args, tmp_path, errors=subprocess.PIPE)
     try:
-        checkpoint = tmp_path / "run" / "checkpoints" / "epoch-000002"
-        deadline = time.monotonic() + 180
-        while not checkpoint.exists():
-            assert proc.poll() is None, f"the job ended early:\n{proc.communicate()[0][-4000:]}"
-            assert time.monotonic() < deadline, f"{checkpoint} did not appear"
-            time.sleep(0.05)
+        wait_for_path(tmp_path / "run" / "checkpoints" / "epoch-000002", proc)
         assert list((tmp_path / "stage").iterdir()), "the ranks staged nothing to disk"
         os.kill(target(proc), signum)
         sent = time.monotonic()
@@ -205,12 +200,7 @@ def _stop_after_first_checkpoint(args: list[str], tmp_path: Path) -> Result:
     """Start a digits job (checkpoint_every=1); SIGTERM its launcher once its first checkpoint is in."""
     proc = start(args, tmp_path, errors=subprocess.PIPE)
     try:
-        checkpoint = tmp_path / "run" / "checkpoints" / "epoch-000001"
-        deadline = time.monotonic() + 180
-        while not checkpoint.exists():
-            assert proc.poll() is None, f"the job ended early:\n{proc.communicate()[0][-4000:]}"
-            assert time.monotonic() < deadline, f"{checkpoint} did not appear"
-            time.sleep(0.05)
+        wait_for_path(tmp_path / "run" / "checkpoints" / "epoch-000001", proc)
         os.kill(proc.pid, signal.SIGTERM)
         out, err = proc.communicate(timeout=60)
     finally:

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -83,6 +84,15 @@ def _read(file: IO[bytes] | None) -> str:
         return ""
     file.seek(0)
     return file.read().decode(errors="replace")
+
+
+def wait_for_path(path: Path, proc: subprocess.Popen, timeout: float = 180) -> None:
+    """Wait until `path` exists (a checkpoint committed, a part being written), while the job runs."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, f"the job ended before {path} appeared:\n{proc.communicate()[0][-4000:]}"
+        assert time.monotonic() < deadline, f"{path} did not appear within {timeout:g} s"
+        time.sleep(0.05)
 
 
 def start(
