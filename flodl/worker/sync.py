@@ -182,16 +182,21 @@ class SyncWorker(WorkerBase):
                 self._save_inside(share, Point(plan.epoch, into))
             if stepper.steps_total in self.save_at:  # a checkpoint by time: every member saves here
                 self.save_at.discard(stepper.steps_total)
-                step = self.position[1]
-                self._save_inside(share, Point(plan.epoch, step * members * step_samples), step)
+                self._save_at_agreed_step(share)
             if self.stop_at == stepper.steps_total:  # a stop that saves: every member saves here
-                step = self.position[1]
                 self.stopping = True
-                self._save_inside(share, Point(plan.epoch, step * members * step_samples), step)
+                self._save_at_agreed_step(share)
                 return None
         self.raise_if_nonfinite()  # before the epoch is reported, and long before it is checkpointed
         self.position = (plan.epoch, plan.first_step + share.steps)
         return self._chunk(share, share.steps - share.reported)
+
+    def _save_at_agreed_step(self, share: _Share) -> None:
+        """A checkpoint no plan asked for, at the step the members agreed on (fault_tolerance=none: every
+        member has trained as many steps of the epoch as this one)."""
+        epoch, step = self.position
+        into = step * self.group.size * self.stepper.step_samples
+        self._save_inside(share, Point(epoch, into), step)
 
     def _save_inside(self, share: _Share, point: Point, unplanned_step: int | None = None) -> None:
         """A checkpoint inside the share: the steps so far reported as a chunk (what the epoch's record
