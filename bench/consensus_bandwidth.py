@@ -125,7 +125,7 @@ def main() -> None:
             for label, tuning in VARIANTS.items()
         }
         bf16_model = model_of(width, layers, device)
-        bf16 = timed(one_round(DeviceAverager(bf16_model, 1.0, device, bf16_wire=True)), device)
+        bf16 = timed(one_round(DeviceAverager(bf16_model, 1.0, device, wire="bf16")), device)
         # Seconds per round over gloo: a few rounds tell its round trip.
         host = HostAverager(model_of(width, layers, device), 1.0, device, gloo)
         host_s = timed(one_round(host), device, warmup=1, iters=5)

@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from flodl.averaging.consensus import DeviceAverager, HostAverager
 from flodl.averaging.ddp_hooks import SettledBuckets, bf16_gradient_hook, settled_gradient_hook
 from flodl.averaging.outer import OuterSettings
+from flodl.averaging.wire import wire_of
 from flodl.checkpoint import CheckpointDir, Point
 from flodl.config.host import RankEnv, stage_dir_of
 from flodl.config.policy import (
@@ -232,12 +233,13 @@ def make_worker(
             stepper, link, settings, cfg.bf16_wire, checkpoints, cfg.lr_scale_ratio, group, wrap
         )
     outer = OuterSettings.resolve(cfg.outer, cfg.outer_lr, cfg.outer_momentum)
+    wire = wire_of(cfg.bf16_wire, cfg.int8_wire)
     averager: DeviceAverager | HostAverager
     if cfg.backend == "cpu":
-        averager = HostAverager(parts.model, cfg.gamma, device, group, cfg.bf16_wire, outer)
+        averager = HostAverager(parts.model, cfg.gamma, device, group, wire, outer)
     else:
         keeps_own = guarded(cfg) or easgd_alpha_of(cfg) is not None
-        averager = DeviceAverager(parts.model, cfg.gamma, device, cfg.bf16_wire, outer, keeps_own, group)
+        averager = DeviceAverager(parts.model, cfg.gamma, device, wire, outer, keeps_own, group)
     # Built (and compiled) after the averager re-pointed the parameters into its flat buffers: compiled
     # graphs read them there, so each round's in-place update is what the next step sees.
     stepper = Stepper(stepper_for, parts, device, parts.model)

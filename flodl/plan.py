@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from hydra.utils import instantiate
 
+from flodl.averaging.wire import payload_bytes, wire_of
 from flodl.config.host import HostFacts
 from flodl.config.policy import (
     averages_parameters,
@@ -43,7 +44,7 @@ class ModelSize:
     params: int
     param_bytes: int
     # What the parameters weigh on the wire as bf16 (float32 ones halve).
-    bf16_bytes: int
+    float32_numel: int  # what a delta wire encodes; the other dtypes travel as they are
     float32_buffer_bytes: int
 
 
@@ -55,7 +56,7 @@ def model_size(cfg: FlodlConfig) -> ModelSize:
     return ModelSize(
         params=sum(p.numel() for p in params),
         param_bytes=sum(p.numel() * p.element_size() for p in params),
-        bf16_bytes=sum(p.numel() * (2 if p.dtype == torch.float32 else p.element_size()) for p in params),
+        float32_numel=sum(p.numel() for p in params if p.dtype == torch.float32),
         float32_buffer_bytes=sum(
             b.numel() * b.element_size() for b in model.buffers() if b.dtype == torch.float32
         ),
@@ -74,15 +75,22 @@ def compile_words(cfg: FlodlConfig, device_type: str, world: int) -> str:
     return "default: auto, sync over NCCL with several ranks (CUDA graphs not measured there)"
 
 
+def wire_words(cfg: FlodlConfig, size: ModelSize) -> str:
+    """What the compressed wires send instead (int8 only under local SGD), and which one is on."""
+    wires = ("bf16", "int8") if averages_parameters(cfg) else ("bf16",)
+    others = size.param_bytes - 4 * size.float32_numel + size.float32_buffer_bytes
+    on = wire_of(cfg.bf16_wire, cfg.int8_wire)
+    return ", ".join(
+        f"{human_bytes(payload_bytes(wire, size.float32_numel) + others)} with {wire}_wire "
+        + ("(on)" if wire == on else "(off)")
+        for wire in wires
+    )
+
+
 def describe(cfg: FlodlConfig, host: HostFacts, data: DataPlaneSettings) -> str:
     """`data`: the data plane settings the run would map for this host (flodl/assembly.py)."""
     size = model_size(cfg)
-    numel, param_bytes, buffer_bytes, bf16 = (
-        size.params,
-        size.param_bytes,
-        size.float32_buffer_bytes,
-        size.bf16_bytes,
-    )
+    numel, param_bytes, buffer_bytes = size.params, size.param_bytes, size.float32_buffer_bytes
     world = host.world_size
     uses_gpu = cfg.device != "cpu" and host.gpus > 0
     devices = (
@@ -103,7 +111,7 @@ def describe(cfg: FlodlConfig, host: HostFacts, data: DataPlaneSettings) -> str:
         f"  model           {numel:,} parameters, {human_bytes(param_bytes)} "
         f"(+{human_bytes(buffer_bytes)} float32 buffers)",
         f"  on the wire     {human_bytes(param_bytes + buffer_bytes)} per rank per {unit}, "
-        f"{human_bytes(bf16 + buffer_bytes)} with bf16_wire" + (" (on)" if cfg.bf16_wire else " (off)"),
+        + wire_words(cfg, size),
         *staging_lines(data, host),
         f"  VRAM budget     {cfg.vram_max_usage:.0%} of each GPU's memory for the data plane, device sample "
         f"pool {'on' if cfg.vram_pool and cfg.debug.data_plane else 'off'}"

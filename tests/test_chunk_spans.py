@@ -42,7 +42,7 @@ def test_element_size_counts():
 
 def test_a_chunk_is_kept_before_its_reduce_and_settled_one_chunk_later(solo_group):
     # Three chunks of 4 elements: chunk k+1 is kept and goes on the wire before chunk k is settled.
-    reducer = Reducer(gamma=1.0, bf16_wire=False)
+    reducer = Reducer(gamma=1.0, wire="fp32")
     reducer.min_chunk_bytes = 16
     reducer.chunks = 3
     flat = torch.arange(12, dtype=torch.float32)

@@ -51,6 +51,7 @@ OVERRIDES = [
     ("eval_every=2", "eval_every", 2, int),
     ("gamma=0.5", "gamma", 0.5, float),
     ("bf16_wire=true", "bf16_wire", True, bool),
+    ("int8_wire=true", "int8_wire", True, bool),
     ("easgd_alpha=0.3", "easgd_alpha", 0.3, float),
     ("anchor=20", "anchor", 20, int),
     ("min_anchor=2", "min_anchor", 2, int),

@@ -63,6 +63,10 @@ def test_plan_asks_the_runs_backend_and_averaging():
     assert "collectives: gloo" in plan_of()  # no GPU: gloo, whatever backend says
     assert "per rank per step (DDP gradients)" in plan_of()
     assert "per rank per averaging round" in plan_of(policy="cadence")
+    # 26,122 float32 parameters: 52 blocks of 512 int8 values and a float32 scale each; under sync only bf16.
+    int8 = "per averaging round, 51.0 KiB with bf16_wire (off), 26.2 KiB with int8_wire (on)"
+    assert int8 in plan_of(policy="cadence", int8_wire=True)
+    assert plan_of().count("_wire") == 1
 
 
 def test_plan_says_what_a_dead_rank_does_to_the_run():

@@ -1,5 +1,6 @@
 """A run resumed from a checkpoint taken inside an epoch continues exactly there, on 2 gloo ranks: sync and
-cadence (windows pinned) end bitwise equal to the uninterrupted run, with the same records; async, whose
+cadence (windows pinned; with DiLoCo's outer momentum and the int8 wire's error feedback, state that lives
+only in the ranks' parts) end bitwise equal to the uninterrupted run, with the same records; async, whose
 windows follow timing, trains every sample of every epoch exactly once across the checkpoint (counted from
 the reads of a Dataset that logs them). The async run checkpoints by time (at every round: the interval is
 a microsecond), the others by steps. A job killed while its parts are written in the background (held there
@@ -41,7 +42,7 @@ def _inside(run_dir: Path, shown_epochs: range) -> Path:
 def test_a_run_resumed_inside_an_epoch_ends_bitwise_equal_to_the_uninterrupted_one(
     tmp_path: Path, policy: str
 ) -> None:
-    windows = PINNED if policy == "cadence" else ()
+    windows = (*PINNED, "outer=diloco", "int8_wire=true") if policy == "cadence" else ()
     common = ["launch.nproc_per_node=2", f"policy={policy}", "epochs=3", "checkpoint_every_steps=5",
               "checkpoint_keep=50", *windows]  # fmt: skip
     whole, split = tmp_path / "whole", tmp_path / "split"

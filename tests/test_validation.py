@@ -240,6 +240,7 @@ KNOB_VALUES = {
     "max_overshoot": 2,
     "divergence_threshold": 0.5,
     "divergence_guard": "msf",
+    "int8_wire": True,
 }
 
 
@@ -507,6 +508,13 @@ def test_divergence_threshold_belongs_to_the_trend_guard():
     assert_problem(problems_of(make(divergence_guard="bogus")), "divergence_guard", "bogus", "must be one of")
 
 
+def test_one_wire_at_a_time():
+    both = problems_of(make(policy="cadence", bf16_wire=True, int8_wire=True))
+    assert_problem(both, "int8_wire", True, "one wire at a time: set bf16_wire=false")
+    assert problems_of(make(policy="cadence", int8_wire=True)) == []
+    assert problems_of(make(policy="sync", bf16_wire=True)) == []
+
+
 def test_outer_optimizer_rules():
     assert_problem(problems_of(make(outer="diloco")), "outer", "diloco", "use policy=cadence or async")
     assert_problem(problems_of(make(outer="adam")), "outer", "adam", "must be one of avg, slowmo, diloco")
@@ -604,6 +612,8 @@ def test_survive_takes_every_policy_and_refuses_what_it_cannot_restore_yet():
     )
     assert_problem(cut, "outer", "diloco", "not with fault_tolerance=survive")
     assert_problem(cut, "bf16_wire", True, "not with fault_tolerance=survive")
+    int8 = problems_of(make(fault_tolerance="survive", policy="async", int8_wire=True), three)
+    assert_problem(int8, "int8_wire", True, "not with fault_tolerance=survive")
     too_many = problems_of(make(fault_tolerance="survive", policy="cadence", min_ranks=4), three)
     assert_problem(too_many, "min_ranks", 4, "must be in [1, 3]")
     assert_problem(

@@ -114,26 +114,35 @@ WORLD = WorldGroup()
 
 class _AveragerBase:
     def __init__(
-        self, model: nn.Module, gamma: float, bf16_wire: bool, outer: OuterSettings | None, group: ReduceGroup
+        self, model: nn.Module, gamma: float, wire: str, outer: OuterSettings | None, group: ReduceGroup
     ) -> None:
         self.params = flatten_parameters(model)
         self.buffers = flatten_float32_buffers(model)
         self.group = group
         self.share(group.share_before_start)
         process_group, backend = group.collective()
-        self.reducer = Reducer(gamma, bf16_wire, process_group, backend, group.settle)
+        self.reducer = Reducer(gamma, wire, process_group, backend, group.settle)
         self.reducer.capture_after = group.capture_after
         self.outer_settings = outer
         self.outer: OuterOptimizer | None = None
         self.outcome: RoundOutcome | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        """The outer optimizer's momentum; its global parameters are the consensus a checkpoint holds."""
-        return {"outer": self.outer.optimizer.state_dict()} if self.outer is not None else {}
+        """The outer optimizer's momentum (its global parameters are the consensus a checkpoint holds) and
+        the int8 wire's error feedback."""
+        state: dict[str, Any] = {"wire_feedback": self.reducer.feedback_state()}
+        if self.outer is not None:
+            state["outer"] = self.outer.optimizer.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.outer is not None and "outer" in state:
             self.outer.optimizer.load_state_dict(state["outer"])
+        self.reducer.load_feedback_state(state.get("wire_feedback", {}), self._reduced_tensors())
+
+    def _reduced_tensors(self) -> list[Tensor]:
+        """The tensors the reducer is handed, in its order (the device's flat buffers, or their host copy)."""
+        return self._flat_params()
 
     @torch.no_grad()
     def discard_own(self) -> None:
@@ -179,11 +188,12 @@ class _AveragerBase:
         self.reducer.release()
 
 
-def _make_refs(outer: OuterOptimizer | None, bf16_wire: bool, tensors: list[Tensor]) -> list[Tensor] | None:
-    """The shared reference parameters: the outer optimizer's global, or the last consensus for bf16."""
+def _make_refs(outer: OuterOptimizer | None, wire: str, tensors: list[Tensor]) -> list[Tensor] | None:
+    """The shared reference parameters: the outer optimizer's global, or the last consensus for a delta
+    wire."""
     if outer is not None:
         return outer.global_params
-    return [t.detach().clone() for t in tensors] if bf16_wire else None
+    return [t.detach().clone() for t in tensors] if wire != "fp32" else None
 
 
 def _after_reduce(outer: OuterOptimizer | None, refs: list[Tensor] | None, consensus: list[Tensor]) -> None:
@@ -201,20 +211,20 @@ class DeviceAverager(_AveragerBase):
         model: nn.Module,
         gamma: float,
         device: torch.device,
-        bf16_wire: bool = False,
+        wire: str = "fp32",
         outer: OuterSettings | None = None,
         keeps_own: bool = True,
         group: ReduceGroup = WORLD,
     ) -> None:
         """`keeps_own`: keep a pre-reduce copy of the rank's parameters, which the divergence and the
         EASGD blend need; without it a round is the two all-reduces and nothing else."""
-        super().__init__(model, gamma, bf16_wire, outer, group)
+        super().__init__(model, gamma, wire, outer, group)
         # The rank's own parameters before the reduce, turned into `own - consensus` after it (the
         # divergence is measured in place, sparing a parameter-sized temporary and a pass over memory).
         self.drift = [torch.empty_like(t) for t in self._flat_params()] if keeps_own else None
         self.sums = DivergenceSums() if keeps_own else None
         self.outer = OuterOptimizer(outer, self._flat_params()) if outer else None
-        self.refs = _make_refs(self.outer, bf16_wire, self._flat_params())
+        self.refs = _make_refs(self.outer, wire, self._flat_params())
         # Between begin and finish: the rank's steps, the reduce's result and begin's wall time (ms).
         self.queued: tuple[int, ReduceResult, float] | None = None
 
@@ -299,14 +309,14 @@ class HostAverager(_AveragerBase):
         gamma: float,
         device: torch.device,
         group: ReduceGroup | dist.ProcessGroup | None,
-        bf16_wire: bool = False,
+        wire: str = "fp32",
         outer: OuterSettings | None = None,
     ) -> None:
         """`group`: who the round's thread reduces with; a bare gloo process group (None: the world's) stands
         for the fixed world over it."""
         if group is None or isinstance(group, dist.ProcessGroup):
             group = WorldGroup(group)
-        super().__init__(model, gamma, bf16_wire, outer, group)
+        super().__init__(model, gamma, wire, outer, group)
         self.device = device
         pin = device.type == "cuda"
         flat = self._flat_params()
@@ -318,13 +328,16 @@ class HostAverager(_AveragerBase):
         for host, tensor in zip(self.host, flat, strict=True):
             host.copy_(tensor)
         self.outer = OuterOptimizer(outer, self.host) if outer else None
-        self.refs = _make_refs(self.outer, bf16_wire, self.host)
+        self.refs = _make_refs(self.outer, wire, self.host)
         # Device scratch: the consensus lands here before it is adopted or blended.
         self.landing = [torch.empty_like(t) for t in flat]
         self.copy_stream = torch.cuda.Stream(device) if pin else None
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self._begin_ms = 0.0
+
+    def _reduced_tensors(self) -> list[Tensor]:
+        return self.host
 
     @torch.no_grad()
     def begin(self, steps: int, exact: bool = False, kept: bool = True) -> None:

@@ -1,7 +1,7 @@
 """One weighted consensus over a process group, on whatever tensors it is handed (device or host).
 
 The mechanism (the weights `n^gamma / Σ n^gamma`, their two ways: on the device, replayed as a CUDA graph
-on a GPU, or read on the host first; skipped and exact rounds; the chunks and the bf16 wire) is described
+on a GPU, or read on the host first; skipped and exact rounds; the chunks and the delta wires) is described
 once, in docs/architecture.md, "Local SGD reduce". Here `Reducer.weighs_on_device` picks the way for the
 tensors at hand (the same answer on every rank), `Reducer.reduce` runs it, whole or in `chunk_spans` with
 the caller's `ChunkStages` around each chunk's collective, and `ReduceResult` carries what the step clocks
@@ -21,6 +21,7 @@ from torch import Tensor
 from flodl.averaging.replayed import ReplayedRound, Settle
 from flodl.averaging.stages import ChunkStages
 from flodl.averaging.weights import prescale_factors, rank_contribution
+from flodl.averaging.wire import Deltas
 
 # torch 2.13 renamed all_gather_into_tensor (older torch only has the old name).
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -63,15 +64,18 @@ class Reducer:
     def __init__(
         self,
         gamma: float,
-        bf16_wire: bool,
+        wire: str,
         group: dist.ProcessGroup | None = None,
         backend: str | None = None,
         settle: Settle = dist.Work.wait,
     ) -> None:
-        """`backend`: the group's, for a group built outside torch's registry (survive's averaging group).
+        """`wire`: fp32, bf16 or int8 (see `wire.py`). `backend`: the group's, for a group built outside
+        torch's registry (survive's averaging group).
         `settle`: how a collective is waited for (survive: given up once the group is cut)."""
         self.gamma = gamma
-        self.bf16_wire = bf16_wire
+        self.wire = wire
+        # A delta wire's encoder per float32 tensor reduced (int8 keeps each one's error feedback).
+        self.deltas: dict[int, Deltas] = {}
         self.chunks = PIPELINE_CHUNKS
         self.min_chunk_bytes = MIN_CHUNK_BYTES
         # Off: every round reads its weights on the host (the benchmark compares the two).
@@ -99,7 +103,7 @@ class Reducer:
         return (
             self.weights_on_device
             and not exact
-            and not self.bf16_wire
+            and self.wire == "fp32"
             and len(params) == 1
             and params[0].dtype == torch.float32
             and len(self._spans(params[0])) == 1
@@ -120,7 +124,7 @@ class Reducer:
 
         `exact`: the round must leave every rank with the same state, so if nobody moved it averages the
         ranks that `kept` their window (see `weights.py`) instead of being skipped.
-        `refs` (same shapes as `params`, identical on every rank) is needed with bf16_wire. `params` must
+        `refs` (same shapes as `params`, identical on every rank) is needed with a delta wire. `params` must
         be 1-D when `stages` is given (the flat parameter buffers). On a skipped round the stages may have
         run on garbage; their results mean nothing.
         """
@@ -142,8 +146,8 @@ class Reducer:
         sent = 0
         for i, tensor in enumerate(params):
             ref = refs[i] if refs else None
-            if self._travels_bf16(tensor):
-                sent += self._reduce_bf16_delta(i, tensor, ref, scale.param_factor, stages)
+            if self._travels_as_delta(tensor):
+                sent += self._reduce_delta(i, tensor, ref, scale.param_factor, stages)
                 continue
             if stages is None:
                 self._weighted_sum(tensor, scale.param_factor)
@@ -186,12 +190,20 @@ class Reducer:
         return self._own_totals
 
     def _spans(self, tensor: Tensor) -> list[slice]:
-        if self._travels_bf16(tensor):  # gathered whole: no chunked path
+        if self._travels_as_delta(tensor):  # gathered whole: no chunked path
             return [slice(0, tensor.numel())]
         return chunk_spans(tensor.numel(), tensor.element_size(), self.chunks, self.min_chunk_bytes)
 
-    def _travels_bf16(self, tensor: Tensor) -> bool:
-        return self.bf16_wire and tensor.dtype == torch.float32
+    def _travels_as_delta(self, tensor: Tensor) -> bool:
+        return self.wire != "fp32" and tensor.dtype == torch.float32
+
+    def feedback_state(self) -> dict[int, Tensor]:
+        """The int8 wire's error feedback per reduced tensor (a rank's own: saved with its part)."""
+        return {i: d.feedback for i, d in self.deltas.items() if d.feedback is not None}
+
+    def load_feedback_state(self, state: dict[int, Tensor], params: list[Tensor]) -> None:
+        for i, feedback in state.items():
+            self.deltas.setdefault(i, Deltas(self.wire)).load_state(feedback, params[i])
 
     def _pipeline(
         self,
@@ -238,23 +250,22 @@ class Reducer:
         self.settle(self._async(self._all_reduce(tensor, factor, async_op=True)))
         return tensor.numel() * tensor.element_size()
 
-    def _reduce_bf16_delta(
+    def _reduce_delta(
         self, index: int, tensor: Tensor, ref: Tensor | None, factor: float, stages: ChunkStages | None
     ) -> int:
         """Gathered whole, so the stages run around the one collective."""
-        assert ref is not None, "bf16_wire needs the shared reference parameters"
+        assert ref is not None, "a delta wire needs the shared reference parameters"
         whole = slice(0, tensor.numel())
         if stages is not None and index > 0:  # the first tensor was prepared while the host read the totals
             stages.before(index, whole)
-        payload = ((tensor - ref) * factor).to(torch.bfloat16)
+        deltas = self.deltas.setdefault(index, Deltas(self.wire))
+        payload = deltas.encode((tensor - ref).view(-1), factor)
         world = dist.get_world_size(self.group)
-        gathered = torch.empty(world * payload.numel(), dtype=torch.bfloat16, device=payload.device)
-        self.settle(
-            self._async(_all_gather_flat(gathered, payload.reshape(-1), group=self.group, async_op=True))
-        )
-        # Accumulate in float32: ref + Σ_k w_k (θ_k - ref) = Σ_k w_k θ_k, since the weights sum to 1.
-        summed = gathered.view(world, -1).float().sum(dim=0).view_as(tensor)
-        torch.add(ref, summed, out=tensor)
+        gathered = torch.empty(world * payload.numel(), dtype=payload.dtype, device=payload.device)
+        self.settle(self._async(_all_gather_flat(gathered, payload, group=self.group, async_op=True)))
+        # Summed in float32: ref + Σ_k w_k (θ_k - ref) = Σ_k w_k θ_k, since the weights sum to 1.
+        summed = deltas.sum_gathered(gathered.view(world, -1), tensor.numel())
+        torch.add(ref, summed.view_as(tensor), out=tensor)
         if stages is not None:
             stages.after(index, whole)
         return payload.numel() * payload.element_size()

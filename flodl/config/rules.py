@@ -54,7 +54,7 @@ WANDB_MODES = ("online", "offline", "disabled")
 # so they would have no effect, and a silently ignored knob is a bug report waiting to happen.
 LOCAL_SGD_KNOBS = (
     "gamma", "anchor", "min_anchor", "max_anchor", "overhead_target", "max_batch_diff",
-    "max_overshoot", "divergence_threshold", "divergence_guard",
+    "max_overshoot", "divergence_threshold", "divergence_guard", "int8_wire",
 )  # fmt: skip
 
 # Keys that exist in the schema but whose feature has not landed yet: a value that would need the
@@ -240,6 +240,8 @@ def _cross_field_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
     for key in ("outer_lr", "outer_momentum"):
         if getattr(cfg, key) is not None and cfg.outer == "avg":
             yield _problem(key, getattr(cfg, key), "applies to outer=slowmo or diloco (outer=avg)")
+    if cfg.int8_wire and cfg.bf16_wire:
+        yield _problem("int8_wire", True, "one wire at a time: set bf16_wire=false (int8 sends fewer bytes)")
     if cfg.outer == "diloco" and cfg.outer_momentum == 0:
         yield _problem("outer_momentum", 0.0, "DiLoCo's Nesterov step needs a momentum > 0")
     if cfg.divergence_guard != "trend" and cfg.divergence_threshold is not None:
@@ -333,12 +335,14 @@ def _survive_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
             cfg.outer,
             "not with fault_tolerance=survive yet: its state is not restored when a round is cut",
         )
-    if cfg.bf16_wire:
-        yield _problem(
-            "bf16_wire",
-            True,
-            "not with fault_tolerance=survive yet: its reference copy is not restored when a round is cut",
-        )
+    for key in ("bf16_wire", "int8_wire"):
+        if getattr(cfg, key):
+            yield _problem(
+                key,
+                True,
+                "not with fault_tolerance=survive yet: its reference copy is not restored when a round is "
+                "cut",
+            )
     if not 1 <= cfg.min_ranks <= host.world_size:
         yield _problem("min_ranks", cfg.min_ranks, f"must be in [1, {host.world_size}] (the job's ranks)")
     if host.elastic_agent:

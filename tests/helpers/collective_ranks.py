@@ -44,7 +44,7 @@ class Spec:
     gamma: float
     steps: tuple[int, int]
     alpha: float | None = None
-    bf16_wire: bool = False
+    wire: str = "fp32"
     outer: str = "avg"
     rounds: int = 1
     train_during_round: bool = False
@@ -75,7 +75,9 @@ def _scenarios() -> dict[str, Spec]:
             "all_idle_exact": Spec(backend, 1.0, (0, 0), exact=True),
             "all_idle_exact_one_dropped": Spec(backend, 1.0, (0, 0), exact=True, kept=(True, False)),
             "easgd": Spec(backend, 1.0, (3, 1), alpha=0.3),
-            "bf16_wire": Spec(backend, 1.0, (3, 1), bf16_wire=True),
+            "bf16_wire": Spec(backend, 1.0, (3, 1), wire="bf16"),
+            # Two rounds: the second sends the first one's rounding along (error feedback).
+            "int8_wire": Spec(backend, 1.0, (3, 1), wire="int8", rounds=2),
             "slowmo": Spec(backend, 1.0, (3, 1), outer="slowmo", rounds=2),
             "diloco": Spec(backend, 0.0, (3, 1), outer="diloco", rounds=2),
         }
@@ -141,8 +143,8 @@ def outcome_record(outcome: RoundOutcome) -> dict[str, Any]:
 def make_averager(spec: Spec, model: nn.Module, group: dist.ProcessGroup) -> DeviceAverager | HostAverager:
     outer = OuterSettings.resolve(spec.outer, None, None)
     if spec.backend == "host":
-        return HostAverager(model, spec.gamma, DEVICE, group, spec.bf16_wire, outer)
-    averager = DeviceAverager(model, spec.gamma, DEVICE, spec.bf16_wire, outer, keeps_own=spec.keeps_own)
+        return HostAverager(model, spec.gamma, DEVICE, group, spec.wire, outer)
+    averager = DeviceAverager(model, spec.gamma, DEVICE, spec.wire, outer, keeps_own=spec.keeps_own)
     if spec.backend == "chunked":
         averager.reducer.min_chunk_bytes = CHUNK_BYTES
     return averager
