@@ -1,0 +1,377 @@
+"""Bytes at equal loss: how much each policy sends to reach sync's quality, on the char-LM.
+
+    python bench/comm_efficiency.py                                  # every arm, 2 ranks, seeds 0 1
+    python bench/comm_efficiency.py --arms sync,diloco-32,diloco-32-int8 --seeds 0 --parallel 4
+    python bench/comm_efficiency.py --runs-dir R ...                 # keep each arm's records in R
+    python bench/comm_efficiency.py --report-only R1 R2              # one report from runs kept earlier
+    python bench/comm_efficiency.py --cpu-smoke                      # tiny model and corpus on CPU
+
+Arms (each also with -bf16 or -int8 for that wire): `sync` (DDP, gradients every step), `cadence` and
+`async` (ElChe's windows), `diloco-H` (cadence with DiLoCo's Nesterov outer step, windows pinned to H
+steps: anchor = min_anchor = max_anchor = H, max_batch_diff=0; an epoch's end is a round too). Every arm
+trains the same samples (--extra gives the local-SGD arms more); the ranks share the machine's GPUs
+(backend=cpu: gloo, rank r on cuda:(r mod GPUs)), and --parallel arms run at once, so wall times here are
+not a speed measure (bench/gpu_suite.py and bench/charlm_convergence.py are).
+
+Bytes on the wire per rank, both directions, from the payload P each rank hands a collective (what flodl
+counts in comm_bytes): a ring all-reduce (sync's gradients, the fp32 round) sends and receives
+2 (n-1)/n P each; an all-gather (the bf16 and int8 rounds) (n-1) P each. At n = 2 both are P.
+
+Per arm (median over seeds): the final eval loss against sync's at the same samples; the bytes it took to
+reach sync's final eval loss (linear between evals, from ln 256 at zero bytes) and sync's bytes over them;
+and, for an arm that ends above sync's loss, how many bytes sync needed for the loss the arm ended at.
+Writes bench/results/<date>-comm-efficiency-<hardware>.md and a .png beside it (loss against bytes, log
+x; loss against samples).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import statistics
+import sys
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchlib import REPO, environment_lines, results_path, run_flodl, write_report
+
+START_LOSS = math.log(256)  # a uniform guess over bytes
+HORIZONS = (8, 32, 128, 500)
+DEFAULT_ARMS = (
+    "sync", "sync-bf16", "cadence", "async", *(f"diloco-{h}" for h in HORIZONS),
+    "diloco-32-bf16", "diloco-32-int8", "diloco-128-bf16", "diloco-128-int8",
+)  # fmt: skip
+WIRE_KEYS = {"bf16": "bf16_wire=true", "int8": "int8_wire=true"}
+GOAL_BYTES, GOAL_LOSS, GOAL_INT8 = 50.0, 0.01, 0.003
+SMOKE_OVERRIDES = [
+    "task.model.layers=1", "task.model.dim=32", "task.model.heads=2", "task.model.context=32",
+    "batch_size=8", "task.train_data.max_bytes=60000", "task.eval_data.max_bytes=8000", "device=cpu",
+    "launch.start_method=fork",
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    policy: str
+    wire: str  # fp32, bf16, int8
+    overrides: tuple[str, ...]
+
+    @classmethod
+    def parse(cls, name: str) -> Arm:
+        head, _, wire = name.rpartition("-") if name.endswith(("-bf16", "-int8")) else (name, "", "fp32")
+        keys = (WIRE_KEYS[wire],) if wire != "fp32" else ()
+        if head in ("sync", "cadence", "async"):
+            if head == "sync" and wire == "int8":
+                raise SystemExit("comm_efficiency: int8 is local SGD's wire (sync-int8 is not an arm)")
+            return cls(name, head, wire, (f"policy={head}", *keys))
+        kind, _, horizon = head.partition("-")
+        if kind != "diloco" or not horizon.isdigit():
+            raise SystemExit(
+                f"comm_efficiency: unknown arm {name!r} (sync, cadence, async, diloco-H, ±-bf16/-int8)"
+            )
+        h = int(horizon)
+        pinned = (f"anchor={h}", f"min_anchor={h}", f"max_anchor={h}", "max_batch_diff=0")
+        return cls(name, "cadence", wire, ("policy=cadence", "outer=diloco", *pinned, *keys))
+
+    @property
+    def gathers(self) -> bool:
+        """Its collective is an all-gather (a delta wire under local SGD) rather than an all-reduce."""
+        return self.policy != "sync" and self.wire != "fp32"
+
+
+def wire_bytes_per_rank(payload_per_rank: float, ranks: int, gathers: bool) -> float:
+    """Bytes one rank sends and receives for a collective of `payload_per_rank` (see the module doc)."""
+    return 2 * payload_per_rank * ((ranks - 1) if gathers else 2 * (ranks - 1) / ranks)
+
+
+@dataclass(frozen=True)
+class Curve:
+    """(samples, wire bytes per rank, eval loss) after each evaluated epoch, from zero."""
+
+    points: list[tuple[float, float, float]]
+
+    @classmethod
+    def of(cls, records: list[dict], arm: Arm, ranks: int) -> Curve:
+        points, samples = [(0.0, 0.0, START_LOSS)], 0
+        for record in records:
+            samples += record["samples"]
+            sent = wire_bytes_per_rank(record["comm_bytes_total"] / ranks, ranks, arm.gathers)
+            if "eval/loss" in record:
+                points.append((float(samples), sent, record["eval/loss"]))
+        return cls(points)
+
+    @property
+    def final_loss(self) -> float:
+        return self.points[-1][2]
+
+    @property
+    def total_bytes(self) -> float:
+        return self.points[-1][1]
+
+    def loss_at_samples(self, samples: float) -> float | None:
+        """The eval loss at `samples` trained (linear between evals); None past the last."""
+        return _interpolate([(s, loss) for s, _, loss in self.points], samples)
+
+    def bytes_to_reach(self, target: float) -> float | None:
+        """Wire bytes when the eval loss first reaches `target` (linear between evals); None if never."""
+        previous = self.points[0]
+        for point in self.points[1:]:
+            if point[2] <= target:
+                (_, b0, l0), (_, b1, l1) = previous, point
+                return b1 if l0 <= l1 else b0 + (b1 - b0) * (l0 - target) / (l0 - l1)
+            previous = point
+        return None
+
+
+def _interpolate(xy: list[tuple[float, float]], x: float) -> float | None:
+    for (x0, y0), (x1, y1) in itertools.pairwise(xy):
+        if x0 <= x <= x1:
+            return y1 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return None
+
+
+def run_arms(args: argparse.Namespace, arms: list[Arm], runs_dir: Path) -> None:
+    """Each (arm, seed) as its own flodl run, --parallel at a time; its records land in runs_dir as JSON
+    as soon as it ends (a later call may add arms or seeds to the same dir)."""
+    sync_epochs = args.epochs or (2 if args.cpu_smoke else 3)
+    base = ["task=charlm", f"launch.nproc_per_node={args.ranks}", "eval_every=1", "backend=cpu"]
+    base += SMOKE_OVERRIDES if args.cpu_smoke else [f"task.train_data.max_bytes={int(args.max_mb * 1e6)}"]
+    base += args.overrides
+    jobs = [(arm, seed) for seed in args.seeds for arm in arms]
+
+    def one(job: tuple[Arm, int]) -> None:
+        arm, seed = job
+        epochs = sync_epochs if arm.policy == "sync" else math.ceil(sync_epochs * args.extra)
+        tag = f"{arm.name}-r{args.ranks}-s{seed}"
+        print(f"comm_efficiency: {tag}, {epochs} epochs ...", flush=True)
+        overrides = [*base, *arm.overrides, f"seed={seed}", f"epochs={epochs}"]
+        records = run_flodl(overrides, runs_dir / "runs" / tag, args.timeout)
+        if records is not None:
+            entry = {"arm": arm.name, "ranks": args.ranks, "seed": seed, "overrides": overrides,
+                     "environment": environment_lines(args.cpu_smoke)}  # fmt: skip
+            (runs_dir / f"{tag}.json").write_text(json.dumps({**entry, "records": records}))
+            print(f"comm_efficiency: {tag} done, final eval loss {records[-1].get('eval/loss')}", flush=True)
+
+    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+        list(pool.map(one, jobs))
+
+
+@dataclass
+class ArmResult:
+    arm: Arm
+    ranks: int
+    curves: list[Curve]  # one per seed
+
+    def median(self, values: Iterable[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return statistics.median(known) if len(known) == len(self.curves) else None
+
+
+def load_runs(dirs: list[Path]) -> tuple[dict[tuple[str, int], ArmResult], list[str]]:
+    """The runs' curves by (arm, ranks), and the machine they ran on (the first run's environment)."""
+    results: dict[tuple[str, int], ArmResult] = {}
+    environment: list[str] = []
+    for path in sorted(p for d in dirs for p in d.glob("*.json")):
+        run = json.loads(path.read_text())
+        environment = environment or run["environment"]
+        arm = Arm.parse(run["arm"])
+        key = (arm.name, run["ranks"])
+        results.setdefault(key, ArmResult(arm, run["ranks"], [])).curves.append(
+            Curve.of(run["records"], arm, run["ranks"])
+        )
+    return results, environment
+
+
+def _gb(value: float | None) -> str:
+    return "—" if value is None else f"{value / 1e9:,.3f}"
+
+
+def _x(value: float | None) -> str:
+    return "—" if value is None else f"{value:,.1f}x"
+
+
+def report(
+    results: dict[tuple[str, int], ArmResult], environment: list[str], command: str
+) -> tuple[list[str], bool]:
+    lines = [
+        "# Bytes at equal loss: the char-LM (GPT-nano on the Python standard library)",
+        "",
+        *environment,
+        f"- command: `{command}`",
+        "- bytes: on the wire per rank, sent + received (ring all-reduce 2(n-1)/n of the payload each way, "
+        "all-gather (n-1)); medians over seeds; wall times are not measured here (arms share the GPU)",
+        "",
+    ]
+    found_any = False
+    for ranks in sorted({r for _, r in results}):
+        sync = results.get(("sync", ranks))
+        if sync is None:
+            lines.append(f"{ranks} ranks: no sync run, so no target (run the sync arm too).\n")
+            continue
+        found_any = True
+        target = sync.median(c.final_loss for c in sync.curves)
+        assert target is not None
+        sync_samples = statistics.median(c.points[-1][0] for c in sync.curves)
+        sync_bytes = sync.median(c.bytes_to_reach(target) for c in sync.curves) or sync.median(
+            c.total_bytes for c in sync.curves
+        )
+        lines += [
+            f"## {ranks} ranks — target: sync's final eval loss {target:.4f} nats/byte "
+            f"({len(sync.curves)} seed(s), {sync_samples:,.0f} samples)",
+            "",
+            "| arm | seeds | eval loss at sync's samples | vs sync | seeds' spread | GB on the wire "
+            "| GB to sync's loss | sync's bytes / arm's | sync's bytes for the arm's loss / arm's |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for (name, r), result in sorted(results.items(), key=lambda kv: _order(kv[0][0])):
+            if r != ranks:
+                continue
+            at = [c.loss_at_samples(sync_samples) for c in result.curves]
+            loss = result.median(at)
+            spread = (
+                max(a for a in at if a is not None) - min(a for a in at if a is not None) if any(at) else 0
+            )
+            total = result.median(c.total_bytes for c in result.curves)
+            reach = result.median(c.bytes_to_reach(target) for c in result.curves)
+            own_loss = loss if loss is not None else result.median(c.final_loss for c in result.curves)
+            sync_for_own = sync.median(c.bytes_to_reach(own_loss) for c in sync.curves) if own_loss else None
+            lines.append(
+                f"| {name} | {len(result.curves)} | {'—' if loss is None else f'{loss:.4f}'} "
+                f"| {'—' if loss is None else f'{(loss / target - 1) * 100:+.2f}%'} | {spread:.4f} "
+                f"| {_gb(total)} | {_gb(reach)} | {_x(sync_bytes / reach if reach else None)} "
+                f"| {_x(sync_for_own / total if sync_for_own and total else None)} |"
+            )
+        lines += ["", *_verdicts(results, ranks, target, sync_samples, sync_bytes), ""]
+    return lines, found_any
+
+
+def _order(name: str) -> tuple[int, int, int]:
+    arm = Arm.parse(name)
+    head = name.removesuffix(f"-{arm.wire}")
+    rank = {"sync": 0, "cadence": 1, "async": 2}.get(head, 3)
+    horizon = int(head.split("-")[1]) if head.startswith("diloco") else 0
+    return rank, horizon, ("fp32", "bf16", "int8").index(arm.wire)
+
+
+def _verdicts(
+    results: dict[tuple[str, int], ArmResult], ranks: int, target: float, samples: float, sync_bytes: float
+) -> list[str]:
+    """The issue's goals where this run measured them."""
+    rows = ["| goal | best arm | value | verdict |", "|---|---|---|---|"]
+    fewer: list[tuple[float, str]] = []
+    for (name, r), result in results.items():
+        reach = result.median(c.bytes_to_reach(target) for c in result.curves)
+        loss = result.median(c.loss_at_samples(samples) for c in result.curves)
+        if r == ranks and name != "sync" and reach and loss is not None and loss <= target * (1 + GOAL_LOSS):
+            fewer.append((sync_bytes / reach, name))
+    if fewer:
+        ratio, name = max(fewer)
+        verdict = "met" if ratio >= GOAL_BYTES else "**MISSED**"
+        rows.append(f"| sync's loss with ≥ {GOAL_BYTES:.0f}x fewer bytes, within 1% at equal samples "
+                    f"| {name} | {ratio:,.1f}x | {verdict} |")  # fmt: skip
+    else:
+        rows.append("| sync's loss with ≥ 50x fewer bytes, within 1% at equal samples | — | no arm reached "
+                    "sync's loss | **MISSED** |")  # fmt: skip
+    for (name, r), result in sorted(results.items()):
+        if r != ranks or not name.endswith("-int8") or (name[:-5], r) not in results:
+            continue
+        f32 = results[(name[:-5], r)]
+        a = result.median(c.loss_at_samples(samples) for c in result.curves)
+        b = f32.median(c.loss_at_samples(samples) for c in f32.curves)
+        if a is None or b is None:
+            continue
+        cost = a / b - 1
+        fewer_bytes = statistics.median(c.total_bytes for c in f32.curves) / statistics.median(
+            c.total_bytes for c in result.curves
+        )
+        verdict = "met" if cost <= GOAL_INT8 else "**MISSED**"
+        rows.append(f"| int8 vs fp32 deltas: ≤ 0.3% eval loss | {name} | {cost * 100:+.2f}% at "
+                    f"{fewer_bytes:.2f}x fewer bytes | {verdict} |")  # fmt: skip
+    return rows
+
+
+def plot(results: dict[tuple[str, int], ArmResult], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ranks = sorted({r for _, r in results})
+    fig, axes = plt.subplots(len(ranks), 2, figsize=(13, 4.5 * len(ranks)), squeeze=False)
+    for row, n in zip(axes, ranks, strict=True):
+        for (name, r), result in sorted(results.items(), key=lambda kv: _order(kv[0][0])):
+            if r != n:
+                continue
+            curve = result.curves[0]  # the first seed's line; the table has the medians
+            head = name.removesuffix(f"-{result.arm.wire}")
+            heads = list(dict.fromkeys(k[0].removesuffix("-bf16").removesuffix("-int8") for k in results))
+            style: dict = {
+                "color": "black" if head == "sync" else plt.cm.tab10(heads.index(head) % 10),
+                "linestyle": {"fp32": "-", "bf16": "--", "int8": ":"}[result.arm.wire],
+                "linewidth": 2.5 if head == "sync" else 1.5,
+                "marker": "o",
+                "markersize": 3,
+            }
+            points = curve.points[1:]
+            row[0].plot([b / 1e9 for _, b, _ in points], [loss for *_, loss in points], label=name, **style)
+            row[1].plot([s for s, _, _ in points], [loss for *_, loss in points], label=name, **style)
+        row[0].set_xscale("log")
+        row[0].set_xlabel("GB on the wire per rank (sent + received), log scale")
+        row[1].set_xlabel("samples trained (all ranks)")
+        for ax in row:
+            ax.set_ylabel("eval loss (nats/byte)")
+            ax.grid(True, alpha=0.3)
+        row[0].set_title(f"{n} ranks: loss against bytes (further left is cheaper)")
+        row[1].set_title(f"{n} ranks: loss against samples (lower is better)")
+        wires = "line: fp32 solid, bf16 dashed, int8 dotted"
+        row[1].legend(fontsize=8, ncol=2, title=wires, title_fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--arms", default=",".join(DEFAULT_ARMS))
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--epochs", type=int, default=None, help="sync's epochs (default 3, smoke 2)")
+    parser.add_argument("--extra", type=float, default=1.0, help="local-SGD epochs = extra x sync's")
+    parser.add_argument("--max-mb", type=float, default=16.0, help="training text per epoch, MB")
+    parser.add_argument("--parallel", type=int, default=1, help="arms run at once")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
+    parser.add_argument("--runs-dir", type=Path, default=None, help="keep each run's records here")
+    parser.add_argument("--report-only", type=Path, nargs="+", default=None, help="runs dirs to report on")
+    parser.add_argument("--cpu-smoke", action="store_true", help="tiny model and corpus on CPU (gloo)")
+    parser.add_argument("--results-dir", type=Path, default=REPO / "bench" / "results")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
+    args = parser.parse_args()
+
+    if args.report_only:
+        dirs = args.report_only
+    else:
+        arms = [Arm.parse(name) for name in args.arms.split(",")]
+        runs_dir = args.runs_dir or Path.cwd() / "comm-efficiency-runs"
+        (runs_dir / "runs").mkdir(parents=True, exist_ok=True)
+        run_arms(args, arms, runs_dir)
+        dirs = [runs_dir]
+    results, environment = load_runs(dirs)
+    lines, found = report(results, environment, " ".join(["python", *sys.argv]))
+    if not found:
+        raise SystemExit("comm_efficiency: no sync run among the results: nothing to compare against")
+    path = results_path(args.results_dir, "comm-efficiency", args.cpu_smoke)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    plot(results, path.with_suffix(".png"))
+    lines.append(f"![loss against bytes and samples]({path.with_suffix('.png').name})")
+    write_report(path, "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
