@@ -32,6 +32,7 @@ import json
 import math
 import statistics
 import sys
+import tempfile
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -150,14 +151,16 @@ def run_arms(args: argparse.Namespace, arms: list[Arm], runs_dir: Path) -> None:
         tag = f"{arm.name}-r{args.ranks}-s{seed}"
         print(f"comm_efficiency: {tag}, {epochs} epochs ...", flush=True)
         overrides = [*base, *arm.overrides, f"seed={seed}", f"epochs={epochs}"]
-        records = run_flodl(overrides, runs_dir / "runs" / tag, args.timeout)
+        records = run_flodl(overrides, scratch / tag, args.timeout)
         if records is not None:
             entry = {"arm": arm.name, "ranks": args.ranks, "seed": seed, "overrides": overrides,
                      "environment": environment_lines(args.cpu_smoke)}  # fmt: skip
             (runs_dir / f"{tag}.json").write_text(json.dumps({**entry, "records": records}))
             print(f"comm_efficiency: {tag} done, final eval loss {records[-1].get('eval/loss')}", flush=True)
 
-    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+    # The runs' own dirs (model.pt, logs) are scratch: what the report needs is the records.
+    with tempfile.TemporaryDirectory(prefix="flodl-comm-") as tmp, ThreadPoolExecutor(args.parallel) as pool:
+        scratch = Path(tmp)
         list(pool.map(one, jobs))
 
 
@@ -217,9 +220,7 @@ def report(
         target = sync.median(c.final_loss for c in sync.curves)
         assert target is not None
         sync_samples = statistics.median(c.points[-1][0] for c in sync.curves)
-        sync_bytes = sync.median(c.bytes_to_reach(target) for c in sync.curves) or sync.median(
-            c.total_bytes for c in sync.curves
-        )
+        sync_bytes = statistics.median(c.total_bytes for c in sync.curves)  # where it reached its loss
         lines += [
             f"## {ranks} ranks — target: sync's final eval loss {target:.4f} nats/byte "
             f"({len(sync.curves)} seed(s), {sync_samples:,.0f} samples)",
@@ -359,7 +360,7 @@ def main() -> None:
     else:
         arms = [Arm.parse(name) for name in args.arms.split(",")]
         runs_dir = args.runs_dir or Path.cwd() / "comm-efficiency-runs"
-        (runs_dir / "runs").mkdir(parents=True, exist_ok=True)
+        runs_dir.mkdir(parents=True, exist_ok=True)
         run_arms(args, arms, runs_dir)
         dirs = [runs_dir]
     results, environment = load_runs(dirs)
