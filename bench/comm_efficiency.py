@@ -57,27 +57,47 @@ SMOKE_OVERRIDES = [
 
 @dataclass(frozen=True)
 class Arm:
+    """`head[-wire][:key=value,...]`: e.g. `diloco-128-int8` or `diloco-128:outer_reset_inner=false`."""
+
     name: str
-    policy: str
+    head: str  # sync, cadence, async, diloco-H, local-H
     wire: str  # fp32, bf16, int8
-    overrides: tuple[str, ...]
+    extras: tuple[str, ...]  # Hydra overrides of this arm alone
 
     @classmethod
     def parse(cls, name: str) -> Arm:
-        head, _, wire = name.rpartition("-") if name.endswith(("-bf16", "-int8")) else (name, "", "fp32")
-        keys = (WIRE_KEYS[wire],) if wire != "fp32" else ()
-        if head in ("sync", "cadence", "async"):
-            if head == "sync" and wire == "int8":
-                raise SystemExit("comm_efficiency: int8 is local SGD's wire (sync-int8 is not an arm)")
-            return cls(name, head, wire, (f"policy={head}", *keys))
+        base, _, extras = name.partition(":")
+        head, _, wire = base.rpartition("-") if base.endswith(("-bf16", "-int8")) else (base, "", "fp32")
         kind, _, horizon = head.partition("-")
-        if kind != "diloco" or not horizon.isdigit():
+        known = head in ("sync", "cadence", "async") or (kind in ("diloco", "local") and horizon.isdigit())
+        if not known or (head == "sync" and wire == "int8"):
             raise SystemExit(
-                f"comm_efficiency: unknown arm {name!r} (sync, cadence, async, diloco-H, ±-bf16/-int8)"
+                f"comm_efficiency: unknown arm {name!r}: sync, cadence, async, diloco-H or local-H, then "
+                "-bf16 or -int8 (not under sync), then :key=value,... for overrides of its own"
             )
-        h = int(horizon)
-        pinned = (f"anchor={h}", f"min_anchor={h}", f"max_anchor={h}", "max_batch_diff=0")
-        return cls(name, "cadence", wire, ("policy=cadence", "outer=diloco", *pinned, *keys))
+        return cls(name, head, wire, tuple(extras.split(",")) if extras else ())
+
+    @property
+    def policy(self) -> str:
+        return self.head if self.head in ("sync", "cadence", "async") else "cadence"
+
+    @property
+    def overrides(self) -> tuple[str, ...]:
+        keys = [f"policy={self.policy}", *((WIRE_KEYS[self.wire],) if self.wire != "fp32" else ())]
+        kind, _, horizon = self.head.partition("-")
+        if horizon:  # windows pinned to H steps; DiLoCo's outer step, or plain averaging
+            h = int(horizon)
+            keys += [f"anchor={h}", f"min_anchor={h}", f"max_anchor={h}", "max_batch_diff=0"]
+            keys += ["outer=diloco"] if kind == "diloco" else []
+        return (*keys, *self.extras)
+
+    def twin(self, wire: str) -> str:
+        """The same arm's name on another wire."""
+        return (
+            self.head
+            + ("" if wire == "fp32" else f"-{wire}")
+            + (":" + ",".join(self.extras) if self.extras else "")
+        )
 
     @property
     def gathers(self) -> bool:
@@ -251,12 +271,11 @@ def report(
     return lines, found_any
 
 
-def _order(name: str) -> tuple[int, int, int]:
+def _order(name: str) -> tuple[int, int, str, int]:
     arm = Arm.parse(name)
-    head = name.removesuffix(f"-{arm.wire}")
-    rank = {"sync": 0, "cadence": 1, "async": 2}.get(head, 3)
-    horizon = int(head.split("-")[1]) if head.startswith("diloco") else 0
-    return rank, horizon, ("fp32", "bf16", "int8").index(arm.wire)
+    kind, _, horizon = arm.head.partition("-")
+    rank = {"sync": 0, "cadence": 1, "async": 2, "local": 3}.get(kind, 4)
+    return rank, int(horizon or 0), ",".join(arm.extras), ("fp32", "bf16", "int8").index(arm.wire)
 
 
 def _verdicts(
@@ -279,9 +298,10 @@ def _verdicts(
         rows.append("| sync's loss with ≥ 50x fewer bytes, within 1% at equal samples | — | no arm reached "
                     "sync's loss | **MISSED** |")  # fmt: skip
     for (name, r), result in sorted(results.items()):
-        if r != ranks or not name.endswith("-int8") or (name[:-5], r) not in results:
+        f32_name = result.arm.twin("fp32")
+        if r != ranks or result.arm.wire != "int8" or (f32_name, r) not in results:
             continue
-        f32 = results[(name[:-5], r)]
+        f32 = results[(f32_name, r)]
         a = result.median(c.loss_at_samples(samples) for c in result.curves)
         b = f32.median(c.loss_at_samples(samples) for c in f32.curves)
         if a is None or b is None:
@@ -309,8 +329,8 @@ def plot(results: dict[tuple[str, int], ArmResult], path: Path) -> None:
             if r != n:
                 continue
             curve = result.curves[0]  # the first seed's line; the table has the medians
-            head = name.removesuffix(f"-{result.arm.wire}")
-            heads = list(dict.fromkeys(k[0].removesuffix("-bf16").removesuffix("-int8") for k in results))
+            head = result.arm.twin("fp32")
+            heads = list(dict.fromkeys(Arm.parse(k[0]).twin("fp32") for k in results))
             style: dict = {
                 "color": "black" if head == "sync" else plt.cm.tab10(heads.index(head) % 10),
                 "linestyle": {"fp32": "-", "bf16": "--", "int8": ":"}[result.arm.wire],

@@ -67,10 +67,10 @@ def test_diloco_is_torch_nesterov_sgd_on_the_pseudo_gradient() -> None:
 
 def test_settings_defaults_and_avg() -> None:
     assert OuterSettings.resolve("avg", None, None) is None
-    assert OuterSettings.resolve("diloco", None, None) == OuterSettings("diloco", 0.7, 0.9)
-    assert OuterSettings.resolve("slowmo", None, 0.5) == OuterSettings("slowmo", 1.0, 0.5)
-    assert OuterSettings("diloco", 0.7, 0.9).resets_inner
-    assert not OuterSettings("slowmo", 1.0, 0.9).resets_inner
+    assert OuterSettings.resolve("diloco", None, None) == OuterSettings("diloco", 0.7, 0.9, True)
+    assert OuterSettings.resolve("slowmo", None, 0.5) == OuterSettings("slowmo", 1.0, 0.5, False)
+    assert not OuterSettings.resolve("diloco", None, None, reset_inner=False).resets_inner  # type: ignore[union-attr]
+    assert OuterSettings.resolve("slowmo", None, None, reset_inner=True).resets_inner  # type: ignore[union-attr]
 
 
 def test_first_round_from_the_initial_global_moves_by_lr_times_the_change() -> None:

@@ -518,8 +518,9 @@ def test_one_wire_at_a_time():
 def test_outer_optimizer_rules():
     assert_problem(problems_of(make(outer="diloco")), "outer", "diloco", "use policy=cadence or async")
     assert_problem(problems_of(make(outer="adam")), "outer", "adam", "must be one of avg, slowmo, diloco")
-    problems = problems_of(make(policy="cadence", outer_lr=0.5, outer_momentum=0.5))
+    problems = problems_of(make(policy="cadence", outer_lr=0.5, outer_momentum=0.5, outer_reset_inner=False))
     assert_problem(problems, "outer_lr", 0.5, "applies to outer=slowmo or diloco")
+    assert_problem(problems, "outer_reset_inner", False, "applies to outer=slowmo or diloco")
     assert_problem(problems, "outer_momentum", 0.5, "applies to outer=slowmo or diloco")
     bad = problems_of(make(policy="async", outer="slowmo", outer_lr=-1.0, outer_momentum=1.0))
     assert_problem(bad, "outer_lr", -1.0, "must be finite and > 0")

@@ -5,7 +5,7 @@ the last global). Every rank runs the same deterministic step on the same inputs
 stays replicated without any extra collective.
 
 - slowmo: `v = mu v + g; new = prev - lr v`                 (heavy-ball momentum)
-- diloco: `v = mu v + g; new = prev - lr (mu v + g)`        (Nesterov; resets the inner optimizer)
+- diloco: `v = mu v + g; new = prev - lr (mu v + g)`        (Nesterov; by default resets the inner optimizer)
 Both are torch's SGD on the pseudo-gradient (momentum `mu`, dampening 0, nesterov for DiLoCo).
 """
 
@@ -24,18 +24,23 @@ class OuterSettings:
     kind: str
     lr: float
     momentum: float
+    # The inner optimizer's state is cleared after each adopted round (flodl's original does for DiLoCo).
+    resets_inner: bool = False
 
     @classmethod
-    def resolve(cls, kind: str, lr: float | None, momentum: float | None) -> OuterSettings | None:
+    def resolve(
+        cls, kind: str, lr: float | None, momentum: float | None, reset_inner: bool | None = None
+    ) -> OuterSettings | None:
         """None for `avg` (adopt the consensus as is); else the settings with defaults filled in."""
         if kind == "avg":
             return None
         default_lr, default_momentum = DEFAULTS[kind]
-        return cls(kind, default_lr if lr is None else lr, default_momentum if momentum is None else momentum)
-
-    @property
-    def resets_inner(self) -> bool:
-        return self.kind == "diloco"
+        return cls(
+            kind,
+            default_lr if lr is None else lr,
+            default_momentum if momentum is None else momentum,
+            kind == "diloco" if reset_inner is None else reset_inner,
+        )
 
 
 class OuterOptimizer:

@@ -237,7 +237,7 @@ def _cross_field_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
         yield _problem(
             "outer", cfg.outer, "an outer optimizer steps averaged parameters: use policy=cadence or async"
         )
-    for key in ("outer_lr", "outer_momentum"):
+    for key in ("outer_lr", "outer_momentum", "outer_reset_inner"):
         if getattr(cfg, key) is not None and cfg.outer == "avg":
             yield _problem(key, getattr(cfg, key), "applies to outer=slowmo or diloco (outer=avg)")
     if cfg.int8_wire and cfg.bf16_wire:

@@ -211,6 +211,9 @@ class FlodlConfig:
     outer_lr: float | None = None
     # The outer optimizer's momentum, in [0, 1) (null: its default; DiLoCo needs > 0).
     outer_momentum: float | None = None
+    # Clear the inner optimizer's state after each outer step (null: diloco yes, as flodl's original; slowmo
+    # no). The DiLoCo paper keeps it; see docs/policies.md for what each measured.
+    outer_reset_inner: bool | None = None
 
     # --- ElChe cadence balancer (cadence / async) ---
     # Batches the slowest rank trains per window at the start (faster ranks proportionally more).
