@@ -1,7 +1,7 @@
 """Bytes at equal loss: how much each policy sends to reach sync's quality, on the char-LM.
 
     python bench/comm_efficiency.py                                  # every arm, 2 ranks, seeds 0 1
-    python bench/comm_efficiency.py --arms sync,diloco-32,diloco-32-int8 --seeds 0 --parallel 4
+    python bench/comm_efficiency.py --arms sync diloco-32 diloco-32-int8 --seeds 0 --parallel 4
     python bench/comm_efficiency.py --runs-dir R ...                 # keep each arm's records in R
     python bench/comm_efficiency.py --report-only R1 R2              # one report from runs kept earlier
     python bench/comm_efficiency.py --cpu-smoke                      # tiny model and corpus on CPU
@@ -360,7 +360,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--arms", default=",".join(DEFAULT_ARMS))
+    parser.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), help="arm names (see above)")
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--epochs", type=int, default=None, help="sync's epochs (default 3, smoke 2)")
@@ -378,7 +378,7 @@ def main() -> None:
     if args.report_only:
         dirs = args.report_only
     else:
-        arms = [Arm.parse(name) for name in args.arms.split(",")]
+        arms = [Arm.parse(name) for name in args.arms]
         runs_dir = args.runs_dir or Path.cwd() / "comm-efficiency-runs"
         runs_dir.mkdir(parents=True, exist_ok=True)
         run_arms(args, arms, runs_dir)
