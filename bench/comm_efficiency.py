@@ -30,6 +30,7 @@ import argparse
 import itertools
 import json
 import math
+import re
 import statistics
 import sys
 import tempfile
@@ -168,7 +169,8 @@ def run_arms(args: argparse.Namespace, arms: list[Arm], runs_dir: Path) -> None:
     def one(job: tuple[Arm, int]) -> None:
         arm, seed = job
         epochs = sync_epochs if arm.policy == "sync" else math.ceil(sync_epochs * args.extra)
-        tag = f"{arm.name}-r{args.ranks}-s{seed}"
+        # A path Hydra takes in an override: no ':', ',' or '=' (the arm's own overrides have them).
+        tag = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{arm.name}-r{args.ranks}-s{seed}")
         print(f"comm_efficiency: {tag}, {epochs} epochs ...", flush=True)
         overrides = [*base, *arm.overrides, f"seed={seed}", f"epochs={epochs}"]
         records = run_flodl(overrides, scratch / tag, args.timeout)
