@@ -37,8 +37,9 @@ def environment_lines(cpu: bool = False) -> list[str]:
     return [f"- date: {dt.datetime.now():%Y-%m-%d %H:%M}", f"- hardware: {hardware(cpu)}", f"- {versions}"]
 
 
-def results_path(results_dir: Path, name: str, cpu: bool = False) -> Path:
-    tag = hardware(cpu).replace(" ", "-").replace("/", "-").replace("(", "").replace(")", "")
+def results_path(results_dir: Path, name: str, cpu: bool = False, machine: str | None = None) -> Path:
+    """`machine`: the hardware the results came from, when not this one (a report on runs made elsewhere)."""
+    tag = (machine or hardware(cpu)).replace(" ", "-").replace("/", "-").replace("(", "").replace(")", "")
     return results_dir / f"{dt.date.today()}-{name}-{tag}.md"
 
 

@@ -34,7 +34,6 @@ import re
 import statistics
 import sys
 import tempfile
-from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -192,9 +191,21 @@ class ArmResult:
     ranks: int
     curves: list[Curve]  # one per seed
 
-    def median(self, values: Iterable[float | None]) -> float | None:
-        known = [v for v in values if v is not None]
-        return statistics.median(known) if len(known) == len(self.curves) else None
+    @property
+    def curve(self) -> Curve:
+        """The seeds' median at each eval (the same samples and, but for async, bytes in every seed)."""
+        length = min(len(c.points) for c in self.curves)
+        return Curve(
+            [
+                tuple(statistics.median(c.points[i][k] for c in self.curves) for k in range(3))  # type: ignore[misc]
+                for i in range(length)
+            ]
+        )
+
+    def spread_at(self, samples: float) -> float:
+        """Max - min over seeds of the eval loss at `samples`."""
+        losses = [loss for c in self.curves if (loss := c.loss_at_samples(samples)) is not None]
+        return max(losses) - min(losses) if losses else 0.0
 
 
 def load_runs(dirs: list[Path]) -> tuple[dict[tuple[str, int], ArmResult], list[str]]:
@@ -234,18 +245,19 @@ def report(
     ]
     found_any = False
     for ranks in sorted({r for _, r in results}):
-        sync = results.get(("sync", ranks))
-        if sync is None:
-            lines.append(f"{ranks} ranks: no sync run, so no target (run the sync arm too).\n")
+        baseline = _baseline(results, ranks)
+        if baseline is None:
+            lines.append(f"{ranks} ranks: no sync run, so no target (run a sync arm too).\n")
             continue
         found_any = True
-        target = sync.median(c.final_loss for c in sync.curves)
-        assert target is not None
-        sync_samples = statistics.median(c.points[-1][0] for c in sync.curves)
-        sync_bytes = statistics.median(c.total_bytes for c in sync.curves)  # where it reached its loss
+        sync = results[(baseline, ranks)]
+        finals = [c.final_loss for c in sync.curves]
+        target = sync.curve.final_loss
+        sync_samples, sync_bytes = sync.curve.points[-1][:2]
         lines += [
-            f"## {ranks} ranks — target: sync's final eval loss {target:.4f} nats/byte "
-            f"({len(sync.curves)} seed(s), {sync_samples:,.0f} samples)",
+            f"## {ranks} ranks — target: the best sync arm's final eval loss, {baseline}: {target:.4f} "
+            f"nats/byte (the median of {len(sync.curves)} seed(s), {sync_samples:,.0f} samples; its seeds "
+            f"spread {max(finals) - min(finals):.4f}, {(max(finals) - min(finals)) / target:.1%})",
             "",
             "| arm | seeds | eval loss at sync's samples | vs sync | seeds' spread | GB on the wire "
             "| GB to sync's loss | sync's bytes / arm's | sync's bytes for the arm's loss / arm's |",
@@ -254,22 +266,19 @@ def report(
         for (name, r), result in sorted(results.items(), key=lambda kv: _order(kv[0][0])):
             if r != ranks:
                 continue
-            at = [c.loss_at_samples(sync_samples) for c in result.curves]
-            loss = result.median(at)
-            spread = (
-                max(a for a in at if a is not None) - min(a for a in at if a is not None) if any(at) else 0
-            )
-            total = result.median(c.total_bytes for c in result.curves)
-            reach = result.median(c.bytes_to_reach(target) for c in result.curves)
-            own_loss = loss if loss is not None else result.median(c.final_loss for c in result.curves)
-            sync_for_own = sync.median(c.bytes_to_reach(own_loss) for c in sync.curves) if own_loss else None
+            curve = result.curve
+            loss = curve.loss_at_samples(sync_samples)
+            reach = curve.bytes_to_reach(target)
+            own_loss = loss if loss is not None else curve.final_loss
+            sync_for_own = sync.curve.bytes_to_reach(own_loss) if name != baseline else None
             lines.append(
                 f"| {name} | {len(result.curves)} | {'—' if loss is None else f'{loss:.4f}'} "
-                f"| {'—' if loss is None else f'{(loss / target - 1) * 100:+.2f}%'} | {spread:.4f} "
-                f"| {_gb(total)} | {_gb(reach)} | {_x(sync_bytes / reach if reach else None)} "
-                f"| {_x(sync_for_own / total if sync_for_own and total else None)} |"
+                f"| {'—' if loss is None else f'{(loss / target - 1) * 100:+.2f}%'} "
+                f"| {result.spread_at(sync_samples):.4f} | {_gb(curve.total_bytes)} | {_gb(reach)} "
+                f"| {_x(sync_bytes / reach if reach else None)} "
+                f"| {_x(sync_for_own / curve.total_bytes if sync_for_own else None)} |"
             )
-        lines += ["", *_verdicts(results, ranks, target, sync_samples, sync_bytes), ""]
+        lines += ["", *_verdicts(results, ranks, baseline, sync_samples, sync_bytes), ""]
     return lines, found_any
 
 
@@ -280,16 +289,33 @@ def _order(name: str) -> tuple[int, int, str, int]:
     return rank, int(horizon or 0), ",".join(arm.extras), ("fp32", "bf16", "int8").index(arm.wire)
 
 
+def _baseline(results: dict[tuple[str, int], ArmResult], ranks: int) -> str | None:
+    """The sync arm (float32 wire, any overrides of its own) with the lowest median final eval loss."""
+    finals = {
+        name: result.curve.final_loss
+        for (name, r), result in results.items()
+        if r == ranks and result.arm.policy == "sync" and result.arm.wire == "fp32"
+    }
+    return min(finals, key=finals.__getitem__) if finals else None
+
+
 def _verdicts(
-    results: dict[tuple[str, int], ArmResult], ranks: int, target: float, samples: float, sync_bytes: float
+    results: dict[tuple[str, int], ArmResult], ranks: int, baseline: str, samples: float, sync_bytes: float
 ) -> list[str]:
     """The issue's goals where this run measured them."""
+    target = results[(baseline, ranks)].curve.final_loss
     rows = ["| goal | best arm | value | verdict |", "|---|---|---|---|"]
     fewer: list[tuple[float, str]] = []
     for (name, r), result in results.items():
-        reach = result.median(c.bytes_to_reach(target) for c in result.curves)
-        loss = result.median(c.loss_at_samples(samples) for c in result.curves)
-        if r == ranks and name != "sync" and reach and loss is not None and loss <= target * (1 + GOAL_LOSS):
+        reach = result.curve.bytes_to_reach(target)
+        loss = result.curve.loss_at_samples(samples)
+        if (
+            r == ranks
+            and name != baseline
+            and reach
+            and loss is not None
+            and loss <= target * (1 + GOAL_LOSS)
+        ):
             fewer.append((sync_bytes / reach, name))
     if fewer:
         ratio, name = max(fewer)
@@ -303,15 +329,11 @@ def _verdicts(
         f32_name = result.arm.twin("fp32")
         if r != ranks or result.arm.wire != "int8" or (f32_name, r) not in results:
             continue
-        f32 = results[(f32_name, r)]
-        a = result.median(c.loss_at_samples(samples) for c in result.curves)
-        b = f32.median(c.loss_at_samples(samples) for c in f32.curves)
+        f32 = results[(f32_name, r)].curve
+        a, b = result.curve.loss_at_samples(samples), f32.loss_at_samples(samples)
         if a is None or b is None:
             continue
-        cost = a / b - 1
-        fewer_bytes = statistics.median(c.total_bytes for c in f32.curves) / statistics.median(
-            c.total_bytes for c in result.curves
-        )
+        cost, fewer_bytes = a / b - 1, f32.total_bytes / result.curve.total_bytes
         verdict = "met" if cost <= GOAL_INT8 else "**MISSED**"
         rows.append(f"| int8 vs fp32 deltas: ≤ 0.3% eval loss | {name} | {cost * 100:+.2f}% at "
                     f"{fewer_bytes:.2f}x fewer bytes | {verdict} |")  # fmt: skip
@@ -330,7 +352,7 @@ def plot(results: dict[tuple[str, int], ArmResult], path: Path) -> None:
         for (name, r), result in sorted(results.items(), key=lambda kv: _order(kv[0][0])):
             if r != n:
                 continue
-            curve = result.curves[0]  # the first seed's line; the table has the medians
+            curve = result.curve  # the seeds' median, as in the table
             head = result.arm.twin("fp32")
             heads = list(dict.fromkeys(Arm.parse(k[0]).twin("fp32") for k in results))
             style: dict = {
@@ -389,7 +411,8 @@ def main() -> None:
     lines, found = report(results, environment, " ".join(["python", *sys.argv]))
     if not found:
         raise SystemExit("comm_efficiency: no sync run among the results: nothing to compare against")
-    path = results_path(args.results_dir, "comm-efficiency", args.cpu_smoke)
+    machine = next((line.removeprefix("- hardware: ") for line in environment if "hardware:" in line), None)
+    path = results_path(args.results_dir, "comm-efficiency", machine=machine)
     path.parent.mkdir(parents=True, exist_ok=True)
     plot(results, path.with_suffix(".png"))
     lines.append(f"![loss against bytes and samples]({path.with_suffix('.png').name})")
