@@ -129,7 +129,7 @@ def describe(cfg: FlodlConfig, host: HostFacts, data: DataPlaneSettings) -> str:
             f"max_overshoot={cfg.max_overshoot or 'auto 3-15'} guard={cfg.divergence_guard}"
             + (f"({cfg.divergence_threshold or 'auto'})" if cfg.divergence_guard == "trend" else "")
         )
-    lines.append(checkpoints_line(cfg))
+    lines.append(checkpoints_line(cfg, world))
     lines.append(faults_line(cfg))
     lines += crowding_lines(host, uses_gpu)
     return "\n".join(lines)
@@ -148,13 +148,19 @@ def crowding_lines(host: HostFacts, uses_gpu: bool) -> list[str]:
     return []
 
 
-def checkpoints_line(cfg: FlodlConfig) -> str:
+def checkpoints_line(cfg: FlodlConfig, world: int) -> str:
     """When checkpoints are taken, how they are written, and what a stop signal does."""
     if not checkpoints_on(cfg):
         return "  checkpoints     off: a stop or a dead rank ends the run where it is (resume starts over)"
     when = [f"every {cfg.checkpoint_every} epoch(s)"] if cfg.checkpoint_every else []
     if cfg.checkpoint_every_steps:
         when.append(f"every {cfg.checkpoint_every_steps} global steps, inside epochs too")
+        window = cfg.anchor * world  # ElChe's first window: every rank trains the anchor at least
+        if averages_parameters(cfg) and cfg.checkpoint_every_steps < window:
+            when[-1] += (
+                f" (shorter than ElChe's first window, {window}+ global steps: each checkpoint ends its "
+                "window early, so a round comes at least that often)"
+            )
     if cfg.checkpoint_every_s:
         where = "a step the ranks agree on" if cfg.policy == "sync" else "the next round"
         when.append(f"{cfg.checkpoint_every_s:g} s after the last, at {where}")

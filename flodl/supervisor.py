@@ -59,7 +59,7 @@ class RankExit:
 
     @property
     def stop_signal(self) -> int | None:
-        """The stop signal this exit answers (exit code 130 / 143, or killed by SIGINT / SIGTERM), if any."""
+        """The stop signal this exit answers (exit code 128 + a stop signal, or killed by one), if any."""
         for signum in STOP_SIGNALS:  # a stopped rank exits 128 + the signal (flodl/wire/stop.py)
             if self.exitcode == 128 + signum or self.signal_name == signal.Signals(signum).name:
                 return signum
@@ -125,7 +125,8 @@ def _rank_main(entry: Callable[..., None], args: tuple[Any, ...], env: dict[str,
     # A forked rank starts with the supervisor's stop handlers, which only take note: give it a fresh
     # interpreter's, so that a signal the supervisor forwards or a SIGTERM it sends takes effect.
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    for signum in STOP_SIGNALS[1:]:
+        signal.signal(signum, signal.SIG_DFL)
     os.environ.update(env)
     entry(*args)
 

@@ -93,6 +93,10 @@ def test_plan_says_when_checkpoints_are_taken_and_what_a_stop_does():
     assert "a stop signal stops at once, naming the last checkpoint" in timed
     survive = plan_of(policy="async", fault_tolerance="survive", checkpoint_every_steps=10)
     assert "written at the boundary; a stop signal stops at once" in survive
+    # 4 ranks with anchor 10: a window is 40 global steps or more; a shorter interval cuts it.
+    assert "every 10 global steps, inside epochs too (shorter than ElChe's first window, 40+" in survive
+    assert "shorter than" not in plan_of(policy="async", checkpoint_every_steps=40)
+    assert "shorter than" not in plan_of(checkpoint_every_steps=10)  # sync: a step is the boundary
 
 
 def test_plan_warns_when_the_ranks_outnumber_the_cores_they_run_on():

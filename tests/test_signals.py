@@ -1,7 +1,8 @@
 """Ctrl-C and preemption end to end on 2 gloo ranks: SIGINT to the elastic launcher, SIGTERM to one rank under
 torchrun; each run saves a checkpoint at the next boundary (a stop that saves: checkpoints are on) and stops
 within seconds, keeps its records, cleans its stage files, and the command it prints finishes it with every
-epoch exactly once. Past stop_grace_s the ranks stop at once, naming the checkpoint they had."""
+epoch exactly once. SIGUSR1 (Slurm's usual warning) to the elastic launcher saves at the step the sync ranks
+agree on. Past stop_grace_s the ranks stop at once, naming the checkpoint they had."""
 
 from __future__ import annotations
 
@@ -196,12 +197,12 @@ def test_a_forked_child_such_as_a_dataloader_worker_keeps_the_default_signal_beh
     assert out.strip().splitlines()[-1] == f"[{-signal.SIGTERM}, 7]", out
 
 
-def _stop_after_first_checkpoint(args: list[str], tmp_path: Path) -> Result:
-    """Start a digits job (checkpoint_every=1); SIGTERM its launcher once its first checkpoint is in."""
+def _stop_after_first_checkpoint(args: list[str], tmp_path: Path, signum: int = signal.SIGTERM) -> Result:
+    """Start a digits job (checkpoint_every=1); signal its launcher once its first checkpoint is in."""
     proc = start(args, tmp_path, errors=subprocess.PIPE)
     try:
         wait_for_path(tmp_path / "run" / "checkpoints" / "epoch-000001", proc)
-        os.kill(proc.pid, signal.SIGTERM)
+        os.kill(proc.pid, signum)
         out, err = proc.communicate(timeout=60)
     finally:
         kill_group(proc)
@@ -223,11 +224,12 @@ def test_a_sync_run_stopped_at_a_step_saves_there_and_resumed_ends_bitwise_equal
     inside = list((whole / "checkpoints").glob("*-sample-*"))
     assert inside and all(verify(path) is None for path in inside), first.out[-4000:]
     result = _stop_after_first_checkpoint(
-        [PYTHON, TRAIN, *timed, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path
+        [PYTHON, TRAIN, *timed, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, signal.SIGUSR1
     )
-    assert result.code == 143, result.out[-4000:] + result.err[-4000:]
+    assert result.code == 138, result.out[-4000:] + result.err[-4000:]
     (line,) = result.err.strip().splitlines()
-    _, checkpoint, _, resume = STOPPED.match(line).groups()  # type: ignore[union-attr]
+    name, checkpoint, _, resume = STOPPED.match(line).groups()  # type: ignore[union-attr]
+    assert name == "SIGUSR1"
     point = Checkpoint.from_manifest(Path(checkpoint)).point
     assert point.order > Point(0).order  # saved at the stop, after the first epoch's checkpoint
     resumed = run(shlex.split(resume), cwd=tmp_path, timeout=240).check()

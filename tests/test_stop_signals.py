@@ -11,7 +11,13 @@ from collections.abc import Iterator
 import pytest
 
 from flodl.wire import stop
-from flodl.wire.stop import STOP_SIGNALS, Stopped, catch_stop_signals, save_on_stop
+from flodl.wire.stop import (
+    STOP_SIGNALS,
+    Stopped,
+    agent_takes_every_stop_signal,
+    catch_stop_signals,
+    save_on_stop,
+)
 
 
 @pytest.fixture
@@ -37,6 +43,24 @@ def test_a_rank_that_saves_on_a_stop_takes_the_signal_to_its_watch(handlers: Non
     requested = save_on_stop()
     os.kill(os.getpid(), signal.SIGTERM)
     assert requested.wait(5) and stop.received() == signal.SIGTERM  # no Stopped: the watch carries it out
+
+
+def test_sigusr1_stops_as_sigterm_does_with_its_own_exit_code(handlers: None) -> None:
+    catch_stop_signals()
+    with pytest.raises(Stopped) as stopped:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(5)
+    assert stopped.value.exit_code == 138 and str(stopped.value) == "SIGUSR1"
+
+
+def test_torchruns_agent_takes_sigusr1_as_it_takes_sigterm(handlers: None) -> None:
+    from torch.distributed.elastic.multiprocessing import SignalException
+
+    agent_takes_every_stop_signal()
+    with pytest.raises(SignalException) as raised:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(5)
+    assert raised.value.sigval == signal.SIGUSR1  # flodl-torchrun exits 128 + it
 
 
 def test_the_next_job_in_the_same_process_stops_at_once_again(handlers: None) -> None:

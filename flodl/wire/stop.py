@@ -1,4 +1,6 @@
-"""Ctrl-C and preemption: the first SIGINT or SIGTERM any rank gets stops every rank the same way.
+"""Ctrl-C and preemption: the first SIGINT, SIGTERM or SIGUSR1 any rank gets stops every rank the same way.
+
+SIGUSR1 is what Slurm jobs are commonly told to send ahead of their time limit (`--signal=USR1@120`).
 
 A launcher (torchrun's agent, the elastic launcher) forwards the signal it gets to every rank; Ctrl-C in a
 terminal reaches every process of the job; Slurm signals every task. A signal sent to one rank alone reaches
@@ -27,7 +29,7 @@ from flodl.wire.transport import Mailbox
 
 log = logging.getLogger("flodl")
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 # The shell's convention, 128 + the signal: how a stopped rank exits.
 STOP_EXIT_CODES = frozenset(128 + signum for signum in STOP_SIGNALS)
 _STOP_KEY = "stop"
@@ -54,12 +56,12 @@ class Stopped(BaseException):
 
     @property
     def exit_code(self) -> int:
-        """The shell's convention: 128 + the signal (130 for SIGINT, 143 for SIGTERM)."""
+        """The shell's convention: 128 + the signal (130 for SIGINT, 143 for SIGTERM, 138 for SIGUSR1)."""
         return 128 + self.signum
 
 
 def catch_stop_signals() -> None:
-    """From now on the first SIGINT or SIGTERM raises Stopped in the main thread. Later ones are ignored:
+    """From now on the first stop signal raises Stopped in the main thread. Later ones are ignored:
     a launcher forwards the signal a terminal already sent, and a second one must not break the stop.
     A stop saves only once this rank says so (`save_on_stop`): a sweep's next job in this process starts
     without the last one's."""
@@ -88,6 +90,19 @@ def catch_stop_signals() -> None:
 
     for signum in STOP_SIGNALS:
         signal.signal(signum, handler)
+
+
+def agent_takes_every_stop_signal() -> None:
+    """In torchrun's process: its agent forwards SIGINT and SIGTERM to its ranks, waits for them and raises
+    SignalException; SIGUSR1 would end it at once, the ranks orphaned. From now on it takes SIGUSR1 the same
+    way (torch installs its own handlers for the others when it starts). flodl's own launcher needs none:
+    its stop handlers take SIGUSR1, and the agent stops the ranks on the way out."""
+    from torch.distributed.elastic.multiprocessing import SignalException
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise SignalException(f"process {os.getpid()} got signal {signum}", sigval=signal.Signals(signum))
+
+    signal.signal(signal.SIGUSR1, handler)
 
 
 def received() -> int | None:
