@@ -233,7 +233,7 @@ def make_worker(
             stepper, link, settings, cfg.bf16_wire, checkpoints, cfg.lr_scale_ratio, group, wrap
         )
     outer = OuterSettings.resolve(cfg.outer, cfg.outer_lr, cfg.outer_momentum, cfg.outer_reset_inner)
-    wire = wire_of(cfg.bf16_wire, cfg.int8_wire)
+    wire = wire_of(cfg.bf16_wire, cfg.quantized_wire)
     averager: DeviceAverager | HostAverager
     if cfg.backend == "cpu":
         averager = HostAverager(parts.model, cfg.gamma, device, group, wire, outer)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from hydra.utils import instantiate
 
-from flodl.averaging.wire import payload_bytes, wire_of
+from flodl.averaging.wire import QUANTIZED, payload_bytes, wire_of
 from flodl.config.host import HostFacts
 from flodl.config.policy import (
     averages_parameters,
@@ -77,11 +77,12 @@ def compile_words(cfg: FlodlConfig, device_type: str, world: int) -> str:
 
 def wire_words(cfg: FlodlConfig, size: ModelSize) -> str:
     """What the compressed wires send instead (int8 only under local SGD), and which one is on."""
-    wires = ("bf16", "int8") if averages_parameters(cfg) else ("bf16",)
+    wires = ("bf16", *QUANTIZED) if averages_parameters(cfg) else ("bf16",)
     others = size.param_bytes - 4 * size.float32_numel + size.float32_buffer_bytes
-    on = wire_of(cfg.bf16_wire, cfg.int8_wire)
+    on = wire_of(cfg.bf16_wire, cfg.quantized_wire)
+    keys = {"bf16": "bf16_wire", **{q: f"quantized_wire={q}" for q in QUANTIZED}}
     return ", ".join(
-        f"{human_bytes(payload_bytes(wire, size.float32_numel) + others)} with {wire}_wire "
+        f"{human_bytes(payload_bytes(wire, size.float32_numel) + others)} with {keys[wire]} "
         + ("(on)" if wire == on else "(off)")
         for wire in wires
     )

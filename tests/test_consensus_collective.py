@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 
 from flodl.averaging.outer import OuterSettings
-from flodl.averaging.wire import BLOCK, payload_bytes
+from flodl.averaging.wire import BLOCK, LEVELS, payload_bytes
 from tests.helpers.collective_ranks import SCENARIOS, TRAIN_DURING_ROUND, VIEW_STEPS, WORLD, worker
 
 pytestmark = pytest.mark.multiproc
@@ -451,21 +451,22 @@ def flat(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.double().reshape(-1) for t in tensors.values()])
 
 
-def hand_int8(x: torch.Tensor) -> torch.Tensor:
-    """`x` rounded as the int8 wire rounds it: per block of BLOCK, to multiples of max |x| / 127."""
+def hand_quantized(x: torch.Tensor, levels: int) -> torch.Tensor:
+    """`x` rounded as a quantized wire rounds it: per block of BLOCK, to multiples of max |x| / levels."""
     out = torch.zeros_like(x)
     for start in range(0, x.numel(), BLOCK):
         part = x[start : start + BLOCK]
-        scale = part.abs().max() / 127
+        scale = part.abs().max() / levels
         if scale > 0:
             out[start : start + BLOCK] = (part / scale).round() * scale
     return out
 
 
+@pytest.mark.parametrize("wire", ["int8", "int4"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_int8_wire_rounds_each_change_per_block_and_sends_the_rounding_along(ranks, backend):
-    name = f"{backend}/int8_wire"
-    spec = SCENARIOS[name]
+def test_quantized_wire_rounds_each_change_per_block_and_sends_the_rounding_along(ranks, backend, wire):
+    name = f"{backend}/{wire}_wire"
+    spec, levels = SCENARIOS[name], LEVELS[wire]
     weights = hand_weights(spec.steps, spec.gamma)
     ref = flat(ranks[0][name]["constructed"]["params"])  # the same on every rank after the broadcast
     feedback = [torch.zeros_like(ref) for _ in weights]
@@ -477,9 +478,9 @@ def test_int8_wire_rounds_each_change_per_block_and_sends_the_rounding_along(ran
         sent = []
         for k, weight in enumerate(weights):
             intended = own[k] - ref + feedback[k]
-            sent.append(hand_int8(intended))
+            sent.append(hand_quantized(intended, levels))
             # This round's rounding (half a block's scale) and what the rank's last round left out.
-            bound += weight * (intended.abs().max() / 254 + feedback[k].abs())
+            bound += weight * (intended.abs().max() / (2 * levels) + feedback[k].abs())
             feedback[k] = intended - sent[k]
         hand = ref + weighted(sent, weights)
         for rec in recs:
@@ -487,12 +488,12 @@ def test_int8_wire_rounds_each_change_per_block_and_sends_the_rounding_along(ran
             assert float((got - hand).abs().max()) <= 1e-6 * (1 + float(hand.abs().max())), i
             assert bool(((got - exact).abs() <= bound + 1e-6).all()), i
             params, buffers = rec["before"]["params"], f32(rec["before"]["buffers"])
-            sent_bytes = payload_bytes("int8", numel(params)) + 4 * numel(buffers)
+            sent_bytes = payload_bytes(wire, numel(params)) + 4 * numel(buffers)
             assert rec["outcome"]["payload_bytes"] == sent_bytes
             assert_rel(rec["adopted"]["buffers"], buffer_mean(ranks, name, i))
         assert_bitwise(*(rec["adopted"]["params"] for rec in recs))
         if i > 0:  # a wire that forgot the first round's rounding lands elsewhere
-            forgetful = ref + weighted([hand_int8(o - ref) for o in own], weights)
+            forgetful = ref + weighted([hand_quantized(o - ref, levels) for o in own], weights)
             assert float((flat(recs[0]["adopted"]["params"]) - forgetful).abs().max()) > 1e-4
         ref = flat(recs[0]["adopted"]["params"])
 

@@ -64,8 +64,12 @@ def test_plan_asks_the_runs_backend_and_averaging():
     assert "per rank per step (DDP gradients)" in plan_of()
     assert "per rank per averaging round" in plan_of(policy="cadence")
     # 26,122 float32 parameters: 52 blocks of 512 int8 values and a float32 scale each; under sync only bf16.
-    int8 = "per averaging round, 51.0 KiB with bf16_wire (off), 26.2 KiB with int8_wire (on)"
-    assert int8 in plan_of(policy="cadence", int8_wire=True)
+    # int4: 52 blocks of 256 bytes and a scale each.
+    int8 = (
+        "51.0 KiB with bf16_wire (off), 26.2 KiB with quantized_wire=int8 (on), "
+        "13.2 KiB with quantized_wire=int4 (off)"
+    )
+    assert int8 in plan_of(policy="cadence", quantized_wire="int8")
     assert plan_of().count("_wire") == 1
 
 

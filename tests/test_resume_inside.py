@@ -42,7 +42,7 @@ def _inside(run_dir: Path, shown_epochs: range) -> Path:
 def test_a_run_resumed_inside_an_epoch_ends_bitwise_equal_to_the_uninterrupted_one(
     tmp_path: Path, policy: str
 ) -> None:
-    windows = (*PINNED, "outer=diloco", "int8_wire=true") if policy == "cadence" else ()
+    windows = (*PINNED, "outer=diloco", "quantized_wire=int8") if policy == "cadence" else ()
     common = ["launch.nproc_per_node=2", f"policy={policy}", "epochs=3", "checkpoint_every_steps=5",
               "checkpoint_keep=50", *windows]  # fmt: skip
     whole, split = tmp_path / "whole", tmp_path / "split"

@@ -240,7 +240,7 @@ KNOB_VALUES = {
     "max_overshoot": 2,
     "divergence_threshold": 0.5,
     "divergence_guard": "msf",
-    "int8_wire": True,
+    "quantized_wire": "int8",
 }
 
 
@@ -509,9 +509,11 @@ def test_divergence_threshold_belongs_to_the_trend_guard():
 
 
 def test_one_wire_at_a_time():
-    both = problems_of(make(policy="cadence", bf16_wire=True, int8_wire=True))
-    assert_problem(both, "int8_wire", True, "one wire at a time: set bf16_wire=false")
-    assert problems_of(make(policy="cadence", int8_wire=True)) == []
+    both = problems_of(make(policy="cadence", bf16_wire=True, quantized_wire="int4"))
+    assert_problem(both, "quantized_wire", "int4", "one wire at a time: set bf16_wire=false")
+    assert problems_of(make(policy="cadence", quantized_wire="int8")) == []
+    assert_problem(problems_of(make(policy="cadence", quantized_wire="int2")), "quantized_wire", "int2",
+                   "must be one of int8, int4 or null")  # fmt: skip
     assert problems_of(make(policy="sync", bf16_wire=True)) == []
 
 
@@ -613,8 +615,8 @@ def test_survive_takes_every_policy_and_refuses_what_it_cannot_restore_yet():
     )
     assert_problem(cut, "outer", "diloco", "not with fault_tolerance=survive")
     assert_problem(cut, "bf16_wire", True, "not with fault_tolerance=survive")
-    int8 = problems_of(make(fault_tolerance="survive", policy="async", int8_wire=True), three)
-    assert_problem(int8, "int8_wire", True, "not with fault_tolerance=survive")
+    int8 = problems_of(make(fault_tolerance="survive", policy="async", quantized_wire="int8"), three)
+    assert_problem(int8, "quantized_wire", "int8", "not with fault_tolerance=survive")
     too_many = problems_of(make(fault_tolerance="survive", policy="cadence", min_ranks=4), three)
     assert_problem(too_many, "min_ranks", 4, "must be in [1, 3]")
     assert_problem(

@@ -24,6 +24,7 @@ from flodl.config.schema import (
     OUTERS,
     POLICIES,
     PRECISIONS,
+    QUANTIZED_WIRES,
     FlodlConfig,
 )
 
@@ -54,7 +55,7 @@ WANDB_MODES = ("online", "offline", "disabled")
 # so they would have no effect, and a silently ignored knob is a bug report waiting to happen.
 LOCAL_SGD_KNOBS = (
     "gamma", "anchor", "min_anchor", "max_anchor", "overhead_target", "max_batch_diff",
-    "max_overshoot", "divergence_threshold", "divergence_guard", "int8_wire",
+    "max_overshoot", "divergence_threshold", "divergence_guard", "quantized_wire",
 )  # fmt: skip
 
 # Keys that exist in the schema but whose feature has not landed yet: a value that would need the
@@ -101,6 +102,12 @@ def _range_problems(cfg: FlodlConfig) -> Iterator[str]:
     yield from check("device", lambda v: v in DEVICES, f"must be one of {', '.join(DEVICES)}")
     yield from check("divergence_guard", lambda v: v in GUARDS, f"must be one of {', '.join(GUARDS)}")
     yield from check("outer", lambda v: v in OUTERS, f"must be one of {', '.join(OUTERS)}")
+    yield from check(
+        "quantized_wire",
+        lambda v: v in QUANTIZED_WIRES,
+        f"must be one of {', '.join(QUANTIZED_WIRES)} or null",
+        optional=True,
+    )
     yield from check("outer_lr", lambda v: finite(v) and v > 0, "must be finite and > 0", True)
     yield from check("outer_momentum", lambda v: 0 <= v < 1, "must be in [0, 1)", True)
     yield from check("seed", lambda v: 0 <= v <= MAX_SEED, f"must be in [0, {MAX_SEED}] (numpy's seed range)")
@@ -240,8 +247,12 @@ def _cross_field_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
     for key in ("outer_lr", "outer_momentum", "outer_reset_inner"):
         if getattr(cfg, key) is not None and cfg.outer == "avg":
             yield _problem(key, getattr(cfg, key), "applies to outer=slowmo or diloco (outer=avg)")
-    if cfg.int8_wire and cfg.bf16_wire:
-        yield _problem("int8_wire", True, "one wire at a time: set bf16_wire=false (int8 sends fewer bytes)")
+    if cfg.quantized_wire and cfg.bf16_wire:
+        yield _problem(
+            "quantized_wire",
+            cfg.quantized_wire,
+            "one wire at a time: set bf16_wire=false (it sends fewer bytes)",
+        )
     if cfg.outer == "diloco" and cfg.outer_momentum == 0:
         yield _problem("outer_momentum", 0.0, "DiLoCo's Nesterov step needs a momentum > 0")
     if cfg.divergence_guard != "trend" and cfg.divergence_threshold is not None:
@@ -335,11 +346,11 @@ def _survive_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
             cfg.outer,
             "not with fault_tolerance=survive yet: its state is not restored when a round is cut",
         )
-    for key in ("bf16_wire", "int8_wire"):
+    for key in ("bf16_wire", "quantized_wire"):
         if getattr(cfg, key):
             yield _problem(
                 key,
-                True,
+                getattr(cfg, key),
                 "not with fault_tolerance=survive yet: its reference copy is not restored when a round is "
                 "cut",
             )

@@ -19,6 +19,7 @@ BACKENDS = ("nccl", "cpu")
 DEVICES = ("auto", "cpu", "cuda")
 GUARDS = ("none", "trend", "msf")
 OUTERS = ("avg", "slowmo", "diloco")
+QUANTIZED_WIRES = ("int8", "int4")
 ON_NONFINITE = ("error", "skip")
 FAULT_TOLERANCE = ("none", "survive")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -199,9 +200,9 @@ class FlodlConfig:
     # What crosses the wire is bf16 (half the bytes); the consensus, checkpoints and model.pt stay float32.
     bf16_wire: bool = False
     # Local SGD: what a rank sends is its change since the last global parameters plus its error feedback,
-    # as int8 in blocks of 512 with a float32 scale each (3.97x fewer bytes than float32; see
-    # docs/policies.md). Not with bf16_wire, not under sync.
-    int8_wire: bool = False
+    # quantized in blocks of 512 with a float32 scale each: int8 (3.97x fewer bytes than float32) or int4
+    # (7.88x); null: not quantized. See docs/policies.md. Not with bf16_wire, not under sync.
+    quantized_wire: str | None = None
     # Async: each rank blends the consensus in, W += easgd_alpha x (avg - W), in (0, 1] (null: the policy's
     # default, 0.5 under async; cadence adopts the consensus).
     easgd_alpha: float | None = None

@@ -78,6 +78,7 @@ def _scenarios() -> dict[str, Spec]:
             "bf16_wire": Spec(backend, 1.0, (3, 1), wire="bf16"),
             # Two rounds: the second sends the first one's rounding along (error feedback).
             "int8_wire": Spec(backend, 1.0, (3, 1), wire="int8", rounds=2),
+            "int4_wire": Spec(backend, 1.0, (3, 1), wire="int4", rounds=2),
             "slowmo": Spec(backend, 1.0, (3, 1), outer="slowmo", rounds=2),
             "diloco": Spec(backend, 0.0, (3, 1), outer="diloco", rounds=2),
         }
