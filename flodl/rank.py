@@ -224,7 +224,10 @@ def _stop_watch(cfg: FlodlConfig, rank: int, mailbox: Mailbox, worker: WorkerBas
     def on_request() -> bool:
         return worker.on_stop_request(functools.partial(agree_step, mailbox))
 
-    return StopWatch(mailbox, save_on_stop(), announce, on_request, cfg.stop_grace_s, checkpoints)
+    def save_s() -> float | None:
+        return worker.checkpointer.last_save_s if worker.checkpointer is not None else None
+
+    return StopWatch(mailbox, save_on_stop(), announce, on_request, cfg.stop_grace_s, checkpoints, save_s)
 
 
 def _raise_if_failed(host: RunHost | None) -> None:

@@ -255,6 +255,7 @@ def test_a_stop_that_cannot_save_within_stop_grace_s_stops_at_once_naming_the_ch
     _, checkpoint, _, _ = STOPPED.match(line).groups()  # type: ignore[union-attr]
     assert Path(checkpoint).name == "epoch-000001" or Checkpoint.from_manifest(Path(checkpoint)).into is None
     assert not list((tmp_path / "run" / "checkpoints").glob("*-sample-*"))  # nothing saved inside an epoch
-    assert "the stop could not save (no checkpoint within stop_grace_s=0.001)" in "".join(
-        (tmp_path / "run" / f"rank{r}.log").read_text() for r in (0, 1)
-    )
+    # Each rank's last checkpoint (the first epoch's) took longer than the budget: no rank waits it out.
+    logs = "".join((tmp_path / "run" / f"rank{r}.log").read_text() for r in (0, 1))
+    assert re.search(r"the stop could not save \(this rank's last checkpoint took [\d.e-]+ s, more than "
+                     r"stop_grace_s=0.001\)", logs), logs[-3000:]  # fmt: skip

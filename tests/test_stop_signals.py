@@ -3,21 +3,26 @@ launcher's process, so what one job set up for its stop must not carry over to t
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 
 import pytest
+from torch.distributed import TCPStore
 
 from flodl.wire import stop
 from flodl.wire.stop import (
     STOP_SIGNALS,
     Stopped,
+    StopWatch,
     agent_takes_every_stop_signal,
     catch_stop_signals,
     save_on_stop,
 )
+from flodl.wire.transport import Mailbox
 
 
 @pytest.fixture
@@ -61,6 +66,39 @@ def test_torchruns_agent_takes_sigusr1_as_it_takes_sigterm(handlers: None) -> No
         os.kill(os.getpid(), signal.SIGUSR1)
         time.sleep(5)
     assert raised.value.sigval == signal.SIGUSR1  # flodl-torchrun exits 128 + it
+
+
+def _watch_until_stopped(save_s: float | None, grace_s: float, caplog: pytest.LogCaptureFixture) -> str:
+    """This process's own stop that saves, watched over a real store: what the watch gave up for."""
+    store = TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    # The watch talks over a client of its own, as a rank's does.
+    client = TCPStore("127.0.0.1", store.port, None, False, timeout=timedelta(seconds=30))
+    catch_stop_signals()
+    saving = save_on_stop()
+    os.kill(os.getpid(), signal.SIGTERM)  # taken by the watch, not raised
+    watch = StopWatch(Mailbox(client, 0), saving, grace_s=grace_s, save_s=lambda: save_s)
+    with caplog.at_level(logging.WARNING, logger="flodl"), pytest.raises(Stopped):
+        watch.start()
+        watch.join(timeout=60)
+        time.sleep(5)  # the watch's stop is raised here, at the next bytecode
+    assert store.get("stop") == str(int(signal.SIGTERM)).encode()  # posted for every peer
+    return caplog.text
+
+
+def test_a_stop_whose_last_checkpoint_took_longer_than_the_budget_gives_up_at_once(
+    handlers: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    text = _watch_until_stopped(save_s=45.0, grace_s=30.0, caplog=caplog)
+    reason = "this rank's last checkpoint took 45 s, more than stop_grace_s=30"
+    assert f"the stop could not save ({reason})" in text
+
+
+def test_a_stop_that_reaches_no_checkpoint_within_the_budget_gives_up_then(
+    handlers: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Nothing saves here: there is no coordinator.
+    text = _watch_until_stopped(save_s=None, grace_s=0.1, caplog=caplog)
+    assert "the stop could not save (no checkpoint within stop_grace_s=0.1)" in text
 
 
 def test_the_next_job_in_the_same_process_stops_at_once_again(handlers: None) -> None:

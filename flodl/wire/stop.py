@@ -157,8 +157,9 @@ class StopWatch(threading.Thread):
     SGD trains alone between rounds) stops within a fraction of a second too. With a stop that saves
     (`saving`), it also carries out this rank's own signal: posts the request and tells the coordinator
     (`announce`), calls `on_request` once a request is posted by any rank (False: this rank cannot reach a
-    boundary in time), and stops every rank once `grace_s` passed without the run's end. `on_checkpoint`
-    gets each checkpoint by time the coordinator requests (sync), by number."""
+    boundary in time), and stops every rank once `grace_s` passed without the run's end, or at once when
+    this rank's last checkpoint (`save_s`: seconds, None before the first) took longer than that.
+    `on_checkpoint` gets each checkpoint by time the coordinator requests (sync), by number."""
 
     def __init__(
         self,
@@ -168,6 +169,7 @@ class StopWatch(threading.Thread):
         on_request: Callable[[], bool] | None = None,
         grace_s: float = 0.0,
         on_checkpoint: Callable[[int], None] | None = None,
+        save_s: Callable[[], float | None] | None = None,
     ) -> None:
         super().__init__(name="flodl-stop-watch", daemon=True)
         self.mailbox = mailbox
@@ -179,6 +181,7 @@ class StopWatch(threading.Thread):
         self._deadline: float | None = None
         self._answered = False
         self.on_checkpoint = on_checkpoint
+        self.save_s = save_s
         self._checkpoints_seen = 0
 
     def run(self) -> None:
@@ -211,7 +214,11 @@ class StopWatch(threading.Thread):
                 self.announce(signum)
         if not self._answered and self.mailbox.store.check([_REQUEST_KEY]):
             self._answered = True
-            if self.on_request is not None and not self.on_request():
+            took = self.save_s() if self.save_s is not None else None
+            if took is not None and took > self.grace_s:  # waiting out the budget would only lose time
+                budget = f"stop_grace_s={self.grace_s:g}"
+                self._give_up(f"this rank's last checkpoint took {took:.3g} s, more than {budget}")
+            elif self.on_request is not None and not self.on_request():
                 self._give_up("this rank was past the agreed step before it learned it")
 
     def _follow_checkpoint_requests(self, on_checkpoint: Callable[[int], None]) -> None:

@@ -10,6 +10,7 @@ the coordinator commits only what is on disk. Files load with `weights_only=True
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -46,6 +47,9 @@ class RankCheckpointer:
         self._writer = ThreadPoolExecutor(1, "flodl-checkpoint") if background else None
         self._in_flight: tuple[Future[None], Saved] | None = None
         self._receipts: list[Saved] = []
+        # Seconds the last part took from the boundary until it was on disk (a stop's budget is checked
+        # against it); None until one was written.
+        self.last_save_s: float | None = None
 
     def save(
         self, point: Point, worker_state: dict[str, Any], receipt: Saved, first_member: bool = True
@@ -53,19 +57,23 @@ class RankCheckpointer:
         """Write the part at `point` (`first_member`: the model too: every member holds the same one here,
         one copy is enough); `receipt` is reported once it is on disk."""
         self.flush()  # one part in flight: a copy of the state at a time, and parts committed in order
+        started = time.perf_counter()
         part = {"stepper": stepper_state(self.stepper), "worker": worker_state}
         model = model_state(self.model) if first_member else None
         if self._writer is None:
-            self._write(point, part, model)
+            self._write(point, part, model, started)
             self._receipts.append(receipt)
             return
         copied = host_copy(part)
-        self._in_flight = (self._writer.submit(self._write, point, copied, model), receipt)
+        self._in_flight = (self._writer.submit(self._write, point, copied, model, started), receipt)
 
-    def _write(self, point: Point, part: dict[str, Any], model: dict[str, torch.Tensor] | None) -> None:
+    def _write(
+        self, point: Point, part: dict[str, Any], model: dict[str, torch.Tensor] | None, started: float
+    ) -> None:
         if model is not None:
             self.store.write_part(point, MODEL_FILE, model)
         self.store.write_part(point, rank_file(self.rank), part)
+        self.last_save_s = time.perf_counter() - started
 
     def written(self) -> list[Saved]:
         """The receipts of the parts on disk since the last look (a failed write raises here)."""
