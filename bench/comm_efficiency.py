@@ -5,6 +5,7 @@
     python bench/comm_efficiency.py --runs-dir R ...                 # keep each arm's records in R
     python bench/comm_efficiency.py --report-only R1 R2              # one report from runs kept earlier
     python bench/comm_efficiency.py --cpu-smoke                      # tiny model and corpus on CPU
+    python bench/comm_efficiency.py --arms sync local-32 -- task.model.layers=2   # overrides for every run
 
 Arms (each also with -bf16, -int8 or -int4 for that wire): `sync` (DDP, gradients every step), `cadence` and
 `async` (ElChe's windows), `diloco-H` (cadence with DiLoCo's Nesterov outer step, windows pinned to H
