@@ -247,7 +247,7 @@ def report(
         *environment,
         f"- command: `{command}`",
         "- bytes: on the wire per rank, sent + received (ring all-reduce 2(n-1)/n of the payload each way, "
-        "all-gather (n-1)); medians over seeds; wall times are not measured here (arms share the GPU)",
+        "all-gather (n-1)); medians over seeds; no wall times (arms may share the machine)",
         "",
     ]
     found_any = False
