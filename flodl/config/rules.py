@@ -251,7 +251,7 @@ def _cross_field_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
         yield _problem(
             "quantized_wire",
             cfg.quantized_wire,
-            "one wire at a time: set bf16_wire=false (it sends fewer bytes)",
+            "one wire at a time: set bf16_wire=false (the quantized wire sends fewer bytes)",
         )
     if cfg.outer == "diloco" and cfg.outer_momentum == 0:
         yield _problem("outer_momentum", 0.0, "DiLoCo's Nesterov step needs a momentum > 0")
