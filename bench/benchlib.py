@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import itertools
 import json
+import math
 import os
 import platform
 import sys
@@ -35,6 +36,24 @@ def environment_lines(cpu: bool = False) -> list[str]:
         nccl = ".".join(map(str, torch.cuda.nccl.version()))
         versions += f", CUDA {torch.version.cuda}, NCCL {nccl}"
     return [f"- date: {dt.datetime.now():%Y-%m-%d %H:%M}", f"- hardware: {hardware(cpu)}", f"- {versions}"]
+
+
+# A uniform guess over bytes: the char-LM's eval loss before training (small init), where its curves start.
+UNIFORM_BYTE_LOSS = math.log(256)
+
+
+def first_reach(
+    points: list[tuple[float, float]], target: float, start: tuple[float, float] = (0.0, UNIFORM_BYTE_LOSS)
+) -> float | None:
+    """The first x at which the loss of (x, loss) `points` reaches `target`, linear between points (and from
+    `start` before the first); None if it never does."""
+    previous = start
+    for x, loss in points:
+        if loss <= target:
+            x0, l0 = previous
+            return x if l0 <= loss else x0 + (x - x0) * (l0 - target) / (l0 - loss)
+        previous = (x, loss)
+    return None
 
 
 def results_path(results_dir: Path, name: str, cpu: bool = False, machine: str | None = None) -> Path:

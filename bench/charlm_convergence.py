@@ -26,6 +26,7 @@ from benchlib import (
     REPO,
     SLOW_LINK_ENV,
     environment_lines,
+    first_reach,
     results_path,
     run_flodl,
     steady_throughput,
@@ -34,7 +35,6 @@ from benchlib import (
 
 POLICIES = ("sync", "cadence", "async")
 GOAL = 0.75
-START_LOSS = math.log(256)  # a uniform guess over bytes: where every run starts (small init)
 SMOKE_OVERRIDES = [
     "task.model.layers=1",
     "task.model.dim=32",
@@ -58,17 +58,6 @@ def curve(records: list[dict]) -> list[tuple[float, float]]:
         if "eval/loss" in record:
             points.append((latest, record["eval/loss"]))
     return points
-
-
-def time_to_reach(points: list[tuple[float, float]], target: float) -> float | None:
-    """First time the eval loss reaches `target`, interpolated linearly; None if it never does."""
-    previous = (0.0, START_LOSS)
-    for t, loss in points:
-        if loss <= target:
-            (t0, l0) = previous
-            return t if l0 <= loss else t0 + (t - t0) * (l0 - target) / (l0 - loss)
-        previous = (t, loss)
-    return None
 
 
 def main() -> None:
@@ -139,7 +128,7 @@ def main() -> None:
     reached: dict[str, float | None] = {}
     for policy, records in runs.items():
         points = curve(records)
-        reached[policy] = time_to_reach(points, target)
+        reached[policy] = first_reach(points, target)
         when = reached[policy]
         vs = "—" if when is None or reached.get("sync") is None else f"{when / reached['sync']:.3f}"
         losses = " ".join(f"{loss:.3f}" for _, loss in points)

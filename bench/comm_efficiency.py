@@ -39,9 +39,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchlib import REPO, environment_lines, results_path, run_flodl, write_report
+from benchlib import (
+    REPO,
+    UNIFORM_BYTE_LOSS,
+    environment_lines,
+    first_reach,
+    results_path,
+    run_flodl,
+    write_report,
+)
 
-START_LOSS = math.log(256)  # a uniform guess over bytes
 HORIZONS = (8, 32, 128, 500)
 # What the 2026-12-02 results compare: sync at both learning rates, and local SGD at the single-rank rate
 # (lr_scale_ratio=0, which measured better with AdamW), each wire on 128-step windows, DiLoCo beside it.
@@ -125,7 +132,7 @@ class Curve:
 
     @classmethod
     def of(cls, records: list[dict], arm: Arm, ranks: int) -> Curve:
-        points, samples = [(0.0, 0.0, START_LOSS)], 0
+        points, samples = [(0.0, 0.0, UNIFORM_BYTE_LOSS)], 0
         for record in records:
             samples += record["samples"]
             sent = wire_bytes_per_rank(record["comm_bytes_total"] / ranks, ranks, arm.gathers)
@@ -147,13 +154,7 @@ class Curve:
 
     def bytes_to_reach(self, target: float) -> float | None:
         """Wire bytes when the eval loss first reaches `target` (linear between evals); None if never."""
-        previous = self.points[0]
-        for point in self.points[1:]:
-            if point[2] <= target:
-                (_, b0, l0), (_, b1, l1) = previous, point
-                return b1 if l0 <= l1 else b0 + (b1 - b0) * (l0 - target) / (l0 - l1)
-            previous = point
-        return None
+        return first_reach([(sent, loss) for _, sent, loss in self.points[1:]], target)
 
 
 def _interpolate(xy: list[tuple[float, float]], x: float) -> float | None:

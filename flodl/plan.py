@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from hydra.utils import instantiate
 
-from flodl.averaging.wire import QUANTIZED, payload_bytes, wire_of
+from flodl.averaging.wire import payload_bytes, wire_of
 from flodl.config.host import HostFacts
 from flodl.config.policy import (
     averages_parameters,
@@ -26,7 +26,7 @@ from flodl.config.policy import (
     writes_in_background,
 )
 from flodl.config.rules import GIB
-from flodl.config.schema import FlodlConfig
+from flodl.config.schema import QUANTIZED_WIRES, FlodlConfig
 from flodl.data.feeder import DataPlaneSettings, staging_budgets
 from flodl.data.memory import RAM_FRACTION_CAP
 
@@ -43,7 +43,6 @@ def human_bytes(n: float) -> str:
 class ModelSize:
     params: int
     param_bytes: int
-    # What the parameters weigh on the wire as bf16 (float32 ones halve).
     float32_numel: int  # what a delta wire encodes; the other dtypes travel as they are
     float32_buffer_bytes: int
 
@@ -76,11 +75,11 @@ def compile_words(cfg: FlodlConfig, device_type: str, world: int) -> str:
 
 
 def wire_words(cfg: FlodlConfig, size: ModelSize) -> str:
-    """What the compressed wires send instead (int8 only under local SGD), and which one is on."""
-    wires = ("bf16", *QUANTIZED) if averages_parameters(cfg) else ("bf16",)
+    """What the compressed wires send instead (the quantized ones only under local SGD), and which is on."""
+    wires = ("bf16", *QUANTIZED_WIRES) if averages_parameters(cfg) else ("bf16",)
     others = size.param_bytes - 4 * size.float32_numel + size.float32_buffer_bytes
     on = wire_of(cfg.bf16_wire, cfg.quantized_wire)
-    keys = {"bf16": "bf16_wire", **{q: f"quantized_wire={q}" for q in QUANTIZED}}
+    keys = {"bf16": "bf16_wire", **{q: f"quantized_wire={q}" for q in QUANTIZED_WIRES}}
     return ", ".join(
         f"{human_bytes(payload_bytes(wire, size.float32_numel) + others)} with {keys[wire]} "
         + ("(on)" if wire == on else "(off)")

@@ -124,9 +124,8 @@ def _rank_env(rank: int, world_size: int, store_port: int) -> dict[str, str]:
 def _rank_main(entry: Callable[..., None], args: tuple[Any, ...], env: dict[str, str]) -> None:
     # A forked rank starts with the supervisor's stop handlers, which only take note: give it a fresh
     # interpreter's, so that a signal the supervisor forwards or a SIGTERM it sends takes effect.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    for signum in STOP_SIGNALS[1:]:
-        signal.signal(signum, signal.SIG_DFL)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
     os.environ.update(env)
     entry(*args)
 

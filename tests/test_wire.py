@@ -17,6 +17,7 @@ from flodl.averaging.wire import (
     unpack_int4,
     wire_of,
 )
+from flodl.config.schema import QUANTIZED_WIRES
 
 
 @pytest.mark.parametrize("wire", ["int8", "int4"])
@@ -100,6 +101,10 @@ def test_the_wires_bytes_and_names() -> None:
     assert payload_bytes("int8", 1000) == 2 * (BLOCK + 4)  # two blocks, the second padded
     assert payload_bytes("int4", 1000) == 2 * (BLOCK // 2 + 4)
     assert [wire_of(False, None), wire_of(True, None), wire_of(False, "int4")] == ["fp32", "bf16", "int4"]
+
+
+def test_the_configs_quantized_wires_are_the_codecs() -> None:
+    assert set(QUANTIZED_WIRES) == set(LEVELS)  # a value the rules allow always has its codec
 
 
 def test_feedback_loads_onto_its_tensors_device() -> None:

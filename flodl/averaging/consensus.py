@@ -129,7 +129,7 @@ class _AveragerBase:
 
     def state_dict(self) -> dict[str, Any]:
         """The outer optimizer's momentum (its global parameters are the consensus a checkpoint holds) and
-        the int8 wire's error feedback."""
+        a quantized wire's error feedback."""
         state: dict[str, Any] = {"wire_feedback": self.reducer.feedback_state()}
         if self.outer is not None:
             state["outer"] = self.outer.optimizer.state_dict()

@@ -69,12 +69,12 @@ class Reducer:
         backend: str | None = None,
         settle: Settle = dist.Work.wait,
     ) -> None:
-        """`wire`: fp32, bf16 or int8 (see `wire.py`). `backend`: the group's, for a group built outside
+        """`wire`: fp32, bf16, int8 or int4 (see `wire.py`). `backend`: the group's, for a group built outside
         torch's registry (survive's averaging group).
         `settle`: how a collective is waited for (survive: given up once the group is cut)."""
         self.gamma = gamma
         self.wire = wire
-        # A delta wire's encoder per float32 tensor reduced (int8 keeps each one's error feedback).
+        # A delta wire's encoder per float32 tensor reduced (a quantized one keeps its error feedback).
         self.deltas: dict[int, Deltas] = {}
         self.chunks = PIPELINE_CHUNKS
         self.min_chunk_bytes = MIN_CHUNK_BYTES
@@ -198,7 +198,7 @@ class Reducer:
         return self.wire != "fp32" and tensor.dtype == torch.float32
 
     def feedback_state(self) -> dict[int, Tensor]:
-        """The int8 wire's error feedback per reduced tensor (a rank's own: saved with its part)."""
+        """A quantized wire's error feedback per reduced tensor (a rank's own: saved with its part)."""
         return {i: d.feedback for i, d in self.deltas.items() if d.feedback is not None}
 
     def load_feedback_state(self, state: dict[int, Tensor], params: list[Tensor]) -> None:

@@ -19,11 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-WIRES = ("fp32", "bf16", "int8", "int4")
-QUANTIZED = ("int8", "int4")
 # Elements per block: one float32 scale per 512 values (int8: 3.97x fewer bytes than fp32, int4: 7.88x).
 BLOCK = 512
-# The largest integer each quantized wire sends (symmetric, so zero is exact).
+# The largest integer each quantized wire sends (symmetric, so zero is exact); the config's allowed values
+# (schema.QUANTIZED_WIRES) are these keys.
 LEVELS = {"int8": 127, "int4": 7}
 
 
@@ -79,7 +78,7 @@ class Deltas:
     """
 
     def __init__(self, wire: str, block: int = BLOCK) -> None:
-        assert wire == "bf16" or wire in QUANTIZED, wire
+        assert wire == "bf16" or wire in LEVELS, wire
         self.wire = wire
         self.block = block
         self.feedback: Tensor | None = None
@@ -115,9 +114,6 @@ class Deltas:
             q = unpack_int4(rows) if self.wire == "int4" else rows.view(torch.int8)
             total.addcmul_(q.float(), s.unsqueeze(1))
         return total.view(-1)[:numel]
-
-    def state(self) -> Tensor | None:
-        return self.feedback
 
     def load_state(self, feedback: Tensor | None, like: Tensor) -> None:
         """Take a checkpoint's feedback, onto `like`'s device (the tensor it belongs to)."""

@@ -96,7 +96,8 @@ def agent_takes_every_stop_signal() -> None:
     """In torchrun's process: its agent forwards SIGINT and SIGTERM to its ranks, waits for them and raises
     SignalException; SIGUSR1 would end it at once, the ranks orphaned. From now on it takes SIGUSR1 the same
     way (torch installs its own handlers for the others when it starts). flodl's own launcher needs none:
-    its stop handlers take SIGUSR1, and the agent stops the ranks on the way out."""
+    its stop handlers take SIGUSR1 (and its exit code), and the agent's shutdown on the way out sends the
+    ranks SIGTERM, on which they save and stop the same way."""
     from torch.distributed.elastic.multiprocessing import SignalException
 
     def handler(signum: int, frame: FrameType | None) -> None:
