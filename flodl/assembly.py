@@ -79,7 +79,9 @@ log = logging.getLogger("flodl")
 # --- config -> settings, the one place ---
 
 
-def data_plane_settings(cfg: FlodlConfig, ranks_on_host: int) -> DataPlaneSettings:
+def data_plane_settings(
+    cfg: FlodlConfig, ranks_on_host: int, rank: int = 0, world_size: int = 1
+) -> DataPlaneSettings:
     return DataPlaneSettings(
         batch_size=cfg.batch_size,
         augment=cfg.augment,
@@ -97,6 +99,8 @@ def data_plane_settings(cfg: FlodlConfig, ranks_on_host: int) -> DataPlaneSettin
         prefetch_factor=cfg.prefetch_factor,
         persistent_workers=cfg.persistent_workers,
         pin_memory=cfg.pin_memory,
+        rank=rank,
+        world_size=world_size,
     )
 
 
@@ -110,7 +114,7 @@ def stepper_settings(
         return step if rank == env.rank and first_start else None
 
     return StepperSettings(
-        data=data_plane_settings(cfg, env.local_world_size),
+        data=data_plane_settings(cfg, env.local_world_size, env.rank, env.world_size),
         max_grad_norm=cfg.max_grad_norm,
         slow_factor=sim.factor if sim.slow_rank == env.rank else 1.0,
         fault=FaultInjection(

@@ -37,6 +37,7 @@ from flodl.config.rules import ConfigError
 from flodl.config.schema import FlodlConfig, to_config
 from flodl.coordinator.hooks import CallbackError
 from flodl.coordinator.roster import RankHung, TooFewRanks
+from flodl.data.stream import epoch_picks
 from flodl.logs import FILE_ONLY, setup_rank_logging, stderr_to
 from flodl.metrics.run_info import RunInfo
 from flodl.metrics.wandb_sink import WandbStartError
@@ -135,7 +136,10 @@ def _run_rank(config: dict[str, Any], info_fields: dict[str, Any], self_launched
         inbox = InboxReader(connect(namespace, env.rank))
         rank_group = make_group(cfg, env, device, backend, group.exchange, inbox)
         parts = build_task(task_settings(cfg), device, env.world_size, env.rank)
-        facts = TaskFacts(len(parts.train_data) * cfg.augment, parts.eval_data is not None)
+        picks = epoch_picks(
+            parts.train_data, cfg.augment, cfg.steps_per_epoch, env.world_size, step_samples(cfg)
+        )
+        facts = TaskFacts(picks, parts.eval_data is not None)
         publish_task(group.exchange, facts)
         if host is not None:
             log_plan(cfg, env.world_size, device.type)

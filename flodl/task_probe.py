@@ -1,7 +1,8 @@
 """The task's parts built once before any rank starts, as a rank builds them, to find what would fail there.
 
-- The datasets are built (not their batches): a missing path, a split that does not exist, a stream
-  (an IterableDataset), an empty dataset, and a batch larger than the training data fail here.
+- The datasets are built (not their batches): a missing path, a split that does not exist, an empty
+  dataset, a batch larger than the training data, and a stream (an IterableDataset) without
+  steps_per_epoch or with what needs a sample index (views, a transform, the tiers) fail here.
 - The model is built on the meta device (no memory, no weights), its optimizer and scheduler on its
   parameters: a model with nothing to train and a scheduler missing an argument fail here.
 - `eval_fn` is called once on the first eval batch, on the meta device: what it returns must be the
@@ -26,7 +27,7 @@ from torch.utils.data import default_collate
 
 from flodl.config.policy import step_samples, step_words
 from flodl.config.schema import FlodlConfig
-from flodl.data.dataset import as_dataset, read_batch
+from flodl.data.dataset import as_dataset, is_stream, read_batch
 from flodl.data.partition import equal_slices
 from flodl.data.sample import to_device
 from flodl.logs import one_line
@@ -44,7 +45,8 @@ def task_problems(
     """What building the task's parts (`task`: its target nodes as plain data) finds wrong for a job of
     `world_size` ranks; each problem names its key. Not `whole`: the model alone (the config's values
     are refused already, and the rest would be built on them)."""
-    key = json.dumps([task, world_size, cfg.batch_size, step_samples(cfg), cfg.augment, whole], default=str)
+    settings = [cfg.batch_size, step_samples(cfg), cfg.augment, cfg.steps_per_epoch, cfg.persistent_workers]
+    key = json.dumps([task, world_size, *settings, whole], default=str)
     if key not in _PROBED:
         _PROBED[key] = _probe(cfg, task, world_size) if whole else _model_problems(task)[1]
     return list(_PROBED[key])
@@ -56,11 +58,12 @@ def _probe(cfg: FlodlConfig, task: Mapping[str, Any], world_size: int) -> list[s
     for name in ("train_data", "eval_data"):
         if task.get(name) is not None:
             try:
-                data[name] = as_dataset(instantiate(task[name]), f"task.{name}")
+                built = instantiate(task[name])
+                data[name] = as_dataset(built, f"task.{name}", streams=name == "train_data")
             except Exception as err:
                 problems.append(_failed(f"task.{name}", "building it", err))
     if "train_data" in data:
-        problems += _epoch_fit_problems(cfg, len(data["train_data"]) * cfg.augment, world_size)
+        problems += _train_data_problems(cfg, task, data["train_data"], world_size)
     if model is not None:
         problems += _optimizer_problems(cfg, task, model, data.get("eval_data"))
     return problems
@@ -73,6 +76,51 @@ def _failed(key: str, what: str, err: BaseException) -> str:
     if message.startswith(f"{key}: "):  # flodl's own words already name the key
         return one_line(message)
     return f"{key}: {what} failed ({type(cause).__name__}: {one_line(message)})"
+
+
+def _train_data_problems(
+    cfg: FlodlConfig, task: Mapping[str, Any], train_data: Any, world_size: int
+) -> list[str]:
+    kind = type(train_data).__name__
+    if is_stream(train_data):
+        return _stream_problems(cfg, task, kind)
+    if cfg.steps_per_epoch is not None:
+        return [
+            f"steps_per_epoch={cfg.steps_per_epoch}: applies to a stream (an IterableDataset as "
+            f"task.train_data); {kind} has a length, and each epoch reads all of it"
+        ]
+    return _epoch_fit_problems(cfg, len(train_data) * cfg.augment, world_size)
+
+
+def _stream_problems(cfg: FlodlConfig, task: Mapping[str, Any], kind: str) -> list[str]:
+    """What a stream needs, and what it cannot do: it has no length and no sample index."""
+    problems = []
+    if cfg.steps_per_epoch is None:
+        problems.append(
+            f"task.train_data: {kind} is an IterableDataset (a stream), which has no length to make an epoch "
+            "of: set steps_per_epoch, the optimizer steps per rank per epoch (README: Streams)"
+        )
+    if cfg.augment != 1:
+        problems.append(
+            f"augment={cfg.augment}: a stream's items have no index to key views by; augment inside the "
+            "stream, with augment=1"
+        )
+    if task.get("transform"):
+        problems.append(
+            "task.transform: its keys name sample indices, which a stream has none of; transform inside the "
+            "stream or in task.collate_fn"
+        )
+    if task.get("cacheable"):
+        problems.append(
+            "task.cacheable=true: the tiers keep samples by index, and a stream is read in order; leave it "
+            "null"
+        )
+    if not cfg.persistent_workers:
+        problems.append(
+            "persistent_workers=false: a stream's DataLoader workers read for the whole run, never "
+            "restarted; leave it true"
+        )
+    return problems
 
 
 def _epoch_fit_problems(cfg: FlodlConfig, total_picks: int, world_size: int) -> list[str]:

@@ -39,6 +39,7 @@ OVERRIDES = [
     ("device=cpu", "device", "cpu", str),
     ("seed=7", "seed", 7, int),
     ("epochs=3", "epochs", 3, int),
+    ("steps_per_epoch=100", "steps_per_epoch", 100, int),
     ("batch_size=64", "batch_size", 64, int),
     ("augment=2", "augment", 2, int),
     ("grad_accum=4", "grad_accum", 4, int),

@@ -26,6 +26,8 @@ from flodl.preflight import omegaconf_problem, preflight
 from tests.helpers.procs import CONF, train
 
 FILE = "{file}"  # an existing regular file: nothing can be created under it
+# The training data as a stream (an IterableDataset).
+STREAM = ("task.train_data._target_=tests.helpers.bad_tasks.stream", "~task.train_data.split")
 
 # (overrides, the key the rejection must name)
 INVALID: list[tuple[tuple[str, ...], str]] = [
@@ -110,10 +112,14 @@ INVALID: list[tuple[tuple[str, ...], str]] = [
         ),
         "task.train_data",
     ),
-    (
-        ("task.train_data._target_=tests.helpers.bad_tasks.stream", "~task.train_data.split"),
-        "task.train_data",
-    ),
+    (STREAM, "task.train_data"),
+    # a stream: its epoch is steps_per_epoch (a map-style Dataset's is its length); no index to key views by
+    (("steps_per_epoch=3",), "steps_per_epoch"),
+    (("steps_per_epoch=0",), "steps_per_epoch"),
+    ((*STREAM, "steps_per_epoch=3", "augment=2"), "augment"),
+    ((*STREAM, "steps_per_epoch=3", "task.cacheable=true"), "task.cacheable"),
+    (("task.eval_data._target_=tests.helpers.bad_tasks.stream", "~task.eval_data.split"), "task.eval_data"),
+    (("steps_per_epoch=3", "fault_tolerance=survive", "launch.nproc_per_node=2"), "steps_per_epoch"),
     (("task.scheduler={_target_:torch.optim.lr_scheduler.StepLR,_partial_:true}",), "task.scheduler"),
     (("task.eval_fn={_target_:tests.helpers.bad_tasks.sums_forgotten,_partial_:true}",), "task.eval_fn"),
     (("launch.nproc_per_node=2", "lr_scale_ratio=1e308"), "lr_scale_ratio"),
@@ -187,12 +193,18 @@ def test_an_invalid_config_is_refused_naming_its_key(
     assert list(tmp_path.iterdir()) == [blocker]  # nothing was created
 
 
+def test_a_stream_without_steps_per_epoch_is_refused_saying_what_to_set(hydra_conf: None) -> None:
+    text = rejection(STREAM)
+    assert text is not None and "is an IterableDataset (a stream)" in text and "set steps_per_epoch" in text
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
         (),
         ("policy=async", "anchor=5", "gamma=0.5"),
         ("policy=cadence", "checkpoint_every=1", "checkpoint_keep=1"),
+        (*STREAM, "steps_per_epoch=3", "num_workers=2"),
     ],
 )
 def test_sound_configs_pass(

@@ -112,6 +112,7 @@ def _range_problems(cfg: FlodlConfig) -> Iterator[str]:
     yield from check("outer_momentum", lambda v: 0 <= v < 1, "must be in [0, 1)", True)
     yield from check("seed", lambda v: 0 <= v <= MAX_SEED, f"must be in [0, {MAX_SEED}] (numpy's seed range)")
     yield from check("epochs", lambda v: v >= 1, "must be >= 1")
+    yield from check("steps_per_epoch", lambda v: v >= 1, "must be >= 1 (optimizer steps per rank)", True)
     yield from check("batch_size", lambda v: v >= 1, "must be >= 1 (samples per rank per micro-batch)")
     yield from check(
         "augment",
@@ -354,6 +355,13 @@ def _survive_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
                 "not with fault_tolerance=survive yet: its reference copy is not restored when a round is "
                 "cut",
             )
+    if cfg.steps_per_epoch is not None:
+        yield _problem(
+            "steps_per_epoch",
+            cfg.steps_per_epoch,
+            "a stream is not read under fault_tolerance=survive yet: each rank's place in its shard lives in "
+            "that rank, and a cut rank's would be lost",
+        )
     if not 1 <= cfg.min_ranks <= host.world_size:
         yield _problem("min_ranks", cfg.min_ranks, f"must be in [1, {host.world_size}] (the job's ranks)")
     if host.elastic_agent:

@@ -168,6 +168,11 @@ class FlodlConfig:
     seed: int = 42
     # Epochs to train.
     epochs: int = 10
+    # A stream's epoch (task.train_data an IterableDataset: required there, refused for a map-style
+    # Dataset): optimizer steps per rank per epoch, so an epoch holds steps_per_epoch x world_size steps of
+    # every rank's samples under every policy. Under sync each rank steps this many; under cadence/async the
+    # epoch's steps are handed out by speed, so a fast rank steps more. Each rank reads its own shard.
+    steps_per_epoch: int | None = None
     # Samples per rank per micro-batch.
     batch_size: int = 32
     # Views per sample: an epoch's pick space is len(dataset) x augment; task.transform makes them differ.

@@ -4,6 +4,7 @@ A BatchDataSet serves whole batches by index: `len()` samples, `get_batch(indice
 tensor per field, first dim = len(indices)), and purity: the same index always gives the same bytes, so
 its samples are cached. A torch map-style Dataset serves samples of any structure through `__getitem__`,
 batched by `task.collate_fn`; it is read afresh every epoch unless declared cacheable (`task.cacheable`).
+A torch IterableDataset (a stream) trains too, read in order by flodl/data/stream.py; never for eval.
 """
 
 from __future__ import annotations
@@ -49,14 +50,22 @@ def is_batch_dataset(data: Any) -> bool:
     return isinstance(data, BatchDataSet)
 
 
-def as_dataset(data: Any, what: str) -> Any:
+def is_stream(data: Any) -> bool:
+    """A torch IterableDataset: items in order, no length, no index (flodl/data/stream.py reads it)."""
+    return isinstance(data, torch.utils.data.IterableDataset)
+
+
+def as_dataset(data: Any, what: str, streams: bool = False) -> Any:
     """A user-provided dataset, checked: a BatchDataSet, or a torch map-style Dataset (len + __getitem__)
-    whose samples `collate_fn` batches; `what` names the config key in errors."""
-    if isinstance(data, torch.utils.data.IterableDataset):
+    whose samples `collate_fn` batches, or (`streams`: training data) an IterableDataset; `what` names the
+    config key in errors."""
+    if is_stream(data):
+        if streams:
+            return data
         raise TypeError(
-            f"{what}: {type(data).__name__} is an IterableDataset (a stream), which flodl does not read yet: "
-            "it splits every epoch among the ranks by sample index; give a map-style Dataset (__len__ and "
-            "__getitem__) or a BatchDataSet (len + get_batch) over the same samples"
+            f"{what}: {type(data).__name__} is an IterableDataset (a stream), which flodl reads for training "
+            "only (task.train_data with steps_per_epoch): the eval splits its set among the ranks by index; "
+            "give a map-style Dataset (__len__ and __getitem__) or a BatchDataSet (len + get_batch)"
         )
     if not is_batch_dataset(data) and not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
         raise TypeError(

@@ -64,6 +64,9 @@ class DataPlaneSettings:
     prefetch_factor: int | None = None
     persistent_workers: bool = True
     pin_memory: bool = True
+    # This rank and the world's ranks: a stream's readers are numbered from them (flodl/data/stream.py).
+    rank: int = 0
+    world_size: int = 1
 
 
 @dataclass(frozen=True)

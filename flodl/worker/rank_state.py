@@ -1,5 +1,5 @@
-"""What one rank must keep to continue exactly: optimizer, scheduler, GradScaler, RNG streams and step
-counters."""
+"""What one rank must keep to continue exactly: optimizer, scheduler, GradScaler, RNG streams, step
+counters and, reading a stream, where its readers stand."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from flodl.data.stream import StreamFeeder
 from flodl.worker.stepper import Stepper
 
 
@@ -55,13 +56,15 @@ def stepper_state(stepper: Stepper) -> dict[str, Any]:
         "rng": rng_state(stepper.device),
         # fp16's loss scale and growth tracker (empty otherwise): a resumed run steps with the same scale.
         "scaler": stepper.scaler.state_dict(),
+        # A stream's readers after the batches trained (flodl/data/stream.py); None for any other data.
+        "data": stepper.feeder.state() if isinstance(stepper.feeder, StreamFeeder) else None,
     }
 
 
 def shared_state(state: dict[str, Any]) -> dict[str, Any]:
     """Of a `stepper_state`, what another rank may take over under sync (every rank steps the same optimizer
-    state): all but the RNG streams, which stay each rank's own."""
-    return {key: value for key, value in state.items() if key != "rng"}
+    state): all but the RNG streams and a stream's readers, which stay each rank's own."""
+    return {key: value for key, value in state.items() if key not in ("rng", "data")}
 
 
 def restore_stepper(stepper: Stepper, state: dict[str, Any]) -> None:
@@ -73,5 +76,17 @@ def restore_stepper(stepper: Stepper, state: dict[str, Any]) -> None:
     stepper.schedule_position = int(state["schedule_position"])
     if state.get("scaler"):  # empty under fp32/bf16 (and absent from checkpoints older than precision)
         stepper.scaler.load_state_dict(state["scaler"])
-    if "rng" in state:  # absent from a `shared_state`: this rank keeps its own streams
+    if "rng" in state:  # absent from a `shared_state`: this rank keeps its own streams (and readers)
         set_rng_state(state["rng"], stepper.device)
+        _restore_readers(stepper, state.get("data"))
+
+
+def _restore_readers(stepper: Stepper, data: dict[str, Any] | None) -> None:
+    streaming = isinstance(stepper.feeder, StreamFeeder)
+    if streaming != (data is not None):
+        raise ValueError(
+            f"the checkpoint was written by a run whose task.train_data was {'no' if streaming else 'a'} "
+            "stream (an IterableDataset): resume it with the same data, or start fresh with resume=never"
+        )
+    if isinstance(stepper.feeder, StreamFeeder) and data is not None:
+        stepper.feeder.restore(data)

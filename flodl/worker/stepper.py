@@ -19,11 +19,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from flodl.data.dataset import is_batch_dataset, read_batch
+from flodl.data.dataset import is_batch_dataset, is_stream, read_batch
 from flodl.data.feeder import BatchFeeder, DataPlaneSettings, staging_tiers
 from flodl.data.partition import epoch_permutation
 from flodl.data.sample import check_movable, to_device
 from flodl.data.sample_feed import SampleFeeder
+from flodl.data.stream import StreamFeeder
 from flodl.metrics.flops import peak_flops, train_flops_per_sample
 from flodl.metrics.scalars import record_scalar
 from flodl.wire.messages import EpochSlice, EvalResult
@@ -102,7 +103,9 @@ class Stepper:
         self._no_sync: Callable[[], AbstractContextManager] | None = getattr(train_module, "no_sync", None)
         # The losses of the last step's forward passes so far, and its micro-batch count (interrupted_loss).
         self._forward_losses: tuple[Tensor, int] | None = None
-        self.total_picks = len(parts.train_data) * settings.data.augment
+        # A stream's picks are places in its epoch, not samples (flodl/data/stream.py).
+        self.stream = is_stream(parts.train_data)
+        self.total_picks = 0 if self.stream else len(parts.train_data) * settings.data.augment
         self.steps_total = 0
         self.schedule_position = 0
         # Each step's loss, kept on the device until a window boundary looks for the first non-finite one.
@@ -110,9 +113,11 @@ class Stepper:
         self.fault = settings.fault
         self._permutations: dict[int, Tensor] = {}
         # The data plane: staging tiers, prefetch, device pool (flodl/data/feeder.py), or torch's DataLoader
-        # for a map-style Dataset (flodl/data/sample_feed.py).
-        self.feeder: BatchFeeder | SampleFeeder
-        if is_batch_dataset(parts.train_data):
+        # for a map-style Dataset (flodl/data/sample_feed.py) or a stream (flodl/data/stream.py).
+        self.feeder: BatchFeeder | SampleFeeder | StreamFeeder
+        if self.stream:
+            self.feeder = StreamFeeder(settings.data, parts.train_data, device, parts.collate)
+        elif is_batch_dataset(parts.train_data):
             self.feeder = BatchFeeder(
                 settings.data, parts.train_data, device, parts.transform, parts.cacheable
             )
@@ -123,7 +128,10 @@ class Stepper:
             )
 
     def picks(self, part: EpochSlice) -> Tensor:
-        """The slice's picks of its epoch's shared permutation (cached per epoch)."""
+        """The slice's picks of its epoch's shared permutation (cached per epoch); of a stream, its places in
+        the epoch (the rank trains the next items of its shard whichever they are)."""
+        if self.stream:
+            return torch.arange(part.offset, part.offset + part.size)
         epoch = part.epoch
         if epoch not in self._permutations:
             self._permutations = {e: p for e, p in self._permutations.items() if e >= epoch - 1}

@@ -25,7 +25,7 @@ EvalFn = Callable[[nn.Module, Any], dict[str, Tensor]]
 @dataclass
 class TaskParts:
     model: nn.Module
-    # A BatchDataSet or a map-style Dataset (flodl/data/dataset.py).
+    # A BatchDataSet, a map-style Dataset (flodl/data/dataset.py) or a stream (flodl/data/stream.py).
     train_data: Any
     eval_data: Any | None
     loss_fn: LossFn
@@ -71,7 +71,7 @@ def build_task(settings: TaskSettings, device: torch.device, world_size: int, ra
         group["lr"] *= factor
     scheduler = _built(task["scheduler"], "task.scheduler", object)(optimizer) if task["scheduler"] else None
     eval_data = as_dataset(instantiate(task["eval_data"]), "task.eval_data") if task["eval_data"] else None
-    train_data = as_dataset(instantiate(task["train_data"]), "task.train_data")
+    train_data = as_dataset(instantiate(task["train_data"]), "task.train_data", streams=True)
     batches = is_batch_dataset(train_data)
     # A factory's dataset: its kind is known only now (a dataset class was checked before the ranks started).
     kind = type(train_data).__qualname__

@@ -1,5 +1,5 @@
 """Bring-your-own-data fixtures the ranks of an end-to-end test import: map-style datasets that augment in
-`__getitem__` and log every read, dict samples, and a custom collate.
+`__getitem__` and log every read, dict samples, a custom collate, and the points as a stream.
 
 Every read appends `index value` to `<log>/reads-<pid>.txt` (one file per process: DataLoader workers
 included), so a test counts how often each sample was read and whether two reads gave different bytes.
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 DIM = 8
 
@@ -115,3 +115,24 @@ def drawn_loss(model: nn.Module, batch: Any) -> Tensor:
     with open(Path(os.environ["FLODL_TEST_DRAW_DIR"]) / f"rank{os.environ['RANK']}.txt", "a") as f:
         f.write("".join(f"{d}\n" for d in digests.tolist()))
     return F.cross_entropy(model(x), y)
+
+
+class PointStream(IterableDataset):
+    """The points as a stream (an IterableDataset): item i is (x_i + noise from torch's generator, y_i, i), in
+    order; `drawn_loss` logs the ids a rank trained."""
+
+    def __init__(self, n: int = 192, seed: int = 0, ids: list[int] | None = None) -> None:
+        self.x, self.y = _points(n, seed)
+        self.ids = ids if ids is not None else list(range(n))
+
+    def __iter__(self) -> Any:
+        for i in self.ids:
+            yield self.x[i] + 0.1 * torch.randn(DIM), self.y[i], i
+
+
+class ShardedPointStream(PointStream):
+    """Declares `shard(num_shards, index)`, as HF's IterableDataset does: shard k holds every num_shards-th
+    id from k."""
+
+    def shard(self, num_shards: int, index: int) -> PointStream:
+        return PointStream(len(self.y), ids=self.ids[index::num_shards])

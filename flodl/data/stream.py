@@ -1,0 +1,296 @@
+"""Streams: a torch IterableDataset as training data (HF streaming datasets, webdataset, your own generator).
+
+A stream has no length and no index, so an epoch is `steps_per_epoch` optimizer steps per rank: its pick
+space is `steps_per_epoch x world_size x step_samples` positions, planned like a map-style epoch's (the
+planner, the ledger and the checkpoints count in it), but a position names no item: a rank trains the next
+items of its own shard, in order.
+
+Readers. A rank reads through K = max(num_workers, 1) readers (its DataLoader workers, or itself); reader
+`r = rank x K + k` of `R = world_size x K` reads shard r of the stream:
+- a dataset that declares `shard(num_shards, index)` (the signature of HF's `IterableDataset.shard`) is
+  asked for shard r of R in the reader's process, and every item the shard yields is the reader's;
+- any other stream is read whole by every reader, which keeps items r, r + R, r + 2R, ...
+Each batch of `batch_size` items comes from one reader; a rank takes its readers' batches in turn.
+
+Passes. A reader whose shard runs out starts it again (after `set_epoch(pass)` when the dataset has one, as
+HF's reshuffles with), so an item is trained once per pass of its reader's shard.
+
+Positions. A reader's position is the passes it finished, the items of its shard it read in this pass and,
+for a dataset with `state_dict` / `load_state_dict`, the dataset's state after them. A rank's checkpoint
+part holds its readers' positions after the last batch it trained and how many batches it took: a resumed
+reader goes on from its state (`load_state_dict`) or reads the pass again and skips what it had read, and
+the rank takes its readers' batches in the same turn as before.
+
+Randomness. Each batch is read under random streams of its own (flodl/data/streams.py), seeded from (seed,
+reader, pass, the batch's place in the pass), and the reader's generators are put back after it: what an
+item draws from torch's, numpy's or Python's generators while it is read is the same in every run, resumed
+or not, and reading never moves the step's draws.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from flodl.data.dataset import is_stream
+from flodl.data.feeder import DataPlaneSettings
+from flodl.data.sample import check_movable, to_device
+from flodl.data.streams import batch_streams, mixed_seed
+from flodl.data.tiers import FeedStats
+
+log = logging.getLogger(__name__)
+
+Collate = Callable[[list[Any]], Any]
+# Tags that keep a stream's batch seeds and its DataLoader's worker seeds apart from every other stream.
+_READER = 0x53545245
+_LOADER = 0x4C4F4144
+
+
+def readers_per_rank(num_workers: int) -> int:
+    """A rank's readers: one per DataLoader worker, or the rank itself."""
+    return max(num_workers, 1)
+
+
+def stream_picks(steps_per_epoch: int, world_size: int, step_samples: int) -> int:
+    """A stream's epoch in picks: `steps_per_epoch` steps of `step_samples` for each of `world_size` ranks."""
+    return steps_per_epoch * world_size * step_samples
+
+
+def epoch_picks(
+    train_data: Any, augment: int, steps_per_epoch: int | None, world_size: int, step_samples: int
+) -> int:
+    """An epoch's pick space: a stream's `stream_picks`, else every view of every sample."""
+    if not is_stream(train_data):
+        return len(train_data) * augment
+    assert steps_per_epoch is not None, "a stream's epoch is steps_per_epoch (checked before any rank)"
+    return stream_picks(steps_per_epoch, world_size, step_samples)
+
+
+def shards_itself(dataset: Any) -> bool:
+    return callable(getattr(dataset, "shard", None))
+
+
+def start_position() -> dict[str, Any]:
+    """A reader's position before its first item (plain values: checkpoints load with weights_only)."""
+    return {"passes": 0, "seen": 0, "state": None}
+
+
+class ShardReader:
+    """One reader's items, pass after pass, and where it stands."""
+
+    def __init__(
+        self, dataset: Any, readers: int, index: int, seed: int, position: dict[str, Any] | None = None
+    ) -> None:
+        self.index = index
+        self.readers = readers
+        self.seed = seed
+        # A shard of its own, every item of it kept; or the whole stream, every readers-th item kept.
+        self.source = dataset.shard(num_shards=readers, index=index) if shards_itself(dataset) else dataset
+        self.stride = 1 if shards_itself(dataset) else readers
+        self.offset = 0 if self.stride == 1 else index
+        self.stateful = all(
+            callable(getattr(self.source, m, None)) for m in ("state_dict", "load_state_dict")
+        )
+        start = position or start_position()
+        self.passes, self.seen, self.state = int(start["passes"]), int(start["seen"]), start["state"]
+        self._items: Iterator[Any] | None = None
+        # Whether this pass was read from its beginning, and the items kept of it so far.
+        self._whole_pass = False
+        self._kept = 0
+
+    def take(self, count: int) -> list[Any]:
+        """The next `count` items, read under the batch's own random streams."""
+        with batch_streams(mixed_seed(_READER, self.seed, self.index, self.passes, self.seen)):
+            return [self._next() for _ in range(count)]
+
+    def position(self) -> dict[str, Any]:
+        """Where this reader stands, after the last item it gave."""
+        state = self.source.state_dict() if self.stateful and self._items is not None else self.state
+        return {"passes": self.passes, "seen": self.seen, "state": state}
+
+    def _next(self) -> Any:
+        while True:
+            if self._items is None:
+                self._items = self._open()
+            for item in self._items:
+                index = self.seen
+                self.seen += 1
+                if index % self.stride == self.offset:
+                    self._kept += 1
+                    return item
+            if self._whole_pass and self._kept == 0:
+                raise ValueError(
+                    f"task.train_data: stream reader {self.index} of {self.readers} found no item in its "
+                    f"shard ({self._shard_words()}); give the stream at least {self.readers} items, or fewer "
+                    "readers (world_size x max(num_workers, 1))"
+                )
+            self.passes, self.seen, self.state, self._items = self.passes + 1, 0, None, None
+
+    def _open(self) -> Iterator[Any]:
+        """This pass's items from where the reader stands: the dataset's state loaded, or the items read
+        before skipped (under streams of their own: the batch's are not moved by them)."""
+        set_epoch = getattr(self.source, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(self.passes)
+        self._whole_pass, self._kept = self.seen == 0 and self.state is None, 0
+        if self.stateful and self.state is not None:
+            self.source.load_state_dict(self.state)
+            return iter(self.source)
+        items = iter(self.source)
+        with batch_streams(mixed_seed(_READER, self.seed, self.index, self.passes)):
+            skipped = sum(1 for _ in itertools.islice(items, self.seen))
+        if skipped < self.seen:  # the pass is shorter than the position says: the stream changed
+            raise ValueError(
+                f"task.train_data: stream reader {self.index} of {self.readers} was {self.seen} items into "
+                f"pass {self.passes} of its shard, which now has {skipped}; a stream must give the same "
+                "items each time it is read"
+            )
+        return items
+
+    def _shard_words(self) -> str:
+        if self.stride == 1:
+            return f"the dataset's shard({self.readers}, {self.index})"
+        return f"items {self.index}, {self.index} + {self.readers}, ... of the whole stream"
+
+
+class _WorkerReaders(IterableDataset):
+    """A rank's readers as a DataLoader's dataset: worker w reads reader `(w + turn) % K` of the rank's K, so
+    that the loader's first batch (worker 0's) is the reader whose turn it is; each item a whole batch, with
+    its reader and the reader's position after it."""
+
+    def __init__(
+        self,
+        dataset: Any,
+        readers: int,
+        first: int,
+        positions: list[dict[str, Any] | None],
+        turn: int,
+        batch_size: int,
+        collate: Collate,
+        seed: int,
+    ) -> None:
+        self.dataset, self.readers, self.first = dataset, readers, first
+        self.positions, self.turn = positions, turn
+        self.batch_size, self.collate, self.seed = batch_size, collate, seed
+
+    def __iter__(self) -> Iterator[tuple[Any, int, dict[str, Any]]]:
+        info = get_worker_info()
+        assert info is not None, "a stream's worker readers run in DataLoader workers"
+        k = (info.id + self.turn) % info.num_workers
+        reader = ShardReader(self.dataset, self.readers, self.first + k, self.seed, self.positions[k])
+        while True:
+            yield self.collate(reader.take(self.batch_size)), k, reader.position()
+
+
+def _as_is(batch: Any) -> Any:
+    return batch
+
+
+class StreamFeeder:
+    """The data plane of a stream: each `load` trains the rank's next batch, from its readers in turn; no
+    read plan (a stream is read in order, so there is nothing to stage or find ahead), the DataLoader's
+    workers read ahead."""
+
+    def __init__(
+        self, settings: DataPlaneSettings, dataset: Any, device: torch.device, collate: Collate
+    ) -> None:
+        self.settings = settings
+        self.dataset = dataset
+        self.device = device
+        self.collate = collate
+        self.per_rank = readers_per_rank(settings.num_workers)
+        self.readers = settings.world_size * self.per_rank
+        self.first = settings.rank * self.per_rank
+        # Each reader's position after the last batch this rank trained of it (None: its start), and the
+        # batches taken: whose turn is next.
+        self.positions: list[dict[str, Any] | None] = [None] * self.per_rank
+        self.taken = 0
+        self.stats = FeedStats()
+        self._batches: Iterator[tuple[Any, int, dict[str, Any]]] | None = None
+        self._checked = False
+        if settings.rank == 0 and not shards_itself(dataset):
+            log.info(
+                "task.train_data (%s) has no shard(num_shards, index): each of the %d stream readers reads "
+                "the whole stream and keeps every %d-th item",
+                type(dataset).__name__, self.readers, self.readers,
+            )  # fmt: skip
+
+    def advise(self, epoch: int, picks: torch.Tensor) -> None:
+        """Nothing to plan: a stream's next batch is whatever its reader reads next."""
+
+    def load(self, picks: torch.Tensor, epoch: int) -> Any:
+        """The rank's next batch of the stream (`picks` only says how many items), on the device."""
+        started = time.perf_counter()
+        if self._batches is None:
+            self._batches = self._open()
+        batch, k, position = next(self._batches)
+        assert len(picks) == self.settings.batch_size, "a stream is read in whole batches"
+        before = self.positions[k]
+        if before is not None and position["passes"] > before["passes"]:
+            log.info(
+                "stream reader %d of %d read its whole shard: pass %d starts",
+                self.first + k, self.readers, position["passes"] + 1,
+            )  # fmt: skip
+        self.positions[k] = position
+        self.taken += 1
+        if not self._checked:  # once: a value the device move would leave behind fails here, named
+            check_movable(batch, "task.train_data")
+            self._checked = True
+        self.stats.add("source_reads", len(picks))
+        batch = to_device(batch, self.device, non_blocking=True)
+        self.stats.record_load(started)
+        return batch
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps: each reader's position after the batches trained, and the turn."""
+        return {"readers": self.readers, "taken": self.taken, "positions": copy.deepcopy(self.positions)}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue where a checkpoint's `state` stood (before the first batch is read)."""
+        assert self._batches is None, "a stream's positions are restored before it is read"
+        if int(state["readers"]) != self.readers:
+            raise ValueError(
+                f"the checkpoint's stream positions are of {state['readers']} readers, this run has "
+                f"{self.readers} (world_size x max(num_workers, 1)): each reads its own shard, so resume "
+                "with the same world_size and num_workers"
+            )
+        self.positions = list(state["positions"])
+        self.taken = int(state["taken"])
+
+    def close(self) -> None:
+        self._batches = None  # a DataLoader iterator shuts its workers down when it goes
+
+    def _open(self) -> Iterator[tuple[Any, int, dict[str, Any]]]:
+        settings = self.settings
+        if settings.num_workers == 0:
+            return self._own_batches()
+        turn = self.taken % self.per_rank
+        readers = _WorkerReaders(
+            self.dataset, self.readers, self.first, self.positions, turn, settings.batch_size, self.collate,
+            settings.seed,
+        )  # fmt: skip
+        loader = DataLoader(
+            readers,
+            batch_size=None,
+            num_workers=settings.num_workers,
+            collate_fn=_as_is,
+            pin_memory=settings.pin_memory and self.device.type == "cuda",
+            prefetch_factor=settings.prefetch_factor,
+            # The workers' base seed from a generator of the rank's own: the rank's streams are not drawn.
+            generator=torch.Generator().manual_seed(mixed_seed(_LOADER, settings.seed, settings.rank)),
+        )
+        return iter(loader)
+
+    def _own_batches(self) -> Iterator[tuple[Any, int, dict[str, Any]]]:
+        """The rank's one reader, read in the step's thread when a batch is due (as torch's DataLoader does
+        without workers)."""
+        reader = ShardReader(self.dataset, self.readers, self.first, self.settings.seed, self.positions[0])
+        while True:
+            yield self.collate(reader.take(self.settings.batch_size)), 0, reader.position()

@@ -1,0 +1,166 @@
+"""A stream (an IterableDataset) as training data, in one process (flodl/data/stream.py): each reader reads
+its own shard (the dataset's `shard`, or every R-th item of the whole stream), a shard that runs out starts
+again as the next pass, a reader resumed from its position goes on with the next item (by skipping, or by
+the dataset's own `state_dict`), and a rank's feeder takes its DataLoader workers' batches in turn, the same
+after a resume as without one."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import IterableDataset, default_collate
+
+from flodl.assembly import data_plane_settings
+from flodl.config.schema import FlodlConfig
+from flodl.data.stream import ShardReader, StreamFeeder, epoch_picks, stream_picks
+
+SEED = 7
+
+
+class Numbers(IterableDataset):
+    """Items 0 .. n-1 in order (reversed in odd passes once `set_epoch` says so), each with a draw from
+    torch's global generator; counts the items it yielded (in this process)."""
+
+    def __init__(self, n: int = 40, items: list[int] | None = None) -> None:
+        self.items = items if items is not None else list(range(n))
+        self.epoch = 0
+        self.yielded = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[tuple[int, float]]:
+        for i in reversed(self.items) if self.epoch % 2 else self.items:
+            self.yielded += 1
+            yield i, float(torch.rand(()))
+
+
+class Sharded(Numbers):
+    """Declares `shard(num_shards, index)`: contiguous blocks, as HF's `IterableDataset.shard` gives."""
+
+    def shard(self, num_shards: int, index: int) -> Numbers:
+        size = -(-len(self.items) // num_shards)
+        return Sharded(items=self.items[index * size : (index + 1) * size])
+
+
+class Stateful(Numbers):
+    """Keeps its own place: `state_dict` / `load_state_dict`, as HF's (>= 2.18) and torchdata's do."""
+
+    def __init__(self, n: int = 40) -> None:
+        super().__init__(n)
+        self.at = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"at": self.at}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.at = state["at"]
+
+    def __iter__(self) -> Iterator[tuple[int, float]]:
+        while self.at < len(self.items):
+            self.at += 1
+            self.yielded += 1
+            yield self.items[self.at - 1], float(torch.rand(()))
+        self.at = 0
+
+
+def _ids(items: list[tuple[int, float]]) -> list[int]:
+    return [i for i, _ in items]
+
+
+@pytest.mark.parametrize("kind", [Numbers, Sharded])
+def test_readers_read_disjoint_shards_that_together_are_the_stream(kind: type[Numbers]) -> None:
+    readers = [ShardReader(kind(40), 4, r, SEED) for r in range(4)]
+    shards = [_ids(reader.take(10)) for reader in readers]
+    assert sorted(i for shard in shards for i in shard) == list(range(40))
+    if kind is Numbers:  # read whole by every reader, each keeping every 4th item
+        assert shards[1] == list(range(1, 40, 4))
+    else:  # the dataset's own shards
+        assert shards[1] == list(range(10, 20))
+    assert all(reader.position()["passes"] == 0 for reader in readers)
+
+
+def test_a_shard_that_runs_out_starts_again_as_the_next_pass_after_set_epoch() -> None:
+    reader = ShardReader(Sharded(12), 2, 1, SEED)  # items 6 .. 11
+    assert _ids(reader.take(8)) == [6, 7, 8, 9, 10, 11, 11, 10]  # pass 1 is reversed: set_epoch(1)
+    assert reader.position() == {"passes": 1, "seen": 2, "state": None}
+
+
+@pytest.mark.parametrize("kind", [Numbers, Sharded, Stateful])
+def test_a_reader_resumed_at_its_position_reads_what_it_would_have_read(kind: type[Numbers]) -> None:
+    whole = ShardReader(kind(30), 3, 2, SEED)
+    expected = [whole.take(4) for _ in range(6)]  # across a pass
+    first = ShardReader(kind(30), 3, 2, SEED)
+    before = [first.take(4) for _ in range(3)]
+    position = first.position()
+    dataset = kind(30)
+    resumed = ShardReader(dataset, 3, 2, SEED, position)
+    assert before + [resumed.take(4) for _ in range(3)] == expected  # the items and their draws
+    if kind is Stateful:  # the dataset's own state: nothing read before the position again
+        assert position["state"] is not None
+        # The rest of the pass it stood in, then the next pass's first 4 kept items (of every 3rd).
+        assert dataset.yielded == (30 - position["seen"]) + 12
+
+
+def test_reading_does_not_move_the_callers_random_streams() -> None:
+    torch.manual_seed(0)
+    random.seed(0)
+    ShardReader(Numbers(), 1, 0, SEED).take(5)
+    drawn = float(torch.rand(())), random.random()
+    torch.manual_seed(0)
+    random.seed(0)
+    assert drawn == (float(torch.rand(())), random.random())
+
+
+def test_an_empty_shard_and_a_stream_shorter_than_its_position_are_named() -> None:
+    with pytest.raises(ValueError, match=r"stream reader 3 of 4 found no item in its shard"):
+        ShardReader(Numbers(3), 4, 3, SEED).take(1)
+    with pytest.raises(ValueError, match=r"was 20 items into pass 0 of its shard, which now has 10"):
+        ShardReader(Numbers(10), 1, 0, SEED, {"passes": 0, "seen": 20, "state": None}).take(1)
+
+
+def _feeder(rank: int, world: int, workers: int, state: dict[str, Any] | None = None) -> StreamFeeder:
+    cfg = FlodlConfig(batch_size=3, seed=SEED, num_workers=workers)
+    settings = data_plane_settings(cfg, ranks_on_host=1, rank=rank, world_size=world)
+    feeder = StreamFeeder(settings, Numbers(200), torch.device("cpu"), default_collate)
+    if state is not None:
+        feeder.restore(state)
+    return feeder
+
+
+def _batches(feeder: StreamFeeder, count: int) -> list[list[int]]:
+    picks = torch.arange(3)
+    return [feeder.load(picks, 0)[0].tolist() for _ in range(count)]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_rank_takes_its_readers_batches_in_turn_and_so_does_it_after_a_resume(workers: int) -> None:
+    # Rank 1 of 2: its readers are 2 and 3 of 4 with workers (1 of 2 without), each keeping every R-th item.
+    whole = _batches(_feeder(1, 2, workers), 9)
+    if workers:
+        assert whole[:3] == [[2, 6, 10], [3, 7, 11], [14, 18, 22]]
+    else:
+        assert whole[:2] == [[1, 3, 5], [7, 9, 11]]
+    first = _feeder(1, 2, workers)
+    before = _batches(first, 5)  # an odd count: the second reader's turn is next
+    state = first.state()
+    first.close()
+    assert before + _batches(_feeder(1, 2, workers, state), 4) == whole
+
+
+def test_a_resume_with_other_readers_is_refused() -> None:
+    state = _feeder(0, 2, 2).state()
+    with pytest.raises(
+        ValueError, match=r"of 4 readers, this run has 2 \(world_size x max\(num_workers, 1\)\)"
+    ):
+        _feeder(0, 2, 0, state)
+
+
+def test_a_streams_epoch_is_every_ranks_steps() -> None:
+    assert stream_picks(5, 3, 8) == 120
+    assert epoch_picks(Numbers(), 1, 5, 3, 8) == 120
+    assert epoch_picks(list(range(10)), 2, None, 3, 8) == 20
