@@ -1,8 +1,9 @@
 """A stream (an IterableDataset) as training data, in one process (flodl/data/stream.py): each reader reads
-its own shard (the dataset's `shard`, or every R-th item of the whole stream), a shard that runs out starts
-again as the next pass, a reader resumed from its position goes on with the next item (by skipping, or by
-the dataset's own `state_dict`), and a rank's feeder takes its DataLoader workers' batches in turn, the same
-after a resume as without one."""
+its own part (the dataset's `shard` of its rank, split among the rank's DataLoader workers by the dataset,
+or every R-th item of the whole stream), a shard that runs out starts again as the next pass, a reader
+resumed from its position goes on with the next item (by skipping, or by the dataset's own `state_dict`),
+and a rank's feeder takes its DataLoader workers' batches in turn (real workers), the same after a resume
+as without one."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import IterableDataset, default_collate
+from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
 from flodl.assembly import data_plane_settings
 from flodl.config.schema import FlodlConfig
@@ -44,7 +45,18 @@ class Sharded(Numbers):
 
     def shard(self, num_shards: int, index: int) -> Numbers:
         size = -(-len(self.items) // num_shards)
-        return Sharded(items=self.items[index * size : (index + 1) * size])
+        return type(self)(items=self.items[index * size : (index + 1) * size])
+
+
+class WorkerSplit(Sharded):
+    """Also splits itself among DataLoader workers (`get_worker_info()`), as torch's IterableDataset contract
+    asks and HF's does."""
+
+    def __iter__(self) -> Iterator[tuple[int, float]]:
+        info = get_worker_info()
+        items = self.items if info is None else self.items[info.id :: info.num_workers]
+        for i in items:
+            yield i, float(torch.rand(()))
 
 
 class Stateful(Numbers):
@@ -117,16 +129,18 @@ def test_reading_does_not_move_the_callers_random_streams() -> None:
 
 
 def test_an_empty_shard_and_a_stream_shorter_than_its_position_are_named() -> None:
-    with pytest.raises(ValueError, match=r"stream reader 3 of 4 found no item in its shard"):
+    with pytest.raises(ValueError, match=r"stream reader 3 of 4 found no item in its part \(items 3, 3 \+ 4"):
         ShardReader(Numbers(3), 4, 3, SEED).take(1)
     with pytest.raises(ValueError, match=r"was 20 items into pass 0 of its shard, which now has 10"):
         ShardReader(Numbers(10), 1, 0, SEED, {"passes": 0, "seen": 20, "state": None}).take(1)
 
 
-def _feeder(rank: int, world: int, workers: int, state: dict[str, Any] | None = None) -> StreamFeeder:
+def _feeder(
+    rank: int, world: int, workers: int, state: dict[str, Any] | None = None, kind: type[Numbers] = Numbers
+) -> StreamFeeder:
     cfg = FlodlConfig(batch_size=3, seed=SEED, num_workers=workers)
     settings = data_plane_settings(cfg, ranks_on_host=1, rank=rank, world_size=world)
-    feeder = StreamFeeder(settings, Numbers(200), torch.device("cpu"), default_collate)
+    feeder = StreamFeeder(settings, kind(200), torch.device("cpu"), default_collate)
     if state is not None:
         feeder.restore(state)
     return feeder
@@ -137,19 +151,26 @@ def _batches(feeder: StreamFeeder, count: int) -> list[list[int]]:
     return [feeder.load(picks, 0)[0].tolist() for _ in range(count)]
 
 
+@pytest.mark.parametrize("kind", [Numbers, WorkerSplit])
 @pytest.mark.parametrize("workers", [0, 2])
-def test_a_rank_takes_its_readers_batches_in_turn_and_so_does_it_after_a_resume(workers: int) -> None:
-    # Rank 1 of 2: its readers are 2 and 3 of 4 with workers (1 of 2 without), each keeping every R-th item.
-    whole = _batches(_feeder(1, 2, workers), 9)
-    if workers:
-        assert whole[:3] == [[2, 6, 10], [3, 7, 11], [14, 18, 22]]
-    else:
-        assert whole[:2] == [[1, 3, 5], [7, 9, 11]]
-    first = _feeder(1, 2, workers)
+def test_a_rank_takes_its_readers_batches_in_turn_and_so_does_it_after_a_resume(
+    workers: int, kind: type[Numbers]
+) -> None:
+    whole = _batches(_feeder(1, 2, workers, kind=kind), 9)
+    # Rank 1 of 2: its readers are 2 and 3 of 4 with workers (1 of 2 without); Numbers' keep every R-th
+    # item, WorkerSplit's read the rank's shard, items 100 .. 199, split between the workers.
+    expected = {
+        (Numbers, 2): [[2, 6, 10], [3, 7, 11], [14, 18, 22]],
+        (Numbers, 0): [[1, 3, 5], [7, 9, 11], [13, 15, 17]],
+        (WorkerSplit, 2): [[100, 102, 104], [101, 103, 105], [106, 108, 110]],
+        (WorkerSplit, 0): [[100, 101, 102], [103, 104, 105], [106, 107, 108]],
+    }
+    assert whole[:3] == expected[kind, workers]
+    first = _feeder(1, 2, workers, kind=kind)
     before = _batches(first, 5)  # an odd count: the second reader's turn is next
     state = first.state()
     first.close()
-    assert before + _batches(_feeder(1, 2, workers, state), 4) == whole
+    assert before + _batches(_feeder(1, 2, workers, state, kind), 4) == whole
 
 
 def test_a_resume_with_other_readers_is_refused() -> None:

@@ -256,7 +256,8 @@ class FlodlConfig:
     disk_stage_gb: float = 0.0
     # Where the disk tier lives (null: <tmp>/flodl-<uid>/).
     disk_stage_dir: str | None = None
-    # torch DataLoader knobs for a map-style Dataset read afresh (see task.cacheable).
+    # torch DataLoader knobs for a map-style Dataset read afresh (see task.cacheable), or a stream (each
+    # worker reads its own shard).
     num_workers: int = 0
     # Batches each DataLoader worker reads ahead (null: torch's 2; needs num_workers > 0).
     prefetch_factor: int | None = None

@@ -6,10 +6,13 @@ planner, the ledger and the checkpoints count in it), but a position names no it
 items of its own shard, in order.
 
 Readers. A rank reads through K = max(num_workers, 1) readers (its DataLoader workers, or itself); reader
-`r = rank x K + k` of `R = world_size x K` reads shard r of the stream:
+`r = rank x K + k` of `R = world_size x K` reads a part of the stream no other reader reads:
 - a dataset that declares `shard(num_shards, index)` (the signature of HF's `IterableDataset.shard`) is
-  asked for shard r of R in the reader's process, and every item the shard yields is the reader's;
-- any other stream is read whole by every reader, which keeps items r, r + R, r + 2R, ...
+  asked, in each reader's process, for the rank's shard, `shard(world_size, rank)`; with DataLoader
+  workers it splits that among them itself, as torch's IterableDataset contract asks (`get_worker_info()`:
+  HF's does, by its data sources), and every item a worker gets is its reader's;
+- any other stream is read whole by every reader, which keeps items r, r + R, r + 2R, ... (a stream that
+  splits itself among workers must declare `shard`: flodl would split its workers' parts once more).
 Each batch of `batch_size` items comes from one reader; a rank takes its readers' batches in turn.
 
 Passes. A reader whose shard runs out starts it again (after `set_epoch(pass)` when the dataset has one, as
@@ -19,7 +22,8 @@ Positions. A reader's position is the passes it finished, the items of its shard
 for a dataset with `state_dict` / `load_state_dict`, the dataset's state after them. A rank's checkpoint
 part holds its readers' positions after the last batch it trained and how many batches it took: a resumed
 reader goes on from its state (`load_state_dict`) or reads the pass again and skips what it had read, and
-the rank takes its readers' batches in the same turn as before.
+the rank takes its readers' batches in the same turn as before (a worker's batch read before its reader's
+turn waits for it).
 
 Randomness. Each batch is read under random streams of its own (flodl/data/streams.py), seeded from (seed,
 reader, pass, the batch's place in the pass), and the reader's generators are put back after it: what an
@@ -83,18 +87,34 @@ def start_position() -> dict[str, Any]:
 
 
 class ShardReader:
-    """One reader's items, pass after pass, and where it stands."""
+    """One reader's items, pass after pass, and where it stands: reader `index` of `readers`, `per_rank` of
+    them a rank's."""
 
     def __init__(
-        self, dataset: Any, readers: int, index: int, seed: int, position: dict[str, Any] | None = None
+        self,
+        dataset: Any,
+        readers: int,
+        index: int,
+        seed: int,
+        position: dict[str, Any] | None = None,
+        per_rank: int = 1,
     ) -> None:
         self.index = index
         self.readers = readers
         self.seed = seed
-        # A shard of its own, every item of it kept; or the whole stream, every readers-th item kept.
-        self.source = dataset.shard(num_shards=readers, index=index) if shards_itself(dataset) else dataset
-        self.stride = 1 if shards_itself(dataset) else readers
-        self.offset = 0 if self.stride == 1 else index
+        # The rank's shard, split among its workers by the dataset; or the whole stream, every readers-th
+        # item kept.
+        self.source = dataset
+        self.stride, self.offset = readers, index
+        if shards_itself(dataset):
+            self.source = dataset.shard(num_shards=readers // per_rank, index=index // per_rank)
+            self.stride, self.offset = 1, 0
+        self.shard_words = (
+            f"the dataset's shard({readers // per_rank}, {index // per_rank})"
+            + (f" as DataLoader worker {index % per_rank} of {per_rank} reads it" if per_rank > 1 else "")
+            if self.stride == 1
+            else f"items {index}, {index} + {readers}, ... of the whole stream"
+        )
         self.stateful = all(
             callable(getattr(self.source, m, None)) for m in ("state_dict", "load_state_dict")
         )
@@ -128,7 +148,7 @@ class ShardReader:
             if self._whole_pass and self._kept == 0:
                 raise ValueError(
                     f"task.train_data: stream reader {self.index} of {self.readers} found no item in its "
-                    f"shard ({self._shard_words()}); give the stream at least {self.readers} items, or fewer "
+                    f"part ({self.shard_words}); give the stream more items (or data sources), or use fewer "
                     "readers (world_size x max(num_workers, 1))"
                 )
             self.passes, self.seen, self.state, self._items = self.passes + 1, 0, None, None
@@ -154,16 +174,10 @@ class ShardReader:
             )
         return items
 
-    def _shard_words(self) -> str:
-        if self.stride == 1:
-            return f"the dataset's shard({self.readers}, {self.index})"
-        return f"items {self.index}, {self.index} + {self.readers}, ... of the whole stream"
-
 
 class _WorkerReaders(IterableDataset):
-    """A rank's readers as a DataLoader's dataset: worker w reads reader `(w + turn) % K` of the rank's K, so
-    that the loader's first batch (worker 0's) is the reader whose turn it is; each item a whole batch, with
-    its reader and the reader's position after it."""
+    """A rank's readers as a DataLoader's dataset: worker k is reader k of the rank's; each item a whole
+    batch, with its reader and the reader's position after it."""
 
     def __init__(
         self,
@@ -171,20 +185,19 @@ class _WorkerReaders(IterableDataset):
         readers: int,
         first: int,
         positions: list[dict[str, Any] | None],
-        turn: int,
         batch_size: int,
         collate: Collate,
         seed: int,
     ) -> None:
-        self.dataset, self.readers, self.first = dataset, readers, first
-        self.positions, self.turn = positions, turn
+        self.dataset, self.readers, self.first, self.positions = dataset, readers, first, positions
         self.batch_size, self.collate, self.seed = batch_size, collate, seed
 
     def __iter__(self) -> Iterator[tuple[Any, int, dict[str, Any]]]:
         info = get_worker_info()
         assert info is not None, "a stream's worker readers run in DataLoader workers"
-        k = (info.id + self.turn) % info.num_workers
-        reader = ShardReader(self.dataset, self.readers, self.first + k, self.seed, self.positions[k])
+        k, per_rank = info.id, info.num_workers
+        index = self.first + k
+        reader = ShardReader(self.dataset, self.readers, index, self.seed, self.positions[k], per_rank)
         while True:
             yield self.collate(reader.take(self.batch_size)), k, reader.position()
 
@@ -214,6 +227,8 @@ class StreamFeeder:
         self.taken = 0
         self.stats = FeedStats()
         self._batches: Iterator[tuple[Any, int, dict[str, Any]]] | None = None
+        # Batches read before their reader's turn (after a resume the workers start at worker 0 again).
+        self._early: dict[int, tuple[Any, dict[str, Any]]] = {}
         self._checked = False
         if settings.rank == 0 and not shards_itself(dataset):
             log.info(
@@ -228,10 +243,8 @@ class StreamFeeder:
     def load(self, picks: torch.Tensor, epoch: int) -> Any:
         """The rank's next batch of the stream (`picks` only says how many items), on the device."""
         started = time.perf_counter()
-        if self._batches is None:
-            self._batches = self._open()
-        batch, k, position = next(self._batches)
         assert len(picks) == self.settings.batch_size, "a stream is read in whole batches"
+        batch, k, position = self._next_in_turn()
         before = self.positions[k]
         if before is not None and position["passes"] > before["passes"]:
             log.info(
@@ -266,14 +279,26 @@ class StreamFeeder:
 
     def close(self) -> None:
         self._batches = None  # a DataLoader iterator shuts its workers down when it goes
+        self._early = {}
+
+    def _next_in_turn(self) -> tuple[Any, int, dict[str, Any]]:
+        """The batch of the reader whose turn it is; the workers' batches come in their order, so those of
+        the readers before it wait (at most one round of them)."""
+        if self._batches is None:
+            self._batches = self._open()
+        k = self.taken % self.per_rank
+        while k not in self._early:
+            batch, reader, position = next(self._batches)
+            self._early[reader] = (batch, position)
+        batch, position = self._early.pop(k)
+        return batch, k, position
 
     def _open(self) -> Iterator[tuple[Any, int, dict[str, Any]]]:
         settings = self.settings
         if settings.num_workers == 0:
             return self._own_batches()
-        turn = self.taken % self.per_rank
         readers = _WorkerReaders(
-            self.dataset, self.readers, self.first, self.positions, turn, settings.batch_size, self.collate,
+            self.dataset, self.readers, self.first, self.positions, settings.batch_size, self.collate,
             settings.seed,
         )  # fmt: skip
         loader = DataLoader(
