@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from flodl import failures
@@ -84,6 +85,9 @@ def self_launched_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> N
     """A rank this process's launcher started. Its stderr goes to its log (native code's reports too); a
     failure, recorded and logged with its traceback, ends it with EXIT_WORDED, and the launcher words it."""
     stderr_to(Path(info_fields["run_dir"]) / f"rank{RankEnv.from_environ().rank}.log")
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit():  # a forked rank's OpenMP read it in the launcher, before the launcher set it
+        torch.set_num_threads(int(threads))
     try:
         run_rank(config, info_fields, self_launched=True)
     except Exception:

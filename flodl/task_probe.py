@@ -48,7 +48,15 @@ def task_problems(
     settings = [cfg.batch_size, step_samples(cfg), cfg.augment, cfg.steps_per_epoch, cfg.persistent_workers]
     key = json.dumps([task, world_size, *settings, whole], default=str)
     if key not in _PROBED:
-        _PROBED[key] = _probe(cfg, task, world_size) if whole else _model_problems(task)[1]
+        # On one intra-op thread: the launcher may fork the ranks after this (launch.start_method=fork), and
+        # an OpenMP thread team made here does not exist in them: their first parallel region waits for it
+        # forever.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            _PROBED[key] = _probe(cfg, task, world_size) if whole else _model_problems(task)[1]
+        finally:
+            torch.set_num_threads(threads)
     return list(_PROBED[key])
 
 

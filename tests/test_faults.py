@@ -145,9 +145,12 @@ def test_a_frozen_rank_0_is_named_by_the_other_ranks_within_the_heartbeat_timeou
 
 def test_a_nan_injected_at_step_k_stops_the_run_naming_rank_and_step(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
+    # Forked ranks of two OpenMP threads too: the launcher's checks before them must leave no OpenMP thread
+    # team behind (a forked rank's first parallel region would wait for it forever).
     result = train(
         "launch.nproc_per_node=2", "policy=cadence", "epochs=6", "checkpoint_every=1", "simulate.nan_rank=1",
-        "simulate.nan_at_step=60", f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=150,
+        "simulate.nan_at_step=60", "launch.start_method=fork", f"hydra.run.dir={run_dir}", cwd=tmp_path,
+        timeout=150, OMP_NUM_THREADS="2",
     )  # fmt: skip
     assert result.code != 0
     assert "rank 1: the training loss became non-finite (NaN/Inf) at step 60" in result.out
