@@ -4,16 +4,18 @@ background from a copy in host memory (`checkpoint_background`), against no chec
     python bench/checkpoint_stall.py --cpu                 # digits, 2 CPU ranks
     python bench/checkpoint_stall.py --task gpt_nano       # one GPU
 
-Cadence with pinned windows (every arm averages the same steps in the same rounds), a checkpoint at every
-round boundary (`checkpoint_every_s` of a microsecond). Each arm's steady throughput (the epochs after the
-first); arms interleaved, `--repeat` passes, the median run counts. The stall per round is the time a round
-took beyond the arm without checkpoints: rounds are the same in every arm, so it is the throughput ratio
-minus one, as a share of a round.
+Cadence with pinned windows (every arm averages the same steps in the same rounds), a checkpoint due at every
+round boundary (`checkpoint_every_s` of a microsecond: in the background, the next one is taken once the last
+is committed, so the disk sets the pace). Each arm's steady throughput (the epochs after the first); arms
+interleaved, `--repeat` passes, the median run counts. The stall per round is the time a round took beyond
+the arm without checkpoints: rounds are the same in every arm, so it is the throughput ratio minus one, as a
+share of a round; per checkpoint, that time over the checkpoints the run committed (counted in rank 0's log).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -34,6 +36,8 @@ class Run:
     samples_per_s: float
     rounds: int
     samples: int
+    # Checkpoints committed in the measured epochs.
+    checkpoints: int
 
 
 def run_arm(arm: str, args: argparse.Namespace, work: Path, name: str) -> Run | None:
@@ -55,10 +59,13 @@ def run_arm(arm: str, args: argparse.Namespace, work: Path, name: str) -> Run | 
     if records is None:
         return None
     measured = records[1:]
+    log = (work / name / "rank0.log").read_text()
+    committed = sum(int(e) > 1 for e in re.findall(r" INFO checkpoint (?:after )?epoch (\d+)", log))
     return Run(
         steady_throughput(records, skip=1),
         sum(r["rounds"] for r in measured),
         sum(r["samples"] for r in measured),
+        committed,
     )
 
 
@@ -76,23 +83,26 @@ def report(args: argparse.Namespace, runs: dict[str, list[Run]]) -> str:
         f"- command: `python bench/checkpoint_stall.py {' '.join(sys.argv[1:])}`",
         f"- {args.repeat} interleaved pass(es); the median run of each arm",
         "",
-        "| arm | samples/s (each pass) | rounds | ms per round | stall per round |",
-        "|---|---|---|---|---|",
+        "| arm | samples/s (each pass) | rounds | checkpoints | ms per round | stall per round "
+        "| per checkpoint |",
+        "|---|---|---|---|---|---|---|",
     ]
     for arm, (words, _) in ARMS.items():
         if not runs[arm]:
-            lines.append(f"| {words} | failed | | | |")
+            lines.append(f"| {words} | failed | | | | | |")
             continue
         run = median(runs[arm])
         each = ", ".join(f"{r.samples_per_s:,.0f}" for r in runs[arm])
         round_ms = 1000 * run.samples / run.samples_per_s / max(run.rounds, 1)
-        if base is None or arm == "none":
-            stall = "—"
-        else:
+        stall = per_checkpoint = "—"
+        if base is not None and arm != "none":
             base_ms = 1000 * base.samples / base.samples_per_s / max(base.rounds, 1)
             stall = f"{round_ms - base_ms:+.2f} ms ({(round_ms - base_ms) / base_ms:+.1%} of a round)"
+            lost_ms = (round_ms - base_ms) * run.rounds / max(run.checkpoints, 1)
+            per_checkpoint = f"{lost_ms:+.2f} ms ({lost_ms / base_ms:+.1%} of a round)"
         lines.append(
-            f"| {words} | {run.samples_per_s:,.0f} ({each}) | {run.rounds} | {round_ms:.2f} | {stall} |"
+            f"| {words} | {run.samples_per_s:,.0f} ({each}) | {run.rounds} | {run.checkpoints} | "
+            f"{round_ms:.2f} | {stall} | {per_checkpoint} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -14,6 +14,7 @@ Everything is loaded with `weights_only=True`."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -67,9 +68,19 @@ def atomic_write_bytes(data: bytes, path: Path) -> None:
     _atomic_write(path, lambda f: f.write(data))
 
 
-def atomic_save(obj: object, path: Path) -> None:
-    """torch.save straight into the temp file (no copy of the bytes in memory first)."""
-    _atomic_write(path, lambda f: torch.save(obj, f))
+def atomic_save(obj: object, path: Path, zip_crc: bool = True) -> None:
+    """torch.save straight into the temp file (no copy of the bytes in memory first). Not `zip_crc`: without
+    torch's checksum of each record (it loads the same)."""
+    with contextlib.nullcontext() if zip_crc else _without_zip_crc():
+        _atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def _without_zip_crc() -> contextlib.AbstractContextManager[Any]:
+    try:
+        from torch.utils.serialization import config
+    except ImportError:  # torch < 2.6 always writes it
+        return contextlib.nullcontext()
+    return config.patch({"save.compute_crc32": False})  # type: ignore[attr-defined]  # installed at import
 
 
 def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -179,8 +190,10 @@ class CheckpointDir:
         return path
 
     def write_part(self, point: Point, name: str, obj: object) -> None:
-        """One rank's part (or the model, or the coordinator's), into the point's uncommitted dir."""
-        atomic_save(obj, self.partial(point) / name)
+        """One rank's part (or the model, or the coordinator's), into the point's uncommitted dir. The
+        manifest holds each file's CRC-32 (`commit`): torch's own per record would be computed a second time,
+        holding the interpreter's lock, while training goes on beside a part written in the background."""
+        atomic_save(obj, self.partial(point) / name, zip_crc=False)
 
     def commit(
         self,

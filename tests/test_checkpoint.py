@@ -25,7 +25,7 @@ from flodl.coordinator.commit import CheckpointCommitter, run_kind
 from flodl.coordinator.ledger import EpochLedger
 from flodl.resume import check_world_size, restore_worker, truncate_history
 from flodl.wire.messages import ChunkReport, Saved
-from flodl.worker.checkpoint_part import RankCheckpointer
+from flodl.worker.checkpoint_part import HostSnapshot, RankCheckpointer
 from tests.helpers.digits_stepper import digits_stepper, train_steps
 
 
@@ -212,12 +212,15 @@ def test_a_local_sgd_checkpoint_round_acknowledged_by_the_members_commits_their_
     store = CheckpointDir(tmp_path, keep=3)
     ledger = _emitted_ledger(epochs=3, world_size=3)
     committer = CheckpointCommitter(store, 3, {0}, run_kind("async", True), {"uid": "u"})
+    assert not committer.writing
     committer.expect_parts(Point(0), [0, 1])
     _write_parts(store, 0, [0, 1])
     committer.on_checkpoint_round(Point(0), {"planner": {}}, ledger)
     committer.on_saved(Point(0), 1, 1, ledger)
     assert committer.poll(ledger) == []  # rank 0's part is still being written
+    assert committer.writing  # so no checkpoint by time is taken: rank 0 would wait for this one
     committer.on_saved(Point(0), 0, 1, ledger)
+    assert not committer.writing  # every part on disk, the commit still to come: the next may be taken
     (checkpoint,) = committer.poll(ledger)
     assert checkpoint.part_ranks == (0, 1)
     assert checkpoint.load(COORDINATOR_FILE)["driver"] == {"planner": {}}
@@ -313,3 +316,53 @@ def test_a_part_written_in_the_background_is_the_state_at_the_boundary_and_said_
     written = [s["exp_avg"] for s in part["stepper"]["optimizer"]["state"].values()]
     assert all(torch.equal(a, b) for a, b in zip(written, moments, strict=True))
     assert part["stepper"]["steps_total"] == 3 and part["worker"] == {"global_steps": 3}
+
+
+def test_a_snapshot_copies_into_buffers_it_keeps_and_saves_a_view_without_its_storage() -> None:
+    flat = torch.arange(12.0)
+    state = {"weight": flat[4:8], "optimizer": [{"step": torch.tensor(3.0)}], "name": "kept as is"}
+    snapshot = HostSnapshot()
+    first, ready = snapshot.take(state)
+    assert ready == []  # nothing on a device to wait for
+    flat.add_(100.0)  # training goes on writing into its own tensors
+    assert torch.equal(first["weight"], torch.arange(4.0, 8.0)) and first["name"] == "kept as is"
+    # A buffer of its own, not a view: torch.save would write the whole flat storage behind a view.
+    assert first["weight"].untyped_storage().nbytes() == 4 * 4
+    again, _ = snapshot.take(state)
+    # The next save copies into the same buffers (no allocation, no pinning again).
+    assert again["weight"].data_ptr() == first["weight"].data_ptr()
+    assert torch.equal(again["weight"], torch.arange(104.0, 108.0))
+    state["weight"] = torch.zeros(2, 2)  # a tensor whose shape changed gets a new buffer
+    changed, _ = snapshot.take(state)
+    assert changed["weight"].shape == (2, 2) and changed["weight"].data_ptr() != first["weight"].data_ptr()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_background_save_on_a_gpu_does_not_wait_for_the_device_and_writes_the_boundary_s_state(
+    tmp_path: Path,
+) -> None:
+    store = CheckpointDir(tmp_path, keep=2)
+    stepper = digits_stepper(device="cuda")
+    train_steps(stepper, 3)
+    at_boundary = {k: v.clone() for k, v in stepper.parts.model.state_dict().items()}
+    checkpointer = RankCheckpointer(store, 0, stepper.parts.model, stepper, background=True)
+    checkpointer.save(Point(0, 96), {}, Saved(0, 0, into=96, chunks=1))  # the host buffers are made here
+    checkpointer.flush()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(
+        2_000_000_000
+    )  # the device is busy for a second or so: a save that waited would see it done
+    torch.cuda.set_sync_debug_mode("error")  # and any synchronizing call in the save raises
+    try:
+        checkpointer.save(Point(0, 192), {}, Saved(0, 0, into=192, chunks=2))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert not torch.cuda.current_stream().query()  # the save returned while the device was still busy
+    with torch.no_grad():
+        for parameter in stepper.parts.model.parameters():
+            parameter.add_(1.0)  # queued after the copies: the part holds the state at the boundary
+    checkpointer.flush()
+    checkpointer.close()
+    model = torch.load(store.partial(Point(0, 192)) / MODEL_FILE, weights_only=True)
+    assert all(torch.equal(model[k], at_boundary[k].cpu()) for k in at_boundary)

@@ -73,6 +73,11 @@ class CheckpointCommitter:
     # Per point, the ranks whose parts its checkpoint waits for (absent: every rank).
     expected: dict[Point, frozenset[int]] = field(default_factory=dict)
 
+    @property
+    def writing(self) -> bool:
+        """Whether a rank is still writing its part of a checkpoint taken (its Saved is not in yet)."""
+        return any(not self._parts(p) <= self.saved.get(p, {}).keys() for p in {*self.expected, *self.saved})
+
     def expect_parts(
         self, point: Point, ranks: Collection[int], driver_state: dict[str, Any] | None = None
     ) -> None:

@@ -198,9 +198,10 @@ class LocalSgdDriver:
             raise RuntimeError(f"unexpected message under local SGD: {message!r}")
 
     def _checkpoint_due(self) -> bool:
-        """A checkpoint by time: the window about to open ends its segment."""
+        """A checkpoint by time: the window about to open ends its segment. Not while a part of the last one
+        is still being written: the ranks would wait for it at the next (the disk sets the pace, not training)."""
         every = self.checkpoint_every_s
-        if every is None or self.committer is None or self.planner.cut_requested:
+        if every is None or self.committer is None or self.planner.cut_requested or self.committer.writing:
             return False
         return time.monotonic() - self._last_checkpoint >= every
 

@@ -2,10 +2,12 @@
 there), said `Saved` once it is on disk, loaded back on resume.
 
 The group's first member also writes the model (every member holds the same consensus at a checkpoint).
-In the background (`background=True`), the rank's state is copied to host memory at the boundary, which is
-all training waits for; a thread of its own writes it (one part in flight at a time: the next save waits for
-the last), and the worker reports the `Saved` receipts of the parts written at its next look (`written`), so
-the coordinator commits only what is on disk. Files load with `weights_only=True`.
+In the background (`background=True`), the rank's state is copied into host buffers kept from one save to
+the next (pinned for a GPU's tensors, the copies queued on the device's stream, so the training thread does
+not wait for them); a thread of its own waits for the copies and writes the part (one part in flight at a
+time: the next save waits for the last), and the worker reports the `Saved` receipts of the parts written at
+its next look (`written`), so the coordinator commits only what is on disk. Files load with
+`weights_only=True`.
 """
 
 from __future__ import annotations
@@ -23,15 +25,47 @@ from flodl.worker.rank_state import restore_stepper, stepper_state
 from flodl.worker.stepper import Stepper
 
 
-def host_copy(obj: Any) -> Any:
-    """`obj` with every tensor copied to host memory (the optimizer goes on writing into its own)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {key: host_copy(value) for key, value in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(host_copy(value) for value in obj)
-    return obj
+class HostSnapshot:
+    """Host buffers a state is copied into at a boundary (the optimizer goes on writing into its own), kept
+    from one save to the next: allocating (and pinning) them again at every save would cost more than the
+    copy."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._taken: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._devices: set[torch.device] = set()
+
+    def take(self, obj: Any) -> tuple[Any, list[torch.cuda.Event]]:
+        """`obj` with every tensor copied into this snapshot's buffers, and the events its device copies
+        finish at (wait for them before reading the copy). The copy of the last `take` is overwritten."""
+        self._taken, self._devices = {}, set()
+        copied = self._copy(obj, ())
+        self._buffers = self._taken  # buffers of state that is gone are let go
+        events = []
+        for device in self._devices:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            events.append(event)
+        return copied, events
+
+    def _copy(self, obj: Any, path: tuple[Any, ...]) -> Any:
+        if isinstance(obj, torch.Tensor):
+            source = obj.detach()
+            buffer = self._buffers.get(path)
+            if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
+                # A buffer of its own per tensor: a view into a flat buffer would save the whole storage.
+                buffer = torch.empty(source.shape, dtype=source.dtype, pin_memory=source.is_cuda)
+            # From a GPU: queued on its stream, after the step that wrote the tensor and before the next.
+            buffer.copy_(source, non_blocking=source.is_cuda)
+            if source.is_cuda:
+                self._devices.add(source.device)
+            self._taken[path] = buffer
+            return buffer
+        if isinstance(obj, dict):
+            return {key: self._copy(value, (*path, key)) for key, value in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self._copy(value, (*path, i)) for i, value in enumerate(obj))
+        return obj
 
 
 class RankCheckpointer:
@@ -45,6 +79,7 @@ class RankCheckpointer:
         self.model = model
         self.stepper = stepper
         self._writer = ThreadPoolExecutor(1, "flodl-checkpoint") if background else None
+        self._snapshot = HostSnapshot()
         self._in_flight: tuple[Future[None], Saved] | None = None
         self._receipts: list[Saved] = []
         # Seconds the last part took from the boundary until it was on disk (a stop's budget is checked
@@ -59,17 +94,24 @@ class RankCheckpointer:
         self.flush()  # one part in flight: a copy of the state at a time, and parts committed in order
         started = time.perf_counter()
         part = {"stepper": stepper_state(self.stepper), "worker": worker_state}
-        model = model_state(self.model) if first_member else None
         if self._writer is None:
-            self._write(point, part, model, started)
+            self._write(point, part, model_state(self.model) if first_member else None, started, [])
             self._receipts.append(receipt)
             return
-        copied = host_copy(part)
-        self._in_flight = (self._writer.submit(self._write, point, copied, model, started), receipt)
+        model = self.model.state_dict() if first_member else None
+        (part, model), ready = self._snapshot.take((part, model))
+        self._in_flight = (self._writer.submit(self._write, point, part, model, started, ready), receipt)
 
     def _write(
-        self, point: Point, part: dict[str, Any], model: dict[str, torch.Tensor] | None, started: float
+        self,
+        point: Point,
+        part: dict[str, Any],
+        model: dict[str, torch.Tensor] | None,
+        started: float,
+        ready: list[torch.cuda.Event],
     ) -> None:
+        for event in ready:  # the device's copies into the host buffers are done
+            event.synchronize()
         if model is not None:
             self.store.write_part(point, MODEL_FILE, model)
         self.store.write_part(point, rank_file(self.rank), part)

@@ -14,14 +14,14 @@ from flodl.worker.task_setup import build_task
 from tests.helpers.procs import CONF
 
 
-def digits_stepper(*overrides: str) -> Stepper:
+def digits_stepper(*overrides: str, device: str = "cpu") -> Stepper:
     """A 1-process Stepper on the digits task, composed as train.py composes it (the rules not applied)."""
     register_configs()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = to_config(compose(config_name="config", overrides=["device=cpu", *overrides]))
-    device = torch.device("cpu")
-    parts = build_task(task_settings(cfg), device, 1)
-    return Stepper(stepper_settings(cfg, RankEnv(0, 1, 0, 1), device.type), parts, device, parts.model)
+        cfg = to_config(compose(config_name="config", overrides=[f"device={device}", *overrides]))
+    where = torch.device(device)
+    parts = build_task(task_settings(cfg), where, 1)
+    return Stepper(stepper_settings(cfg, RankEnv(0, 1, 0, 1), where.type), parts, where, parts.model)
 
 
 def train_steps(stepper: Stepper, steps: int) -> None:
