@@ -35,7 +35,7 @@ from flodl.assembly import (
 )
 from flodl.cluster_env import adopt_scheduler_environ
 from flodl.config.host import HostFacts, RankEnv
-from flodl.config.policy import hosts_apart
+from flodl.config.policy import hosts_apart, saves_on_stop
 from flodl.config.rules import ConfigError
 from flodl.config.schema import FlodlConfig
 from flodl.coordinator.roster import TooFewRanks
@@ -357,6 +357,7 @@ def _supervised_launch(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig, 
         supervise(
             self_launched_rank, (config, info.as_dict()), world, cfg.launch.max_restarts,
             cfg.launch.start_method, store, store.port, Path(info.run_dir), ended,
+            saving_s=cfg.stop_grace_s if saves_on_stop(cfg) else 0.0,
         )  # fmt: skip
 
     _host(config, info, cfg, world, gpus, store, supervised)

@@ -38,7 +38,8 @@ log = logging.getLogger("flodl")
 _FINISH_S = 30.0
 # How long a rank may take to exit on SIGTERM before it is killed.
 _TERM_S = 5.0
-# How long the ranks may take to stop on a forwarded SIGINT / SIGTERM before they are killed.
+# How long the ranks may take to stop on a forwarded stop signal before they are killed (beyond the time a
+# stop's checkpoint may take).
 _STOP_S = 10.0
 
 
@@ -86,6 +87,7 @@ def supervise(
     log_dir: Path,
     ended: Callable[[], bool],
     poll_s: float = 0.1,
+    saving_s: float = 0.0,
 ) -> list[RankExit]:
     """Run `entry(*args)` as ranks 0..world_size-1 on this host until `ended()` says the run did (its host,
     in this process, told the ranks); every exit seen.
@@ -93,7 +95,8 @@ def supervise(
     A rank that dies or is cut, rank 0 included, is started again, `max_restarts` times at most (counted per
     rank). Raises Stopped when the supervisor is stopped by SIGINT / SIGTERM, or every rank stopped on one,
     and SupervisedRankFailure when every rank ended before the run and none has restarts left; no rank
-    outlives the call. Call it from the main thread: it handles those signals.
+    outlives the call. Call it from the main thread: it handles those signals. `saving_s`: how long a stop's
+    checkpoint may take (stop_grace_s), the ranks are waited for that much longer on a stop.
     """
     context = multiprocessing.get_context(start_method)
     assert isinstance(context, (ForkContext, SpawnContext, ForkServerContext)), (
@@ -101,7 +104,7 @@ def supervise(
     )  # named, not default
     ranks = [_Rank(rank, _rank_env(rank, world_size, store_port), max_restarts) for rank in range(world_size)]
     with _StopSignals() as stop:
-        watch = _Supervisor(context, entry, args, ranks, store, log_dir, poll_s, stop, ended)
+        watch = _Supervisor(context, entry, args, ranks, store, log_dir, poll_s, stop, ended, saving_s)
         try:
             return watch.run()
         finally:
@@ -188,6 +191,7 @@ class _Supervisor:
     poll_s: float
     stop: _StopSignals
     run_ended: Callable[[], bool]
+    saving_s: float
 
     def __post_init__(self) -> None:
         self.exits: list[RankExit] = []
@@ -315,8 +319,9 @@ class _Supervisor:
         self._wind_down(signal.SIGTERM, _TERM_S)
 
     def _stop_all(self, signum: int) -> None:
-        """Forward the stop to every live rank and wait for them (at most `_STOP_S`), then raise it."""
-        self._wind_down(signum, _STOP_S)
+        """Forward the stop to every live rank and wait for them (they may save a checkpoint first), then
+        raise it."""
+        self._wind_down(signum, self.saving_s + _STOP_S)
         raise Stopped(signum)
 
     def _wind_down(self, signum: int, grace_s: float) -> None:

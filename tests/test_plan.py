@@ -96,7 +96,7 @@ def test_plan_says_when_checkpoints_are_taken_and_what_a_stop_does():
     assert "600 s after the last, at a step the ranks agree on" in plan_of(checkpoint_every_s=600.0)
     assert "a stop signal stops at once, naming the last checkpoint" in timed
     survive = plan_of(policy="async", fault_tolerance="survive", checkpoint_every_steps=10)
-    assert "written at the boundary; a stop signal stops at once" in survive
+    assert "written at the boundary; a stop signal saves at the next round within 20 s, then stops" in survive
     # 4 ranks with anchor 10: a window is 40 global steps or more; a shorter interval cuts it.
     assert "every 10 global steps, inside epochs too (shorter than ElChe's first window, 40+" in survive
     assert "shorter than" not in plan_of(policy="async", checkpoint_every_steps=40)

@@ -245,6 +245,33 @@ def test_a_sync_run_stopped_at_a_step_saves_there_and_resumed_ends_bitwise_equal
     assert [r["loss"] for r in stopped] == pytest.approx([r["loss"] for r in ran], rel=1e-6)
 
 
+@pytest.mark.parametrize("policy", ["cadence", "sync"])
+def test_under_survive_a_stop_saves_at_the_next_boundary_and_the_printed_command_resumes(
+    tmp_path: Path, policy: str
+) -> None:
+    """Survive's launcher hosts the run and supervises the ranks: it forwards the signal, the coordinator has
+    the members save, and no rank that stopped is started again."""
+    args = [PYTHON, TRAIN, *SYNC_STOP, f"policy={policy}", "fault_tolerance=survive",
+            f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
+    result = _stop_after_first_checkpoint(args, tmp_path)
+    assert result.code == 143, result.out[-4000:] + result.err[-4000:]
+    (line,) = result.err.strip().splitlines()
+    name, checkpoint, _, resume = STOPPED.match(line).groups()  # type: ignore[union-attr]
+    assert name == "SIGTERM" and verify(Path(checkpoint)) is None
+    stopped_at = Checkpoint.from_manifest(Path(checkpoint))
+    assert stopped_at.point.order > Point(0).order, checkpoint  # after the first epoch's
+    assert stopped_at.part_ranks == (0, 1)
+    host = (tmp_path / "run" / "coordinator.log").read_text()
+    # The stop's own: taken at the boundary the coordinator asked for (not an epoch's end that came first).
+    asked = re.search(r"got SIGTERM: the ranks save a checkpoint .*\n(?:.*\n)*?.*checkpoint (.+): ", host)
+    assert asked is not None and asked.group(1) == stopped_at.point.words(), host[-3000:]
+    launcher = (tmp_path / "run" / ".launch" / "launcher.log").read_text()
+    assert "starting it again" not in launcher, launcher[-3000:]
+    resumed = run(shlex.split(resume), cwd=tmp_path, timeout=240).check()
+    assert f"training continues {continues_at(stopped_at)}" in resumed.out, resumed.out[-4000:]
+    assert_complete_run(tmp_path / "run", world=2, epochs=5)
+
+
 def test_a_stop_that_cannot_save_within_stop_grace_s_stops_at_once_naming_the_checkpoint_it_had(
     tmp_path: Path,
 ) -> None:

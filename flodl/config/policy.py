@@ -86,9 +86,8 @@ def checkpoint_epochs(cfg: FlodlConfig) -> frozenset[int]:
 
 
 def saves_on_stop(cfg: FlodlConfig) -> bool:
-    """Whether a stop signal saves a checkpoint before the ranks stop: checkpoints on, a grace budget, and the
-    fixed world (under survive a stop ends the ranks at once, as before)."""
-    return checkpoints_on(cfg) and cfg.stop_grace_s > 0 and cfg.fault_tolerance == "none"
+    """Whether a stop signal saves a checkpoint before the ranks stop: checkpoints on and a grace budget."""
+    return checkpoints_on(cfg) and cfg.stop_grace_s > 0
 
 
 def writes_in_background(cfg: FlodlConfig) -> bool:

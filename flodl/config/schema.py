@@ -285,7 +285,7 @@ class FlodlConfig:
     checkpoint_background: bool = True
     # A stop signal (SIGTERM from a scheduler, Ctrl-C) first saves a checkpoint at the next step (sync) or
     # round (cadence, async) boundary, within this many seconds, then stops; past it, or 0, the ranks stop at
-    # once and the last checkpoint is named. Needs checkpoints on, and fault_tolerance=none.
+    # once and the last checkpoint is named. Needs checkpoints on.
     stop_grace_s: float = 20.0
     # auto: continue from this run's newest complete checkpoint, if there is one (what a torchrun or
     # launch.max_restarts restart does); never: start fresh; or the path of a checkpoint dir or run dir.

@@ -199,7 +199,8 @@ class LocalSgdDriver:
 
     def _checkpoint_due(self) -> bool:
         """A checkpoint by time: the window about to open ends its segment. Not while a part of the last one
-        is still being written: the ranks would wait for it at the next (the disk sets the pace, not training)."""
+        is still being written: the ranks would wait for it at the next (the disk sets the pace, not
+        training)."""
         every = self.checkpoint_every_s
         if every is None or self.committer is None or self.planner.cut_requested or self.committer.writing:
             return False
