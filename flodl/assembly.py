@@ -250,8 +250,9 @@ def make_worker(
     keep_training = cfg.backend == "cpu" and cfg.policy == "async"
     alpha = easgd_alpha_of(cfg)
     return LocalSgdWorker(
-        stepper, link, settings, averager, alpha, keep_training, checkpointer(stepper), group
-    )
+        stepper, link, settings, averager, alpha, keep_training, checkpointer(stepper), group,
+        cfg.overlap_rounds,
+    )  # fmt: skip
 
 
 def make_group(
@@ -420,6 +421,7 @@ def _local_sgd_driver(
         first_epoch=ledger.first_epoch,
         first_batch=(resumed.get("into") or 0) // schedule.batch_size if resumed else 0,
         checkpoint_every_batches=_checkpoint_every_batches(cfg, schedule),
+        overlap=cfg.overlap_rounds,
     )
     guard = make_guard(cfg.divergence_guard, cfg.divergence_threshold, easgd_alpha_of(cfg) is not None)
     elche = ElChe(settings, epoch_batches=batches_per_epoch)

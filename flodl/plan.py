@@ -128,6 +128,7 @@ def describe(cfg: FlodlConfig, host: HostFacts, data: DataPlaneSettings) -> str:
             f"overhead_target={cfg.overhead_target} max_batch_diff={cfg.max_batch_diff} "
             f"max_overshoot={cfg.max_overshoot or 'auto 3-15'} guard={cfg.divergence_guard}"
             + (f"({cfg.divergence_threshold or 'auto'})" if cfg.divergence_guard == "trend" else "")
+            + (" overlap_rounds (each round applied one window late)" if cfg.overlap_rounds else "")
         )
     lines.append(checkpoints_line(cfg, world))
     lines.append(faults_line(cfg))

@@ -9,28 +9,23 @@ are surely carried out of each round, the last one before the final round includ
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers.procs import FAST_START, REPO, train
+from tests.helpers.procs import FAST_START, held_rounds_env, train
 
 pytestmark = pytest.mark.multiproc
 
 GAMMA, BATCH, EPOCHS = 0.5, 128, 5
-SLOW_ROUND = {
-    "FLODL_TEST_ROUND_DELAY_S": "0.2",
-    "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "helpers" / "slow_round"), str(REPO)]),
-}
 
 
 @pytest.mark.parametrize("backend", ["nccl", "cpu"])
 def test_async_last_round_throughput_and_eval_labels(tmp_path: Path, backend: str) -> None:
     record_dir = tmp_path / "params"
     record_dir.mkdir()
-    delayed = SLOW_ROUND if backend == "cpu" else {}
+    delayed = held_rounds_env(0.2) if backend == "cpu" else {}
     train(
         f"backend={backend}",
         "policy=async",

@@ -66,6 +66,7 @@ OVERRIDES = [
     ("plan=true", "plan", True, bool),
     ("outer_lr=0.5", "outer_lr", 0.5, float),
     ("outer_reset_inner=false", "outer_reset_inner", False, bool),
+    ("overlap_rounds=true", "overlap_rounds", True, bool),
     ("outer_momentum=0.8", "outer_momentum", 0.8, float),
     ("partition_ratios=[1,2]", "partition_ratios", [1.0, 2.0], list),
     ("vram_pool=false", "vram_pool", False, bool),

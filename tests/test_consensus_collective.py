@@ -498,20 +498,31 @@ def test_quantized_wire_rounds_each_change_per_block_and_sends_the_rounding_alon
         ref = flat(recs[0]["adopted"]["params"])
 
 
-@pytest.mark.parametrize("name", names("slowmo", "diloco"))
-def test_outer_optimizer_steps_the_global_params_on_the_pseudo_gradient(ranks, name):
-    kind = name.split("/")[1]
-    settings = OuterSettings.resolve(kind, None, None)
+def hand_globals(ranks: list[dict], name: str) -> list[dict[str, torch.Tensor]]:
+    """Per round of `name`, the global parameters its outer optimizer steps to from the round's consensus
+    (the shared start: the parameters every rank was built with)."""
+    settings = OuterSettings.resolve(SCENARIOS[name].outer, None, None)
+    assert settings is not None
     lr, mu = settings.lr, settings.momentum
     glob = {k: v.double() for k, v in ranks[0][name]["constructed"]["params"].items()}
     velocity: dict[str, torch.Tensor] = {}
+    globals_ = []
     for i in range(SCENARIOS[name].rounds):
         avg = consensus(ranks, name, i)
         for k in glob:
             g = glob[k] - avg[k]
             velocity[k] = g if i == 0 else mu * velocity[k] + g
-            step = g + mu * velocity[k] if kind == "diloco" else velocity[k]
+            step = g + mu * velocity[k] if settings.kind == "diloco" else velocity[k]
             glob[k] = glob[k] - lr * step
+        globals_.append(dict(glob))
+    return globals_
+
+
+@pytest.mark.parametrize("name", names("slowmo", "diloco"))
+def test_outer_optimizer_steps_the_global_params_on_the_pseudo_gradient(ranks, name):
+    kind = name.split("/")[1]
+    for i, glob in enumerate(hand_globals(ranks, name)):
+        avg = consensus(ranks, name, i)
         for rec in rounds(ranks, name, i):
             assert_rel(rec["adopted"]["params"], glob)
             assert_rel(rec["adopted"]["buffers"], buffer_mean(ranks, name, i))
@@ -519,6 +530,34 @@ def test_outer_optimizer_steps_the_global_params_on_the_pseudo_gradient(ranks, n
                 assert all(rel_err(rec["adopted"]["params"][k], avg[k]) > 1e-3 for k in avg)
         a, b = (rec["adopted"]["params"] for rec in rounds(ranks, name, i))
         assert_bitwise(a, b)
+
+
+@pytest.mark.parametrize("name", ["host/overlapped", "host/overlapped_diloco"])
+def test_an_overlapped_round_lands_late_keeping_what_each_rank_trained_since_its_snapshot(ranks, name):
+    """params = the round's result + (params now - params at begin), where the result is the consensus of
+    the snapshots (DiLoCo: its outer step from them); the eval runs on the result itself, float32 buffers
+    take the consensus's."""
+    spec = SCENARIOS[name]
+    results = (
+        hand_globals(ranks, name)
+        if spec.outer != "avg"
+        else [consensus(ranks, name, i) for i in range(spec.rounds)]
+    )
+    for i, result in enumerate(results):
+        recs = rounds(ranks, name, i)
+        for rec in recs:
+            before, now = rec["before"]["params"], rec["current"]["params"]
+            assert_rel(
+                rec["adopted"]["params"],
+                {k: result[k] + now[k].double() - before[k].double() for k in result},
+            )
+            assert_rel(rec["evaluated"][0]["params"], result)
+            assert_rel(rec["adopted"]["buffers"], buffer_mean(ranks, name, i))
+            assert rec["outcome"]["divergence"] == pytest.approx(hand_divergence(before, result), rel=REL)
+        # Rank 1 trained twice what rank 0 did meanwhile: the ranks stay apart by that, and only by that.
+        a, b = (rec["adopted"]["params"] for rec in recs)
+        for k in result:
+            assert torch.allclose(b[k] - a[k], torch.full_like(a[k], TRAIN_DURING_ROUND), atol=1e-5), k
 
 
 # --- the flat storage ----------------------------------------------------------------------------

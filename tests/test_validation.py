@@ -627,6 +627,24 @@ def test_survive_takes_every_policy_and_refuses_what_it_cannot_restore_yet():
     )
 
 
+def test_overlapped_rounds_take_cadence_on_the_cpu_backend_with_any_wire_and_outer_optimizer():
+    for extra in ({}, {"outer": "diloco"}, {"quantized_wire": "int8"}, {"checkpoint_every_steps": 50}):
+        assert problems_of(make(overlap_rounds=True, policy="cadence", backend="cpu", **extra)) == []
+    for policy, why in (("sync", "DDP overlaps them already"), ("async", "overshoot is known only")):
+        problem = assert_problem(
+            problems_of(make(overlap_rounds=True, policy=policy, backend="cpu")),
+            "overlap_rounds",
+            True,
+            "applies to policy=cadence",
+        )
+        assert why in problem
+    device = problems_of(make(overlap_rounds=True, policy="cadence"))
+    assert "not overlapped yet" in assert_problem(device, "overlap_rounds", True, "needs backend=cpu")
+    two = host(world_size=2, ranks_per_node=2)
+    survive = make(overlap_rounds=True, policy="cadence", backend="cpu", fault_tolerance="survive")
+    assert_problem(problems_of(survive, two), "overlap_rounds", True, "not with fault_tolerance=survive")
+
+
 def test_survive_refuses_torchrun_s_agent():
     survive = make(fault_tolerance="survive", policy="cadence")
     agent = host(world_size=2, ranks_per_node=2, under_torchrun=True, elastic_agent=True)

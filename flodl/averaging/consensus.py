@@ -8,8 +8,9 @@ Both backends own the model's flat parameter storage (see `flat.py`) and expose 
 - `DeviceAverager` (backend=nccl; gloo without a GPU): `begin` queues the reduce on the device, in place
   (a small model's round replayed as a CUDA graph, see `replayed.py`); `finish` reads what it measured.
 - `HostAverager` (backend=cpu): `begin` snapshots the parameters into host buffers and reduces them over a
-  gloo group on a background thread; training goes on meanwhile (async) and the consensus is adopted at a
-  later step boundary. Steps taken during the round keep their weight for the next one.
+  gloo group on a background thread; training goes on meanwhile (async, or overlapped rounds) and the
+  consensus is adopted at a later step boundary. Steps taken during the round keep their weight for the
+  next one; an overlapped round keeps them in the parameters too (`params += consensus - snapshot`).
 
 After the reduce, an optional outer optimizer steps the global parameters (`outer.py`); `adopt` evaluates
 the consensus if asked, then overwrites the rank's parameters or blends them (EASGD:
@@ -46,6 +47,9 @@ class RoundOutcome:
     # Time the round held up this rank's training thread.
     blocked_ms: float
     payload_bytes: int = 0
+    # From the round's start to its consensus on this rank, whether training waited for it or not (the
+    # device backend's round is all on the training thread: its blocked time).
+    comm_ms: float = 0.0
 
 
 class ReduceGroup(Protocol):
@@ -286,14 +290,18 @@ class DeviceAverager(_AveragerBase):
         total_steps = result.total_steps
         blocked = begin_ms + (time.perf_counter() - start) * 1000
         self.outcome = RoundOutcome(
-            steps, total_steps, result.skipped, measured, blocked, result.payload_bytes
+            steps, total_steps, result.skipped, measured, blocked, result.payload_bytes, blocked
         )
         return self.outcome
 
     @torch.no_grad()
-    def adopt(self, alpha: float | None, evaluate: Callable[[], None] | None) -> None:
+    def adopt(
+        self, alpha: float | None, evaluate: Callable[[], None] | None, keep_progress: bool = False
+    ) -> None:
         """The parameters hold the consensus: evaluate it, then blend back toward the rank's own (EASGD):
-        own + alpha (avg - own) = avg + (1 - alpha) (own - avg)."""
+        own + alpha (avg - own) = avg + (1 - alpha) (own - avg). `keep_progress`: the host backend's
+        (overlapped rounds); this round ran in place, so nothing was trained since its snapshot."""
+        assert not keep_progress, "overlapped rounds run on the host backend (the rules refuse the device's)"
         if evaluate is not None:
             evaluate()
         if alpha is not None and self.outcome is not None and not self.outcome.skipped:
@@ -335,6 +343,9 @@ class HostAverager(_AveragerBase):
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self._begin_ms = 0.0
+        # When the round began and when its thread had the consensus (perf_counter seconds).
+        self._began_at = 0.0
+        self._reduced_at = 0.0
 
     def _reduced_tensors(self) -> list[Tensor]:
         return self.host
@@ -342,7 +353,7 @@ class HostAverager(_AveragerBase):
     @torch.no_grad()
     def begin(self, steps: int, exact: bool = False, kept: bool = True) -> None:
         """Snapshot and start the round on a thread; `exact` and `kept` as in `Reducer.reduce`."""
-        start = time.perf_counter()
+        start = self._began_at = time.perf_counter()
         self.group.keep_round_start(self._state_tensors())
         snapshot_done = self._to_host()
         self.thread = threading.Thread(
@@ -371,7 +382,7 @@ class HostAverager(_AveragerBase):
         blocked = self._begin_ms + (time.perf_counter() - start) * 1000
         return RoundOutcome(
             self.outcome.steps, self.outcome.total_steps, self.outcome.skipped, self.outcome.divergence,
-            blocked, self.outcome.payload_bytes,
+            blocked, self.outcome.payload_bytes, (self._reduced_at - self._began_at) * 1000,
         )  # fmt: skip
 
     def discard_round(self) -> None:
@@ -384,8 +395,12 @@ class HostAverager(_AveragerBase):
         self.thread, self.error, self.outcome = None, None, None
 
     @torch.no_grad()
-    def adopt(self, alpha: float | None, evaluate: Callable[[], None] | None) -> None:
-        """Overwrite (or blend) the rank's current parameters with the staged consensus.
+    def adopt(
+        self, alpha: float | None, evaluate: Callable[[], None] | None, keep_progress: bool = False
+    ) -> None:
+        """Overwrite (or blend) the rank's current parameters with the staged consensus; `keep_progress`
+        (overlapped rounds, `alpha` None): keep what the rank trained since its snapshot instead,
+        `params += consensus - snapshot`.
 
         An eval asked for runs on the consensus (buffers included), then the rank's own parameters
         come back for the blend; on a skipped round it runs on the rank's unchanged state.
@@ -404,7 +419,12 @@ class HostAverager(_AveragerBase):
             torch._foreach_copy_(flat, self.landing)
             evaluate()
             torch._foreach_copy_(flat, kept)
-        if alpha is None:
+        if keep_progress:
+            assert alpha is None, "an overlapped round keeps the rank's progress: it is not blended"
+            for landing, sent_minus_consensus in zip(self.landing, self.host_pre, strict=True):
+                landing.copy_(sent_minus_consensus, non_blocking=True)
+            torch._foreach_sub_(flat, self.landing)
+        elif alpha is None:
             torch._foreach_copy_(flat, self.landing)
         else:
             for tensor, landing in zip(flat, self.landing, strict=True):
@@ -427,6 +447,9 @@ class HostAverager(_AveragerBase):
                 self.host_buffers.copy_(buffers, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.copy_stream)
+        # The steps trained on meanwhile (async, overlapped rounds) overwrite what the copy reads: they wait
+        # for it on the device (the host goes on).
+        torch.cuda.current_stream(self.device).wait_event(done)
         return done
 
     @torch.no_grad()
@@ -441,9 +464,11 @@ class HostAverager(_AveragerBase):
             measured = 0.0
             if not result.skipped:
                 _after_reduce(self.outer, self.refs, self.host)
-                measured = divergence(self.host_pre, self.host, in_place=True)  # host_pre is scratch
+                # host_pre becomes snapshot - consensus: what an overlapped round's adopt subtracts.
+                measured = divergence(self.host_pre, self.host, in_place=True)
             self.outcome = RoundOutcome(
                 steps, result.total_steps, result.skipped, measured, 0.0, result.payload_bytes
             )
+            self._reduced_at = time.perf_counter()
         except BaseException as err:  # surfaced by finish()
             self.error = err

@@ -328,11 +328,40 @@ def _cross_field_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
         )
     if cfg.policy != "sync":
         yield from _gamma_problems(cfg, host.world_size)
+    yield from _overlap_problems(cfg)
     yield from _survive_problems(cfg, host)
     yield from _do_nothing_problems(cfg, host)
     yield from _debug_problems(cfg)
     yield from _disk_problems(cfg, host)
     yield from _loader_problems(cfg)
+
+
+def _overlap_problems(cfg: FlodlConfig) -> Iterator[str]:
+    """What overlapped rounds cannot do (yet): they run on the cpu backend's thread, under cadence."""
+    if not cfg.overlap_rounds:
+        return
+    why = {
+        "sync": "sync averages gradients inside every step's backward (DDP overlaps them already)",
+        "async": "async already trains on while its round is in flight (backend=cpu), and a window's "
+        "overshoot is known only to its rank",
+    }
+    if cfg.policy in why:
+        yield _problem("overlap_rounds", True, f"applies to policy=cadence: {why[cfg.policy]}")
+    if cfg.backend != "cpu":
+        yield _problem(
+            "overlap_rounds",
+            True,
+            f"needs backend=cpu, whose round runs on a thread while the next window trains (on a GPU too: a "
+            f"pinned host snapshot, gloo); backend={cfg.backend} reduces in place on the device and is not "
+            "overlapped yet",
+        )
+    if cfg.fault_tolerance == "survive":
+        yield _problem(
+            "overlap_rounds",
+            True,
+            "not with fault_tolerance=survive yet: a round cut while the next window trains is not undone; "
+            "set overlap_rounds=false",
+        )
 
 
 def _survive_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:

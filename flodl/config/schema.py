@@ -220,6 +220,12 @@ class FlodlConfig:
     # Clear the inner optimizer's state after each outer step (null: diloco yes, as flodl's original; slowmo
     # no). The DiLoCo paper keeps it; see docs/policies.md for what each measured.
     outer_reset_inner: bool | None = None
+    # Cadence: each round's communication runs while the next window trains, and its result is applied one
+    # window late, keeping what the rank trained since it sent: parameters = consensus + (parameters - what
+    # it sent) (with an outer optimizer, its new global in place of the consensus). Evals run on the
+    # consensus; the last round of the run and of each checkpoint segment waits, exact. Needs backend=cpu
+    # (the round's thread; on a GPU too). See docs/policies.md.
+    overlap_rounds: bool = False
 
     # --- ElChe cadence balancer (cadence / async) ---
     # Batches the slowest rank trains per window at the start (faster ranks proportionally more).

@@ -2,7 +2,9 @@
 
 A window opens with per-rank counts from ElChe; when every rank has reached its count the driver
 orders a reduce (AverageNow); once every rank has acknowledged it, the divergence guard reads the
-round, ElChe gets the window's timings and the guard's verdict, and the next window opens.
+round, ElChe gets the window's timings and the guard's verdict, and the next window opens. With
+overlapped rounds the next window opens with the AverageNow instead, and the acks (so the guard's and
+ElChe's reading of the round) come in while it trains; its own round waits for them.
 """
 
 from __future__ import annotations
@@ -137,10 +139,10 @@ class LocalSgdDriver:
 
     def stop_saving(self) -> None:
         self._stopping = True
-        if self.planner.averaging or not self.planner.window_open:
-            self.planner.cut_segment()  # the next window is the last
-        else:  # the window in flight is the last: its round is final and checkpoints
+        if self.planner.window_open:  # the window in flight is the last: its round is final and checkpoints
             self.planner.end_segment_here()
+        else:
+            self.planner.cut_segment()  # the next window is the last
 
     def expect_checkpoint(self, point: Point, step: int) -> None:
         raise RuntimeError(f"an unplanned checkpoint part under local SGD: {point}")
@@ -168,7 +170,7 @@ class LocalSgdDriver:
             )
             self.timeline.round_acked(message.round, message.rank, message.divergence, message.steps)
             self._round_costs[message.rank] = RoundCost(
-                message.payload_bytes, message.round_ms, message.steps_during_round
+                message.payload_bytes, message.round_ms, message.steps_during_round, message.comm_ms
             )
             if self.planner.on_ack(ack):
                 self.ledger.close_round(message.round, self._round_costs)
@@ -191,9 +193,10 @@ class LocalSgdDriver:
                     self.planner.next_segment()
                 if self.roster.joiners:
                     self._admit_joiners()
-                if self._checkpoint_due():
-                    self.planner.cut_segment()
-                self._open_window()
+                if self.planner.window_open:  # overlapped: the window after this round is open already
+                    self._carry(self.planner.average_if_reached())
+                else:
+                    self._next_window()
         else:
             raise RuntimeError(f"unexpected message under local SGD: {message!r}")
 
@@ -220,6 +223,12 @@ class LocalSgdDriver:
         for change in self.elche.apply_verdict(action.verdict, action.factor):
             log.info("anchor %d -> %d (%s)", change.old, change.new, change.reason)
             self.timeline.anchor_changed(change.old, change.new, change.reason)
+
+    def _next_window(self) -> None:
+        """Open the window after a round (a checkpoint by time may make it its segment's last)."""
+        if self._checkpoint_due():
+            self.planner.cut_segment()
+        self._open_window()
 
     def _open_window(self) -> None:
         self._carry(self.planner.open_window(self.elche.counts(), self.elche.overshoot))
@@ -248,6 +257,8 @@ class LocalSgdDriver:
                 )  # fmt: skip
                 for rank in sorted(self.roster.members):
                     self.outbox.send(rank, order)
+                if self.planner.overlapping:  # the round's communication runs while the next window trains
+                    self._next_window()
 
     def _decide_evals(self, average: Average) -> None:
         """Epochs settled since the last reduce learn whether they get an eval (this round's)."""

@@ -12,17 +12,20 @@ from flodl.wire.messages import ChunkReport, EvalResult
 
 @dataclass(frozen=True)
 class RoundCost:
-    """What averaging rounds cost one rank: bytes sent, training time held up, steps trained meanwhile."""
+    """What averaging rounds cost one rank: bytes sent, training time held up, steps trained meanwhile, and
+    the rounds' own time from start to consensus (blocked_ms of it was exposed)."""
 
     payload_bytes: int = 0
     blocked_ms: float = 0.0
     steps_during: int = 0
+    comm_ms: float = 0.0
 
     def __add__(self, other: RoundCost) -> RoundCost:
         return RoundCost(
             self.payload_bytes + other.payload_bytes,
             self.blocked_ms + other.blocked_ms,
             self.steps_during + other.steps_during,
+            self.comm_ms + other.comm_ms,
         )
 
 
@@ -69,6 +72,8 @@ class RankShare:
     averaging_blocked_ms: float = 0.0
     steps_during_averaging: int = 0
     busy_s: float = 0.0
+    # The rounds' own time, start to consensus (with overlap_rounds mostly hidden behind training).
+    averaging_comm_ms: float = 0.0
 
 
 @dataclass
@@ -181,6 +186,7 @@ def aggregate_epoch(
                 averaging_blocked_ms=cost.blocked_ms,
                 steps_during_averaging=cost.steps_during,
                 busy_s=busy_s,
+                averaging_comm_ms=cost.comm_ms,
             )
         )
     comm = sum(share.comm_bytes for share in shares)

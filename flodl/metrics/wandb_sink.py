@@ -184,6 +184,7 @@ class WandbSink:
             row[f"rank{share.rank}/epoch_samples_per_s"] = share.samples_per_s
             row[f"rank{share.rank}/data_ms"] = share.data_ms
             row[f"rank{share.rank}/averaging_blocked_ms"] = share.averaging_blocked_ms
+            row[f"rank{share.rank}/averaging_comm_ms"] = share.averaging_comm_ms
         self._log(row)
         self._log_eval(metrics)
 

@@ -17,6 +17,11 @@ after a barrier epoch, at a step threshold inside an epoch (every `checkpoint_ev
 handed out, counted from the run's start), or with the window after `cut_segment` (a checkpoint by time,
 or a stop that saves).
 
+Overlapped rounds (`overlap`, cadence only): the window after a round opens as the round starts, so its
+communication runs while that window trains; the round's acks arrive during it, and the next round waits
+for them (one round in flight at a time). The segment's last round is not overlapped: every rank waits
+for it, and the next segment opens once it is acknowledged, as above.
+
 Membership (fault_tolerance=survive): only members get windows, are waited for and acknowledge rounds.
 A rank that dies is dropped: the slices it was handed and had not reported trained (`on_chunk`) return
 to a pool the next windows hand out before the cursor, and a round in flight is redone among the members.
@@ -140,6 +145,8 @@ class LocalSgdPlanner:
     first_batch: int = 0
     # A checkpoint every this many batches handed out (counted from the run's start; None: by epochs only).
     checkpoint_every_batches: int | None = None
+    # Overlapped rounds (cadence): the next window opens as a round that is not a segment's last starts.
+    overlap: bool = False
     cursor: Cursor = field(init=False)
     round: int = 0
     targets: list[int] = field(init=False)
@@ -147,6 +154,8 @@ class LocalSgdPlanner:
     # Per rank: the steps it carried out of its last round into the window that follows (AckReport.carried).
     carried: list[int] = field(init=False)
     reached: dict[int, WindowReport] = field(default_factory=dict)
+    # The Reached reports of the window the round in flight (or the last one) averages.
+    averaged: dict[int, WindowReport] = field(default_factory=dict)
     acks: dict[int, AckReport] = field(default_factory=dict)
     completed_epochs: set[int] = field(default_factory=set)
     evaluated_epochs: set[int] = field(default_factory=set)
@@ -169,6 +178,8 @@ class LocalSgdPlanner:
     cut_requested: bool = False
 
     def __post_init__(self) -> None:
+        if self.overlap and self.is_async:
+            raise ValueError("overlapped rounds are cadence's: an async window's overshoot is its rank's own")
         start = (self.first_epoch, self.first_batch)
         end, self.checkpoint_at_end = self._segment_end(start)
         self.cursor = Cursor(self.batches_per_epoch, end, *start)
@@ -255,8 +266,9 @@ class LocalSgdPlanner:
         if ack.rank not in self.members:  # a dropped rank's late ack
             return False
         self.acks[ack.rank] = ack
-        self.queued[ack.rank] = ack.queued
-        self.carried[ack.rank] = ack.carried
+        if not self.overlap:  # overlapped, what it holds is the next window's (see _maybe_average)
+            self.queued[ack.rank] = ack.queued
+            self.carried[ack.rank] = ack.carried
         if not self.members <= self.acks.keys():
             return False
         self.averaging = False
@@ -378,7 +390,18 @@ class LocalSgdPlanner:
         return [self.acks[r] for r in sorted(self.members)]
 
     def window_reports(self) -> list[WindowReport]:
-        return [self.reached[r] for r in sorted(self.members)]
+        """The Reached reports of the window the last round averaged (overlapped: not the one open now)."""
+        return [self.averaged[r] for r in sorted(self.members)]
+
+    @property
+    def overlapping(self) -> bool:
+        """A round is in flight that the next window need not wait for (overlapped, not a segment's last)."""
+        return self.overlap and self.averaging and not self.final_round
+
+    def average_if_reached(self) -> list[Instruction]:
+        """Overlapped: once a round is acknowledged, the window open since may have been reached already;
+        its round starts now."""
+        return self._maybe_average()
 
     def _batches(self, slices: tuple[EpochSlice, ...]) -> int:
         return sum(s.size for s in slices) // self.batch_size
@@ -408,6 +431,10 @@ class LocalSgdPlanner:
         if self.averaging or not self.window_open or not self.members <= self.reached.keys():
             return []
         self.averaging, self.window_open = True, False
+        self.averaged = self.reached
+        if self.overlap:  # cadence: every member trained all it was handed (its target is its window)
+            for rank in self.members:
+                self.queued[rank] = self.carried[rank] = 0
         self.round += 1
         return [self._average((), redo=False)]
 

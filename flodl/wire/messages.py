@@ -174,6 +174,9 @@ class RoundAck:
     idle_ms: float = 0.0
     # The averaging group's generation the round ran in (survive: an ack of a cut round is stale).
     generation: int = 0
+    # From the round's start to its consensus on this rank, waited for or not (overlapped rounds train the
+    # next window meanwhile; round_ms is what the rank waited of it).
+    comm_ms: float = 0.0
 
 
 @dataclass

@@ -4,9 +4,11 @@ Policy-agnostic: the coordinator's messages carry the policy. `ExtendPartition` 
 rank's queue and says at how many steps since the last reduce to report `Reached`; `AverageNow` starts a
 consensus round on the averaging backend. The device backend finishes it at once; the cpu backend runs
 it on a background thread, and when `keep_training` (async) the rank trains on and adopts the consensus
-at a later step boundary, so steps taken meanwhile count toward the next round. Between steps the worker
-only checks a local queue for control messages; the device is read once per chunk (the loss) and once per
-window.
+at a later step boundary, so steps taken meanwhile count toward the next round. With `overlap` (cadence,
+cpu backend) the coordinator sends the next window with the round, the rank trains it meanwhile and, once
+the round is done (at that window's end at the latest), keeps what it trained since its snapshot on top
+of the consensus; the last round of a segment is waited for, exact. Between steps the worker only checks
+a local queue for control messages; the device is read once per chunk (the loss) and once per window.
 
 Under fault_tolerance=survive the rank's group (flodl/worker/group.py) carries each membership change out:
 the worker lets go of a round the change cut (back to its state before it, when that round must be redone),
@@ -90,6 +92,7 @@ class LocalSgdWorker(WorkerBase):
         keep_training: bool,
         checkpointer: RankCheckpointer | None = None,
         group: RankGroup | None = None,
+        overlap: bool = False,
     ) -> None:
         super().__init__(stepper, link, settings, checkpointer, group)
         # The last round finished here, until the next window commits it (a change may still cut it).
@@ -98,6 +101,13 @@ class LocalSgdWorker(WorkerBase):
         self.easgd_alpha = easgd_alpha
         # Train on while a (cpu-backend) round is in flight, instead of waiting for its consensus.
         self.keep_training = keep_training
+        # Overlapped rounds: the next window trains while a round (not a segment's last) is in flight, and
+        # the round's result keeps what the rank trained since its snapshot.
+        self.overlap = overlap
+        self.round_overlapped = False
+        # An overlapped round began and the window sent with it has not arrived yet: wait for it rather than
+        # for the round (having nothing to train is then no reason to finish the round).
+        self.awaiting_window = False
         self.round: AverageNow | None = None
         self.steps_at_snapshot = 0
         self.busy_at_snapshot = 0.0
@@ -132,7 +142,7 @@ class LocalSgdWorker(WorkerBase):
         # skip: the window boundary handles it
 
     def has_work(self) -> bool:
-        return self.round is not None or self.chunk is not None or bool(self.pending)
+        return (self.round is not None and not self.awaiting_window) or self._has_batches()
 
     def on_done(self) -> None:
         """The state every member holds after the run's last, exact round (a fingerprint)."""
@@ -143,6 +153,7 @@ class LocalSgdWorker(WorkerBase):
     def handle(self, message: Message) -> None:
         if isinstance(message, ExtendPartition):
             self.finished = None  # a new window: the last round is every member's for good
+            self.awaiting_window = False
             if self.window_started is None:
                 self.window_started = time.perf_counter()
             self.pending.extend(message.slices)
@@ -228,7 +239,11 @@ class LocalSgdWorker(WorkerBase):
         )
 
     def _report_if_reached(self) -> None:
-        if self.target is None or self.steps_since_avg < self.target:
+        # An overlapped round in flight averages the steps (and their time) before its snapshot: the window
+        # open since counts from there.
+        in_flight = self.round is not None
+        steps = self.steps_since_avg - (self.steps_at_snapshot if in_flight else 0)
+        if self.target is None or steps < self.target:
             return
         if self.stepper.device.type == "cuda":
             # Once per window: the host runs steps ahead of the device, so the window's busy time ends when
@@ -236,7 +251,8 @@ class LocalSgdWorker(WorkerBase):
             drain_started = time.perf_counter()
             torch.cuda.current_stream(self.stepper.device).synchronize()
             self.window_busy_s += time.perf_counter() - drain_started
-        self.report(Reached(self.rank, self.steps_since_avg, self.window_busy_s * 1000))
+        busy_s = self.window_busy_s - (self.busy_at_snapshot if in_flight else 0.0)
+        self.report(Reached(self.rank, steps, busy_s * 1000))
         self.target = None
 
     def _has_batches(self) -> bool:
@@ -263,7 +279,10 @@ class LocalSgdWorker(WorkerBase):
         self.round = order
         self.steps_at_snapshot = self.steps_since_avg
         self.busy_at_snapshot = self.window_busy_s
-        if not self.keep_training or self.dropped_window:
+        self.round_overlapped = self.awaiting_window = (
+            self.overlap and not order.final and not self.dropped_window
+        )
+        if not (self.keep_training or self.round_overlapped) or self.dropped_window:
             self._finish_round(order)
 
     def _finish_round(self, order: AverageNow) -> None:
@@ -302,7 +321,7 @@ class LocalSgdWorker(WorkerBase):
                 "there is no consensus to restart from"
             )
         exact = order.final or self.dropped_window
-        self.averager.adopt(None if exact else self.easgd_alpha, evaluate)
+        self.averager.adopt(None if exact else self.easgd_alpha, evaluate, self.round_overlapped)
         self.stepper.storage.check(f"round {order.round}")
         if (self.averager.resets_inner and not outcome.skipped) or self.dropped_window:
             self.stepper.parts.optimizer.state.clear()
@@ -328,6 +347,7 @@ class LocalSgdWorker(WorkerBase):
                 payload_bytes=outcome.payload_bytes,
                 idle_ms=idle_s * 1000,
                 generation=self.group.generation,
+                comm_ms=outcome.comm_ms,
             )
         )
         self.finished = FinishedRound(
@@ -338,7 +358,6 @@ class LocalSgdWorker(WorkerBase):
         self.steps_since_avg -= self.steps_at_snapshot
         self.window_busy_s -= self.busy_at_snapshot
         self.window_started = now - self.window_busy_s  # the carried steps belong to the next window
-        self.target = None
         self.round = None
 
     def _cut(self, order: AverageNow, cause: BaseException | None) -> None:

@@ -32,7 +32,8 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 STUCK_AFTER_S = 100
 # make_model's 47 parameters (188 bytes) reduce as 3 chunks of at least this size.
 CHUNK_BYTES = 48
-# What a rank does to its parameters while a host round is in flight (async keeps training).
+# What rank r adds to its parameters, times r + 1, while a host round is in flight (async and overlapped
+# rounds keep training).
 TRAIN_DURING_ROUND = 0.25
 
 
@@ -52,6 +53,7 @@ class Spec:
     exact: bool = False  # the last round of a run: every rank must end with the same state
     kept: tuple[bool, bool] = (True, True)  # False: the rank dropped its window (non-finite loss)
     step_growth: tuple[int, int] = (0, 0)  # steps added per round after the first
+    keep_progress: bool = False  # host only: an overlapped round keeps what was trained since begin
 
     def steps_in(self, rank: int, round_: int) -> int:
         return self.steps[rank] + self.step_growth[rank] * round_
@@ -85,6 +87,10 @@ def _scenarios() -> dict[str, Spec]:
         specs.update({f"{backend}/{name}": spec for name, spec in base.items()})
     specs["host/train_during_round"] = Spec("host", 1.0, (3, 1), train_during_round=True)
     specs["host/easgd_train_during_round"] = Spec("host", 1.0, (3, 1), alpha=0.3, train_during_round=True)
+    specs["host/overlapped"] = Spec("host", 1.0, (3, 1), train_during_round=True, keep_progress=True)
+    specs["host/overlapped_diloco"] = Spec(
+        "host", 0.0, (3, 1), outer="diloco", rounds=2, train_during_round=True, keep_progress=True
+    )
     specs["device/without_own_copy"] = Spec("device", 1.0, (3, 1), keeps_own=False)
     # Past CAPTURE_AFTER rounds a round weighted on the device is replayed from a CUDA graph (over nccl):
     # each round's weights must still be that round's.
@@ -165,11 +171,13 @@ def round_scenario(rank: int, salt: int, spec: Spec, group: dist.ProcessGroup) -
         if spec.train_during_round:
             with torch.no_grad():
                 for p in model.parameters():
-                    p.add_(TRAIN_DURING_ROUND)
+                    p.add_(TRAIN_DURING_ROUND * (rank + 1))
         this["current"] = snapshot(model)
         this["outcome"] = outcome_record(averager.finish())
         this["after_finish"] = snapshot(model)
-        averager.adopt(spec.alpha, lambda this=this: this["evaluated"].append(snapshot(model)))
+        averager.adopt(
+            spec.alpha, lambda this=this: this["evaluated"].append(snapshot(model)), spec.keep_progress
+        )
         this["adopted"] = snapshot(model)
         rounds.append(this)
     record["rounds"] = rounds

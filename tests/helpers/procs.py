@@ -46,6 +46,17 @@ class Result:
         return self
 
 
+def held_rounds_env(delay_s: float, **extra: str) -> dict[str, str]:
+    """What a run's processes need to load tests/helpers/slow_round's hook: every cpu-backend round held back
+    `delay_s` on its thread (a slow link's stand-in); `extra`: the hook's other switches."""
+    hook = REPO / "tests" / "helpers" / "slow_round"
+    return {
+        "FLODL_TEST_ROUND_DELAY_S": str(delay_s),
+        "PYTHONPATH": os.pathsep.join([str(hook), str(REPO)]),
+        **extra,
+    }
+
+
 def child_env(**extra: str) -> dict[str, str]:
     """This environment, the repo on PYTHONPATH, one OpenMP thread, Hydra's full tracebacks; then `extra`."""
     env = dict(os.environ)
