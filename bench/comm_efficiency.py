@@ -6,13 +6,22 @@
     python bench/comm_efficiency.py --report-only R1 R2              # one report from runs kept earlier
     python bench/comm_efficiency.py --cpu-smoke                      # tiny model and corpus on CPU
     python bench/comm_efficiency.py --arms sync local-32 -- task.model.layers=2   # overrides for every run
+    python bench/comm_efficiency.py --arms sync local-32 local-32-overlap --link-delay-s 0.2   # a slow link
 
 Arms (each also with -bf16, -int8 or -int4 for that wire): `sync` (DDP, gradients every step), `cadence` and
 `async` (ElChe's windows), `diloco-H` (cadence with DiLoCo's Nesterov outer step, windows pinned to H
-steps: anchor = min_anchor = max_anchor = H, max_batch_diff=0; an epoch's end is a round too). Every arm
-trains the same samples (--extra gives the local-SGD arms more); the ranks share the machine's GPUs
-(backend=cpu: gloo, rank r on cuda:(r mod GPUs)), and --parallel arms run at once, so wall times here are
-not a speed measure (bench/gpu_suite.py and bench/charlm_convergence.py are).
+steps: anchor = min_anchor = max_anchor = H, max_batch_diff=0; an epoch's end is a round too). A cadence,
+local-H or diloco-H arm ending in `-overlap` (after its wire) overlaps its rounds (overlap_rounds=true): each
+round's communication runs while the next window trains. Every arm trains the same samples (--extra gives
+the local-SGD arms more); the ranks share the machine's GPUs (backend=cpu: gloo, rank r on cuda:(r mod
+GPUs)), and --parallel arms run at once, so wall times here are not a speed measure (bench/gpu_suite.py and
+bench/charlm_convergence.py are).
+
+--link-delay-s stands a slow link in for the machine's own: every local-SGD round is held back that long on
+its thread before it reduces (tests/helpers/slow_round; sync's DDP is not held). Per arm with rounds, the
+report gives each round's own time (start to consensus on a rank, the hold included) and the part of it a
+rank waited for (exposed: the rest was hidden behind training), and each overlapped arm's loss against its
+waited twin at equal samples.
 
 Bytes on the wire per rank, both directions, from the payload P each rank hands a collective (what flodl
 counts in comm_bytes): a ring all-reduce (sync's gradients, the fp32 round) sends and receives
@@ -49,6 +58,8 @@ from benchlib import (
     write_report,
 )
 
+from tests.helpers.procs import held_rounds_env
+
 HORIZONS = (8, 32, 128, 500)
 # What the 2026-12-02 results compare: sync at both learning rates, and local SGD at the single-rank rate
 # (lr_scale_ratio=0, which measured better with AdamW), each wire on 128-step windows, DiLoCo beside it.
@@ -60,6 +71,9 @@ DEFAULT_ARMS = (
 )  # fmt: skip
 WIRE_KEYS = {"bf16": "bf16_wire=true", "int8": "quantized_wire=int8", "int4": "quantized_wire=int4"}
 GOAL_BYTES, GOAL_LOSS, GOAL_INT8 = 50.0, 0.01, 0.003
+# Overlapped rounds: hide this share of a round's communication at most this loss against waited rounds.
+GOAL_HIDDEN, GOAL_OVERLAP_LOSS = 0.9, 0.0075
+OVERLAP = "-overlap"
 SMOKE_OVERRIDES = [
     "task.model.layers=1", "task.model.dim=32", "task.model.heads=2", "task.model.context=32",
     "batch_size=8", "task.train_data.max_bytes=60000", "task.eval_data.max_bytes=8000", "device=cpu",
@@ -69,27 +83,36 @@ SMOKE_OVERRIDES = [
 
 @dataclass(frozen=True)
 class Arm:
-    """`head[-wire][:key=value,...]`: e.g. `diloco-128-int8` or `diloco-128:outer_reset_inner=false`."""
+    """`head[-wire][-overlap][:key=value,...]`: e.g. `diloco-128-int8`, `local-32-overlap` or
+    `diloco-128:outer_reset_inner=false`."""
 
     name: str
     head: str  # sync, cadence, async, diloco-H, local-H
     wire: str  # fp32, bf16, int8, int4
     extras: tuple[str, ...]  # Hydra overrides of this arm alone
+    overlap: bool = False  # overlapped rounds (cadence, local-H, diloco-H)
 
     @classmethod
     def parse(cls, name: str) -> Arm:
         base, _, extras = name.partition(":")
+        overlap = base.endswith(OVERLAP)
+        base = base.removesuffix(OVERLAP)
         head, _, wire = (
             base.rpartition("-") if base.endswith(("-bf16", "-int8", "-int4")) else (base, "", "fp32")
         )
         kind, _, horizon = head.partition("-")
         known = head in ("sync", "cadence", "async") or (kind in ("diloco", "local") and horizon.isdigit())
-        if not known or (head == "sync" and wire.startswith("int")):
+        if (
+            not known
+            or (head == "sync" and wire.startswith("int"))
+            or (overlap and head in ("sync", "async"))
+        ):
             raise SystemExit(
                 f"comm_efficiency: unknown arm {name!r}: sync, cadence, async, diloco-H or local-H, then "
-                "-bf16, -int8 or -int4 (not the last two under sync), then :key=value,... of its own"
+                "-bf16, -int8 or -int4 (not the last two under sync), then -overlap (not under sync or "
+                "async), then :key=value,... of its own"
             )
-        return cls(name, head, wire, tuple(extras.split(",")) if extras else ())
+        return cls(name, head, wire, tuple(extras.split(",")) if extras else (), overlap)
 
     @property
     def policy(self) -> str:
@@ -103,13 +126,15 @@ class Arm:
             h = int(horizon)
             keys += [f"anchor={h}", f"min_anchor={h}", f"max_anchor={h}", "max_batch_diff=0"]
             keys += ["outer=diloco"] if kind == "diloco" else []
+        keys += ["overlap_rounds=true"] if self.overlap else []
         return (*keys, *self.extras)
 
-    def twin(self, wire: str) -> str:
-        """The same arm's name on another wire."""
+    def twin(self, wire: str, overlap: bool | None = None) -> str:
+        """The same arm's name on another wire (and, given `overlap`, with its rounds overlapped or not)."""
         return (
             self.head
             + ("" if wire == "fp32" else f"-{wire}")
+            + (OVERLAP if (self.overlap if overlap is None else overlap) else "")
             + (":" + ",".join(self.extras) if self.extras else "")
         )
 
@@ -172,6 +197,7 @@ def run_arms(args: argparse.Namespace, arms: list[Arm], runs_dir: Path) -> None:
     base += SMOKE_OVERRIDES if args.cpu_smoke else [f"task.train_data.max_bytes={int(args.max_mb * 1e6)}"]
     base += args.overrides
     jobs = [(arm, seed) for seed in args.seeds for arm in arms]
+    link = held_rounds_env(args.link_delay_s) if args.link_delay_s else None
 
     def one(job: tuple[Arm, int]) -> None:
         arm, seed = job
@@ -180,10 +206,11 @@ def run_arms(args: argparse.Namespace, arms: list[Arm], runs_dir: Path) -> None:
         tag = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{arm.name}-r{args.ranks}-s{seed}")
         print(f"comm_efficiency: {tag}, {epochs} epochs ...", flush=True)
         overrides = [*base, *arm.overrides, f"seed={seed}", f"epochs={epochs}"]
-        records = run_flodl(overrides, scratch / tag, args.timeout)
+        records = run_flodl(overrides, scratch / tag, args.timeout, link)
         if records is not None:
             entry = {"arm": arm.name, "ranks": args.ranks, "seed": seed, "overrides": overrides,
-                     "environment": environment_lines(args.cpu_smoke)}  # fmt: skip
+                     "environment": environment_lines(args.cpu_smoke),
+                     "link_delay_s": args.link_delay_s}  # fmt: skip
             (runs_dir / f"{tag}.json").write_text(json.dumps({**entry, "records": records}))
             print(f"comm_efficiency: {tag} done, final eval loss {records[-1].get('eval/loss')}", flush=True)
 
@@ -193,11 +220,45 @@ def run_arms(args: argparse.Namespace, arms: list[Arm], runs_dir: Path) -> None:
         list(pool.map(one, jobs))
 
 
+@dataclass(frozen=True)
+class RoundTimes:
+    """One run's averaging rounds, per round and averaged over its ranks: a round's own time from its start
+    to the consensus on the rank, the part of it the rank waited for (the rest was hidden behind training),
+    and the run's wall time."""
+
+    comm_ms: float
+    exposed_ms: float
+    rounds: int
+    wall_s: float
+
+    @classmethod
+    def of(cls, records: list[dict]) -> RoundTimes | None:
+        """None for a run without local-SGD rounds (sync) or from before rounds were timed."""
+        shares = [p for r in records for p in r["per_rank"]]
+        rounds = sum(r["rounds"] for r in records)
+        comm = sum(p.get("averaging_comm_ms", 0.0) for p in shares)
+        if not rounds or not comm:
+            return None
+        ranks = len(records[0]["per_rank"])
+        exposed = sum(p["averaging_blocked_ms"] for p in shares)
+        return cls(
+            comm / ranks / rounds, exposed / ranks / rounds, rounds, sum(r["epoch_s"] for r in records)
+        )
+
+    @property
+    def hidden(self) -> float:
+        return 1 - self.exposed_ms / self.comm_ms
+
+
 @dataclass
 class ArmResult:
     arm: Arm
     ranks: int
     curves: list[Curve]  # one per seed
+    times: list[RoundTimes]  # one per seed with rounds
+
+    def median_time(self, field: str) -> float:
+        return statistics.median(getattr(t, field) for t in self.times)
 
     @property
     def curve(self) -> Curve:
@@ -225,9 +286,14 @@ def load_runs(dirs: list[Path]) -> tuple[dict[tuple[str, int], ArmResult], list[
         environment = environment or run["environment"]
         arm = Arm.parse(run["arm"])
         key = (arm.name, run["ranks"])
-        results.setdefault(key, ArmResult(arm, run["ranks"], [])).curves.append(
-            Curve.of(run["records"], arm, run["ranks"])
-        )
+        result = results.setdefault(key, ArmResult(arm, run["ranks"], [], []))
+        result.curves.append(Curve.of(run["records"], arm, run["ranks"]))
+        times = RoundTimes.of(run["records"])
+        result.times += [times] if times is not None else []
+        if run.get("link_delay_s"):
+            held = run["link_delay_s"]
+            delay = f"- link: each local-SGD round held back {held:g} s on its thread (a slow link)"
+            environment = environment if delay in environment else [*environment, delay]
     return results, environment
 
 
@@ -286,15 +352,40 @@ def report(
                 f"| {_x(sync_bytes / reach if reach else None)} "
                 f"| {_x(sync_for_own / curve.total_bytes if sync_for_own else None)} |"
             )
-        lines += ["", *_verdicts(results, ranks, baseline, sync_samples, sync_bytes), ""]
+        verdicts = _verdicts(results, ranks, baseline, sync_samples, sync_bytes)
+        lines += ["", *_round_times(results, ranks), *verdicts, ""]
     return lines, found_any
 
 
-def _order(name: str) -> tuple[int, int, str, int]:
+def _round_times(results: dict[tuple[str, int], ArmResult], ranks: int) -> list[str]:
+    """Per arm with local-SGD rounds: each round's own time and the part of it a rank waited for."""
+    timed = sorted(
+        ((n, r) for (n, k), r in results.items() if k == ranks and r.times), key=lambda x: _order(x[0])
+    )
+    if not timed:
+        return []
+    rows = [
+        "Rounds (medians over seeds, per round, the ranks' mean): the round's own time, start to consensus; "
+        "the part a rank waited for (exposed); the rest hidden behind training. Wall time: the run's.",
+        "",
+        "| arm | rounds | round's time (ms) | exposed (ms) | hidden | wall (s) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, result in timed:
+        rows.append(
+            f"| {name} | {result.median_time('rounds'):.0f} | {result.median_time('comm_ms'):.1f} "
+            f"| {result.median_time('exposed_ms'):.1f} | {result.median_time('hidden'):.1%} "
+            f"| {result.median_time('wall_s'):.1f} |"
+        )
+    return [*rows, ""]
+
+
+def _order(name: str) -> tuple[int, int, str, int, bool]:
     arm = Arm.parse(name)
     kind, _, horizon = arm.head.partition("-")
     rank = {"sync": 0, "cadence": 1, "async": 2, "local": 3}.get(kind, 4)
-    return rank, int(horizon or 0), ",".join(arm.extras), ("fp32", "bf16", "int8", "int4").index(arm.wire)
+    wire = ("fp32", "bf16", "int8", "int4").index(arm.wire)
+    return rank, int(horizon or 0), ",".join(arm.extras), wire, arm.overlap
 
 
 def _baseline(results: dict[tuple[str, int], ArmResult], ranks: int) -> str | None:
@@ -333,6 +424,18 @@ def _verdicts(
     else:
         rows.append("| sync's loss with ≥ 50x fewer bytes, within 1% at equal samples | — | no arm reached "
                     "sync's loss | **MISSED** |")  # fmt: skip
+    for (name, r), result in sorted(results.items()):
+        waited = results.get((result.arm.twin(result.arm.wire, overlap=False), r))
+        if r == ranks and result.arm.overlap and waited is not None and result.times:
+            a, b = result.curve.loss_at_samples(samples), waited.curve.loss_at_samples(samples)
+            if a is not None and b is not None:
+                cost, hidden = a / b - 1, result.median_time("hidden")
+                verdict = "met" if hidden >= GOAL_HIDDEN and cost <= GOAL_OVERLAP_LOSS else "**MISSED**"
+                goal = (
+                    f"overlapped rounds: ≥ {GOAL_HIDDEN:.0%} of a round's communication hidden at "
+                    f"≤ {GOAL_OVERLAP_LOSS:.2%} eval loss vs waited rounds"
+                )
+                rows.append(f"| {goal} | {name} | {hidden:.1%} hidden, {cost * 100:+.2f}% | {verdict} |")
     for (name, r), result in sorted(results.items()):
         f32_name = result.arm.twin("fp32")
         if r != ranks or not result.arm.wire.startswith("int") or (f32_name, r) not in results:
@@ -404,7 +507,11 @@ def main() -> None:
     parser.add_argument("--runs-dir", type=Path, default=None, help="keep each run's records here")
     parser.add_argument("--report-only", type=Path, nargs="+", default=None, help="runs dirs to report on")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny model and corpus on CPU (gloo)")
+    parser.add_argument(
+        "--link-delay-s", type=float, default=0.0, help="hold each round this long (a slow link)"
+    )
     parser.add_argument("--results-dir", type=Path, default=REPO / "bench" / "results")
+    parser.add_argument("--name", default="comm-efficiency", help="the report's file name after its date")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
     args = parser.parse_args()
 
@@ -421,7 +528,7 @@ def main() -> None:
     if not found:
         raise SystemExit("comm_efficiency: no sync run among the results: nothing to compare against")
     machine = next((line.removeprefix("- hardware: ") for line in environment if "hardware:" in line), None)
-    path = results_path(args.results_dir, "comm-efficiency", machine=machine)
+    path = results_path(args.results_dir, args.name, machine=machine)
     path.parent.mkdir(parents=True, exist_ok=True)
     plot(results, path.with_suffix(".png"))
     lines.append(f"![loss against bytes and samples]({path.with_suffix('.png').name})")
