@@ -22,7 +22,19 @@ import torch
 
 from flodl.checkpoint import Checkpoint, Point, verify
 from flodl.resume import continues_at
-from tests.helpers.procs import PYTHON, TRAIN, Result, kill_group, leftovers, run, start, wait_for_path
+from tests.helpers.procs import (
+    PYTHON,
+    REPO,
+    TRAIN,
+    Result,
+    child_env,
+    kill_group,
+    leftovers,
+    run,
+    start,
+    wait_for,
+    wait_for_path,
+)
 from tests.helpers.runs import assert_complete_run, epochs_of
 
 pytestmark = pytest.mark.multiproc
@@ -250,26 +262,39 @@ def test_under_survive_a_stop_saves_at_the_next_boundary_and_the_printed_command
     tmp_path: Path, policy: str
 ) -> None:
     """Survive's launcher hosts the run and supervises the ranks: it forwards the signal, the coordinator has
-    the members save, and no rank that stopped is started again."""
-    args = [PYTHON, TRAIN, *SYNC_STOP, f"policy={policy}", "fault_tolerance=survive",
-            f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
-    result = _stop_after_first_checkpoint(args, tmp_path)
+    the members save, and no rank that stopped is started again. A rank holds in the second epoch until the
+    coordinator took the stop (tests/helpers/held_steps): the run surely has work left."""
+    run_dir = tmp_path / "run"
+    args = [PYTHON, TRAIN, "launch.nproc_per_node=2", f"policy={policy}", "epochs=4", "checkpoint_every=1",
+            "fault_tolerance=survive", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    hook = os.pathsep.join([str(REPO / "tests" / "helpers" / "held_steps"), str(REPO)])
+    # Digits: 22 steps of 32 samples an epoch on each of 2 ranks (sync), about as many under cadence.
+    env = child_env(PYTHONPATH=hook, FLODL_TEST_HOLD_AT_STEP="30", FLODL_TEST_HOLD_DIR=str(tmp_path))
+    proc = start(args, tmp_path, env=env, errors=subprocess.PIPE)
+    try:
+        wait_for_path(tmp_path / "held", proc)
+        os.kill(proc.pid, signal.SIGTERM)
+        taken = re.compile(r"got SIGTERM: the ranks save a checkpoint at the next")
+        took = "the coordinator took the stop"
+        wait_for(lambda: taken.search((run_dir / "coordinator.log").read_text()) is not None, proc, what=took)
+        (tmp_path / "release").touch()
+        out, err = proc.communicate(timeout=60)
+    finally:
+        kill_group(proc)
+    result = Result(proc.returncode, out, err=err)
     assert result.code == 143, result.out[-4000:] + result.err[-4000:]
     (line,) = result.err.strip().splitlines()
     name, checkpoint, _, resume = STOPPED.match(line).groups()  # type: ignore[union-attr]
     assert name == "SIGTERM" and verify(Path(checkpoint)) is None
     stopped_at = Checkpoint.from_manifest(Path(checkpoint))
-    assert stopped_at.point.order > Point(0).order, checkpoint  # after the first epoch's
+    # The stop's own, where the ranks were held: in the second epoch (or at its end), both members' parts.
+    assert stopped_at.point.epoch == 1 and stopped_at.point.order > Point(0).order, checkpoint
     assert stopped_at.part_ranks == (0, 1)
-    host = (tmp_path / "run" / "coordinator.log").read_text()
-    # The stop's own: taken at the boundary the coordinator asked for (not an epoch's end that came first).
-    asked = re.search(r"got SIGTERM: the ranks save a checkpoint .*\n(?:.*\n)*?.*checkpoint (.+): ", host)
-    assert asked is not None and asked.group(1) == stopped_at.point.words(), host[-3000:]
-    launcher = (tmp_path / "run" / ".launch" / "launcher.log").read_text()
+    launcher = (run_dir / ".launch" / "launcher.log").read_text()
     assert "starting it again" not in launcher, launcher[-3000:]
     resumed = run(shlex.split(resume), cwd=tmp_path, timeout=240).check()
     assert f"training continues {continues_at(stopped_at)}" in resumed.out, resumed.out[-4000:]
-    assert_complete_run(tmp_path / "run", world=2, epochs=5)
+    assert_complete_run(run_dir, world=2, epochs=4)
 
 
 def test_a_stop_that_cannot_save_within_stop_grace_s_stops_at_once_naming_the_checkpoint_it_had(

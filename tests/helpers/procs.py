@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -97,13 +98,20 @@ def _read(file: IO[bytes] | None) -> str:
     return file.read().decode(errors="replace")
 
 
+def wait_for(
+    happened: Callable[[], bool], proc: subprocess.Popen, timeout: float = 180, what: str = "the event"
+) -> None:
+    """Wait until `happened()` (an event the job leaves behind: a file, a log line), while the job runs."""
+    deadline = time.monotonic() + timeout
+    while not happened():
+        assert proc.poll() is None, f"the job ended before {what}:\n{proc.communicate()[0][-4000:]}"
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout:g} s"
+        time.sleep(0.05)
+
+
 def wait_for_path(path: Path, proc: subprocess.Popen, timeout: float = 180) -> None:
     """Wait until `path` exists (a checkpoint committed, a part being written), while the job runs."""
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert proc.poll() is None, f"the job ended before {path} appeared:\n{proc.communicate()[0][-4000:]}"
-        assert time.monotonic() < deadline, f"{path} did not appear within {timeout:g} s"
-        time.sleep(0.05)
+    wait_for(path.exists, proc, timeout, f"{path} appeared")
 
 
 def start(

@@ -1,0 +1,30 @@
+"""A test hook, loaded at start-up by every Python process that has this folder on PYTHONPATH: with
+$FLODL_TEST_HOLD_AT_STEP and $FLODL_TEST_HOLD_DIR set, a rank that has taken that many steps touches `held`
+in that dir and waits there until `release` appears, so a test can send a stop signal while the run surely
+has work left, and let it go on once the stop was taken."""
+
+from __future__ import annotations
+
+import os
+
+_AT_STEP = int(os.environ.get("FLODL_TEST_HOLD_AT_STEP", "0"))
+_DIR = os.environ.get("FLODL_TEST_HOLD_DIR")
+
+if _AT_STEP and _DIR:
+    import time
+    from pathlib import Path
+    from typing import Any
+
+    from flodl.worker.stepper import Stepper
+
+    _step = Stepper.step
+
+    def _held_step(self: Stepper, *args: Any, **kwargs: Any) -> Any:
+        if self.steps_total >= _AT_STEP:
+            held, release = Path(_DIR) / "held", Path(_DIR) / "release"
+            held.touch()
+            while not release.exists():
+                time.sleep(0.02)
+        return _step(self, *args, **kwargs)
+
+    Stepper.step = _held_step  # type: ignore[method-assign]
