@@ -60,6 +60,8 @@ class LocalSgdDriver:
         self.committer = committer
         self.checkpoint_every_s = checkpoint_every_s
         self._last_checkpoint = time.monotonic()
+        # Said once: a checkpoint by time waited for the last one on disk.
+        self._said_disk_pace = False
         # Where the round in flight checkpoints (None: not a checkpoint round).
         self._checkpoint_at: Point | None = None
         # A stop that saves: no window opens after the segment it cut.
@@ -205,9 +207,19 @@ class LocalSgdDriver:
         is still being written: the ranks would wait for it at the next (the disk sets the pace, not
         training)."""
         every = self.checkpoint_every_s
-        if every is None or self.committer is None or self.planner.cut_requested or self.committer.writing:
+        if every is None or self.committer is None or self.planner.cut_requested:
             return False
-        return time.monotonic() - self._last_checkpoint >= every
+        if time.monotonic() - self._last_checkpoint < every:
+            return False
+        if self.committer.writing:
+            if not self._said_disk_pace:
+                self._said_disk_pace = True
+                log.info(
+                    "a checkpoint by time waits for the last one's parts to be on disk (they take longer "
+                    "than checkpoint_every_s=%g s): checkpoints are taken as often as the disk allows", every,
+                )  # fmt: skip
+            return False
+        return True
 
     def _feed_round(self) -> None:
         """The guard reads the round's divergence; ElChe gets the window's timings and the verdict."""
