@@ -192,7 +192,8 @@ class CheckpointDir:
     def write_part(self, point: Point, name: str, obj: object) -> None:
         """One rank's part (or the model, or the coordinator's), into the point's uncommitted dir. The
         manifest holds each file's CRC-32 (`commit`): torch's own per record would be a second pass over the
-        part beside training (gpt_nano on one H200: 15.7% of a round per round with it, 4.8% without, two runs)."""
+        part beside training (gpt_nano on one H200: 15.7% of a round per round with it, 4.8% without, two
+        runs)."""
         atomic_save(obj, self.partial(point) / name, zip_crc=False)
 
     def commit(
