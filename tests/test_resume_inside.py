@@ -128,13 +128,15 @@ def test_async_resumed_inside_an_epoch_trains_every_sample_of_every_epoch_exactl
     tmp_path: Path,
 ) -> None:
     common = ["--config-dir", CONF, "task=byo_points", "launch.nproc_per_node=2", "policy=async",
-              "epochs=3", "checkpoint_every_s=0.000001", "checkpoint_keep=50", "anchor=2", "min_anchor=2",
+              "epochs=3", "checkpoint_every_s=0.000001", "checkpoint_every_steps=4", "checkpoint_keep=50",
+              "anchor=2", "min_anchor=2",
               "max_anchor=2", "max_batch_diff=0", "max_overshoot=1"]  # fmt: skip
     common.append(f"task.train_data.log={tmp_path / 'reads'}")  # the same config: the same dir
     whole, split = tmp_path / "whole", tmp_path / "split"
     train(*common, f"hydra.run.dir={whole}", cwd=tmp_path, timeout=240).check()
-    # A checkpoint due at every round while the last one's parts are still being written in the background
-    # (a rank says Saved after its round's ack): the disk sets the pace, and the run says so once.
+    # A checkpoint by time due at every round while the last one's parts are still being written in the
+    # background (a rank says Saved after its round's ack): the disk sets the pace, and the run says so once;
+    # checkpoints by steps are always taken (the ones inside epochs this test resumes from).
     assert (whole / "rank0.log").read_text().count("checkpoints are taken as often as the disk allows") == 1
     (tmp_path / "reads").rename(tmp_path / "reads-whole")
     checkpoint = _inside(whole, range(2, 4))
