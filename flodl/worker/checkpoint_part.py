@@ -32,40 +32,40 @@ class HostSnapshot:
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
-        self._taken: dict[tuple[Any, ...], torch.Tensor] = {}
-        self._devices: set[torch.device] = set()
 
     def take(self, obj: Any) -> tuple[Any, list[torch.cuda.Event]]:
         """`obj` with every tensor copied into this snapshot's buffers, and the events its device copies
         finish at (wait for them before reading the copy). The copy of the last `take` is overwritten."""
-        self._taken, self._devices = {}, set()
-        copied = self._copy(obj, ())
-        self._buffers = self._taken  # buffers of state that is gone are let go
+        taken: dict[tuple[Any, ...], torch.Tensor] = {}
+        devices: set[torch.device] = set()
+
+        def copy(obj: Any, path: tuple[Any, ...]) -> Any:
+            if isinstance(obj, torch.Tensor):
+                source = obj.detach()
+                buffer = self._buffers.get(path)
+                if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
+                    # A buffer of its own per tensor: a view into a flat buffer would save the whole storage.
+                    buffer = torch.empty(source.shape, dtype=source.dtype, pin_memory=source.is_cuda)
+                # From a GPU: queued on its stream, after the step that wrote the tensor and before the next.
+                buffer.copy_(source, non_blocking=source.is_cuda)
+                if source.is_cuda:
+                    devices.add(source.device)
+                taken[path] = buffer
+                return buffer
+            if isinstance(obj, dict):
+                return {key: copy(value, (*path, key)) for key, value in obj.items()}
+            if isinstance(obj, (list, tuple)):
+                return type(obj)(copy(value, (*path, i)) for i, value in enumerate(obj))
+            return obj
+
+        copied = copy(obj, ())
+        self._buffers = taken  # buffers of state that is gone are let go
         events = []
-        for device in self._devices:
+        for device in devices:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(device))
             events.append(event)
         return copied, events
-
-    def _copy(self, obj: Any, path: tuple[Any, ...]) -> Any:
-        if isinstance(obj, torch.Tensor):
-            source = obj.detach()
-            buffer = self._buffers.get(path)
-            if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
-                # A buffer of its own per tensor: a view into a flat buffer would save the whole storage.
-                buffer = torch.empty(source.shape, dtype=source.dtype, pin_memory=source.is_cuda)
-            # From a GPU: queued on its stream, after the step that wrote the tensor and before the next.
-            buffer.copy_(source, non_blocking=source.is_cuda)
-            if source.is_cuda:
-                self._devices.add(source.device)
-            self._taken[path] = buffer
-            return buffer
-        if isinstance(obj, dict):
-            return {key: self._copy(value, (*path, key)) for key, value in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            return type(obj)(self._copy(value, (*path, i)) for i, value in enumerate(obj))
-        return obj
 
 
 class RankCheckpointer:
