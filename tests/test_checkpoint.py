@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+import io
 import json
 import logging
+import os
+import signal
 import threading
 from pathlib import Path
 
@@ -15,6 +19,7 @@ from flodl.checkpoint import (
     LATEST_FILE,
     MANIFEST_FILE,
     MODEL_FILE,
+    Checkpoint,
     CheckpointDir,
     CheckpointError,
     Point,
@@ -25,7 +30,8 @@ from flodl.coordinator.commit import CheckpointCommitter, run_kind
 from flodl.coordinator.ledger import EpochLedger
 from flodl.resume import check_world_size, restore_worker, truncate_history
 from flodl.wire.messages import ChunkReport, Saved
-from flodl.worker.checkpoint_part import HostSnapshot, RankCheckpointer
+from flodl.worker.checkpoint_part import RankCheckpointer
+from flodl.worker.host_snapshot import HostSnapshot, carve, fill
 from tests.helpers.digits_stepper import digits_stepper, train_steps
 
 
@@ -189,9 +195,9 @@ def test_the_committer_waits_for_the_members_at_the_checkpoint_round(tmp_path: P
     _write_parts(store, 0, [0, 2])
     committer.on_saved(Point(0), 0, 1, ledger)
     committer.on_saved(Point(0), 2, 1, ledger)
-    assert committer.poll(ledger) == []  # the checkpoint round is not acknowledged yet
+    assert committer.poll(ledger, wait_sealed=True) == []  # the checkpoint round is not acknowledged yet
     committer.on_checkpoint_round(Point(0), {"elche": None}, ledger)
-    (checkpoint,) = committer.poll(ledger)
+    (checkpoint,) = committer.poll(ledger, wait_sealed=True)
     assert checkpoint.part_ranks == (0, 2) and committer.remaining == set()
 
 
@@ -202,9 +208,9 @@ def test_the_committer_waits_for_every_rank_unless_told_otherwise(tmp_path: Path
     committer.expect_parts(Point(0), range(2), {})
     _write_parts(store, 0, [0, 1])
     committer.on_saved(Point(0), 0, 1, ledger)
-    assert committer.poll(ledger) == []
+    assert committer.poll(ledger, wait_sealed=True) == []
     committer.on_saved(Point(0), 1, 1, ledger)
-    (checkpoint,) = committer.poll(ledger)
+    (checkpoint,) = committer.poll(ledger, wait_sealed=True)
     assert checkpoint.part_ranks == (0, 1)
 
 
@@ -217,13 +223,48 @@ def test_a_local_sgd_checkpoint_round_acknowledged_by_the_members_commits_their_
     _write_parts(store, 0, [0, 1])
     committer.on_checkpoint_round(Point(0), {"planner": {}}, ledger)
     committer.on_saved(Point(0), 1, 1, ledger)
-    assert committer.poll(ledger) == []  # rank 0's part is still being written
+    assert committer.poll(ledger, wait_sealed=True) == []  # rank 0's part is still being written
     assert committer.writing  # so no checkpoint by time is taken: rank 0 would wait for this one
     committer.on_saved(Point(0), 0, 1, ledger)
     assert not committer.writing  # every part on disk, the commit still to come: the next may be taken
-    (checkpoint,) = committer.poll(ledger)
+    (checkpoint,) = committer.poll(ledger, wait_sealed=True)
     assert checkpoint.part_ranks == (0, 1)
     assert checkpoint.load(COORDINATOR_FILE)["driver"] == {"planner": {}}
+
+
+class _HeldCommits(CheckpointDir):
+    """A checkpoint dir whose commits wait until the test lets them go."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root, keep=3)
+        self.release = threading.Event()
+        self.committing = threading.Event()
+
+    def commit(self, *args: object, **kwargs: object) -> Checkpoint:
+        self.committing.set()
+        assert self.release.wait(30), "the test never let the commit go"
+        return super().commit(*args, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_commit_runs_off_the_coordinator_s_thread_and_wakes_it_when_done(tmp_path: Path) -> None:
+    """The commit (every part read back for its CRC, the disk synced) must not hold the coordinator's loop,
+    or the next round waits for it."""
+    store = _HeldCommits(tmp_path)
+    ledger = _emitted_ledger(epochs=3, world_size=1)
+    woken = threading.Event()
+    committer = CheckpointCommitter(store, 1, {0}, run_kind("sync", False), {"uid": "u"}, on_sealed=woken.set)
+    committer.expect_parts(Point(0), [0], {})
+    _write_parts(store, 0, [0])
+    committer.on_saved(Point(0), 0, 1, ledger)
+    assert committer.poll(ledger) == []  # handed over, not waited for
+    assert store.committing.wait(30) and committer.writing and committer.sealing
+    assert store.latest() is None and committer.remaining == {0}
+    store.release.set()
+    assert woken.wait(30)
+    (checkpoint,) = committer.poll(ledger)
+    assert checkpoint.epoch == 0 and store.latest() == checkpoint
+    assert committer.remaining == set() and not committer.writing and not committer.sealing
+    committer.close()
 
 
 class _Worker:
@@ -318,23 +359,73 @@ def test_a_part_written_in_the_background_is_the_state_at_the_boundary_and_said_
     assert part["stepper"]["steps_total"] == 3 and part["worker"] == {"global_steps": 3}
 
 
-def test_a_snapshot_copies_into_buffers_it_keeps_and_saves_a_view_without_its_storage() -> None:
+@pytest.mark.parametrize("shared", [False, True], ids=["private", "shared"])
+def test_a_snapshot_copies_into_buffers_it_keeps_and_saves_a_view_without_its_storage(shared: bool) -> None:
     flat = torch.arange(12.0)
-    state = {"weight": flat[4:8], "optimizer": [{"step": torch.tensor(3.0)}], "name": "kept as is"}
-    snapshot = HostSnapshot()
-    first, ready = snapshot.take(state)
-    assert ready == []  # nothing on a device to wait for
+    state = {"weight": flat[4:8], "optimizer": [{"step": torch.tensor(3)}], "name": "kept as is"}
+    snapshot = HostSnapshot(shared=shared)
+    first = snapshot.take(state)
+    assert first.ready == []  # nothing on a device to wait for
+    assert first.region.bytes.is_shared() == shared  # a writer process maps it
     flat.add_(100.0)  # training goes on writing into its own tensors
-    assert torch.equal(first["weight"], torch.arange(4.0, 8.0)) and first["name"] == "kept as is"
-    # A buffer of its own, not a view: torch.save would write the whole flat storage behind a view.
-    assert first["weight"].untyped_storage().nbytes() == 4 * 4
-    again, _ = snapshot.take(state)
+    weight = first.value["weight"]
+    assert torch.equal(weight, torch.arange(4.0, 8.0)) and first.value["name"] == "kept as is"
+    assert first.value["optimizer"][0]["step"].dtype == torch.int64
+    # A buffer of its own, not a view: torch.save would write the whole storage behind a view.
+    assert weight.untyped_storage().nbytes() == 4 * 4
+    saved = io.BytesIO()
+    torch.save(first.value, saved)
+    assert len(saved.getvalue()) < 2000  # the 16 bytes of the weight, not the region's
+    # What a writer process rebuilds from the structure and its own mapping of the region is the same state.
+    rebuilt = fill(first.skeleton, functools.partial(carve, first.region.bytes.clone()))
+    assert torch.equal(rebuilt["weight"], weight) and rebuilt["optimizer"][0]["step"].item() == 3
+    again = snapshot.take(state)
     # The next save copies into the same buffers (no allocation, no pinning again).
-    assert again["weight"].data_ptr() == first["weight"].data_ptr()
-    assert torch.equal(again["weight"], torch.arange(104.0, 108.0))
-    state["weight"] = torch.zeros(2, 2)  # a tensor whose shape changed gets a new buffer
-    changed, _ = snapshot.take(state)
-    assert changed["weight"].shape == (2, 2) and changed["weight"].data_ptr() != first["weight"].data_ptr()
+    assert again.value["weight"].data_ptr() == weight.data_ptr() and again.region is first.region
+    assert torch.equal(again.value["weight"], torch.arange(104.0, 108.0))
+    state["weight"] = torch.zeros(2, 2)  # a tensor whose shape changed: a new region
+    changed = snapshot.take(state)
+    assert changed.value["weight"].shape == (2, 2) and changed.region is not first.region
+    snapshot.release()
+
+
+def test_a_writer_process_writes_the_parts_ignores_stop_signals_and_its_loss_falls_back_to_a_thread(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The process a GPU rank writes its parts with (made to write a CPU rank's here): what it writes is the
+    state at the boundary; a stop signal (Ctrl-C reaches the whole process group) leaves it writing the stop's
+    checkpoint; if it is gone (killed for memory), the rank writes on its own thread and says so."""
+    store = CheckpointDir(tmp_path, keep=3)
+    stepper = digits_stepper()
+    train_steps(stepper, 2)
+    checkpointer = RankCheckpointer(
+        store, 0, stepper.parts.model, stepper, background=True, writer_process=True
+    )
+    assert checkpointer.writes_in_process
+    process = checkpointer._process._process  # type: ignore[union-attr]
+    points = [Point(0, 64), Point(0, 128), Point(0, 192)]
+    states = []
+    for i, point in enumerate(points):
+        if i == 1:
+            for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+                os.kill(process.pid, signum)
+        if i == 2:
+            process.kill()
+            process.join(30)
+        states.append({k: v.clone() for k, v in stepper.parts.model.state_dict().items()})
+        with caplog.at_level("WARNING", logger="flodl"):
+            checkpointer.save(point, {"at": i}, Saved(0, 0, into=point.into, chunks=i))
+            train_steps(stepper, 1)  # after the copy: not in the part
+            checkpointer.flush()
+    assert [r.into for r in checkpointer.written()] == [64, 128, 192]
+    assert not checkpointer.writes_in_process
+    assert "the checkpoint writer process ended (exit code -9)" in caplog.text
+    checkpointer.close()
+    for point, state in zip(points, states, strict=True):
+        model = torch.load(store.partial(point) / MODEL_FILE, weights_only=True)
+        assert all(torch.equal(model[k], state[k]) for k in state)
+    part = torch.load(store.partial(points[1]) / rank_file(0), weights_only=True)
+    assert part["worker"] == {"at": 1} and part["stepper"]["steps_total"] == 3
 
 
 @pytest.mark.gpu
@@ -347,6 +438,7 @@ def test_a_background_save_on_a_gpu_does_not_wait_for_the_device_and_writes_the_
     train_steps(stepper, 3)
     at_boundary = {k: v.clone() for k, v in stepper.parts.model.state_dict().items()}
     checkpointer = RankCheckpointer(store, 0, stepper.parts.model, stepper, background=True)
+    assert checkpointer.writes_in_process  # a GPU rank's parts are written by a process of its own
     checkpointer.save(Point(0, 96), {}, Saved(0, 0, into=96, chunks=1))  # the host buffers are made here
     checkpointer.flush()
     torch.cuda.synchronize()

@@ -209,7 +209,7 @@ def test_a_checkpoint_inside_an_epoch_keeps_each_rank_s_chunks_reported_before_i
     ledger.add_chunk(_chunk(1, 0, 2, 1.25))
     committer.on_saved(point, 0, 1, ledger)  # one chunk of the epoch before its part
     committer.on_saved(point, 1, 1, ledger)
-    (checkpoint,) = committer.poll(ledger)
+    (checkpoint,) = committer.poll(ledger, wait_sealed=True)
     assert checkpoint.point == point and checkpoint.into == 16
     state = checkpoint.load(COORDINATOR_FILE)
     assert state["driver"] == {"rest": "of epoch 1"} and (state["epoch"], state["into"]) == (0, 16)
@@ -231,10 +231,10 @@ def test_a_checkpoint_inside_an_epoch_waits_until_the_epochs_before_it_are_emitt
     ledger.add_chunk(_chunk(0, 0, 2, 1.0))
     ledger.expect_eval(0, True)  # epoch 0's eval is still to come
     committer.on_saved(point, 0, 0, ledger)
-    assert committer.poll(ledger) == []
+    assert committer.poll(ledger, wait_sealed=True) == []
     ledger.add_eval(EvalResult(0, 0, {"accuracy": 1.0}, 4))
     assert [m.epoch for m in ledger.emit_ready()] == [0]
-    (checkpoint,) = committer.poll(ledger)
+    (checkpoint,) = committer.poll(ledger, wait_sealed=True)
     assert checkpoint.point == point
 
 
@@ -253,7 +253,7 @@ def test_a_point_whose_epoch_record_is_gone_before_its_parts_are_on_disk_is_let_
     assert [m.epoch for m in ledger.emit_ready()] == [0, 1] and not ledger.holds(0)
     with caplog.at_level("WARNING", logger="flodl"):
         committer.on_saved(point, 0, 1, ledger)
-    assert committer.poll(ledger) == [] and point not in committer.expected
+    assert committer.poll(ledger, wait_sealed=True) == [] and point not in committer.expected
     assert "the checkpoint at epoch 1, 4 samples into it is not taken" in caplog.text
 
 
@@ -273,5 +273,5 @@ def test_a_checkpoint_committed_late_records_the_bytes_on_the_wire_through_its_o
     store.write_part(Point(0), MODEL_FILE, {})
     store.write_part(Point(0), rank_file(0), {})
     committer.on_saved(Point(0), 0, 1, ledger)  # epoch 0's parts land once epoch 1 is emitted too
-    (checkpoint,) = committer.poll(ledger)
+    (checkpoint,) = committer.poll(ledger, wait_sealed=True)
     assert checkpoint.load(COORDINATOR_FILE)["comm_bytes_total"] == 100

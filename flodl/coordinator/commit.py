@@ -6,14 +6,18 @@ it by steps or time). Each rank writes its part (flodl/worker/checkpoint_part.py
 coordinator, once every part is on disk and the epochs before the point are emitted, writes its own state
 and commits (see flodl/checkpoint.py). Inside an epoch its state holds what the epoch's record has so far
 (the ledger's chunks up to the point), so a resumed run writes the same record. With a rank cut, the parts
-are the members' at the checkpoint round.
+are the members' at the checkpoint round. The commit itself (the coordinator's file, every part read back for
+the manifest's CRCs, the disk synced) runs on a thread of its own, one at a time and in order: on the
+coordinator's thread the next round would wait for it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from collections import deque
 from collections.abc import Callable, Collection
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,11 +76,23 @@ class CheckpointCommitter:
     committed: Checkpoint | None = None
     # Per point, the ranks whose parts its checkpoint waits for (absent: every rank).
     expected: dict[Point, frozenset[int]] = field(default_factory=dict)
+    # Called on the commit thread once a commit is done (the coordinator wakes to take it in at once).
+    on_sealed: Callable[[], None] | None = None
+    # Commits handed to the commit thread, oldest first, until `poll` takes them in.
+    _sealing: deque[tuple[Point, Future[Checkpoint]]] = field(default_factory=deque, init=False)
+    _sealer: ThreadPoolExecutor | None = field(default=None, init=False)
 
     @property
     def writing(self) -> bool:
-        """Whether a rank is still writing its part of a checkpoint taken (its Saved is not in yet)."""
-        return any(not self._parts(p) <= self.saved.get(p, {}).keys() for p in {*self.expected, *self.saved})
+        """Whether a checkpoint taken is not on disk yet: a rank still writes its part (its Saved is not in)
+        or its commit is still to finish."""
+        taken = {*self.expected, *self.saved}
+        return bool(self._sealing) or any(not self._parts(p) <= self.saved.get(p, {}).keys() for p in taken)
+
+    @property
+    def sealing(self) -> bool:
+        """Whether a commit is still to finish (or to be taken in by `poll`)."""
+        return bool(self._sealing)
 
     def expect_parts(
         self, point: Point, ranks: Collection[int], driver_state: dict[str, Any] | None = None
@@ -112,10 +128,11 @@ class CheckpointCommitter:
         for records in (self.saved, self.expected, self.driver_state, self.ledger_state):
             records.pop(point, None)
 
-    def poll(self, ledger: EpochLedger) -> list[Checkpoint]:
-        """Commit every point whose parts are all on disk, whose driver state is known and whose epochs
-        before it the ledger has emitted (its own too, at an epoch's end); return those."""
-        committed = []
+    def poll(self, ledger: EpochLedger, wait_sealed: bool = False) -> list[Checkpoint]:
+        """Hand every point whose parts are all on disk, whose driver state is known and whose epochs before
+        it the ledger has emitted (its own too, at an epoch's end) to the commit thread; return the
+        checkpoints committed since the last poll, in order (`wait_sealed`: after waiting for every commit
+        handed over). A commit that failed raises here."""
         for point in sorted(self.saved, key=lambda p: p.order):
             ranks = self._parts(point)
             if not ranks <= self.saved[point].keys() or point not in self.driver_state:
@@ -132,15 +149,38 @@ class CheckpointCommitter:
                 # Inside an epoch: what its record holds so far (a resumed run starts its ledger there).
                 "ledger": self.ledger_state.pop(point, None),
             }
-            self.store.write_part(point, COORDINATOR_FILE, state)
-            self.committed = self.store.commit(point, self.world_size, self.run, ranks)
             del self.saved[point]
             self.expected.pop(point, None)
+            if self._sealer is None:
+                self._sealer = ThreadPoolExecutor(1, "flodl-commit")
+            sealed = self._sealer.submit(self._seal, point, state, ranks)
+            if self.on_sealed is not None:
+                sealed.add_done_callback(_calling(self.on_sealed))
+            self._sealing.append((point, sealed))
+        if wait_sealed:
+            wait([sealed for _, sealed in self._sealing])
+        committed = []
+        while self._sealing and self._sealing[0][1].done():
+            point, sealed = self._sealing.popleft()
+            self.committed = sealed.result()
             if point.into is None:
                 self.remaining.discard(point.epoch)
             committed.append(self.committed)
             log.info("checkpoint %s: %s", point.words(), self.committed.path)
         return committed
 
+    def _seal(self, point: Point, state: dict[str, Any], ranks: frozenset[int]) -> Checkpoint:
+        self.store.write_part(point, COORDINATOR_FILE, state)
+        return self.store.commit(point, self.world_size, self.run, ranks)
+
+    def close(self) -> None:
+        """Let a commit in flight finish (the run is over or failed)."""
+        if self._sealer is not None:
+            self._sealer.shutdown(wait=True)
+
     def _parts(self, point: Point) -> frozenset[int]:
         return self.expected.get(point, frozenset(range(self.world_size)))
+
+
+def _calling(wake: Callable[[], None]) -> Callable[[Future[Checkpoint]], None]:
+    return lambda _: wake()

@@ -76,8 +76,10 @@ class Coordinator(threading.Thread):
         self.monitor = monitor
         # Writes the consensus rank 0 holds when a peer goes silent (None: it holds none worth saving).
         self.save_on_hang = save_on_hang
-        # Commits checkpoints (None: checkpoints are off).
+        # Commits checkpoints (None: checkpoints are off); a commit done wakes the loop to take it in.
         self.committer = committer
+        if committer is not None:
+            committer.on_sealed = reader.wake
         self.timeline = timeline
         self.run_dir = run_dir
         self.reader = reader
@@ -108,6 +110,8 @@ class Coordinator(threading.Thread):
                 message = self.reader.next_message(_WAIT_S)
                 if message is not None:
                     self._handle(message)
+                else:
+                    self._take_checkpoints()
                 self.driver.tick()
                 self._check_heartbeats(time.perf_counter())
                 self.roster.check_exits()
@@ -130,6 +134,8 @@ class Coordinator(threading.Thread):
             except Exception as save_err:
                 log.warning("could not save the timeline: %s: %s", type(save_err).__name__, save_err)
         finally:
+            if self.committer is not None:
+                self.committer.close()
             for sink in self.sinks:
                 sink.close()
             self.reader.stop(self.outbox)
@@ -212,7 +218,7 @@ class Coordinator(threading.Thread):
 
     @property
     def _checkpoints_committed(self) -> bool:
-        return self.committer is None or not self.committer.remaining
+        return self.committer is None or not (self.committer.remaining or self.committer.sealing)
 
     def last_checkpoint(self) -> str:
         committed = self.committer.committed if self.committer is not None else None
@@ -222,6 +228,16 @@ class Coordinator(threading.Thread):
         silent = self.monitor.silent(now)
         if silent:
             self.roster.on_silent(silent, now)
+
+    def _take_checkpoints(self) -> None:
+        """Commit the checkpoints whose parts are in; take in those committed since the last look."""
+        if self.committer is None:
+            return
+        for checkpoint in self.committer.poll(self.ledger):
+            self.hooks.checkpoint(checkpoint.epoch, checkpoint.path)
+            self._stop_if_asked()
+        if self.stop_signal is not None and self.committer.committed is not self._before_stop:
+            self._stop_saved = True
 
     def _handle(self, message: Message) -> None:
         rank = getattr(message, "rank", None)
@@ -264,10 +280,5 @@ class Coordinator(threading.Thread):
             self.hooks.epoch_end(metrics.epoch, metrics.as_record())
             self._stop_if_asked()
             self.driver.on_epoch_emitted(metrics.epoch)
-        if self.committer is not None:
-            for checkpoint in self.committer.poll(self.ledger):
-                self.hooks.checkpoint(checkpoint.epoch, checkpoint.path)
-                self._stop_if_asked()
-            if self.stop_signal is not None and self.committer.committed is not self._before_stop:
-                self._stop_saved = True
+        self._take_checkpoints()
         self.roster.follow_changes()  # last: planning the next epoch may have admitted a rank (sync)

@@ -56,7 +56,7 @@ class InboxReader(threading.Thread):
     def __init__(self, mailbox: Mailbox) -> None:
         super().__init__(name=f"flodl-inbox-{mailbox.owner}", daemon=True)
         self.mailbox = mailbox
-        self.messages: queue.Queue[Message] = queue.Queue()
+        self.messages: queue.Queue[Message | None] = queue.Queue()  # None: a wake-up
         self.error: BaseException | None = None
         # Called on the reader's thread as each message arrives, before the training loop sees it (survive:
         # a Regroup must release a collective the training thread is blocked in).
@@ -77,8 +77,12 @@ class InboxReader(threading.Thread):
         except BaseException as err:  # surfaced through next_message
             self.error = err
 
+    def wake(self) -> None:
+        """End a `next_message` wait now (it returns None): something other than a message is ready."""
+        self.messages.put(None)
+
     def next_message(self, timeout_s: float | None) -> Message | None:
-        """The next message: None at once (timeout_s=None) or after timeout_s if there is none."""
+        """The next message: None at once (timeout_s=None), after timeout_s if there is none, or on `wake`."""
         if self.error is not None:
             raise RuntimeError(f"inbox of rank {self.mailbox.owner} failed: {self.error}") from self.error
         if self._held:

@@ -3,83 +3,62 @@ there), said `Saved` once it is on disk, loaded back on resume.
 
 The group's first member also writes the model (every member holds the same consensus at a checkpoint).
 In the background (`background=True`), the rank's state is copied into host buffers kept from one save to
-the next (pinned for a GPU's tensors, the copies queued on the device's stream, so the training thread does
-not wait for them); a thread of its own waits for the copies and writes the part (one part in flight at a
-time: the next save waits for the last), and the worker reports the `Saved` receipts of the parts written at
-its next look (`written`), so the coordinator commits only what is on disk. Files load with
-`weights_only=True`.
+the next (flodl/worker/host_snapshot.py: the copies queued on the device's stream, so the training thread
+does not wait for them); a thread of its own waits for the copies and writes the part, or on a GPU has the
+rank's writer process write it (flodl/worker/part_writer.py). One part is in flight at a time (the next save
+waits for the last), and the worker reports the `Saved` receipts of the parts written at its next look
+(`written`), so the coordinator commits only what is on disk. Files load with `weights_only=True`.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import torch
 from torch import nn
 
-from flodl.checkpoint import MODEL_FILE, Checkpoint, CheckpointDir, Point, model_state, rank_file
+from flodl.checkpoint import (
+    MODEL_FILE,
+    Checkpoint,
+    CheckpointDir,
+    Point,
+    model_state,
+    rank_file,
+)
 from flodl.wire.messages import Saved
+from flodl.worker.host_snapshot import HostSnapshot, Taken
+from flodl.worker.part_writer import PartWriterProcess, WriterGone
 from flodl.worker.rank_state import restore_stepper, stepper_state
 from flodl.worker.stepper import Stepper
 
-
-class HostSnapshot:
-    """Host buffers a state is copied into at a boundary (the optimizer goes on writing into its own), kept
-    from one save to the next: allocating (and pinning) them again at every save would cost more than the
-    copy."""
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
-
-    def take(self, obj: Any) -> tuple[Any, list[torch.cuda.Event]]:
-        """`obj` with every tensor copied into this snapshot's buffers, and the events its device copies
-        finish at (wait for them before reading the copy). The copy of the last `take` is overwritten."""
-        taken: dict[tuple[Any, ...], torch.Tensor] = {}
-        devices: set[torch.device] = set()
-
-        def copy(obj: Any, path: tuple[Any, ...]) -> Any:
-            if isinstance(obj, torch.Tensor):
-                source = obj.detach()
-                buffer = self._buffers.get(path)
-                if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
-                    # A buffer of its own per tensor: a view into a flat buffer would save the whole storage.
-                    buffer = torch.empty(source.shape, dtype=source.dtype, pin_memory=source.is_cuda)
-                # From a GPU: queued on its stream, after the step that wrote the tensor and before the next.
-                buffer.copy_(source, non_blocking=source.is_cuda)
-                if source.is_cuda:
-                    devices.add(source.device)
-                taken[path] = buffer
-                return buffer
-            if isinstance(obj, dict):
-                return {key: copy(value, (*path, key)) for key, value in obj.items()}
-            if isinstance(obj, (list, tuple)):
-                return type(obj)(copy(value, (*path, i)) for i, value in enumerate(obj))
-            return obj
-
-        copied = copy(obj, ())
-        self._buffers = taken  # buffers of state that is gone are let go
-        events = []
-        for device in devices:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(device))
-            events.append(event)
-        return copied, events
+log = logging.getLogger("flodl")
 
 
 class RankCheckpointer:
     """A worker's side: write this rank's part of a checkpoint, then hand back its `Saved` receipt."""
 
     def __init__(
-        self, store: CheckpointDir, rank: int, model: nn.Module, stepper: Stepper, background: bool = False
+        self,
+        store: CheckpointDir,
+        rank: int,
+        model: nn.Module,
+        stepper: Stepper,
+        background: bool = False,
+        writer_process: bool | None = None,
     ) -> None:
+        """`writer_process` (in the background): parts written by a process of the rank's own (None: when
+        the model is on a GPU, see flodl/worker/part_writer.py)."""
         self.store = store
         self.rank = rank
         self.model = model
         self.stepper = stepper
         self._writer = ThreadPoolExecutor(1, "flodl-checkpoint") if background else None
-        self._snapshot = HostSnapshot()
+        if writer_process is None:
+            writer_process = any(p.is_cuda for p in model.parameters())
+        self._process = PartWriterProcess(rank) if background and writer_process else None
+        self._snapshot = HostSnapshot(shared=self._process is not None)
         self._in_flight: tuple[Future[None], Saved] | None = None
         self._receipts: list[Saved] = []
         # Seconds the last part took from the boundary until it was on disk (a stop's budget is checked
@@ -94,28 +73,38 @@ class RankCheckpointer:
         self.flush()  # one part in flight: a copy of the state at a time, and parts committed in order
         started = time.perf_counter()
         part = {"stepper": stepper_state(self.stepper), "worker": worker_state}
+        names = [*([MODEL_FILE] if first_member else []), rank_file(self.rank)]
         if self._writer is None:
-            self._write(point, part, model_state(self.model) if first_member else None, started, [])
+            state = [*([model_state(self.model)] if first_member else []), part]
+            for name, obj in zip(names, state, strict=True):
+                self.store.write_part(point, name, obj)
+            self.last_save_s = time.perf_counter() - started
             self._receipts.append(receipt)
             return
-        model = self.model.state_dict() if first_member else None
-        (part, model), ready = self._snapshot.take((part, model))
-        self._in_flight = (self._writer.submit(self._write, point, part, model, started, ready), receipt)
+        taken = self._snapshot.take([*([self.model.state_dict()] if first_member else []), part])
+        self._in_flight = (self._writer.submit(self._write, point, names, taken, started), receipt)
 
-    def _write(
-        self,
-        point: Point,
-        part: dict[str, Any],
-        model: dict[str, torch.Tensor] | None,
-        started: float,
-        ready: list[torch.cuda.Event],
-    ) -> None:
-        for event in ready:  # the device's copies into the host buffers are done
+    def _write(self, point: Point, names: list[str], taken: Taken, started: float) -> None:
+        for event in taken.ready:  # the device's copies into the host buffers are done
             event.synchronize()
-        if model is not None:
-            self.store.write_part(point, MODEL_FILE, model)
-        self.store.write_part(point, rank_file(self.rank), part)
+        if self._process is not None:
+            paths = [self.store.partial(point) / name for name in names]
+            try:
+                self._process.write(taken.region, list(zip(paths, taken.skeleton, strict=True)))
+                self.last_save_s = time.perf_counter() - started
+                return
+            except WriterGone as gone:
+                log.warning("%s: this rank writes its parts on a thread of its own from now on", gone)
+                self._process.close()
+                self._process = None
+        for name, obj in zip(names, taken.value, strict=True):
+            self.store.write_part(point, name, obj)
         self.last_save_s = time.perf_counter() - started
+
+    @property
+    def writes_in_process(self) -> bool:
+        """Whether its parts are written by a process of the rank's own (flodl/worker/part_writer.py)."""
+        return self._process is not None
 
     def written(self) -> list[Saved]:
         """The receipts of the parts on disk since the last look (a failed write raises here)."""
@@ -139,6 +128,9 @@ class RankCheckpointer:
     def close(self) -> None:
         if self._writer is not None:
             self._writer.shutdown(wait=True)
+        if self._process is not None:
+            self._process.close()
+        self._snapshot.release()
 
 
 def restore_rank_part(checkpoint: Checkpoint, rank: int, stepper: Stepper) -> dict[str, Any]:
