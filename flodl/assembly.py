@@ -219,7 +219,9 @@ def make_worker(
         if not checkpoints_on(cfg):
             return None
         store = checkpoint_store(cfg, run_dir)
-        return RankCheckpointer(store, rank, parts.model, stepper, writes_in_background(cfg))
+        # auto: the rank's device decides (a process on a GPU)
+        process = {"auto": None, "thread": False, "process": True}[cfg.checkpoint_writer]
+        return RankCheckpointer(store, rank, parts.model, stepper, writes_in_background(cfg), process)
 
     stepper_for = stepper_settings(cfg, env, device.type, first_start=not group.joining)
     if not averages_parameters(cfg):

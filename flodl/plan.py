@@ -166,7 +166,12 @@ def checkpoints_line(cfg: FlodlConfig, world: int) -> str:
         where = "a step the ranks agree on" if cfg.policy == "sync" else "the next round"
         when.append(f"{cfg.checkpoint_every_s:g} s after the last, at {where}")
     when.append("after the last epoch")
-    how = "written in the background" if writes_in_background(cfg) else "written at the boundary"
+    writer = {
+        "auto": "by a process of each rank's own on a GPU, a thread on CPU",
+        "thread": "on a thread of each rank's own",
+        "process": "by a process of each rank's own",
+    }[cfg.checkpoint_writer]
+    how = f"written in the background ({writer})" if writes_in_background(cfg) else "written at the boundary"
     stop = (
         f"a stop signal saves at the next {'step' if cfg.policy == 'sync' else 'round'} within "
         f"{cfg.stop_grace_s:g} s, then stops"

@@ -84,6 +84,7 @@ OVERRIDES = [
     ("checkpoint_every_s=1800", "checkpoint_every_s", 1800.0, float),
     ("stop_grace_s=25", "stop_grace_s", 25.0, float),
     ("checkpoint_background=false", "checkpoint_background", False, bool),
+    ("checkpoint_writer=thread", "checkpoint_writer", "thread", str),
     ("save_path=/tmp/ckpts", "save_path", "/tmp/ckpts", str),
     ("checkpoint_keep=5", "checkpoint_keep", 5, int),
     ("resume=never", "resume", "never", str),

@@ -89,7 +89,8 @@ def test_plan_says_when_checkpoints_are_taken_and_what_a_stop_does():
     steps = plan_of(checkpoint_every=2, checkpoint_every_steps=500)
     assert (
         "checkpoints     every 2 epoch(s), every 500 global steps, inside epochs too, after the last epoch; "
-        "written in the background; a stop signal saves at the next step within 20 s, then stops"
+        "written in the background (by a process of each rank's own on a GPU, a thread on CPU); a stop "
+        "signal saves at the next step within 20 s, then stops"
     ) in steps
     timed = plan_of(policy="cadence", checkpoint_every_s=600.0, checkpoint_background=False, stop_grace_s=0.0)
     assert "600 s after the last, at the next round, after the last epoch; written at the boundary" in timed

@@ -224,6 +224,24 @@ def test_checkpoints_by_time_under_sync_need_the_fixed_world_and_keep_needs_some
     assert "checkpoint_every, checkpoint_every_steps or checkpoint_every_s" in problem
 
 
+def test_checkpoint_writer_is_one_of_its_choices_and_applies_to_parts_written_in_the_background():
+    assert_problem(problems_of(make(checkpoint_writer="disk")), "checkpoint_writer", "disk", "must be one of")
+    for writer in ("auto", "thread", "process"):
+        assert not [p for p in problems_of(make(checkpoint_writer=writer)) if "checkpoint_writer" in p]
+    assert_problem(
+        problems_of(make(checkpoint_writer="process", checkpoint_background=False)),
+        "checkpoint_writer",
+        "process",
+        "applies to parts written in the background: set checkpoint_background=true",
+    )
+    assert_problem(
+        problems_of(make(policy="cadence", fault_tolerance="survive", checkpoint_writer="thread")),
+        "checkpoint_writer",
+        "thread",
+        "fault_tolerance=survive writes parts at the boundary",
+    )
+
+
 def test_async_takes_easgd_alpha_and_max_overshoot():
     problems = problems_of(make(policy="async", easgd_alpha=0.5, max_overshoot=3))
     assert not [p for p in problems if p.startswith(("easgd_alpha=", "max_overshoot="))], problems

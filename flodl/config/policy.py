@@ -91,5 +91,5 @@ def saves_on_stop(cfg: FlodlConfig) -> bool:
 
 
 def writes_in_background(cfg: FlodlConfig) -> bool:
-    """Whether checkpoint parts are written on a thread of their own (the fixed world only)."""
+    """Whether checkpoint parts are written in the background (the fixed world only)."""
     return cfg.checkpoint_background and cfg.fault_tolerance == "none"

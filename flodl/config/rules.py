@@ -13,9 +13,10 @@ from dataclasses import fields
 from typing import Any
 
 from flodl.config.host import HostFacts, stage_dir_of
-from flodl.config.policy import CHECKPOINT_KEYS, checkpoints_on
+from flodl.config.policy import CHECKPOINT_KEYS, checkpoints_on, writes_in_background
 from flodl.config.schema import (
     BACKENDS,
+    CHECKPOINT_WRITERS,
     COMPILE_MODES,
     DEVICES,
     FAULT_TOLERANCE,
@@ -171,6 +172,11 @@ def _range_problems(cfg: FlodlConfig) -> Iterator[str]:
     yield from check("launch.max_restarts", lambda v: v >= 0, "must be >= 0")
     yield from check(
         "fault_tolerance", lambda v: v in FAULT_TOLERANCE, f"must be one of {', '.join(FAULT_TOLERANCE)}"
+    )
+    yield from check(
+        "checkpoint_writer",
+        lambda v: v in CHECKPOINT_WRITERS,
+        f"must be one of {', '.join(CHECKPOINT_WRITERS)}",
     )
     yield from check("min_ranks", lambda v: v >= 1, "must be >= 1")
     yield from check("simulate.nan_at_step", lambda v: v >= 1, "must be >= 1 (a 1-based step)", True)
@@ -437,6 +443,15 @@ def _do_nothing_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
             )
         if cfg.save_path is not None:
             yield _problem("save_path", cfg.save_path, f"is where checkpoints go: set {CHECKPOINT_KEYS}")
+    if cfg.checkpoint_writer != defaults.checkpoint_writer and not writes_in_background(cfg):
+        why = (
+            "fault_tolerance=survive writes parts at the boundary"
+            if cfg.fault_tolerance == "survive"
+            else "set checkpoint_background=true"
+        )
+        yield _problem(
+            "checkpoint_writer", cfg.checkpoint_writer, f"applies to parts written in the background: {why}"
+        )
     if cfg.checkpoint_every_s is not None and cfg.policy == "sync" and cfg.fault_tolerance == "survive":
         yield _problem(
             "checkpoint_every_s",

@@ -22,6 +22,7 @@ OUTERS = ("avg", "slowmo", "diloco")
 QUANTIZED_WIRES = ("int8", "int4")
 ON_NONFINITE = ("error", "skip")
 FAULT_TOLERANCE = ("none", "survive")
+CHECKPOINT_WRITERS = ("auto", "thread", "process")
 PRECISIONS = ("fp32", "bf16", "fp16")
 # torch.compile's modes (torch._inductor.list_mode_options()).
 COMPILE_MODES = ("auto", "default", "lite", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -285,10 +286,13 @@ class FlodlConfig:
     checkpoint_keep: int = 2
     # Where checkpoints/ goes (null: the run dir).
     save_path: str | None = None
-    # Write checkpoint parts on a thread of their own from a copy in host memory taken at the boundary, so
-    # training goes on while they are written (under fault_tolerance=survive parts are written at the
-    # boundary: a member cut mid-write must not hold up the others' checkpoint).
+    # Write checkpoint parts in the background from a copy in host memory taken at the boundary, so training
+    # goes on while they are written (under fault_tolerance=survive parts are written at the boundary: a
+    # member cut mid-write must not hold up the others' checkpoint).
     checkpoint_background: bool = True
+    # Who writes them in the background: auto (a process of the rank's own on a GPU, where a writer thread
+    # would slow the training thread's kernel launches; a thread on CPU), thread or process.
+    checkpoint_writer: str = "auto"
     # A stop signal (SIGTERM from a scheduler, Ctrl-C) first saves a checkpoint at the next step (sync) or
     # round (cadence, async) boundary, within this many seconds, then stops; past it, or 0, the ranks stop at
     # once and the last checkpoint is named. Needs checkpoints on.
