@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import io
 import json
 import logging
 import os
 import signal
+import struct
+import sys
+import termios
 import threading
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -33,6 +38,7 @@ from flodl.wire.messages import ChunkReport, Saved
 from flodl.worker.checkpoint_part import RankCheckpointer
 from flodl.worker.host_snapshot import HostSnapshot, carve, fill
 from tests.helpers.digits_stepper import digits_stepper, train_steps
+from tests.helpers.procs import kill_group, start, wait_for, wait_for_path
 
 
 def write_checkpoint(store: CheckpointDir, epoch: int, world_size: int = 2, commit: bool = True) -> None:
@@ -426,6 +432,55 @@ def test_a_writer_process_writes_the_parts_ignores_stop_signals_and_its_loss_fal
         assert all(torch.equal(model[k], state[k]) for k in state)
     part = torch.load(store.partial(points[1]) / rank_file(0), weights_only=True)
     assert part["worker"] == {"at": 1} and part["stepper"]["steps_total"] == 3
+
+
+_WRITER_HOST = """
+import sys, time
+from pathlib import Path
+import torch
+from flodl.worker.host_snapshot import HostSnapshot
+from flodl.worker.part_writer import PartWriterProcess
+out = Path(sys.argv[1])
+writer = PartWriterProcess(0)
+taken = HostSnapshot(shared=True).take({"w": torch.ones(1 << 20)})
+writer.write(taken.region, [(out / "first.pt", taken.skeleton)])  # it serves: its death signal is set
+(out / "writer.pid").write_text(str(writer._process.pid))
+while not (out / "go").exists():
+    time.sleep(0.05)
+writer.write(taken.region, [(out / "second.pt", taken.skeleton)])
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's")
+def test_a_writer_process_ends_with_its_rank_killed_while_it_writes(tmp_path: Path) -> None:
+    """A rank killed outright (SIGKILL: none of its code runs) while its writer process writes a part must not
+    leave that process behind, still writing into a checkpoint dir that a resumed run writes again. The part's
+    temporary file is a FIFO nobody reads: the process blocks in its write once the FIFO's buffer is full
+    (without the death signal it would wait there for ever)."""
+    host = start([sys.executable, "-c", _WRITER_HOST, str(tmp_path)], tmp_path)
+    reader = None
+    try:
+        wait_for_path(tmp_path / "writer.pid", host, timeout=120)
+        assert torch.equal(torch.load(tmp_path / "first.pt", weights_only=True)["w"], torch.ones(1 << 20))
+        writer = psutil.Process(int((tmp_path / "writer.pid").read_text()))
+        fifo = tmp_path / f".second.pt.tmp-{writer.pid}"  # flodl.checkpoint's temporary name for it
+        os.mkfifo(fifo)
+        reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+        (tmp_path / "go").touch()
+
+        def pending() -> int:
+            return struct.unpack("i", fcntl.ioctl(reader, termios.FIONREAD, b"\0" * 4))[0]
+
+        # Any byte there: the process is inside the part (4 MiB, far more than the FIFO holds).
+        wait_for(lambda: pending() > 0, host, 120, "the writer started the part")
+        os.kill(host.pid, signal.SIGKILL)
+        host.wait(30)
+        gone, _ = psutil.wait_procs([writer], timeout=60)
+        assert gone or writer.status() == psutil.STATUS_ZOMBIE, "the writer outlived its rank"
+    finally:
+        kill_group(host)
+        if reader is not None:
+            os.close(reader)
 
 
 @pytest.mark.gpu
