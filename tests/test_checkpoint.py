@@ -434,6 +434,31 @@ def test_a_writer_process_writes_the_parts_ignores_stop_signals_and_its_loss_fal
     assert part["worker"] == {"at": 1} and part["stepper"]["steps_total"] == 3
 
 
+def test_no_room_in_shared_memory_for_a_writer_process_falls_back_to_a_thread_and_says_what_to_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A container's /dev/shm is often 64 MB, less than a model's state: the save must not fail for it."""
+    store = CheckpointDir(tmp_path, keep=3)
+    stepper = digits_stepper()
+    train_steps(stepper, 1)
+    model = stepper.parts.model
+    checkpointer = RankCheckpointer(store, 0, model, stepper, background=True, writer_process=True)
+
+    def no_room(self: torch.Tensor) -> torch.Tensor:  # what torch raises when /dev/shm is full
+        raise RuntimeError("unable to allocate shared memory(shm) for file </torch_1>: No space left (28)")
+
+    monkeypatch.setattr(torch.Tensor, "share_memory_", no_room)
+    at_boundary = {k: v.clone() for k, v in model.state_dict().items()}
+    with caplog.at_level("WARNING", logger="flodl"):
+        checkpointer.save(Point(0, 32), {}, Saved(0, 0, into=32, chunks=1))
+    checkpointer.flush()
+    assert [r.into for r in checkpointer.written()] == [32] and not checkpointer.writes_in_process
+    assert "no room for a copy of" in caplog.text and "docker run --shm-size" in caplog.text
+    checkpointer.close()
+    written = torch.load(store.partial(Point(0, 32)) / MODEL_FILE, weights_only=True)
+    assert all(torch.equal(written[k], at_boundary[k]) for k in at_boundary)
+
+
 _WRITER_HOST = """
 import sys, time
 from pathlib import Path

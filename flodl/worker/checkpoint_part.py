@@ -28,7 +28,7 @@ from flodl.checkpoint import (
     rank_file,
 )
 from flodl.wire.messages import Saved
-from flodl.worker.host_snapshot import HostSnapshot, Taken
+from flodl.worker.host_snapshot import HostSnapshot, SharedRegionFailed, Taken
 from flodl.worker.part_writer import PartWriterProcess, WriterGone
 from flodl.worker.rank_state import restore_stepper, stepper_state
 from flodl.worker.stepper import Stepper
@@ -81,7 +81,13 @@ class RankCheckpointer:
             self.last_save_s = time.perf_counter() - started
             self._receipts.append(receipt)
             return
-        taken = self._snapshot.take([*([self.model.state_dict()] if first_member else []), part])
+        state = [*([self.model.state_dict()] if first_member else []), part]
+        try:
+            taken = self._snapshot.take(state)
+        except SharedRegionFailed as failed:
+            more = "give the job more shared memory (docker run --shm-size) for a process to write them"
+            self._write_on_thread(f"{failed}; {more}")
+            taken = self._snapshot.take(state)
         self._in_flight = (self._writer.submit(self._write, point, names, taken, started), receipt)
 
     def _write(self, point: Point, names: list[str], taken: Taken, started: float) -> None:
@@ -94,12 +100,19 @@ class RankCheckpointer:
                 self.last_save_s = time.perf_counter() - started
                 return
             except WriterGone as gone:
-                log.warning("%s: this rank writes its parts on a thread of its own from now on", gone)
-                self._process.close()
-                self._process = None
+                self._write_on_thread(str(gone))
         for name, obj in zip(names, taken.value, strict=True):
             self.store.write_part(point, name, obj)
         self.last_save_s = time.perf_counter() - started
+
+    def _write_on_thread(self, why: str) -> None:
+        """The writer process cannot write the parts (`why`): this rank's thread does from now on."""
+        log.warning("rank %d: %s: its checkpoint parts are written on a thread from now on", self.rank, why)
+        assert self._process is not None
+        self._process.close()
+        self._process = None
+        self._snapshot.release()
+        self._snapshot = HostSnapshot()
 
     @property
     def writes_in_process(self) -> bool:

@@ -55,6 +55,11 @@ def fill(skeleton: Any, tensor_at: Callable[[Slot], torch.Tensor]) -> Any:
     return skeleton
 
 
+class SharedRegionFailed(RuntimeError):
+    """A region in shared memory could not be made: no room (a container's /dev/shm is often 64 MB), or it
+    could not be pinned."""
+
+
 class HostRegion:
     """One host allocation a snapshot's buffers are carved from."""
 
@@ -63,14 +68,18 @@ class HostRegion:
         if not shared:
             self.bytes = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
             return
-        self.bytes = torch.empty(nbytes, dtype=torch.uint8).share_memory_()
+        size = f"{nbytes / 2**20:,.0f} MiB"
+        try:
+            self.bytes = torch.empty(nbytes, dtype=torch.uint8).share_memory_()
+        except RuntimeError as err:
+            raise SharedRegionFailed(f"no room for a copy of {size} in shared memory ({err})") from err
         if pinned and nbytes:
             # Shared memory cannot be allocated pinned: it is pinned in place (a pageable destination would
             # make every device copy wait for the host).
             cudart = torch.cuda.cudart()
             error = cudart.cudaHostRegister(self.bytes.data_ptr(), nbytes, 0)
             if error != cudart.cudaError.success:
-                raise RuntimeError(f"cudaHostRegister of {nbytes} bytes of shared memory failed: {error}")
+                raise SharedRegionFailed(f"{size} of shared memory could not be pinned ({error})")
             self._registered = True
 
     def release(self) -> None:

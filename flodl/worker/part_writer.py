@@ -59,8 +59,8 @@ class PartWriterProcess:
         except (EOFError, OSError) as err:
             self._process.join(timeout=5)
             raise WriterGone(
-                f"rank {self.rank}: the checkpoint writer process ended (exit code {self._process.exitcode}) "
-                f"while writing {files[0][0]}"
+                f"the checkpoint writer process ended (exit code {self._process.exitcode}) while writing "
+                f"{files[0][0]}"
             ) from err
         if failure is not None:
             raise CheckpointError(f"rank {self.rank}: {failure}")
