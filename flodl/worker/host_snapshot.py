@@ -76,9 +76,13 @@ class HostRegion:
         if pinned and nbytes:
             # Shared memory cannot be allocated pinned: it is pinned in place (a pageable destination would
             # make every device copy wait for the host).
-            cudart = torch.cuda.cudart()
-            error = cudart.cudaHostRegister(self.bytes.data_ptr(), nbytes, 0)
-            if error != cudart.cudaError.success:
+            try:
+                cudart = torch.cuda.cudart()
+                error = cudart.cudaHostRegister(self.bytes.data_ptr(), nbytes, 0)
+                pinned_in_place = error == cudart.cudaError.success
+            except (AttributeError, RuntimeError) as err:  # a build without CUDA's runtime calls
+                error, pinned_in_place = err, False
+            if not pinned_in_place:
                 raise SharedRegionFailed(f"{size} of shared memory could not be pinned ({error})")
             self._registered = True
 
