@@ -37,6 +37,7 @@ from flodl.config.policy import (
     guarded,
     heartbeat_timeout_of,
     step_samples,
+    writes_in_a_process,
     writes_in_background,
 )
 from flodl.config.rules import GIB
@@ -219,8 +220,7 @@ def make_worker(
         if not checkpoints_on(cfg):
             return None
         store = checkpoint_store(cfg, run_dir)
-        # auto: the rank's device decides (a process on a GPU)
-        process = {"auto": None, "thread": False, "process": True}[cfg.checkpoint_writer]
+        process = writes_in_a_process(cfg, device.type)
         return RankCheckpointer(store, rank, parts.model, stepper, writes_in_background(cfg), process)
 
     stepper_for = stepper_settings(cfg, env, device.type, first_start=not group.joining)

@@ -517,8 +517,9 @@ def test_a_background_save_on_a_gpu_does_not_wait_for_the_device_and_writes_the_
     stepper = digits_stepper(device="cuda")
     train_steps(stepper, 3)
     at_boundary = {k: v.clone() for k, v in stepper.parts.model.state_dict().items()}
-    checkpointer = RankCheckpointer(store, 0, stepper.parts.model, stepper, background=True)
-    assert checkpointer.writes_in_process  # a GPU rank's parts are written by a process of its own
+    trained = stepper.parts.model
+    checkpointer = RankCheckpointer(store, 0, trained, stepper, background=True, writer_process=True)
+    assert checkpointer.writes_in_process
     checkpointer.save(Point(0, 96), {}, Saved(0, 0, into=96, chunks=1))  # the host buffers are made here
     checkpointer.flush()
     torch.cuda.synchronize()

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from flodl.config.host import HostFacts
-from flodl.config.policy import compile_mode_for
+from flodl.config.policy import compile_mode_for, writes_in_a_process
 from flodl.config.rules import GIB, LOCAL_SGD_KNOBS, NOT_IMPLEMENTED, ConfigError, validate
 from flodl.config.schema import FlodlConfig, to_config
 from flodl.config.targets import list_target_problems
@@ -222,6 +222,12 @@ def test_checkpoints_by_time_under_sync_need_the_fixed_world_and_keep_needs_some
         problems_of(make(checkpoint_keep=5)), "checkpoint_keep", 5, "applies to checkpoints"
     )
     assert "checkpoint_every, checkpoint_every_steps or checkpoint_every_s" in problem
+
+
+def test_a_gpu_rank_writes_its_parts_by_a_process_unless_told_and_a_cpu_rank_on_a_thread():
+    assert writes_in_a_process(make(), "cuda") and not writes_in_a_process(make(), "cpu")
+    assert not writes_in_a_process(make(checkpoint_writer="thread"), "cuda")
+    assert writes_in_a_process(make(checkpoint_writer="process"), "cpu")
 
 
 def test_checkpoint_writer_is_one_of_its_choices_and_applies_to_parts_written_in_the_background():

@@ -93,3 +93,11 @@ def saves_on_stop(cfg: FlodlConfig) -> bool:
 def writes_in_background(cfg: FlodlConfig) -> bool:
     """Whether checkpoint parts are written in the background (the fixed world only)."""
     return cfg.checkpoint_background and cfg.fault_tolerance == "none"
+
+
+def writes_in_a_process(cfg: FlodlConfig, device_type: str) -> bool:
+    """Whether a rank's parts in the background are written by a process of its own (auto: on a GPU, whose
+    launch-bound training thread a writer thread would slow; flodl/worker/part_writer.py), not a thread."""
+    if cfg.checkpoint_writer == "auto":
+        return device_type == "cuda"
+    return cfg.checkpoint_writer == "process"

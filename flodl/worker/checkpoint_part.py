@@ -19,14 +19,7 @@ from typing import Any
 
 from torch import nn
 
-from flodl.checkpoint import (
-    MODEL_FILE,
-    Checkpoint,
-    CheckpointDir,
-    Point,
-    model_state,
-    rank_file,
-)
+from flodl.checkpoint import MODEL_FILE, Checkpoint, CheckpointDir, Point, model_state, rank_file
 from flodl.wire.messages import Saved
 from flodl.worker.host_snapshot import HostSnapshot, SharedRegionFailed, Taken
 from flodl.worker.part_writer import PartWriterProcess, WriterGone
@@ -46,17 +39,15 @@ class RankCheckpointer:
         model: nn.Module,
         stepper: Stepper,
         background: bool = False,
-        writer_process: bool | None = None,
+        writer_process: bool = False,
     ) -> None:
-        """`writer_process` (in the background): parts written by a process of the rank's own (None: when
-        the model is on a GPU, see flodl/worker/part_writer.py)."""
+        """`writer_process` (in the background): parts written by a process of the rank's own (what a GPU
+        rank does, see flodl/worker/part_writer.py), not by a thread."""
         self.store = store
         self.rank = rank
         self.model = model
         self.stepper = stepper
         self._writer = ThreadPoolExecutor(1, "flodl-checkpoint") if background else None
-        if writer_process is None:
-            writer_process = any(p.is_cuda for p in model.parameters())
         self._process = PartWriterProcess(rank) if background and writer_process else None
         self._snapshot = HostSnapshot(shared=self._process is not None)
         self._in_flight: tuple[Future[None], Saved] | None = None

@@ -11,11 +11,13 @@ its bytes, and the writer process carves the same buffers out of its own mapping
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map_only
 
 _ALIGN = 64  # bytes: every buffer starts on a cache line
 
@@ -30,29 +32,18 @@ class Slot:
 
     @property
     def nbytes(self) -> int:
-        return torch.Size(self.shape).numel() * torch.empty(0, dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def carve(region: torch.Tensor, slot: Slot) -> torch.Tensor:
     """The tensor at `slot` of `region` (uint8), sharing its memory."""
     storage = region.untyped_storage()[slot.offset : slot.offset + slot.nbytes]
-    stride: list[int] = []
-    step = 1
-    for size in reversed(slot.shape):  # row-major, as torch.empty(shape) lays it out
-        stride.insert(0, step)
-        step *= size
-    return torch.empty(0, dtype=slot.dtype).set_(storage, 0, slot.shape, stride)
+    return torch.empty(0, dtype=slot.dtype).set_(storage).view(slot.shape)
 
 
 def fill(skeleton: Any, tensor_at: Callable[[Slot], torch.Tensor]) -> Any:
     """`skeleton` (a snapshot's structure, `Slot`s in place of its tensors) with each slot's tensor."""
-    if isinstance(skeleton, Slot):
-        return tensor_at(skeleton)
-    if isinstance(skeleton, dict):
-        return {key: fill(value, tensor_at) for key, value in skeleton.items()}
-    if isinstance(skeleton, (list, tuple)):
-        return type(skeleton)(fill(value, tensor_at) for value in skeleton)
-    return skeleton
+    return tree_map_only(Slot, tensor_at, skeleton)
 
 
 class SharedRegionFailed(RuntimeError):
@@ -123,22 +114,16 @@ class HostSnapshot:
         slots: list[Slot] = []
         offset = 0
 
-        def plan(obj: Any) -> Any:
+        def plan(tensor: torch.Tensor) -> Slot:
             nonlocal offset
-            if isinstance(obj, torch.Tensor):
-                source = obj.detach()
-                slot = Slot(offset, source.dtype, tuple(source.shape))
-                offset += -(-slot.nbytes // _ALIGN) * _ALIGN
-                sources.append(source)
-                slots.append(slot)
-                return slot
-            if isinstance(obj, dict):
-                return {key: plan(value) for key, value in obj.items()}
-            if isinstance(obj, (list, tuple)):
-                return type(obj)(plan(value) for value in obj)
-            return obj
+            source = tensor.detach()
+            slot = Slot(offset, source.dtype, tuple(source.shape))
+            offset += -(-slot.nbytes // _ALIGN) * _ALIGN
+            sources.append(source)
+            slots.append(slot)
+            return slot
 
-        skeleton = plan(obj)
+        skeleton = tree_map_only(torch.Tensor, plan, obj)
         devices = {source.device for source in sources if source.is_cuda}
         layout = tuple((slot, source.is_cuda) for slot, source in zip(slots, sources, strict=True))
         if self._region is None or layout != self._layout:
