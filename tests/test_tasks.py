@@ -31,6 +31,7 @@ def params_of(task: str) -> int:
         ("charlm", 10.6e6, 11.0e6),
         ("gpt_85m", 84e6, 87e6),
         ("gpt_large", 100e6, 130e6),
+        ("gpt2_small", 85e6, 87e6),
         ("resnet20", 0.26e6, 0.29e6),
     ],
 )
@@ -41,6 +42,22 @@ def test_config_model_sizes(task: str, low: float, high: float) -> None:
 def test_output_head_is_the_token_embedding() -> None:
     model = GPT(layers=1, dim=32, heads=2, context=16)
     assert model.head.weight is model.tokens.weight
+
+
+def test_a_gpt_without_biases_has_none_and_computes_what_its_weights_say() -> None:
+    torch.manual_seed(0)
+    biased = GPT(layers=2, dim=32, heads=2, context=16)
+    plain = GPT(layers=2, dim=32, heads=2, context=16, bias=False)
+    assert not [n for n, _ in plain.named_parameters() if n.endswith("bias")]
+    # Every bias of the biased model is zero at init: with the same weights, the same logits.
+    names = dict(plain.named_parameters())
+    assert {n for n, _ in biased.named_parameters() if not n.endswith("bias")} == set(names)
+    with torch.no_grad():
+        for name, param in biased.named_parameters():
+            if name in names:
+                names[name].copy_(param)
+    idx = torch.randint(0, 256, (2, 16))
+    torch.testing.assert_close(plain(idx), biased(idx))
 
 
 def test_stdlib_split_is_by_file_disjoint_and_deterministic() -> None:

@@ -22,13 +22,13 @@ _INSTALLED = {"site-packages", "dist-packages"}
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
+    def __init__(self, dim: int, heads: int, bias: bool = True) -> None:
         super().__init__()
         if dim % heads:
             raise ValueError(f"CausalSelfAttention: dim={dim} is not a multiple of heads={heads}")
         self.heads = heads
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=bias)
+        self.proj = nn.Linear(dim, dim, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
         batch, length, dim = x.shape
@@ -42,12 +42,14 @@ class CausalSelfAttention(nn.Module):
 class Block(nn.Module):
     """Pre-LN transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
-    def __init__(self, dim: int, heads: int) -> None:
+    def __init__(self, dim: int, heads: int, bias: bool = True) -> None:
         super().__init__()
-        self.ln_attn = nn.LayerNorm(dim)
-        self.attn = CausalSelfAttention(dim, heads)
-        self.ln_mlp = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        self.ln_attn = nn.LayerNorm(dim, bias=bias)
+        self.attn = CausalSelfAttention(dim, heads, bias)
+        self.ln_mlp = nn.LayerNorm(dim, bias=bias)
+        self.mlp = nn.Sequential(
+            nn.Linear(dim, 4 * dim, bias=bias), nn.GELU(), nn.Linear(4 * dim, dim, bias=bias)
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln_attn(x))
@@ -58,7 +60,8 @@ class GPT(nn.Module):
     """Decoder-only transformer with learned positions and the output head tied to the token embedding.
 
     `amp`: run the forward pass under bf16 autocast on CUDA (parameters and optimizer stay float32);
-    ignored on CPU, so tiny test configs run in float32 there.
+    ignored on CPU, so tiny test configs run in float32 there. `bias`: biases in the blocks' linear layers
+    and layer norms (GPT-2 has them; without, a step has no bias gradients to reduce).
     """
 
     def __init__(
@@ -69,14 +72,15 @@ class GPT(nn.Module):
         context: int = 256,
         vocab: int = VOCAB,
         amp: bool = True,
+        bias: bool = True,
     ) -> None:
         super().__init__()
         self.context = context
         self.amp = amp
         self.tokens = nn.Embedding(vocab, dim)
         self.positions = nn.Embedding(context, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
-        self.ln_out = nn.LayerNorm(dim)
+        self.blocks = nn.ModuleList(Block(dim, heads, bias) for _ in range(layers))
+        self.ln_out = nn.LayerNorm(dim, bias=bias)
         self.head = nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.tokens.weight
         self.apply(_init_weights)
