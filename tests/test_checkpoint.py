@@ -409,6 +409,9 @@ def test_a_writer_process_writes_the_parts_ignores_stop_signals_and_its_loss_fal
     )
     assert checkpointer.writes_in_process
     process = checkpointer._process._process  # type: ignore[union-attr]
+    checkpointer.wait_ready()  # what a worker does before it trains: the process's imports are done
+    if hasattr(os, "SCHED_IDLE"):  # it only takes cores training leaves idle
+        assert os.sched_getscheduler(process.pid) == os.SCHED_IDLE
     points = [Point(0, 64), Point(0, 128), Point(0, 192)]
     states = []
     for i, point in enumerate(points):
@@ -432,6 +435,26 @@ def test_a_writer_process_writes_the_parts_ignores_stop_signals_and_its_loss_fal
         assert all(torch.equal(model[k], state[k]) for k in state)
     part = torch.load(store.partial(points[1]) / rank_file(0), weights_only=True)
     assert part["worker"] == {"at": 1} and part["stepper"]["steps_total"] == 3
+
+
+def test_a_writer_process_gone_before_it_started_leaves_the_rank_writing_on_a_thread(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    stepper = digits_stepper()
+    checkpointer = RankCheckpointer(
+        CheckpointDir(tmp_path, keep=1), 0, stepper.parts.model, stepper, background=True, writer_process=True
+    )
+    process = checkpointer._process._process  # type: ignore[union-attr]
+    process.kill()
+    process.join(30)
+    with caplog.at_level("WARNING", logger="flodl"):
+        checkpointer.wait_ready()
+    assert not checkpointer.writes_in_process
+    assert "the checkpoint writer process ended (exit code -9) as it started" in caplog.text
+    checkpointer.save(Point(0, 32), {}, Saved(0, 0, into=32, chunks=0))
+    checkpointer.flush()
+    assert [r.into for r in checkpointer.written()] == [32]
+    checkpointer.close()
 
 
 def test_no_room_in_shared_memory_for_a_writer_process_falls_back_to_a_thread_and_says_what_to_do(

@@ -291,7 +291,8 @@ class FlodlConfig:
     # member cut mid-write must not hold up the others' checkpoint).
     checkpoint_background: bool = True
     # Who writes them in the background: auto (a process of the rank's own on a GPU, where a writer thread
-    # would slow the training thread's kernel launches; a thread on CPU), thread or process.
+    # would slow the training thread's kernel launches; a thread on CPU), thread or process (at idle priority,
+    # started before training: on CPU it repays its torch import only with frequent checkpoints).
     checkpoint_writer: str = "auto"
     # A stop signal (SIGTERM from a scheduler, Ctrl-C) first saves a checkpoint at the next step (sync) or
     # round (cadence, async) boundary, within this many seconds, then stops; past it, or 0, the ranks stop at

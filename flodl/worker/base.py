@@ -105,6 +105,8 @@ class WorkerBase:
         """`alive` raises when this rank must stop waiting (rank 0: the coordinator failed)."""
         self.reader.start()
         try:
+            if self.checkpointer is not None:
+                self.checkpointer.wait_ready()
             self.group.start(self, self.stepper.fault.before_start)
             while True:
                 self.report_written()

@@ -105,6 +105,15 @@ class RankCheckpointer:
         self._snapshot.release()
         self._snapshot = HostSnapshot()
 
+    def wait_ready(self) -> None:
+        """Before training: a writer process has started (falls back to the thread if it cannot)."""
+        if self._process is None:
+            return
+        try:
+            self._process.wait_ready()
+        except WriterGone as gone:
+            self._write_on_thread(str(gone))
+
     @property
     def writes_in_process(self) -> bool:
         """Whether its parts are written by a process of the rank's own (flodl/worker/part_writer.py)."""

@@ -6,8 +6,14 @@ pickling, the file's writes, the fsync) takes the interpreter's lock from it oft
 while a part is written (a probe on one H200, gpt_nano's step with a part of its state written beside it:
 8-9% slower from a thread, 0.6% from a process). The rank copies its state into a shared-memory region
 (flodl/worker/host_snapshot.py); the process maps it once and is sent, per part, only the state's structure
-with `Slot`s in place of its tensors. On CPU the compute itself runs outside that lock and a process would
-only cost a torch import per rank: CPU ranks write on a thread.
+with `Slot`s in place of its tensors.
+
+Once its imports are done (the rank waits for that before it trains, so they do not run beside training) it
+runs at idle priority (Linux's SCHED_IDLE): it writes on cores training leaves idle, never in training's way.
+Where every core trains (CPU ranks), parts then take longer and checkpoints by time come at the pace idle
+cores allow; a rank whose next save finds the last part unwritten waits for it, leaving its core to the
+writer. CPU ranks write on a thread unless asked (`checkpoint_writer=process`): a process costs a torch
+import per rank at the start, which only frequent checkpoints repay (bench/checkpoint_stall.py).
 
 The process ignores the stop signals (a stop saves a checkpoint: its parent decides when it ends) and dies
 with its parent (Linux: the parent-death signal; elsewhere at the end of its pipe)."""
@@ -48,10 +54,26 @@ class PartWriterProcess:
         self._process.start()  # its imports run while the rank trains towards its first checkpoint
         child.close()
         self._mapped: HostRegion | None = None  # the region the process has mapped
+        self._ready = False
+
+    def wait_ready(self) -> None:
+        """Wait until the process has started (its imports done), so that they do not run beside training.
+        A process that ended raises `WriterGone`."""
+        if self._ready:
+            return
+        try:
+            self._pipe.recv()
+        except (EOFError, OSError) as err:
+            self._process.join(timeout=5)
+            raise WriterGone(
+                f"the checkpoint writer process ended (exit code {self._process.exitcode}) as it started"
+            ) from err
+        self._ready = True
 
     def write(self, region: HostRegion, files: list[tuple[Path, Any]]) -> None:
         """Write each (path, skeleton) from `region`; returns once every file is on disk. A process that
         ended raises `WriterGone`; a write that failed there raises CheckpointError naming its file."""
+        self.wait_ready()
         try:
             self._pipe.send((region.bytes if region is not self._mapped else None, files))
             self._mapped = region
@@ -87,6 +109,9 @@ def serve(pipe: Connection, parent: int) -> None:
     if os.getppid() != parent:  # it went before the death signal was set up
         return
     torch.set_num_threads(1)
+    if hasattr(os, "SCHED_IDLE"):  # Linux: it writes on cores training leaves idle, never in training's way
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    pipe.send("ready")
     region: torch.Tensor | None = None
     while True:
         try:
