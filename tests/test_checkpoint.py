@@ -37,6 +37,7 @@ from flodl.resume import check_world_size, restore_worker, truncate_history
 from flodl.wire.messages import ChunkReport, Saved
 from flodl.worker.checkpoint_part import RankCheckpointer
 from flodl.worker.host_snapshot import HostSnapshot, carve, fill
+from flodl.worker.rank_state import rng_state, set_rng_state
 from tests.helpers.digits_stepper import digits_stepper, train_steps
 from tests.helpers.procs import kill_group, start, wait_for, wait_for_path
 
@@ -393,6 +394,27 @@ def test_a_snapshot_copies_into_buffers_it_keeps_and_saves_a_view_without_its_st
     changed = snapshot.take(state)
     assert changed.value["weight"].shape == (2, 2) and changed.region is not first.region
     snapshot.release()
+
+
+def test_the_rng_streams_come_back_from_a_part_and_python_s_from_an_older_part_s_list() -> None:
+    import random
+
+    import numpy as np
+
+    random.seed(5), np.random.seed(6), torch.manual_seed(7)
+    state = rng_state(torch.device("cpu"))
+    # A handful of tensors, not 625 ints: a save walks the state leaf by leaf on the training thread.
+    assert isinstance(state["python"][0], torch.Tensor)
+    saved = io.BytesIO()
+    torch.save(state, saved)
+    expected = (random.random(), np.random.rand(), torch.rand(1))
+    random.seed(0), np.random.seed(0), torch.manual_seed(0)
+    set_rng_state(torch.load(io.BytesIO(saved.getvalue()), weights_only=True), torch.device("cpu"))
+    assert (random.random(), np.random.rand(), torch.rand(1)) == expected
+    older = {**state, "python": [state["python"][0].tolist(), state["python"][1]]}
+    random.seed(0)
+    set_rng_state(older, torch.device("cpu"))
+    assert random.random() == expected[0]
 
 
 def test_a_writer_process_writes_the_parts_ignores_stop_signals_and_its_loss_falls_back_to_a_thread(

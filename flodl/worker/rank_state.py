@@ -20,7 +20,8 @@ def rng_state(device: torch.device) -> dict[str, Any]:
     _, numpy_keys, numpy_pos, numpy_has_gauss, numpy_gauss = numpy_state
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
-        "python": [list(python_keys), python_gauss],
+        # A tensor, not a list of 625 ints: a checkpoint's state is walked leaf by leaf at every save.
+        "python": [torch.tensor(python_keys, dtype=torch.int64), python_gauss],
         # As plain values and tensors: checkpoints load with weights_only=True.
         "numpy": [
             torch.from_numpy(numpy_keys.astype(np.int64)),
@@ -37,6 +38,8 @@ def rng_state(device: torch.device) -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
     python_keys, python_gauss = state["python"]
+    if isinstance(python_keys, torch.Tensor):  # a list in checkpoints written before 2026-12-02
+        python_keys = python_keys.tolist()
     random.setstate((3, tuple(python_keys), python_gauss))
     numpy_keys, numpy_pos, numpy_has_gauss, numpy_gauss = state["numpy"]
     np.random.set_state(
