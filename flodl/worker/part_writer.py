@@ -51,7 +51,7 @@ class PartWriterProcess:
         self._process = context.Process(
             target=serve, args=(child, os.getpid()), name=f"flodl-part-writer-{rank}", daemon=True
         )
-        self._process.start()  # its imports run while the rank trains towards its first checkpoint
+        self._process.start()  # its imports run while the rank sets up; it waits for them before it trains
         child.close()
         self._mapped: HostRegion | None = None  # the region the process has mapped
         self._ready = False

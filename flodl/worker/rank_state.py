@@ -38,7 +38,7 @@ def rng_state(device: torch.device) -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
     python_keys, python_gauss = state["python"]
-    if isinstance(python_keys, torch.Tensor):  # a list in checkpoints written before 2026-12-02
+    if isinstance(python_keys, torch.Tensor):  # a tensor since 2026-12-02, a list in older checkpoints
         python_keys = python_keys.tolist()
     random.setstate((3, tuple(python_keys), python_gauss))
     numpy_keys, numpy_pos, numpy_has_gauss, numpy_gauss = state["numpy"]
