@@ -23,6 +23,7 @@ from flodl.config.policy import (
     saves_on_stop,
     step_samples,
     step_words,
+    writes_in_a_process,
     writes_in_background,
 )
 from flodl.config.rules import GIB
@@ -130,7 +131,7 @@ def describe(cfg: FlodlConfig, host: HostFacts, data: DataPlaneSettings) -> str:
             + (f"({cfg.divergence_threshold or 'auto'})" if cfg.divergence_guard == "trend" else "")
             + (" overlap_rounds (each round applied one window late)" if cfg.overlap_rounds else "")
         )
-    lines.append(checkpoints_line(cfg, world))
+    lines.append(checkpoints_line(cfg, world, device_type))
     lines.append(faults_line(cfg))
     lines += crowding_lines(host, uses_gpu)
     return "\n".join(lines)
@@ -149,7 +150,7 @@ def crowding_lines(host: HostFacts, uses_gpu: bool) -> list[str]:
     return []
 
 
-def checkpoints_line(cfg: FlodlConfig, world: int) -> str:
+def checkpoints_line(cfg: FlodlConfig, world: int, device_type: str) -> str:
     """When checkpoints are taken, how they are written, and what a stop signal does."""
     if not checkpoints_on(cfg):
         return "  checkpoints     off: a stop or a dead rank ends the run where it is (resume starts over)"
@@ -166,12 +167,10 @@ def checkpoints_line(cfg: FlodlConfig, world: int) -> str:
         where = "a step the ranks agree on" if cfg.policy == "sync" else "the next round"
         when.append(f"{cfg.checkpoint_every_s:g} s after the last, at {where}")
     when.append("after the last epoch")
-    writer = {
-        "auto": "by a process of each rank's own on a GPU, a thread on CPU",
-        "thread": "on a thread of each rank's own",
-        "process": "by a process of each rank's own",
-    }[cfg.checkpoint_writer]
-    how = f"written in the background ({writer})" if writes_in_background(cfg) else "written at the boundary"
+    writer = "by a process" if writes_in_a_process(cfg, device_type) else "on a thread"
+    how = "written at the boundary"
+    if writes_in_background(cfg):
+        how = f"written in the background ({writer} of each rank's own)"
     stop = (
         f"a stop signal saves at the next {'step' if cfg.policy == 'sync' else 'round'} within "
         f"{cfg.stop_grace_s:g} s, then stops"

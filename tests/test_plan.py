@@ -10,7 +10,7 @@ from flodl.config.policy import collective_backend
 from flodl.config.rules import GIB
 from flodl.config.schema import to_config
 from flodl.data.feeder import staging_budgets
-from flodl.plan import describe
+from flodl.plan import checkpoints_line, describe
 
 DIGITS = {
     "name": "digits",
@@ -89,9 +89,13 @@ def test_plan_says_when_checkpoints_are_taken_and_what_a_stop_does():
     steps = plan_of(checkpoint_every=2, checkpoint_every_steps=500)
     assert (
         "checkpoints     every 2 epoch(s), every 500 global steps, inside epochs too, after the last epoch; "
-        "written in the background (by a process of each rank's own on a GPU, a thread on CPU); a stop "
+        "written in the background (on a thread of each rank's own); a stop "
         "signal saves at the next step within 20 s, then stops"
     ) in steps
+    # The writer the run gets: auto is a thread on this host's CPU ranks, a process on a GPU or when asked.
+    gpu_line = checkpoints_line(to_config({"task": DIGITS, "checkpoint_every": 2}), 4, "cuda")
+    assert "(by a process of each rank's own)" in gpu_line
+    assert "(by a process of each rank's own)" in plan_of(checkpoint_every=2, checkpoint_writer="process")
     timed = plan_of(policy="cadence", checkpoint_every_s=600.0, checkpoint_background=False, stop_grace_s=0.0)
     assert "600 s after the last, at the next round, after the last epoch; written at the boundary" in timed
     assert "600 s after the last, at a step the ranks agree on" in plan_of(checkpoint_every_s=600.0)

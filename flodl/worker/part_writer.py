@@ -64,10 +64,7 @@ class PartWriterProcess:
         try:
             self._pipe.recv()
         except (EOFError, OSError) as err:
-            self._process.join(timeout=5)
-            raise WriterGone(
-                f"the checkpoint writer process ended (exit code {self._process.exitcode}) as it started"
-            ) from err
+            raise self._gone("as it started") from err
         self._ready = True
 
     def write(self, region: HostRegion, files: list[tuple[Path, Any]]) -> None:
@@ -79,13 +76,14 @@ class PartWriterProcess:
             self._mapped = region
             failure = self._pipe.recv()
         except (EOFError, OSError) as err:
-            self._process.join(timeout=5)
-            raise WriterGone(
-                f"the checkpoint writer process ended (exit code {self._process.exitcode}) while writing "
-                f"{files[0][0]}"
-            ) from err
+            raise self._gone(f"while writing {files[0][0]}") from err
         if failure is not None:
             raise CheckpointError(f"rank {self.rank}: {failure}")
+
+    def _gone(self, when: str) -> WriterGone:
+        """What to raise once its pipe broke: the process ended, `when`, with its exit code."""
+        self._process.join(timeout=5)
+        return WriterGone(f"the checkpoint writer process ended (exit code {self._process.exitcode}) {when}")
 
     def close(self) -> None:
         with contextlib.suppress(OSError):  # it ended already
