@@ -27,13 +27,13 @@ import numpy as np
 import torch
 from benchlib import environment_lines, results_path, write_report
 
-from flodl.assembly import data_plane_settings
 from flodl.config.host import available_ram
 from flodl.config.schema import FlodlConfig
 from flodl.data.feeder import BatchFeeder
 from flodl.data.npy import NpyFolderDataSet, write_npy_folder
 from flodl.data.pack import PackFile
 from flodl.data.partition import epoch_permutation
+from flodl.job.assembly import data_plane_settings
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MB = 1e6

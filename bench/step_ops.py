@@ -30,10 +30,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))  # plain_torch
 
-from flodl.assembly import stepper_settings, task_settings, worker_settings  # noqa: E402
 from flodl.config.host import RankEnv  # noqa: E402
 from flodl.config.schema import register_configs, to_config  # noqa: E402
-from flodl.wire.messages import EpochSlice, StartEpoch  # noqa: E402
+from flodl.job.assembly import stepper_settings, task_settings, worker_settings  # noqa: E402
+from flodl.launcher.run_dir import register_resolvers  # noqa: E402
+from flodl.links.messages import EpochSlice, StartEpoch  # noqa: E402
 from flodl.worker.base import RankLink  # noqa: E402
 from flodl.worker.stepper import Stepper  # noqa: E402
 from flodl.worker.sync import SyncWorker  # noqa: E402
@@ -69,6 +70,7 @@ def per_step(run: Callable[[int], None], steps: int) -> dict[str, float]:
 def flodl_run(task: str, overrides: list[str], device: torch.device) -> Callable[[int], None]:
     """`run(k)`: one sync-worker epoch of k steps, exactly as a 1-process run trains it."""
     register_configs()
+    register_resolvers()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         raw = compose(
             config_name="config",

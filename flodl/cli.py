@@ -22,8 +22,10 @@ import hydra
 from omegaconf import DictConfig
 
 from flodl.config.schema import register_configs
+from flodl.launcher.run_dir import register_resolvers
 
 register_configs()
+register_resolvers()
 
 
 def _configs() -> str:
@@ -38,14 +40,14 @@ def _configs() -> str:
 
 @hydra.main(config_path=_configs(), config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
-    from flodl.launch import launch_from_hydra
+    from flodl.launcher.launch import launch_from_hydra
 
     launch_from_hydra(cfg)
 
 
 @hydra.main(config_path=_configs(), config_name="config", version_base="1.3")
 def _coordinator_main(cfg: DictConfig) -> None:
-    from flodl.launch import coordinator_from_hydra
+    from flodl.launcher.launch import coordinator_from_hydra
 
     coordinator_from_hydra(cfg)
 
@@ -66,6 +68,6 @@ def _run(entry: Callable[[], None]) -> None:
     # sys.path starts at the venv's bin/ instead. Spawned ranks inherit sys.path.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    from flodl.launch import report_config_errors
+    from flodl.launcher.launch import report_config_errors
 
     report_config_errors(entry)  # Hydra's rejections too: one line, exit code 2

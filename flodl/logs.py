@@ -26,7 +26,7 @@ def setup_rank_logging(rank: int, run_dir: Path) -> logging.Logger:
 
 
 def setup_host_logging(run_dir: Path) -> logging.Logger:
-    """The run's host apart from the ranks (flodl/run_host.py): `[coordinator]`, `coordinator.log`."""
+    """The run's host apart from the ranks (flodl/job/host.py): `[coordinator]`, `coordinator.log`."""
     return _setup_logging("coordinator", run_dir / "coordinator.log")
 
 

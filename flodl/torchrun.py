@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from flodl.wire.stop import STOP_EXIT_CODES, agent_takes_every_stop_signal
+from flodl.links.stop import STOP_EXIT_CODES, agent_takes_every_stop_signal
 
 
 def _not_a_stop(record: logging.LogRecord) -> bool:

@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from flodl.links.messages import ChunkReport, EvalResult
 from flodl.metrics.aggregate import WorkSpan, aggregate_epoch, aggregate_eval, common_window_rate
-from flodl.wire.messages import ChunkReport, EvalResult
 
 
 def chunk(rank: int, batches: int, loss_sum: float, wall_ms: float, steps: int, data_ms: float = 1.0):

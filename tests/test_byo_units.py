@@ -11,7 +11,6 @@ import pytest
 import torch
 from torch.utils.data import Dataset, default_collate
 
-from flodl.assembly import data_plane_settings, task_settings
 from flodl.config.schema import FlodlConfig, to_config
 from flodl.config.targets import task_target_problems
 from flodl.data.feeder import DataPlaneSettings
@@ -19,6 +18,7 @@ from flodl.data.pack import PackFile, decode, encode
 from flodl.data.partition import epoch_permutation
 from flodl.data.sample import check_movable, flatten, same, to_device
 from flodl.data.sample_feed import SampleFeeder
+from flodl.job.assembly import data_plane_settings, task_settings
 from tests.helpers.byo_data import dict_collate
 from tests.helpers.procs import CONF
 

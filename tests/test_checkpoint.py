@@ -19,7 +19,7 @@ import psutil
 import pytest
 import torch
 
-from flodl.checkpoint import (
+from flodl.checkpoints.disk import (
     COORDINATOR_FILE,
     LATEST_FILE,
     MANIFEST_FILE,
@@ -33,8 +33,8 @@ from flodl.checkpoint import (
 )
 from flodl.coordinator.commit import CheckpointCommitter, run_kind
 from flodl.coordinator.ledger import EpochLedger
-from flodl.resume import check_world_size, restore_worker, truncate_history
-from flodl.wire.messages import ChunkReport, Saved
+from flodl.job.resume import check_world_size, restore_worker, truncate_history
+from flodl.links.messages import ChunkReport, Saved
 from flodl.worker.checkpoint_part import RankCheckpointer
 from flodl.worker.host_snapshot import HostSnapshot, carve, fill
 from flodl.worker.rank_state import rng_state, set_rng_state
@@ -533,7 +533,7 @@ def test_a_writer_process_ends_with_its_rank_killed_while_it_writes(tmp_path: Pa
         wait_for_path(tmp_path / "writer.pid", host, timeout=120)
         assert torch.equal(torch.load(tmp_path / "first.pt", weights_only=True)["w"], torch.ones(1 << 20))
         writer = psutil.Process(int((tmp_path / "writer.pid").read_text()))
-        fifo = tmp_path / f".second.pt.tmp-{writer.pid}"  # flodl.checkpoint's temporary name for it
+        fifo = tmp_path / f".second.pt.tmp-{writer.pid}"  # flodl.checkpoints.disk's temporary name for it
         os.mkfifo(fifo)
         reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
         (tmp_path / "go").touch()

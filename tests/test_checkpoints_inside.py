@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flodl.checkpoint import COORDINATOR_FILE, MODEL_FILE, CheckpointDir, Point, dir_name, rank_file
+from flodl.checkpoints.disk import COORDINATOR_FILE, MODEL_FILE, CheckpointDir, Point, dir_name, rank_file
 from flodl.coordinator.commit import CheckpointCommitter, run_kind
 from flodl.coordinator.ledger import EpochLedger
 from flodl.coordinator.lockstep import (
@@ -21,8 +21,8 @@ from flodl.coordinator.lockstep import (
     segment_from_state,
     segment_state,
 )
+from flodl.links.messages import ChunkReport, EpochSlice, EvalResult
 from flodl.rounds.planner import AckReport, Average, Dispatch, LocalSgdPlanner, WindowReport
-from flodl.wire.messages import ChunkReport, EpochSlice, EvalResult
 
 # --- names and order ------------------------------------------------------------------------------------
 

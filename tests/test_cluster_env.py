@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from flodl.cluster_env import PORT_BASE, expand_nodelist, scheduler_rank_environ
 from flodl.config.host import RankEnv
 from flodl.config.schema import register_configs
+from flodl.launcher.cluster_env import PORT_BASE, expand_nodelist, scheduler_rank_environ
+from flodl.launcher.run_dir import register_resolvers
 from tests.helpers.procs import CONF, leftovers, train
 from tests.helpers.runs import assert_complete_run
 
@@ -109,6 +110,7 @@ def test_the_slurm_launcher_config_runs_one_task_per_gpu() -> None:
     # Importing the plugin's config module registers `hydra/launcher=submitit_slurm` (the CLI discovers it).
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher.config")
     register_configs()
+    register_resolvers()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("config", overrides=["hydra/launcher=flodl_slurm"], return_hydra_config=True)
     launcher = cfg.hydra.launcher

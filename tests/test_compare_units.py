@@ -1,4 +1,4 @@
-"""flodl.compare's grouping, on jobs built in memory (the real sweep is in test_reports.py)."""
+"""flodl.metrics.compare's grouping, on jobs built in memory (the real sweep is in test_reports.py)."""
 
 from __future__ import annotations
 

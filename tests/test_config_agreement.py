@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from flodl.wire.group import _differences
+from flodl.links.group import _differences
 
 
 def test_differences_of_equal_configs_is_empty():

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -19,6 +21,7 @@ from flodl.config.schema import (
     register_configs,
     to_config,
 )
+from flodl.launcher.run_dir import register_resolvers
 from tests.helpers.procs import CONF
 
 # conf/hydra/ holds launcher options for Hydra's own groups, not flodl's; conf/ is a package (__pycache__).
@@ -110,6 +113,7 @@ NESTED_OVERRIDES = [
 @pytest.fixture(scope="module")
 def hydra_compose():
     register_configs()
+    register_resolvers()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         yield lambda *overrides: compose(config_name="config", overrides=list(overrides))
 
@@ -275,3 +279,19 @@ def test_task_entries_take_new_arguments_from_the_command_line(hydra_compose):
 def test_the_task_and_every_other_node_stay_closed_to_typos(hydra_compose, typo):
     with pytest.raises(ConfigCompositionException):
         hydra_compose(typo)
+
+
+def test_a_user_composes_flodl_conf_from_python_with_no_registration_call(tmp_path):
+    """As a user's own tests of their configs would: a fresh interpreter elsewhere, `flodl.conf` as the
+    config module, and nothing of flodl called first (its import registers the schema and resolvers)."""
+    probe = (
+        "from hydra import compose, initialize_config_module\n"
+        "with initialize_config_module('flodl.conf', version_base='1.3'):\n"
+        "    cfg = compose('config', overrides=['policy=async', 'gamma=0.5'], return_hydra_config=True)\n"
+        "print(cfg.policy, cfg.gamma, cfg.hydra.run.dir.startswith('outputs/'))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["async", "0.5", "True"]

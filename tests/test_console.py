@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from flodl.links.messages import Progress
 from flodl.metrics.aggregate import EpochMetrics
 from flodl.metrics.sinks import ConsoleSink, format_duration
 from flodl.tasks.gpt import GPT
-from flodl.wire.messages import Progress
 from tests.helpers.procs import REPO, train
 from tests.helpers.runs import epochs_of
 

@@ -556,7 +556,7 @@ def test_state_round_trip_keeps_the_members():
 
 
 def test_a_rank_cut_before_a_checkpoint_is_admitted_again_when_the_job_resumes():
-    """A resumed job starts every rank (flodl/assembly.py admits those the state lacks): the one cut
+    """A resumed job starts every rank (flodl/job/assembly.py admits those the state lacks): the one cut
     starts at the anchor's count, the others keep their balance."""
     el = make(world=3, anchor=8)
     feed(el, [10.0, 20.0, 40.0])

@@ -1,12 +1,13 @@
-"""Which rank the launcher blames, from the failures the ranks recorded (flodl/failures.py), and its line."""
+"""Which rank the launcher blames, from the failures the ranks recorded (flodl/job/failures.py), and its
+line."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from flodl.coordinator.roster import TooFewRanks
-from flodl.failures import Failure, blame, record, recorded, verdict
-from flodl.run_host import HostFailed
+from flodl.job.failures import Failure, blame, record, recorded, verdict
+from flodl.job.host import HostFailed
 from flodl.worker.nonfinite import NonFiniteError
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from flodl.coordinator.ledger import EpochLedger, LedgerError
+from flodl.links.messages import ChunkReport, EvalResult
 from flodl.metrics.aggregate import RoundCost
-from flodl.wire.messages import ChunkReport, EvalResult
 
 
 def chunk(rank: int, epoch: int, batches: int) -> ChunkReport:

@@ -11,7 +11,7 @@ import torch
 
 from flodl.coordinator.lockstep import LockstepPlan, Segment, opening_segment, rest_of
 from flodl.data.partition import epoch_permutation
-from flodl.wire.messages import EpochSlice
+from flodl.links.messages import EpochSlice
 
 STEP = 8
 

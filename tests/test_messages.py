@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flodl.wire import messages
-from flodl.wire.messages import (
+from flodl.links import messages
+from flodl.links.messages import (
     AverageNow,
     ChunkReport,
     EpochSlice,
@@ -35,7 +35,7 @@ from flodl.wire.messages import (
     decode,
     encode,
 )
-from flodl.wire.state_bytes import state_from_bytes, state_to_bytes
+from flodl.links.state_bytes import state_from_bytes, state_to_bytes
 
 MESSAGES = [
     StartEpoch(3, [EpochSlice(epoch=3, offset=64, size=32)], evaluate=True),

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flodl.data.partition import epoch_permutation, equal_slices, picks_to_samples
-from flodl.wire.messages import EpochSlice
+from flodl.links.messages import EpochSlice
 
 
 @pytest.mark.parametrize("total", [1, 2, 17, 100])

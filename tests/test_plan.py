@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from flodl.assembly import data_plane_settings
 from flodl.config.host import HostFacts
 from flodl.config.policy import collective_backend
 from flodl.config.rules import GIB
 from flodl.config.schema import to_config
 from flodl.data.feeder import staging_budgets
-from flodl.plan import checkpoints_line, describe
+from flodl.job.assembly import data_plane_settings
+from flodl.preflight.plan import checkpoints_line, describe
 
 DIGITS = {
     "name": "digits",

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from flodl.links.messages import EpochSlice
 from flodl.rounds.planner import (
     AckReport,
     Average,
@@ -19,7 +20,6 @@ from flodl.rounds.planner import (
     WindowReport,
 )
 from flodl.rounds.split import proportional_split
-from flodl.wire.messages import EpochSlice
 from tests.helpers.planner_batches import Batch, all_batches, expand, settled
 
 # --- a coordinator with fake ranks ---------------------------------------------------------------

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from flodl.links.messages import EpochSlice
 from flodl.rounds.planner import AckReport, Average, Dispatch, Instruction, LocalSgdPlanner, WindowReport
-from flodl.wire.messages import EpochSlice
 from tests.helpers.planner_batches import Batch, all_batches, expand, settled
 
 

@@ -18,11 +18,12 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from flodl.checkpoint import MANIFEST_FILE
+from flodl.checkpoints.disk import MANIFEST_FILE
 from flodl.config.rules import ConfigError
 from flodl.config.schema import register_configs
-from flodl.launch import hydra_problem
-from flodl.preflight import omegaconf_problem, preflight
+from flodl.launcher.launch import hydra_problem
+from flodl.launcher.run_dir import register_resolvers
+from flodl.preflight.checks import omegaconf_problem, preflight
 from tests.helpers.procs import CONF, train
 
 FILE = "{file}"  # an existing regular file: nothing can be created under it
@@ -151,6 +152,7 @@ INVALID: list[tuple[tuple[str, ...], str]] = [
 @pytest.fixture(scope="module")
 def hydra_conf() -> Iterator[None]:
     register_configs()
+    register_resolvers()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         yield
 

@@ -11,10 +11,10 @@ from datetime import timedelta
 import pytest
 import torch
 
-from flodl.wire.group import loopback_store
-from flodl.wire.membership import AveragingGroup
-from flodl.wire.messages import Joined, Message, Regroup, Regrouped, Shutdown
-from flodl.wire.transport import InboxReader, Mailbox
+from flodl.links.group import loopback_store
+from flodl.links.membership import AveragingGroup
+from flodl.links.messages import Joined, Message, Regroup, Regrouped, Shutdown
+from flodl.links.transport import InboxReader, Mailbox
 from flodl.worker.group import FixedGroup, SurvivingGroup
 
 

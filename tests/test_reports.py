@@ -11,7 +11,7 @@ import matplotlib.image
 import pytest
 import torch
 
-from flodl.compare import REPORT_MD, REPORT_PNG
+from flodl.metrics.compare import REPORT_MD, REPORT_PNG
 from flodl.metrics.plots import plot_compare, plot_timeline
 from flodl.metrics.run_clock import RUN_FILE, SWEEP_FILE
 from flodl.metrics.sweep import group_jobs, load_job
@@ -94,7 +94,7 @@ def test_timeline_has_a_lane_per_rank_and_the_averaging_rounds(sweep: Path, tmp_
 
 
 def test_compare_report_groups_by_policy_and_folds_the_seeds(sweep: Path) -> None:
-    out = run([PYTHON, "-m", "flodl.compare", str(sweep)], cwd=sweep).check().out
+    out = run([PYTHON, "-m", "flodl.metrics.compare", str(sweep)], cwd=sweep).check().out
     table = (sweep / REPORT_MD).read_text()
     assert out == table
     assert "by the keys that vary: policy (seed folded in)" in table

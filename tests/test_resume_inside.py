@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flodl.checkpoint import CheckpointDir, Point, rank_file
+from flodl.checkpoints.disk import CheckpointDir, Point, rank_file
 from flodl.data.partition import epoch_permutation
 from tests.helpers.byo_data import reads
 from tests.helpers.procs import (

@@ -11,11 +11,11 @@ from flodl.coordinator.driver import CoordinatorError
 from flodl.coordinator.ledger import EpochLedger
 from flodl.coordinator.roster import RankHung, Roster, SurvivingRoster
 from flodl.coordinator.survivors import SurviveSettings
+from flodl.links.heartbeat import HeartbeatMonitor
+from flodl.links.membership import cut_key
+from flodl.links.messages import Exiting, Joined, Regrouped
+from flodl.links.transport import Mailbox
 from flodl.metrics.timeline import Timeline
-from flodl.wire.heartbeat import HeartbeatMonitor
-from flodl.wire.membership import cut_key
-from flodl.wire.messages import Exiting, Joined, Regrouped
-from flodl.wire.transport import Mailbox
 
 
 class Driver:

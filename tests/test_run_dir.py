@@ -16,14 +16,14 @@ from pathlib import Path
 import psutil
 import pytest
 
-from flodl.checkpoint import Checkpoint, CheckpointDir, CheckpointError
+from flodl.checkpoints.disk import Checkpoint, CheckpointDir, CheckpointError
+from flodl.checkpoints.identity import check_identity, run_identity
 from flodl.config.host import user_temp_dir
 from flodl.data.pack import _HOST, remove_stale
+from flodl.job.resume import prepare_history, truncate_history
+from flodl.launcher.run_dir import OWNER_FILE, RunDirTaken, agreed_run_stamp, claim_run_dir, claim_stamp
+from flodl.links.group import loopback_store
 from flodl.metrics.sinks import read_history, record_line
-from flodl.resume import prepare_history, truncate_history
-from flodl.run_dir import OWNER_FILE, RunDirTaken, agreed_run_stamp, claim_run_dir, claim_stamp
-from flodl.run_identity import check_identity, run_identity
-from flodl.wire.group import loopback_store
 
 CONFIG = {"policy": "sync", "seed": 1, "batch_size": 32, "epochs": 4, "task": {"name": "digits"}}
 

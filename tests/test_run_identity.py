@@ -17,7 +17,7 @@ import psutil
 import pytest
 import yaml
 
-from flodl.checkpoint import CheckpointDir
+from flodl.checkpoints.disk import CheckpointDir
 from tests.helpers.procs import PYTHON, TRAIN, Result, finish, kill_group, start, train
 from tests.helpers.runs import epochs_of
 

@@ -108,7 +108,7 @@ def test_slots_launcher_runs_jobs_side_by_side_on_their_own_ports(tmp_path: Path
 
 
 def test_gpu_slots_picks_the_lowest_free_indices() -> None:
-    from flodl.slots import gpu_slots
+    from hydra_plugins.flodl_slots import gpu_slots
 
     assert gpu_slots([3, 1, 2], 2) == [1, 2]
     assert gpu_slots([0], 2) is None

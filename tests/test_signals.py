@@ -20,8 +20,8 @@ import psutil
 import pytest
 import torch
 
-from flodl.checkpoint import Checkpoint, Point, verify
-from flodl.resume import continues_at
+from flodl.checkpoints.disk import Checkpoint, Point, verify
+from flodl.job.resume import continues_at
 from tests.helpers.procs import (
     PYTHON,
     REPO,
@@ -190,7 +190,7 @@ def test_a_forked_child_such_as_a_dataloader_worker_keeps_the_default_signal_beh
 ) -> None:
     child = (
         "import os, signal, sys\n"
-        "from flodl.wire.stop import catch_stop_signals\n"
+        "from flodl.links.stop import catch_stop_signals\n"
         "catch_stop_signals()\n"
         "codes = []\n"
         "for signum in (signal.SIGTERM, signal.SIGINT):\n"

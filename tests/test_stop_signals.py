@@ -1,4 +1,4 @@
-"""The stop handler in one process (flodl/wire/stop.py): a sweep's jobs run one after another in the
+"""The stop handler in one process (flodl/links/stop.py): a sweep's jobs run one after another in the
 launcher's process, so what one job set up for its stop must not carry over to the next."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from datetime import timedelta
 import pytest
 from torch.distributed import TCPStore
 
-from flodl.wire import stop
-from flodl.wire.stop import (
+from flodl.links import stop
+from flodl.links.stop import (
     STOP_SIGNALS,
     Stopped,
     StopWatch,
@@ -22,7 +22,7 @@ from flodl.wire.stop import (
     catch_stop_signals,
     save_on_stop,
 )
-from flodl.wire.transport import Mailbox
+from flodl.links.transport import Mailbox
 
 
 @pytest.fixture

@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
-from flodl.assembly import data_plane_settings
 from flodl.config.schema import FlodlConfig
 from flodl.data.stream import ShardReader, StreamFeeder, epoch_picks, stream_picks
+from flodl.job.assembly import data_plane_settings
 
 SEED = 7
 

@@ -1,7 +1,7 @@
-"""The per-rank supervisor of fault_tolerance=survive (flodl/supervisor.py), with real processes and a real
-TCPStore: the ranks are forked (from a fork server) and run tests/helpers/supervised.py; a thread of the test
-plays the run host's part (cuts, the run's end) and releases the ranks once it has seen what it came for.
-Rank 0 is a rank like any other: it may die and be started again."""
+"""The per-rank supervisor of fault_tolerance=survive (flodl/launcher/supervisor.py), with real processes and
+a real TCPStore: the ranks are forked (from a fork server) and run tests/helpers/supervised.py; a thread of
+the test plays the run host's part (cuts, the run's end) and releases the ranks once it has seen what it came
+for. Rank 0 is a rank like any other: it may die and be started again."""
 
 from __future__ import annotations
 
@@ -21,11 +21,11 @@ import psutil
 import pytest
 from torch.distributed import TCPStore
 
-from flodl import supervisor
-from flodl.supervisor import RankExit, SupervisedRankFailure, supervise
-from flodl.wire.group import loopback_store
-from flodl.wire.membership import ExitReader, cut_key
-from flodl.wire.stop import Stopped
+from flodl.launcher import supervisor
+from flodl.launcher.supervisor import RankExit, SupervisedRankFailure, supervise
+from flodl.links.group import loopback_store
+from flodl.links.membership import ExitReader, cut_key
+from flodl.links.stop import Stopped
 from tests.helpers.supervised import ENDED, RELEASE, VARIABLES, pid_key, rank_main
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(30)]

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flodl.checkpoint import CheckpointDir
+from flodl.checkpoints.disk import CheckpointDir
 from tests.helpers.procs import (
     FAST_START,
     PYTHON,

@@ -25,11 +25,11 @@ from flodl.coordinator.ledger import EpochLedger
 from flodl.coordinator.roster import Roster
 from flodl.coordinator.survivors import MembershipChange
 from flodl.coordinator.sync_driver import SyncDriver
-from flodl.wire.group import loopback_store
-from flodl.wire.heartbeat import HeartbeatMonitor
-from flodl.wire.membership import AveragingGroup, Superseded
-from flodl.wire.messages import AverageNow, ExtendPartition, FirstStep, Regroup, Shutdown
-from flodl.wire.transport import InboxReader, Mailbox
+from flodl.links.group import loopback_store
+from flodl.links.heartbeat import HeartbeatMonitor
+from flodl.links.membership import AveragingGroup, Superseded
+from flodl.links.messages import AverageNow, ExtendPartition, FirstStep, Regroup, Shutdown
+from flodl.links.transport import InboxReader, Mailbox
 from flodl.worker.group import SurvivingGroup
 from flodl.worker.sync import steps_trained_of_cut
 

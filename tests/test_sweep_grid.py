@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flodl.compare import report
 from flodl.config.sweep import CheckedJob, grid_batches
+from flodl.metrics.compare import report
 from tests.helpers.procs import train
 
 GRID = ("-m", "policy=sync,cadence,async", "gamma=0.5,1.0", "seed=0,1", "epochs=1", "eval_every=0")

@@ -11,10 +11,10 @@ from flodl.coordinator.ledger import EpochLedger
 from flodl.coordinator.roster import SurvivingRoster
 from flodl.coordinator.survivors import SurviveSettings
 from flodl.coordinator.sync_driver import Replan, SyncDriver, replan_after_cut
+from flodl.links.heartbeat import HeartbeatMonitor
+from flodl.links.messages import Joined, Message, Regroup, Regrouped, StartEpoch, decode
+from flodl.links.transport import Mailbox, inbox
 from flodl.metrics.timeline import Timeline
-from flodl.wire.heartbeat import HeartbeatMonitor
-from flodl.wire.messages import Joined, Message, Regroup, Regrouped, StartEpoch, decode
-from flodl.wire.transport import Mailbox, inbox
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ from flodl.config.policy import compile_mode_for, writes_in_a_process
 from flodl.config.rules import GIB, LOCAL_SGD_KNOBS, NOT_IMPLEMENTED, ConfigError, validate
 from flodl.config.schema import FlodlConfig, to_config
 from flodl.config.targets import list_target_problems
-from flodl.wire.group import pick_device
+from flodl.links.group import pick_device
 
 TASK = {"name": "t", "model": "m", "train_data": "d", "loss": "l", "optimizer": "o"}
 HOST = HostFacts(

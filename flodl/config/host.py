@@ -1,8 +1,8 @@
 """What this host and its launcher say: the one reader of the torchrun environment, and the host probe.
 
 Every place that needs torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT, TORCHELASTIC_*, SLURM_JOB_ID) asks `RankEnv.from_environ()`; flodl/cluster_env.py writes them
-from Slurm's.
+MASTER_PORT, TORCHELASTIC_*, SLURM_JOB_ID) asks `RankEnv.from_environ()`; flodl/launcher/cluster_env.py
+writes them from Slurm's.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Every field of the original flodl `WorkerConfig` (and the ElChe / run knobs that reach it) is a
 top-level key, so `python train.py gamma=0.5 disk_stage_gb=8` works. Defaults are the original's.
 Groups (`policy`, `backend`, `task`, `logger`, `launch`) live in `conf/` and are typed by the
-dataclasses below. `register_configs()` must run before Hydra composes (train.py imports it).
+dataclasses below. `register_configs()` must run before Hydra composes: the command and `flodl.conf` call it.
 """
 
 from __future__ import annotations
@@ -328,18 +328,11 @@ class FlodlConfig:
 
 
 def register_configs() -> None:
-    """Register the schema and flodl's resolvers. Idempotent."""
+    """Register the schema and flodl's sweeper config. Idempotent."""
     from flodl.config.sweep import FlodlSweeperConf
-    from flodl.slots import SlotLauncherConf
 
     ConfigStore.instance().store(name="flodl_schema", node=schema_node())
-    ConfigStore.instance().store(
-        group="hydra/launcher", name="slots", node=SlotLauncherConf, provider="flodl"
-    )
     ConfigStore.instance().store(group="hydra/sweeper", name="flodl", node=FlodlSweeperConf, provider="flodl")
-    from flodl.run_dir import register_resolvers
-
-    register_resolvers()
 
 
 def schema_node() -> DictConfig:

@@ -1,7 +1,7 @@
 """The grid check of a multirun: its sweeper's config, the block naming invalid jobs, and `skipped.json`.
 
 The sweeper itself lives in `hydra_plugins/flodl_sweeper` (Hydra only loads sweepers from that namespace);
-`python -m flodl.compare` reads the skipped list back.
+`python -m flodl.metrics.compare` reads the skipped list back.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ A checkpoint is taken where every rank holds the same consensus: after a sync st
 inside it by steps), or after the exact reduce that ends a local-SGD segment (at an epoch's end, or inside
 it by steps or time). Each rank writes its part (flodl/worker/checkpoint_part.py) and says so; the
 coordinator, once every part is on disk and the epochs before the point are emitted, writes its own state
-and commits (see flodl/checkpoint.py). Inside an epoch its state holds what the epoch's record has so far
-(the ledger's chunks up to the point), so a resumed run writes the same record. With a rank cut, the parts
+and commits (see flodl/checkpoints/disk.py). Inside an epoch its state holds what the epoch's record has so
+far (the ledger's chunks up to the point), so a resumed run writes the same record. With a rank cut, the parts
 are the members' at the checkpoint round. The commit itself (the coordinator's file, every part read back for
 the manifest's CRCs, the disk synced) runs on a thread of its own, one at a time and in order: on the
 coordinator's thread the next round would wait for it.
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from flodl.checkpoint import COORDINATOR_FILE, Checkpoint, CheckpointDir, Point, atomic_save
+from flodl.checkpoints.disk import COORDINATOR_FILE, Checkpoint, CheckpointDir, Point, atomic_save
 from flodl.coordinator.ledger import EpochLedger
 
 log = logging.getLogger("flodl")
@@ -64,7 +64,7 @@ class CheckpointCommitter:
     remaining: set[int]
     # What the driver's state means: the policy, and whether it averages in local-SGD rounds.
     kind: dict[str, Any]
-    # Who wrote it, for the manifest (flodl/run_identity.py): resume=auto resumes only its own run.
+    # Who wrote it, for the manifest (flodl/checkpoints/identity.py): resume=auto resumes only its own run.
     run: dict[str, Any]
     # Per point, the ranks that saved their part, and how many chunks of the point's epoch each had
     # reported by then (a rank reports its chunks before it says it saved: those are the point's).

@@ -15,17 +15,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from flodl.checkpoint import MODEL_FILE, Point
+from flodl.checkpoints.disk import MODEL_FILE, Point
 from flodl.coordinator.commit import CheckpointCommitter
 from flodl.coordinator.driver import CoordinatorError, Driver
 from flodl.coordinator.hooks import CallbackError, Hooks
 from flodl.coordinator.ledger import EpochLedger
 from flodl.coordinator.roster import RankHung, Roster
 from flodl.counting import shown_epoch
-from flodl.metrics.sinks import Sink
-from flodl.metrics.timeline import Timeline
-from flodl.wire.heartbeat import HeartbeatMonitor
-from flodl.wire.messages import (
+from flodl.links.heartbeat import HeartbeatMonitor
+from flodl.links.messages import (
     ChunkReport,
     EvalResult,
     Exiting,
@@ -40,7 +38,9 @@ from flodl.wire.messages import (
     Shutdown,
     StopRequested,
 )
-from flodl.wire.transport import InboxReader, Mailbox
+from flodl.links.transport import InboxReader, Mailbox
+from flodl.metrics.sinks import Sink
+from flodl.metrics.timeline import Timeline
 
 log = logging.getLogger("flodl")
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from flodl.checkpoint import Point
-from flodl.wire.messages import ChunkReport, EvalResult, Message, Regrouped
+from flodl.checkpoints.disk import Point
+from flodl.links.messages import ChunkReport, EvalResult, Message, Regrouped
 
 
 class CoordinatorError(RuntimeError):

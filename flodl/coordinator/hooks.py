@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flodl.checkpoint import evaluated_model_path
+from flodl.checkpoints.disk import evaluated_model_path
 
 
 @dataclass

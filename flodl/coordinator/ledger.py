@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from flodl.counting import shown_epoch
+from flodl.links.messages import ChunkReport, EvalResult
 from flodl.metrics.aggregate import EpochMetrics, RoundCost, aggregate_epoch
-from flodl.wire.messages import ChunkReport, EvalResult
 
 
 class LedgerError(RuntimeError):

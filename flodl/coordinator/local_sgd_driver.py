@@ -13,17 +13,11 @@ import logging
 import time
 from typing import Any
 
-from flodl.checkpoint import Point
+from flodl.checkpoints.disk import Point
 from flodl.coordinator.commit import CheckpointCommitter
 from flodl.coordinator.ledger import EpochLedger
 from flodl.coordinator.roster import Roster
-from flodl.metrics.aggregate import RoundCost
-from flodl.metrics.timeline import Timeline
-from flodl.rounds import elche as el
-from flodl.rounds.guard import ConvergenceGuard, DivergenceReport
-from flodl.rounds.planner import AckReport as PlannerAck
-from flodl.rounds.planner import Average, Dispatch, Instruction, LocalSgdPlanner, WindowReport
-from flodl.wire.messages import (
+from flodl.links.messages import (
     AverageNow,
     ChunkReport,
     EpochSlice,
@@ -34,7 +28,13 @@ from flodl.wire.messages import (
     Regrouped,
     RoundAck,
 )
-from flodl.wire.transport import Mailbox
+from flodl.links.transport import Mailbox
+from flodl.metrics.aggregate import RoundCost
+from flodl.metrics.timeline import Timeline
+from flodl.rounds import elche as el
+from flodl.rounds.guard import ConvergenceGuard, DivergenceReport
+from flodl.rounds.planner import AckReport as PlannerAck
+from flodl.rounds.planner import Average, Dispatch, Instruction, LocalSgdPlanner, WindowReport
 
 log = logging.getLogger("flodl")
 

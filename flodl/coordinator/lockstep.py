@@ -21,7 +21,7 @@ from typing import Any
 
 from flodl.counting import shown_epoch
 from flodl.data.partition import equal_slices
-from flodl.wire.messages import EpochSlice
+from flodl.links.messages import EpochSlice
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,11 @@ from collections.abc import Callable
 from flodl.coordinator.driver import CoordinatorError, Driver
 from flodl.coordinator.ledger import EpochLedger
 from flodl.coordinator.survivors import MembershipChange, SurviveSettings, post_cut, root_store
+from flodl.links.heartbeat import HeartbeatMonitor
+from flodl.links.membership import ExitReader
+from flodl.links.messages import Exiting, Joined, Regroup, Regrouped
+from flodl.links.transport import Mailbox
 from flodl.metrics.timeline import Timeline
-from flodl.wire.heartbeat import HeartbeatMonitor
-from flodl.wire.membership import ExitReader
-from flodl.wire.messages import Exiting, Joined, Regroup, Regrouped
-from flodl.wire.transport import Mailbox
 
 log = logging.getLogger("flodl")
 

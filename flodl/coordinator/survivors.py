@@ -15,8 +15,8 @@ from typing import Any
 
 from torch.distributed import Store
 
-from flodl.wire.membership import cut_key
-from flodl.wire.transport import inbox
+from flodl.links.membership import cut_key
+from flodl.links.transport import inbox
 
 log = logging.getLogger("flodl")
 

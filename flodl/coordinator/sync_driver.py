@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from flodl.checkpoint import Point
+from flodl.checkpoints.disk import Point
 from flodl.coordinator.commit import CheckpointCommitter
 from flodl.coordinator.driver import CoordinatorError, EpochSchedule
 from flodl.coordinator.ledger import EpochLedger
@@ -28,9 +28,9 @@ from flodl.coordinator.lockstep import (
 )
 from flodl.coordinator.roster import Roster
 from flodl.counting import shown_epoch
-from flodl.wire.messages import ChunkReport, EvalResult, FirstStep, Message, Regrouped, StartEpoch
-from flodl.wire.stop import post_checkpoint_request
-from flodl.wire.transport import Mailbox
+from flodl.links.messages import ChunkReport, EvalResult, FirstStep, Message, Regrouped, StartEpoch
+from flodl.links.stop import post_checkpoint_request
+from flodl.links.transport import Mailbox
 
 log = logging.getLogger("flodl")
 
@@ -146,7 +146,7 @@ class SyncDriver:
     boundary = "step every rank agrees on"
 
     def tick(self) -> None:
-        """A checkpoint by time is due: ask the ranks for it (they agree on its step, flodl/wire/stop.py)."""
+        """A checkpoint by time is due: ask the ranks for it (they agree on its step, flodl/links/stop.py)."""
         every = self.checkpoint_every_s
         if every is None or self.committer is None or self.stopped:
             return
@@ -156,7 +156,7 @@ class SyncDriver:
             post_checkpoint_request(self.outbox, self._checkpoint_requests)
 
     def stop_saving(self) -> None:
-        pass  # the ranks agree on the step themselves (flodl/wire/stop.py), and say Saved with it
+        pass  # the ranks agree on the step themselves (flodl/links/stop.py), and say Saved with it
 
     def expect_checkpoint(self, point: Point, step: int) -> None:
         """A stop's checkpoint after `step` of `point.epoch`: the parts of the segment's members, and the rest

@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DataPlaneSettings:
-    """What the data plane reads of the run's config (mapped once, by flodl/assembly.py)."""
+    """What the data plane reads of the run's config (mapped once, by flodl/job/assembly.py)."""
 
     batch_size: int
     augment: int

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flodl.wire.messages import EpochSlice
+from flodl.links.messages import EpochSlice
 
 
 def epoch_permutation(total_picks: int, seed: int, epoch: int) -> Tensor:

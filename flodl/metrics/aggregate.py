@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from flodl.links.messages import ChunkReport, EvalResult
 from flodl.metrics.scalars import mean_scalars
-from flodl.wire.messages import ChunkReport, EvalResult
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ class RunInfo:
     overrides: list[str] = field(default_factory=list)
     command: str = ""
     git_commit: str | None = None
-    # Unique to this run, shared by its ranks and restarts (flodl/run_dir.py: run_uid); checkpoints
+    # Unique to this run, shared by its ranks and restarts (flodl/launcher/run_dir.py: run_uid); checkpoints
     # record it. `run_id` below is W&B's, per run dir.
     uid: str = ""
     # The command line that continues this job from its last checkpoint (printed when it is stopped).

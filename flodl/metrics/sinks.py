@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 from flodl.counting import shown_epoch
+from flodl.links.messages import Progress
 from flodl.metrics.aggregate import EpochMetrics
-from flodl.wire.messages import Progress
 
 log = logging.getLogger("flodl")
 METRICS_FILE = "metrics.jsonl"

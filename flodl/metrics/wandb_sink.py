@@ -22,9 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from flodl.links.messages import Progress
 from flodl.metrics.aggregate import EpochMetrics
 from flodl.metrics.run_info import RunInfo
-from flodl.wire.messages import Progress
 
 log = logging.getLogger("flodl")
 FINISH_TIMEOUT_S = 60.0
@@ -32,7 +32,7 @@ FINISH_TIMEOUT_S = 60.0
 
 @dataclass(frozen=True)
 class WandbSettings:
-    """The `logger` keys W&B reads (mapped once, by flodl/assembly.py); None defers to W&B's environment."""
+    """The `logger` keys W&B reads (mapped once, by the assembly); None defers to W&B's environment."""
 
     # online, offline (written under the run dir or WANDB_DIR, `wandb sync` later) or disabled.
     mode: str | None = None

@@ -34,8 +34,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from flodl.links.messages import EpochSlice
 from flodl.rounds.split import proportional_split
-from flodl.wire.messages import EpochSlice
 
 
 @dataclass(frozen=True)

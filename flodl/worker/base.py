@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from flodl.checkpoint import Point, evaluated_model_path, save_model
+from flodl.checkpoints.disk import Point, evaluated_model_path, save_model
 from flodl.counting import shown_epoch
-from flodl.wire.membership import AveragingGroup
-from flodl.wire.messages import (
+from flodl.links.membership import AveragingGroup
+from flodl.links.messages import (
     ChunkReport,
     EvalResult,
     Message,
@@ -32,7 +32,7 @@ from flodl.wire.messages import (
     SaveModel,
     Shutdown,
 )
-from flodl.wire.transport import COORDINATOR, InboxReader, Mailbox
+from flodl.links.transport import COORDINATOR, InboxReader, Mailbox
 from flodl.worker.checkpoint_part import RankCheckpointer
 from flodl.worker.group import FixedGroup, RankGroup
 from flodl.worker.nonfinite import NonFiniteError, nonfinite_message
@@ -54,7 +54,7 @@ class RankLink:
 
 @dataclass(frozen=True)
 class WorkerSettings:
-    """What a worker reads of the run's config (mapped once, by flodl/assembly.py)."""
+    """What a worker reads of the run's config (mapped once, by flodl/job/assembly.py)."""
 
     # logger.log_every: live loss and speed every this many steps (0: per chunk only).
     log_every: int

@@ -19,8 +19,8 @@ from typing import Any
 
 from torch import nn
 
-from flodl.checkpoint import MODEL_FILE, Checkpoint, CheckpointDir, Point, model_state, rank_file
-from flodl.wire.messages import Saved
+from flodl.checkpoints.disk import MODEL_FILE, Checkpoint, CheckpointDir, Point, model_state, rank_file
+from flodl.links.messages import Saved
 from flodl.worker.host_snapshot import HostSnapshot, SharedRegionFailed, Taken
 from flodl.worker.part_writer import PartWriterProcess, WriterGone
 from flodl.worker.rank_state import restore_stepper, stepper_state

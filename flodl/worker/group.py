@@ -21,10 +21,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from flodl.averaging.consensus import ReduceGroup, WorldGroup
+from flodl.links.membership import AveragingGroup
+from flodl.links.messages import Joined, Message, Regroup, Regrouped, Shutdown
+from flodl.links.transport import InboxReader
 from flodl.logs import one_line
-from flodl.wire.membership import AveragingGroup
-from flodl.wire.messages import Joined, Message, Regroup, Regrouped, Shutdown
-from flodl.wire.transport import InboxReader
 
 log = logging.getLogger("flodl")
 

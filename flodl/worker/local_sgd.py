@@ -28,10 +28,9 @@ from typing import Any
 import torch
 
 from flodl.averaging.consensus import DeviceAverager, HostAverager
-from flodl.checkpoint import Point
-from flodl.metrics.scalars import drain_scalars
-from flodl.wire.membership import AveragingGroup
-from flodl.wire.messages import (
+from flodl.checkpoints.disk import Point
+from flodl.links.membership import AveragingGroup
+from flodl.links.messages import (
     AverageNow,
     ChunkReport,
     EpochSlice,
@@ -42,6 +41,7 @@ from flodl.wire.messages import (
     Regrouped,
     RoundAck,
 )
+from flodl.metrics.scalars import drain_scalars
 from flodl.worker.base import RankLink, WorkerBase, WorkerSettings
 from flodl.worker.checkpoint_part import RankCheckpointer
 from flodl.worker.group import RankGroup

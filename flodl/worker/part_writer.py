@@ -34,8 +34,8 @@ from typing import Any
 import torch
 import torch.multiprocessing  # shares the region through its file descriptor, not a copy
 
-from flodl.checkpoint import CheckpointError, write_part_file
-from flodl.wire.stop import STOP_SIGNALS
+from flodl.checkpoints.disk import CheckpointError, write_part_file
+from flodl.links.stop import STOP_SIGNALS
 from flodl.worker.host_snapshot import HostRegion, carve, fill
 
 _PR_SET_PDEATHSIG = 1

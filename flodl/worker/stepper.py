@@ -25,9 +25,9 @@ from flodl.data.partition import epoch_permutation
 from flodl.data.sample import check_movable, to_device
 from flodl.data.sample_feed import SampleFeeder
 from flodl.data.stream import StreamFeeder
+from flodl.links.messages import EpochSlice, EvalResult
 from flodl.metrics.flops import peak_flops, train_flops_per_sample
 from flodl.metrics.scalars import record_scalar
-from flodl.wire.messages import EpochSlice, EvalResult
 from flodl.worker.faults import FaultInjection
 from flodl.worker.graph_storage import GRAPH_MODES, CapturedStorage
 from flodl.worker.nonfinite import NonFiniteWatch
@@ -42,7 +42,7 @@ SCALER_SKIPPED = "amp/scaler_skipped"
 
 @dataclass(frozen=True)
 class StepperSettings:
-    """What one rank's stepper reads of the run's config (mapped once, by flodl/assembly.py)."""
+    """What one rank's stepper reads of the run's config (mapped once, by flodl/job/assembly.py)."""
 
     # Batch size, augment views and seed live with the data plane, which reads them too.
     data: DataPlaneSettings

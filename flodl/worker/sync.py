@@ -3,7 +3,7 @@
 Policy `sync`: the model is wrapped in DistributedDataParallel (gradients all-reduced in buckets,
 overlapped with backward), so each optimizer step sees the mean gradient of the global batch.
 
-Under fault_tolerance=survive DDP runs on the averaging group of the members (flodl/wire/membership.py),
+Under fault_tolerance=survive DDP runs on the averaging group of the members (flodl/links/membership.py),
 wrapped again on each new group. A member's death fails the step in flight on every survivor; the rank's
 group (flodl/worker/group.py) forms the group the coordinator names, and the worker settles on it: the
 members agree where they are (a survivor may have finished the step that another did not: the one furthest
@@ -25,12 +25,12 @@ import torch.distributed as dist
 from torch import nn
 
 from flodl.averaging.flat import state_digest
-from flodl.checkpoint import Point
+from flodl.checkpoints.disk import Point
 from flodl.counting import shown_epoch
+from flodl.links.membership import AveragingGroup
+from flodl.links.messages import ChunkReport, FirstStep, Message, Regroup, Regrouped, StartEpoch
+from flodl.links.state_bytes import state_from_bytes, state_to_bytes
 from flodl.metrics.scalars import drain_scalars
-from flodl.wire.membership import AveragingGroup
-from flodl.wire.messages import ChunkReport, FirstStep, Message, Regroup, Regrouped, StartEpoch
-from flodl.wire.state_bytes import state_from_bytes, state_to_bytes
 from flodl.worker.base import RankLink, WorkerBase, WorkerSettings
 from flodl.worker.checkpoint_part import RankCheckpointer
 from flodl.worker.group import RankGroup

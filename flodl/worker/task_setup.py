@@ -47,7 +47,7 @@ def lr_scale_factor(world_size: int, lr_scale_ratio: float) -> float:
 
 @dataclass(frozen=True)
 class TaskSettings:
-    """What building a task reads of the run's config (mapped once, by flodl/assembly.py)."""
+    """What building a task reads of the run's config (mapped once, by flodl/job/assembly.py)."""
 
     # The task's Hydra `_target_` nodes as plain data, by key (model, train_data, loss, ...; None: absent).
     targets: Mapping[str, Any]

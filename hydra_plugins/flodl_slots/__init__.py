@@ -18,14 +18,31 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hydra.core.config_store import ConfigStore
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.launcher import Launcher
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from flodl.slots import GROUP_KEY, gpu_slots
-
 log = logging.getLogger("flodl")
 _POLL_S = 0.2
+# The override that tells a job the slots launcher started (a single run to Hydra) which sweep it belongs to.
+GROUP_KEY = "logger.group"
+
+
+@dataclass
+class SlotLauncherConf:
+    _target_: str = "hydra_plugins.flodl_slots.SlotLauncher"
+    # Jobs at a time on a host without GPUs (with GPUs, the free GPUs decide).
+    max_parallel: int = 2
+
+
+# Hydra imports every plugin module before it composes, so `hydra/launcher=slots` is known wherever it is.
+ConfigStore.instance().store(group="hydra/launcher", name="slots", node=SlotLauncherConf, provider="flodl")
+
+
+def gpu_slots(free: list[int], wanted: int) -> list[int] | None:
+    """The lowest `wanted` free GPU indices, or None when there are not enough (pure)."""
+    return sorted(free)[:wanted] if len(free) >= wanted else None
 
 
 @dataclass

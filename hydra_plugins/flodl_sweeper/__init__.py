@@ -1,6 +1,7 @@
 """flodl's default sweeper: Hydra's basic sweeper that checks the whole grid before the first job trains.
 
-Every job's config is composed and given the pre-spawn check of a single run (`flodl.launch.check_job`).
+Every job's config is composed and given the pre-spawn check of a single run
+(`flodl.launcher.launch.check_job`).
 An invalid job stops the sweep (exit 2, one block naming each invalid job and its rules, nothing trained);
 with `hydra.sweeper.skip_invalid=true` the valid jobs run and the skipped ones go to `skipped.json`. Each job
 keeps its place in the grid as its number (its dir's name), so a skipped job's number is no job dir's.
@@ -106,7 +107,7 @@ class FlodlSweeper(BasicSweeper):
 
     def _problems(self, job: list[str]) -> list[str]:
         from flodl.config.rules import ConfigError
-        from flodl.launch import check_job
+        from flodl.launcher.launch import check_job
 
         assert self.hydra_context is not None and self.config is not None
         try:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 from hydra import compose, initialize_config_dir
 
-from flodl.assembly import stepper_settings, task_settings
 from flodl.config.host import RankEnv
 from flodl.config.schema import register_configs, to_config
-from flodl.wire.messages import EpochSlice
+from flodl.job.assembly import stepper_settings, task_settings
+from flodl.launcher.run_dir import register_resolvers
+from flodl.links.messages import EpochSlice
 from flodl.worker.stepper import Stepper
 from flodl.worker.task_setup import build_task
 from tests.helpers.procs import CONF
@@ -17,6 +18,7 @@ from tests.helpers.procs import CONF
 def digits_stepper(*overrides: str, device: str = "cpu") -> Stepper:
     """A 1-process Stepper on the digits task, composed as train.py composes it (the rules not applied)."""
     register_configs()
+    register_resolvers()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = to_config(compose(config_name="config", overrides=[f"device={device}", *overrides]))
     where = torch.device(device)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from flodl.wire.messages import EpochSlice
+from flodl.links.messages import EpochSlice
 
 Batch = tuple[int, int]  # (epoch, batch index within the epoch)
 

@@ -16,7 +16,7 @@ if _DELAY_S > 0:
     import time
     from typing import Any
 
-    from flodl.checkpoint import CheckpointDir
+    from flodl.checkpoints.disk import CheckpointDir
 
     _write_part = CheckpointDir.write_part
 

@@ -1,4 +1,4 @@
-"""Compare the jobs of a multirun: `python -m flodl.compare <multirun dir>`.
+"""Compare the jobs of a multirun: `python -m flodl.metrics.compare <multirun dir>`.
 
 Jobs are grouped by the keys that vary across the sweep (read from each job's `.hydra/overrides.yaml` and
 config); `seed` is folded: each group shows the mean ± sample standard deviation over its seeds. Writes into
@@ -62,7 +62,7 @@ DIGITS = {"final loss": 4, "wall s": 1, "start-up s": 1, "samples/s": 0, "rounds
 def report(sweep_dir: Path) -> str:
     job_dirs = sorted((p.parent for p in sweep_dir.rglob("metrics.jsonl")), key=lambda p: str(p))
     if not job_dirs:
-        raise SystemExit(f"flodl.compare: no job with a metrics.jsonl under {sweep_dir}")
+        raise SystemExit(f"flodl.metrics.compare: no job with a metrics.jsonl under {sweep_dir}")
     jobs = [load_job(d) for d in job_dirs]
     metric = eval_metric(jobs)
     groups = group_jobs(jobs)
@@ -120,7 +120,9 @@ def _sweep_startup_line(sweep_dir: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m flodl.compare", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m flodl.metrics.compare", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("sweep_dir", type=Path, help="a multirun dir (or any dir holding run dirs)")
     args = parser.parse_args(argv)
     sys.stdout.write(report(args.sweep_dir))

@@ -28,20 +28,20 @@ from typing import Any
 
 from torch.distributed import PrefixStore
 
-from flodl.assembly import CoordinatorSetup, make_coordinator, resume_settings
-from flodl.checkpoint import MODEL_FILE, Checkpoint, atomic_save
+from flodl.checkpoints.disk import MODEL_FILE, Checkpoint, atomic_save
+from flodl.checkpoints.identity import run_identity
 from flodl.config.schema import FlodlConfig
 from flodl.coordinator.coordinator import Coordinator
 from flodl.coordinator.hooks import RunSummary
 from flodl.coordinator.roster import TooFewRanks
-from flodl.failures import Consequence
+from flodl.job.assembly import CoordinatorSetup, make_coordinator, resume_settings
+from flodl.job.failures import Consequence
+from flodl.job.resume import coordinator_state, covers_every_epoch, publish_checkpoint_choice
+from flodl.links.group import publish_json, read_json
+from flodl.links.transport import COORDINATOR, InboxReader, Mailbox
 from flodl.metrics import run_clock
 from flodl.metrics.run_info import RunInfo
 from flodl.metrics.sinks import METRICS_FILE
-from flodl.resume import coordinator_state, covers_every_epoch, publish_checkpoint_choice
-from flodl.run_identity import run_identity
-from flodl.wire.group import publish_json, read_json
-from flodl.wire.transport import COORDINATOR, InboxReader, Mailbox
 
 log = logging.getLogger("flodl")
 

@@ -76,7 +76,7 @@ def init_group(
     env: RankEnv, backend: str, device: torch.device, timeout_s: float, hosted_apart: bool = False
 ) -> GroupHandle:
     """Join this job's process group. `hosted_apart` (fault_tolerance=survive): a process apart from the
-    ranks hosts the store and the run (flodl/run_host.py), so no rank hosts it, and there is no WORLD group
+    ranks hosts the store and the run (flodl/job/host.py), so no rank hosts it, and there is no WORLD group
     (the members average on groups of their own; a world with a dead member in it cannot be used or
     destroyed).
 

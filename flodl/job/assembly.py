@@ -25,7 +25,8 @@ from flodl.averaging.consensus import DeviceAverager, HostAverager
 from flodl.averaging.ddp_hooks import SettledBuckets, bf16_gradient_hook, settled_gradient_hook
 from flodl.averaging.outer import OuterSettings
 from flodl.averaging.wire import wire_of
-from flodl.checkpoint import CheckpointDir, Point
+from flodl.checkpoints.disk import CheckpointDir, Point
+from flodl.checkpoints.identity import run_identity
 from flodl.config.host import RankEnv, stage_dir_of
 from flodl.config.policy import (
     averages_parameters,
@@ -53,18 +54,17 @@ from flodl.coordinator.survivors import SurviveSettings
 from flodl.coordinator.sync_driver import PLAN_LOOKAHEAD, SyncDriver
 from flodl.data.feeder import DataPlaneSettings
 from flodl.data.partition import equal_slices
+from flodl.job.resume import ResumeSettings
+from flodl.links.heartbeat import HeartbeatMonitor
+from flodl.links.membership import AveragingGroup
+from flodl.links.transport import InboxReader, Mailbox
 from flodl.metrics.run_info import RunInfo
 from flodl.metrics.sinks import METRICS_FILE, ConsoleSink, JsonlSink, Sink
 from flodl.metrics.timeline import Timeline
 from flodl.metrics.wandb_sink import WandbSettings
-from flodl.resume import ResumeSettings
 from flodl.rounds.elche import ElChe, ElCheSettings
 from flodl.rounds.guard import guard_from_state, make_guard
 from flodl.rounds.planner import LocalSgdPlanner
-from flodl.run_identity import run_identity
-from flodl.wire.heartbeat import HeartbeatMonitor
-from flodl.wire.membership import AveragingGroup
-from flodl.wire.transport import InboxReader, Mailbox
 from flodl.worker.base import RankLink, WorkerBase, WorkerSettings
 from flodl.worker.checkpoint_part import RankCheckpointer
 from flodl.worker.faults import FaultInjection
@@ -151,7 +151,7 @@ def checkpoint_store(cfg: FlodlConfig, run_dir: Path) -> CheckpointDir:
 
 
 def resume_settings(cfg: FlodlConfig, run_dir: Path, run: dict[str, Any]) -> ResumeSettings:
-    """`run`: this run's identity (flodl/run_identity.py: from the config, world size and uid)."""
+    """`run`: this run's identity (flodl/checkpoints/identity.py: from the config, world size and uid)."""
     kind = run_kind(cfg.policy, averages_parameters(cfg))
     return ResumeSettings(cfg.resume, checkpoint_store(cfg, run_dir), kind, run, run_dir / METRICS_FILE)
 
@@ -285,7 +285,7 @@ def make_group(
 
 @dataclass(frozen=True)
 class CoordinatorSetup:
-    """What the run's host (flodl/run_host.py) knows when it builds the coordinator, beyond the config."""
+    """What the run's host (flodl/job/host.py) knows when it builds the coordinator, beyond the config."""
 
     # The resolved config (recorded in checkpoints and W&B) and the job's names.
     config: dict[str, Any]

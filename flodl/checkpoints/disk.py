@@ -8,9 +8,9 @@ a member at the checkpoint round (every rank unless one was cut), `coordinator.p
 planner; inside an epoch, what its record holds so far) and, written last, `manifest.json` with every file's
 size and CRC32 and the ranks whose parts it holds. Ranks write their parts into `<dir>.partial/`; rank 0
 commits by writing the manifest and renaming the dir, then points `latest` at it. The manifest also records
-the run that wrote it (flodl/run_identity.py) and its place: the 0-based epoch, and the samples into it (null:
-after it). A dir without a valid manifest (a crash mid-write, a truncated file) is never loaded.
-Everything is loaded with `weights_only=True`."""
+the run that wrote it (flodl/checkpoints/identity.py) and its place: the 0-based epoch, and the samples
+into it (null: after it). A dir without a valid manifest (a crash mid-write, a truncated file) is never
+loaded. Everything is loaded with `weights_only=True`."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from datetime import timedelta
 
 from torch.distributed import DistStoreError, PrefixStore, Store, TCPStore
 
-from flodl.wire.messages import Message, Shutdown, decode, encode
+from flodl.links.messages import Message, Shutdown, decode, encode
 
 COORDINATOR = "coordinator"
 # A blocking pop logs a warning each time it times out: readers wait long and are woken by a message.

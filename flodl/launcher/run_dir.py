@@ -27,8 +27,8 @@ from typing import Any
 import psutil
 from omegaconf import OmegaConf
 
-from flodl.cluster_env import adopt_scheduler_environ
 from flodl.config.host import RankEnv
+from flodl.launcher.cluster_env import adopt_scheduler_environ
 
 STAMP_FORMAT = "%Y-%m-%d/%H-%M-%S"
 _STAMP = re.compile(r"\d{4}-\d{2}-\d{2}/\d{2}-\d{2}-\d{2}(-\d{1,6})?")
@@ -150,7 +150,7 @@ def _alive(owner: dict[str, Any]) -> bool:
 
 def claim_run_dir(run_dir: Path, uid: str) -> None:
     """Record this run as `run_dir`'s owner; refuse a dir that a live run with another uid owns."""
-    from flodl.checkpoint import atomic_write_bytes  # torch: not at config-composition time
+    from flodl.checkpoints.disk import atomic_write_bytes  # torch: not at config-composition time
 
     run_dir.mkdir(parents=True, exist_ok=True)
     owner_path = run_dir / OWNER_FILE

@@ -1,11 +1,11 @@
 """Every check that can run before a rank starts, on one composed job: `preflight(cfg)`.
 
-The CLI calls it before Hydra creates the run dir (flodl/launch.py's `Preflight` callback), and a sweep can
-call it for each of its jobs. Beyond the pure rules (flodl/config/rules.py) it reads what costs little:
-the task's `_target_`s bound against their signatures, then its parts built once (flodl/task_probe.py: the
-datasets, the model, optimizer and scheduler on the meta device, eval_fn on one batch), the paths the run
-will write (a dir made and removed in each), W&B's API key, the checkpoint `resume` names, and the Hydra
-settings of the job.
+The CLI calls it before Hydra creates the run dir (flodl/launcher/launch.py's `Preflight` callback), and a
+sweep can call it for each of its jobs. Beyond the pure rules (flodl/config/rules.py) it reads what costs
+little: the task's `_target_`s bound against their signatures, then its parts built once
+(flodl/preflight/task_probe.py: the datasets, the model, optimizer and scheduler on the meta device, eval_fn
+on one batch), the paths the run will write (a dir made and removed in each), W&B's API key, the checkpoint
+`resume` names, and the Hydra settings of the job.
 """
 
 from __future__ import annotations
@@ -23,16 +23,16 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from flodl.assembly import resume_settings, wandb_settings
-from flodl.checkpoint import CheckpointError
+from flodl.checkpoints.disk import CheckpointError
+from flodl.checkpoints.identity import run_identity
 from flodl.config.host import HostFacts, RankEnv, stage_dir_of
 from flodl.config.rules import ConfigError, validate
 from flodl.config.schema import FlodlConfig, to_config
 from flodl.config.targets import TASK_TARGETS, list_target_problems, locate, task_target_problems
+from flodl.job.assembly import resume_settings, wandb_settings
+from flodl.job.resume import choose_checkpoint
 from flodl.metrics.wandb_sink import start_problem
-from flodl.resume import choose_checkpoint
-from flodl.run_identity import run_identity
-from flodl.task_probe import HYDRA_KEYS, given, task_problems
+from flodl.preflight.task_probe import HYDRA_KEYS, given, task_problems
 from flodl.worker.task_setup import lr_scale_factor
 
 log = logging.getLogger("flodl")

@@ -89,7 +89,7 @@ def wire_words(cfg: FlodlConfig, size: ModelSize) -> str:
 
 
 def describe(cfg: FlodlConfig, host: HostFacts, data: DataPlaneSettings) -> str:
-    """`data`: the data plane settings the run would map for this host (flodl/assembly.py)."""
+    """`data`: the data plane settings the run would map for this host (flodl/job/assembly.py)."""
     size = model_size(cfg)
     numel, param_bytes, buffer_bytes = size.params, size.param_bytes, size.float32_buffer_bytes
     world = host.world_size

@@ -1,7 +1,7 @@
 """The body of every rank, whichever way it was started (torchrun, flodl's launcher or supervisor, by hand).
 
 A rank joins the run's store and group, checks it composed the same config as the others, builds its task,
-meets the run's host (flodl/run_host.py: rank 0's own process under fault_tolerance=none, a process apart
+meets the run's host (flodl/job/host.py: rank 0's own process under fault_tolerance=none, a process apart
 under survive) for the mailboxes' namespace and the checkpoint to continue from, then trains what the
 coordinator hands it until Shutdown.
 """
@@ -21,9 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flodl import failures
-from flodl.assembly import checkpoint_store, hang_saver, make_group, make_worker, task_settings
-from flodl.checkpoint import CheckpointError
+from flodl.checkpoints.disk import CheckpointError
 from flodl.config.host import RankEnv
 from flodl.config.policy import (
     collective_backend,
@@ -39,15 +37,14 @@ from flodl.config.schema import FlodlConfig, to_config
 from flodl.coordinator.hooks import CallbackError
 from flodl.coordinator.roster import RankHung, TooFewRanks
 from flodl.data.stream import epoch_picks
-from flodl.logs import FILE_ONLY, setup_rank_logging, stderr_to
-from flodl.metrics.run_info import RunInfo
-from flodl.metrics.wandb_sink import WandbStartError
-from flodl.resume import agreed_checkpoint, covers_every_epoch, load_model, restore_worker
-from flodl.run_host import HostFailed, RunHost, TaskFacts, coordinator_started, host_namespace, publish_task
-from flodl.wire.group import agree_on_config, init_group, pick_device
-from flodl.wire.heartbeat import HeartbeatSender, Rank0Watch, beat_interval
-from flodl.wire.messages import Exiting, StopRequested
-from flodl.wire.stop import (
+from flodl.job import failures
+from flodl.job.assembly import checkpoint_store, hang_saver, make_group, make_worker, task_settings
+from flodl.job.host import HostFailed, RunHost, TaskFacts, coordinator_started, host_namespace, publish_task
+from flodl.job.resume import agreed_checkpoint, covers_every_epoch, load_model, restore_worker
+from flodl.links.group import agree_on_config, init_group, pick_device
+from flodl.links.heartbeat import HeartbeatSender, Rank0Watch, beat_interval
+from flodl.links.messages import Exiting, StopRequested
+from flodl.links.stop import (
     Stopped,
     StopWatch,
     agree_step,
@@ -57,7 +54,10 @@ from flodl.wire.stop import (
     received,
     save_on_stop,
 )
-from flodl.wire.transport import COORDINATOR, InboxReader, Mailbox
+from flodl.links.transport import COORDINATOR, InboxReader, Mailbox
+from flodl.logs import FILE_ONLY, setup_rank_logging, stderr_to
+from flodl.metrics.run_info import RunInfo
+from flodl.metrics.wandb_sink import WandbStartError
 from flodl.worker.base import WorkerBase
 from flodl.worker.nonfinite import NonFiniteError
 from flodl.worker.task_setup import build_task, lr_scale_factor

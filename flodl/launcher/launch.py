@@ -28,24 +28,18 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from torch.distributed import TCPStore
 
-from flodl import failures
-from flodl.assembly import (
-    checkpoint_store,
-    data_plane_settings,
-)
-from flodl.cluster_env import adopt_scheduler_environ
 from flodl.config.host import HostFacts, RankEnv
 from flodl.config.policy import hosts_apart, saves_on_stop
 from flodl.config.rules import ConfigError
 from flodl.config.schema import FlodlConfig
 from flodl.coordinator.roster import TooFewRanks
-from flodl.logs import setup_host_logging, stderr_kept_in
-from flodl.metrics import run_clock
-from flodl.metrics.run_info import RunInfo, from_hydra
-from flodl.metrics.wandb_sink import WandbStartError
-from flodl.plan import describe
-from flodl.preflight import omegaconf_problem, preflight, warn_of_idle_disk_tier
-from flodl.rank import (
+from flodl.job import failures
+from flodl.job.assembly import (
+    checkpoint_store,
+    data_plane_settings,
+)
+from flodl.job.host import HostFailed, RunHost
+from flodl.job.rank import (
     EXIT_WORDED,
     device_type_of,
     log_plan,
@@ -53,12 +47,18 @@ from flodl.rank import (
     self_launched_rank,
     stopped_line,
 )
-from flodl.run_dir import RunDirTaken, claim_run_dir, release_claimed, run_uid
-from flodl.run_host import HostFailed, RunHost
-from flodl.supervisor import SupervisedRankFailure, signal_name, supervise
-from flodl.wire.group import hosted_exchange, is_loopback, loopback_store
-from flodl.wire.stop import STOP_EXIT_CODES, Stopped, catch_stop_signals
-from flodl.wire.transport import Mailbox
+from flodl.launcher.cluster_env import adopt_scheduler_environ
+from flodl.launcher.run_dir import RunDirTaken, claim_run_dir, release_claimed, run_uid
+from flodl.launcher.supervisor import SupervisedRankFailure, signal_name, supervise
+from flodl.links.group import hosted_exchange, is_loopback, loopback_store
+from flodl.links.stop import STOP_EXIT_CODES, Stopped, catch_stop_signals
+from flodl.links.transport import Mailbox
+from flodl.logs import setup_host_logging, stderr_kept_in
+from flodl.metrics import run_clock
+from flodl.metrics.run_info import RunInfo, from_hydra
+from flodl.metrics.wandb_sink import WandbStartError
+from flodl.preflight.checks import omegaconf_problem, preflight, warn_of_idle_disk_tier
+from flodl.preflight.plan import describe
 
 log = logging.getLogger("flodl")
 
@@ -122,8 +122,8 @@ def _exit_config(message: str) -> None:
 
 
 class Preflight(Callback):
-    """Hydra callback: every check of `flodl.preflight` before Hydra creates the run dir (a rejected config
-    leaves no dir behind), and `plan=true`'s summary, which writes nothing. Hydra turns a callback's
+    """Hydra callback: every check of `flodl.preflight.checks` before Hydra creates the run dir (a rejected
+    config leaves no dir behind), and `plan=true`'s summary, which writes nothing. Hydra turns a callback's
     exception into a warning, so it exits itself."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
@@ -271,7 +271,7 @@ def keep_on_loopback() -> None:
 
 def check_job(config: dict[str, Any]) -> tuple[FlodlConfig, HostFacts]:
     """One job's pre-spawn check (also the sweeper's, for every job of a grid): the rules on its values and
-    everything else flodl/preflight.py checks, in one ConfigError."""
+    everything else flodl/preflight/checks.py checks, in one ConfigError."""
     return preflight(OmegaConf.create(config))
 
 
@@ -304,7 +304,7 @@ def _elastic_launch(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig) -> 
     run_dir = Path(info.run_dir)
     # Every rank is on this host, so nothing listens beyond loopback: the rendezvous store is ours, bound
     # to 127.0.0.1 (torch's would listen on every interface); the agent does not open a shared store of
-    # its own, and rank 0 hosts the ranks' store on MASTER_ADDR=127.0.0.1 (flodl/wire/group.py).
+    # its own, and rank 0 hosts the ranks' store on MASTER_ADDR=127.0.0.1 (flodl/links/group.py).
     rendezvous = loopback_store(0, None, timedelta(seconds=cfg.launch.timeout_s))
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     launch_config = LaunchConfig(
@@ -347,7 +347,7 @@ def _elastic_launch(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig) -> 
 
 def _supervised_launch(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig, gpus: int) -> None:
     """fault_tolerance=survive: each rank supervised on its own (torch's elastic agent would stop them all
-    when one dies); this process hosts the store and the run (flodl/run_host.py), which outlive any rank,
+    when one dies); this process hosts the store and the run (flodl/job/host.py), which outlive any rank,
     rank 0 included."""
     world = cfg.launch.nproc_per_node
     store = loopback_store(0, None, timedelta(seconds=cfg.launch.timeout_s))
@@ -372,7 +372,7 @@ def _host(
     store: TCPStore,
     ranks: Callable[[Callable[[], bool]], None] | None = None,
 ) -> None:
-    """This process hosts the run (flodl/run_host.py) in `store`, while `ranks(ended)` supervises its ranks
+    """This process hosts the run (flodl/job/host.py) in `store`, while `ranks(ended)` supervises its ranks
     until `ended()` (None: the ranks run apart; the host ends with the run). A planned stop (min_ranks) and a
     failure end in one line."""
     run_dir = Path(info.run_dir)
@@ -412,7 +412,7 @@ def _failure_line(
     otherwise: str,
     note: str = "",
 ) -> str:
-    """The launcher's line for failed ranks: the one that began it (flodl/failures.py) and its log, or
+    """The launcher's line for failed ranks: the one that began it (flodl/job/failures.py) and its log, or
     `otherwise` when none recorded why and none was killed; `note` on a fault; where the run stands."""
     where = _where(cfg, run_dir)
     blamed = failures.blame(recorded, deaths)

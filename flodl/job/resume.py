@@ -10,7 +10,7 @@ from typing import Any
 from torch import nn
 from torch.distributed import PrefixStore
 
-from flodl.checkpoint import (
+from flodl.checkpoints.disk import (
     COORDINATOR_FILE,
     MODEL_FILE,
     Checkpoint,
@@ -20,10 +20,10 @@ from flodl.checkpoint import (
     rank_file,
     resolve_resume,
 )
+from flodl.checkpoints.identity import check_identity
 from flodl.counting import shown_epoch
+from flodl.links.group import publish_json, read_json
 from flodl.metrics.sinks import read_history, record_line
-from flodl.run_identity import check_identity
-from flodl.wire.group import publish_json, read_json
 from flodl.worker.base import WorkerBase
 from flodl.worker.checkpoint_part import restore_rank_part
 from flodl.worker.rank_state import restore_stepper, shared_state
@@ -33,7 +33,7 @@ log = logging.getLogger("flodl")
 
 @dataclass(frozen=True)
 class ResumeSettings:
-    """Which checkpoint a run continues from, and what it must match (mapped once, by flodl/assembly.py)."""
+    """Which checkpoint a run continues from, and what it must match (mapped once, by the assembly)."""
 
     # auto, never, or the path of a checkpoint dir or run dir.
     resume: str
@@ -41,7 +41,8 @@ class ResumeSettings:
     checkpoints: CheckpointDir
     # The policy facts a checkpoint must share with this run (flodl/coordinator/commit.py's run_kind).
     kind: dict[str, Any]
-    # This run's identity (flodl/run_identity.py): what its checkpoints record, what resume=auto checks.
+    # This run's identity (flodl/checkpoints/identity.py): what its checkpoints record, what resume=auto
+    # checks.
     run: dict[str, Any]
     # The run's metrics.jsonl, put in line with the checkpoint it resumes (or moved aside on a fresh start).
     metrics: Path

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from types import FrameType
 
-from flodl.wire.transport import Mailbox
+from flodl.links.transport import Mailbox
 
 log = logging.getLogger("flodl")
 

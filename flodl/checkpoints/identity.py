@@ -1,7 +1,7 @@
 """Which run wrote a checkpoint, and whether this run may resume it.
 
-Every checkpoint's manifest records its run: the uid (flodl/run_dir.py: shared by every rank and every
-restart of one launch) and the config that decides what the saved state means. `RESUME_KEYS` are those
+Every checkpoint's manifest records its run: the uid (flodl/launcher/run_dir.py: shared by every rank and
+every restart of one launch) and the config that decides what the saved state means. `RESUME_KEYS` are those
 keys: change one and the optimizer state, the data order or the averaging math of the checkpoint belong to
 another experiment. Everything else (epochs, checkpointing, logging, timeouts, simulate.*) may change
 between a run and its resumption (`epochs=4` then `epochs=6` extends a run).
@@ -16,7 +16,7 @@ import hashlib
 import json
 from typing import Any
 
-from flodl.checkpoint import Checkpoint, CheckpointError
+from flodl.checkpoints.disk import Checkpoint, CheckpointError
 
 RESUME_KEYS = (
     "policy",

@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from flodl.wire.messages import Heartbeat
-from flodl.wire.transport import COORDINATOR, Mailbox
+from flodl.links.messages import Heartbeat
+from flodl.links.transport import COORDINATOR, Mailbox
 
 
 def beat_interval(timeout_s: float) -> float:

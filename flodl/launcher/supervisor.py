@@ -3,7 +3,7 @@
 torch's elastic agent ends every rank when one fails (and restarts them all). Here each rank is watched
 alone: a rank that dies, or that the coordinator cuts, is started again while it has restarts left, else the
 others train on without it; rank 0 is a rank like any other. The supervisor's process hosts the ranks'
-store (they join it as clients) and the run itself (flodl/run_host.py: the coordinator, on a thread): the
+store (they join it as clients) and the run itself (flodl/job/host.py: the coordinator, on a thread): the
 supervisor posts each death there for the coordinator, the coordinator its cuts for the supervisor, and the
 supervisor runs until the run's host says the run ended.
 
@@ -29,8 +29,8 @@ from typing import Any
 
 from torch.distributed import TCPStore
 
-from flodl.wire.membership import cut_key, post_exit
-from flodl.wire.stop import STOP_SIGNALS, Stopped
+from flodl.links.membership import cut_key, post_exit
+from flodl.links.stop import STOP_SIGNALS, Stopped
 
 log = logging.getLogger("flodl")
 
@@ -61,7 +61,7 @@ class RankExit:
     @property
     def stop_signal(self) -> int | None:
         """The stop signal this exit answers (exit code 128 + a stop signal, or killed by one), if any."""
-        for signum in STOP_SIGNALS:  # a stopped rank exits 128 + the signal (flodl/wire/stop.py)
+        for signum in STOP_SIGNALS:  # a stopped rank exits 128 + the signal (flodl/links/stop.py)
             if self.exitcode == 128 + signum or self.signal_name == signal.Signals(signum).name:
                 return signum
         return None
