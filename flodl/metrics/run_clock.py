@@ -18,6 +18,8 @@ from pathlib import Path
 
 import psutil
 
+from flodl.config.host import RankEnv
+
 RUN_FILE = "run.json"
 SWEEP_FILE = "sweep.json"
 # When this process launches its next job (a multirun walked in one process): the moment its sweep had
@@ -28,7 +30,7 @@ _next_launch: float | None = None
 def _process_start() -> float:
     """When this process started; under torchrun, its agent's (the agent launched the job)."""
     process = psutil.Process()
-    if os.environ.get("TORCHELASTIC_RUN_ID") and (parent := process.parent()) is not None:
+    if RankEnv.from_environ().run_id and (parent := process.parent()) is not None:
         process = parent
     return process.create_time()
 
