@@ -15,9 +15,16 @@ if TYPE_CHECKING:
     from flodl.config.schema import FlodlConfig
 
 TASK_TARGETS = (
-    "model", "train_data", "eval_data", "loss", "eval_fn", "optimizer", "scheduler", "transform",
+    "model",
+    "train_data",
+    "eval_data",
+    "loss",
+    "eval_fn",
+    "optimizer",
+    "scheduler",
+    "transform",
     "collate_fn",
-)  # fmt: skip
+)
 
 
 def locate(path: str) -> object:

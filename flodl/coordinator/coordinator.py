@@ -193,8 +193,10 @@ class Coordinator(threading.Thread):
         self.driver.stop_saving()
         log.info(
             "rank %d got %s: the ranks save a checkpoint at the next %s, then stop",
-            message.rank, signal.Signals(message.signum).name, self.driver.boundary,
-        )  # fmt: skip
+            message.rank,
+            signal.Signals(message.signum).name,
+            self.driver.boundary,
+        )
 
     @property
     def last_epoch(self) -> int:

@@ -216,8 +216,9 @@ class LocalSgdDriver:
                 self._said_disk_pace = True
                 log.info(
                     "a checkpoint by time waits for the last one's parts to be on disk (they take longer "
-                    "than checkpoint_every_s=%g s): checkpoints are taken as often as the disk allows", every,
-                )  # fmt: skip
+                    "than checkpoint_every_s=%g s): checkpoints are taken as often as the disk allows",
+                    every,
+                )
             return False
         return True
 
@@ -263,10 +264,13 @@ class LocalSgdDriver:
                 self._checkpoint_at = self._point(average.checkpoint_at)
                 point = self._checkpoint_at
                 order = AverageNow(
-                    average.round, list(average.evaluate_epochs), average.final,
-                    None if point is None else point.epoch, self.roster.generation,
+                    average.round,
+                    list(average.evaluate_epochs),
+                    average.final,
+                    None if point is None else point.epoch,
+                    self.roster.generation,
                     None if point is None else point.into,
-                )  # fmt: skip
+                )
                 for rank in sorted(self.roster.members):
                     self.outbox.send(rank, order)
                 if self.planner.overlapping:  # the round's communication runs while the next window trains

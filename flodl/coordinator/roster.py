@@ -232,9 +232,13 @@ class SurvivingRoster(Roster):
             members = sorted(self.members)
             joined_at, startup_s = self.joined.pop(rank)
             change = MembershipChange(
-                "admitted", rank, self.generation, members, f"incarnation {self.incarnations[rank]}",
+                "admitted",
+                rank,
+                self.generation,
+                members,
+                f"incarnation {self.incarnations[rank]}",
                 startup_s=startup_s,
-            )  # fmt: skip
+            )
             change.waited_s = change.started - joined_at
             self.changes.append(change)
             self.ledger.membership_event(

@@ -41,9 +41,19 @@ _HEADER = struct.Struct("<IIQ")  # payload bytes, crc32(payload), sample
 _FIELD = struct.Struct("<BB")  # dtype code, ndim
 _ALIGN = 16
 _DTYPES = (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
-    torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
-)  # fmt: skip
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+)
 _CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
 _NAME = re.compile(r"^flodl-stage-(.+)-(\d+)-(\d+)\.pack$")
 # A stage dir may be shared by hosts: a pack file is judged stale only by the host that wrote it.

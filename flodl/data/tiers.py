@@ -26,9 +26,15 @@ log = logging.getLogger(__name__)
 _INFLIGHT_WAIT_S = 30.0
 
 STAT_NAMES = (
-    "hits_vram", "hits_ram", "hits_disk", "source_reads", "bytes_disk", "stage_reads", "stage_evictions",
+    "hits_vram",
+    "hits_ram",
+    "hits_disk",
+    "source_reads",
+    "bytes_disk",
+    "stage_reads",
+    "stage_evictions",
     "starve_ms",
-)  # fmt: skip
+)
 
 
 class FeedStats:

@@ -267,14 +267,19 @@ class _Supervisor:
             rank.incarnation += 1
             log.warning(
                 "%s %s; starting it again as incarnation %d (%d restart(s) left)",
-                who, how, rank.incarnation, rank.restarts_left,
-            )  # fmt: skip
+                who,
+                how,
+                rank.incarnation,
+                rank.restarts_left,
+            )
             self._start(rank)
         else:
             log.warning(
                 "%s %s; no restarts left (launch.max_restarts): the others go on without it; see %s",
-                who, how, self.log_dir / f"rank{rank.rank}.log",
-            )  # fmt: skip
+                who,
+                how,
+                self.log_dir / f"rank{rank.rank}.log",
+            )
 
     def _none_left(self) -> bool:
         """No rank is left and none was started again: True when one finished (a rank ends well only when the

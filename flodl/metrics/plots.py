@@ -119,13 +119,18 @@ def plot_compare(groups: list[Group], metric: str, path: Path) -> Figure:
     seeds = sorted({len(g.jobs) for g in groups})
     legend_ax.axis("off")
     legend_ax.add_artist(
-        legend_ax.legend(handles=shades, loc="lower center", fontsize=9, frameon=False, ncols=3,
-                         title="wall time bars")
-    )  # fmt: skip
+        legend_ax.legend(
+            handles=shades, loc="lower center", fontsize=9, frameon=False, ncols=3, title="wall time bars"
+        )
+    )
     legend_ax.legend(
-        handles, labels, loc="upper center", fontsize=10, frameon=False,
+        handles,
+        labels,
+        loc="upper center",
+        fontsize=10,
+        frameon=False,
         title=f"mean ± 1 std (band) over seeds, n = {'/'.join(map(str, seeds))} per group",
-    )  # fmt: skip
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

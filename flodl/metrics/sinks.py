@@ -115,10 +115,17 @@ class ConsoleSink:
         compiled = f" (compile {metrics.compile_s:.1f}s apart)" if metrics.compile_s else ""
         log.info(
             "epoch %d/%d  step %d  loss %.4f%s  %.0f samples/s%s  %.2fs%s  wire %.1f MB",
-            shown_epoch(metrics.epoch), self.epochs, metrics.step, metrics.loss, evals,
-            metrics.samples_per_s, throughput_words(metrics), metrics.epoch_s, compiled,
+            shown_epoch(metrics.epoch),
+            self.epochs,
+            metrics.step,
+            metrics.loss,
+            evals,
+            metrics.samples_per_s,
+            throughput_words(metrics),
+            metrics.epoch_s,
+            compiled,
             metrics.comm_bytes / 1e6,
-        )  # fmt: skip
+        )
         if metrics.mfu is None and not self._said_mfu_unknown:
             self._said_mfu_unknown = True
             log.info(MFU_UNKNOWN)

@@ -257,9 +257,12 @@ class SurvivingGroup:
                 continue
             log.info(
                 "rank %d: averaging group %d is %s%s (formed in %.0f ms)",
-                self.rank, message.generation, list(message.members),
-                f", admitting {message.joining}" if message.joining else "", form_s * 1000,
-            )  # fmt: skip
+                self.rank,
+                message.generation,
+                list(message.members),
+                f", admitting {message.joining}" if message.joining else "",
+                form_s * 1000,
+            )
             member.regrouped(message, Regrouped(self.rank, message.generation, release_ms, form_s * 1000))
             return
 
