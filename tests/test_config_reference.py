@@ -9,7 +9,8 @@ import pytest
 from omegaconf import DictConfig, OmegaConf
 
 from flodl.config import schema
-from flodl.config.reference import COMMAND, allowed_values, main, read_source, reference
+from flodl.config.reference import COMMAND, main, read_source, reference
+from flodl.config.rules import CHOICES, NULL_MEANS
 from tests.helpers.procs import PYTHON, REPO, run
 
 COMMITTED = REPO / "docs" / "configuration.md"
@@ -65,7 +66,7 @@ def test_every_tuple_of_allowed_values_in_the_schema_reaches_its_key() -> None:
     }
     listed = {cells[2] for cells in table.values()}
     missing = [name for name, values in tuples.items() if ", ".join(f"`{v}`" for v in values) not in listed]
-    assert missing == [], "a schema tuple no rule checks a key against (flodl/config/rules.py)"
+    assert missing == [], "a schema tuple no rule checks a key against (flodl/config/rules/values.py)"
     assert table["policy"][2] == "`sync`, `cadence`, `async`"
     assert table["simulate.kill_in"][2] == "`window`, `round`, `start`"  # a tuple written in the rule
 
@@ -101,15 +102,12 @@ def test_a_description_is_the_comment_lines_directly_above_the_field() -> None:
     }
 
 
-def test_allowed_values_come_from_the_rules_membership_checks() -> None:
-    rules = """
-def checks():
-    yield from check("k", lambda v: v in NAMES, "must be one of them")
-    yield from check("j", lambda v: v in ("x", "y"), "must be x or y")
-    yield from check("n", lambda v: v >= 1, "must be >= 1")
-    yield from other("m", lambda v: v in NAMES)
-"""
-    assert allowed_values(rules, {"NAMES": ("p", "q")}) == {"k": ("p", "q"), "j": ("x", "y")}
+def test_a_key_of_the_rules_choices_lists_them_and_null_where_null_is_allowed() -> None:
+    table = rows(reference())
+    assert set(CHOICES) <= set(table)
+    for key, values in CHOICES.items():
+        assert table[key][2] == ", ".join(f"`{v}`" for v in values), key
+    assert set(NULL_MEANS) <= {key for key in CHOICES if table[key][1] == "`null`"}
 
 
 def test_the_command_refuses_an_option_and_a_missing_folder(tmp_path: Path) -> None:

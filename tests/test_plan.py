@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from flodl.config.host import HostFacts
+from flodl.config.host import GIB, HostFacts
 from flodl.config.policy import collective_backend
-from flodl.config.rules import GIB
 from flodl.config.schema import to_config
 from flodl.data.feeder import staging_budgets
-from flodl.job.assembly import data_plane_settings
+from flodl.job.settings import data_plane_settings
 from flodl.preflight.plan import checkpoints_line, describe
 
 DIGITS = {
@@ -85,7 +84,10 @@ def test_plan_says_what_a_dead_rank_does_to_the_run():
 
 
 def test_plan_says_when_checkpoints_are_taken_and_what_a_stop_does():
-    assert "checkpoints     off: a stop or a dead rank ends the run where it is" in plan_of()
+    assert "checkpoints     off: a stop or a dead rank ends the run where it is" in plan_of(
+        checkpoint_every=None
+    )
+    assert "checkpoints     every 1 epoch(s), after the last epoch; " in plan_of()  # the default
     steps = plan_of(checkpoint_every=2, checkpoint_every_steps=500)
     assert (
         "checkpoints     every 2 epoch(s), every 500 global steps, inside epochs too, after the last epoch; "

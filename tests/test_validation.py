@@ -11,9 +11,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flodl.config.host import HostFacts
+from flodl.config.host import GIB, HostFacts
 from flodl.config.policy import compile_mode_for, writes_in_a_process
-from flodl.config.rules import GIB, LOCAL_SGD_KNOBS, NOT_IMPLEMENTED, ConfigError, validate
+from flodl.config.rules import LOCAL_SGD_KNOBS, NOT_IMPLEMENTED, ConfigError, validate
 from flodl.config.schema import FlodlConfig, to_config
 from flodl.config.targets import list_target_problems
 from flodl.links.group import pick_device
@@ -93,7 +93,8 @@ RANGE_CASES = [
     ("augment", 0, "must be in [1, 4096]"),
     ("augment", 10**9, "must be in [1, 4096]"),
     ("grad_accum", 0, "must be >= 1 micro-batches per optimizer step"),
-    ("precision", "fp8", "must be one of fp32, bf16, fp16"),
+    ("precision", "int8", "must be one of fp32, bf16, fp16, fp8"),
+    ("precision", "fp8", "float8 training runs on the GPU; use precision=bf16"),
     ("compile_mode", "fastest", "must be one of auto, default, lite, reduce-overhead"),
     ("eval_every", -1, "must be >= 0"),
     ("max_grad_norm", 0.0, "must be a finite value > 0"),
@@ -140,7 +141,7 @@ RANGE_CASES = [
     ("simulate.nan_rank", 3, "must be a rank of this job, 0..0"),
     ("simulate.hang_rank", -1, "must be a rank of this job, 0..0"),
     ("launch.nproc_per_node", 0, "must be >= 1"),
-    ("launch.start_method", "thread", "must be one of ('spawn', 'fork', 'forkserver')"),
+    ("launch.start_method", "thread", "must be one of spawn, fork, forkserver"),
     ("launch.timeout_s", 0.0, "must be in [10, 604800] seconds"),
     ("launch.timeout_s", 0.000001, "must be in [10, 604800] seconds"),
     ("launch.timeout_s", INF, "must be in [10, 604800] seconds"),
@@ -219,7 +220,10 @@ def test_checkpoints_by_time_under_sync_need_the_fixed_world_and_keep_needs_some
             p for p in problems_of(make(policy="async", checkpoint_keep=5, **{key: 100})) if "keep" in p
         ]
     problem = assert_problem(
-        problems_of(make(checkpoint_keep=5)), "checkpoint_keep", 5, "applies to checkpoints"
+        problems_of(make(checkpoint_keep=5, checkpoint_every=None)),
+        "checkpoint_keep",
+        5,
+        "applies to checkpoints",
     )
     assert "checkpoint_every, checkpoint_every_steps or checkpoint_every_s" in problem
 
@@ -536,8 +540,12 @@ def test_one_wire_at_a_time():
     both = problems_of(make(policy="cadence", bf16_wire=True, quantized_wire="int4"))
     assert_problem(both, "quantized_wire", "int4", "one wire at a time: set bf16_wire=false")
     assert problems_of(make(policy="cadence", quantized_wire="int8")) == []
-    assert_problem(problems_of(make(policy="cadence", quantized_wire="int2")), "quantized_wire", "int2",
-                   "must be one of int8, int4 or null")  # fmt: skip
+    assert_problem(
+        problems_of(make(policy="cadence", quantized_wire="int2")),
+        "quantized_wire",
+        "int2",
+        "must be one of int8, int4 or null",
+    )
     assert problems_of(make(policy="sync", bf16_wire=True)) == []
 
 
@@ -592,6 +600,21 @@ def test_fp16_needs_cuda_and_says_to_use_bf16():
         assert_problem(problems_of(cfg, facts), "precision", "fp16", "use precision=bf16 on CPU")
     assert problems_of(make(precision="fp16"), gpu) == []  # device=auto takes the GPU
     assert problems_of(make(precision="bf16")) == []  # bf16 autocast runs on CPU
+
+
+def test_fp8_needs_gpus_with_float8_matmuls_and_names_what_is_missing():
+    hopper = host(gpus=1, gpu_capability=(9, 0), float8_matmul=True)
+    assert problems_of(make(precision="fp8"), hopper) == []
+    assert_problem(
+        problems_of(make(precision="fp8", device="cpu"), hopper), "precision", "fp8", "runs on the GPU"
+    )
+    ampere = dataclasses.replace(hopper, gpu_capability=(8, 0))
+    problem = assert_problem(
+        problems_of(make(precision="fp8"), ampere), "precision", "fp8", "capability 8.9+"
+    )
+    assert "this host's lowest is 8.0" in problem
+    old_torch = dataclasses.replace(hopper, float8_matmul=False)
+    assert_problem(problems_of(make(precision="fp8"), old_torch), "precision", "fp8", "upgrade torch")
 
 
 def test_compile_mode_needs_compile():

@@ -14,6 +14,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+GIB = 1 << 30
+
 
 @dataclass(frozen=True)
 class RankEnv:
@@ -85,6 +87,10 @@ class HostFacts:
     elastic_agent: bool = False
     # CPU cores this process may run on (None: not probed).
     cpu_cores: int | None = None
+    # The lowest CUDA compute capability among the visible GPUs (None: no GPU), and whether this torch has
+    # float8 matmuls (torch._scaled_mm): what precision=fp8 needs.
+    gpu_capability: tuple[int, int] | None = None
+    float8_matmul: bool = False
 
     @classmethod
     def probe(cls, nproc_per_node: int, disk_stage_dir: str | None) -> HostFacts:
@@ -97,13 +103,38 @@ class HostFacts:
         stage_dir = stage_dir_of(disk_stage_dir)
         free = shutil.disk_usage(stage_dir).free if os.path.isdir(stage_dir) else None
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        return cls(gpu_count(), ranks, world, under_torchrun, free, available_ram(), env.run_id != "", cores)
+        return cls(
+            gpu_count(),
+            ranks,
+            world,
+            under_torchrun,
+            free,
+            available_ram(),
+            env.run_id != "",
+            cores,
+            gpu_capability(),
+            float8_matmul(),
+        )
 
 
 def gpu_count() -> int:
     import torch
 
     return torch.cuda.device_count()
+
+
+def gpu_capability() -> tuple[int, int] | None:
+    """The lowest compute capability among the visible CUDA devices (None: none visible)."""
+    import torch
+
+    found = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
+    return min(found) if found else None
+
+
+def float8_matmul() -> bool:
+    import torch
+
+    return hasattr(torch, "_scaled_mm") and hasattr(torch, "float8_e4m3fn")
 
 
 def stage_dir_of(disk_stage_dir: str | None) -> str:

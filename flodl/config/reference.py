@@ -4,8 +4,8 @@ comment above it to PATH (docs/configuration.md by default). tests/test_config_r
 committed file is not what this writes.
 
 Descriptions are the schema's own comments, read from its source: the comment lines directly above a field
-(a `# --- name ---` line heads a section instead). Allowed values are those config/rules.py checks a key's
-value against (`check(key, lambda v: v in VALUES, ...)`).
+(a `# --- name ---` line heads a section instead). Allowed values are the rules' own table of them
+(`CHOICES` in flodl/config/rules/values.py), which the rules check each key's value against.
 """
 
 from __future__ import annotations
@@ -80,29 +80,6 @@ def read_source(source: str) -> dict[str, SourceClass]:
     return classes
 
 
-def allowed_values(rules_source: str, namespace: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:
-    """Per key, the values `rules_source` accepts through `check(key, lambda v: v in VALUES, ...)`, VALUES a
-    tuple written there or a name of `namespace`."""
-    found: dict[str, tuple[str, ...]] = {}
-    for node in ast.walk(ast.parse(rules_source)):
-        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "check"):
-            continue
-        if len(node.args) < 2 or not isinstance(node.args[0], ast.Constant):
-            continue
-        key, ok = node.args[0].value, node.args[1]
-        if not isinstance(key, str):
-            continue
-        if not (isinstance(ok, ast.Lambda) and isinstance(ok.body, ast.Compare)):
-            continue
-        test = ok.body
-        if isinstance(test.left, ast.Name) and [type(op) for op in test.ops] == [ast.In]:
-            values = test.comparators[0]
-            found[key] = tuple(
-                namespace[values.id] if isinstance(values, ast.Name) else ast.literal_eval(values)
-            )
-    return found
-
-
 def groups(
     config: type,
     classes: Mapping[str, SourceClass],
@@ -143,7 +120,8 @@ def render(all_groups: list[Group]) -> str:
         "",
         "Every key is an override on the command line (`python train.py epochs=5 launch.nproc_per_node=2`)",
         "and a key of the configs in `conf/`. *required*: the task's config sets it. The allowed values",
-        "are the ones checked before any rank starts (`flodl/config/rules.py`, where every other rule is).",
+        "are the ones checked before any rank starts (`flodl/config/rules/values.py`; the other rules are",
+        "beside it).",
     ]
     for group in all_groups:
         lines += ["", f"## `{group.prefix}*`" if group.prefix else "## Top-level keys"]
@@ -167,8 +145,7 @@ def render(all_groups: list[Group]) -> str:
 def reference() -> str:
     """The reference of flodl's schema, as the command writes it."""
     classes = read_source(Path(schema.__file__).read_text())
-    allowed = allowed_values(Path(rules.__file__).read_text(), vars(rules))
-    return render(groups(schema.FlodlConfig, classes, allowed))
+    return render(groups(schema.FlodlConfig, classes, rules.CHOICES))
 
 
 def _full_line_comments(source: str) -> dict[int, str]:

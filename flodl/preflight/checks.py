@@ -1,7 +1,7 @@
 """Every check that can run before a rank starts, on one composed job: `preflight(cfg)`.
 
 The CLI calls it before Hydra creates the run dir (flodl/launcher/launch.py's `Preflight` callback), and a
-sweep can call it for each of its jobs. Beyond the pure rules (flodl/config/rules.py) it reads what costs
+sweep can call it for each of its jobs. Beyond the pure rules (flodl/config/rules/) it reads what costs
 little: the task's `_target_`s bound against their signatures, then its parts built once
 (flodl/preflight/task_probe.py: the datasets, the model, optimizer and scheduler on the meta device, eval_fn
 on one batch), the paths the run will write (a dir made and removed in each), W&B's API key, the checkpoint
@@ -29,8 +29,8 @@ from flodl.config.host import HostFacts, RankEnv, stage_dir_of
 from flodl.config.rules import ConfigError, validate
 from flodl.config.schema import FlodlConfig, to_config
 from flodl.config.targets import TASK_TARGETS, list_target_problems, locate, task_target_problems
-from flodl.job.assembly import resume_settings, wandb_settings
 from flodl.job.resume import choose_checkpoint
+from flodl.job.settings import resume_settings, wandb_settings
 from flodl.metrics.wandb_sink import start_problem
 from flodl.preflight.task_probe import HYDRA_KEYS, given, task_problems
 from flodl.worker.task_setup import lr_scale_factor

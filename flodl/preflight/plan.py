@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import torch
 from hydra.utils import instantiate
 
-from flodl.averaging.wire import payload_bytes, wire_of
-from flodl.config.host import HostFacts
+from flodl.averaging.wire import BF16, WIRES, wire_for
+from flodl.config.host import GIB, HostFacts
 from flodl.config.policy import (
-    averages_parameters,
+    PolicyFacts,
     checkpoints_on,
     collective_backend,
     compile_mode_for,
@@ -26,8 +26,7 @@ from flodl.config.policy import (
     writes_in_a_process,
     writes_in_background,
 )
-from flodl.config.rules import GIB
-from flodl.config.schema import QUANTIZED_WIRES, FlodlConfig
+from flodl.config.schema import FlodlConfig
 from flodl.data.feeder import DataPlaneSettings, staging_budgets
 from flodl.data.memory import RAM_FRACTION_CAP
 
@@ -77,12 +76,12 @@ def compile_words(cfg: FlodlConfig, device_type: str, world: int) -> str:
 
 def wire_words(cfg: FlodlConfig, size: ModelSize) -> str:
     """What the compressed wires send instead (the quantized ones only under local SGD), and which is on."""
-    wires = ("bf16", *QUANTIZED_WIRES) if averages_parameters(cfg) else ("bf16",)
+    compressed = [w for w in WIRES.values() if w.needs_reference]
+    wires = compressed if PolicyFacts.of(cfg).averages_parameters else [BF16]
     others = size.param_bytes - 4 * size.float32_numel + size.float32_buffer_bytes
-    on = wire_of(cfg.bf16_wire, cfg.quantized_wire)
-    keys = {"bf16": "bf16_wire", **{q: f"quantized_wire={q}" for q in QUANTIZED_WIRES}}
+    on = wire_for(cfg.bf16_wire, cfg.quantized_wire)
     return ", ".join(
-        f"{human_bytes(payload_bytes(wire, size.float32_numel) + others)} with {keys[wire]} "
+        f"{human_bytes(wire.payload_bytes(size.float32_numel) + others)} with {wire.key} "
         + ("(on)" if wire == on else "(off)")
         for wire in wires
     )
@@ -104,7 +103,7 @@ def describe(cfg: FlodlConfig, host: HostFacts, data: DataPlaneSettings) -> str:
         devices += f"{-(-host.ranks_per_node // host.gpus)} ranks per GPU)"
     device_type = "cuda" if uses_gpu else "cpu"
     backend = collective_backend(cfg.backend, device_type)
-    unit = "averaging round" if averages_parameters(cfg) else "step (DDP gradients)"
+    unit = "averaging round" if PolicyFacts.of(cfg).averages_parameters else "step (DDP gradients)"
     lines = [
         "flodl plan (nothing was started)",
         f"  ranks           {world} in all, {host.ranks_per_node} on this host; devices: {devices}; "
@@ -158,7 +157,7 @@ def checkpoints_line(cfg: FlodlConfig, world: int, device_type: str) -> str:
     if cfg.checkpoint_every_steps:
         when.append(f"every {cfg.checkpoint_every_steps} global steps, inside epochs too")
         window = cfg.anchor * world  # ElChe's first window: every rank trains the anchor at least
-        if averages_parameters(cfg) and cfg.checkpoint_every_steps < window:
+        if PolicyFacts.of(cfg).averages_parameters and cfg.checkpoint_every_steps < window:
             when[-1] += (
                 f" (shorter than ElChe's first window, {window}+ global steps: each checkpoint ends its "
                 "window early, so a round comes at least that often)"
