@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flodl.averaging.consensus import DeviceAverager, HostAverager
+from flodl.averaging.wire import BF16
 
 SIZES = {"10M": (1448, 5), "120M": (3872, 8)}  # (width, layers) of a bias-free Linear stack
 WARMUP, ITERS = 5, 20
@@ -125,7 +126,7 @@ def main() -> None:
             for label, tuning in VARIANTS.items()
         }
         bf16_model = model_of(width, layers, device)
-        bf16 = timed(one_round(DeviceAverager(bf16_model, 1.0, device, wire="bf16")), device)
+        bf16 = timed(one_round(DeviceAverager(bf16_model, 1.0, device, wire=BF16)), device)
         # Seconds per round over gloo: a few rounds tell its round trip.
         host = HostAverager(model_of(width, layers, device), 1.0, device, gloo)
         host_s = timed(one_round(host), device, warmup=1, iters=5)

@@ -33,7 +33,7 @@ from flodl.data.feeder import BatchFeeder
 from flodl.data.npy import NpyFolderDataSet, write_npy_folder
 from flodl.data.pack import PackFile
 from flodl.data.partition import epoch_permutation
-from flodl.job.assembly import data_plane_settings
+from flodl.job.settings import data_plane_settings
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MB = 1e6

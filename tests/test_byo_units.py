@@ -18,7 +18,7 @@ from flodl.data.pack import PackFile, decode, encode
 from flodl.data.partition import epoch_permutation
 from flodl.data.sample import check_movable, flatten, same, to_device
 from flodl.data.sample_feed import SampleFeeder
-from flodl.job.assembly import data_plane_settings, task_settings
+from flodl.job.settings import data_plane_settings, task_settings
 from tests.helpers.byo_data import dict_collate
 from tests.helpers.procs import CONF
 

@@ -21,8 +21,8 @@ from flodl.coordinator.lockstep import (
     segment_from_state,
     segment_state,
 )
-from flodl.links.messages import ChunkReport, EpochSlice, EvalResult
-from flodl.rounds.planner import AckReport, Average, Dispatch, LocalSgdPlanner, WindowReport
+from flodl.links.messages import ChunkReport, EpochSlice, EvalResult, RoundAck
+from flodl.rounds.planner import Average, Dispatch, LocalSgdPlanner, WindowReport
 
 # --- names and order ------------------------------------------------------------------------------------
 
@@ -31,8 +31,11 @@ def test_a_point_inside_an_epoch_is_named_and_ordered_before_the_epoch_s_end() -
     inside, end = Point(2, 512), Point(2)
     assert dir_name(inside) == "epoch-000003-sample-000000512" and dir_name(end) == "epoch-000003"
     assert sorted([end, Point(2, 64), Point(1), inside], key=lambda p: p.order) == [
-        Point(1), Point(2, 64), inside, end
-    ]  # fmt: skip
+        Point(1),
+        Point(2, 64),
+        inside,
+        end,
+    ]
     assert inside.next_epoch == 2 and end.next_epoch == 3
     assert inside.last_whole_epoch == 1 and end.last_whole_epoch == 2
     assert inside.words() == "epoch 3, 512 samples into it" and end.words() == "after epoch 3"
@@ -104,7 +107,7 @@ def _run_planner(planner: LocalSgdPlanner, counts: list[int]) -> list[tuple[Aver
         for epoch in range(planner.first_epoch, planner.whole_epochs_end):
             planner.on_epoch_complete(epoch)
         for dispatch in window:
-            planner.on_ack(AckReport(dispatch.rank, dispatch.target, 0.0, 0.0, queued=0))
+            planner.on_ack(RoundAck(dispatch.rank, 0, dispatch.target, False, 0.0, 0.0, queued=0))
         rounds.append((average, window))
         if planner.segment_done and not planner.finished:
             planner.next_segment()
@@ -141,7 +144,7 @@ def test_a_cut_segment_ends_with_the_next_window_and_a_checkpoint_there() -> Non
     for rank in (0, 1):
         planner.on_reached(WindowReport(rank, 2, 1.0))
     for rank in (0, 1):
-        planner.on_ack(AckReport(rank, 2, 0.0, 0.0, queued=0))
+        planner.on_ack(RoundAck(rank, 0, 2, False, 0.0, 0.0, queued=0))
     planner.cut_segment()  # a checkpoint by time (or a stop that saves) is due
     window = planner.open_window([3, 3], 0)
     assert [d.slices for d in window] == [(EpochSlice(0, 4, 3),), (EpochSlice(0, 7, 3),)]
@@ -149,7 +152,7 @@ def test_a_cut_segment_ends_with_the_next_window_and_a_checkpoint_there() -> Non
     (average,) = planner.on_reached(WindowReport(1, 3, 1.0))
     assert average.final and average.checkpoint_at == (0, None)  # the window reached epoch 0's end
     for rank in (0, 1):
-        planner.on_ack(AckReport(rank, 3, 0.0, 0.0, queued=0))
+        planner.on_ack(RoundAck(rank, 0, 3, False, 0.0, 0.0, queued=0))
     planner.next_segment()
     planner.cut_segment()
     window = planner.open_window([3, 3], 0)
@@ -170,9 +173,17 @@ def test_a_run_resumed_at_any_checkpoint_inside_an_epoch_hands_out_the_rest_exac
 ) -> None:
     def planner(first: tuple[int, int] = (0, 0)) -> LocalSgdPlanner:
         return LocalSgdPlanner(
-            len(counts), 20, 2, 3, is_async, frozenset({2}), barrier_epochs=frozenset({2}),
-            first_epoch=first[0], first_batch=first[1], checkpoint_every_batches=every,
-        )  # fmt: skip
+            len(counts),
+            20,
+            2,
+            3,
+            is_async,
+            frozenset({2}),
+            barrier_epochs=frozenset({2}),
+            first_epoch=first[0],
+            first_batch=first[1],
+            checkpoint_every_batches=every,
+        )
 
     whole = _run_planner(planner(), counts)
     points = [a.checkpoint_at for a, _ in whole if a.checkpoint_at is not None and a.checkpoint_at[1]]

@@ -42,7 +42,7 @@ def test_element_size_counts():
 
 def test_a_chunk_is_kept_before_its_reduce_and_settled_one_chunk_later(solo_group):
     # Three chunks of 4 elements: chunk k+1 is kept and goes on the wire before chunk k is settled.
-    reducer = Reducer(gamma=1.0, wire="fp32")
+    reducer = Reducer(gamma=1.0)
     reducer.min_chunk_bytes = 16
     reducer.chunks = 3
     flat = torch.arange(12, dtype=torch.float32)
@@ -50,10 +50,15 @@ def test_a_chunk_is_kept_before_its_reduce_and_settled_one_chunk_later(solo_grou
     logged_wire(reducer, stages)
     result = reducer.reduce([flat], None, None, steps=2, stages=stages)
     assert stages.calls == [
-        ("before", 0), ("wire", 0, 4),
-        ("before", 4), ("wire", 4, 4), ("after", 0),
-        ("before", 8), ("wire", 8, 4), ("after", 4),
+        ("before", 0),
+        ("wire", 0, 4),
+        ("before", 4),
+        ("wire", 4, 4),
+        ("after", 0),
+        ("before", 8),
+        ("wire", 8, 4),
+        ("after", 4),
         ("after", 8),
-    ]  # fmt: skip
+    ]
     assert torch.equal(flat, torch.arange(12, dtype=torch.float32))  # one rank: its own weight is 1
     assert (result.skipped, result.total_steps, result.payload_bytes) == (False, 2, 48)

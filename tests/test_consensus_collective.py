@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 
 from flodl.averaging.outer import OuterSettings
-from flodl.averaging.wire import BLOCK, LEVELS, payload_bytes
+from flodl.averaging.wire import BLOCK, WIRES, QuantizedWire
 from tests.helpers.collective_ranks import SCENARIOS, TRAIN_DURING_ROUND, VIEW_STEPS, WORLD, worker
 
 pytestmark = pytest.mark.multiproc
@@ -435,8 +435,10 @@ def test_bf16_wire_sends_the_rounded_difference_from_the_shared_reference(ranks,
     for rec in recs:
         got = rec["adopted"]["params"]
         for k, want in exact.items():
-            moved = sum(abs(w) * (r["before"]["params"][k].double() - ref[k].double()).abs()
-                        for w, r in zip(weights, recs, strict=True))  # fmt: skip
+            moved = sum(
+                abs(w) * (r["before"]["params"][k].double() - ref[k].double()).abs()
+                for w, r in zip(weights, recs, strict=True)
+            )
             # bf16 keeps 8 significant bits of each rank's weighted difference (round to nearest).
             bound = 2.0**-8 * moved + 1e-6 * (want.abs() + moved)
             assert bool(((got[k].double() - want).abs() <= bound).all()), k
@@ -466,7 +468,9 @@ def hand_quantized(x: torch.Tensor, levels: int) -> torch.Tensor:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_quantized_wire_rounds_each_change_per_block_and_sends_the_rounding_along(ranks, backend, wire):
     name = f"{backend}/{wire}_wire"
-    spec, levels = SCENARIOS[name], LEVELS[wire]
+    spec, quantized = SCENARIOS[name], WIRES[wire]
+    assert isinstance(quantized, QuantizedWire) and spec.wire is quantized
+    levels = quantized.levels
     weights = hand_weights(spec.steps, spec.gamma)
     ref = flat(ranks[0][name]["constructed"]["params"])  # the same on every rank after the broadcast
     feedback = [torch.zeros_like(ref) for _ in weights]
@@ -488,7 +492,7 @@ def test_quantized_wire_rounds_each_change_per_block_and_sends_the_rounding_alon
             assert float((got - hand).abs().max()) <= 1e-6 * (1 + float(hand.abs().max())), i
             assert bool(((got - exact).abs() <= bound + 1e-6).all()), i
             params, buffers = rec["before"]["params"], f32(rec["before"]["buffers"])
-            sent_bytes = payload_bytes(wire, numel(params)) + 4 * numel(buffers)
+            sent_bytes = quantized.payload_bytes(numel(params)) + 4 * numel(buffers)
             assert rec["outcome"]["payload_bytes"] == sent_bytes
             assert_rel(rec["adopted"]["buffers"], buffer_mean(ranks, name, i))
         assert_bitwise(*(rec["adopted"]["params"] for rec in recs))

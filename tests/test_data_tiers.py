@@ -22,7 +22,7 @@ from flodl.data.feeder import BatchFeeder, DataPlaneSettings, StagingBudgets, st
 from flodl.data.npy import NpyFolderDataSet, write_npy_folder
 from flodl.data.pack import PackFile
 from flodl.data.partition import epoch_permutation
-from flodl.job.assembly import data_plane_settings, task_settings
+from flodl.job.settings import data_plane_settings, task_settings
 from flodl.worker.task_setup import build_task
 from tests.helpers.procs import REPO, child_env
 

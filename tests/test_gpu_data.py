@@ -17,7 +17,7 @@ from flodl.config.schema import FlodlConfig
 from flodl.data.feeder import BatchFeeder
 from flodl.data.npy import NpyFolderDataSet, write_npy_folder
 from flodl.data.partition import epoch_permutation
-from flodl.job.assembly import data_plane_settings
+from flodl.job.settings import data_plane_settings
 
 pytestmark = [
     pytest.mark.gpu,
@@ -157,7 +157,7 @@ def test_one_gpu_run_with_the_disk_tier(tmp_path: Path):
 
 def test_map_style_dict_batches_from_pinned_workers_arrive_on_the_device_exactly():
     from flodl.data.sample_feed import SampleFeeder
-    from flodl.job.assembly import data_plane_settings
+    from flodl.job.settings import data_plane_settings
     from tests.helpers.byo_data import dict_collate
 
     class Points(torch.utils.data.Dataset):

@@ -11,9 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flodl.links.messages import EpochSlice
+from flodl.links.messages import EpochSlice, RoundAck
 from flodl.rounds.planner import (
-    AckReport,
     Average,
     Dispatch,
     LocalSgdPlanner,
@@ -42,7 +41,7 @@ class WindowLog:
     overshoot: int
     # What each rank had queued at the previous ack (the planner's view when the window opens).
     queued_at_ack: list[int]
-    # The steps each rank carried out of the previous round into this window (AckReport.carried).
+    # The steps each rank carried out of the previous round into this window (RoundAck.steps_during_round).
     carried_at_ack: list[int]
     # Batches handed out before this window (the cursor, as a global batch index).
     cursor_before: int
@@ -195,7 +194,9 @@ class Simulator:
                 if rank.queue:
                     self.step(rank)
             carried = rank.steps - snapshot
-            ack = AckReport(rank.rank, snapshot, 0.0, 0.0, len(rank.queue), carried=carried)
+            ack = RoundAck(
+                rank.rank, 0, snapshot, False, 0.0, 0.0, len(rank.queue), steps_during_round=carried
+            )
             self.queued_at_ack[rank.rank] = len(rank.queue)
             self.carried_at_ack[rank.rank] = carried
             rank.steps = carried
@@ -470,8 +471,8 @@ def test_async_window_by_hand():
     ]
     assert planner.on_reached(WindowReport(1, 3, 1.0)) == []
     assert planner.on_reached(WindowReport(0, 2, 1.0)) == [Average(1, (), False)]
-    assert not planner.on_ack(AckReport(0, 2, 0.0, 0.0, queued=1))
-    assert planner.on_ack(AckReport(1, 3, 0.0, 0.0, queued=1))
+    assert not planner.on_ack(RoundAck(0, 0, 2, False, 0.0, 0.0, queued=1))
+    assert planner.on_ack(RoundAck(1, 0, 3, False, 0.0, 0.0, queued=1))
     assert not planner.finished
 
     second = planner.open_window([2, 3], 1)
@@ -486,9 +487,9 @@ def test_async_window_by_hand():
     planner.on_epoch_complete(1)
     # Every rank trained all it held: this is the last reduce.
     assert planner.on_reached(WindowReport(0, 2, 1.0)) == [Average(2, (0, 1), True)]
-    assert not planner.on_ack(AckReport(1, 3, 0.0, 0.0, queued=0))
+    assert not planner.on_ack(RoundAck(1, 0, 3, False, 0.0, 0.0, queued=0))
     assert not planner.finished
-    assert planner.on_ack(AckReport(0, 2, 0.0, 0.0, queued=0))
+    assert planner.on_ack(RoundAck(0, 0, 2, False, 0.0, 0.0, queued=0))
     assert planner.finished
 
 
@@ -497,8 +498,8 @@ def test_async_allocation_subtracts_queued_and_never_goes_negative():
     assert [a.target for a in planner.open_window([10, 4], 2)] == [10, 4]
     assert planner.on_reached(WindowReport(0, 10, 1.0)) == []
     assert len(planner.on_reached(WindowReport(1, 4, 1.0))) == 1
-    planner.on_ack(AckReport(0, 10, 0.0, 0.0, queued=2))
-    planner.on_ack(AckReport(1, 5, 0.0, 0.0, queued=1))
+    planner.on_ack(RoundAck(0, 0, 10, False, 0.0, 0.0, queued=2))
+    planner.on_ack(RoundAck(1, 0, 5, False, 0.0, 0.0, queued=1))
     # Rank 0: counts drop to 1, 1 + 0 - 2 < 0 -> nothing new; target min(1, 2).
     # Rank 1: 6 + 0 - 1 = 5 new, picks [18, 23); target min(6, 6).
     assert planner.open_window([1, 6], 0) == [
@@ -616,7 +617,7 @@ def test_average_waits_for_every_rank_and_fires_once():
         assert planner.on_reached(WindowReport(1, 2, 1.0)) == [Average(expected_round, (), False)]
         assert planner.on_reached(WindowReport(1, 2, 1.0)) == []  # a late duplicate: no second Average
         for r in range(3):
-            planner.on_ack(AckReport(r, 2, 0.0, 0.0, queued=0))
+            planner.on_ack(RoundAck(r, 0, 2, False, 0.0, 0.0, queued=0))
         assert not planner.finished
 
 
@@ -626,11 +627,11 @@ def test_acks_complete_the_round_only_with_every_rank(is_async):
     planner.open_window([1, 1, 1], 0)
     for r in range(3):
         planner.on_reached(WindowReport(r, 1 if r < 2 else 0, 1.0))
-    assert not planner.on_ack(AckReport(0, 1, 0.0, 0.0, queued=0))
-    assert not planner.on_ack(AckReport(0, 1, 0.0, 0.0, queued=0))  # a repeat is still one
-    assert not planner.on_ack(AckReport(2, 0, 0.0, 0.0, queued=0))
+    assert not planner.on_ack(RoundAck(0, 0, 1, False, 0.0, 0.0, queued=0))
+    assert not planner.on_ack(RoundAck(0, 0, 1, False, 0.0, 0.0, queued=0))  # a repeat is still one
+    assert not planner.on_ack(RoundAck(2, 0, 0, False, 0.0, 0.0, queued=0))
     assert not planner.finished
-    assert planner.on_ack(AckReport(1, 1, 0.0, 0.0, queued=0))
+    assert planner.on_ack(RoundAck(1, 0, 1, False, 0.0, 0.0, queued=0))
     assert planner.finished
 
 
@@ -701,7 +702,7 @@ def test_async_two_wanted_epochs_between_reduces_both_get_the_round_s_eval():
     # The rank trains its overshoot before the Average arrives: epochs 0 and 1 complete.
     planner.on_epoch_complete(0)
     planner.on_epoch_complete(1)
-    assert planner.on_ack(AckReport(0, 5, 0.0, 0.0, queued=0))
+    assert planner.on_ack(RoundAck(0, 0, 5, False, 0.0, 0.0, queued=0))
     assert planner.open_window([1], 4) == [
         Dispatch(0, (EpochSlice(2, 1, 1), EpochSlice(3, 0, 2), EpochSlice(4, 0, 2)), 1)
     ]
@@ -709,7 +710,7 @@ def test_async_two_wanted_epochs_between_reduces_both_get_the_round_s_eval():
     assert planner.on_reached(WindowReport(0, 1, 1.0)) == [Average(2, (0, 1), False)]  # one eval, for both
     planner.on_epoch_complete(3)
     planner.on_epoch_complete(4)
-    assert planner.on_ack(AckReport(0, 5, 0.0, 0.0, queued=0))
+    assert planner.on_ack(RoundAck(0, 0, 5, False, 0.0, 0.0, queued=0))
     assert planner.open_window([1], 4) == [Dispatch(0, (EpochSlice(5, 0, 2),), 2)]
     planner.on_epoch_complete(5)
     assert planner.on_reached(WindowReport(0, 2, 1.0)) == [Average(3, (5,), True)]
@@ -737,7 +738,7 @@ def test_final_average_evaluates_a_wanted_epoch_left_undecided():
     planner.open_window([1], 1)  # (0, 0), (0, 1); target 1
     assert planner.on_reached(WindowReport(0, 1, 1.0)) == [Average(1, (), False)]
     planner.on_epoch_complete(0)  # overshoot after the Average left
-    planner.on_ack(AckReport(0, 2, 0.0, 0.0, queued=0))
+    planner.on_ack(RoundAck(0, 0, 2, False, 0.0, 0.0, queued=0))
     planner.open_window([2], 0)  # epoch 1 whole: the data runs out
     planner.on_epoch_complete(1)
     assert planner.on_reached(WindowReport(0, 2, 1.0)) == [Average(2, (0,), True)]
@@ -838,8 +839,8 @@ def test_async_eval_waits_for_every_earlier_epoch():
     assert planner.on_reached(WindowReport(0, 1, 1.0)) == [Average(1, (), False)]
     planner.on_epoch_complete(0)  # rank 0 trains its overshoot while the round is in flight
     assert planner.settled_end == 3
-    planner.on_ack(AckReport(0, 1, 0.0, 0.0, queued=0))
-    planner.on_ack(AckReport(1, 4, 0.0, 0.0, queued=0))
+    planner.on_ack(RoundAck(0, 0, 1, False, 0.0, 0.0, queued=0))
+    planner.on_ack(RoundAck(1, 0, 4, False, 0.0, 0.0, queued=0))
     planner.open_window([1, 3], 0)
     assert planner.on_reached(WindowReport(1, 3, 1.0)) == []
     assert planner.on_reached(WindowReport(0, 1, 1.0)) == [Average(2, (0, 1, 2), False)]

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flodl.links.messages import EpochSlice
-from flodl.rounds.planner import AckReport, Average, Dispatch, LocalSgdPlanner, WindowReport
+from flodl.links.messages import EpochSlice, RoundAck
+from flodl.rounds.planner import Average, Dispatch, LocalSgdPlanner, WindowReport
 from tests.helpers.planner_batches import Batch, all_batches, expand, settled
 
 
@@ -21,7 +21,7 @@ def reach(planner: LocalSgdPlanner, rank: int, steps: int) -> list:
 
 
 def ack(planner: LocalSgdPlanner, rank: int, queued: int = 0) -> bool:
-    return planner.on_ack(AckReport(rank, 1, 0.0, 0.0, queued))
+    return planner.on_ack(RoundAck(rank, 0, 1, False, 0.0, 0.0, queued))
 
 
 def train(planner: LocalSgdPlanner, dispatch: Dispatch) -> None:
@@ -294,7 +294,7 @@ class MembershipSim:
     def ack(self, proc: Process) -> None:
         proc.ordered = False
         proc.steps = 0
-        done = self.planner.on_ack(AckReport(proc.rank, 0, 0.0, 0.0, proc.queued(self.batch_size)))
+        done = self.planner.on_ack(RoundAck(proc.rank, 0, 0, False, 0.0, 0.0, proc.queued(self.batch_size)))
         assert done is not any(p.ordered for p in self.members())
         if done and not self.planner.finished:
             if self.planner.segment_done:

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flodl.links.messages import EpochSlice
-from flodl.rounds.planner import AckReport, Average, Dispatch, Instruction, LocalSgdPlanner, WindowReport
+from flodl.links.messages import EpochSlice, RoundAck
+from flodl.rounds.planner import Average, Dispatch, Instruction, LocalSgdPlanner, WindowReport
 from tests.helpers.planner_batches import Batch, all_batches, expand, settled
 
 
@@ -56,9 +56,16 @@ class Run:
 
     def __post_init__(self) -> None:
         self.planner = LocalSgdPlanner(
-            self.world, self.bpe, self.batch_size, self.epochs, False, self.eval_epochs,
-            self.barrier_epochs, checkpoint_every_batches=self.every, overlap=self.overlap,
-        )  # fmt: skip
+            self.world,
+            self.bpe,
+            self.batch_size,
+            self.epochs,
+            False,
+            self.eval_epochs,
+            self.barrier_epochs,
+            checkpoint_every_batches=self.every,
+            overlap=self.overlap,
+        )
         self.ranks = [Rank(r) for r in range(self.world)]
 
     def carry(self, instructions: list[Instruction]) -> None:
@@ -107,7 +114,9 @@ class Run:
         self.report_if_reached(rank)
 
     def ack(self, rank: Rank) -> None:
-        ack = AckReport(rank.rank, rank.sent, 0.0, 0.0, len(rank.queue), carried=rank.steps)
+        ack = RoundAck(
+            rank.rank, 0, rank.sent, False, 0.0, 0.0, len(rank.queue), steps_during_round=rank.steps
+        )
         rank.in_flight = None
         if not self.planner.on_ack(ack):
             return
@@ -175,10 +184,17 @@ def test_overlapped_rounds_hand_out_what_waited_rounds_do_and_train_every_batch_
 
     # The same run with every round waited for: the same windows, rounds, evals and checkpoints.
     waited = Run(
-        False, overlapped.world, overlapped.bpe, overlapped.batch_size, overlapped.epochs,
-        overlapped.counts, overlapped.eval_epochs, overlapped.barrier_epochs, overlapped.every,
+        False,
+        overlapped.world,
+        overlapped.bpe,
+        overlapped.batch_size,
+        overlapped.epochs,
+        overlapped.counts,
+        overlapped.eval_epochs,
+        overlapped.barrier_epochs,
+        overlapped.every,
         random.Random(data.draw(st.integers(0, 1000))),
-    )  # fmt: skip
+    )
     waited.run()
     assert waited.windows == overlapped.windows
     assert waited.averages == averages
@@ -197,8 +213,8 @@ def test_the_window_after_a_round_opens_before_its_acks_and_its_own_round_waits_
     # Both reach the second window before round 1's acks: its round waits for them.
     assert planner.on_reached(WindowReport(0, 1, 1.0)) == []
     assert planner.on_reached(WindowReport(1, 3, 3.0)) == []
-    assert not planner.on_ack(AckReport(0, 2, 0.1, 0.0, queued=1, carried=1))
-    assert planner.on_ack(AckReport(1, 2, 0.2, 0.0, queued=0, carried=3))
+    assert not planner.on_ack(RoundAck(0, 0, 2, False, 0.1, 0.0, queued=1, steps_during_round=1))
+    assert planner.on_ack(RoundAck(1, 0, 2, False, 0.2, 0.0, queued=0, steps_during_round=3))
     # The guard and ElChe read round 1's window, not the one open since.
     assert [r.busy_ms for r in planner.window_reports()] == [2.0, 3.0]
     planner.on_epoch_complete(0)

@@ -188,7 +188,7 @@ def _left_waiting(rank: int, port: int, results: multiprocessing.Queue) -> None:
 
     # A local-SGD round (the reducer) and a DDP backward (the settled bucket hook), each cut, then done again
     # by the two that are left.
-    reducer = Reducer(gamma=0.0, wire="fp32", backend="gloo", settle=group.settle)
+    reducer = Reducer(gamma=0.0, backend="gloo", settle=group.settle)
     params = torch.full((1000,), float(rank + 1))
     model = torch.nn.Linear(4, 1, bias=False)
     torch.nn.init.constant_(model.weight, 1.0)

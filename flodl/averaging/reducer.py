@@ -21,7 +21,7 @@ from torch import Tensor
 from flodl.averaging.replayed import ReplayedRound, Settle
 from flodl.averaging.stages import ChunkStages
 from flodl.averaging.weights import prescale_factors, rank_contribution
-from flodl.averaging.wire import Deltas
+from flodl.averaging.wire import FP32, Deltas, Wire
 
 # torch 2.13 renamed all_gather_into_tensor (older torch only has the old name).
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -64,12 +64,12 @@ class Reducer:
     def __init__(
         self,
         gamma: float,
-        wire: str,
+        wire: Wire = FP32,
         group: dist.ProcessGroup | None = None,
         backend: str | None = None,
         settle: Settle = dist.Work.wait,
     ) -> None:
-        """`wire`: fp32, bf16, int8 or int4 (see `wire.py`). `backend`: the group's, for a group built outside
+        """`wire`: what crosses the wire (see `wire.py`). `backend`: the group's, for a group built outside
         torch's registry (survive's averaging group).
         `settle`: how a collective is waited for (survive: given up once the group is cut)."""
         self.gamma = gamma
@@ -103,7 +103,7 @@ class Reducer:
         return (
             self.weights_on_device
             and not exact
-            and self.wire == "fp32"
+            and not self.wire.needs_reference
             and len(params) == 1
             and params[0].dtype == torch.float32
             and len(self._spans(params[0])) == 1
@@ -195,7 +195,7 @@ class Reducer:
         return chunk_spans(tensor.numel(), tensor.element_size(), self.chunks, self.min_chunk_bytes)
 
     def _travels_as_delta(self, tensor: Tensor) -> bool:
-        return self.wire != "fp32" and tensor.dtype == torch.float32
+        return self.wire.needs_reference and tensor.dtype == torch.float32
 
     def feedback_state(self) -> dict[int, Tensor]:
         """A quantized wire's error feedback per reduced tensor (a rank's own: saved with its part)."""
@@ -203,7 +203,12 @@ class Reducer:
 
     def load_feedback_state(self, state: dict[int, Tensor], params: list[Tensor]) -> None:
         for i, feedback in state.items():
-            self.deltas.setdefault(i, Deltas(self.wire)).load_state(feedback, params[i])
+            self._deltas(i).load_state(feedback, params[i])
+
+    def _deltas(self, index: int) -> Deltas:
+        if index not in self.deltas:
+            self.deltas[index] = self.wire.deltas()
+        return self.deltas[index]
 
     def _pipeline(
         self,
@@ -258,7 +263,7 @@ class Reducer:
         whole = slice(0, tensor.numel())
         if stages is not None and index > 0:  # the first tensor was prepared while the host read the totals
             stages.before(index, whole)
-        deltas = self.deltas.setdefault(index, Deltas(self.wire))
+        deltas = self._deltas(index)
         payload = deltas.encode((tensor - ref).view(-1), factor)
         world = dist.get_world_size(self.group)
         gathered = torch.empty(world * payload.numel(), dtype=payload.dtype, device=payload.device)

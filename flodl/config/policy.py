@@ -2,17 +2,49 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from flodl.config.schema import FlodlConfig
 
 
-def easgd_alpha_of(cfg: FlodlConfig) -> float | None:
-    """EASGD blends only under async: the value can never reach a cadence or sync worker."""
-    return cfg.easgd_alpha if cfg.policy == "async" else None
+@dataclass(frozen=True)
+class PolicyFacts:
+    """What the run's policy implies, resolved once from the config (`of`) and handed to whoever builds by it:
+    nothing below asks the policy's name again."""
 
+    # sync, cadence or async: what the lines and the checkpoints name.
+    name: str
+    # Local SGD machinery (cadence and async): each rank steps alone and rounds average the parameters.
+    # Sync is DDP on every backend (the mean gradient each step).
+    averages_parameters: bool
+    # EASGD's blend of each rank toward the consensus (async only); None: a rank adopts the consensus.
+    easgd_alpha: float | None
+    # A rank trains on while its round is in flight and adopts the consensus later (async on the cpu backend,
+    # whose rounds run on the host).
+    trains_during_round: bool
+    # Windows and rounds run across epoch boundaries, with no barrier between epochs, and a rank may overshoot
+    # its count while a round is in flight (async).
+    crosses_epochs: bool
+    # A divergence guard reads the rounds (sync has none to guard).
+    guarded: bool
 
-def averages_parameters(cfg: FlodlConfig) -> bool:
-    """Local SGD machinery: cadence and async. Sync is DDP on every backend (the mean gradient each step)."""
-    return cfg.policy != "sync"
+    @classmethod
+    def of(cls, cfg: FlodlConfig) -> PolicyFacts:
+        is_async = cfg.policy == "async"
+        averages = cfg.policy != "sync"
+        return cls(
+            name=cfg.policy,
+            averages_parameters=averages,
+            easgd_alpha=cfg.easgd_alpha if is_async else None,
+            trains_during_round=is_async and cfg.backend == "cpu",
+            crosses_epochs=is_async,
+            guarded=averages and cfg.divergence_guard != "none",
+        )
+
+    @property
+    def blends(self) -> bool:
+        """Whether a rank blends toward the consensus (EASGD) instead of adopting it."""
+        return self.easgd_alpha is not None
 
 
 def collective_backend(backend: str, device_type: str) -> str:
@@ -22,8 +54,9 @@ def collective_backend(backend: str, device_type: str) -> str:
 
 def compile_mode_for(cfg: FlodlConfig, device_type: str, world_size: int) -> str | None:
     """torch.compile's mode for the run (None: compile=false). compile_mode=auto takes the fastest mode that
-    is safe here: CUDA graphs (reduce-overhead) on a GPU (measured on one H200: ResNet-20 2.0x and GPT-nano
-    2.8x eager, a GPT-2-small as fast as default), but sync over NCCL with several ranks, not measured yet."""
+    is safe here: CUDA graphs (reduce-overhead) on a GPU, never slower than default there
+    (bench/results/2026-12-01-compile-modes-1x-NVIDIA-H200.md), but not sync over NCCL with several ranks,
+    not measured there yet."""
     if not cfg.compile:
         return None
     if cfg.compile_mode != "auto":
@@ -57,11 +90,6 @@ def step_samples(cfg: FlodlConfig) -> int:
 def step_words(cfg: FlodlConfig) -> str:
     """A rank's optimizer step in words: `32`, or `8 x grad_accum 4` when micro-batches make it up."""
     return f"{cfg.batch_size}" + (f" x grad_accum {cfg.grad_accum}" if cfg.grad_accum > 1 else "")
-
-
-def guarded(cfg: FlodlConfig) -> bool:
-    """Whether a divergence guard reads the rounds (sync has none to guard)."""
-    return cfg.divergence_guard != "none" and cfg.policy != "sync"
 
 
 # The keys that turn checkpoints on (any of them).

@@ -38,13 +38,11 @@ from flodl.links.messages import (
     Shutdown,
     StopRequested,
 )
-from flodl.links.transport import InboxReader, Mailbox
+from flodl.links.transport import INBOX_WAIT_S, InboxReader, Mailbox
 from flodl.metrics.sinks import Sink
 from flodl.metrics.timeline import Timeline
 
 log = logging.getLogger("flodl")
-
-_WAIT_S = 0.5
 
 
 class Coordinator(threading.Thread):
@@ -89,10 +87,9 @@ class Coordinator(threading.Thread):
         self.sinks = sinks
         self.error: BaseException | None = None
         self.stop_requested = threading.Event()
-        # A stop that saves: the signal a rank got, and whether the checkpoint it waits for is committed (any
-        # committed after the request: a newer one than `_before_stop`).
+        # A stop that saves: the signal a rank got, and whether its own checkpoint is committed (the
+        # committer knows which one that is: one taken before the request may commit after it).
         self.stop_signal: int | None = None
-        self._before_stop: object = None
         self._stop_saved = False
 
     def run(self) -> None:
@@ -107,7 +104,7 @@ class Coordinator(threading.Thread):
             while not (self._stop_saved or self._run_complete):
                 if self.stop_requested.is_set():
                     raise CoordinatorError("stopped while waiting for rank reports")
-                message = self.reader.next_message(_WAIT_S)
+                message = self.reader.next_message(INBOX_WAIT_S)
                 if message is not None:
                     self._handle(message)
                 else:
@@ -164,7 +161,7 @@ class Coordinator(threading.Thread):
                 self.outbox.send(asked, SaveModel(str(path)))
             if self.stop_requested.is_set():
                 raise CoordinatorError("stopped while the final model was written")
-            message = self.reader.next_message(_WAIT_S)
+            message = self.reader.next_message(INBOX_WAIT_S)
             if isinstance(message, ModelSaved) and message.rank == asked:
                 return
             if isinstance(message, Exiting) and message.rank == asked:
@@ -189,7 +186,7 @@ class Coordinator(threading.Thread):
         if self.stop_signal is not None or self.committer is None:
             return  # asked already (every rank may get the signal); without checkpoints ranks stop at once
         self.stop_signal = message.signum
-        self._before_stop = self.committer.committed
+        self.committer.stop_requested()
         self.driver.stop_saving()
         log.info(
             "rank %d got %s: the ranks save a checkpoint at the next %s, then stop",
@@ -238,7 +235,7 @@ class Coordinator(threading.Thread):
         for checkpoint in self.committer.poll(self.ledger):
             self.hooks.checkpoint(checkpoint.epoch, checkpoint.path)
             self._stop_if_asked()
-        if self.stop_signal is not None and self.committer.committed is not self._before_stop:
+        if self.stop_signal is not None and self.committer.stop_saved:
             self._stop_saved = True
 
     def _handle(self, message: Message) -> None:
@@ -252,7 +249,8 @@ class Coordinator(threading.Thread):
             point = Point(message.epoch, message.into)
             if message.step is not None and point not in self.committer.expected:  # a stop's, unplanned
                 self.driver.expect_checkpoint(point, message.step)
-            self.committer.on_saved(point, message.rank, message.chunks, self.ledger)
+            agreed = message.step is not None
+            self.committer.on_saved(point, message.rank, message.chunks, self.ledger, agreed)
         elif isinstance(message, StopRequested):
             self._on_stop_requested(message)
         elif isinstance(message, ChunkReport):

@@ -31,9 +31,8 @@ from flodl.links.messages import (
 from flodl.links.transport import Mailbox
 from flodl.metrics.aggregate import RoundCost
 from flodl.metrics.timeline import Timeline
-from flodl.rounds import elche as el
+from flodl.rounds.elche import ElChe, round_overhead_ms
 from flodl.rounds.guard import ConvergenceGuard, DivergenceReport
-from flodl.rounds.planner import AckReport as PlannerAck
 from flodl.rounds.planner import Average, Dispatch, Instruction, LocalSgdPlanner, WindowReport
 
 log = logging.getLogger("flodl")
@@ -43,7 +42,7 @@ class LocalSgdDriver:
     def __init__(
         self,
         planner: LocalSgdPlanner,
-        elche: el.ElChe,
+        elche: ElChe,
         guard: ConvergenceGuard,
         ledger: EpochLedger,
         outbox: Mailbox,
@@ -161,20 +160,11 @@ class LocalSgdDriver:
         elif isinstance(message, RoundAck):
             if message.generation != self.roster.generation:
                 return  # a round the membership change cut: it is run again
-            ack = PlannerAck(
-                message.rank,
-                message.steps,
-                message.divergence,
-                message.round_ms,
-                message.queued,
-                message.idle_ms,
-                message.steps_during_round,
-            )
             self.timeline.round_acked(message.round, message.rank, message.divergence, message.steps)
             self._round_costs[message.rank] = RoundCost(
                 message.payload_bytes, message.round_ms, message.steps_during_round, message.comm_ms
             )
-            if self.planner.on_ack(ack):
+            if self.planner.on_ack(message):
                 self.ledger.close_round(message.round, self._round_costs)
                 self._round_costs = {}
                 self.rounds_closed += 1
@@ -231,7 +221,7 @@ class LocalSgdDriver:
         self.elche.report_timing(
             [r.busy_ms for r in reports],
             [r.steps for r in reports],
-            reduce_ms=el.round_overhead_ms([a.round_ms for a in acks], [a.idle_ms for a in acks]),
+            reduce_ms=round_overhead_ms([a.round_ms for a in acks], [a.idle_ms for a in acks]),
         )
         for change in self.elche.apply_verdict(action.verdict, action.factor):
             log.info("anchor %d -> %d (%s)", change.old, change.new, change.reason)

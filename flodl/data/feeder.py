@@ -67,6 +67,8 @@ class DataPlaneSettings:
     # This rank and the world's ranks: a stream's readers are numbered from them (flodl/data/stream.py).
     rank: int = 0
     world_size: int = 1
+    # task.stream_split: which levels a stream splits among its readers itself (flodl/data/stream_split.py).
+    stream_split: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,19 @@ def staging_tiers(settings: DataPlaneSettings) -> tuple[RamCache | None, PackFil
     return ram, pack
 
 
+def positions_refused() -> ValueError:
+    """A map-style feeder's answer to a checkpoint that holds a stream's reader positions."""
+    return ValueError(
+        "the checkpoint was written by a run whose task.train_data was a stream (an IterableDataset), "
+        "this run's is not: resume it with the same data, or start fresh with resume=never"
+    )
+
+
 class BatchFeeder:
+    """A BatchDataSet's feeder (flodl/data/feeders.py)."""
+
+    in_order = False
+
     def __init__(
         self,
         settings: DataPlaneSettings,
@@ -182,6 +196,14 @@ class BatchFeeder:
             # thread still has work before the step.
             self.plan.take(position)
         return batch
+
+    def state(self) -> None:
+        """Nothing: the picks name every batch a resumed rank reads."""
+        return None
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """`state` holds a stream's reader positions: the checkpoint is of other data."""
+        raise positions_refused()
 
     def close(self) -> None:
         _shutdown(self.stager, self.prefetcher)

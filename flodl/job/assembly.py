@@ -1,12 +1,12 @@
 """Put one rank together for its policy: the worker on every rank, the coordinator on rank 0.
 
-Settings stop here: this module (and launch.py for what runs before it) maps the config to the small settings
-each room defines for itself, in the `*_settings` functions below; nothing under it reads the schema.
+The policy's facts are resolved once (flodl/config/policy.py: `PolicyFacts`) and the config is mapped to
+each room's settings by flodl/job/settings.py; what is built here takes those, and nothing under it reads
+the schema.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 from collections.abc import Callable
@@ -22,28 +22,24 @@ from torch.distributed import PrefixStore
 from torch.nn.parallel import DistributedDataParallel
 
 from flodl.averaging.consensus import DeviceAverager, HostAverager
-from flodl.averaging.ddp_hooks import SettledBuckets, bf16_gradient_hook, settled_gradient_hook
+from flodl.averaging.ddp_hooks import SettledBuckets, settled_gradient_hook
 from flodl.averaging.outer import OuterSettings
-from flodl.averaging.wire import wire_of
-from flodl.checkpoints.disk import CheckpointDir, Point
+from flodl.averaging.wire import Wire, wire_for
+from flodl.checkpoints.disk import Point
 from flodl.checkpoints.identity import run_identity
-from flodl.config.host import RankEnv, stage_dir_of
+from flodl.config.host import RankEnv
 from flodl.config.policy import (
-    averages_parameters,
+    PolicyFacts,
     checkpoint_epochs,
     checkpoints_on,
     collective_backend,
-    compile_mode_for,
-    easgd_alpha_of,
-    guarded,
     heartbeat_timeout_of,
     step_samples,
     writes_in_a_process,
     writes_in_background,
 )
-from flodl.config.rules import GIB
 from flodl.config.schema import FlodlConfig
-from flodl.coordinator.commit import HANG_MODEL_FILE, CheckpointCommitter, consensus_saver, run_kind
+from flodl.coordinator.commit import HANG_MODEL_FILE, CheckpointCommitter, consensus_saver
 from flodl.coordinator.coordinator import Coordinator
 from flodl.coordinator.driver import Driver, EpochSchedule
 from flodl.coordinator.hooks import CallbackError, Hooks, Run
@@ -52,123 +48,33 @@ from flodl.coordinator.local_sgd_driver import LocalSgdDriver
 from flodl.coordinator.roster import Roster, SurvivingRoster
 from flodl.coordinator.survivors import SurviveSettings
 from flodl.coordinator.sync_driver import PLAN_LOOKAHEAD, SyncDriver
-from flodl.data.feeder import DataPlaneSettings
 from flodl.data.partition import equal_slices
-from flodl.job.resume import ResumeSettings
+from flodl.job.settings import (
+    checkpoint_store,
+    elche_settings,
+    resume_settings,
+    stepper_settings,
+    wandb_settings,
+    worker_settings,
+)
 from flodl.links.heartbeat import HeartbeatMonitor
 from flodl.links.membership import AveragingGroup
 from flodl.links.transport import InboxReader, Mailbox
 from flodl.metrics.run_info import RunInfo
 from flodl.metrics.sinks import METRICS_FILE, ConsoleSink, JsonlSink, Sink
 from flodl.metrics.timeline import Timeline
-from flodl.metrics.wandb_sink import WandbSettings
-from flodl.rounds.elche import ElChe, ElCheSettings
+from flodl.rounds.elche import ElChe
 from flodl.rounds.guard import guard_from_state, make_guard
 from flodl.rounds.planner import LocalSgdPlanner
-from flodl.worker.base import RankLink, WorkerBase, WorkerSettings
+from flodl.worker.base import RankLink, WorkerBase
 from flodl.worker.checkpoint_part import RankCheckpointer
-from flodl.worker.faults import FaultInjection
 from flodl.worker.group import FixedGroup, RankGroup, SurvivingGroup
 from flodl.worker.local_sgd import LocalSgdWorker
-from flodl.worker.stepper import Stepper, StepperSettings
+from flodl.worker.stepper import Stepper
 from flodl.worker.sync import SyncWorker
-from flodl.worker.task_setup import TaskParts, TaskSettings
+from flodl.worker.task_setup import TaskParts
 
 log = logging.getLogger("flodl")
-
-
-# --- config -> settings, the one place ---
-
-
-def data_plane_settings(
-    cfg: FlodlConfig, ranks_on_host: int, rank: int = 0, world_size: int = 1
-) -> DataPlaneSettings:
-    return DataPlaneSettings(
-        batch_size=cfg.batch_size,
-        augment=cfg.augment,
-        seed=cfg.seed,
-        ram_max_usage=cfg.ram_max_usage,
-        vram_max_usage=cfg.vram_max_usage,
-        sample_cache=cfg.sample_cache,
-        vram_pool=cfg.vram_pool,
-        disk_stage_bytes=int(cfg.disk_stage_gb * GIB),
-        stage_dir=stage_dir_of(cfg.disk_stage_dir),
-        stager=cfg.debug.stager,
-        data_plane=cfg.debug.data_plane,
-        ranks_on_host=ranks_on_host,
-        num_workers=cfg.num_workers,
-        prefetch_factor=cfg.prefetch_factor,
-        persistent_workers=cfg.persistent_workers,
-        pin_memory=cfg.pin_memory,
-        rank=rank,
-        world_size=world_size,
-    )
-
-
-def stepper_settings(
-    cfg: FlodlConfig, env: RankEnv, device_type: str, first_start: bool = True
-) -> StepperSettings:
-    """`first_start`: false for a rank restarted under fault_tolerance=survive, which injects no fault."""
-    sim = cfg.simulate
-
-    def at(step: int | None, rank: int) -> int | None:
-        return step if rank == env.rank and first_start else None
-
-    return StepperSettings(
-        data=data_plane_settings(cfg, env.local_world_size, env.rank, env.world_size),
-        max_grad_norm=cfg.max_grad_norm,
-        slow_factor=sim.factor if sim.slow_rank == env.rank else 1.0,
-        fault=FaultInjection(
-            at(sim.nan_at_step, sim.nan_rank),
-            at(sim.hang_at_step, sim.hang_rank),
-            at(sim.kill_at_step, sim.kill_rank),
-            sim.kill_in,
-        ),
-        grad_accum=cfg.grad_accum,
-        precision=cfg.precision,
-        compile_mode=compile_mode_for(cfg, device_type, env.world_size),
-        peak_tflops=cfg.peak_tflops,
-    )
-
-
-def worker_settings(cfg: FlodlConfig, evaluated_models: Path | None = None) -> WorkerSettings:
-    return WorkerSettings(cfg.logger.log_every, cfg.on_nonfinite, evaluated_models)
-
-
-def task_settings(cfg: FlodlConfig) -> TaskSettings:
-    return TaskSettings(
-        targets=dataclasses.asdict(cfg.task),
-        seed=cfg.seed,
-        lr_scale_ratio=cfg.lr_scale_ratio,
-        check_purity=cfg.debug.check_purity,
-        num_workers=cfg.num_workers,
-    )
-
-
-def checkpoint_store(cfg: FlodlConfig, run_dir: Path) -> CheckpointDir:
-    """The run's checkpoints: under save_path, or the run dir."""
-    return CheckpointDir(Path(cfg.save_path) if cfg.save_path else run_dir, cfg.checkpoint_keep)
-
-
-def resume_settings(cfg: FlodlConfig, run_dir: Path, run: dict[str, Any]) -> ResumeSettings:
-    """`run`: this run's identity (flodl/checkpoints/identity.py: from the config, world size and uid)."""
-    kind = run_kind(cfg.policy, averages_parameters(cfg))
-    return ResumeSettings(cfg.resume, checkpoint_store(cfg, run_dir), kind, run, run_dir / METRICS_FILE)
-
-
-def wandb_settings(cfg: FlodlConfig) -> WandbSettings:
-    logger = cfg.logger
-    return WandbSettings(
-        mode=logger.mode,
-        project=logger.project,
-        entity=logger.entity,
-        tags=None if logger.tags is None else tuple(logger.tags),
-        group=logger.group,
-        run_name=logger.run_name,
-        job_type=logger.job_type,
-        notes=logger.notes,
-        required=logger.required,
-    )
 
 
 # --- the rank's parts ---
@@ -178,6 +84,7 @@ def _ddp(
     cfg: FlodlConfig,
     parts: TaskParts,
     device: torch.device,
+    wire: Wire,
     group: dist.ProcessGroup | None = None,
     settle: Callable[[dist.Work], object] | None = None,
 ) -> DistributedDataParallel:
@@ -194,8 +101,8 @@ def _ddp(
     if settle is not None:
         assert group is not None, "a settled DDP runs on survive's group"
         ddp.register_comm_hook(SettledBuckets(group, settle), settled_gradient_hook)  # bf16_wire: refused
-    elif cfg.bf16_wire:  # gradients cross the wire as bf16
-        ddp.register_comm_hook(group or dist.group.WORLD, bf16_gradient_hook)
+    elif (hook := wire.gradient_hook) is not None:  # bf16 buckets
+        ddp.register_comm_hook(group or dist.group.WORLD, hook)
     return ddp
 
 
@@ -213,6 +120,8 @@ def make_worker(
     """`group`: who the rank trains and averages with (`make_group`). `keeps_evaluated_models` (rank 0):
     write the parameters of each eval for a callback (BestModel)."""
     rank, world_size = env.rank, env.world_size
+    policy = PolicyFacts.of(cfg)
+    wire = wire_for(cfg.bf16_wire, cfg.quantized_wire)
     link = RankLink(rank, world_size, reader, outbox)
     settings = worker_settings(cfg, run_dir if keeps_evaluated_models else None)
 
@@ -223,38 +132,42 @@ def make_worker(
         process = writes_in_a_process(cfg, device.type)
         return RankCheckpointer(store, rank, parts.model, stepper, writes_in_background(cfg), process)
 
-    stepper_for = stepper_settings(cfg, env, device.type, first_start=not group.joining)
-    if not averages_parameters(cfg):
+    stepper_for = stepper_settings(
+        cfg, env, device.type, first_start=not group.joining and env.restart_count == 0
+    )
+    if not policy.averages_parameters:
         wrap = None
         if cfg.fault_tolerance == "survive":  # DDP is wrapped on each group the members form
             # Over gloo its buckets are waited for the way the group's collectives are (a cut frees them).
             gloo = collective_backend(cfg.backend, device.type) == "gloo"
-            wrap = functools.partial(_ddp, cfg, parts, device, settle=group.settle if gloo else None)
+            wrap = functools.partial(_ddp, cfg, parts, device, wire, settle=group.settle if gloo else None)
             train_module = parts.model
         else:
-            train_module = _ddp(cfg, parts, device) if world_size > 1 else parts.model
+            train_module = _ddp(cfg, parts, device, wire) if world_size > 1 else parts.model
         stepper = Stepper(stepper_for, parts, device, train_module)
         checkpoints = checkpointer(stepper)
-        return SyncWorker(
-            stepper, link, settings, cfg.bf16_wire, checkpoints, cfg.lr_scale_ratio, group, wrap
-        )
+        return SyncWorker(stepper, link, settings, wire, checkpoints, cfg.lr_scale_ratio, group, wrap)
     outer = OuterSettings.resolve(cfg.outer, cfg.outer_lr, cfg.outer_momentum, cfg.outer_reset_inner)
-    wire = wire_of(cfg.bf16_wire, cfg.quantized_wire)
     averager: DeviceAverager | HostAverager
     if cfg.backend == "cpu":
         averager = HostAverager(parts.model, cfg.gamma, device, group, wire, outer)
     else:
-        keeps_own = guarded(cfg) or easgd_alpha_of(cfg) is not None
+        keeps_own = policy.guarded or policy.blends
         averager = DeviceAverager(parts.model, cfg.gamma, device, wire, outer, keeps_own, group)
     # Built (and compiled) after the averager re-pointed the parameters into its flat buffers: compiled
     # graphs read them there, so each round's in-place update is what the next step sees.
     stepper = Stepper(stepper_for, parts, device, parts.model)
-    keep_training = cfg.backend == "cpu" and cfg.policy == "async"
-    alpha = easgd_alpha_of(cfg)
     return LocalSgdWorker(
-        stepper, link, settings, averager, alpha, keep_training, checkpointer(stepper), group,
+        stepper,
+        link,
+        settings,
+        averager,
+        policy.easgd_alpha,
+        policy.trains_during_round,
+        checkpointer(stepper),
+        group,
         cfg.overlap_rounds,
-    )  # fmt: skip
+    )
 
 
 def make_group(
@@ -270,7 +183,7 @@ def make_group(
     survive: the members' averaging group, formed by the worker with every rank, unless this process is a
     restart (the store counts each rank's starts), which joins the running group when admitted."""
     if cfg.fault_tolerance != "survive":
-        host_rounds = averages_parameters(cfg) and cfg.backend == "cpu"
+        host_rounds = PolicyFacts.of(cfg).averages_parameters and cfg.backend == "cpu"
         gloo = dist.new_group(backend="gloo") if host_rounds else None
         return FixedGroup(env.rank, env.world_size, gloo, cfg.launch.timeout_s)
     incarnation = exchange.add(f"incarnation/{env.rank}", 1) - 1
@@ -308,12 +221,15 @@ def hang_saver(
     cfg: FlodlConfig, model: nn.Module, device: torch.device, run_dir: Path
 ) -> Callable[[], None] | None:
     """Under sync, rank 0's parameters are the consensus a hung peer leaves: what its host saves then."""
-    return None if averages_parameters(cfg) else consensus_saver(model, device, run_dir / HANG_MODEL_FILE)
+    if PolicyFacts.of(cfg).averages_parameters:
+        return None
+    return consensus_saver(model, device, run_dir / HANG_MODEL_FILE)
 
 
 def make_coordinator(cfg: FlodlConfig, setup: CoordinatorSetup) -> Coordinator:
     config, info, world_size, total_picks = setup.config, setup.info, setup.world_size, setup.total_picks
     outbox, resumed = setup.outbox, setup.resumed
+    policy = PolicyFacts.of(cfg)
     step_size = step_samples(cfg)
     schedule = EpochSchedule(cfg.epochs, world_size, total_picks, step_size, cfg.eval_every, setup.has_eval)
     timeline = Timeline(world_size)
@@ -339,7 +255,7 @@ def make_coordinator(cfg: FlodlConfig, setup: CoordinatorSetup) -> Coordinator:
         return Roster(world_size, outbox, monitor)
 
     driver: Driver
-    if not averages_parameters(cfg):
+    if not policy.averages_parameters:
         per_rank = equal_slices(total_picks, world_size, step_size)[0].size // step_size
         ledger = EpochLedger(cfg.epochs, world_size, per_rank * world_size, False, first, comm_total)
         if inside is not None:
@@ -349,34 +265,58 @@ def make_coordinator(cfg: FlodlConfig, setup: CoordinatorSetup) -> Coordinator:
         every = cfg.checkpoint_every_steps
         driver_state = resumed["driver"] if resumed is not None and inside is not None else None
         driver = SyncDriver(
-            schedule, ledger, outbox, roster, first, committer, lookahead, every, driver_state,
+            schedule,
+            ledger,
+            outbox,
+            roster,
+            first,
+            committer,
+            lookahead,
+            every,
+            driver_state,
             cfg.checkpoint_every_s,
-        )  # fmt: skip
+        )
     else:
         batches_per_epoch = total_picks // step_size
-        overlapping = cfg.policy == "async"  # no epoch barrier
+        overlapping = policy.crosses_epochs  # no epoch barrier
         ledger = EpochLedger(cfg.epochs, world_size, batches_per_epoch, True, first, comm_total, overlapping)
         if inside is not None:
             ledger.resume_partial(first, inside)
         roster = roster_of(ledger)
         driver = _local_sgd_driver(
-            cfg, schedule, ledger, outbox, roster, batches_per_epoch, timeline, committer, resumed
+            cfg, policy, schedule, ledger, outbox, roster, batches_per_epoch, timeline, committer, resumed
         )
     total_batches = (cfg.epochs - first) * ledger.batches_per_epoch - ledger.reported_batches(first)
+    sinks = _sinks(cfg, setup, policy, total_batches)
+    run = Run(run_dir, policy.name, world_size, cfg.epochs, config)
+    hooks = Hooks(build_callbacks(cfg.callbacks), run)
+    return Coordinator(
+        setup.reader,
+        outbox,
+        ledger,
+        driver,
+        sinks,
+        timeline,
+        run_dir,
+        monitor,
+        committer,
+        hooks,
+        roster,
+        setup.hang_saver,
+    )
+
+
+def _sinks(cfg: FlodlConfig, setup: CoordinatorSetup, policy: PolicyFacts, total_batches: int) -> list[Sink]:
+    """Where the run's metrics go: the console, metrics.jsonl in the run dir, and W&B when logger=wandb."""
     sinks: list[Sink] = [
-        ConsoleSink(cfg.epochs, total_batches, world_size),
-        JsonlSink(run_dir / METRICS_FILE),
+        ConsoleSink(cfg.epochs, total_batches, setup.world_size),
+        JsonlSink(Path(setup.info.run_dir) / METRICS_FILE),
     ]
     if cfg.logger.name == "wandb":
         from flodl.metrics.wandb_sink import WandbSink
 
-        sinks.append(WandbSink(wandb_settings(cfg), info, config, cfg.policy))
-    run = Run(run_dir, cfg.policy, world_size, cfg.epochs, config)
-    hooks = Hooks(build_callbacks(cfg.callbacks), run)
-    return Coordinator(
-        setup.reader, outbox, ledger, driver, sinks, timeline, run_dir, monitor, committer, hooks, roster,
-        setup.hang_saver,
-    )  # fmt: skip
+        sinks.append(WandbSink(wandb_settings(cfg), setup.info, setup.config, policy.name))
+    return sinks
 
 
 def build_callbacks(nodes: list[Any]) -> list[object]:
@@ -392,6 +332,7 @@ def build_callbacks(nodes: list[Any]) -> list[object]:
 
 def _local_sgd_driver(
     cfg: FlodlConfig,
+    policy: PolicyFacts,
     schedule: EpochSchedule,
     ledger: EpochLedger,
     outbox: Mailbox,
@@ -401,23 +342,13 @@ def _local_sgd_driver(
     committer: CheckpointCommitter | None,
     resumed: dict[str, Any] | None,
 ) -> LocalSgdDriver:
-    is_async = cfg.policy == "async"
-    settings = ElCheSettings(
-        world_size=schedule.world_size,
-        anchor=cfg.anchor,
-        min_anchor=cfg.min_anchor,
-        max_anchor=cfg.max_anchor,
-        overhead_target=cfg.overhead_target,
-        max_batch_diff=cfg.max_batch_diff,
-        max_overshoot=cfg.max_overshoot,
-        is_async=is_async,
-    )
+    settings = elche_settings(cfg, schedule.world_size, policy)
     planner = LocalSgdPlanner(
         world_size=schedule.world_size,
         batches_per_epoch=batches_per_epoch,
         batch_size=schedule.batch_size,
         epochs=cfg.epochs,
-        is_async=is_async,
+        is_async=policy.crosses_epochs,
         eval_epochs=schedule.eval_epochs(),
         barrier_epochs=checkpoint_epochs(cfg),
         first_epoch=ledger.first_epoch,
@@ -425,7 +356,7 @@ def _local_sgd_driver(
         checkpoint_every_batches=_checkpoint_every_batches(cfg, schedule),
         overlap=cfg.overlap_rounds,
     )
-    guard = make_guard(cfg.divergence_guard, cfg.divergence_threshold, easgd_alpha_of(cfg) is not None)
+    guard = make_guard(cfg.divergence_guard, cfg.divergence_threshold, policy.blends)
     elche = ElChe(settings, epoch_batches=batches_per_epoch)
     if resumed is not None:  # ElChe's anchor and counts, the guard's history, the round clock
         state = resumed["driver"]

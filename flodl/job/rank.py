@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +39,11 @@ from flodl.coordinator.hooks import CallbackError
 from flodl.coordinator.roster import RankHung, TooFewRanks
 from flodl.data.stream import epoch_picks
 from flodl.job import failures
-from flodl.job.assembly import checkpoint_store, hang_saver, make_group, make_worker, task_settings
+from flodl.job.assembly import hang_saver, make_group, make_worker
 from flodl.job.host import HostFailed, RunHost, TaskFacts, coordinator_started, host_namespace, publish_task
 from flodl.job.resume import agreed_checkpoint, covers_every_epoch, load_model, restore_worker
-from flodl.links.group import agree_on_config, init_group, pick_device
+from flodl.job.settings import checkpoint_store, task_settings
+from flodl.links.group import GroupHandle, agree_on_config, init_group, pick_device
 from flodl.links.heartbeat import HeartbeatSender, Rank0Watch, beat_interval
 from flodl.links.messages import Exiting, StopRequested
 from flodl.links.stop import (
@@ -109,23 +111,11 @@ def _run_rank(config: dict[str, Any], info_fields: dict[str, Any], self_launched
     env = RankEnv.from_environ()
     run_dir = Path(info.run_dir)
     setup_rank_logging(env.rank, run_dir)
-    # Who tells the user how the run ended: a self-launched rank's launcher, the launch in this process for
-    # a single rank; ranks torchrun (or a scheduler) started say it themselves.
-    failure_extra = None if env.launched and not self_launched else FILE_ONLY
-    stop_extra = FILE_ONLY if self_launched else None
     apart = hosts_apart(cfg) and env.launched  # one in-process rank is its own host
     host: RunHost | None = None
     outbox: Mailbox | None = None
     try:
-        device = pick_device(cfg.device, env.local_rank)
-        backend = collective_backend(cfg.backend, device.type)
-        group = init_group(env, backend, device, cfg.launch.timeout_s, hosted_apart=apart)
-        log.info(
-            "rank %d/%d (pid %d) on %s (%s), master port %s, CUDA_VISIBLE_DEVICES=%s, run dir %s",
-            env.rank, env.world_size, os.getpid(), device, backend, group.store_port,
-            os.environ.get("CUDA_VISIBLE_DEVICES", "(all)"), run_dir,
-        )  # fmt: skip
-        agree_on_config(config, env.rank, env.world_size, group.exchange)
+        device, backend, group = _join(cfg, config, env, run_dir, apart)
 
         def connect(namespace: str, owner: int | str) -> Mailbox:
             return Mailbox.connect(group.store_host, group.store_port, namespace, owner, cfg.launch.timeout_s)
@@ -164,54 +154,107 @@ def _run_rank(config: dict[str, Any], info_fields: dict[str, Any], self_launched
         )
         if checkpoint is not None:
             restore_worker(checkpoint, worker)
-        interval = beat_interval(heartbeat_timeout_of(cfg))
-        beats = connect(namespace, env.rank)
-        heartbeat = HeartbeatSender(env.rank, beats, interval, lambda: worker.stepper.steps_total)
-        heartbeat.start()
-        watch = _stop_watch(cfg, env.rank, connect(namespace, env.rank), worker)
-        watch.start()
-        host_watch = None
-        if not apart and env.rank != 0:  # the store, and the coordinator, live in rank 0: it may freeze
-            # Its store client gives up within a beat.
-            quick = Mailbox.connect(group.store_host, group.store_port, namespace, env.rank, interval)
-            on_hang = functools.partial(_stop_on_hang, run_dir, info.uid, env)
-            host_watch = Rank0Watch(quick, heartbeat_timeout_of(cfg), interval, on_hang)
-            host_watch.start()
-        try:
-            worker.run(alive=lambda: _raise_if_failed(host))
-        finally:
-            if host_watch is not None:
-                host_watch.stop()
-            watch.stop()
-            heartbeat.stop()
+        _train(cfg, env, info, worker, group, namespace, connect, host, apart)
         if worker.stopped_by is not None:  # a stop that saved: its checkpoint is committed
             raise Stopped(worker.stopped_by)
         if host is not None:
             host.finish()
     except BaseException as err:
-        step = err.step if isinstance(err, NonFiniteError) else None
-        planned = isinstance(err, TooFewRanks)
-        failures.record(run_dir, info.uid, env.restart_count, env.rank, err, step, planned)
-        # A stop signal to this rank, or to a peer (whose leaving is then why this rank failed).
-        signum = err.signum if isinstance(err, Stopped) else None
-        signum = signum or received() or (posted(outbox) if outbox is not None else None)
-        if signum is not None and outbox is not None:
-            post(outbox, signum)
-        if host is not None:  # it shares this process's store: let it stop before the store goes
-            host.stop()
-        elif outbox is not None:  # tell the coordinator why, so it cuts (survive) or stops with this reason
-            with contextlib.suppress(Exception):
-                outbox.send(COORDINATOR, Exiting(env.rank, f"{type(err).__name__}: {err}"))
+        signum = _wind_down(err, env, info, host, outbox)
         if signum is None:
-            name = type(err).__name__
-            log.error("rank %d failed: %s: %s", env.rank, name, err, exc_info=True, extra=failure_extra)
+            # Who tells the user how the run ended: a self-launched rank's launcher, the launch in this
+            # process for a single rank; ranks torchrun (or a scheduler) started say it themselves.
+            extra = None if env.launched and not self_launched else FILE_ONLY
+            log.error("rank %d failed: %s: %s", env.rank, type(err).__name__, err, exc_info=True, extra=extra)
             raise
         if host is not None:
-            log.warning("%s", stopped_line(signum, cfg, run_dir, info), extra=stop_extra)
+            log.warning(
+                "%s", stopped_line(signum, cfg, run_dir, info), extra=FILE_ONLY if self_launched else None
+            )
         raise Stopped(signum) from None
     finally:
         if dist.is_initialized():  # survive never forms the world (a dead member would hang its teardown)
             dist.destroy_process_group()
+
+
+def _join(
+    cfg: FlodlConfig, config: dict[str, Any], env: RankEnv, run_dir: Path, apart: bool
+) -> tuple[torch.device, str, GroupHandle]:
+    """This rank's device, its collectives' backend, and the run's store and group joined; the config checked
+    the same as the other ranks composed."""
+    device = pick_device(cfg.device, env.local_rank)
+    backend = collective_backend(cfg.backend, device.type)
+    group = init_group(env, backend, device, cfg.launch.timeout_s, hosted_apart=apart)
+    log.info(
+        "rank %d/%d (pid %d) on %s (%s), master port %s, CUDA_VISIBLE_DEVICES=%s, run dir %s",
+        env.rank,
+        env.world_size,
+        os.getpid(),
+        device,
+        backend,
+        group.store_port,
+        os.environ.get("CUDA_VISIBLE_DEVICES", "(all)"),
+        run_dir,
+    )
+    agree_on_config(config, env.rank, env.world_size, group.exchange)
+    return device, backend, group
+
+
+def _train(
+    cfg: FlodlConfig,
+    env: RankEnv,
+    info: RunInfo,
+    worker: WorkerBase,
+    group: GroupHandle,
+    namespace: str,
+    connect: Callable[[str, int | str], Mailbox],
+    host: RunHost | None,
+    apart: bool,
+) -> None:
+    """The worker's run, with its heartbeat, its stop watch and (the host in rank 0's process) a watch on
+    rank 0 beside it."""
+    interval = beat_interval(heartbeat_timeout_of(cfg))
+    heartbeat = HeartbeatSender(
+        env.rank, connect(namespace, env.rank), interval, lambda: worker.stepper.steps_total
+    )
+    heartbeat.start()
+    watch = _stop_watch(cfg, env.rank, connect(namespace, env.rank), worker)
+    watch.start()
+    host_watch = None
+    if not apart and env.rank != 0:  # the store, and the coordinator, live in rank 0: it may freeze
+        # Its store client gives up within a beat.
+        quick = Mailbox.connect(group.store_host, group.store_port, namespace, env.rank, interval)
+        on_hang = functools.partial(_stop_on_hang, Path(info.run_dir), info.uid, env)
+        host_watch = Rank0Watch(quick, heartbeat_timeout_of(cfg), interval, on_hang)
+        host_watch.start()
+    try:
+        worker.run(alive=lambda: _raise_if_failed(host))
+    finally:
+        if host_watch is not None:
+            host_watch.stop()
+        watch.stop()
+        heartbeat.stop()
+
+
+def _wind_down(
+    err: BaseException, env: RankEnv, info: RunInfo, host: RunHost | None, outbox: Mailbox | None
+) -> int | None:
+    """After `err` ended this rank's part: record it, pass a stop signal on, and let the host (in this
+    process) stop or tell the coordinator why. Returns the stop signal behind the end (None: a failure)."""
+    step = err.step if isinstance(err, NonFiniteError) else None
+    planned = isinstance(err, TooFewRanks)
+    failures.record(Path(info.run_dir), info.uid, env.restart_count, env.rank, err, step, planned)
+    # A stop signal to this rank, or to a peer (whose leaving is then why this rank failed).
+    signum = err.signum if isinstance(err, Stopped) else None
+    signum = signum or received() or (posted(outbox) if outbox is not None else None)
+    if signum is not None and outbox is not None:
+        post(outbox, signum)
+    if host is not None:  # it shares this process's store: let it stop before the store goes
+        host.stop()
+    elif outbox is not None:  # tell the coordinator why, so it cuts (survive) or stops with this reason
+        with contextlib.suppress(Exception):
+            outbox.send(COORDINATOR, Exiting(env.rank, f"{type(err).__name__}: {err}"))
+    return signum
 
 
 def _stop_watch(cfg: FlodlConfig, rank: int, mailbox: Mailbox, worker: WorkerBase) -> StopWatch:
@@ -269,9 +312,15 @@ def log_plan(cfg: FlodlConfig, world_size: int, device_type: str) -> None:
     factor = lr_scale_factor(world_size, cfg.lr_scale_ratio)
     log.info(
         "policy=%s world=%d batch=%s/rank (global %d) lr x%.3g (lr_scale_ratio=%g) precision=%s compile=%s",
-        cfg.policy, world_size, step_words(cfg), step_samples(cfg) * world_size, factor,
-        cfg.lr_scale_ratio, cfg.precision, compile_mode_for(cfg, device_type, world_size) or "off",
-    )  # fmt: skip
+        cfg.policy,
+        world_size,
+        step_words(cfg),
+        step_samples(cfg) * world_size,
+        factor,
+        cfg.lr_scale_ratio,
+        cfg.precision,
+        compile_mode_for(cfg, device_type, world_size) or "off",
+    )
 
 
 def device_type_of(cfg: FlodlConfig, gpus: int) -> str:

@@ -12,7 +12,6 @@ import os
 import re
 from collections.abc import Mapping
 
-TORCHRUN_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # The store port is derived from the job id, so every task of a job computes the same one and two jobs on
 # one node (array tasks) rarely collide; MASTER_PORT in the environment overrides it.
 PORT_BASE = 20000

@@ -21,6 +21,9 @@ from flodl.links.messages import Message, Shutdown, decode, encode
 COORDINATOR = "coordinator"
 # A blocking pop logs a warning each time it times out: readers wait long and are woken by a message.
 _READER_WAIT_S = 300.0
+# How long a loop waits for its next message before it looks at its own clocks (heartbeats, deadlines,
+# stop requests) again: the coordinator's loop and an idle worker's.
+INBOX_WAIT_S = 0.5
 
 
 def inbox(rank: int | str) -> str:

@@ -161,34 +161,9 @@ def aggregate_epoch(
     was the busiest may have been cut since: its steps were still taken)."""
     if not chunks:
         raise ValueError(f"epoch {epoch}: no metrics reported")
-    round_costs = round_costs or {}
     batches = sum(c.batches for c in chunks)
     samples = sum(c.samples for c in chunks)
-    # Every rank has an entry, also one that trained nothing this epoch (async may skip past an epoch).
-    per_rank: dict[int, list[ChunkReport]] = {r: [] for r in [*range(world_size), *round_costs]}
-    for chunk in chunks:
-        per_rank.setdefault(chunk.rank, []).append(chunk)
-    shares = []
-    for rank, mine in sorted(per_rank.items()):
-        busy_s = sum(c.wall_ms for c in mine) / 1000
-        rank_batches = sum(c.batches for c in mine)
-        rank_samples = sum(c.samples for c in mine)
-        cost = round_costs.get(rank, RoundCost())
-        shares.append(
-            RankShare(
-                rank=rank,
-                batches=rank_batches,
-                samples=rank_samples,
-                batch_share=rank_batches / batches if batches else 0.0,
-                samples_per_s=rank_samples / busy_s if busy_s > 0 else 0.0,
-                data_ms=sum(c.data_ms for c in mine),
-                comm_bytes=sum(c.comm_bytes for c in mine) + cost.payload_bytes,
-                averaging_blocked_ms=cost.blocked_ms,
-                steps_during_averaging=cost.steps_during,
-                busy_s=busy_s,
-                averaging_comm_ms=cost.comm_ms,
-            )
-        )
+    shares = rank_shares(chunks, round_costs or {}, world_size)
     comm = sum(share.comm_bytes for share in shares)
     compile_s = max(c.compile_s for c in chunks)
     spans = [WorkSpan(c.rank, c.started_at, c.ended_at, c.samples, c.wall_ms / 1000) for c in chunks]
@@ -227,6 +202,39 @@ def aggregate_epoch(
         data_wait=sum(c.data_ms for c in chunks) / busy_ms if busy_ms > 0 else 0.0,
         peak_memory=max(c.peak_memory for c in chunks),
     )
+
+
+def rank_shares(
+    chunks: list[ChunkReport], round_costs: dict[int, RoundCost], world_size: int
+) -> list[RankShare]:
+    """Each rank's part of the epoch, in rank order: every rank of the world and of `round_costs` has one,
+    also a rank that trained nothing this epoch (async may skip past an epoch)."""
+    batches = sum(c.batches for c in chunks)
+    per_rank: dict[int, list[ChunkReport]] = {r: [] for r in [*range(world_size), *round_costs]}
+    for chunk in chunks:
+        per_rank.setdefault(chunk.rank, []).append(chunk)
+    shares = []
+    for rank, mine in sorted(per_rank.items()):
+        busy_s = sum(c.wall_ms for c in mine) / 1000
+        rank_batches = sum(c.batches for c in mine)
+        rank_samples = sum(c.samples for c in mine)
+        cost = round_costs.get(rank, RoundCost())
+        shares.append(
+            RankShare(
+                rank=rank,
+                batches=rank_batches,
+                samples=rank_samples,
+                batch_share=rank_batches / batches if batches else 0.0,
+                samples_per_s=rank_samples / busy_s if busy_s > 0 else 0.0,
+                data_ms=sum(c.data_ms for c in mine),
+                comm_bytes=sum(c.comm_bytes for c in mine) + cost.payload_bytes,
+                averaging_blocked_ms=cost.blocked_ms,
+                steps_during_averaging=cost.steps_during,
+                busy_s=busy_s,
+                averaging_comm_ms=cost.comm_ms,
+            )
+        )
+    return shares
 
 
 def aggregate_eval(evals: list[EvalResult]) -> dict[str, float]:

@@ -22,11 +22,11 @@ communication runs while that window trains; the round's acks arrive during it, 
 for them (one round in flight at a time). The segment's last round is not overlapped: every rank waits
 for it, and the next segment opens once it is acknowledged, as above.
 
-Membership (fault_tolerance=survive): only members get windows, are waited for and acknowledge rounds.
-A rank that dies is dropped: the slices it was handed and had not reported trained (`on_chunk`) return
-to a pool the next windows hand out before the cursor, and a round in flight is redone among the members.
-Its trained slices stay trained: their effect died with it, their batches count in the epoch. A restarted
-rank is admitted and gets its first window at the next `open_window`.
+Membership (fault_tolerance=survive): only members get windows, are waited for and acknowledge rounds
+(who holds what: rounds/holders.py). A rank that dies is dropped: the slices it was handed and had not
+reported trained (`on_chunk`) are handed out again, and a round in flight is redone among the members. Its
+trained slices stay trained: their effect died with it, their batches count in the epoch. A restarted rank
+gets its first window at the next `open_window`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from flodl.links.messages import EpochSlice
+from flodl.links.messages import EpochSlice, RoundAck
+from flodl.rounds.cursor import Cursor
+from flodl.rounds.holders import Holders
 from flodl.rounds.split import proportional_split
 
 
@@ -72,63 +74,6 @@ class WindowReport:
     busy_ms: float
 
 
-@dataclass(frozen=True)
-class AckReport:
-    rank: int
-    steps: int
-    divergence: float
-    round_ms: float
-    # Batches still queued on the rank (async overshoot not yet trained).
-    queued: int
-    # The rank's window wall time not spent training (see elche.round_overhead_ms).
-    idle_ms: float = 0.0
-    # Steps the rank trained while the round was in flight (the cpu backend's async): they count toward the
-    # next window, whose target is in steps since the round.
-    carried: int = 0
-
-
-@dataclass
-class Cursor:
-    """The next undispatched batch, across epochs."""
-
-    batches_per_epoch: int
-    # The end (exclusive) of the segment being handed out: (epoch, batch); (e + 1, 0) ends after epoch e.
-    end: tuple[int, int]
-    epoch: int = 0
-    batch: int = 0
-
-    @property
-    def position(self) -> tuple[int, int]:
-        return (self.epoch, self.batch)
-
-    def exhausted(self) -> bool:
-        return self.position >= self.end
-
-    def left_in_segment(self) -> int:
-        """Batches still to hand out before the segment's end, across epochs."""
-        end = self.end[0] * self.batches_per_epoch + self.end[1]
-        return max(end - (self.epoch * self.batches_per_epoch + self.batch), 0)
-
-    def left_in_epoch(self) -> int:
-        if self.exhausted():
-            return 0
-        stop = self.end[1] if self.end[0] == self.epoch else self.batches_per_epoch
-        return stop - self.batch
-
-    def take(self, n: int, batch_size: int, cross_epochs: bool) -> tuple[EpochSlice, ...]:
-        slices = []
-        while n > 0 and not self.exhausted():
-            k = min(n, self.left_in_epoch())
-            slices.append(EpochSlice(self.epoch, self.batch * batch_size, k * batch_size))
-            n -= k
-            self.batch += k
-            if self.batch == self.batches_per_epoch:
-                self.epoch, self.batch = self.epoch + 1, 0
-                if not cross_epochs:
-                    break
-        return tuple(slices)
-
-
 @dataclass
 class LocalSgdPlanner:
     world_size: int
@@ -151,24 +96,19 @@ class LocalSgdPlanner:
     round: int = 0
     targets: list[int] = field(init=False)
     queued: list[int] = field(init=False)
-    # Per rank: the steps it carried out of its last round into the window that follows (AckReport.carried).
+    # Per rank: the steps it carried out of its last round into the window that follows
+    # (RoundAck.steps_during_round).
     carried: list[int] = field(init=False)
     reached: dict[int, WindowReport] = field(default_factory=dict)
     # The Reached reports of the window the round in flight (or the last one) averages.
     averaged: dict[int, WindowReport] = field(default_factory=dict)
-    acks: dict[int, AckReport] = field(default_factory=dict)
+    acks: dict[int, RoundAck] = field(default_factory=dict)
     completed_epochs: set[int] = field(default_factory=set)
     evaluated_epochs: set[int] = field(default_factory=set)
     averaging: bool = False
     final_round: bool = False
-    # The ranks that get windows and take part in rounds (every rank until one is dropped).
-    members: set[int] = field(init=False)
-    # Ranks admitted during a window or a round: members once the next window opens.
-    joining: set[int] = field(default_factory=set)
-    # Per member: the slices handed out and not yet reported trained (what returns if it dies).
-    handed: dict[int, list[EpochSlice]] = field(init=False)
-    # Slices a dropped rank held untrained, in (epoch, offset) order: handed out before the cursor.
-    returned: list[EpochSlice] = field(default_factory=list)
+    # Who takes part, and what each holds untrained.
+    holders: Holders = field(init=False)
     # A window is open between its dispatch and its Average: a round fires once per window.
     window_open: bool = False
     # The round in flight (what a drop redoes).
@@ -186,8 +126,20 @@ class LocalSgdPlanner:
         self.targets = [0] * self.world_size
         self.queued = [0] * self.world_size
         self.carried = [0] * self.world_size
-        self.members = set(range(self.world_size))
-        self.handed = {r: [] for r in range(self.world_size)}
+        self.holders = Holders(self.world_size, self.batch_size)
+
+    @property
+    def members(self) -> set[int]:
+        """The ranks that get windows and take part in rounds (every rank until one is dropped)."""
+        return self.holders.members
+
+    @property
+    def joining(self) -> set[int]:
+        return self.holders.joining
+
+    @property
+    def returned(self) -> list[EpochSlice]:
+        return self.holders.returned
 
     @property
     def exhausted(self) -> bool:
@@ -196,13 +148,11 @@ class LocalSgdPlanner:
 
     def open_window(self, counts: list[int], overshoot: int) -> list[Instruction]:
         """Hand out the next window's batches for the given per-rank counts (members only)."""
-        self.members |= self.joining
-        self.joining = set()
-        ranks = sorted(self.members)
+        ranks = self.holders.open_window()
         epoch: int | None = None  # async: returned slices of any epoch
         if self.is_async:
             allocation = [max(counts[r] + overshoot - self.queued[r], 0) for r in ranks]
-            left = self.cursor.left_in_segment() + self._batches(tuple(self.returned))
+            left = self.cursor.left_in_segment() + self.holders.returned_batches()
             if sum(allocation) > left:  # the segment's tail: shared in proportion, not to the first asker
                 allocation = proportional_split(left, allocation)
         else:
@@ -212,14 +162,14 @@ class LocalSgdPlanner:
                 allocation = proportional_split(left, allocation)
         taken = []
         for rank, want in zip(ranks, allocation, strict=True):
-            returned = self._take_returned(max(want, 0), epoch)
+            returned = self.holders.take_returned(max(want, 0), epoch)
             # Returned slices first. Cadence's allocation sums to at most `left`, so it reaches the cursor
             # only when the cursor is in the window's epoch.
             rest = want - self._batches(returned)
             slices = returned + self.cursor.take(rest, self.batch_size, cross_epochs=self.is_async)
             given = self._batches(slices)
             self.queued[rank] += given
-            self.handed[rank].extend(slices)
+            self.holders.hand(rank, slices)
             taken.append((rank, slices, given))
         if self.cut_requested:  # this window ends the segment, with a checkpoint
             self.cursor.end, self.checkpoint_at_end = self.cursor.position, True
@@ -248,27 +198,20 @@ class LocalSgdPlanner:
         return self._maybe_average()
 
     def on_chunk(self, rank: int, part: EpochSlice) -> bool:
-        """The rank trained all of `part`, one slice it was handed. False: the rank is no member (it was
-        dropped and `part` returned for another rank to train), so the report must not count."""
-        if rank not in self.members:
-            return False
-        try:
-            self.handed[rank].remove(part)
-        except ValueError:
-            raise ValueError(f"rank {rank} reported {part} trained, which it does not hold") from None
-        return True
+        """The rank trained all of `part` (see Holders.trained); False: the report must not count."""
+        return self.holders.trained(rank, part)
 
     def on_epoch_complete(self, epoch: int) -> None:
         self.completed_epochs.add(epoch)
 
-    def on_ack(self, ack: AckReport) -> bool:
+    def on_ack(self, ack: RoundAck) -> bool:
         """Record one rank's reduce; True once every member has acknowledged the round."""
         if ack.rank not in self.members:  # a dropped rank's late ack
             return False
         self.acks[ack.rank] = ack
         if not self.overlap:  # overlapped, what it holds is the next window's (see _maybe_average)
             self.queued[ack.rank] = ack.queued
-            self.carried[ack.rank] = ack.carried
+            self.carried[ack.rank] = ack.steps_during_round
         if not self.members <= self.acks.keys():
             return False
         self.averaging = False
@@ -278,18 +221,10 @@ class LocalSgdPlanner:
         """The rank is gone. What it held untrained goes back to be handed out again; a round in flight is
         redone among the members (same number, marked `redo`); a window whose other members have all
         reached averages now."""
-        if rank in self.joining:  # admitted and gone before its first window: it held nothing
-            self.joining.discard(rank)
+        if not self.holders.drop(rank):  # admitted and gone before its first window: it held nothing
             return []
-        if rank not in self.members:
-            raise ValueError(f"rank {rank} is not a member (members: {sorted(self.members)})")
-        if self.members == {rank}:
-            raise RuntimeError(f"rank {rank} was the last member: no rank is left to train")
-        self.members.discard(rank)
         self.reached.pop(rank, None)
         self.acks.pop(rank, None)
-        self.returned = sorted([*self.returned, *self.handed[rank]], key=lambda s: (s.epoch, s.offset))
-        self.handed[rank] = []
         self.queued[rank] = self.targets[rank] = self.carried[rank] = 0
         if self.averaging:
             assert self.in_flight is not None
@@ -300,14 +235,7 @@ class LocalSgdPlanner:
         """A restarted rank (a fresh process, nothing queued) takes part from the next window on: a member
         at once between a round's end and the next window, else once that window opens (the window and
         round in progress are not its business)."""
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} out of range for world_size {self.world_size}")
-        if rank in self.members or rank in self.joining:
-            raise ValueError(f"rank {rank} is already a member")
-        if self.window_open or self.averaging:
-            self.joining.add(rank)
-        else:
-            self.members.add(rank)
+        self.holders.admit(rank, busy=self.window_open or self.averaging)
 
     @property
     def settled_end(self) -> int:
@@ -386,7 +314,7 @@ class LocalSgdPlanner:
         self.evaluated_epochs = set(state["evaluated_epochs"])
         self.completed_epochs = set(range(self.first_epoch))
 
-    def window_acks(self) -> list[AckReport]:
+    def window_acks(self) -> list[RoundAck]:
         return [self.acks[r] for r in sorted(self.members)]
 
     def window_reports(self) -> list[WindowReport]:
@@ -409,23 +337,8 @@ class LocalSgdPlanner:
     def _cadence_epoch(self) -> tuple[int, int]:
         """Cadence's window epoch (the oldest returned slice's, else the cursor's) and its batches left."""
         epoch = self.returned[0].epoch if self.returned else self.cursor.epoch
-        left = self._batches(tuple(s for s in self.returned if s.epoch == epoch))
+        left = self.holders.returned_batches(epoch)
         return epoch, left + (self.cursor.left_in_epoch() if self.cursor.epoch == epoch else 0)
-
-    def _take_returned(self, n: int, epoch: int | None) -> tuple[EpochSlice, ...]:
-        """Up to `n` batches of the returned slices, in order (of `epoch` only, unless None); a slice is split
-        where `n` ends."""
-        taken = []
-        while n > 0 and self.returned and epoch in (None, self.returned[0].epoch):
-            head = self.returned[0]
-            size = min(n * self.batch_size, head.size)
-            taken.append(EpochSlice(head.epoch, head.offset, size))
-            if size == head.size:
-                self.returned.pop(0)
-            else:
-                self.returned[0] = EpochSlice(head.epoch, head.offset + size, head.size - size)
-            n -= size // self.batch_size
-        return tuple(taken)
 
     def _maybe_average(self) -> list[Instruction]:
         if self.averaging or not self.window_open or not self.members <= self.reached.keys():

@@ -32,13 +32,12 @@ from flodl.links.messages import (
     SaveModel,
     Shutdown,
 )
-from flodl.links.transport import COORDINATOR, InboxReader, Mailbox
+from flodl.links.transport import COORDINATOR, INBOX_WAIT_S, InboxReader, Mailbox
 from flodl.worker.checkpoint_part import RankCheckpointer
 from flodl.worker.group import FixedGroup, RankGroup
 from flodl.worker.nonfinite import NonFiniteError, nonfinite_message
 from flodl.worker.stepper import Stepper
 
-_WAIT_S = 0.5
 log = logging.getLogger("flodl")
 
 
@@ -110,7 +109,7 @@ class WorkerBase:
             self.group.start(self, self.stepper.fault.before_start)
             while True:
                 self.report_written()
-                message = self.reader.next_message(None if self.has_work() else _WAIT_S)
+                message = self.reader.next_message(None if self.has_work() else INBOX_WAIT_S)
                 if isinstance(message, Shutdown):
                     self.stopped_by = message.signum
                     if message.signum is not None:  # a stop that saved: where is the checkpoint's to say

@@ -23,7 +23,7 @@ from torch import Tensor
 from flodl.averaging.consensus import ReduceGroup, WorldGroup
 from flodl.links.membership import AveragingGroup
 from flodl.links.messages import Joined, Message, Regroup, Regrouped, Shutdown
-from flodl.links.transport import InboxReader
+from flodl.links.transport import INBOX_WAIT_S, InboxReader
 from flodl.logs import one_line
 
 log = logging.getLogger("flodl")
@@ -319,7 +319,7 @@ class SurvivingGroup:
         others: list[Message] = []
         try:
             while deadline is None or time.perf_counter() < deadline:
-                message = self.reader.next_message(0.5)
+                message = self.reader.next_message(INBOX_WAIT_S)
                 if message is None:
                     continue
                 if isinstance(message, Shutdown):  # the run ended meanwhile: the loop ends on it

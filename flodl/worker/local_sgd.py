@@ -22,7 +22,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -32,7 +32,6 @@ from flodl.checkpoints.disk import Point
 from flodl.links.membership import AveragingGroup
 from flodl.links.messages import (
     AverageNow,
-    ChunkReport,
     EpochSlice,
     ExtendPartition,
     Message,
@@ -41,44 +40,15 @@ from flodl.links.messages import (
     Regrouped,
     RoundAck,
 )
-from flodl.metrics.scalars import drain_scalars
 from flodl.worker.base import RankLink, WorkerBase, WorkerSettings
 from flodl.worker.checkpoint_part import RankCheckpointer
 from flodl.worker.group import RankGroup
+from flodl.worker.local_chunk import Chunk
+from flodl.worker.local_round import FinishedRound, RoundInFlight
 from flodl.worker.nonfinite import NonFiniteError
 from flodl.worker.stepper import Stepper
 
 log = logging.getLogger("flodl")
-
-
-@dataclass
-class _Chunk:
-    """A slice of one epoch's picks being trained, with its running totals."""
-
-    epoch: int
-    # Where the slice starts in the epoch (the coordinator tracks handed-out slices by it).
-    offset: int
-    picks: torch.Tensor
-    batches: int
-    loss_sum: torch.Tensor
-    done: int = 0
-    busy_s: float = 0.0
-    data_s: float = 0.0
-    # Unix seconds when the first step began (see ChunkReport.started_at).
-    started_at: float = 0.0
-    compile_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class FinishedRound:
-    """The last round this rank finished, kept until the next window opens (until then a member's death can
-    still cut it elsewhere, and an exact round is then redone by everyone)."""
-
-    order: AverageNow
-    # This rank's steps in it, every rank's, and the busy time the steps took.
-    steps: int
-    total_steps: int
-    busy_s: float
 
 
 class LocalSgdWorker(WorkerBase):
@@ -95,8 +65,6 @@ class LocalSgdWorker(WorkerBase):
         overlap: bool = False,
     ) -> None:
         super().__init__(stepper, link, settings, checkpointer, group)
-        # The last round finished here, until the next window commits it (a change may still cut it).
-        self.finished: FinishedRound | None = None
         self.averager = averager
         self.easgd_alpha = easgd_alpha
         # Train on while a (cpu-backend) round is in flight, instead of waiting for its consensus.
@@ -104,15 +72,11 @@ class LocalSgdWorker(WorkerBase):
         # Overlapped rounds: the next window trains while a round (not a segment's last) is in flight, and
         # the round's result keeps what the rank trained since its snapshot.
         self.overlap = overlap
-        self.round_overlapped = False
-        # An overlapped round began and the window sent with it has not arrived yet: wait for it rather than
-        # for the round (having nothing to train is then no reason to finish the round).
-        self.awaiting_window = False
-        self.round: AverageNow | None = None
-        self.steps_at_snapshot = 0
-        self.busy_at_snapshot = 0.0
+        # The round begun and not adopted yet, and the last one finished (a change may still cut it).
+        self.round: RoundInFlight | None = None
+        self.finished: FinishedRound | None = None
         self.pending: deque[EpochSlice] = deque()
-        self.chunk: _Chunk | None = None
+        self.chunk: Chunk | None = None
         self.steps_since_avg = 0
         self.target: int | None = None
         self.window_busy_s = 0.0
@@ -120,11 +84,9 @@ class LocalSgdWorker(WorkerBase):
         self.window_started: float | None = None
         # Σ over ranks of the steps at every reduce so far (the LR schedule's clock, see schedule_position).
         self.global_steps = 0
-        # on_nonfinite=skip dropped this rank's window: it adopts the consensus exactly and starts afresh.
+        # on_nonfinite=skip dropped this rank's window: it adopts the consensus exactly and starts afresh. The
+        # window's, not its round's: a round cut meanwhile is redone without it too.
         self.dropped_window = False
-        # The number of the last round this rank finished if that round was exact (a segment's or the run's
-        # last); None otherwise.
-        self.final_round: int | None = None
 
     def state(self) -> dict[str, Any]:
         return {"global_steps": self.global_steps, "averager": self.averager.state_dict()}
@@ -142,18 +104,20 @@ class LocalSgdWorker(WorkerBase):
         # skip: the window boundary handles it
 
     def has_work(self) -> bool:
-        return (self.round is not None and not self.awaiting_window) or self._has_batches()
+        return (self.round is not None and not self.round.awaiting_window) or self._has_batches()
 
     def on_done(self) -> None:
         """The state every member holds after the run's last, exact round (a fingerprint)."""
-        final = self.final_round
+        final = self.finished.final_round if self.finished is not None else None
         if final is not None:
             self.group.say_state(lambda: f"final round {final}: {self.averager.state_digest()}")
 
     def handle(self, message: Message) -> None:
         if isinstance(message, ExtendPartition):
-            self.finished = None  # a new window: the last round is every member's for good
-            self.awaiting_window = False
+            if self.finished is not None:  # a new window: the last round is every member's for good
+                self.finished = replace(self.finished, cuttable=False)
+            if self.round is not None:
+                self.round.awaiting_window = False
             if self.window_started is None:
                 self.window_started = time.perf_counter()
             self.pending.extend(message.slices)
@@ -181,7 +145,7 @@ class LocalSgdWorker(WorkerBase):
         if self.chunk is None:
             part = self.pending.popleft()
             zero = torch.zeros((), device=stepper.device)
-            self.chunk = _Chunk(part.epoch, part.offset, stepper.picks(part), part.size // step_samples, zero)
+            self.chunk = Chunk(part.epoch, part.offset, stepper.picks(part), part.size // step_samples, zero)
         chunk = self.chunk
         if chunk.done == 0:
             chunk.started_at = time.time()
@@ -207,7 +171,8 @@ class LocalSgdWorker(WorkerBase):
         chunk.busy_s += finished - started - compile_s
         self.window_busy_s += finished - started - compile_s
         if chunk.done == chunk.batches:
-            self._finish_chunk(chunk)
+            self.chunk = None
+            self.report(chunk.report(self.rank, stepper))
         self._report_if_reached()
 
     def schedule_position(self) -> int:
@@ -215,34 +180,11 @@ class LocalSgdWorker(WorkerBase):
         all ranks) plus this rank's steps since."""
         return self.global_steps + self.steps_since_avg
 
-    def _finish_chunk(self, chunk: _Chunk) -> None:
-        self.chunk = None
-        batches = chunk.done
-        self.report(
-            ChunkReport(
-                rank=self.rank,
-                epoch=chunk.epoch,
-                batches=batches,
-                samples=batches * self.stepper.step_samples,
-                loss_sum=float(chunk.loss_sum),  # the chunk's one read-back from the device
-                wall_ms=chunk.busy_s * 1000,
-                compile_s=chunk.compile_s,
-                data_ms=chunk.data_s * 1000,
-                steps_total=self.stepper.steps_total,
-                lr=self.stepper.lr,
-                scalars=drain_scalars(),
-                started_at=chunk.started_at,
-                ended_at=time.time(),
-                offset=chunk.offset,
-                **self.stepper.throughput(),
-            )
-        )
-
     def _report_if_reached(self) -> None:
         # An overlapped round in flight averages the steps (and their time) before its snapshot: the window
         # open since counts from there.
-        in_flight = self.round is not None
-        steps = self.steps_since_avg - (self.steps_at_snapshot if in_flight else 0)
+        in_flight = self.round
+        steps = self.steps_since_avg - (in_flight.steps if in_flight else 0)
         if self.target is None or steps < self.target:
             return
         if self.stepper.device.type == "cuda":
@@ -251,7 +193,7 @@ class LocalSgdWorker(WorkerBase):
             drain_started = time.perf_counter()
             torch.cuda.current_stream(self.stepper.device).synchronize()
             self.window_busy_s += time.perf_counter() - drain_started
-        busy_s = self.window_busy_s - (self.busy_at_snapshot if in_flight else 0.0)
+        busy_s = self.window_busy_s - (in_flight.busy_s if in_flight else 0.0)
         self.report(Reached(self.rank, steps, busy_s * 1000))
         self.target = None
 
@@ -270,29 +212,27 @@ class LocalSgdWorker(WorkerBase):
                 self.dropped_window = True
                 steps = 0  # no weight in the average
         self.stepper.fault.before_round(self.stepper.steps_total)
+        overlapped = self.overlap and not order.final and not self.dropped_window
+        begun = RoundInFlight(order, self.steps_since_avg, self.window_busy_s, overlapped, overlapped)
         # The last round of a run or segment must leave every rank with the same state, even if nobody moved.
         try:
             self.averager.begin(steps, exact=order.final, kept=not self.dropped_window)
         except Exception as err:
-            self._cut(order, err)
+            self._cut(begun, err)
             return
-        self.round = order
-        self.steps_at_snapshot = self.steps_since_avg
-        self.busy_at_snapshot = self.window_busy_s
-        self.round_overlapped = self.awaiting_window = (
-            self.overlap and not order.final and not self.dropped_window
-        )
-        if not (self.keep_training or self.round_overlapped) or self.dropped_window:
-            self._finish_round(order)
+        self.round = begun
+        if not (self.keep_training or overlapped) or self.dropped_window:
+            self._finish_round(begun)
 
-    def _finish_round(self, order: AverageNow) -> None:
+    def _finish_round(self, begun: RoundInFlight) -> None:
+        order = begun.order
         try:
             outcome = self.averager.finish()
         except Exception as err:
-            self._cut(order, err)
+            self._cut(begun, err)
             return
         if self.group.aborted:
-            self._cut(order, None)  # an aborted NCCL round returns what it had: not a consensus
+            self._cut(begun, None)  # an aborted NCCL round returns what it had: not a consensus
             return
         evaluate = None
         # Evals and checkpoints ride on some rounds; they are not the round's own cost (idle_ms).
@@ -302,7 +242,7 @@ class LocalSgdWorker(WorkerBase):
             step = self.global_steps + outcome.total_steps
             samples = step * self.stepper.step_samples
             # This rank's steps in it: not those it trained while the round was in flight (cpu backend).
-            own_steps = self.stepper.steps_total - (self.steps_since_avg - self.steps_at_snapshot)
+            own_steps = self.stepper.steps_total - (self.steps_since_avg - begun.steps)
 
             def evaluate() -> None:  # on the consensus itself, before an async rank blends it
                 nonlocal epoch_work_s
@@ -321,7 +261,7 @@ class LocalSgdWorker(WorkerBase):
                 "there is no consensus to restart from"
             )
         exact = order.final or self.dropped_window
-        self.averager.adopt(None if exact else self.easgd_alpha, evaluate, self.round_overlapped)
+        self.averager.adopt(None if exact else self.easgd_alpha, evaluate, begun.overlapped)
         self.stepper.storage.check(f"round {order.round}")
         if (self.averager.resets_inner and not outcome.skipped) or self.dropped_window:
             self.stepper.parts.optimizer.state.clear()
@@ -343,53 +283,53 @@ class LocalSgdWorker(WorkerBase):
                 divergence=outcome.divergence,
                 round_ms=outcome.blocked_ms,
                 queued=self.queued_batches(),
-                steps_during_round=self.steps_since_avg - self.steps_at_snapshot,
+                steps_during_round=self.steps_since_avg - begun.steps,
                 payload_bytes=outcome.payload_bytes,
                 idle_ms=idle_s * 1000,
                 generation=self.group.generation,
                 comm_ms=outcome.comm_ms,
             )
         )
-        self.finished = FinishedRound(
-            order, self.steps_at_snapshot, outcome.total_steps, self.busy_at_snapshot
-        )
-        self.final_round = order.round if order.final else None
+        self.finished = begun.finished(outcome.total_steps)
         # Steps taken while the round was in flight keep their weight (and time) for the next one.
-        self.steps_since_avg -= self.steps_at_snapshot
-        self.window_busy_s -= self.busy_at_snapshot
+        self.steps_since_avg -= begun.steps
+        self.window_busy_s -= begun.busy_s
         self.window_started = now - self.window_busy_s  # the carried steps belong to the next window
         self.round = None
 
-    def _cut(self, order: AverageNow, cause: BaseException | None) -> None:
+    def _cut(self, begun: RoundInFlight, cause: BaseException | None) -> None:
         """The round's collective failed: the group raises `cause` (fault_tolerance=none) or carries out the
         change that follows, whose Regroup names who is still in (the coordinator sends the round again)."""
-        self.round = order
-        self.group.failed(f"round {order.round} was cut", cause, self)
+        self.round = begun
+        self.group.failed(f"round {begun.order.round} was cut", cause, self)
 
     # --- a change of the group (survive) ----------------------------------------------------------------
 
     def let_go(self, change: Regroup) -> None:
         """Leave a round the change cut the way the rest of the group leaves it."""
         cut = change.cut_round
-        if self.round is not None and self.round.round == cut:
+        finished = self.finished
+        if self.round is not None and self.round.order.round == cut:
             # Cut here before it finished: the parameters go back to before it (a cpu-backend round never
             # touched them), and its steps stay this rank's for the round's second run.
             self.averager.discard_round()
             self.round = None
         elif (
-            self.finished is not None
-            and self.finished.order.round == cut
-            and (self.finished.order.final or self.easgd_alpha is None)
+            finished is not None
+            and finished.cuttable
+            and finished.order.round == cut
+            and (finished.order.final or self.easgd_alpha is None)
         ):
             # Finished here, cut elsewhere. An exact round (cadence, a final one) must leave every member
             # with one state: back to before it, and run it again with the others. A blend round is kept:
             # the consensus it blended in was whole.
             self.averager.restore_pre_round()
-            self.final_round = None
-            self.steps_since_avg += self.finished.steps
-            self.global_steps -= self.finished.total_steps
-            self.window_busy_s += self.finished.busy_s
-        self.finished = None
+            self.steps_since_avg += finished.steps
+            self.global_steps -= finished.total_steps
+            self.window_busy_s += finished.busy_s
+            self.finished = None
+        if self.finished is not None:  # the change is past it: it stands
+            self.finished = replace(self.finished, cuttable=False)
 
     def settle(self, group: AveragingGroup, change: Regroup | None) -> None:
         """The sharer's state to every member when the change says so (every original member starts from

@@ -9,7 +9,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from flodl.data.stream import StreamFeeder
 from flodl.worker.stepper import Stepper
 
 
@@ -60,7 +59,7 @@ def stepper_state(stepper: Stepper) -> dict[str, Any]:
         # fp16's loss scale and growth tracker (empty otherwise): a resumed run steps with the same scale.
         "scaler": stepper.scaler.state_dict(),
         # A stream's readers after the batches trained (flodl/data/stream.py); None for any other data.
-        "data": stepper.feeder.state() if isinstance(stepper.feeder, StreamFeeder) else None,
+        "data": stepper.feeder.state(),
     }
 
 
@@ -85,11 +84,11 @@ def restore_stepper(stepper: Stepper, state: dict[str, Any]) -> None:
 
 
 def _restore_readers(stepper: Stepper, data: dict[str, Any] | None) -> None:
-    streaming = isinstance(stepper.feeder, StreamFeeder)
-    if streaming != (data is not None):
-        raise ValueError(
-            f"the checkpoint was written by a run whose task.train_data was {'no' if streaming else 'a'} "
-            "stream (an IterableDataset): resume it with the same data, or start fresh with resume=never"
-        )
-    if isinstance(stepper.feeder, StreamFeeder) and data is not None:
+    """A stream's readers continue from the checkpoint's positions (a feeder of other data refuses them)."""
+    if data is not None:
         stepper.feeder.restore(data)
+    elif stepper.feeder.in_order:
+        raise ValueError(
+            "the checkpoint was written by a run whose task.train_data was no stream (an IterableDataset), "
+            "this run's is one: resume it with the same data, or start fresh with resume=never"
+        )

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flodl.averaging.flat import state_digest
+from flodl.averaging.wire import Wire
 from flodl.checkpoints.disk import Point
 from flodl.counting import shown_epoch
 from flodl.links.membership import AveragingGroup
@@ -80,7 +81,7 @@ class SyncWorker(WorkerBase):
         stepper: Stepper,
         link: RankLink,
         settings: WorkerSettings,
-        bf16_wire: bool,
+        wire: Wire,
         checkpointer: RankCheckpointer | None,
         lr_scale_ratio: float = 0.0,
         group: RankGroup | None = None,
@@ -93,9 +94,8 @@ class SyncWorker(WorkerBase):
         super().__init__(stepper, link, settings, checkpointer, group)
         self.lr_scale_ratio = lr_scale_ratio
         self.wrap = wrap
-        # What DDP all-reduces per optimizer step (once, after the last micro-batch): every gradient, as
-        # bf16 under bf16_wire.
-        self.gradient_bytes = sum(p.numel() * (2 if bf16_wire else p.element_size()) for p in stepper.params)
+        # What DDP all-reduces per optimizer step (once, after the last micro-batch), as `wire` sends it.
+        self.gradient_bytes = wire.gradient_bytes(stepper.params)
         # Samples of the global batches trained (every member's, step after step; the eval row's label).
         self.global_samples = 0
         # The world the learning rate is scaled for (survive: the members of the group).
@@ -369,8 +369,12 @@ class SyncWorker(WorkerBase):
         if size != self.lr_world and say:
             log.info(
                 "world %d -> %d: global batch %d, learning rate x%.4g (lr_scale_ratio=%g)",
-                self.lr_world, size, size * self.stepper.step_samples, factor, ratio,
-            )  # fmt: skip
+                self.lr_world,
+                size,
+                size * self.stepper.step_samples,
+                factor,
+                ratio,
+            )
         self.lr_world = size
         if factor == 1.0:
             return

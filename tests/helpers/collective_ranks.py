@@ -22,6 +22,7 @@ from torch import nn
 
 from flodl.averaging.consensus import DeviceAverager, HostAverager, RoundOutcome
 from flodl.averaging.outer import OuterSettings
+from flodl.averaging.wire import BF16, FP32, INT4, INT8, Wire
 
 WORLD = 2
 CPU = torch.device("cpu")
@@ -45,7 +46,7 @@ class Spec:
     gamma: float
     steps: tuple[int, int]
     alpha: float | None = None
-    wire: str = "fp32"
+    wire: Wire = FP32
     outer: str = "avg"
     rounds: int = 1
     train_during_round: bool = False
@@ -77,10 +78,10 @@ def _scenarios() -> dict[str, Spec]:
             "all_idle_exact": Spec(backend, 1.0, (0, 0), exact=True),
             "all_idle_exact_one_dropped": Spec(backend, 1.0, (0, 0), exact=True, kept=(True, False)),
             "easgd": Spec(backend, 1.0, (3, 1), alpha=0.3),
-            "bf16_wire": Spec(backend, 1.0, (3, 1), wire="bf16"),
+            "bf16_wire": Spec(backend, 1.0, (3, 1), wire=BF16),
             # Two rounds: the second sends the first one's rounding along (error feedback).
-            "int8_wire": Spec(backend, 1.0, (3, 1), wire="int8", rounds=2),
-            "int4_wire": Spec(backend, 1.0, (3, 1), wire="int4", rounds=2),
+            "int8_wire": Spec(backend, 1.0, (3, 1), wire=INT8, rounds=2),
+            "int4_wire": Spec(backend, 1.0, (3, 1), wire=INT4, rounds=2),
             "slowmo": Spec(backend, 1.0, (3, 1), outer="slowmo", rounds=2),
             "diloco": Spec(backend, 0.0, (3, 1), outer="diloco", rounds=2),
         }

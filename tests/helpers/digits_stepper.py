@@ -7,7 +7,7 @@ from hydra import compose, initialize_config_dir
 
 from flodl.config.host import RankEnv
 from flodl.config.schema import register_configs, to_config
-from flodl.job.assembly import stepper_settings, task_settings
+from flodl.job.settings import stepper_settings, task_settings
 from flodl.launcher.run_dir import register_resolvers
 from flodl.links.messages import EpochSlice
 from flodl.worker.stepper import Stepper
