@@ -13,8 +13,10 @@ Arms, per model (each its own subprocess with a timeout; a failed arm is reporte
 - `flodl-eager`, `flodl-compile`: flodl on 1 GPU, without and with `compile=true` (compile_mode=default).
 - `torch-<mode>`, `flodl-<mode>` for each other compile mode (`reduce-overhead`: CUDA graphs;
   `max-autotune`: tuned kernels and CUDA graphs, a long compilation; `max-autotune-no-cudagraphs`).
-- `flodl-fp32`, `flodl-bf16`: flodl on 1 GPU with `precision=fp32` / `precision=bf16`. The GPT configs
-  autocast inside the model (`task.model.amp`); these arms turn that off so that `precision` decides.
+- `flodl-fp32`, `flodl-bf16`, `flodl-fp8`: flodl on 1 GPU with `precision=fp32` / `bf16` / `fp8` (float8
+  linears; its MFU still counts against the bf16 peak), and fp8's last-epoch loss against bf16's. The GPT
+  configs autocast inside the model (`task.model.amp`); these arms turn that off so that `precision`
+  decides.
   On ResNet-20 the fp32 arm is `flodl-eager` itself.
 - `pair-compile`: two independent `compile=true` flodl runs on 1 GPU each (CUDA_VISIBLE_DEVICES 0 and 1),
   started together: the sum of their throughputs is what two GPUs give without averaging.
@@ -49,22 +51,50 @@ from benchlib import (
 from gpu_suite import Ratio
 from plain_torch import load_task
 
-MODELS = ("resnet20", "gpt_nano", "gpt2_small")
+MODELS = ("resnet20", "gpt_nano", "gpt2_small", "gpt2_124m")
 # torch.compile's modes beyond the default, each an arm of its own on both sides.
 MODES = ("reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 # --smoke: the same code paths in seconds on a CPU.
 SMOKE_OVERRIDES = {
     "resnet20": ("task.model.width=4", "task.model.blocks=1", "batch_size=8"),
-    "gpt_nano": ("task.model.layers=1", "task.model.dim=32", "task.model.heads=2", "task.model.context=32",
-                 "batch_size=4"),
-    "gpt2_small": ("task.model.layers=1", "task.model.dim=32", "task.model.heads=2", "task.model.context=32",
-                   "batch_size=4", "grad_accum=2", "task.optimizer.fused=false"),
-}  # fmt: skip
+    "gpt_nano": (
+        "task.model.layers=1",
+        "task.model.dim=32",
+        "task.model.heads=2",
+        "task.model.context=32",
+        "batch_size=4",
+    ),
+    "gpt2_small": (
+        "task.model.layers=1",
+        "task.model.dim=32",
+        "task.model.heads=2",
+        "task.model.context=32",
+        "batch_size=4",
+        "grad_accum=2",
+        "task.optimizer.fused=false",
+    ),
+    "gpt2_124m": (
+        "task.model.layers=1",
+        "task.model.dim=32",
+        "task.model.heads=2",
+        "task.model.context=32",
+        "task.model.vocab=384",
+        "task.model.loss_chunk=64",
+        "task.train_data.vocab_size=300",
+        "task.train_data.tokenizer_bytes=200000",
+        "task.eval_data.max_bytes=100000",
+        "batch_size=4",
+        "task.optimizer.fused=false",
+    ),
+}
+# MFU goals (issues 29, 43), against the device's dense bf16 peak.
+MFU_GOALS = {"gpt2_small": 0.45, "gpt2_124m": 0.50}
 # Let flodl's precision decide (the GPT configs autocast to bf16 inside the model by default).
 MODEL_AMP_OFF = {
     "resnet20": (),
     "gpt_nano": ("task.model.amp=false",),
     "gpt2_small": ("task.model.amp=false",),
+    "gpt2_124m": ("task.model.amp=false",),
 }
 
 
@@ -82,19 +112,42 @@ class Arm:
 ARMS = (
     Arm("torch-eager", "plain torch, 1 GPU, eager", 1, None),
     Arm("torch-compile", "plain torch, 1 GPU, torch.compile", 1, None, ("--compile",)),
-    *(Arm(f"torch-{m}", f"plain torch, 1 GPU, torch.compile mode={m}", 1, None,
-          ("--compile", f"--compile-mode={m}")) for m in MODES),
+    *(
+        Arm(
+            f"torch-{m}",
+            f"plain torch, 1 GPU, torch.compile mode={m}",
+            1,
+            None,
+            ("--compile", f"--compile-mode={m}"),
+        )
+        for m in MODES
+    ),
     Arm("flodl-eager", "flodl, 1 GPU, eager", 1, "sync", ("compile=false",)),
     Arm("flodl-compile", "flodl, 1 GPU, compile=true", 1, "sync", ("compile=true", "compile_mode=default")),
-    *(Arm(f"flodl-{m}", f"flodl, 1 GPU, compile=true compile_mode={m}", 1, "sync",
-          ("compile=true", f"compile_mode={m}")) for m in MODES),
+    *(
+        Arm(
+            f"flodl-{m}",
+            f"flodl, 1 GPU, compile=true compile_mode={m}",
+            1,
+            "sync",
+            ("compile=true", f"compile_mode={m}"),
+        )
+        for m in MODES
+    ),
     Arm("flodl-fp32", "flodl, 1 GPU, precision=fp32", 1, "sync", ("precision=fp32",), amp_off=True),
     Arm("flodl-bf16", "flodl, 1 GPU, precision=bf16", 1, "sync", ("precision=bf16",), amp_off=True),
-    Arm("pair-compile", "2 independent flodl runs, 1 GPU each, compile=true", 2, "sync", ("compile=true",),
-        pair=True),
+    Arm("flodl-fp8", "flodl, 1 GPU, precision=fp8", 1, "sync", ("precision=fp8",), amp_off=True),
+    Arm(
+        "pair-compile",
+        "2 independent flodl runs, 1 GPU each, compile=true",
+        2,
+        "sync",
+        ("compile=true",),
+        pair=True,
+    ),
     Arm("cadence-compile", "flodl cadence, 2 GPUs, compile=true", 2, "cadence", ("compile=true",)),
     Arm("async-compile", "flodl async, 2 GPUs, compile=true", 2, "async", ("compile=true",)),
-)  # fmt: skip
+)
 ARM_KEYS = tuple(a.key for a in ARMS)
 # A reference only, and a compilation of its own; the long ones are asked for by name (--arms).
 QUICK_SKIPS = ("torch-compile",)
@@ -120,6 +173,8 @@ class Run:
     compile_s: float | None = None
     # flodl's model FLOPs utilisation over the measured epochs (None: not known there).
     mfu: float | None = None
+    # flodl's training loss over its last epoch (None: plain torch's, not compared).
+    loss: float | None = None
 
 
 def model_overrides(arm: Arm, model: str, settings: Settings) -> list[str]:
@@ -165,7 +220,7 @@ def run_flodl_arm(
         rate = steady_throughput(records, skip=1, overlapping=arm.policy == "async")
         last = records[-1]
         mfu = rate * last["mfu"] / last["samples_per_s"] if last.get("mfu") else None
-        return Run(rate, records[0]["compile_s"], mfu)
+        return Run(rate, records[0]["compile_s"], mfu, last["loss"])
 
     if not arm.pair:
         return one(work / name, None)
@@ -183,6 +238,9 @@ def data_size(model: str, samples: int) -> str:
     if model == "gpt2_small":  # the stdlib corpus: windows of `context` bytes
         context = int(load_task(model, []).task.model.context)
         return f"task.train_data.max_bytes={samples * context + 1}"
+    if model == "gpt2_124m":  # BPE tokens: GPT-2's ~3.5 bytes of this text a token, with room to spare
+        context = int(load_task(model, []).task.model.context)
+        return f"task.train_data.max_bytes={samples * context * 5}"
     return f"task.train_data.samples={samples}"
 
 
@@ -235,24 +293,50 @@ def ratios(model: str, results: dict[str, Run]) -> list[Ratio]:
 
     fp32 = "flodl-fp32" if MODEL_AMP_OFF[model] else "flodl-eager"
     rows = [
-        Ratio("flodl compiled / plain torch eager, 1 GPU", over("flodl-compile", "torch-eager"),
-              1.2 if model == "resnet20" else None),
+        Ratio(
+            "flodl compiled / plain torch eager, 1 GPU",
+            over("flodl-compile", "torch-eager"),
+            1.2 if model == "resnet20" else None,
+        ),
         Ratio("flodl compiled / plain torch compiled, 1 GPU", over("flodl-compile", "torch-compile"), 0.98),
         Ratio("flodl eager / plain torch eager, 1 GPU", over("flodl-eager", "torch-eager")),
         Ratio("compile=true / eager, flodl 1 GPU", over("flodl-compile", "flodl-eager")),
-        Ratio("cadence compiled, 2 GPUs / 2 independent compiled 1-GPU runs",
-              over("cadence-compile", "pair-compile"), 0.95),
-        Ratio("async compiled, 2 GPUs / 2 independent compiled 1-GPU runs",
-              over("async-compile", "pair-compile")),
+        Ratio(
+            "cadence compiled, 2 GPUs / 2 independent compiled 1-GPU runs",
+            over("cadence-compile", "pair-compile"),
+            0.95,
+        ),
+        Ratio(
+            "async compiled, 2 GPUs / 2 independent compiled 1-GPU runs",
+            over("async-compile", "pair-compile"),
+        ),
         Ratio("precision=bf16 / fp32, flodl 1 GPU", over("flodl-bf16", fp32)),
-        *(Ratio(f"flodl / plain torch, both compile_mode={m}, 1 GPU", over(f"flodl-{m}", f"torch-{m}"), 0.98)
-          for m in MODES if f"flodl-{m}" in results or f"torch-{m}" in results),
+        Ratio("precision=fp8 / bf16, flodl 1 GPU", over("flodl-fp8", "flodl-bf16"), 1.15),
+        Ratio(
+            "|fp8 loss / bf16 loss - 1| at equal steps (last epoch's training loss)",
+            loss_gap(results.get("flodl-fp8"), results.get("flodl-bf16")),
+            0.01,
+            at_most=True,
+        ),
+        *(
+            Ratio(
+                f"flodl / plain torch, both compile_mode={m}, 1 GPU", over(f"flodl-{m}", f"torch-{m}"), 0.98
+            )
+            for m in MODES
+            if f"flodl-{m}" in results or f"torch-{m}" in results
+        ),
         *(Ratio(f"compile_mode={m} / eager, flodl 1 GPU", over(f"flodl-{m}", "flodl-eager")) for m in MODES),
-    ]  # fmt: skip
+    ]
     mfus = [r.mfu for key, r in results.items() if key.startswith("flodl-") and r.mfu]
-    if model == "gpt2_small":
-        rows.append(Ratio("MFU, flodl 1 GPU, its fastest compile mode", max(mfus, default=None), 0.45))
+    if model in MFU_GOALS:
+        rows.append(Ratio("MFU, flodl 1 GPU, its fastest arm", max(mfus, default=None), MFU_GOALS[model]))
     return [r for r in rows if r.value is not None or r.goal is not None]
+
+
+def loss_gap(a: Run | None, b: Run | None) -> float | None:
+    if a is None or b is None or a.loss is None or b.loss is None:
+        return None
+    return abs(a.loss / b.loss - 1)
 
 
 def model_report(model: str, runs: dict[str, list[Run]], steps: int, settings: Settings) -> list[str]:
@@ -278,7 +362,7 @@ def model_report(model: str, runs: dict[str, list[Run]], steps: int, settings: S
         lines.append(f"| {arm.label} | {m.samples_per_s:,.1f} | {mfu} | {compile_s} | {every} |")
     lines += [
         "",
-        "| measure | value | goal (issues 20, 29) | verdict |",
+        "| measure | value | goal (issues 20, 29, 43) | verdict |",
         "|---|---|---|---|",
         *(r.row() for r in ratios(model, results)),
         "",

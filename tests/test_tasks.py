@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from flodl.tasks.gpt import GPT, next_token_loss, next_token_sums, stdlib_files, stdlib_text, synthetic_tokens
 from flodl.tasks.resnet import ResNet20, synthetic_images
+from tests.helpers.corpus import fake_library
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "task"
 
@@ -67,15 +68,6 @@ def test_stdlib_split_is_by_file_disjoint_and_deterministic() -> None:
     assert len(held_out) < len(train) / 5
     assert stdlib_files("train") == train
     assert all(p.suffix == ".py" and "site-packages" not in p.parts for p in train + held_out)
-
-
-def fake_library(root: Path, files: int) -> None:
-    for i in range(files):
-        folder = root / f"pkg{i % 3}"
-        folder.mkdir(exist_ok=True)
-        (folder / f"mod{i}.py").write_bytes(f"# module {i}\n".encode() * (i + 1))
-    (root / "site-packages").mkdir()
-    (root / "site-packages" / "third_party.py").write_text("not the stdlib\n")
 
 
 def test_stdlib_text_concatenates_whole_files_of_its_split_only(tmp_path: Path) -> None:

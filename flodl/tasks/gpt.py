@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from flodl.tasks.chunked_ce import chunked_cross_entropy
+
 VOCAB = 256  # bytes as tokens
 EVAL_PERCENT = 10  # of the stdlib's files (by a hash of the path) go to the eval split
 # Third-party packages installed under the stdlib's folder differ between machines: not part of the corpus.
@@ -61,7 +63,9 @@ class GPT(nn.Module):
 
     `amp`: run the forward pass under bf16 autocast on CUDA (parameters and optimizer stay float32);
     ignored on CPU, so tiny test configs run in float32 there. `bias`: biases in the blocks' linear layers
-    and layer norms (GPT-2 has them; without, a step has no bias gradients to reduce).
+    and layer norms (GPT-2 has them; without, a step has no bias gradients to reduce). `loss_chunk`: given
+    targets, the loss over the tied output layer is computed this many tokens at a time, so the full float32
+    logits never exist (flodl/tasks/chunked_ce.py; for large vocabularies); None: from the whole logits.
     """
 
     def __init__(
@@ -73,10 +77,12 @@ class GPT(nn.Module):
         vocab: int = VOCAB,
         amp: bool = True,
         bias: bool = True,
+        loss_chunk: int | None = None,
     ) -> None:
         super().__init__()
         self.context = context
         self.amp = amp
+        self.loss_chunk = loss_chunk
         self.tokens = nn.Embedding(vocab, dim)
         self.positions = nn.Embedding(context, dim)
         self.blocks = nn.ModuleList(Block(dim, heads, bias) for _ in range(layers))
@@ -94,8 +100,10 @@ class GPT(nn.Module):
         dim = self.tokens.weight.shape[1]
         return float((6 * params + 12 * len(self.blocks) * dim * length) * length * samples)
 
-    def forward(self, idx: Tensor) -> Tensor:
-        """Logits (batch, length, vocab) for token ids (batch, length)."""
+    def forward(self, idx: Tensor, targets: Tensor | None = None) -> Tensor:
+        """Logits (batch, length, vocab) for token ids (batch, length); given `targets` (batch, length), the
+        mean next-token cross-entropy instead (computed in the forward pass, so it runs through DDP's and
+        torch.compile's wrappers of the model)."""
         length = idx.shape[1]
         if length > self.context:
             raise ValueError(f"GPT: sequence of {length} tokens exceeds the context of {self.context}")
@@ -103,7 +111,15 @@ class GPT(nn.Module):
             x = self.tokens(idx) + self.positions(torch.arange(length, device=idx.device))
             for block in self.blocks:
                 x = block(x)
-            return self.head(self.ln_out(x)).float()
+            x = self.ln_out(x)
+            if targets is not None and self.loss_chunk:
+                return chunked_cross_entropy(
+                    x.flatten(0, 1), self.head.weight, targets.flatten(), self.loss_chunk
+                )
+            logits = self.head(x).float()
+            if targets is None:
+                return logits
+            return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 def _init_weights(module: nn.Module) -> None:
@@ -115,9 +131,9 @@ def _init_weights(module: nn.Module) -> None:
 
 
 def next_token_loss(model: nn.Module, batch: list[Tensor]) -> Tensor:
+    """The mean next-token cross-entropy, computed by the model given the targets (GPT.forward)."""
     inputs, targets = batch
-    logits = model(inputs)
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    return model(inputs, targets)
 
 
 def next_token_sums(model: nn.Module, batch: list[Tensor]) -> dict[str, Tensor]:
@@ -132,7 +148,8 @@ def next_token_sums(model: nn.Module, batch: list[Tensor]) -> dict[str, Tensor]:
 
 
 class TokenWindows:
-    """Non-overlapping windows of `context + 1` tokens over one uint8 token stream (a BatchDataSet).
+    """Non-overlapping windows of `context + 1` tokens over one token stream (a BatchDataSet): uint8 for
+    bytes, int32 for a larger vocabulary (flodl/tasks/bpe.py).
 
     Sample i covers tokens [i·context, (i+1)·context]; pure, so the same index always gives the same batch.
     """
@@ -141,9 +158,10 @@ class TokenWindows:
     resident = True
 
     def __init__(self, tokens: Tensor, context: int) -> None:
-        if tokens.dtype != torch.uint8 or tokens.dim() != 1:
+        if tokens.dtype not in (torch.uint8, torch.int32) or tokens.dim() != 1:
             raise ValueError(
-                f"TokenWindows: expected a 1-D uint8 tensor, got {tokens.dtype} {tuple(tokens.shape)}"
+                f"TokenWindows: expected a 1-D uint8 or int32 tensor, got {tokens.dtype} "
+                f"{tuple(tokens.shape)}"
             )
         if tokens.numel() < context + 1:
             raise ValueError(
@@ -193,17 +211,22 @@ def _python_files(base: Path) -> list[Path]:
     return found
 
 
-def stdlib_text(
-    split: str, context: int = 256, max_bytes: int = 8_000_000, root: str | None = None
-) -> TokenWindows:
-    """The split's files as one byte stream (files separated by a blank line), cut at `max_bytes`."""
+def stdlib_parts(split: str, max_bytes: int, root: str | None = None) -> list[bytes]:
+    """The split's files, each followed by a blank line, the last cut so that they hold `max_bytes`."""
     parts: list[bytes] = []
     total = 0
     for path in stdlib_files(split, root):
         if total >= max_bytes:
             break
         data = path.read_bytes() + b"\n\n"
-        parts.append(data)
-        total += len(data)
-    stream = b"".join(parts)[:max_bytes]
+        parts.append(data[: max_bytes - total])
+        total += len(parts[-1])
+    return parts
+
+
+def stdlib_text(
+    split: str, context: int = 256, max_bytes: int = 8_000_000, root: str | None = None
+) -> TokenWindows:
+    """The split's files as one byte stream (files separated by a blank line), cut at `max_bytes`."""
+    stream = b"".join(stdlib_parts(split, max_bytes, root))
     return TokenWindows(torch.frombuffer(bytearray(stream), dtype=torch.uint8), context)

@@ -19,12 +19,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from flodl.data.dataset import is_batch_dataset, is_stream, read_batch
-from flodl.data.feeder import BatchFeeder, DataPlaneSettings, staging_tiers
+from flodl.data.dataset import read_batch
+from flodl.data.feeder import DataPlaneSettings
+from flodl.data.feeders import Feeder, feeder_for
 from flodl.data.partition import epoch_permutation
 from flodl.data.sample import check_movable, to_device
-from flodl.data.sample_feed import SampleFeeder
-from flodl.data.stream import StreamFeeder
 from flodl.links.messages import EpochSlice, EvalResult
 from flodl.metrics.flops import peak_flops, train_flops_per_sample
 from flodl.metrics.scalars import record_scalar
@@ -34,7 +33,8 @@ from flodl.worker.nonfinite import NonFiniteWatch
 from flodl.worker.task_setup import TaskParts
 
 _SPIN_S = 0.002
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# fp8: the float8 linears (flodl/worker/float8.py) cast their own inputs; everything else runs in bf16.
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 # Per epoch: the share of optimizer steps fp16's GradScaler skipped (inf/NaN gradients; it then lowers
 # its scale). AMP's own recovery, not an on_nonfinite event: the step was already skipped.
 SCALER_SKIPPED = "amp/scaler_skipped"
@@ -103,34 +103,23 @@ class Stepper:
         self._no_sync: Callable[[], AbstractContextManager] | None = getattr(train_module, "no_sync", None)
         # The losses of the last step's forward passes so far, and its micro-batch count (interrupted_loss).
         self._forward_losses: tuple[Tensor, int] | None = None
-        # A stream's picks are places in its epoch, not samples (flodl/data/stream.py).
-        self.stream = is_stream(parts.train_data)
-        self.total_picks = 0 if self.stream else len(parts.train_data) * settings.data.augment
+        # The data plane, chosen once for the train data (flodl/data/feeders.py).
+        self.feeder: Feeder = feeder_for(
+            settings.data, parts.train_data, device, parts.collate, parts.transform, parts.cacheable
+        )
+        # Of a stream, picks are places in its epoch (there is no permutation of samples to draw them from).
+        self.total_picks = 0 if self.feeder.in_order else len(parts.train_data) * settings.data.augment
         self.steps_total = 0
         self.schedule_position = 0
         # Each step's loss, kept on the device until a window boundary looks for the first non-finite one.
         self.nonfinite = NonFiniteWatch(device)
         self.fault = settings.fault
         self._permutations: dict[int, Tensor] = {}
-        # The data plane: staging tiers, prefetch, device pool (flodl/data/feeder.py), or torch's DataLoader
-        # for a map-style Dataset (flodl/data/sample_feed.py) or a stream (flodl/data/stream.py).
-        self.feeder: BatchFeeder | SampleFeeder | StreamFeeder
-        if self.stream:
-            self.feeder = StreamFeeder(settings.data, parts.train_data, device, parts.collate)
-        elif is_batch_dataset(parts.train_data):
-            self.feeder = BatchFeeder(
-                settings.data, parts.train_data, device, parts.transform, parts.cacheable
-            )
-        else:
-            tiers = staging_tiers(settings.data) if parts.cacheable else None
-            self.feeder = SampleFeeder(
-                settings.data, parts.train_data, device, parts.collate, tiers, parts.transform
-            )
 
     def picks(self, part: EpochSlice) -> Tensor:
         """The slice's picks of its epoch's shared permutation (cached per epoch); of a stream, its places in
         the epoch (the rank trains the next items of its shard whichever they are)."""
-        if self.stream:
+        if self.feeder.in_order:
             return torch.arange(part.offset, part.offset + part.size)
         epoch = part.epoch
         if epoch not in self._permutations:

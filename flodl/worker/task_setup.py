@@ -16,6 +16,7 @@ from flodl.config.targets import batch_dataset_problems
 from flodl.data.augment import Transform
 from flodl.data.dataset import as_dataset, check_purity, is_batch_dataset
 from flodl.data.streams import seed_rank_streams
+from flodl.worker.float8 import convert_to_float8
 
 # The batch: a BatchDataSet's list[Tensor], or what collate_fn made of a map-style Dataset's samples.
 LossFn = Callable[[nn.Module, Any], Tensor]
@@ -57,6 +58,8 @@ class TaskSettings:
     check_purity: bool
     # DataLoader worker processes (refused for a BatchDataSet).
     num_workers: int = 0
+    # fp8: the model's linear layers are converted to float8 matmuls (flodl/worker/float8.py) when built.
+    precision: str = "fp32"
 
 
 def build_task(settings: TaskSettings, device: torch.device, world_size: int, rank: int = 0) -> TaskParts:
@@ -65,6 +68,9 @@ def build_task(settings: TaskSettings, device: torch.device, world_size: int, ra
     # Same seed on every rank: identical initial weights even before DDP broadcasts rank 0's.
     torch.manual_seed(settings.seed)
     model = _built(task["model"], "task.model", nn.Module).to(device)
+    if settings.precision == "fp8":
+        # Before anything holds the parameters; the conversion keeps them, so any order would do.
+        convert_to_float8(model)
     optimizer = _built(task["optimizer"], "task.optimizer", object)(model.parameters())
     factor = lr_scale_factor(world_size, settings.lr_scale_ratio)
     for group in optimizer.param_groups:

@@ -1,0 +1,93 @@
+"""precision=fp8: the model's linear layers multiply in float8 (torch._scaled_mm), scaled per tensor.
+
+Each matmul of a converted nn.Linear casts its operands to float8 with a scale from their current absolute
+maximum (inputs and weights e4m3, gradients e5m2, as float8 training recipes do) and accumulates in higher
+precision; the output and gradients come back in the input's dtype (bf16 under autocast). torch.compile
+fuses the amax and casts into the neighbouring kernels.
+
+The conversion swaps a module's class and nothing else: its weight and bias stay the same Parameter objects,
+read at every call, so the flat buffers (flodl/averaging/flat.py), the optimizer, DDP and captured CUDA
+graphs keep pointing at what trains. Layers whose weight another module shares (a tied output layer) and
+those whose sizes float8 matmuls cannot take (multiples of 16) stay as they are.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+# float8 matmuls take sizes in multiples of this (cuBLASLt's rule, which torch._scaled_mm enforces).
+FLOAT8_MULTIPLE = 16
+
+
+def _to_float8(t: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """`t` scaled so that its absolute maximum is float8's, cast; and the scale that undoes it (float32)."""
+    top = torch.finfo(dtype).max
+    amax = t.detach().abs().max().float().clamp(min=1e-12)
+    scale = top / amax
+    return (t.float() * scale).clamp(-top, top).to(dtype), scale.reciprocal()
+
+
+def _column_major(t: Tensor) -> Tensor:
+    return t.t().contiguous().t()
+
+
+class _Float8Matmul(torch.autograd.Function):
+    """x (rows, in) @ weight (out, in).T in float8, both passes."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor) -> Tensor:
+        x8, x_inv = _to_float8(x, E4M3)
+        w8, w_inv = _to_float8(weight, E4M3)
+        ctx.save_for_backward(x8, x_inv, w8, w_inv)
+        ctx.weight_dtype = weight.dtype
+        return torch._scaled_mm(x8, w8.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
+        x8, x_inv, w8, w_inv = ctx.saved_tensors
+        g8, g_inv = _to_float8(grad, E5M2)
+        grad_x = torch._scaled_mm(g8, _column_major(w8), scale_a=g_inv, scale_b=w_inv, out_dtype=grad.dtype)
+        grad_w = torch._scaled_mm(
+            g8.t().contiguous(), _column_major(x8), scale_a=g_inv, scale_b=x_inv, out_dtype=torch.float32
+        )
+        return grad_x, grad_w.to(ctx.weight_dtype)
+
+
+class Float8Linear(nn.Linear):
+    """An nn.Linear whose matmul runs in float8 (made by `convert_to_float8`, never built directly)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        with torch.autocast(device, enabled=False):
+            rows = x.reshape(-1, self.in_features).to(dtype)
+            out = _Float8Matmul.apply(rows, self.weight)
+            if self.bias is not None:
+                out = out + self.bias.to(dtype)
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def convert_to_float8(model: nn.Module) -> list[str]:
+    """Turn `model`'s eligible nn.Linear modules into Float8Linear in place; their names."""
+    uses: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        uses[id(param)] = uses.get(id(param), 0) + 1
+    converted = []
+    for name, module in model.named_modules():
+        if type(module) is not nn.Linear or uses[id(module.weight)] > 1:
+            continue
+        if module.in_features % FLOAT8_MULTIPLE or module.out_features % FLOAT8_MULTIPLE:
+            continue
+        module.__class__ = Float8Linear
+        converted.append(name)
+    if not converted:
+        raise ValueError(
+            "precision=fp8: the model has no nn.Linear that float8 can run (untied, in and out features "
+            f"multiples of {FLOAT8_MULTIPLE}); use precision=bf16"
+        )
+    return converted

@@ -1,0 +1,187 @@
+"""GPT-2's real shape (issue 43), its CPU-checkable parts: the 50k-vocabulary task composes at 124M
+parameters, the chunked loss equals the whole-logits loss and its gradients, the BPE corpus is trained and
+cached once, and float8 linears keep the Parameters everything else holds."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from flodl.averaging.flat import flatten_parameters
+from flodl.tasks.bpe import bpe_text, next_token_bits, token_bytes
+from flodl.tasks.chunked_ce import chunked_cross_entropy
+from flodl.tasks.gpt import GPT
+from flodl.worker.float8 import Float8Linear, convert_to_float8
+from tests.helpers.corpus import fake_library
+from tests.helpers.procs import CONF, train
+
+TASK = CONF / "task" / "gpt2_124m.yaml"
+
+
+def test_gpt2_124m_has_gpt2s_shape_and_a_padded_vocabulary() -> None:
+    cfg = OmegaConf.load(TASK)
+    with torch.device("meta"):
+        model = instantiate(cfg.task.model)
+    params = sum(p.numel() for p in model.parameters())
+    assert 123e6 <= params <= 125e6  # GPT-2 small, tied embeddings, no biases
+    assert model.tokens.weight.shape == (50304, 768) and model.head.weight is model.tokens.weight
+    assert cfg.task.model.vocab % 128 == 0 and cfg.task.model.vocab >= cfg.task.train_data.vocab_size == 50257
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 7, 64])
+def test_the_chunked_loss_and_its_gradients_are_the_whole_logits_ones(chunk: int) -> None:
+    torch.manual_seed(0)
+    hidden = torch.randn(23, 16, requires_grad=True)
+    weight = torch.randn(40, 16, requires_grad=True)
+    targets = torch.randint(40, (23,))
+    expected = F.cross_entropy(hidden @ weight.t(), targets)
+    (hidden_grad, weight_grad) = torch.autograd.grad(expected * 3.0, (hidden, weight))
+    got = chunked_cross_entropy(hidden, weight, targets, chunk)
+    torch.testing.assert_close(got, expected)
+    (got_hidden, got_weight) = torch.autograd.grad(got * 3.0, (hidden, weight))
+    torch.testing.assert_close(got_hidden, hidden_grad)
+    torch.testing.assert_close(got_weight, weight_grad)
+    with torch.no_grad():  # eval: the loss alone
+        torch.testing.assert_close(chunked_cross_entropy(hidden, weight, targets, chunk), got.detach())
+
+
+def test_a_gpt_with_loss_chunks_trains_as_one_without() -> None:
+    torch.manual_seed(0)
+    whole = GPT(layers=1, dim=32, heads=2, context=16, vocab=96, loss_chunk=None)
+    chunked = GPT(layers=1, dim=32, heads=2, context=16, vocab=96, loss_chunk=10)
+    chunked.load_state_dict(whole.state_dict())
+    idx, targets = torch.randint(96, (3, 16)), torch.randint(96, (3, 16))
+    losses = [model(idx, targets) for model in (whole, chunked)]
+    torch.testing.assert_close(losses[1], losses[0])
+    for loss in losses:
+        loss.backward()
+    for (name, a), b in zip(whole.named_parameters(), chunked.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, msg=name)
+
+
+def test_chunked_loss_refuses_shapes_it_cannot_pair() -> None:
+    with pytest.raises(ValueError, match=r"expected hidden \(rows, dim\) and targets \(rows,\)"):
+        chunked_cross_entropy(torch.zeros(2, 3, 4), torch.zeros(5, 4), torch.zeros(6, dtype=torch.long))
+    with pytest.raises(ValueError, match="chunk must be >= 1"):
+        chunked_cross_entropy(torch.zeros(2, 4), torch.zeros(5, 4), torch.zeros(2, dtype=torch.long), 0)
+
+
+def test_the_bpe_corpus_is_trained_once_cached_and_counts_its_bytes(tmp_path: Path) -> None:
+    corpus, cache = tmp_path / "lib", tmp_path / "cache"
+    fake_library(corpus, 30)
+    args = {"vocab_size": 300, "max_bytes": 10**6, "tokenizer_bytes": 10**6, "root": str(corpus)}
+    data = bpe_text("train", context=8, cache_dir=str(cache), **args)
+    assert data.tokens.dtype == torch.int32 and int(data.tokens.max()) < 300
+    (folder,) = cache.iterdir()
+    cached = {p.name: p.stat().st_mtime_ns for p in folder.glob("[!.]*")}
+    again = bpe_text("train", context=8, cache_dir=str(cache), **args)
+    assert torch.equal(again.tokens, data.tokens)
+    assert {p.name: p.stat().st_mtime_ns for p in folder.glob("[!.]*")} == cached  # read back, not rebuilt
+    sizes = token_bytes(300, 10**6, str(corpus), str(cache))
+    text = b"".join(p.read_bytes() + b"\n\n" for p in sorted_train_files(corpus))
+    # Every byte of the text is spelt by exactly one token: their byte counts sum to the text's length.
+    assert int(sizes[data.tokens.long()].sum()) == len(text)
+
+
+def sorted_train_files(root: Path) -> list[Path]:
+    from flodl.tasks.gpt import stdlib_files
+
+    return stdlib_files("train", str(root))
+
+
+def test_bits_per_byte_is_nats_per_token_over_bytes_per_token() -> None:
+    torch.manual_seed(0)
+    model = GPT(layers=1, dim=16, heads=2, context=4, vocab=8)
+    inputs, targets = torch.randint(8, (2, 4)), torch.randint(8, (2, 4))
+    sizes = torch.tensor([1, 2, 3, 4, 1, 2, 3, 4])
+    sums = next_token_bits(model, [inputs, targets], sizes)
+    mean = float(model(inputs, targets).detach())
+    assert float(sums["loss"]) == pytest.approx(mean * 2)
+    expected = mean * targets.numel() / int(sizes[targets].sum()) / math.log(2)
+    assert float(sums["bits_per_byte"]) == pytest.approx(expected * 2)
+
+
+def test_float8_conversion_keeps_the_parameters_and_skips_what_it_cannot_run() -> None:
+    torch.manual_seed(0)
+    model = GPT(layers=1, dim=32, heads=2, context=16, vocab=64, bias=False)
+    odd = torch.nn.Linear(30, 32)
+    model.add_module("odd", odd)
+    before = {name: p for name, p in model.named_parameters()}
+    converted = convert_to_float8(model)
+    assert converted and all(isinstance(model.get_submodule(n), Float8Linear) for n in converted)
+    assert (
+        "head" not in converted and "odd" not in converted
+    )  # tied to the embedding; 30 is no multiple of 16
+    assert {name: p for name, p in model.named_parameters()} == before  # the very same objects
+    with pytest.raises(ValueError, match=r"precision=fp8: the model has no nn\.Linear that float8 can run"):
+        convert_to_float8(torch.nn.Sequential(torch.nn.Linear(30, 30)))
+
+
+def test_a_converted_model_computes_with_the_flat_buffers_the_averager_writes() -> None:
+    """A round writes the consensus into the flat buffer in place: the float8 layers must read it there."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16))
+    (flat,) = flatten_parameters(model)
+    convert_to_float8(model)
+    start, end = flat.buffer.data_ptr(), flat.buffer.data_ptr() + flat.buffer.numel() * 4
+    assert all(start <= p.data_ptr() < end for p in model.parameters())
+    x = torch.randn(16, 32)
+    before = model(x)
+    flat.buffer.mul_(0.0)  # as a round's in-place consensus would: every weight and bias now zero
+    assert torch.count_nonzero(model(x)) == 0 and torch.count_nonzero(before) > 0
+
+
+def test_a_float8_linear_is_close_to_its_matmul_both_ways() -> None:
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 48)
+    reference = torch.nn.Linear(64, 48)
+    reference.load_state_dict(layer.state_dict())
+    convert_to_float8(layer_holder := torch.nn.Sequential(layer))
+    assert isinstance(layer_holder[0], Float8Linear)
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    out, expected = layer(x), reference(x_ref)
+    assert out.shape == expected.shape
+    # e4m3 keeps 3 mantissa bits: a few percent per product, averaged over 64 of them.
+    assert float((out - expected).detach().norm() / expected.detach().norm()) < 0.08
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    for got, want in ((x.grad, x_ref.grad), (layer.weight.grad, reference.weight.grad)):
+        assert float((got - want).norm() / want.norm()) < 0.15
+
+
+@pytest.mark.multiproc
+def test_a_small_gpt2_124m_trains_its_bpe_corpus_from_the_cli(tmp_path: Path) -> None:
+    corpus = tmp_path / "lib"
+    fake_library(corpus, 40)
+    result = train(
+        "task=gpt2_124m",
+        "task.model.layers=1",
+        "task.model.dim=32",
+        "task.model.heads=2",
+        "task.model.context=16",
+        "task.model.vocab=384",
+        "task.model.loss_chunk=24",
+        "task.train_data.vocab_size=300",
+        f"task.train_data.root={corpus}",
+        f"task.train_data.cache_dir={tmp_path / 'cache'}",
+        "task.optimizer.fused=false",
+        "compile=false",
+        "epochs=2",
+        "batch_size=4",
+        cwd=tmp_path,
+        timeout=300,
+    )
+    result.check()
+    (metrics,) = tmp_path.rglob("metrics.jsonl")
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [0, 1]
+    assert records[1]["loss"] < records[0]["loss"]
+    assert 0 < records[-1]["eval/bits_per_byte"] < 8  # a byte is at most 8 bits of an untrained guess

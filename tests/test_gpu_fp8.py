@@ -1,0 +1,65 @@
+"""precision=fp8 on a GPU that has float8 matmuls (skipped elsewhere): under sync on one GPU and under cadence
+with two ranks sharing it over gloo, a small GPT trains to the loss bf16 reaches at the same steps."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from flodl.config.host import float8_matmul, gpu_capability
+from flodl.config.rules.host_fit import FP8_CAPABILITY
+from tests.helpers.procs import train
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.multiproc,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or not float8_matmul() or (gpu_capability() or (0, 0)) < FP8_CAPABILITY,
+        reason="needs a GPU with float8 matmuls (compute capability 8.9+)",
+    ),
+]
+# A small GPT on the stdlib's bytes (widths multiples of 16 for the float8 matmuls), short enough for a
+# test: 2 epochs of 2 MB in windows of 256 bytes, 64 windows a step.
+SMALL = (
+    "task=gpt2_small",
+    "task.model.layers=2",
+    "task.model.dim=256",
+    "task.model.heads=4",
+    "task.model.context=256",
+    "task.model.amp=false",
+    "task.train_data.max_bytes=2000000",
+    "task.eval_data.max_bytes=200000",
+    "task.scheduler.warmup_steps=10",
+    "task.scheduler.total_steps=500",
+    "batch_size=32",
+    "epochs=2",
+    "eval_every=1",
+    "compile=false",
+)
+# Per-tensor scaled e4m3 against bf16 after two short epochs: the same curve within this much.
+LOSS_TOLERANCE = 0.03
+
+
+def _last_loss(run_dir: Path) -> float:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [0, 1]
+    return float(records[-1]["eval/loss"])
+
+
+@pytest.mark.parametrize(
+    "how",
+    [("policy=sync",), ("policy=cadence", "launch.nproc_per_node=2", "backend=cpu")],
+    ids=["sync-1-gpu", "cadence-2-ranks-on-1-gpu"],
+)
+def test_fp8_trains_to_the_loss_bf16_reaches(tmp_path: Path, how: tuple[str, ...]) -> None:
+    losses = {}
+    for precision in ("bf16", "fp8"):
+        run_dir = tmp_path / precision
+        train(
+            *SMALL, *how, f"precision={precision}", f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=600
+        ).check()
+        losses[precision] = _last_loss(run_dir)
+    assert abs(losses["fp8"] / losses["bf16"] - 1) < LOSS_TOLERANCE, losses
