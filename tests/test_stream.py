@@ -1,6 +1,7 @@
 """A stream (an IterableDataset) as training data, in one process (flodl/data/stream.py): each reader reads
-its own part (the dataset's `shard` of its rank, split among the rank's DataLoader workers by the dataset,
-or every R-th item of the whole stream), a shard that runs out starts again as the next pass, a reader
+its own part (what the stream gives it when it splits itself, the dataset's `shard` of its rank, every
+R-th item of the whole stream; flodl/data/stream_split.py decides, from webdataset's real pipeline stages or
+task.stream_split, and refuses a split twice), a shard that runs out starts again as the next pass, a reader
 resumed from its position goes on with the next item (by skipping, or by the dataset's own `state_dict`),
 and a rank's feeder takes its DataLoader workers' batches in turn (real workers), the same after a resume
 as without one."""
@@ -9,17 +10,24 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import webdataset as wds
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
 from flodl.config.schema import FlodlConfig
 from flodl.data.stream import ShardReader, StreamFeeder, epoch_picks, stream_picks
-from flodl.job.assembly import data_plane_settings
+from flodl.data.stream_split import StreamSplit, decide
+from flodl.job.settings import data_plane_settings
+from flodl.preflight.task_probe import task_problems
+from tests.helpers.byo_data import write_point_shards
 
 SEED = 7
+# What auto decides for a stream that shows no split of its own: flodl splits it all.
+FLODL = StreamSplit(False, False, "flodl splits it")
 
 
 class Numbers(IterableDataset):
@@ -49,8 +57,8 @@ class Sharded(Numbers):
 
 
 class WorkerSplit(Sharded):
-    """Also splits itself among DataLoader workers (`get_worker_info()`), as torch's IterableDataset contract
-    asks and HF's does."""
+    """Also splits itself among DataLoader workers (`get_worker_info()`), which flodl cannot see: it says so
+    with task.stream_split=workers."""
 
     def __iter__(self) -> Iterator[tuple[int, float]]:
         info = get_worker_info()
@@ -86,7 +94,7 @@ def _ids(items: list[tuple[int, float]]) -> list[int]:
 
 @pytest.mark.parametrize("kind", [Numbers, Sharded])
 def test_readers_read_disjoint_shards_that_together_are_the_stream(kind: type[Numbers]) -> None:
-    readers = [ShardReader(kind(40), 4, r, SEED) for r in range(4)]
+    readers = [ShardReader(kind(40), 4, r, SEED, FLODL) for r in range(4)]
     shards = [_ids(reader.take(10)) for reader in readers]
     assert sorted(i for shard in shards for i in shard) == list(range(40))
     if kind is Numbers:  # read whole by every reader, each keeping every 4th item
@@ -97,20 +105,20 @@ def test_readers_read_disjoint_shards_that_together_are_the_stream(kind: type[Nu
 
 
 def test_a_shard_that_runs_out_starts_again_as_the_next_pass_after_set_epoch() -> None:
-    reader = ShardReader(Sharded(12), 2, 1, SEED)  # items 6 .. 11
+    reader = ShardReader(Sharded(12), 2, 1, SEED, FLODL)  # items 6 .. 11
     assert _ids(reader.take(8)) == [6, 7, 8, 9, 10, 11, 11, 10]  # pass 1 is reversed: set_epoch(1)
     assert reader.position() == {"passes": 1, "seen": 2, "state": None}
 
 
 @pytest.mark.parametrize("kind", [Numbers, Sharded, Stateful])
 def test_a_reader_resumed_at_its_position_reads_what_it_would_have_read(kind: type[Numbers]) -> None:
-    whole = ShardReader(kind(30), 3, 2, SEED)
+    whole = ShardReader(kind(30), 3, 2, SEED, FLODL)
     expected = [whole.take(4) for _ in range(6)]  # across a pass
-    first = ShardReader(kind(30), 3, 2, SEED)
+    first = ShardReader(kind(30), 3, 2, SEED, FLODL)
     before = [first.take(4) for _ in range(3)]
     position = first.position()
     dataset = kind(30)
-    resumed = ShardReader(dataset, 3, 2, SEED, position)
+    resumed = ShardReader(dataset, 3, 2, SEED, FLODL, position)
     assert before + [resumed.take(4) for _ in range(3)] == expected  # the items and their draws
     if kind is Stateful:  # the dataset's own state: nothing read before the position again
         assert position["state"] is not None
@@ -121,7 +129,7 @@ def test_a_reader_resumed_at_its_position_reads_what_it_would_have_read(kind: ty
 def test_reading_does_not_move_the_callers_random_streams() -> None:
     torch.manual_seed(0)
     random.seed(0)
-    ShardReader(Numbers(), 1, 0, SEED).take(5)
+    ShardReader(Numbers(), 1, 0, SEED, FLODL).take(5)
     drawn = float(torch.rand(())), random.random()
     torch.manual_seed(0)
     random.seed(0)
@@ -129,18 +137,29 @@ def test_reading_does_not_move_the_callers_random_streams() -> None:
 
 
 def test_an_empty_shard_and_a_stream_shorter_than_its_position_are_named() -> None:
-    with pytest.raises(ValueError, match=r"stream reader 3 of 4 found no item in its part \(items 3, 3 \+ 4"):
-        ShardReader(Numbers(3), 4, 3, SEED).take(1)
+    with pytest.raises(
+        ValueError,
+        match=r"reader 3 of 4 found no item in its part \(the whole stream, keeping items 3, 3 \+ 4",
+    ):
+        ShardReader(Numbers(3), 4, 3, SEED, FLODL).take(1)
     with pytest.raises(ValueError, match=r"was 20 items into pass 0 of its shard, which now has 10"):
-        ShardReader(Numbers(10), 1, 0, SEED, {"passes": 0, "seen": 20, "state": None}).take(1)
+        ShardReader(Numbers(10), 1, 0, SEED, FLODL, {"passes": 0, "seen": 20, "state": None}).take(1)
 
 
 def _feeder(
-    rank: int, world: int, workers: int, state: dict[str, Any] | None = None, kind: type[Numbers] = Numbers
+    rank: int,
+    world: int,
+    workers: int,
+    state: dict[str, Any] | None = None,
+    kind: type[Numbers] = Numbers,
+    split: str = "auto",
+    dataset: Any = None,
 ) -> StreamFeeder:
     cfg = FlodlConfig(batch_size=3, seed=SEED, num_workers=workers)
+    cfg.task.stream_split = split
     settings = data_plane_settings(cfg, ranks_on_host=1, rank=rank, world_size=world)
-    feeder = StreamFeeder(settings, kind(200), torch.device("cpu"), default_collate)
+    data = dataset if dataset is not None else kind(200)
+    feeder = StreamFeeder(settings, data, torch.device("cpu"), default_collate)
     if state is not None:
         feeder.restore(state)
     return feeder
@@ -151,26 +170,29 @@ def _batches(feeder: StreamFeeder, count: int) -> list[list[int]]:
     return [feeder.load(picks, 0)[0].tolist() for _ in range(count)]
 
 
-@pytest.mark.parametrize("kind", [Numbers, WorkerSplit])
+@pytest.mark.parametrize(("kind", "split"), [(Numbers, "auto"), (Sharded, "auto"), (WorkerSplit, "workers")])
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_rank_takes_its_readers_batches_in_turn_and_so_does_it_after_a_resume(
-    workers: int, kind: type[Numbers]
+    workers: int, kind: type[Numbers], split: str
 ) -> None:
-    whole = _batches(_feeder(1, 2, workers, kind=kind), 9)
+    whole = _batches(_feeder(1, 2, workers, kind=kind, split=split), 9)
     # Rank 1 of 2: its readers are 2 and 3 of 4 with workers (1 of 2 without); Numbers' keep every R-th
-    # item, WorkerSplit's read the rank's shard, items 100 .. 199, split between the workers.
+    # item; Sharded's read the rank's shard, items 100 .. 199, every other item of it a worker's; the
+    # shard splits itself between WorkerSplit's workers (task.stream_split=workers), none split again.
     expected = {
         (Numbers, 2): [[2, 6, 10], [3, 7, 11], [14, 18, 22]],
         (Numbers, 0): [[1, 3, 5], [7, 9, 11], [13, 15, 17]],
+        (Sharded, 2): [[100, 102, 104], [101, 103, 105], [106, 108, 110]],
+        (Sharded, 0): [[100, 101, 102], [103, 104, 105], [106, 107, 108]],
         (WorkerSplit, 2): [[100, 102, 104], [101, 103, 105], [106, 108, 110]],
         (WorkerSplit, 0): [[100, 101, 102], [103, 104, 105], [106, 107, 108]],
     }
     assert whole[:3] == expected[kind, workers]
-    first = _feeder(1, 2, workers, kind=kind)
+    first = _feeder(1, 2, workers, kind=kind, split=split)
     before = _batches(first, 5)  # an odd count: the second reader's turn is next
     state = first.state()
     first.close()
-    assert before + _batches(_feeder(1, 2, workers, state, kind), 4) == whole
+    assert before + _batches(_feeder(1, 2, workers, state, kind, split), 4) == whole
 
 
 def test_a_resume_with_other_readers_is_refused() -> None:
@@ -185,3 +207,69 @@ def test_a_streams_epoch_is_every_ranks_steps() -> None:
     assert stream_picks(5, 3, 8) == 120
     assert epoch_picks(Numbers(), 1, 5, 3, 8) == 120
     assert epoch_picks(list(range(10)), 2, None, 3, 8) == 20
+
+
+def _webdataset(folder: Path, **splitters: Any) -> Any:
+    """The points as 8 real webdataset shards of 6 (ids 0 .. 47), read as its users write it."""
+    write_point_shards(folder, 48, 8)
+    urls = sorted(str(p) for p in folder.glob("*.tar"))
+    return wds.WebDataset(urls, shardshuffle=False, **splitters).decode().to_tuple("id.cls", "x.npy")
+
+
+@pytest.mark.parametrize("nodesplitter", [wds.split_by_node, None], ids=["split_by_node", "none"])
+def test_a_webdataset_that_splits_itself_is_not_split_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nodesplitter: Any
+) -> None:
+    # 2 ranks (as flodl's ranks have it: RANK and WORLD_SIZE set, which its DataLoader workers inherit) of 2
+    # real workers: webdataset splits the shards among the workers (its default split_by_worker) and, with
+    # split_by_node, among the ranks; flodl keeps every world_size-th item of a worker's part without it.
+    dataset = _webdataset(tmp_path, nodesplitter=nodesplitter)
+    trained = []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        feeder = _feeder(rank, 2, 2, dataset=dataset)
+        assert feeder.split.ranks == (nodesplitter is not None) and feeder.split.workers
+        trained += [i for batch in _batches(feeder, 8) for i in batch]  # 24 items a rank
+        feeder.close()
+    assert sorted(trained) == list(range(48))
+
+
+def test_a_split_twice_or_a_webdataset_that_refuses_several_ranks_is_named(tmp_path: Path) -> None:
+    dataset = _webdataset(tmp_path, nodesplitter=wds.split_by_node)
+    with pytest.raises(
+        ValueError,
+        match=r"task.stream_split=flodl: WebDataset splits itself among the ranks "
+        r"and workers \(its pipeline's split_by_node and split_by_worker\)",
+    ):
+        decide(dataset, "flodl", 2)
+    with pytest.raises(ValueError, match=r"task.stream_split=ranks: .* among the workers"):
+        decide(dataset, "ranks", 2)
+    assert decide(dataset, "dataset", 2) == StreamSplit(True, True, "task.stream_split=dataset")
+    single = _webdataset(tmp_path)  # webdataset's default nodesplitter, single_node_only
+    assert decide(single, "auto", 1) == StreamSplit(False, True, "its pipeline's split_by_worker")
+    with pytest.raises(
+        ValueError,
+        match=r"single_node_only .* refuses several ranks: build it with "
+        r"nodesplitter=wds.split_by_node",
+    ):
+        decide(single, "auto", 2)
+    # A stream flodl cannot see into splits nothing unless the key says it does.
+    assert decide(Numbers(), "auto", 2) == StreamSplit(False, False, "flodl sees no split of its own in it")
+    assert decide(WorkerSplit(), "workers", 2).workers
+
+
+def test_the_split_is_checked_before_any_rank(tmp_path: Path) -> None:
+    write_point_shards(tmp_path, 48, 8)
+    cfg = FlodlConfig(batch_size=4, steps_per_epoch=2)
+    cfg.task.stream_split = "flodl"
+    task = {
+        "model": {"_target_": "tests.helpers.byo_data.linear"},
+        "train_data": {"_target_": "tests.helpers.byo_data.point_webdataset", "folder": str(tmp_path)},
+        "optimizer": {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1},
+        "stream_split": "flodl",
+    }
+    problems = task_problems(cfg, task, 2)
+    assert [p for p in problems if p.startswith("task.stream_split=flodl: WebDataset splits itself")], (
+        problems
+    )

@@ -6,13 +6,11 @@ planner, the ledger and the checkpoints count in it), but a position names no it
 items of its own shard, in order.
 
 Readers. A rank reads through K = max(num_workers, 1) readers (its DataLoader workers, or itself); reader
-`r = rank x K + k` of `R = world_size x K` reads a part of the stream no other reader reads:
-- a dataset that declares `shard(num_shards, index)` (the signature of HF's `IterableDataset.shard`) is
-  asked, in each reader's process, for the rank's shard, `shard(world_size, rank)`; with DataLoader
-  workers it splits that among them itself, as torch's IterableDataset contract asks (`get_worker_info()`:
-  HF's does, by its data sources), and every item a worker gets is its reader's;
-- any other stream is read whole by every reader, which keeps items r, r + R, r + 2R, ... (a stream that
-  splits itself among workers must declare `shard`: flodl would split its workers' parts once more).
+`r = rank x K + k` of `R = world_size x K` reads a part of the stream no other reader reads. The stream
+may split itself among the ranks, among a rank's workers, or both (webdataset's splitters, HF's
+`split_dataset_by_node`, `task.stream_split`: flodl/data/stream_split.py decides); flodl splits the rest,
+among the ranks by the dataset's `shard(world_size, rank)` when it has one, else by keeping every R-th (or
+world_size-th) item, and among the workers by keeping every K-th item. No level is split twice.
 Each batch of `batch_size` items comes from one reader; a rank takes its readers' batches in turn.
 
 Passes. A reader whose shard runs out starts it again (after `set_epoch(pass)` when the dataset has one, as
@@ -46,6 +44,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from flodl.data.dataset import is_stream
 from flodl.data.feeder import DataPlaneSettings
 from flodl.data.sample import check_movable, to_device
+from flodl.data.stream_split import StreamSplit, decide, reader_part, readers_words
 from flodl.data.streams import batch_streams, mixed_seed
 from flodl.data.tiers import FeedStats
 
@@ -77,10 +76,6 @@ def epoch_picks(
     return stream_picks(steps_per_epoch, world_size, step_samples)
 
 
-def shards_itself(dataset: Any) -> bool:
-    return callable(getattr(dataset, "shard", None))
-
-
 def start_position() -> dict[str, Any]:
     """A reader's position before its first item (plain values: checkpoints load with weights_only)."""
     return {"passes": 0, "seen": 0, "state": None}
@@ -96,25 +91,17 @@ class ShardReader:
         readers: int,
         index: int,
         seed: int,
+        split: StreamSplit,
         position: dict[str, Any] | None = None,
         per_rank: int = 1,
     ) -> None:
         self.index = index
         self.readers = readers
         self.seed = seed
-        # The rank's shard, split among its workers by the dataset; or the whole stream, every readers-th
-        # item kept.
-        self.source = dataset
-        self.stride, self.offset = readers, index
-        if shards_itself(dataset):
-            self.source = dataset.shard(num_shards=readers // per_rank, index=index // per_rank)
-            self.stride, self.offset = 1, 0
-        self.shard_words = (
-            f"the dataset's shard({readers // per_rank}, {index // per_rank})"
-            + (f" as DataLoader worker {index % per_rank} of {per_rank} reads it" if per_rank > 1 else "")
-            if self.stride == 1
-            else f"items {index}, {index} + {readers}, ... of the whole stream"
-        )
+        part = reader_part(dataset, split, readers // per_rank, per_rank, index)
+        # The items the source gives this reader's process, every stride-th kept from offset.
+        self.source, self.stride, self.offset = part.source, part.stride, part.offset
+        self.shard_words = part.words
         self.stateful = all(
             callable(getattr(self.source, m, None)) for m in ("state_dict", "load_state_dict")
         )
@@ -182,6 +169,7 @@ class _WorkerReaders(IterableDataset):
     def __init__(
         self,
         dataset: Any,
+        split: StreamSplit,
         readers: int,
         first: int,
         positions: list[dict[str, Any] | None],
@@ -189,15 +177,17 @@ class _WorkerReaders(IterableDataset):
         collate: Collate,
         seed: int,
     ) -> None:
-        self.dataset, self.readers, self.first, self.positions = dataset, readers, first, positions
-        self.batch_size, self.collate, self.seed = batch_size, collate, seed
+        self.dataset, self.split, self.readers, self.first = dataset, split, readers, first
+        self.positions, self.batch_size, self.collate, self.seed = positions, batch_size, collate, seed
 
     def __iter__(self) -> Iterator[tuple[Any, int, dict[str, Any]]]:
         info = get_worker_info()
         assert info is not None, "a stream's worker readers run in DataLoader workers"
         k, per_rank = info.id, info.num_workers
         index = self.first + k
-        reader = ShardReader(self.dataset, self.readers, index, self.seed, self.positions[k], per_rank)
+        reader = ShardReader(
+            self.dataset, self.readers, index, self.seed, self.split, self.positions[k], per_rank
+        )
         while True:
             yield self.collate(reader.take(self.batch_size)), k, reader.position()
 
@@ -210,6 +200,10 @@ class StreamFeeder:
     """The data plane of a stream: each `load` trains the rank's next batch, from its readers in turn; no
     read plan (a stream is read in order, so there is nothing to stage or find ahead), the DataLoader's
     workers read ahead."""
+
+    # The Feeder protocol's (flodl/data/feeders.py): a pick is a place in the epoch, the readers' positions
+    # are checkpointed.
+    in_order = True
 
     def __init__(
         self, settings: DataPlaneSettings, dataset: Any, device: torch.device, collate: Collate
@@ -230,12 +224,11 @@ class StreamFeeder:
         # Batches read before their reader's turn (after a resume the workers start at worker 0 again).
         self._early: dict[int, tuple[Any, dict[str, Any]]] = {}
         self._checked = False
-        if settings.rank == 0 and not shards_itself(dataset):
-            log.info(
-                "task.train_data (%s) has no shard(num_shards, index): each of the %d stream readers reads "
-                "the whole stream and keeps every %d-th item",
-                type(dataset).__name__, self.readers, self.readers,
-            )  # fmt: skip
+        # Which levels the stream splits itself (checked before any rank: flodl/preflight/task_probe.py).
+        self.split = decide(dataset, settings.stream_split, settings.world_size)
+        if settings.rank == 0:
+            words = readers_words(dataset, self.split, settings.world_size, self.per_rank)
+            log.info("task.train_data (%s): %s", type(dataset).__name__, words)
 
     def advise(self, epoch: int, picks: torch.Tensor) -> None:
         """Nothing to plan: a stream's next batch is whatever its reader reads next."""
@@ -249,8 +242,10 @@ class StreamFeeder:
         if before is not None and position["passes"] > before["passes"]:
             log.info(
                 "stream reader %d of %d read its whole shard: pass %d starts",
-                self.first + k, self.readers, position["passes"] + 1,
-            )  # fmt: skip
+                self.first + k,
+                self.readers,
+                position["passes"] + 1,
+            )
         self.positions[k] = position
         self.taken += 1
         if not self._checked:  # once: a value the device move would leave behind fails here, named
@@ -298,9 +293,15 @@ class StreamFeeder:
         if settings.num_workers == 0:
             return self._own_batches()
         readers = _WorkerReaders(
-            self.dataset, self.readers, self.first, self.positions, settings.batch_size, self.collate,
+            self.dataset,
+            self.split,
+            self.readers,
+            self.first,
+            self.positions,
+            settings.batch_size,
+            self.collate,
             settings.seed,
-        )  # fmt: skip
+        )
         loader = DataLoader(
             readers,
             batch_size=None,
@@ -316,6 +317,8 @@ class StreamFeeder:
     def _own_batches(self) -> Iterator[tuple[Any, int, dict[str, Any]]]:
         """The rank's one reader, read in the step's thread when a batch is due (as torch's DataLoader does
         without workers)."""
-        reader = ShardReader(self.dataset, self.readers, self.first, self.settings.seed, self.positions[0])
+        reader = ShardReader(
+            self.dataset, self.readers, self.first, self.settings.seed, self.split, self.positions[0]
+        )
         while True:
             yield self.collate(reader.take(self.settings.batch_size)), 0, reader.position()

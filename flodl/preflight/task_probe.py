@@ -2,7 +2,8 @@
 
 - The datasets are built (not their batches): a missing path, a split that does not exist, an empty
   dataset, a batch larger than the training data, and a stream (an IterableDataset) without
-  steps_per_epoch or with what needs a sample index (views, a transform, the tiers) fail here.
+  steps_per_epoch, with what needs a sample index (views, a transform, the tiers), or whose split among
+  its readers task.stream_split contradicts (flodl/data/stream_split.py) fail here.
 - The model is built on the meta device (no memory, no weights), its optimizer and scheduler on its
   parameters: a model with nothing to train and a scheduler missing an argument fail here.
 - `eval_fn` is called once on the first eval batch, on the meta device: what it returns must be the
@@ -30,6 +31,7 @@ from flodl.config.schema import FlodlConfig
 from flodl.data.dataset import as_dataset, is_stream, read_batch
 from flodl.data.partition import equal_slices
 from flodl.data.sample import to_device
+from flodl.data.stream_split import decide
 from flodl.logs import one_line
 
 # Hydra's own keys in a `_target_` node: not arguments of the target.
@@ -45,7 +47,14 @@ def task_problems(
     """What building the task's parts (`task`: its target nodes as plain data) finds wrong for a job of
     `world_size` ranks; each problem names its key. Not `whole`: the model alone (the config's values
     are refused already, and the rest would be built on them)."""
-    settings = [cfg.batch_size, step_samples(cfg), cfg.augment, cfg.steps_per_epoch, cfg.persistent_workers]
+    settings = [
+        cfg.batch_size,
+        step_samples(cfg),
+        cfg.augment,
+        cfg.steps_per_epoch,
+        cfg.persistent_workers,
+        cfg.task.stream_split,
+    ]
     key = json.dumps([task, world_size, *settings, whole], default=str)
     if key not in _PROBED:
         # On one intra-op thread: the launcher may fork the ranks after this (launch.start_method=fork), and
@@ -91,7 +100,12 @@ def _train_data_problems(
 ) -> list[str]:
     kind = type(train_data).__name__
     if is_stream(train_data):
-        return _stream_problems(cfg, task, kind)
+        return _stream_problems(cfg, task, kind) + _split_problems(cfg, train_data, world_size)
+    if cfg.task.stream_split != "auto":
+        return [
+            f"task.stream_split={cfg.task.stream_split}: applies to a stream (an IterableDataset as "
+            f"task.train_data); {kind} is split by sample index, leave it auto"
+        ]
     if cfg.steps_per_epoch is not None:
         return [
             f"steps_per_epoch={cfg.steps_per_epoch}: applies to a stream (an IterableDataset as "
@@ -129,6 +143,15 @@ def _stream_problems(cfg: FlodlConfig, task: Mapping[str, Any], kind: str) -> li
             "restarted; leave it true"
         )
     return problems
+
+
+def _split_problems(cfg: FlodlConfig, train_data: Any, world_size: int) -> list[str]:
+    """A stream's split among its readers as every rank will decide it: a contradiction is refused here."""
+    try:
+        decide(train_data, cfg.task.stream_split, world_size)
+    except ValueError as err:
+        return [one_line(str(err))]
+    return []
 
 
 def _epoch_fit_problems(cfg: FlodlConfig, total_picks: int, world_size: int) -> list[str]:

@@ -136,3 +136,27 @@ class ShardedPointStream(PointStream):
 
     def shard(self, num_shards: int, index: int) -> PointStream:
         return PointStream(len(self.y), ids=self.ids[index::num_shards])
+
+
+def write_point_shards(folder: Path, n: int, shards: int) -> None:
+    """The points as `shards` webdataset tar files in `folder` (written with its ShardWriter): sample i is
+    `x.npy`, `y.cls` and `id.cls`, in order, `n // shards` a shard."""
+    import webdataset as wds
+
+    x, y = _points(n, 0)
+    folder.mkdir(parents=True, exist_ok=True)
+    with wds.ShardWriter(str(folder / "points-%06d.tar"), maxcount=n // shards, verbose=0) as sink:
+        for i in range(n):
+            sink.write({"__key__": f"p{i:06d}", "x.npy": x[i].numpy(), "y.cls": int(y[i]), "id.cls": i})
+
+
+def point_webdataset(folder: str) -> Any:
+    """The shards of `write_point_shards` as webdataset's users read them on several ranks: split among the
+    ranks by its documented `nodesplitter=wds.split_by_node` (and among DataLoader workers by its default
+    workersplitter), decoded to (x, y, id) tuples."""
+    import webdataset as wds
+
+    urls = sorted(str(p) for p in Path(folder).glob("*.tar"))
+    assert urls, f"no shards in {folder}"
+    dataset = wds.WebDataset(urls, nodesplitter=wds.split_by_node, shardshuffle=False)
+    return dataset.decode().to_tuple("x.npy", "y.cls", "id.cls")
