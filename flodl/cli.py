@@ -39,10 +39,10 @@ def _configs() -> str:
 
 
 @hydra.main(config_path=_configs(), config_name="config", version_base="1.3")
-def _hydra_main(cfg: DictConfig) -> None:
+def _hydra_main(cfg: DictConfig) -> float | None:
     from flodl.launcher.launch import launch_from_hydra
 
-    launch_from_hydra(cfg)
+    return launch_from_hydra(cfg)  # a sweep's job: its objective, for the sweeper
 
 
 @hydra.main(config_path=_configs(), config_name="config", version_base="1.3")

@@ -67,6 +67,7 @@ OVERRIDES = [
     ("divergence_guard=msf", "divergence_guard", "msf", str),
     ("outer=diloco", "outer", "diloco", str),
     ("plan=true", "plan", True, bool),
+    ("objective=eval/accuracy", "objective", "eval/accuracy", str),
     ("outer_lr=0.5", "outer_lr", 0.5, float),
     ("outer_reset_inner=false", "outer_reset_inner", False, bool),
     ("overlap_rounds=true", "overlap_rounds", True, bool),

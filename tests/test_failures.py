@@ -41,18 +41,19 @@ def test_a_rank_that_stopped_because_another_failed_is_not_blamed_for_it(tmp_pat
     assert blame([f for f in found if f.rank == 1], {}).rank == 1
 
 
-def test_the_line_names_the_rank_its_cause_and_its_log(tmp_path: Path) -> None:
+def test_the_line_names_the_rank_its_cause_and_its_log_only_when_one_was_written(tmp_path: Path) -> None:
     where = "no checkpoint was written"
+    log = tmp_path / "rank1.log"
     nan = Failure(1, 1.0, "NonFiniteError", "rank 1: NaN at step 30", step=30)
-    assert verdict(nan, 2, where, tmp_path) == (
-        f"rank 1 failed first (NonFiniteError: rank 1: NaN at step 30); {where}; see {tmp_path / 'rank1.log'}"
+    assert verdict(nan, 2, where, log) == (
+        f"rank 1 failed first (NonFiniteError: rank 1: NaN at step 30); {where}; see {log}"
     )
-    assert verdict(nan, 1, where, tmp_path).startswith("rank 1 failed (NonFiniteError: ")  # no "first" alone
+    assert verdict(nan, 1, where, log).startswith("rank 1 failed (NonFiniteError: ")  # no "first" alone
     killed = Failure(1, 0.0, "", "", killed_by="SIGKILL")
-    line = verdict(killed, 2, where, tmp_path)
-    assert line == f"rank 1 was killed by SIGKILL; {where}; see {tmp_path / 'rank1.log'}"
+    assert verdict(killed, 2, where, log) == f"rank 1 was killed by SIGKILL; {where}; see {log}"
+    assert verdict(killed, 2, where, None) == f"rank 1 was killed by SIGKILL; {where}"
     planned = Failure(0, 1.0, "TooFewRanks", "only 1 rank(s) left ([0]); min_ranks=2", planned=True)
-    assert verdict(planned, 2, where, tmp_path).startswith("only 1 rank(s) left ([0]); min_ranks=2; ")
+    assert verdict(planned, 2, where, log).startswith("only 1 rank(s) left ([0]); min_ranks=2; ")
 
 
 def test_a_rank_records_its_first_cause_only_and_each_run_and_attempt_its_own(tmp_path: Path) -> None:

@@ -102,15 +102,15 @@ def blame(failures: list[Failure], signal_deaths: Mapping[int, str]) -> Failure 
     return min(failures, key=lambda f: (f.follows, f.step is None, f.step or 0, f.time))
 
 
-def verdict(blamed: Failure, world_size: int, where: str, run_dir: Path) -> str:
+def verdict(blamed: Failure, world_size: int, where: str, log: Path | None) -> str:
     """The launcher's line: what happened, where the run stands (`where`: its last checkpoint), and the log
-    of the rank that began it."""
-    log = run_dir / f"rank{blamed.rank}.log"
+    that says more (None: nothing was written)."""
+    see = f"; see {log}" if log is not None else ""
     if blamed.planned:
-        return f"{blamed.message}; {where}; see {log}"
+        return f"{blamed.message}; {where}{see}"
     if blamed.killed_by is not None:
         what = f"rank {blamed.rank} was killed by {blamed.killed_by}"
     else:
         first = " first" if world_size > 1 else ""
         what = f"rank {blamed.rank} failed{first} ({blamed.cause})"
-    return f"{what}; {where}; see {log}"
+    return f"{what}; {where}{see}"

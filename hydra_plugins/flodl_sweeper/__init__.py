@@ -5,8 +5,10 @@ Every job's config is composed and given the pre-spawn check of a single run
 An invalid job stops the sweep (exit 2, one block naming each invalid job and its rules, nothing trained);
 with `hydra.sweeper.skip_invalid=true` the valid jobs run and the skipped ones go to `skipped.json`. Each job
 keeps its place in the grid as its number (its dir's name), so a skipped job's number is no job dir's.
-Once the grid is checked the sweep's own start-up is over (`flodl.metrics.run_clock.sweep_ready`). Ranks
-walking a sweep together (torchrun) each run it; only rank 0 says Hydra's launcher lines.
+A failed job ends the sweep with exit code 1 after its one line (a sweeper that searches, such as Optuna,
+counts it as a failed trial instead). Once the grid is checked the sweep's own start-up is over
+(`flodl.metrics.run_clock.sweep_ready`). Ranks walking a sweep together (torchrun) each run it; only rank 0
+says Hydra's launcher lines.
 """
 
 # No `from __future__ import annotations`: Hydra's plugin scan runs this module unregistered.
@@ -44,7 +46,15 @@ class _GridNumbered(Launcher):
         self.launcher.setup(**kwargs)
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Any:
-        return self.launcher.launch(job_overrides, self.first_of.get(initial_job_idx, initial_job_idx))
+        from flodl.launcher.sweep_job import JobFailed
+
+        returns = self.launcher.launch(job_overrides, self.first_of.get(initial_job_idx, initial_job_idx))
+        for job in returns:
+            try:
+                job.return_value  # noqa: B018 (raises the job's failure)
+            except JobFailed:  # the job said why in one line: the sweep ends there, as a run does
+                sys.exit(1)
+        return returns
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.launcher, name)

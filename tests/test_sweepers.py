@@ -1,0 +1,121 @@
+"""flodl under the sweepers and launchers users bring (issue 41): Optuna reads each job's objective, a failed
+job is a failed trial, joblib's workers start ranks, a config error of the whole sweep stops it first."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flodl.launcher.objective import NoObjective, objective_key, objective_of
+from tests.helpers.procs import FAST_START, train
+
+SMALL = ("task.train_data.split=test", "epochs=1", "eval_every=1")
+
+
+def test_the_objective_is_the_last_recorded_value_of_its_key() -> None:
+    records = [{"epoch": 0, "loss": 2.0, "eval/loss": 1.5}, {"epoch": 1, "loss": 1.0, "eval/loss": 0.5}]
+    assert objective_of(records, "eval/loss") == 0.5
+    assert objective_of(records, "loss") == 1.0
+    assert objective_key(None, evaluates=True) == "eval/loss"
+    assert objective_key(None, evaluates=False) == "loss"
+    assert objective_key("eval/accuracy", evaluates=True) == "eval/accuracy"
+
+
+def test_no_objective_names_the_key_and_what_was_recorded() -> None:
+    with pytest.raises(
+        NoObjective, match=r"objective=eval/accuracy: no epoch record holds it \(recorded: loss\)"
+    ):
+        objective_of([{"epoch": 0, "loss": 2.0}], "eval/accuracy")
+    with pytest.raises(NoObjective, match="no epoch was recorded"):
+        objective_of([], "loss")
+    # A run whose last value of its objective is NaN gives the sweeper nothing to compare: a failed trial.
+    with pytest.raises(NoObjective, match="not finite at epoch 1"):
+        objective_of([{"epoch": 0, "loss": 2.0}, {"epoch": 1, "loss": math.nan}], "loss")
+
+
+def _job_dirs(root: Path) -> list[Path]:
+    return sorted(p.parent.parent for p in root.rglob(".hydra/overrides.yaml") if p.parent.parent != root)
+
+
+@pytest.mark.multiproc
+def test_an_optuna_study_gets_each_trials_metric_and_counts_a_diverging_trial_failed(tmp_path: Path) -> None:
+    lrs = "0.05,0.1,1e20"  # the last diverges: a NaN loss, on_nonfinite=error ends its job
+    result = train(
+        "-m",
+        "hydra/sweeper=optuna",
+        # Random at a seed that draws each value once (Optuna's grid sampler breaks on a failed last trial:
+        # its study.stop() raises outside an objective, in hydra-optuna-sweeper's failure path).
+        "hydra/sweeper/sampler=random",
+        "hydra.sweeper.sampler.seed=2",
+        "hydra.sweeper.n_trials=3",
+        "hydra.sweeper.n_jobs=3",  # one batch: its failure rate 1/3 is under max_failure_rate
+        "hydra.sweeper.direction=maximize",
+        "hydra.sweeper.max_failure_rate=0.5",
+        f"task.optimizer.lr=choice({lrs})",
+        "objective=eval/accuracy",
+        "launch.nproc_per_node=2",  # the objective of N ranks: what rank 0's host recorded
+        FAST_START,
+        *SMALL,
+        cwd=tmp_path,
+        timeout=420,
+    )
+    result.check()
+    # Optuna's sweeper logs each failed trial and goes on (max_failure_rate); SystemExit would have ended it.
+    failed = [line for line in result.out.splitlines() if "Failed experiment:" in line]
+    assert all("non-finite" in line for line in failed), failed
+    recorded, diverged = {}, 0
+    for job in _job_dirs(tmp_path / "multirun"):
+        overrides = yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text())
+        lr = float(next(o for o in overrides if o.startswith("task.optimizer.lr=")).split("=")[1])
+        if lr < 1:
+            last = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()][-1]
+            recorded[lr] = last["eval/accuracy"]
+        else:
+            diverged += 1
+    assert len(failed) == diverged >= 1 and recorded  # the seed's draws have both
+    (results,) = (tmp_path / "multirun").rglob("optimization_results.yaml")
+    best = yaml.safe_load(results.read_text())
+    assert best["best_value"] == max(recorded.values())
+    assert best["best_params"]["task.optimizer.lr"] == max(recorded, key=recorded.__getitem__)
+    assert "SystemExit" not in result.out
+
+
+@pytest.mark.multiproc
+def test_a_config_error_of_the_whole_sweep_exits_2_before_any_job(tmp_path: Path) -> None:
+    result = train(
+        "-m",
+        "hydra/sweeper=optuna",
+        "hydra.sweeper.n_trials=2",
+        "task.optimizer.lr=interval(0.01,0.5)",
+        "epochs=0",
+        cwd=tmp_path,
+    )
+    assert result.code == 2, result.out
+    assert "epochs=0" in result.out and "(in every job of this sweep)" in result.out
+    assert not list((tmp_path / "multirun").rglob("metrics.jsonl"))
+
+
+@pytest.mark.multiproc
+def test_joblib_workers_start_each_jobs_ranks(tmp_path: Path) -> None:
+    """loky workers have no 'loky' start method of torch's multiprocessing: the ranks start where they can."""
+    result = train(
+        "-m",
+        "hydra/launcher=joblib",
+        "hydra.launcher.n_jobs=2",
+        "launch.nproc_per_node=2",
+        "seed=0,1",
+        *SMALL,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    result.check()
+    jobs = _job_dirs(tmp_path / "multirun")
+    assert len(jobs) == 2
+    for job in jobs:
+        records = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
+        assert records[-1]["epoch"] == 0 and math.isfinite(records[-1]["eval/loss"])
+        assert (job / "rank1.log").is_file()
