@@ -58,9 +58,16 @@ def one_line_on_stderr(result: Result) -> str:
 def test_a_rank_killed_mid_epoch_is_restarted_and_the_job_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     args = [
-        *TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1", "--monitor-interval=0.1",
-        TRAIN, "epochs=24", "checkpoint_every=1", f"hydra.run.dir={run_dir}",
-    ]  # fmt: skip
+        *TORCHRUN,
+        "--standalone",
+        "--nproc_per_node=2",
+        "--max-restarts=1",
+        "--monitor-interval=0.1",
+        TRAIN,
+        "epochs=24",
+        "checkpoint_every=1",
+        f"hydra.run.dir={run_dir}",
+    ]
     out = _kill_rank1_after("epoch-000003", args, tmp_path, run_dir, timeout=240).check().out
     resumed = re.findall(r"resumed from \S+epoch-(\d+): training continues at epoch (\d+)", out)
     assert resumed, out[-6000:]
@@ -95,10 +102,20 @@ def test_with_no_restarts_left_the_error_names_the_dead_rank_and_the_last_checkp
 def test_a_frozen_rank_is_reported_within_the_heartbeat_timeout(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = start(
-        [PYTHON, TRAIN, "launch.nproc_per_node=2", "epochs=200", "heartbeat_timeout_s=3",
-         "simulate.hang_rank=1", "simulate.hang_at_step=30", f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path, output=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            PYTHON,
+            TRAIN,
+            "launch.nproc_per_node=2",
+            "epochs=200",
+            "heartbeat_timeout_s=3",
+            "checkpoint_every=null",  # the line then says no checkpoint was taken
+            "simulate.hang_rank=1",
+            "simulate.hang_at_step=30",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=tmp_path,
+        output=subprocess.DEVNULL,
+    )
     log = run_dir / "rank0.log"
     try:
         deadline = time.monotonic() + 120
@@ -124,10 +141,19 @@ def test_a_frozen_rank_0_is_named_by_the_other_ranks_within_the_heartbeat_timeou
     run_dir, out = tmp_path / "run", tmp_path / "out.txt"
     with out.open("w") as sink:
         proc = start(
-            [PYTHON, TRAIN, "launch.nproc_per_node=2", "epochs=200", "heartbeat_timeout_s=3",
-             "simulate.hang_rank=0", "simulate.hang_at_step=30", f"hydra.run.dir={run_dir}"],
-            cwd=tmp_path, output=sink,  # type: ignore[arg-type]
-        )  # fmt: skip
+            [
+                PYTHON,
+                TRAIN,
+                "launch.nproc_per_node=2",
+                "epochs=200",
+                "heartbeat_timeout_s=3",
+                "simulate.hang_rank=0",
+                "simulate.hang_at_step=30",
+                f"hydra.run.dir={run_dir}",
+            ],
+            cwd=tmp_path,
+            output=sink,  # type: ignore[arg-type]
+        )
     try:
         # The launcher's verdict comes once it has stopped the frozen rank 0 (after its SIGTERM grace).
         deadline = time.monotonic() + 180
@@ -148,10 +174,18 @@ def test_a_nan_injected_at_step_k_stops_the_run_naming_rank_and_step(tmp_path: P
     # Forked ranks of two OpenMP threads too: the launcher's checks before them must leave no OpenMP thread
     # team behind (a forked rank's first parallel region would wait for it forever).
     result = train(
-        "launch.nproc_per_node=2", "policy=cadence", "epochs=6", "checkpoint_every=1", "simulate.nan_rank=1",
-        "simulate.nan_at_step=60", "launch.start_method=fork", f"hydra.run.dir={run_dir}", cwd=tmp_path,
-        timeout=150, OMP_NUM_THREADS="2",
-    )  # fmt: skip
+        "launch.nproc_per_node=2",
+        "policy=cadence",
+        "epochs=6",
+        "checkpoint_every=1",
+        "simulate.nan_rank=1",
+        "simulate.nan_at_step=60",
+        "launch.start_method=fork",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+        timeout=150,
+        OMP_NUM_THREADS="2",
+    )
     assert result.code != 0
     assert "rank 1: the training loss became non-finite (NaN/Inf) at step 60" in result.out
     # The job's last line blames the cause that came first, not the rank that happened to exit first.
@@ -170,9 +204,16 @@ def test_under_sync_a_nan_is_blamed_on_its_rank_in_one_line_and_the_detail_is_in
     may reach its chunk's check first."""
     run_dir = tmp_path / "run"
     result = train(
-        "launch.nproc_per_node=2", "policy=sync", "epochs=4", "simulate.nan_rank=1",
-        "simulate.nan_at_step=30", f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=150, apart=True,
-    )  # fmt: skip
+        "launch.nproc_per_node=2",
+        "policy=sync",
+        "epochs=4",
+        "simulate.nan_rank=1",
+        "simulate.nan_at_step=30",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+        timeout=150,
+        apart=True,
+    )
     assert result.code == 1, result.err[-4000:]
     line = one_line_on_stderr(result)
     assert line.startswith("flodl: rank 1 failed first (NonFiniteError: rank 1: the training loss became "), (
@@ -189,9 +230,16 @@ def test_a_nan_in_a_single_process_cadence_run_with_skip_stops_in_one_line(tmp_p
     """One rank: its dropped window leaves no other rank's consensus to take, so the run stops."""
     run_dir = tmp_path / "run"
     result = train(
-        "policy=cadence", "on_nonfinite=skip", "epochs=2", "simulate.nan_rank=0", "simulate.nan_at_step=5",
-        f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=120, apart=True,
-    )  # fmt: skip
+        "policy=cadence",
+        "on_nonfinite=skip",
+        "epochs=2",
+        "simulate.nan_rank=0",
+        "simulate.nan_at_step=5",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+        timeout=120,
+        apart=True,
+    )
     assert result.code == 1, result.err[-4000:]
     line = one_line_on_stderr(result)
     assert line.startswith(
@@ -204,9 +252,16 @@ def test_a_nan_in_a_single_process_cadence_run_with_skip_stops_in_one_line(tmp_p
 def test_on_nonfinite_skip_drops_the_bad_window_and_training_goes_on(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     train(
-        "launch.nproc_per_node=2", "policy=cadence", "epochs=5", "on_nonfinite=skip", "simulate.nan_rank=1",
-        "simulate.nan_at_step=40", f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=150,
-    ).check()  # fmt: skip
+        "launch.nproc_per_node=2",
+        "policy=cadence",
+        "epochs=5",
+        "on_nonfinite=skip",
+        "simulate.nan_rank=1",
+        "simulate.nan_at_step=40",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+        timeout=150,
+    ).check()
     assert "rank 1: non-finite loss at step 40; its window is dropped" in (run_dir / "rank1.log").read_text()
     state = torch.load(run_dir / "model.pt", weights_only=True)
     assert all(torch.isfinite(t).all() for t in state.values())
@@ -240,8 +295,13 @@ def test_a_resumed_local_sgd_run_continues_its_step_clock_schedule_and_elche(
     tmp_path: Path, policy: str
 ) -> None:
     run_dir = tmp_path / "run"
-    common = ["launch.nproc_per_node=2", f"policy={policy}", "checkpoint_every=2", STEP_LR,
-              f"hydra.run.dir={run_dir}"]  # fmt: skip
+    common = [
+        "launch.nproc_per_node=2",
+        f"policy={policy}",
+        "checkpoint_every=2",
+        STEP_LR,
+        f"hydra.run.dir={run_dir}",
+    ]
     train("epochs=4", *common, cwd=tmp_path, timeout=150).check()
     saved = torch.load(run_dir / "checkpoints" / "epoch-000004" / "coordinator.pt", weights_only=True)
     before = epochs_of(run_dir)
@@ -271,3 +331,29 @@ def test_resuming_a_finished_run_trains_nothing_and_another_policy_is_refused_be
     assert refused.code == 2
     assert 'policy: "cadence" there, "sync" here' in refused.out  # the run identity names the key
     assert not (run_dir / "rank1.log").exists()  # no rank was started
+
+
+def test_a_fault_injected_once_the_elastic_agent_s_restart_runs_clean_and_equals_the_uninterrupted_run(
+    tmp_path: Path,
+) -> None:
+    """simulate.kill_at_step kills rank 1 once per run: the group the agent restarts resumes from the step
+    checkpoint before it (below step 30) and passes step 30 clean, ending with the uninterrupted run's
+    model bit for bit (sync, CPU)."""
+    common = ["launch.nproc_per_node=2", "policy=sync", "epochs=3", "checkpoint_every_steps=7"]
+    train(*common, f"hydra.run.dir={tmp_path / 'whole'}", cwd=tmp_path, timeout=240).check()
+    killed = tmp_path / "killed"
+    result = train(
+        *common,
+        "launch.max_restarts=1",
+        "simulate.kill_rank=1",
+        "simulate.kill_at_step=30",
+        f"hydra.run.dir={killed}",
+        cwd=tmp_path,
+        timeout=240,
+    )
+    assert result.ok, result.out[-6000:]
+    assert "was killed by SIGKILL" not in result.out and "resumed from " in result.out, result.out[-6000:]
+    assert_complete_run(killed, world=2, epochs=3)
+    a = torch.load(tmp_path / "whole" / "model.pt", weights_only=True)
+    b = torch.load(killed / "model.pt", weights_only=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

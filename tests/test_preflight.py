@@ -129,8 +129,8 @@ INVALID: list[tuple[tuple[str, ...], str]] = [
     (("policy=[sync,async]",), "policy"),
     (("hydra.run.dir=",), "hydra.run.dir"),
     (("launch.max_restarts=3",), "launch.max_restarts"),
-    (("checkpoint_keep=5",), "checkpoint_keep"),
-    (("save_path=ckpts",), "save_path"),
+    (("checkpoint_every=null", "checkpoint_keep=5"), "checkpoint_keep"),
+    (("checkpoint_every=null", "save_path=ckpts"), "save_path"),
     (("simulate.factor=3",), "simulate.factor"),
     (("logger.mode=offline",), "logger.mode"),
     (("logger.project=mine",), "logger.project"),
@@ -281,8 +281,13 @@ def test_the_cli_refuses_a_missing_dataset_and_w_and_b_without_a_key_before_any_
         f"+task.train_data.folder={home / 'no-such-data'}",
         "logger=wandb",
         "logger.mode=online",
-        cwd=tmp_path, timeout=60, HYDRA_FULL_ERROR="0", HOME=str(home), WANDB_API_KEY="", **wandb,
-    )  # fmt: skip
+        cwd=tmp_path,
+        timeout=60,
+        HYDRA_FULL_ERROR="0",
+        HOME=str(home),
+        WANDB_API_KEY="",
+        **wandb,
+    )
     assert result.code == 2, result.out
     assert "Traceback" not in result.out, result.out
     problems = result.out.strip().splitlines()

@@ -222,8 +222,14 @@ def _stop_after_first_checkpoint(args: list[str], tmp_path: Path, signum: int = 
 
 
 # Digits under sync, one rank slowed so that an epoch lasts a second or so: a stop lands inside the run.
-SYNC_STOP = ["launch.nproc_per_node=2", "policy=sync", "epochs=5", "checkpoint_every=1",
-             "simulate.slow_rank=0", "simulate.factor=40"]  # fmt: skip
+SYNC_STOP = [
+    "launch.nproc_per_node=2",
+    "policy=sync",
+    "epochs=5",
+    "checkpoint_every=1",
+    "simulate.slow_rank=0",
+    "simulate.factor=40",
+]
 
 
 def test_a_sync_run_stopped_at_a_step_saves_there_and_resumed_ends_bitwise_equal_to_the_uninterrupted_run(
@@ -265,8 +271,16 @@ def test_under_survive_a_stop_saves_at_the_next_boundary_and_the_printed_command
     the members save, and no rank that stopped is started again. A rank holds in the second epoch until the
     coordinator took the stop (tests/helpers/held_steps): the run surely has work left."""
     run_dir = tmp_path / "run"
-    args = [PYTHON, TRAIN, "launch.nproc_per_node=2", f"policy={policy}", "epochs=4", "checkpoint_every=1",
-            "fault_tolerance=survive", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    args = [
+        PYTHON,
+        TRAIN,
+        "launch.nproc_per_node=2",
+        f"policy={policy}",
+        "epochs=4",
+        "checkpoint_every=1",
+        "fault_tolerance=survive",
+        f"hydra.run.dir={run_dir}",
+    ]
     hook = os.pathsep.join([str(REPO / "tests" / "helpers" / "held_steps"), str(REPO)])
     # Digits: 22 steps of 32 samples an epoch on each of 2 ranks (sync), about as many under cadence.
     env = child_env(PYTHONPATH=hook, FLODL_TEST_HOLD_AT_STEP="30", FLODL_TEST_HOLD_DIR=str(tmp_path))
@@ -309,5 +323,94 @@ def test_a_stop_that_cannot_save_within_stop_grace_s_stops_at_once_naming_the_ch
     assert not list((tmp_path / "run" / "checkpoints").glob("*-sample-*"))  # nothing saved inside an epoch
     # Each rank's last checkpoint (the first epoch's) took longer than the budget: no rank waits it out.
     logs = "".join((tmp_path / "run" / f"rank{r}.log").read_text() for r in (0, 1))
-    assert re.search(r"the stop could not save \(this rank's last checkpoint took [\d.e-]+ s, more than "
-                     r"stop_grace_s=0.001\)", logs), logs[-3000:]  # fmt: skip
+    assert re.search(
+        r"the stop could not save \(this rank's last checkpoint took [\d.e-]+ s, more than "
+        r"stop_grace_s=0.001\)",
+        logs,
+    ), logs[-3000:]
+
+
+def _hooks_env(tmp_path: Path, hold_at_step: int, **extra: str) -> dict[str, str]:
+    """tests/helpers/held_commit's hook (and held_steps' with it): the ranks held at `hold_at_step` until
+    tmp_path/release appears; with FLODL_TEST_HOLD_COMMIT_DIR in `extra`, the first commit too."""
+    hook = os.pathsep.join([str(REPO / "tests" / "helpers" / "held_commit"), str(REPO)])
+    return child_env(
+        PYTHONPATH=hook, FLODL_TEST_HOLD_AT_STEP=str(hold_at_step), FLODL_TEST_HOLD_DIR=str(tmp_path), **extra
+    )
+
+
+def _log_says(path: Path, pattern: str) -> Callable[[], bool]:
+    return lambda: path.is_file() and re.search(pattern, path.read_text()) is not None
+
+
+TOOK_STOP = r"got SIGTERM: the ranks save a checkpoint at the next"
+
+
+def test_with_the_default_config_a_stop_saves_and_the_printed_command_resumes(tmp_path: Path) -> None:
+    """No checkpoint_every* key given: a SIGTERM in the second epoch still saves the stop's checkpoint (the
+    ranks held there until the coordinator took the stop), and its command finishes the run."""
+    run_dir = tmp_path / "run"
+    args = [PYTHON, TRAIN, "launch.nproc_per_node=2", "policy=sync", "epochs=3", f"hydra.run.dir={run_dir}"]
+    # Digits: 22 steps of 32 samples an epoch on each of 2 ranks.
+    proc = start(args, tmp_path, env=_hooks_env(tmp_path, 30), errors=subprocess.PIPE)
+    try:
+        wait_for_path(tmp_path / "held", proc)
+        os.kill(proc.pid, signal.SIGTERM)
+        wait_for(_log_says(run_dir / "rank0.log", TOOK_STOP), proc, what="the coordinator took the stop")
+        (tmp_path / "release").touch()
+        out, err = proc.communicate(timeout=60)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 143, out[-4000:] + err[-4000:]
+    (line,) = err.strip().splitlines()
+    name, checkpoint, _, resume = STOPPED.match(line).groups()  # type: ignore[union-attr]
+    stopped_at = Checkpoint.from_manifest(Path(checkpoint))
+    assert name == "SIGTERM" and verify(Path(checkpoint)) is None
+    assert stopped_at.point.order > Point(0).order, checkpoint  # the stop's own, past the first epoch's
+    resumed = run(shlex.split(resume), cwd=tmp_path, timeout=240).check()
+    assert f"training continues {continues_at(stopped_at)}" in resumed.out, resumed.out[-4000:]
+    assert_complete_run(run_dir, world=2, epochs=3)
+
+
+def test_a_sync_stop_saves_its_own_checkpoint_when_an_earlier_one_commits_after_the_signal(
+    tmp_path: Path,
+) -> None:
+    """The first scheduled checkpoint's commit is held (tests/helpers/held_commit) and the ranks are held at
+    step 12; the stop is taken, then that commit finishes, then the ranks go on: the run stops at a
+    checkpoint taken after the signal, committed and named (not the held one), and its resume leaves no
+    `.partial` dir."""
+    run_dir = tmp_path / "run"
+    args = [
+        PYTHON,
+        TRAIN,
+        "launch.nproc_per_node=2",
+        "policy=sync",
+        "epochs=3",
+        "checkpoint_every_steps=5",
+        f"hydra.run.dir={run_dir}",
+    ]
+    env = _hooks_env(tmp_path, 12, FLODL_TEST_HOLD_COMMIT_DIR=str(tmp_path))
+    proc = start(args, tmp_path, env=env, errors=subprocess.PIPE)
+    rank0 = run_dir / "rank0.log"
+    try:
+        wait_for_path(tmp_path / "commit-held", proc)
+        wait_for_path(tmp_path / "held", proc)
+        os.kill(proc.pid, signal.SIGTERM)
+        wait_for(_log_says(rank0, TOOK_STOP), proc, what="the coordinator took the stop")
+        (tmp_path / "commit-release").touch()
+        wait_for(_log_says(rank0, r"checkpoint epoch 1, \d+ samples into it: "), proc, what="the commit")
+        (tmp_path / "release").touch()
+        out, err = proc.communicate(timeout=60)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 143, out[-4000:] + err[-4000:]
+    (line,) = err.strip().splitlines()
+    name, checkpoint, _, resume = STOPPED.match(line).groups()  # type: ignore[union-attr]
+    assert name == "SIGTERM" and verify(Path(checkpoint)) is None
+    # Past the step the ranks were held at (12 steps of 2 ranks x 32 samples): taken after the stop.
+    assert Checkpoint.from_manifest(Path(checkpoint)).point.order > Point(0, 12 * 64).order, checkpoint
+    assert (run_dir / "checkpoints" / "latest").read_text() == Path(checkpoint).name
+    # A part the ranks were still writing when they stopped is swept by the resume, which completes the run.
+    run(shlex.split(resume), cwd=tmp_path, timeout=240).check()
+    assert not list((run_dir / "checkpoints").glob("*.partial")), sorted((run_dir / "checkpoints").iterdir())
+    assert_complete_run(run_dir, world=2, epochs=3)

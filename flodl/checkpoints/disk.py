@@ -7,10 +7,11 @@ A checkpoint is a dir `checkpoints/epoch-NNNNNN/` (NNNNNN: the epochs it holds, 
 a member at the checkpoint round (every rank unless one was cut), `coordinator.pt` (epoch, ElChe, guard,
 planner; inside an epoch, what its record holds so far) and, written last, `manifest.json` with every file's
 size and CRC32 and the ranks whose parts it holds. Ranks write their parts into `<dir>.partial/`; rank 0
-commits by writing the manifest and renaming the dir, then points `latest` at it. The manifest also records
-the run that wrote it (flodl/checkpoints/identity.py) and its place: the 0-based epoch, and the samples
-into it (null: after it). A dir without a valid manifest (a crash mid-write, a truncated file) is never
-loaded. Everything is loaded with `weights_only=True`."""
+commits by writing the manifest and renaming the dir, then points `latest` at it. A `.partial` dir a run
+left (a stop past its budget, a crash) is swept by the next run in the dir, fresh or resumed. The manifest
+also records the run that wrote it (flodl/checkpoints/identity.py) and its place: the 0-based epoch, and
+the samples into it (null: after it). A dir without a valid manifest (a crash mid-write, a truncated file) is
+never loaded. Everything is loaded with `weights_only=True`."""
 
 from __future__ import annotations
 
@@ -233,6 +234,16 @@ class CheckpointDir:
         atomic_write_bytes(final.name.encode(), self.root / LATEST_FILE)
         self._prune()
         return Checkpoint(final, point.epoch, world_size, run, members, point.into)
+
+    def sweep_partial(self) -> list[Path]:
+        """Remove every uncommitted `<dir>.partial/` (a stop or a crash left it: a run that starts, fresh or
+        resumed, writes none of them yet); the dirs removed."""
+        if not self.root.is_dir():
+            return []
+        swept = [p for p in self.root.iterdir() if p.is_dir() and p.name.endswith(".partial")]
+        for path in swept:
+            shutil.rmtree(path, ignore_errors=True)
+        return swept
 
     def latest(self) -> Checkpoint | None:
         """The newest checkpoint whose manifest and files check out; damaged ones are skipped with a

@@ -23,7 +23,9 @@ QUANTIZED_WIRES = ("int8", "int4")
 ON_NONFINITE = ("error", "skip")
 FAULT_TOLERANCE = ("none", "survive")
 CHECKPOINT_WRITERS = ("auto", "thread", "process")
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+# Who splits a stream among its readers (flodl/data/stream_split.py).
+STREAM_SPLITS = ("auto", "flodl", "dataset", "ranks", "workers")
 # torch.compile's modes (torch._inductor.list_mode_options()).
 COMPILE_MODES = ("auto", "default", "lite", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
@@ -61,6 +63,13 @@ class TaskConfig:
     # epoch: augmentation in __getitem__ stays random). true: cache a map-style Dataset (augment in
     # transform); false: read a BatchDataSet afresh too.
     cacheable: bool | None = None
+    # A stream (train_data an IterableDataset): what it splits among its readers itself, so flodl splits
+    # the rest and nothing twice. auto: what flodl sees (webdataset's split_by_node / split_by_worker stages,
+    # HF's split_dataset_by_node and its split among DataLoader workers; any other stream splits nothing).
+    # flodl: nothing (flodl asks shard(world_size, rank) when the dataset has it, else keeps every R-th
+    # item). dataset: among the ranks and a rank's DataLoader workers. ranks: among the ranks only (it
+    # reads RANK/WORLD_SIZE or torch.distributed). workers: among a rank's workers only (get_worker_info()).
+    stream_split: str = "auto"
 
 
 @dataclass
@@ -182,8 +191,9 @@ class FlodlConfig:
     max_grad_norm: float | None = None
     # Micro-batches of batch_size per optimizer step (the global batch is world x grad_accum x batch_size).
     grad_accum: int = 1
-    # Autocast of the forward pass: fp32 (off), bf16, or fp16 with a GradScaler (CUDA only). Parameters,
-    # optimizer state, the consensus and checkpoints stay float32.
+    # Autocast of the forward pass: fp32 (off), bf16, or fp16 with a GradScaler (CUDA only); fp8: bf16 with
+    # the model's linear layers multiplying in float8, dynamically scaled (a GPU of compute capability 8.9+:
+    # H100/H200, L40S). Parameters, optimizer state, the consensus and checkpoints stay float32.
     precision: str = "fp32"
     # torch.compile the training module (DDP under sync); compile_mode is torch.compile's `mode`, or auto:
     # reduce-overhead (CUDA graphs) on a GPU, where it measured fastest (never slower than default), except
@@ -198,6 +208,10 @@ class FlodlConfig:
     lr_scale_ratio: float = 1.0
     # Evaluate after every this many epochs and after the last (0: no eval).
     eval_every: int = 1
+    # What a sweep's job returns to its sweeper (Optuna, Ax, Nevergrad: set its direction to match), read
+    # from metrics.jsonl: the last recorded value of `loss` (the training loss) or `eval/<name>` (an eval_fn
+    # metric, e.g. eval/accuracy). null: eval/loss, or loss when the run does not evaluate.
+    objective: str | None = None
 
     # --- averaging ---
     # Local SGD: rank k weighs n_k ** gamma in the consensus (n_k: its steps since the last round; 0: equal
@@ -274,8 +288,10 @@ class FlodlConfig:
     pin_memory: bool = True
 
     # --- persistence ---
-    # Checkpoint every this many epochs and after the last one (null: not by epochs).
-    checkpoint_every: int | None = None
+    # Checkpoint every this many epochs and after the last one (null: not by epochs; with no checkpoint_every*
+    # key set, checkpoints are off: a stop or a crash then loses the run). On by default, so that a stopped,
+    # preempted or crashed run resumes (docs/checkpoints-and-faults.md says what it costs).
+    checkpoint_every: int | None = 1
     # Also checkpoint inside epochs, every this many global steps (one step of every rank, as sync counts
     # them), at the next step (sync) or round (cadence, async) boundary; and after the last epoch.
     checkpoint_every_steps: int | None = None

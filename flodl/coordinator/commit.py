@@ -78,6 +78,12 @@ class CheckpointCommitter:
     expected: dict[Point, frozenset[int]] = field(default_factory=dict)
     # Called on the commit thread once a commit is done (the coordinator wakes to take it in at once).
     on_sealed: Callable[[], None] | None = None
+    # A stop that saves: the point of its own checkpoint once known (None before; `_stop_asked`: requested).
+    # A checkpoint taken before the request and committed after it is not the stop's: `_taken_before`, the
+    # points some part of which was on disk when the stop was asked.
+    stop_point: Point | None = field(default=None, init=False)
+    _stop_asked: bool = field(default=False, init=False)
+    _taken_before: frozenset[Point] = field(default=frozenset(), init=False)
     # Commits handed to the commit thread, oldest first, until `poll` takes them in.
     _sealing: deque[tuple[Point, Future[Checkpoint]]] = field(default_factory=deque, init=False)
     _sealer: ThreadPoolExecutor | None = field(default=None, init=False)
@@ -103,8 +109,29 @@ class CheckpointCommitter:
         if driver_state is not None:
             self.driver_state[point] = driver_state
 
-    def on_saved(self, point: Point, rank: int, chunks: int, ledger: EpochLedger) -> None:
-        """`rank`'s part is on disk; it had reported `chunks` chunks of the point's epoch before it."""
+    def stop_requested(self) -> None:
+        """A stop that saves was asked: from now on the checkpoint it waits for is its own (`stop_saved`): the
+        first one taken after the request, or the one at the step the ranks agreed on."""
+        self._stop_asked = True
+        self._taken_before = frozenset([*self.saved, *(point for point, _ in self._sealing)])
+
+    @property
+    def stop_saved(self) -> bool:
+        """The stop's own checkpoint (or a later one) is committed."""
+        stop, committed = self.stop_point, self.committed
+        return stop is not None and committed is not None and committed.point.order >= stop.order
+
+    def _stop_takes(self, point: Point) -> None:
+        if self._stop_asked and (self.stop_point is None or point.order > self.stop_point.order):
+            self.stop_point = point
+
+    def on_saved(
+        self, point: Point, rank: int, chunks: int, ledger: EpochLedger, agreed: bool = False
+    ) -> None:
+        """`rank`'s part is on disk; it had reported `chunks` chunks of the point's epoch before it.
+        `agreed` (sync): a part at a step the ranks agreed on; after a stop's request, the stop's."""
+        if agreed or point not in self._taken_before:
+            self._stop_takes(point)
         if point.into is not None and point not in self.ledger_state and not ledger.holds(point.epoch):
             self._abandon(point, "its epoch's record was gone before every part was on disk")
             return
@@ -117,6 +144,8 @@ class CheckpointCommitter:
         """Local SGD: the checkpoint round is acknowledged (and no window after it is open): the driver's
         state then, and the epoch's record (every chunk before the point is in, no later one)."""
         self.driver_state[point] = driver_state
+        if self.stop_point is None:  # the first checkpoint round after a stop's request ends its segment
+            self._stop_takes(point)
         if point.into is not None:
             counts = {rank: ledger.chunk_count(point.epoch, rank) for rank in self._parts(point)}
             self.ledger_state[point] = ledger.partial(point.epoch, counts)

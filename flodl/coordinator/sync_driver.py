@@ -110,6 +110,7 @@ class SyncDriver:
         self.checkpoint_every_steps = checkpoint_every_steps
         self.checkpoint_every_s = checkpoint_every_s
         self._checkpoint_requests = 0
+        self._stop_saving = False
         self._last_request = time.monotonic()
         self._resumed_rest = resumed.get("rest") if resumed else None
 
@@ -148,7 +149,7 @@ class SyncDriver:
     def tick(self) -> None:
         """A checkpoint by time is due: ask the ranks for it (they agree on its step, flodl/links/stop.py)."""
         every = self.checkpoint_every_s
-        if every is None or self.committer is None or self.stopped:
+        if every is None or self.committer is None or self.stopped or self._stop_saving:
             return
         if time.monotonic() - self._last_request >= every:
             self._checkpoint_requests += 1
@@ -156,7 +157,9 @@ class SyncDriver:
             post_checkpoint_request(self.outbox, self._checkpoint_requests)
 
     def stop_saving(self) -> None:
-        pass  # the ranks agree on the step themselves (flodl/links/stop.py), and say Saved with it
+        """The ranks agree on the step themselves (flodl/links/stop.py), and say Saved with it; no checkpoint
+        by time is asked after it (its agreed part would pass for the stop's)."""
+        self._stop_saving = True
 
     def expect_checkpoint(self, point: Point, step: int) -> None:
         """A stop's checkpoint after `step` of `point.epoch`: the parts of the segment's members, and the rest
@@ -164,8 +167,9 @@ class SyncDriver:
         if self.committer is None or not self.plan.has(point.epoch):
             return  # the epoch is emitted and forgotten: the committer lets the point go
         segment = self.plan.segment(point.epoch)
-        rest = rest_of(segment, step - segment.first_step, segment.members, self.plan.step_samples,
-                       segment.generation)  # fmt: skip
+        rest = rest_of(
+            segment, step - segment.first_step, segment.members, self.plan.step_samples, segment.generation
+        )
         self.committer.expect_parts(point, segment.members, {"rest": segment_state(rest)})
 
     def stop(self) -> int:
@@ -263,8 +267,12 @@ class SyncDriver:
             log.info(
                 "epoch %d: the members trained %d steps of it; its rest goes to ranks %s, %d steps each "
                 "(%d picks that make no whole step dropped)",
-                shown_epoch(epoch), step, list(rest.members), rest.steps, rest.dropped,
-            )  # fmt: skip
+                shown_epoch(epoch),
+                step,
+                list(rest.members),
+                rest.steps,
+                rest.dropped,
+            )
             self._send(rest)
         if replan.again is not None:
             self._send(self.plan.cut_short(*replan.again, members, generation))

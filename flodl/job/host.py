@@ -34,9 +34,10 @@ from flodl.config.schema import FlodlConfig
 from flodl.coordinator.coordinator import Coordinator
 from flodl.coordinator.hooks import RunSummary
 from flodl.coordinator.roster import TooFewRanks
-from flodl.job.assembly import CoordinatorSetup, make_coordinator, resume_settings
+from flodl.job.assembly import CoordinatorSetup, make_coordinator
 from flodl.job.failures import Consequence
 from flodl.job.resume import coordinator_state, covers_every_epoch, publish_checkpoint_choice
+from flodl.job.settings import resume_settings
 from flodl.links.group import publish_json, read_json
 from flodl.links.transport import COORDINATOR, InboxReader, Mailbox
 from flodl.metrics import run_clock
@@ -136,9 +137,16 @@ class RunHost:
         resumed = coordinator_state(self.checkpoint) if self.checkpoint is not None else None
         reader = InboxReader(self.connect(self.namespace, COORDINATOR))
         setup = CoordinatorSetup(
-            self.config, self.info, self.world_size, facts.total_picks, facts.has_eval, reader,
-            self.connect(self.namespace, COORDINATOR), resumed, hang_saver,
-        )  # fmt: skip
+            self.config,
+            self.info,
+            self.world_size,
+            facts.total_picks,
+            facts.has_eval,
+            reader,
+            self.connect(self.namespace, COORDINATOR),
+            resumed,
+            hang_saver,
+        )
         try:
             coordinator = make_coordinator(self.cfg, setup)
         except Exception as err:  # the ranks hear it before they wait for the host in a collective

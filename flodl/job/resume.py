@@ -63,6 +63,8 @@ def publish_checkpoint_choice(
 ) -> Checkpoint | None:
     """The run's host chooses (so every rank loads the same checkpoint, even while files change), puts the run
     dir's history in line with it, and publishes its choice as JSON (or why there is none to load)."""
+    for swept in settings.checkpoints.sweep_partial():  # before any rank of this run writes a part
+        log.info("removed %s: a checkpoint an earlier start left uncommitted", swept)
     try:
         found = choose_checkpoint(settings, world_size)
         prepare_history(settings.metrics, settings.checkpoints, found)
@@ -128,15 +130,20 @@ def _restore(checkpoint: Checkpoint, worker: WorkerBase) -> None:
         log.warning(
             "rank %d has no part in %s (not a member at its checkpoint): it resumes with rank %d's optimizer "
             "state; training continues %s",
-            worker.rank, checkpoint.path, ranks[0], continues_at(checkpoint),
-        )  # fmt: skip
+            worker.rank,
+            checkpoint.path,
+            ranks[0],
+            continues_at(checkpoint),
+        )
         return
     worker.restore(member["worker"])
     log.warning(
         "rank %d has no part in %s (not a member at its checkpoint round): it resumes from the consensus "
         "with a fresh optimizer; training continues %s",
-        worker.rank, checkpoint.path, continues_at(checkpoint),
-    )  # fmt: skip
+        worker.rank,
+        checkpoint.path,
+        continues_at(checkpoint),
+    )
 
 
 def continues_at(checkpoint: Checkpoint) -> str:
