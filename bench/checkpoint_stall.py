@@ -70,12 +70,15 @@ def run_arm(arm: str, args: argparse.Namespace, work: Path, name: str) -> Run | 
         "policy=cadence",
         f"launch.nproc_per_node={args.ranks}",
         f"epochs={1 + args.epochs}",
-        f"anchor={anchor}", f"min_anchor={anchor}", f"max_anchor={anchor}", "max_batch_diff=0",
+        f"anchor={anchor}",
+        f"min_anchor={anchor}",
+        f"max_anchor={anchor}",
+        "max_batch_diff=0",
         "eval_every=0",
         *(EVERY_ROUND if arm != "none" else ()),
         *ARMS[arm][1],
         *args.overrides,
-    ]  # fmt: skip
+    ]
     if args.cpu:
         overrides += ["device=cpu", "launch.start_method=fork"]
     records = run_flodl(overrides, work / name, args.timeout)

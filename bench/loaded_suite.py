@@ -34,8 +34,11 @@ def _suite(extra: list[str], log: Path) -> tuple[bool, float, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *extra],
-        cwd=REPO, env=env, capture_output=True, text=True,
-    )  # fmt: skip
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     wall = time.perf_counter() - started
     log.write_text(done.stdout + done.stderr)
     lines = done.stdout.strip().splitlines()

@@ -65,9 +65,17 @@ def epochs_done(run: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def launch(work: Path, name: str, overrides: list[str], timeout: float, kills: int, every_s: float,
-           kill_after_epochs: list[int] | None, victims: list[int] | None = None, run_out: bool = False,
-           ) -> tuple[Path, list[float]]:  # fmt: skip
+def launch(
+    work: Path,
+    name: str,
+    overrides: list[str],
+    timeout: float,
+    kills: int,
+    every_s: float,
+    kill_after_epochs: list[int] | None,
+    victims: list[int] | None = None,
+    run_out: bool = False,
+) -> tuple[Path, list[float]]:
     """Run the job, killing a rank from outside (rank 1, or one of `victims` at random each time) every
     `every_s` seconds, or once its records reach each of `kill_after_epochs`; the run dir and the kills' wall
     times (the job's output is kept beside the run dir). `run_out`: the job ends on its own after the kills
@@ -233,9 +241,13 @@ def throughput_report(run: Path, cpu: bool) -> list[str]:
         lines.append(
             f"- samples/s: 2 ranks {before:,.0f}, 1 rank {after:,.0f}; retained "
             f"{after / (before / 2):.2f} of (survivors / world) x before"
-            + (" (CPU: the ranks share two cores with whatever else runs there, so this swings from run to "
-               "run and is no measure of what a GPU keeps)" if cpu else "")
-        )  # fmt: skip
+            + (
+                " (CPU: the ranks share two cores with whatever else runs there, so this swings from run to "
+                "run and is no measure of what a GPU keeps)"
+                if cpu
+                else ""
+            )
+        )
     return lines
 
 
@@ -265,9 +277,13 @@ def main() -> None:
     task_given = any(override.startswith("task=") for override in args.overrides)
     device = ["device=cpu"] if args.cpu else [] if task_given else ["task=resnet"]
     common = [
-        f"launch.nproc_per_node={ranks}", f"launch.start_method={start_method}", "fault_tolerance=survive",
-        *heartbeat, *device, *args.overrides,
-    ]  # fmt: skip
+        f"launch.nproc_per_node={ranks}",
+        f"launch.start_method={start_method}",
+        "fault_tolerance=survive",
+        *heartbeat,
+        *device,
+        *args.overrides,
+    ]
     stamp = int(time.time())
     if args.churn:
         lines = churn(args, common, ranks, stamp)
@@ -281,9 +297,14 @@ def main() -> None:
 def kills_and_throughput(args: argparse.Namespace, common: list[str], stamp: int) -> list[str]:
     kills, every_s = args.kills or 10, args.every_s or 8.0
     run, killed = launch(
-        args.work, f"kills-{stamp}", [*common, "epochs=1000", f"launch.max_restarts={kills}"],
-        timeout=kills * every_s + 240, kills=kills, every_s=every_s, kill_after_epochs=None,
-    )  # fmt: skip
+        args.work,
+        f"kills-{stamp}",
+        [*common, "epochs=1000", f"launch.max_restarts={kills}"],
+        timeout=kills * every_s + 240,
+        kills=kills,
+        every_s=every_s,
+        kill_after_epochs=None,
+    )
     lines = [
         "",
         f"## survive ({args.policy}): {kills} kills of rank 1, every {every_s:g} s",
@@ -291,11 +312,20 @@ def kills_and_throughput(args: argparse.Namespace, common: list[str], stamp: int
     ]
     lines += [f"- overrides: `{' '.join(common)}`", *kill_report(run, killed)]
     run2, _ = launch(
-        args.work, f"throughput-{stamp}", [*common, f"epochs={args.before + 3}", "launch.max_restarts=0"],
-        timeout=600, kills=1, every_s=0, kill_after_epochs=[args.before],
-    )  # fmt: skip
-    return [*lines, "", "### throughput retained (rank 1 killed once, not restarted)",
-            *throughput_report(run2, args.cpu)]  # fmt: skip
+        args.work,
+        f"throughput-{stamp}",
+        [*common, f"epochs={args.before + 3}", "launch.max_restarts=0"],
+        timeout=600,
+        kills=1,
+        every_s=0,
+        kill_after_epochs=[args.before],
+    )
+    return [
+        *lines,
+        "",
+        "### throughput retained (rank 1 killed once, not restarted)",
+        *throughput_report(run2, args.cpu),
+    ]
 
 
 def churn(args: argparse.Namespace, common: list[str], ranks: int, stamp: int) -> list[str]:
@@ -306,16 +336,27 @@ def churn(args: argparse.Namespace, common: list[str], ranks: int, stamp: int) -
 
     def calm(when: str) -> Path:
         return launch(
-            args.work, f"calm-{when}-{stamp}", [*job, "launch.max_restarts=0"], timeout=calm_s + 300, kills=0,
-            every_s=calm_s, kill_after_epochs=None,
-        )[0]  # fmt: skip
+            args.work,
+            f"calm-{when}-{stamp}",
+            [*job, "launch.max_restarts=0"],
+            timeout=calm_s + 300,
+            kills=0,
+            every_s=calm_s,
+            kill_after_epochs=None,
+        )[0]
 
     # Undisturbed before and after the churned run: a change in the machine's load between them shows.
     before = calm("before")
     run, killed = launch(
-        args.work, f"churn-{stamp}", [*job, f"launch.max_restarts={kills}"], timeout=args.duration_s + 300,
-        kills=kills, every_s=every_s, kill_after_epochs=None, victims=list(range(ranks)),
-    )  # fmt: skip
+        args.work,
+        f"churn-{stamp}",
+        [*job, f"launch.max_restarts={kills}"],
+        timeout=args.duration_s + 300,
+        kills=kills,
+        every_s=every_s,
+        kill_after_epochs=None,
+        victims=list(range(ranks)),
+    )
     after = calm("after")
     return [
         "",
@@ -344,13 +385,26 @@ def rank0(args: argparse.Namespace, common: list[str], stamp: int) -> list[str]:
         # Spread over the run by its records: the epochs of a small task on CPU are short.
         after = [(k + 1) * args.epochs // (kills + 1) for k in range(kills)]
         run, killed = launch(
-            args.work, name, [*job, f"launch.max_restarts={kills}"], timeout=600, kills=kills,
-            every_s=0, kill_after_epochs=after, victims=[0], run_out=True,
-        )  # fmt: skip
+            args.work,
+            name,
+            [*job, f"launch.max_restarts={kills}"],
+            timeout=600,
+            kills=kills,
+            every_s=0,
+            kill_after_epochs=after,
+            victims=[0],
+            run_out=True,
+        )
         calm, _ = launch(
-            args.work, f"calm-{name}", [*job, "launch.max_restarts=0"], timeout=600, kills=0, every_s=0,
-            kill_after_epochs=None, run_out=True,
-        )  # fmt: skip
+            args.work,
+            f"calm-{name}",
+            [*job, "launch.max_restarts=0"],
+            timeout=600,
+            kills=0,
+            every_s=0,
+            kill_after_epochs=None,
+            run_out=True,
+        )
         lines.append(rank0_report(args.work, name, run, calm, killed, policy))
     return lines
 

@@ -25,9 +25,10 @@ MODES = {
     "self-launch per job, 2 ranks, spawn": (None, ["launch.nproc_per_node=2"]),
     "self-launch per job, 2 ranks, fork": (None, ["launch.nproc_per_node=2", "launch.start_method=fork"]),
     "slots launcher, 2 ranks per job, 1 job at a time": (
-        None, ["hydra/launcher=slots", "hydra.launcher.max_parallel=1", "launch.nproc_per_node=2"],
+        None,
+        ["hydra/launcher=slots", "hydra.launcher.max_parallel=1", "launch.nproc_per_node=2"],
     ),
-}  # fmt: skip
+}
 
 
 def measure(torchrun: list[str] | None, extra: list[str], jobs: int, cwd: Path) -> tuple[float, float]:

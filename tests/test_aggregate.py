@@ -197,8 +197,11 @@ def test_an_epoch_says_its_tokens_mfu_data_wait_and_peak_memory():
     def measured(rank: int, peak: float, memory: int) -> ChunkReport:
         return dataclasses.replace(
             chunk(rank, 10, 5.0, wall_ms=1000.0, steps=10, data_ms=100.0),
-            flops_per_sample=3e9, peak_flops=peak, tokens_per_sample=1024, peak_memory=memory,
-        )  # fmt: skip
+            flops_per_sample=3e9,
+            peak_flops=peak,
+            tokens_per_sample=1024,
+            peak_memory=memory,
+        )
 
     metrics = aggregate_epoch(0, [measured(0, 1e12, 5), measured(1, 2e12, 7)], [], wall_s=2.0, world_size=2)
     rate = metrics.samples_per_s  # 2 ranks x 10 batches x 32 samples over 2 s

@@ -93,11 +93,18 @@ def test_submitit_runs_each_sweep_job_as_two_tasks_that_form_one_job(tmp_path: P
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     sweep = tmp_path / "sweep"
     train(
-        "-m", "hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2",
+        "-m",
+        "hydra/launcher=submitit_local",
+        "hydra.launcher.tasks_per_node=2",
         "hydra.launcher.timeout_min=4",
-        f"hydra.sweep.dir={sweep}", "device=cpu", "policy=cadence", "epochs=2", "seed=0,1",
-        cwd=tmp_path, timeout=240,
-    ).check()  # fmt: skip
+        f"hydra.sweep.dir={sweep}",
+        "device=cpu",
+        "policy=cadence",
+        "epochs=2",
+        "seed=0,1",
+        cwd=tmp_path,
+        timeout=240,
+    ).check()
     ports = set()
     for job in ("0", "1"):
         assert_complete_run(sweep / job, world=2, epochs=2)

@@ -108,9 +108,16 @@ def test_every_line_counts_epochs_from_one_as_the_docs_say(tmp_path: Path) -> No
 
 
 TINY_GPT = (
-    "task=charlm", "task.model.layers=1", "task.model.dim=32", "task.model.heads=2", "task.model.context=32",
-    "task.train_data.max_bytes=40000", "task.eval_data.max_bytes=8000", "batch_size=8", "epochs=2",
-)  # fmt: skip
+    "task=charlm",
+    "task.model.layers=1",
+    "task.model.dim=32",
+    "task.model.heads=2",
+    "task.model.context=32",
+    "task.train_data.max_bytes=40000",
+    "task.eval_data.max_bytes=8000",
+    "batch_size=8",
+    "epochs=2",
+)
 
 
 @pytest.mark.multiproc

@@ -55,8 +55,14 @@ def _forward_flops(model: nn.Module, inputs: torch.Tensor) -> int:
 def test_peaks_come_from_the_table_by_device_name_or_the_override(monkeypatch: pytest.MonkeyPatch):
     assert peak_flops(torch.device("cpu")) is None
     assert peak_flops(torch.device("cpu"), override_tflops=100.0) == 100e12
-    names = {"NVIDIA H200": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA L40S": 362e12, "NVIDIA L4": 121e12,
-             "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA GeForce RTX 3090": None}  # fmt: skip
+    names = {
+        "NVIDIA H200": 989e12,
+        "NVIDIA H100 PCIe": 756e12,
+        "NVIDIA L40S": 362e12,
+        "NVIDIA L4": 121e12,
+        "NVIDIA A100-SXM4-80GB": 312e12,
+        "NVIDIA GeForce RTX 3090": None,
+    }
     for name, peak in names.items():
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
         assert peak_flops(torch.device("cuda", 0)) == peak, name

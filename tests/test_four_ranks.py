@@ -17,11 +17,18 @@ pytestmark = pytest.mark.multiproc
 def test_four_ranks_with_one_slowed_balance_and_checkpoint(tmp_path: Path, policy: str) -> None:
     run_dir = tmp_path / "run"
     train(
-        f"policy={policy}", "launch.nproc_per_node=4", FAST_START, "simulate.slow_rank=3",
-        "simulate.factor=3", "epochs=6", "checkpoint_every=3", "logger.log_every=0",
+        f"policy={policy}",
+        "launch.nproc_per_node=4",
+        FAST_START,
+        "simulate.slow_rank=3",
+        "simulate.factor=3",
+        "epochs=6",
+        "checkpoint_every=3",
+        "logger.log_every=0",
         f"hydra.run.dir={run_dir}",
-        cwd=tmp_path, timeout=240,
-    ).check()  # fmt: skip
+        cwd=tmp_path,
+        timeout=240,
+    ).check()
     records = assert_complete_run(run_dir, world=4, epochs=6)
     later = records[2:]  # after ElChe's calibration
     batches = [sum(r["per_rank"][rank]["batches"] for r in later) for rank in range(4)]

@@ -100,10 +100,20 @@ def test_survivors_over_nccl_abort_go_on_and_heal_a_restart(tmp_path: Path, poli
     """fault_tolerance=survive on NCCL: rank 1 SIGKILLed mid-window; rank 0's pending collective is released
     by the communicator's abort (no watchdog crash), it trains on alone, and the restart is admitted back."""
     result = train(
-        "launch.nproc_per_node=2", "launch.start_method=spawn", "fault_tolerance=survive", f"policy={policy}",
-        "heartbeat_timeout_s=2", "epochs=200", "eval_every=20", "simulate.kill_rank=1",
-        "simulate.kill_at_step=30", "launch.max_restarts=1", "hydra.run.dir=run", cwd=tmp_path, timeout=400,
-    )  # fmt: skip
+        "launch.nproc_per_node=2",
+        "launch.start_method=spawn",
+        "fault_tolerance=survive",
+        f"policy={policy}",
+        "heartbeat_timeout_s=2",
+        "epochs=200",
+        "eval_every=20",
+        "simulate.kill_rank=1",
+        "simulate.kill_at_step=30",
+        "launch.max_restarts=1",
+        "hydra.run.dir=run",
+        cwd=tmp_path,
+        timeout=400,
+    )
     result.check()
     assert "Watchdog caught collective operation timeout" not in result.out
     assert "rank 1 cut out" in result.out and "rank 1 admitted" in result.out

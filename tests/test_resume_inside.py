@@ -79,8 +79,15 @@ def test_a_run_resumed_inside_an_epoch_ends_bitwise_equal_to_the_uninterrupted_o
     tmp_path: Path, policy: str, task: tuple[str, ...]
 ) -> None:
     windows = (*PINNED, "outer=diloco", "quantized_wire=int8") if policy == "cadence" else ()
-    common = [*task, "launch.nproc_per_node=2", f"policy={policy}", "epochs=3", "checkpoint_every_steps=5",
-              "checkpoint_keep=50", *windows]  # fmt: skip
+    common = [
+        *task,
+        "launch.nproc_per_node=2",
+        f"policy={policy}",
+        "epochs=3",
+        "checkpoint_every_steps=5",
+        "checkpoint_keep=50",
+        *windows,
+    ]
     whole, split = tmp_path / "whole", tmp_path / "split"
     _run(tmp_path, "whole", *common)
     checkpoint = _inside(whole, range(2, 3))
@@ -103,9 +110,16 @@ def test_a_run_resumed_inside_an_epoch_ends_bitwise_equal_to_the_uninterrupted_o
 def test_cadence_reading_a_stream_trains_each_ranks_shard_in_order_every_item_once_across_a_resume(
     tmp_path: Path,
 ) -> None:
-    common = [*STREAM, "task.train_data._target_=tests.helpers.byo_data.ShardedPointStream",
-              "launch.nproc_per_node=2", "policy=cadence", "checkpoint_every_steps=5", "checkpoint_keep=50",
-              "simulate.slow_rank=1", "simulate.factor=3"]  # fmt: skip
+    common = [
+        *STREAM,
+        "task.train_data._target_=tests.helpers.byo_data.ShardedPointStream",
+        "launch.nproc_per_node=2",
+        "policy=cadence",
+        "checkpoint_every_steps=5",
+        "checkpoint_keep=50",
+        "simulate.slow_rank=1",
+        "simulate.factor=3",
+    ]
     _run(tmp_path, "whole", *common)
     checkpoint = _inside(tmp_path / "whole", range(2, 3))
     _run(tmp_path, "split", *common, f"resume={checkpoint}")
@@ -127,10 +141,22 @@ def test_cadence_reading_a_stream_trains_each_ranks_shard_in_order_every_item_on
 def test_async_resumed_inside_an_epoch_trains_every_sample_of_every_epoch_exactly_once(
     tmp_path: Path,
 ) -> None:
-    common = ["--config-dir", CONF, "task=byo_points", "launch.nproc_per_node=2", "policy=async",
-              "epochs=3", "checkpoint_every_s=0.000001", "checkpoint_every_steps=4", "checkpoint_keep=50",
-              "anchor=2", "min_anchor=2",
-              "max_anchor=2", "max_batch_diff=0", "max_overshoot=1"]  # fmt: skip
+    common = [
+        "--config-dir",
+        CONF,
+        "task=byo_points",
+        "launch.nproc_per_node=2",
+        "policy=async",
+        "epochs=3",
+        "checkpoint_every_s=0.000001",
+        "checkpoint_every_steps=4",
+        "checkpoint_keep=50",
+        "anchor=2",
+        "min_anchor=2",
+        "max_anchor=2",
+        "max_batch_diff=0",
+        "max_overshoot=1",
+    ]
     common.append(f"task.train_data.log={tmp_path / 'reads'}")  # the same config: the same dir
     whole, split = tmp_path / "whole", tmp_path / "split"
     train(*common, f"hydra.run.dir={whole}", cwd=tmp_path, timeout=240).check()

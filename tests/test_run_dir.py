@@ -38,8 +38,12 @@ def test_a_stamp_from_the_store_must_be_a_stamp_before_it_becomes_a_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store = loopback_store(0, None, timedelta(seconds=10))
-    for key, value in {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(store.port), "TORCHELASTIC_RUN_ID": "r"}.items():  # fmt: skip
+    for key, value in {
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(store.port),
+        "TORCHELASTIC_RUN_ID": "r",
+    }.items():
         monkeypatch.setenv(key, value)
     store.set(f"flodl/run_stamp/{tmp_path}/r", "../../../etc")
     with pytest.raises(
@@ -62,8 +66,12 @@ def test_a_dir_a_live_run_owns_is_refused_and_a_dead_run_s_is_taken_over(tmp_pat
         claim_run_dir(tmp_path, "mine")
     claim_run_dir(tmp_path, "other")  # its own dir: a restart of that run
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
-    record = {"uid": "other", "host": socket.gethostname(), "pid": ended.pid,
-              "pid_started": psutil.Process(ended.pid).create_time()}  # fmt: skip
+    record = {
+        "uid": "other",
+        "host": socket.gethostname(),
+        "pid": ended.pid,
+        "pid_started": psutil.Process(ended.pid).create_time(),
+    }
     ended.wait()
     (tmp_path / OWNER_FILE).write_text(json.dumps(record))
     claim_run_dir(tmp_path, "mine")
@@ -87,8 +95,12 @@ def test_resume_auto_takes_its_own_run_and_its_own_config_and_refuses_another_sa
 
 def test_a_record_with_nan_is_strict_json_that_says_where(tmp_path: Path) -> None:
     line = record_line({"epoch": 1, "loss": float("nan"), "per_rank": [{"loss": float("inf")}]})
-    assert json.loads(line) == {"epoch": 1, "loss": None, "per_rank": [{"loss": None}],
-                                "nonfinite": ["loss", "per_rank.0.loss"]}  # fmt: skip
+    assert json.loads(line) == {
+        "epoch": 1,
+        "loss": None,
+        "per_rank": [{"loss": None}],
+        "nonfinite": ["loss", "per_rank.0.loss"],
+    }
 
 
 def test_history_keeps_each_covered_epoch_once_and_drops_a_torn_line(
@@ -133,10 +145,14 @@ def test_generated_data_lives_in_a_private_per_user_dir() -> None:
 
 def test_flodl_s_own_store_cannot_be_reached_from_another_address() -> None:
     address = next(
-        (a.address for addrs in psutil.net_if_addrs().values() for a in addrs
-         if a.family == socket.AF_INET and not a.address.startswith("127.")),
+        (
+            a.address
+            for addrs in psutil.net_if_addrs().values()
+            for a in addrs
+            if a.family == socket.AF_INET and not a.address.startswith("127.")
+        ),
         None,
-    )  # fmt: skip
+    )
     if address is None:
         pytest.skip("this machine has no non-loopback IPv4 address")
     store = loopback_store(0, None, timedelta(seconds=10))

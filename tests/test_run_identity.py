@@ -158,8 +158,13 @@ def test_a_single_host_job_listens_on_loopback_only(tmp_path: Path, nproc: int) 
         pytest.skip("this machine has no non-loopback IPv4 address")
     run_dir = tmp_path / "run"
     last = f"rank{nproc - 1}.log"
-    proc = launch(f"launch.nproc_per_node={nproc}", "policy=cadence", "epochs=4", f"hydra.run.dir={run_dir}",
-                 cwd=tmp_path)  # fmt: skip
+    proc = launch(
+        f"launch.nproc_per_node={nproc}",
+        "policy=cadence",
+        "epochs=4",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+    )
     try:
         deadline = time.monotonic() + 180
         while not (run_dir / last).is_file() or "master port" not in (run_dir / last).read_text():

@@ -44,13 +44,20 @@ def test_two_nodes_on_one_machine(tmp_path: Path) -> None:
     nodes = [
         start(
             [
-                *TORCHRUN, "--nnodes=2", f"--node_rank={rank}", "--nproc_per_node=1", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint={endpoint}", "--rdzv-id=two-nodes", TRAIN, "epochs=2",
+                *TORCHRUN,
+                "--nnodes=2",
+                f"--node_rank={rank}",
+                "--nproc_per_node=1",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={endpoint}",
+                "--rdzv-id=two-nodes",
+                TRAIN,
+                "epochs=2",
             ],
             cwd=tmp_path,
         )
         for rank in (0, 1)
-    ]  # fmt: skip
+    ]
     for result in [finish(node, timeout=180) for node in nodes]:  # both finished (or killed) before a check
         result.check()
     (run_dir,) = [p.parent for p in tmp_path.rglob("metrics.jsonl")]

@@ -76,9 +76,17 @@ def run(
     store: TCPStore, tmp_path: Path, plan: dict[int, str], world: int, max_restarts: int
 ) -> list[RankExit]:
     return supervise(
-        rank_main, (store.port, str(tmp_path), plan), world, max_restarts, START_METHOD, store, store.port,
-        tmp_path / "logs", lambda: store.check([ENDED]), poll_s=POLL_S,
-    )  # fmt: skip
+        rank_main,
+        (store.port, str(tmp_path), plan),
+        world,
+        max_restarts,
+        START_METHOD,
+        store,
+        store.port,
+        tmp_path / "logs",
+        lambda: store.check([ENDED]),
+        poll_s=POLL_S,
+    )
 
 
 def until(done: Callable[[], bool], what: str, within_s: float = 15) -> None:

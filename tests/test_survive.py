@@ -46,9 +46,14 @@ def survive_run(
     tmp_path: Path, epochs: int, batch_size: int, *overrides: str, apart: bool = False
 ) -> tuple[Result, Path]:
     result = train(
-        *COMMON, f"epochs={epochs}", f"batch_size={batch_size}", *overrides, cwd=tmp_path, timeout=240,
+        *COMMON,
+        f"epochs={epochs}",
+        f"batch_size={batch_size}",
+        *overrides,
+        cwd=tmp_path,
+        timeout=240,
         apart=apart,
-    )  # fmt: skip
+    )
     return result, tmp_path / "run"
 
 
@@ -148,9 +153,16 @@ def test_rank_0_dies_and_comes_back_like_any_rank(tmp_path: Path, policy: str, k
     """The run's records live in the launcher's process (its host), not in rank 0: rank 0 killed mid-run is
     cut at once, the others train on (checkpoints keep being committed), and its restart is admitted."""
     result, run = survive_run(
-        tmp_path, EPOCHS_AT_MOST, 8, f"policy={policy}", "simulate.kill_rank=0",
-        f"simulate.kill_at_step={kill_at}", "launch.max_restarts=1", "checkpoint_every=1", STOP_ONCE_ADMITTED,
-    )  # fmt: skip
+        tmp_path,
+        EPOCHS_AT_MOST,
+        8,
+        f"policy={policy}",
+        "simulate.kill_rank=0",
+        f"simulate.kill_at_step={kill_at}",
+        "launch.max_restarts=1",
+        "checkpoint_every=1",
+        STOP_ONCE_ADMITTED,
+    )
     result.check()
     started = pids(result.out)
     assert len(started[0]) == 2 and len(started[1]) == 1 and len(started[2]) == 1, started
@@ -199,9 +211,15 @@ def test_a_frozen_rank_is_cut_the_rest_finish_and_resume_after_it(tmp_path: Path
 @pytest.mark.parametrize(("policy", "end"), [("cadence", "final round"), ("sync", "the last epoch")])
 def test_too_few_ranks_left_stops_with_the_consensus_saved(tmp_path: Path, policy: str, end: str) -> None:
     result, run = survive_run(
-        tmp_path, 4, 32, f"policy={policy}", "simulate.kill_rank=1", "simulate.kill_at_step=4", "min_ranks=3",
+        tmp_path,
+        4,
+        32,
+        f"policy={policy}",
+        "simulate.kill_rank=1",
+        "simulate.kill_at_step=4",
+        "min_ranks=3",
         apart=True,
-    )  # fmt: skip
+    )
     assert result.code != 0 and not result.timed_out, result.out[-4000:]
     # A planned stop, in one line naming min_ranks: no traceback, no "rank 0 failed".
     lines = result.err.strip().splitlines()
@@ -220,9 +238,16 @@ def test_ranks_started_one_by_one_beside_flodl_coordinator_survive_rank_0_dying(
     rank: the others train on, and the test, as rank 0's restart loop, starts it again."""
     port = free_port()
     overrides = [
-        *COMMON[2:], QUICK_HEARTBEAT, "policy=cadence", f"epochs={EPOCHS_AT_MOST}", "batch_size=8",
-        "simulate.kill_rank=0", "simulate.kill_at_step=4", STOP_ONCE_ADMITTED, "eval_every=0",
-    ]  # fmt: skip
+        *COMMON[2:],
+        QUICK_HEARTBEAT,
+        "policy=cadence",
+        f"epochs={EPOCHS_AT_MOST}",
+        "batch_size=8",
+        "simulate.kill_rank=0",
+        "simulate.kill_at_step=4",
+        STOP_ONCE_ADMITTED,
+        "eval_every=0",
+    ]
     job = {"WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     coordinator = start(
         [str(Path(PYTHON).parent / "flodl-coordinator"), *overrides], tmp_path, child_env(**job)

@@ -143,9 +143,14 @@ def test_wandb_failing_to_start_is_an_error_unless_not_required(tmp_path: Path) 
     unreachable = {"WANDB_API_KEY": "a" * 40, "WANDB_BASE_URL": "http://127.0.0.1:9"}
     unreachable["WANDB_INIT_TIMEOUT"] = "5"
     ranks = train(
-        *args, "launch.nproc_per_node=2", FAST_START, "hydra.run.dir=ranks", cwd=tmp_path, apart=True,
+        *args,
+        "launch.nproc_per_node=2",
+        FAST_START,
+        "hydra.run.dir=ranks",
+        cwd=tmp_path,
+        apart=True,
         **{**wandb_env(tmp_path), **unreachable},
-    )  # fmt: skip
+    )
     assert ranks.code == 1, ranks.err[-4000:]
     (line,) = ranks.err.strip().splitlines()
     assert line.startswith("flodl: rank 0 failed first (WandbStartError: W&B could not start ("), line
