@@ -205,6 +205,8 @@ def run_flodl_arm(
         f"policy={arm.policy}",
         f"launch.nproc_per_node={nproc}",
         f"epochs={1 + settings.epochs}",
+        # The same work as plain torch's loop: no checkpoint (flodl's default writes one every epoch).
+        "checkpoint_every=null",
         data_size(model, samples * nproc),
         *arm.overrides,
         *model_overrides(arm, model, settings),

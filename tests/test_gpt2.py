@@ -66,6 +66,18 @@ def test_a_gpt_with_loss_chunks_trains_as_one_without() -> None:
         torch.testing.assert_close(b.grad, a.grad, msg=name)
 
 
+def test_a_gpt_without_its_own_autocast_runs_in_the_callers() -> None:
+    """precision=bf16 (or fp8) with task.model.amp=false: the stepper's autocast must reach the matmuls (an
+    autocast(enabled=False) inside the model would run it all in float32)."""
+    model = GPT(layers=1, dim=32, heads=2, context=8, vocab=64, amp=False)
+    seen = []
+    first_linear = next(m for m in model.blocks.modules() if isinstance(m, torch.nn.Linear))
+    first_linear.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randint(64, (2, 8)))
+    assert seen == [torch.bfloat16]
+
+
 def test_chunked_loss_refuses_shapes_it_cannot_pair() -> None:
     with pytest.raises(ValueError, match=r"expected hidden \(rows, dim\) and targets \(rows,\)"):
         chunked_cross_entropy(torch.zeros(2, 3, 4), torch.zeros(5, 4), torch.zeros(6, dtype=torch.long))

@@ -11,6 +11,7 @@ import torch
 from tests.helpers.procs import leftovers, torchrun, train
 from tests.helpers.runs import (
     assert_complete_run,
+    epochs_of,
     fast_rank_share,
     final_accuracy,
     only_run_dir,
@@ -51,6 +52,33 @@ def test_two_ranks_over_nccl(tmp_path: Path, how: str) -> None:
     for rank in (0, 1):
         assert_rank_on_gpu(run_dir / f"rank{rank}.log", rank)
     assert not leftovers(tmp_path)
+
+
+@needs_one
+def test_a_model_that_returns_its_loss_trains_under_cuda_graphs(tmp_path: Path) -> None:
+    """GPT computes its loss inside the compiled forward (the chunked cross-entropy): under CUDA graphs that
+    loss is the graph's output, which the next replay overwrites; the step must keep a copy of it."""
+    overrides = (
+        "task=gpt2_124m",
+        "task.model.layers=1",
+        "task.model.dim=64",
+        "task.model.heads=2",
+        "task.model.context=64",
+        "task.model.vocab=512",
+        "task.model.loss_chunk=256",
+        "task.train_data.vocab_size=500",
+        "task.train_data.max_bytes=400000",
+        "task.train_data.tokenizer_bytes=400000",
+        "task.eval_data.max_bytes=100000",
+        f"task.train_data.cache_dir={tmp_path / 'bpe'}",
+        "batch_size=8",
+        "epochs=2",
+        "compile=true",
+        "compile_mode=reduce-overhead",
+    )
+    train(*overrides, cwd=tmp_path, timeout=600).check()
+    records = epochs_of(only_run_dir(tmp_path / "outputs"))
+    assert [r["epoch"] for r in records] == [0, 1] and records[-1]["loss"] < records[0]["loss"]
 
 
 @needs_one

@@ -6,6 +6,7 @@ Batches are `[inputs, targets]`, both (batch, context) int64, targets shifted by
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sysconfig
 import zlib
@@ -107,7 +108,10 @@ class GPT(nn.Module):
         length = idx.shape[1]
         if length > self.context:
             raise ValueError(f"GPT: sequence of {length} tokens exceeds the context of {self.context}")
-        with torch.autocast(idx.device.type, dtype=torch.bfloat16, enabled=self.amp and idx.is_cuda):
+        # Its own bf16 autocast when asked; otherwise the caller's (precision=bf16 or fp8) stays on: an
+        # autocast(enabled=False) here would turn that off and run the whole model in float32.
+        own = self.amp and idx.is_cuda
+        with torch.autocast(idx.device.type, dtype=torch.bfloat16) if own else contextlib.nullcontext():
             x = self.tokens(idx) + self.positions(torch.arange(length, device=idx.device))
             for block in self.blocks:
                 x = block(x)

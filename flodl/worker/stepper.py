@@ -172,7 +172,10 @@ class Stepper:
                 with self.autocast():
                     loss = parts.loss_fn(self.train_module, batch)
                 loss = self.fault.applied(loss, self.steps_total + 1)
-                loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+                # Under CUDA graphs a loss the model computes is the graph's output, which the next replay
+                # overwrites: the step keeps a copy (a scalar, on the device).
+                kept = loss.detach().clone() if self._graphs else loss.detach()
+                loss_sum = kept if loss_sum is None else loss_sum + kept
                 self._forward_losses = (loss_sum, accumulated)
                 # Each micro-batch's mean loss / k: the gradient of the mean over the step's samples.
                 scaler.scale(loss / accumulated if accumulated > 1 else loss).backward()
