@@ -2,8 +2,28 @@
 
 from __future__ import annotations
 
+import multiprocessing.process
+import os
+import subprocess
+from typing import Any
+
 import pytest
 import torch.distributed as dist
+
+
+@pytest.fixture(autouse=True)
+def _a_process_only_where_marked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`-m 'not multiproc'` starts no process: a test that starts one (a CLI run, ranks, a fresh
+    interpreter, DataLoader workers) without the mark fails here, naming itself."""
+    if request.node.get_closest_marker("multiproc") is not None:
+        return
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError(f"{request.node.nodeid} starts a process: mark it @pytest.mark.multiproc")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+    monkeypatch.setattr(os, "fork", refuse)
 
 
 @pytest.fixture

@@ -58,6 +58,7 @@ def _epoch(feeder: SampleFeeder, epoch: int, n: int) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("persistent", [True, False])
+@pytest.mark.multiproc
 def test_worker_processes_give_the_plans_batches_in_order(persistent: bool):
     data = Indexed()
     expected = [
@@ -80,6 +81,7 @@ def test_worker_processes_give_the_plans_batches_in_order(persistent: bool):
         workers.close()
 
 
+@pytest.mark.multiproc
 def test_a_skipped_to_batch_is_read_by_the_workers_and_one_outside_the_plan_in_process():
     data = Indexed()
     feeder = _feeder(data, _settings(num_workers=2))

@@ -417,6 +417,7 @@ def test_the_rng_streams_come_back_from_a_part_and_python_s_from_an_older_part_s
     assert random.random() == expected[0]
 
 
+@pytest.mark.multiproc
 def test_a_writer_process_writes_the_parts_ignores_stop_signals_and_its_loss_falls_back_to_a_thread(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -459,6 +460,7 @@ def test_a_writer_process_writes_the_parts_ignores_stop_signals_and_its_loss_fal
     assert part["worker"] == {"at": 1} and part["stepper"]["steps_total"] == 3
 
 
+@pytest.mark.multiproc
 def test_a_writer_process_gone_before_it_started_leaves_the_rank_writing_on_a_thread(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -479,6 +481,7 @@ def test_a_writer_process_gone_before_it_started_leaves_the_rank_writing_on_a_th
     checkpointer.close()
 
 
+@pytest.mark.multiproc
 def test_no_room_in_shared_memory_for_a_writer_process_falls_back_to_a_thread_and_says_what_to_do(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -522,6 +525,7 @@ writer.write(taken.region, [(out / "second.pt", taken.skeleton)])
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's")
+@pytest.mark.multiproc
 def test_a_writer_process_ends_with_its_rank_killed_while_it_writes(tmp_path: Path) -> None:
     """A rank killed outright (SIGKILL: none of its code runs) while its writer process writes a part must not
     leave that process behind, still writing into a checkpoint dir that a resumed run writes again. The part's

@@ -282,6 +282,7 @@ def test_the_task_and_every_other_node_stay_closed_to_typos(hydra_compose, typo)
         hydra_compose(typo)
 
 
+@pytest.mark.multiproc
 def test_a_user_composes_flodl_conf_from_python_with_no_registration_call(tmp_path):
     """As a user's own tests of their configs would: a fresh interpreter elsewhere, `flodl.conf` as the
     config module, and nothing of flodl called first (its import registers the schema and resolvers)."""

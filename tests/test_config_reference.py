@@ -37,6 +37,7 @@ def leaf_keys(node: DictConfig, prefix: str = "") -> set[str]:
     return keys
 
 
+@pytest.mark.multiproc
 def test_the_committed_reference_is_what_the_command_writes(tmp_path: Path) -> None:
     written = tmp_path / "configuration.md"
     run([PYTHON, "-m", "flodl.config.reference", str(written)], cwd=tmp_path).check()

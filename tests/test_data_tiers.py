@@ -295,6 +295,7 @@ time.sleep(120)
 """
 
 
+@pytest.mark.multiproc
 def test_pack_file_of_a_killed_process_is_removed_at_the_next_start(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-c", _HOLD_A_PACK, str(tmp_path)],

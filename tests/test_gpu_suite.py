@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
@@ -37,6 +39,7 @@ def test_a_single_run_is_the_result_without_a_range():
     assert chosen.samples_per_s == 42.0 and chosen.runs == ()
 
 
+@pytest.mark.multiproc
 def test_fewer_than_one_pass_is_refused_naming_the_flag():
     done = subprocess.run(
         [sys.executable, str(REPO / "bench" / "gpu_suite.py"), "--repeat", "0"],

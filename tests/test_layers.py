@@ -199,6 +199,7 @@ def test_importing_the_schema_or_the_rules_imports_no_torch(module: str):
     assert with_torch == []
 
 
+@pytest.mark.multiproc
 def test_a_fresh_interpreter_importing_the_rules_has_not_loaded_torch():
     """The package's own __init__ counts too: the ast walk above sees modules, this sees the process."""
     probe = "import sys, flodl.config.rules, flodl.config.schema; print('torch' in sys.modules)"

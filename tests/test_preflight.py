@@ -246,6 +246,7 @@ CLI_CASES = [
 
 
 @pytest.mark.parametrize(("overrides", "keys"), CLI_CASES, ids=[" ".join(o) for o, _ in CLI_CASES])
+@pytest.mark.multiproc
 def test_the_cli_refuses_with_exit_2_one_line_each_and_leaves_no_dir(
     overrides: tuple[str, ...], keys: list[str], tmp_path: Path
 ) -> None:
@@ -260,16 +261,19 @@ def test_the_cli_refuses_with_exit_2_one_line_each_and_leaves_no_dir(
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.multiproc
 def test_hydra_full_error_still_shows_the_traceback(tmp_path: Path) -> None:
     result = train("seed=abc", cwd=tmp_path, timeout=60, HYDRA_FULL_ERROR="1")
     assert result.code != 0 and "Traceback" in result.out
 
 
+@pytest.mark.multiproc
 def test_a_disk_tier_on_in_memory_data_runs_with_one_warning(tmp_path: Path) -> None:
     result = train("policy=async", "disk_stage_gb=1", "epochs=1", cwd=tmp_path, timeout=120).check()
     assert result.out.count("the disk tier has nothing to stage") == 1, result.out
 
 
+@pytest.mark.multiproc
 def test_the_cli_refuses_a_missing_dataset_and_w_and_b_without_a_key_before_any_rank(
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
@@ -297,6 +301,7 @@ def test_the_cli_refuses_a_missing_dataset_and_w_and_b_without_a_key_before_any_
     assert len(problems) == 3 and list(tmp_path.iterdir()) == [], result.out  # no run dir
 
 
+@pytest.mark.multiproc
 def test_a_checkpoint_this_job_cannot_resume_is_refused_before_the_run_dir_is_made(
     tmp_path: Path, hydra_conf: None
 ) -> None:
@@ -324,6 +329,7 @@ def test_a_checkpoint_this_job_cannot_resume_is_refused_before_the_run_dir_is_ma
     assert "whose config differs" in refused.out and not second.exists(), refused.out
 
 
+@pytest.mark.multiproc
 def test_a_plan_writes_nothing_and_warns_of_more_ranks_than_cores(tmp_path: Path) -> None:
     ranks = len(os.sched_getaffinity(0)) + 1
     result = train("plan=true", f"launch.nproc_per_node={ranks}", cwd=tmp_path, timeout=60).check()

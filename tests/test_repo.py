@@ -7,6 +7,7 @@ import re
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.helpers.procs import PYTHON, finish, start
@@ -129,6 +130,7 @@ def test_every_guide_is_linked_from_the_readme() -> None:
     assert sorted(p.name for p in guides - linked) == []
 
 
+@pytest.mark.multiproc
 def test_a_job_that_writes_more_than_a_pipe_holds_goes_on_while_the_test_waits(tmp_path: Path) -> None:
     """Tests and benchmarks watch a running job for an event; its output must not stall it meanwhile (a pipe
     nobody reads blocks the writer at 64 KiB, and with it the job's logging lock)."""

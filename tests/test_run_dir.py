@@ -60,6 +60,7 @@ def _owner(run_dir: Path, uid: str, pid: int) -> None:
     (run_dir / OWNER_FILE).write_text(json.dumps(record))
 
 
+@pytest.mark.multiproc
 def test_a_dir_a_live_run_owns_is_refused_and_a_dead_run_s_is_taken_over(tmp_path: Path) -> None:
     _owner(tmp_path, "other", os.getpid())  # this test process: alive
     with pytest.raises(RunDirTaken, match=rf"run dir {tmp_path} belongs to run other, still running"):

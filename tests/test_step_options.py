@@ -43,6 +43,7 @@ def test_the_gradscaler_scale_and_growth_tracker_are_part_of_a_ranks_state() -> 
     restore_stepper(plain, stepper_state(plain))
 
 
+@pytest.mark.multiproc
 def test_a_compiled_model_trains_its_flat_parameter_views_and_sees_updates_in_place() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))

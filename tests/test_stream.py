@@ -172,6 +172,7 @@ def _batches(feeder: StreamFeeder, count: int) -> list[list[int]]:
 
 @pytest.mark.parametrize(("kind", "split"), [(Numbers, "auto"), (Sharded, "auto"), (WorkerSplit, "workers")])
 @pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.multiproc
 def test_a_rank_takes_its_readers_batches_in_turn_and_so_does_it_after_a_resume(
     workers: int, kind: type[Numbers], split: str
 ) -> None:
@@ -217,6 +218,7 @@ def _webdataset(folder: Path, **splitters: Any) -> Any:
 
 
 @pytest.mark.parametrize("nodesplitter", [wds.split_by_node, None], ids=["split_by_node", "none"])
+@pytest.mark.multiproc
 def test_a_webdataset_that_splits_itself_is_not_split_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nodesplitter: Any
 ) -> None:

@@ -18,6 +18,7 @@ INVALID = [["policy=sync", "gamma=0.5", "seed=0"], ["policy=sync", "gamma=0.5", 
 RULE = "gamma=0.5: applies to local SGD (policy=cadence or async)"
 
 
+@pytest.mark.multiproc
 def test_invalid_jobs_are_named_before_any_job_trains(tmp_path: Path) -> None:
     result = train(*GRID, cwd=tmp_path)
     assert result.code == 2, result.out

@@ -166,6 +166,7 @@ def test_wandb_failing_to_start_is_an_error_unless_not_required(tmp_path: Path) 
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
 
 
+@pytest.mark.multiproc
 def test_an_eval_is_placed_at_the_step_its_model_was_taken(tmp_path: Path, monkeypatch) -> None:
     """Async: one eval, on the consensus of a round after epoch 1's end, stands for epochs 0 and 1. W&B
     plots it once, against `train/step` where its model was taken, as read back with wandb's own reader."""
@@ -195,6 +196,7 @@ class FailingRun:
         raise ConnectionError("wandb service went away")
 
 
+@pytest.mark.multiproc
 def test_a_failing_log_is_reported_once_and_then_skipped(caplog: pytest.LogCaptureFixture) -> None:
     sink = WandbSink(WandbSettings(mode="disabled"), RunInfo("/tmp/x", "g", "n"), {}, "sync")
     failing = FailingRun()
