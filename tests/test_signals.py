@@ -297,18 +297,13 @@ def test_under_survive_a_stop_saves_at_the_next_boundary_and_the_printed_command
         kill_group(proc)
     result = Result(proc.returncode, out, err=err)
     assert result.code == 143, result.out[-4000:] + result.err[-4000:]
-    (line,) = result.err.strip().splitlines()
-    name, checkpoint, _, resume = STOPPED.match(line).groups()  # type: ignore[union-attr]
-    assert name == "SIGTERM" and verify(Path(checkpoint)) is None
-    stopped_at = Checkpoint.from_manifest(Path(checkpoint))
+    stopped_at, resume = _stopped_by_sigterm(result.err)
     # The stop's own, where the ranks were held: in the second epoch (or at its end), both members' parts.
-    assert stopped_at.point.epoch == 1 and stopped_at.point.order > Point(0).order, checkpoint
+    assert stopped_at.point.epoch == 1 and stopped_at.point.order > Point(0).order, stopped_at.path
     assert stopped_at.part_ranks == (0, 1)
     launcher = (run_dir / ".launch" / "launcher.log").read_text()
     assert "starting it again" not in launcher, launcher[-3000:]
-    resumed = run(shlex.split(resume), cwd=tmp_path, timeout=240).check()
-    assert f"training continues {continues_at(stopped_at)}" in resumed.out, resumed.out[-4000:]
-    assert_complete_run(run_dir, world=2, epochs=4)
+    _resume_finishes(resume, stopped_at, tmp_path, epochs=4)
 
 
 def test_a_stop_that_cannot_save_within_stop_grace_s_stops_at_once_naming_the_checkpoint_it_had(
@@ -362,14 +357,9 @@ def test_with_the_default_config_a_stop_saves_and_the_printed_command_resumes(tm
     finally:
         kill_group(proc)
     assert proc.returncode == 143, out[-4000:] + err[-4000:]
-    (line,) = err.strip().splitlines()
-    name, checkpoint, _, resume = STOPPED.match(line).groups()  # type: ignore[union-attr]
-    stopped_at = Checkpoint.from_manifest(Path(checkpoint))
-    assert name == "SIGTERM" and verify(Path(checkpoint)) is None
-    assert stopped_at.point.order > Point(0).order, checkpoint  # the stop's own, past the first epoch's
-    resumed = run(shlex.split(resume), cwd=tmp_path, timeout=240).check()
-    assert f"training continues {continues_at(stopped_at)}" in resumed.out, resumed.out[-4000:]
-    assert_complete_run(run_dir, world=2, epochs=3)
+    stopped_at, resume = _stopped_by_sigterm(err)
+    assert stopped_at.point.order > Point(0).order, stopped_at.path  # the stop's own, past the first epoch's
+    _resume_finishes(resume, stopped_at, tmp_path, epochs=3)
 
 
 def test_a_sync_stop_saves_its_own_checkpoint_when_an_earlier_one_commits_after_the_signal(
@@ -404,13 +394,26 @@ def test_a_sync_stop_saves_its_own_checkpoint_when_an_earlier_one_commits_after_
     finally:
         kill_group(proc)
     assert proc.returncode == 143, out[-4000:] + err[-4000:]
+    stopped_at, resume = _stopped_by_sigterm(err)
+    # Past the step the ranks were held at (12 steps of 2 ranks x 32 samples): taken after the stop.
+    assert stopped_at.point.order > Point(0, 12 * 64).order, stopped_at.path
+    assert (run_dir / "checkpoints" / "latest").read_text() == stopped_at.path.name
+    # A part the ranks were still writing when they stopped is swept by the resume, which completes the run.
+    _resume_finishes(resume, stopped_at, tmp_path, epochs=3)
+    assert not list((run_dir / "checkpoints").glob("*.partial")), sorted((run_dir / "checkpoints").iterdir())
+
+
+def _stopped_by_sigterm(err: str) -> tuple[Checkpoint, str]:
+    """The one line a SIGTERM's stop printed: the committed checkpoint it names, and the command it says
+    resumes the run."""
     (line,) = err.strip().splitlines()
     name, checkpoint, _, resume = STOPPED.match(line).groups()  # type: ignore[union-attr]
     assert name == "SIGTERM" and verify(Path(checkpoint)) is None
-    # Past the step the ranks were held at (12 steps of 2 ranks x 32 samples): taken after the stop.
-    assert Checkpoint.from_manifest(Path(checkpoint)).point.order > Point(0, 12 * 64).order, checkpoint
-    assert (run_dir / "checkpoints" / "latest").read_text() == Path(checkpoint).name
-    # A part the ranks were still writing when they stopped is swept by the resume, which completes the run.
-    run(shlex.split(resume), cwd=tmp_path, timeout=240).check()
-    assert not list((run_dir / "checkpoints").glob("*.partial")), sorted((run_dir / "checkpoints").iterdir())
-    assert_complete_run(run_dir, world=2, epochs=3)
+    return Checkpoint.from_manifest(Path(checkpoint)), resume
+
+
+def _resume_finishes(resume: str, stopped_at: Checkpoint, cwd: Path, epochs: int) -> None:
+    """The printed command continues where the stop's checkpoint is and completes every epoch."""
+    resumed = run(shlex.split(resume), cwd=cwd, timeout=240).check()
+    assert f"training continues {continues_at(stopped_at)}" in resumed.out, resumed.out[-4000:]
+    assert_complete_run(stopped_at.path.parent.parent, world=2, epochs=epochs)

@@ -121,7 +121,7 @@ def describe(cfg: FlodlConfig, host: HostFacts, data: DataPlaneSettings) -> str:
         f"  step            precision={cfg.precision}, compile="
         + (f"true (mode {compile_words(cfg, device_type, world)})" if cfg.compile else "false"),
     ]
-    if cfg.policy != "sync":
+    if PolicyFacts.of(cfg).averages_parameters:
         lines.append(
             f"  local SGD       gamma={cfg.gamma} easgd_alpha={cfg.easgd_alpha} outer={cfg.outer} "
             f"anchor={cfg.anchor} (min {cfg.min_anchor or cfg.anchor}, max {cfg.max_anchor}) "
@@ -153,17 +153,18 @@ def checkpoints_line(cfg: FlodlConfig, world: int, device_type: str) -> str:
     """When checkpoints are taken, how they are written, and what a stop signal does."""
     if not checkpoints_on(cfg):
         return "  checkpoints     off: a stop or a dead rank ends the run where it is (resume starts over)"
+    rounds = PolicyFacts.of(cfg).averages_parameters  # local SGD's boundary is a round, sync's a step
     when = [f"every {cfg.checkpoint_every} epoch(s)"] if cfg.checkpoint_every else []
     if cfg.checkpoint_every_steps:
         when.append(f"every {cfg.checkpoint_every_steps} global steps, inside epochs too")
         window = cfg.anchor * world  # ElChe's first window: every rank trains the anchor at least
-        if PolicyFacts.of(cfg).averages_parameters and cfg.checkpoint_every_steps < window:
+        if rounds and cfg.checkpoint_every_steps < window:
             when[-1] += (
                 f" (shorter than ElChe's first window, {window}+ global steps: each checkpoint ends its "
                 "window early, so a round comes at least that often)"
             )
     if cfg.checkpoint_every_s:
-        where = "a step the ranks agree on" if cfg.policy == "sync" else "the next round"
+        where = "the next round" if rounds else "a step the ranks agree on"
         when.append(f"{cfg.checkpoint_every_s:g} s after the last, at {where}")
     when.append("after the last epoch")
     writer = "by a process" if writes_in_a_process(cfg, device_type) else "on a thread"
@@ -171,7 +172,7 @@ def checkpoints_line(cfg: FlodlConfig, world: int, device_type: str) -> str:
     if writes_in_background(cfg):
         how = f"written in the background ({writer} of each rank's own)"
     stop = (
-        f"a stop signal saves at the next {'step' if cfg.policy == 'sync' else 'round'} within "
+        f"a stop signal saves at the next {'round' if rounds else 'step'} within "
         f"{cfg.stop_grace_s:g} s, then stops"
         if saves_on_stop(cfg)
         else "a stop signal stops at once, naming the last checkpoint"
