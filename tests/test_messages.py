@@ -108,7 +108,10 @@ def test_message_round_trip(message):
 
 
 def test_encoding_is_json_not_pickle():
-    encoded = b'{"type": "Saved", "body": {"rank": 3, "epoch": 1, "into": null, "step": null, "chunks": 0}}'
+    encoded = (
+        b'{"type": "Saved", "body": {"rank": 3, "epoch": 1, "into": null, "step": null, "chunks": 0, '
+        b'"after_stop": false}}'
+    )
     assert encode(Saved(rank=3, epoch=1)) == encoded
 
 

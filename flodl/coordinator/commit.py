@@ -79,11 +79,9 @@ class CheckpointCommitter:
     # Called on the commit thread once a commit is done (the coordinator wakes to take it in at once).
     on_sealed: Callable[[], None] | None = None
     # A stop that saves: the point of its own checkpoint once known (None before; `_stop_asked`: requested).
-    # A checkpoint taken before the request and committed after it is not the stop's: `_taken_before`, the
-    # points some part of which was on disk when the stop was asked.
+    # A checkpoint taken before the request and committed after it is not the stop's.
     stop_point: Point | None = field(default=None, init=False)
     _stop_asked: bool = field(default=False, init=False)
-    _taken_before: frozenset[Point] = field(default=frozenset(), init=False)
     # Commits handed to the commit thread, oldest first, until `poll` takes them in.
     _sealing: deque[tuple[Point, Future[Checkpoint]]] = field(default_factory=deque, init=False)
     _sealer: ThreadPoolExecutor | None = field(default=None, init=False)
@@ -113,7 +111,6 @@ class CheckpointCommitter:
         """A stop that saves was asked: from now on the checkpoint it waits for is its own (`stop_saved`): the
         first one taken after the request, or the one at the step the ranks agreed on."""
         self._stop_asked = True
-        self._taken_before = frozenset([*self.saved, *(point for point, _ in self._sealing)])
 
     @property
     def stop_saved(self) -> bool:
@@ -126,11 +123,12 @@ class CheckpointCommitter:
             self.stop_point = point
 
     def on_saved(
-        self, point: Point, rank: int, chunks: int, ledger: EpochLedger, agreed: bool = False
+        self, point: Point, rank: int, chunks: int, ledger: EpochLedger, after_stop: bool = False
     ) -> None:
         """`rank`'s part is on disk; it had reported `chunks` chunks of the point's epoch before it.
-        `agreed` (sync): a part at a step the ranks agreed on; after a stop's request, the stop's."""
-        if agreed or point not in self._taken_before:
+        `after_stop`: the rank took it after it learned of a stop that saves (the agreed step's, or a
+        planned one on the way there): the stop may end at it."""
+        if after_stop:
             self._stop_takes(point)
         if point.into is not None and point not in self.ledger_state and not ledger.holds(point.epoch):
             self._abandon(point, "its epoch's record was gone before every part was on disk")

@@ -249,8 +249,7 @@ class Coordinator(threading.Thread):
             point = Point(message.epoch, message.into)
             if message.step is not None and point not in self.committer.expected:  # a stop's, unplanned
                 self.driver.expect_checkpoint(point, message.step)
-            agreed = message.step is not None
-            self.committer.on_saved(point, message.rank, message.chunks, self.ledger, agreed)
+            self.committer.on_saved(point, message.rank, message.chunks, self.ledger, message.after_stop)
         elif isinstance(message, StopRequested):
             self._on_stop_requested(message)
         elif isinstance(message, ChunkReport):

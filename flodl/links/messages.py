@@ -210,6 +210,9 @@ class Saved:
     step: int | None = None
     # The chunks of the epoch this rank reported before the part (the epoch's record at the checkpoint).
     chunks: int = 0
+    # The part was taken after this rank learned of a stop that saves: a checkpoint the stop may end at
+    # (one taken before may still commit after the signal, since parts are written in the background).
+    after_stop: bool = False
 
 
 @dataclass

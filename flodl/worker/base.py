@@ -83,6 +83,8 @@ class WorkerBase:
         self.on_nonfinite = settings.on_nonfinite
         # Writes this rank's checkpoint parts (None: checkpoints are off).
         self.checkpointer = checkpointer
+        # A stop that saves was asked of this rank (set from the stop watch's thread; its parts say so).
+        self.stop_asked = False
         self.rank = link.rank
         self.world_size = link.world_size
         self.reader = link.reader
@@ -155,7 +157,8 @@ class WorkerBase:
         """This rank's part of the checkpoint at `point` (`step`: sync's step of the epoch, for a part no plan
         asked for); its Saved goes out once it is on disk."""
         assert self.checkpointer is not None
-        receipt = Saved(self.rank, point.epoch, point.into, step, self._chunks.get(point.epoch, 0))
+        chunks = self._chunks.get(point.epoch, 0)
+        receipt = Saved(self.rank, point.epoch, point.into, step, chunks, self.stop_asked)
         self.checkpointer.save(point, self.state(), receipt, self.is_first_member)
         self.report_written()
 
@@ -237,6 +240,7 @@ class WorkerBase:
     def on_stop_request(self, agree: Callable[[int], int]) -> bool:
         """A stop that saves was asked for (called from the stop watch's thread): the coordinator ends the
         work at the next boundary (local SGD's round). False: this rank cannot get there."""
+        self.stop_asked = True
         return True
 
     def on_checkpoint_request(self, agree: Callable[[int], int]) -> None:

@@ -236,6 +236,7 @@ class SyncWorker(WorkerBase):
     def on_stop_request(self, agree: Callable[[int], int]) -> bool:
         """A stop that saves: every member saves after the agreed step, then trains no more. False: this rank
         is already past it."""
+        self.stop_asked = True
         self.stop_at = agree(self._step_ahead())
         return self.stepper.steps_total < self.stop_at
 
