@@ -296,8 +296,7 @@ def test_under_survive_a_stop_saves_at_the_next_boundary_and_the_printed_command
     finally:
         kill_group(proc)
     result = Result(proc.returncode, out, err=err)
-    assert result.code == 143, result.out[-4000:] + result.err[-4000:]
-    stopped_at, resume = _stopped_by_sigterm(result.err)
+    stopped_at, resume = _stopped_by_sigterm(result)
     # The stop's own, where the ranks were held: in the second epoch (or at its end), both members' parts.
     assert stopped_at.point.epoch == 1 and stopped_at.point.order > Point(0).order, stopped_at.path
     assert stopped_at.part_ranks == (0, 1)
@@ -356,8 +355,7 @@ def test_with_the_default_config_a_stop_saves_and_the_printed_command_resumes(tm
         out, err = proc.communicate(timeout=60)
     finally:
         kill_group(proc)
-    assert proc.returncode == 143, out[-4000:] + err[-4000:]
-    stopped_at, resume = _stopped_by_sigterm(err)
+    stopped_at, resume = _stopped_by_sigterm(Result(proc.returncode, out, err=err))
     assert stopped_at.point.order > Point(0).order, stopped_at.path  # the stop's own, past the first epoch's
     _resume_finishes(resume, stopped_at, tmp_path, epochs=3)
 
@@ -393,8 +391,7 @@ def test_a_sync_stop_saves_its_own_checkpoint_when_an_earlier_one_commits_after_
         out, err = proc.communicate(timeout=60)
     finally:
         kill_group(proc)
-    assert proc.returncode == 143, out[-4000:] + err[-4000:]
-    stopped_at, resume = _stopped_by_sigterm(err)
+    stopped_at, resume = _stopped_by_sigterm(Result(proc.returncode, out, err=err))
     # Past the step the ranks were held at (12 steps of 2 ranks x 32 samples): taken after the stop.
     assert stopped_at.point.order > Point(0, 12 * 64).order, stopped_at.path
     assert (run_dir / "checkpoints" / "latest").read_text() == stopped_at.path.name
@@ -403,10 +400,11 @@ def test_a_sync_stop_saves_its_own_checkpoint_when_an_earlier_one_commits_after_
     assert not list((run_dir / "checkpoints").glob("*.partial")), sorted((run_dir / "checkpoints").iterdir())
 
 
-def _stopped_by_sigterm(err: str) -> tuple[Checkpoint, str]:
-    """The one line a SIGTERM's stop printed: the committed checkpoint it names, and the command it says
-    resumes the run."""
-    (line,) = err.strip().splitlines()
+def _stopped_by_sigterm(result: Result) -> tuple[Checkpoint, str]:
+    """A run a SIGTERM stopped (exit 143) and the one line it printed: the committed checkpoint it names,
+    and the command it says resumes the run."""
+    assert result.code == 143, result.out[-4000:] + result.err[-4000:]
+    (line,) = result.err.strip().splitlines()
     name, checkpoint, _, resume = STOPPED.match(line).groups()  # type: ignore[union-attr]
     assert name == "SIGTERM" and verify(Path(checkpoint)) is None
     return Checkpoint.from_manifest(Path(checkpoint)), resume
