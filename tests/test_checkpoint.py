@@ -33,7 +33,7 @@ from flodl.checkpoints.disk import (
 )
 from flodl.coordinator.commit import CheckpointCommitter, run_kind
 from flodl.coordinator.ledger import EpochLedger
-from flodl.job.resume import check_world_size, restore_worker, truncate_history
+from flodl.job.resume import restore_worker, truncate_history
 from flodl.links.messages import ChunkReport, Saved
 from flodl.worker.checkpoint_part import RankCheckpointer
 from flodl.worker.host_snapshot import HostSnapshot, carve, fill
@@ -133,13 +133,6 @@ def test_resume_choices(tmp_path: Path) -> None:
     assert resolve_resume(str(store.root), other).epoch == 4  # its checkpoints/ dir
     with pytest.raises(CheckpointError, match="no complete checkpoint"):
         resolve_resume(str(tmp_path / "elsewhere"), other)
-
-
-def test_a_different_world_size_is_refused_with_what_to_do(tmp_path: Path) -> None:
-    store = CheckpointDir(tmp_path, keep=2)
-    write_checkpoint(store, 0, world_size=2)
-    with pytest.raises(CheckpointError, match=r"written by 2 rank\(s\); this job has 4.*resume=never"):
-        check_world_size(store.latest(), 4)
 
 
 def test_history_after_the_checkpoint_is_dropped_on_resume(tmp_path: Path) -> None:
@@ -275,8 +268,8 @@ def test_a_commit_runs_off_the_coordinator_s_thread_and_wakes_it_when_done(tmp_p
 
 
 class _Worker:
-    """What restore_worker uses of a worker: its rank, its stepper, restore(), whether the ranks share one
-    optimizer state (sync)."""
+    """What restore_worker uses of a worker: its rank, its stepper, restore(), what it takes of another
+    rank's state, whether the ranks share one optimizer state (sync)."""
 
     def __init__(self, rank: int, stepper: object, shares_optimizer: bool = False) -> None:
         self.rank = rank
@@ -287,49 +280,57 @@ class _Worker:
     def restore(self, state: dict) -> None:
         self.restored = state
 
+    def shared_state(self, state: dict) -> dict:
+        return {key: value for key, value in state.items() if key != "own"}
 
-def test_a_rank_without_a_part_resumes_from_the_consensus_with_a_fresh_optimizer(
+
+def _moments(stepper: object) -> list[torch.Tensor]:
+    return [s["exp_avg"] for s in stepper.parts.optimizer.state_dict()["state"].values()]
+
+
+def test_a_rank_without_a_part_resumes_from_the_consensus_with_a_saved_ranks_optimizer(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     store = CheckpointDir(tmp_path, keep=2)
-    writer = digits_stepper()
-    train_steps(writer, 3)
-    receipt = Saved(0, 4)
-    checkpointer = RankCheckpointer(store, 0, writer.parts.model, writer)
-    checkpointer.save(Point(4), {"global_steps": 9}, receipt)
-    assert checkpointer.written() == [receipt]
+    writers = [digits_stepper(), digits_stepper()]
+    for steps, writer in zip((3, 5), writers, strict=True):
+        train_steps(writer, steps)
+    for rank, writer in enumerate(writers):
+        checkpointer = RankCheckpointer(store, rank, writer.parts.model, writer)
+        checkpointer.save(Point(4), {"global_steps": 9, "own": rank}, Saved(rank, 4), first_member=rank == 0)
     store.write_part(Point(4), COORDINATOR_FILE, {})
-    checkpoint = store.commit(Point(4), world_size=2, ranks={0})  # rank 1 had been cut
+    checkpoint = store.commit(Point(4), world_size=2, ranks={0, 1})
 
     member = _Worker(0, digits_stepper())
     with caplog.at_level(logging.INFO, logger="flodl"):
-        restore_worker(checkpoint, member)
-    assert member.restored == {"global_steps": 9} and member.stepper.steps_total == 3
+        restore_worker(checkpoint, member, world_size=2)
+    assert member.restored == {"global_steps": 9, "own": 0} and member.stepper.steps_total == 3
     # Counted as every line counts, from 1: the checkpoint after the fifth epoch, the sixth next.
     (line,) = [r.getMessage() for r in caplog.records]
     assert line.endswith("checkpoints/epoch-000005: training continues at epoch 6"), line
     caplog.clear()
 
-    fresh = digits_stepper()
-    cut = _Worker(1, fresh)
-    with caplog.at_level(logging.INFO, logger="flodl"):
-        restore_worker(checkpoint, cut)
-    # The state every rank shares comes from a member; its own (optimizer, step count) starts afresh.
-    assert cut.restored == {"global_steps": 9}
-    assert fresh.steps_total == 0 and fresh.parts.optimizer.state_dict()["state"] == {}
-    (line,) = [r.getMessage() for r in caplog.records]
-    assert "rank 1 has no part" in line and "fresh optimizer" in line and line.endswith("at epoch 6")
+    # Resumed on 5 ranks under local SGD: rank r takes saved rank r mod 2's optimizer, not its own state.
+    for rank in (2, 3):
+        fresh = digits_stepper()
+        grown = _Worker(rank, fresh)
+        rng_before = torch.get_rng_state()
+        with caplog.at_level(logging.INFO, logger="flodl"):
+            restore_worker(checkpoint, grown, world_size=5)
+        source = writers[rank % 2]
+        assert grown.restored == {"global_steps": 9}  # the shared state, not rank r mod 2's own
+        assert fresh.steps_total == source.steps_total
+        assert all(map(torch.equal, _moments(fresh), _moments(source)))
+        assert torch.equal(torch.get_rng_state(), rng_before)  # its RNG streams stay its own
+        (line,) = [r.getMessage() for r in caplog.records]
+        assert f"rank {rank} has no part" in line and f"rank {rank % 2}'s optimizer state" in line
+        caplog.clear()
 
-    # Under sync every rank steps one optimizer state: the partless rank takes the member's, not its RNG.
+    # Under sync every rank steps one optimizer state: a rank without a part takes the first part's.
     synced = digits_stepper()
-    rng_before = torch.get_rng_state()
-    restore_worker(checkpoint, _Worker(1, synced, shares_optimizer=True))
+    restore_worker(checkpoint, _Worker(2, synced, shares_optimizer=True), world_size=3)
     assert synced.steps_total == 3
-    written, taken = writer.parts.optimizer.state_dict(), synced.parts.optimizer.state_dict()
-    assert taken["state"].keys() == written["state"].keys()
-    for key, state in written["state"].items():
-        assert torch.equal(taken["state"][key]["exp_avg"], state["exp_avg"])
-    assert torch.equal(torch.get_rng_state(), rng_before)
+    assert all(map(torch.equal, _moments(synced), _moments(writers[0])))
 
 
 def test_a_part_written_in_the_background_is_the_state_at_the_boundary_and_said_once_on_disk(

@@ -82,10 +82,10 @@ def test_the_rest_of_an_epoch_round_trips_as_data_and_each_member_keeps_its_own_
     again = segment_from_state(segment_state(rest), generation=0)
     assert again == rest
     resumed = LockstepPlan(1000, 8)
-    assert resumed.resume(again, [0, 1, 2], before=21) == rest
+    assert resumed.resume(again, [0, 1, 2], before=21, before_samples=21 * 8) == rest
     assert resumed.expected_batches(0) == 21 + 3 * rest.steps == 3 * segment.steps
     # Resumed by other members (a rank without a part): every pick left, shared by them.
-    fewer = LockstepPlan(1000, 8).resume(again, [0, 2], before=21)
+    fewer = LockstepPlan(1000, 8).resume(again, [0, 2], before=21, before_samples=21 * 8)
     assert fewer.members == (0, 2) and fewer.steps == (3 * rest.steps) // 2
 
 

@@ -52,6 +52,7 @@ OVERRIDES = [
     ("peak_tflops=989", "peak_tflops", 989.0, float),
     ("max_grad_norm=1.0", "max_grad_norm", 1.0, float),
     ("lr_scale_ratio=0.25", "lr_scale_ratio", 0.25, float),
+    ("keep_global_batch=true", "keep_global_batch", True, bool),
     ("eval_every=2", "eval_every", 2, int),
     ("gamma=0.5", "gamma", 0.5, float),
     ("bf16_wire=true", "bf16_wire", True, bool),

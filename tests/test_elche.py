@@ -373,10 +373,24 @@ def test_state_round_trip_restores_identical_future_behaviour():
     assert _drive(resumed, 15, 9) == _drive(original, 15, 9)
 
 
-def test_state_with_another_world_size_is_rejected():
-    state = make(world=2).state()
-    with pytest.raises(ValueError, match="world_size"):
-        ElChe.from_state(ElCheSettings(world_size=3), state)
+def test_state_of_another_world_carries_the_cadence_over_and_measures_every_rank_afresh():
+    kw = dict(anchor=8, is_async=True, max_batch_diff=50)
+    original = ElChe(ElCheSettings(world_size=3, **kw), epoch_batches=400)
+    _drive(original, 9, 0)
+    state = json.loads(json.dumps(original.state()))
+    assert original.anchor != 8 or original.phase != Phase.PROBE  # the run moved on from its start
+    for world in (2, 5):
+        resized = ElChe.from_state(ElCheSettings(world_size=world, **kw), state, epoch_batches=400)
+        assert (resized.anchor, resized.phase, resized.calibration_count) == (
+            original.anchor,
+            original.phase,
+            original.calibration_count,
+        )
+        assert resized.overshoot == original.overshoot and resized.growth_enabled == original.growth_enabled
+        # No rank keeps a speed: each starts at the anchor's count, the anchor rank elected again.
+        assert resized.members == set(range(world)) and resized.anchor_rank is None
+        assert [resized.smoothed_ms(r) for r in range(world)] == [None] * world
+        assert resized.counts() == [original.anchor] * world
 
 
 def test_settings_validation():

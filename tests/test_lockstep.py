@@ -9,7 +9,14 @@ import random
 import pytest
 import torch
 
-from flodl.coordinator.lockstep import LockstepPlan, Segment, opening_segment, rest_of
+from flodl.coordinator.lockstep import (
+    LockstepPlan,
+    Segment,
+    laid_out,
+    opening_segment,
+    regrouped,
+    rest_of,
+)
 from flodl.data.partition import epoch_permutation
 from flodl.links.messages import EpochSlice
 
@@ -93,3 +100,32 @@ def test_shares_are_slices_of_the_epoch_s_one_permutation():
     permutation = epoch_permutation(200, seed=0, epoch=1)
     picks = torch.cat([permutation[s.offset : s.offset + s.size] for r in (0, 1) for s in segment.shares[r]])
     assert len(picks.unique()) == len(picks)
+
+
+def _steps(segment: Segment, step: int) -> list[set[int]]:
+    """Per step of `segment`, the picks every member trains in it (a global step)."""
+    positions = {
+        rank: [p for piece in segment.shares[rank] for p in range(piece.offset, piece.offset + piece.size)]
+        for rank in segment.members
+    }
+    return [
+        {p for rank in segment.members for p in positions[rank][k * step : (k + 1) * step]}
+        for k in range(segment.steps)
+    ]
+
+
+def test_keep_global_batch_keeps_every_global_step_whole_on_fewer_or_more_ranks() -> None:
+    saved = opening_segment(2, 1000, [0, 1, 2, 3], STEP, generation=0)  # 4 ranks, 31 steps of 4 x 8
+    for members, step in (([0, 1], 2 * STEP), ([0], 4 * STEP)):
+        # The rest from step 5, on 2 ranks of 2 micro-batches or 1 of 4: the saved run's global steps.
+        rest = regrouped(saved, 5, members, step, generation=1)
+        assert rest.steps == saved.steps - 5 and rest.first_step == 5
+        assert _steps(rest, step) == _steps(saved, STEP)[5:]
+        # An epoch opened so: as the 4 ranks would open it.
+        fresh = laid_out(2, 1000, members, step, generation=0, layout_step=STEP)
+        assert _steps(fresh, step) == _steps(saved, STEP) and fresh.dropped == saved.dropped
+    # And back to the 4 ranks from 2 of 2 micro-batches: the same steps again.
+    two = regrouped(saved, 3, [0, 1], 2 * STEP, generation=1)
+    assert _steps(regrouped(two, 4, [0, 1, 2, 3], STEP, generation=2), STEP) == _steps(saved, STEP)[7:]
+    with pytest.raises(ValueError, match="make no 3 equal steps"):
+        regrouped(saved, 5, [0, 1, 2], 8, generation=1)

@@ -82,14 +82,16 @@ def test_a_dir_a_live_run_owns_is_refused_and_a_dead_run_s_is_taken_over(tmp_pat
 def test_resume_auto_takes_its_own_run_and_its_own_config_and_refuses_another_saying_why(
     tmp_path: Path,
 ) -> None:
-    theirs = run_identity(CONFIG, 2, "uid-a")
+    theirs = run_identity(CONFIG, "uid-a")
     checkpoint = Checkpoint(tmp_path, 3, 2, theirs)
-    check_identity(checkpoint, run_identity({**CONFIG, "epochs": 9}, 2, "uid-b"), "auto")  # same config
-    check_identity(checkpoint, run_identity({**CONFIG, "seed": 2}, 2, "uid-a"), "auto")  # a restart
+    check_identity(checkpoint, run_identity({**CONFIG, "epochs": 9}, "uid-b"), "auto")  # same config
+    check_identity(checkpoint, run_identity({**CONFIG, "seed": 2}, "uid-a"), "auto")  # a restart
     with pytest.raises(CheckpointError, match=r"belongs to run uid-a.*seed: 1 there, 2 here.*resume=never"):
-        check_identity(checkpoint, run_identity({**CONFIG, "seed": 2}, 2, "uid-b"), "auto")
-    with pytest.raises(CheckpointError, match=r"world_size: 2 there, 4 here"):
-        check_identity(checkpoint, run_identity(CONFIG, 4, "uid-b"), str(tmp_path))
+        check_identity(checkpoint, run_identity({**CONFIG, "seed": 2}, "uid-b"), "auto")
+    # Another world size is the same experiment (flodl/job/resize.py), as an older manifest said it too.
+    check_identity(checkpoint, run_identity(CONFIG, "uid-b"), str(tmp_path))
+    older = {**theirs, "config": {**theirs["config"], "world_size": 2}, "config_sha256": "older"}
+    check_identity(Checkpoint(tmp_path, 3, 2, older), run_identity(CONFIG, "uid-b"), "auto")
     with pytest.raises(CheckpointError, match="does not record the run that wrote it"):
         check_identity(Checkpoint(tmp_path, 3, 2, None), theirs, "auto")
 

@@ -4,7 +4,9 @@ Every checkpoint's manifest records its run: the uid (flodl/launcher/run_dir.py:
 every restart of one launch) and the config that decides what the saved state means. `RESUME_KEYS` are those
 keys: change one and the optimizer state, the data order or the averaging math of the checkpoint belong to
 another experiment. Everything else (epochs, checkpointing, logging, timeouts, simulate.*) may change
-between a run and its resumption (`epochs=4` then `epochs=6` extends a run).
+between a run and its resumption (`epochs=4` then `epochs=6` extends a run), and so may the world size: a
+checkpoint resumes on any number of ranks (flodl/job/resize.py). Manifests before that recorded the world
+size among the keys; it is not compared.
 
 `resume=auto` takes a checkpoint when its run is this one (a restart), or when it was written with the same
 resume config (the same run continued in its own dir); anything else is refused with the keys that differ.
@@ -35,9 +37,9 @@ RESUME_KEYS = (
 )
 
 
-def run_identity(config: dict[str, Any], world_size: int, uid: str) -> dict[str, Any]:
+def run_identity(config: dict[str, Any], uid: str) -> dict[str, Any]:
     """What a checkpoint records about the run that writes it (plain JSON values)."""
-    resumes_with = {key: config.get(key) for key in RESUME_KEYS} | {"world_size": world_size}
+    resumes_with = {key: config.get(key) for key in RESUME_KEYS}
     digest = hashlib.sha256(json.dumps(resumes_with, sort_keys=True, default=str).encode()).hexdigest()
     return {"uid": uid, "config_sha256": digest, "config": resumes_with}
 
@@ -53,12 +55,13 @@ def check_identity(checkpoint: Checkpoint, mine: dict[str, Any], resume: str) ->
                 "it anyway, or start over with resume=never"
             )
         return
-    if theirs.get("uid") == mine["uid"] or theirs.get("config_sha256") == mine["config_sha256"]:
+    their_config = {k: v for k, v in theirs.get("config", {}).items() if k != "world_size"}
+    if theirs.get("uid") == mine["uid"] or their_config == mine["config"]:
         return
-    differ = sorted(set(mine["config"]) | set(theirs.get("config", {})))
-    differ = [k for k in differ if mine["config"].get(k) != theirs.get("config", {}).get(k)]
+    differ = sorted(set(mine["config"]) | set(their_config))
+    differ = [k for k in differ if mine["config"].get(k) != their_config.get(k)]
     shown = "; ".join(
-        f"{k}: {json.dumps(theirs.get('config', {}).get(k), default=str)} there, "
+        f"{k}: {json.dumps(their_config.get(k), default=str)} there, "
         f"{json.dumps(mine['config'].get(k), default=str)} here"
         for k in differ
     )

@@ -66,6 +66,10 @@ class CheckpointCommitter:
     kind: dict[str, Any]
     # Who wrote it, for the manifest (flodl/checkpoints/identity.py): resume=auto resumes only its own run.
     run: dict[str, Any]
+    # Samples per rank step, and under keep_global_batch a rank's step in the world the run was laid out
+    # for: a resume on another world keeps the global batch from them (flodl/job/resize.py).
+    step_samples: int = 0
+    layout_step: int | None = None
     # Per point, the ranks that saved their part, and how many chunks of the point's epoch each had
     # reported by then (a rank reports its chunks before it says it saved: those are the point's).
     saved: dict[Point, dict[int, int]] = field(default_factory=dict)
@@ -168,6 +172,8 @@ class CheckpointCommitter:
                 continue
             state = {
                 **self.kind,
+                "step_samples": self.step_samples,
+                "layout_step": self.layout_step,
                 "epoch": point.epoch,
                 "into": point.into,
                 # Through the last whole epoch: a point inside the next one holds its epoch's bytes so far.

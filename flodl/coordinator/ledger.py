@@ -104,6 +104,11 @@ class EpochLedger:
         entry = self._open.get(epoch)
         return 0 if entry is None else sum(c.batches for c in entry.chunks)
 
+    def reported_samples(self, epoch: int) -> int:
+        """Samples of `epoch` reported so far."""
+        entry = self._open.get(epoch)
+        return 0 if entry is None else sum(c.samples for c in entry.chunks)
+
     def partial(self, epoch: int, chunks: Mapping[int, int]) -> dict[str, Any]:
         """What `epoch`'s record holds so far, as plain data for a checkpoint inside it: of each rank in
         `chunks`, its first `chunks[rank]` chunks (those it reported before its part), and the rounds and

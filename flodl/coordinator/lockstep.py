@@ -54,6 +54,52 @@ def opening_segment(
     return Segment(epoch, generation, ordered, 0, slices[0].size // step_samples, shares, dropped)
 
 
+def laid_out(
+    epoch: int,
+    total_picks: int,
+    members: Iterable[int],
+    step_samples: int,
+    generation: int,
+    layout_step: int,
+) -> Segment:
+    """`epoch` opened as `members` train it when each of their steps holds several of a `layout_step`
+    world's (keep_global_batch on fewer ranks than the run was laid out for): the epoch as the saved world
+    of `total step / layout_step` ranks would open it, each of its global steps cut among `members`."""
+    ordered = tuple(sorted(members))
+    if layout_step == step_samples:
+        return opening_segment(epoch, total_picks, ordered, step_samples, generation)
+    saved_world = len(ordered) * step_samples // layout_step
+    saved = opening_segment(epoch, total_picks, range(saved_world), layout_step, generation)
+    return regrouped(saved, 0, ordered, step_samples, generation)
+
+
+def regrouped(
+    segment: Segment, trained_steps: int, members: Iterable[int], step_samples: int, generation: int
+) -> Segment:
+    """keep_global_batch: what `segment`'s members did not train in its first `trained_steps` steps, each of
+    its global steps kept whole (every member's piece of it, in member order) and cut into equal parts of
+    `step_samples` for `members`: the run's global steps, and so its trajectory, stay the same."""
+    ordered = tuple(sorted(members))
+    old_step = sum(piece.size for piece in segment.shares[segment.members[0]]) // max(segment.steps, 1)
+    if len(ordered) * step_samples != len(segment.members) * old_step:
+        raise ValueError(
+            f"{len(segment.members)} steps of {old_step} make no {len(ordered)} equal steps of {step_samples}"
+        )
+    shares: dict[int, list[EpochSlice]] = {rank: [] for rank in ordered}
+    for step in range(trained_steps, segment.steps):
+        whole = tuple(
+            piece
+            for rank in segment.members
+            for piece in _window(segment.shares[rank], step * old_step, old_step)
+        )
+        for i, rank in enumerate(ordered):
+            shares[rank].extend(_window(whole, i * step_samples, step_samples))
+    steps = segment.steps - trained_steps
+    first = segment.first_step + trained_steps
+    kept = {rank: _merged(pieces) for rank, pieces in shares.items()}
+    return Segment(segment.epoch, generation, ordered, first, steps, kept, segment.dropped)
+
+
 def rest_of(
     segment: Segment, trained_steps: int, members: Iterable[int], step_samples: int, generation: int
 ) -> Segment:
@@ -69,6 +115,17 @@ def rest_of(
     shares = {rank: _window(tuple(rest), i * size, size) for i, rank in enumerate(ordered)}
     first = segment.first_step + trained_steps
     return Segment(segment.epoch, generation, ordered, first, steps, shares, total - len(ordered) * size)
+
+
+def _merged(pieces: list[EpochSlice]) -> tuple[EpochSlice, ...]:
+    """`pieces` with each run of adjacent ones as one slice (a share travels in a message)."""
+    out: list[EpochSlice] = []
+    for piece in pieces:
+        if out and out[-1].offset + out[-1].size == piece.offset:
+            out[-1] = EpochSlice(piece.epoch, out[-1].offset, out[-1].size + piece.size)
+        else:
+            out.append(piece)
+    return tuple(out)
 
 
 def _window(pieces: tuple[EpochSlice, ...], start: int, size: int | None) -> tuple[EpochSlice, ...]:
@@ -114,8 +171,10 @@ def checkpoint_steps(segment: Segment, steps_per_epoch: int, every: int) -> list
 @dataclass
 class _EpochPlan:
     segments: list[Segment] = field(default_factory=list)
-    # Batches of the epoch reported before its first segment here (a run resumed inside the epoch).
+    # Batches and samples of the epoch reported before its first segment here (a run resumed inside the
+    # epoch: its steps may have been of another size).
     before: int = 0
+    before_samples: int = 0
     # Per segment (by generation): the steps its members trained, once they agreed it ended early.
     trained: dict[int, int] = field(default_factory=dict)
     # Per segment (by generation): the members that reported it.
@@ -127,23 +186,29 @@ class _EpochPlan:
 class LockstepPlan:
     """The coordinator's record of each planned epoch's segments: what to send, what to expect back."""
 
-    def __init__(self, total_picks: int, step_samples: int) -> None:
+    def __init__(self, total_picks: int, step_samples: int, layout_step: int | None = None) -> None:
+        """`layout_step` (keep_global_batch): a rank's step in the world the run was laid out for; each
+        member's step of `step_samples` then holds several of its ranks' (flodl/job/resize.py)."""
         self.total_picks = total_picks
         self.step_samples = step_samples
+        self.layout_step = layout_step
         self._epochs: dict[int, _EpochPlan] = {}
 
     def open(self, epoch: int, members: Iterable[int], generation: int) -> Segment:
         """Plan `epoch` afresh for `members` (none of it trained yet)."""
-        segment = opening_segment(epoch, self.total_picks, members, self.step_samples, generation)
+        layout = self.layout_step or self.step_samples
+        segment = laid_out(epoch, self.total_picks, members, self.step_samples, generation, layout)
         self._epochs[epoch] = _EpochPlan([segment])
         return segment
 
-    def resume(self, segment: Segment, members: Iterable[int], before: int) -> Segment:
+    def resume(self, segment: Segment, members: Iterable[int], before: int, before_samples: int) -> Segment:
         """A run resumed inside `segment.epoch`: the rest a checkpoint recorded, `before` batches of the epoch
-        reported already; shared by `members` (the same ones keep their own picks)."""
+        reported already; shared by `members` (the same ones keep their own picks; other ones take its
+        global steps whole under keep_global_batch, else its picks cut into steps of their own)."""
         if tuple(sorted(members)) != segment.members:
-            segment = rest_of(segment, 0, members, self.step_samples, segment.generation)
-        self._epochs[segment.epoch] = _EpochPlan([segment], before=before)
+            share = regrouped if self.layout_step is not None else rest_of
+            segment = share(segment, 0, members, self.step_samples, segment.generation)
+        self._epochs[segment.epoch] = _EpochPlan([segment], before=before, before_samples=before_samples)
         return segment
 
     def samples_before(self, epoch: int) -> int:
@@ -155,7 +220,7 @@ class LockstepPlan:
             trained += (
                 plan.trained.get(segment.generation, segment.steps) * len(reporters) * self.step_samples
             )
-        return trained + plan.before * self.step_samples
+        return trained + plan.before_samples
 
     def has(self, epoch: int) -> bool:
         return epoch in self._epochs

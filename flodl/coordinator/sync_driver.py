@@ -89,12 +89,14 @@ class SyncDriver:
         checkpoint_every_steps: int | None = None,
         resumed: dict[str, Any] | None = None,
         checkpoint_every_s: float | None = None,
+        layout_step: int | None = None,
     ) -> None:
         """`committer`: the checkpoints (None: checkpointing is off); its due epochs are the ones whose
         plan asks for the ranks' parts. `lookahead`: epochs planned beyond the one being aggregated.
         `checkpoint_every_steps`: a checkpoint inside an epoch at each multiple of it of the run's global
         steps. `resumed`: the driver's state of a checkpoint inside `first_epoch` (its rest).
-        `checkpoint_every_s`: a checkpoint this long after the last request, at a step the ranks agree on."""
+        `checkpoint_every_s`: a checkpoint this long after the last request, at a step the ranks agree on.
+        `layout_step` (keep_global_batch): a rank's step in the world the run was laid out for."""
         self.schedule = schedule
         self.lookahead = lookahead
         self.ledger = ledger
@@ -104,7 +106,7 @@ class SyncDriver:
         self.first_epoch = first_epoch
         self.planned = first_epoch - 1
         self.stopped = False
-        self.plan = LockstepPlan(schedule.total_picks, schedule.batch_size)
+        self.plan = LockstepPlan(schedule.total_picks, schedule.batch_size, layout_step)
         # A cut's generation whose rest is still to be planned (once its members agreed where they are).
         self._replan: int | None = None
         self.checkpoint_every_steps = checkpoint_every_steps
@@ -190,8 +192,8 @@ class SyncDriver:
         rest, self._resumed_rest = self._resumed_rest, None
         if rest is not None:  # resumed inside this epoch: the rest its checkpoint recorded
             segment = segment_from_state(rest, roster.generation)
-            before = self.ledger.reported_batches(epoch)
-            self._send(self.plan.resume(segment, roster.members, before))
+            before = self.ledger.reported_batches(epoch), self.ledger.reported_samples(epoch)
+            self._send(self.plan.resume(segment, roster.members, *before))
             return
         self._send(self.plan.open(epoch, roster.members, roster.generation))
 

@@ -49,6 +49,7 @@ from flodl.coordinator.roster import Roster, SurvivingRoster
 from flodl.coordinator.survivors import SurviveSettings
 from flodl.coordinator.sync_driver import PLAN_LOOKAHEAD, SyncDriver
 from flodl.data.partition import equal_slices
+from flodl.job.resize import layout_step
 from flodl.job.settings import (
     checkpoint_store,
     elche_settings,
@@ -146,7 +147,9 @@ def make_worker(
             train_module = _ddp(cfg, parts, device, wire) if world_size > 1 else parts.model
         stepper = Stepper(stepper_for, parts, device, train_module)
         checkpoints = checkpointer(stepper)
-        return SyncWorker(stepper, link, settings, wire, checkpoints, cfg.lr_scale_ratio, group, wrap)
+        return SyncWorker(
+            stepper, link, settings, wire, checkpoints, cfg.lr_scale_ratio, group, wrap, cfg.keep_global_batch
+        )
     outer = OuterSettings.resolve(cfg.outer, cfg.outer_lr, cfg.outer_momentum, cfg.outer_reset_inner)
     averager: DeviceAverager | HostAverager
     if cfg.backend == "cpu":
@@ -238,11 +241,14 @@ def make_coordinator(cfg: FlodlConfig, setup: CoordinatorSetup) -> Coordinator:
     first = Point(resumed["epoch"], resumed.get("into")).next_epoch if resumed else 0
     comm_total = resumed["comm_bytes_total"] if resumed else 0
     inside = resumed.get("ledger") if resumed else None  # what the epoch's record held at the checkpoint
+    layout = layout_step(cfg.keep_global_batch, resumed, step_size)
     committer = None
     if checkpoints_on(cfg):
         due = {e for e in checkpoint_epochs(cfg) if e >= first}
-        settings = resume_settings(cfg, run_dir, run_identity(config, world_size, info.uid))
-        committer = CheckpointCommitter(settings.checkpoints, world_size, due, settings.kind, settings.run)
+        settings = resume_settings(cfg, run_dir, run_identity(config, info.uid))
+        committer = CheckpointCommitter(
+            settings.checkpoints, world_size, due, settings.kind, settings.run, step_size, layout
+        )
     monitor = HeartbeatMonitor(world_size, heartbeat_timeout_of(cfg), started=0.0)
     survive = cfg.fault_tolerance == "survive"
 
@@ -275,6 +281,7 @@ def make_coordinator(cfg: FlodlConfig, setup: CoordinatorSetup) -> Coordinator:
             every,
             driver_state,
             cfg.checkpoint_every_s,
+            layout,
         )
     else:
         batches_per_epoch = total_picks // step_size

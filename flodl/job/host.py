@@ -30,13 +30,20 @@ from torch.distributed import PrefixStore
 
 from flodl.checkpoints.disk import MODEL_FILE, Checkpoint, atomic_save
 from flodl.checkpoints.identity import run_identity
+from flodl.config.policy import PolicyFacts
 from flodl.config.schema import FlodlConfig
 from flodl.coordinator.coordinator import Coordinator
 from flodl.coordinator.hooks import RunSummary
 from flodl.coordinator.roster import TooFewRanks
 from flodl.job.assembly import CoordinatorSetup, make_coordinator
 from flodl.job.failures import Consequence
-from flodl.job.resume import coordinator_state, covers_every_epoch, publish_checkpoint_choice
+from flodl.job.resume import (
+    agreed_config,
+    coordinator_state,
+    covers_every_epoch,
+    publish_checkpoint_choice,
+    resize_of,
+)
 from flodl.job.settings import resume_settings
 from flodl.links.group import publish_json, read_json
 from flodl.links.transport import COORDINATOR, InboxReader, Mailbox
@@ -113,9 +120,13 @@ class RunHost:
         """Before any rank needs them: the run's namespace and the checkpoint it continues from. A checkpoint
         that covers every epoch leaves nothing to train: its model is the run's."""
         publish_json(self.exchange, _NAMESPACE, self.namespace)
-        identity = run_identity(self.config, self.world_size, self.info.uid)
+        identity = run_identity(self.config, self.info.uid)
         settings = resume_settings(self.cfg, self.run_dir, identity)
         self.checkpoint = publish_checkpoint_choice(settings, self.world_size, self.exchange)
+        self.cfg = agreed_config(self.cfg, self.exchange)
+        if self.checkpoint is not None and self.checkpoint.world_size != self.world_size:
+            shares = not PolicyFacts.of(self.cfg).averages_parameters
+            log.warning("%s", resize_of(self.checkpoint, self.world_size, shares).words())
         if self.nothing_left:
             assert self.checkpoint is not None
             log.info(

@@ -41,7 +41,13 @@ from flodl.data.stream import epoch_picks
 from flodl.job import failures
 from flodl.job.assembly import hang_saver, make_group, make_worker
 from flodl.job.host import HostFailed, RunHost, TaskFacts, coordinator_started, host_namespace, publish_task
-from flodl.job.resume import agreed_checkpoint, covers_every_epoch, load_model, restore_worker
+from flodl.job.resume import (
+    agreed_checkpoint,
+    agreed_config,
+    covers_every_epoch,
+    load_model,
+    restore_worker,
+)
 from flodl.job.settings import checkpoint_store, task_settings
 from flodl.links.group import GroupHandle, agree_on_config, init_group, pick_device
 from flodl.links.heartbeat import HeartbeatSender, Rank0Watch, beat_interval
@@ -124,6 +130,7 @@ def _run_rank(config: dict[str, Any], info_fields: dict[str, Any], self_launched
             host = RunHost(cfg, config, info, env.world_size, group.exchange, connect)
             host.open()
         checkpoint = agreed_checkpoint(env.rank, group.exchange)
+        cfg = agreed_config(cfg, group.exchange)
         if checkpoint is not None and covers_every_epoch(checkpoint, cfg.epochs):
             return  # the host made the checkpoint's model the run's
         namespace = host_namespace(group.exchange)
@@ -153,7 +160,7 @@ def _run_rank(config: dict[str, Any], info_fields: dict[str, Any], self_launched
             cfg, parts, env, device, inbox, outbox, run_dir, rank_group, keeps_evaluated_models
         )
         if checkpoint is not None:
-            restore_worker(checkpoint, worker)
+            restore_worker(checkpoint, worker, env.world_size)
         _train(cfg, env, info, worker, group, namespace, connect, host, apart)
         if worker.stopped_by is not None:  # a stop that saved: its checkpoint is committed
             raise Stopped(worker.stopped_by)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +21,12 @@ from flodl.checkpoints.disk import (
     resolve_resume,
 )
 from flodl.checkpoints.identity import check_identity
+from flodl.config.schema import FlodlConfig
 from flodl.counting import shown_epoch
+from flodl.job.resize import Resize, grad_accum_for, keep_batch_problem, stream_problem
 from flodl.links.group import publish_json, read_json
 from flodl.metrics.sinks import read_history, record_line
 from flodl.worker.base import WorkerBase
-from flodl.worker.checkpoint_part import restore_rank_part
 from flodl.worker.rank_state import restore_stepper, shared_state
 
 log = logging.getLogger("flodl")
@@ -46,16 +47,48 @@ class ResumeSettings:
     run: dict[str, Any]
     # The run's metrics.jsonl, put in line with the checkpoint it resumes (or moved aside on a fresh start).
     metrics: Path
+    # Samples per rank micro-batch, and per rank step as configured (batch_size x grad_accum).
+    batch_size: int = 1
+    step_samples: int = 1
+    # Sync on another world: keep the checkpoint's global batch by gradient accumulation (job/resize.py).
+    keep_global_batch: bool = False
 
 
 def choose_checkpoint(settings: ResumeSettings, world_size: int) -> Checkpoint | None:
-    """The checkpoint `resume` names, checked against this run's identity, world size and policy."""
+    """The checkpoint `resume` names, checked against this run's identity and policy, and on another world
+    size against what the resize keeps."""
     found = resolve_resume(settings.resume, settings.checkpoints)
     if found is not None:
         check_identity(found, settings.run, settings.resume)
-        check_world_size(found, world_size)
-        check_run_kind(found, coordinator_state(found), settings.kind)
+        saved = coordinator_state(found)
+        check_run_kind(found, saved, settings.kind)
+        grad_accum_on(settings, found, saved, world_size)
     return found
+
+
+def saved_step_samples(saved: dict[str, Any], settings: ResumeSettings) -> int:
+    """Samples per rank step of the run that wrote a checkpoint (older checkpoints: as configured now)."""
+    return int(saved.get("step_samples", settings.step_samples))
+
+
+def grad_accum_on(
+    settings: ResumeSettings, checkpoint: Checkpoint, saved: dict[str, Any], world_size: int
+) -> int | None:
+    """keep_global_batch under sync: the grad_accum that keeps the checkpoint's global batch on `world_size`
+    ranks (None: the step stays as configured); refused where it does not divide."""
+    if not settings.keep_global_batch or saved.get("local_sgd"):
+        return None
+    members = len(checkpoint.part_ranks)
+    batch = members * saved_step_samples(saved, settings)
+    accum = grad_accum_for(batch, world_size, settings.batch_size)
+    if accum is None:
+        problem = keep_batch_problem(batch, members, world_size, settings.batch_size)
+        raise CheckpointError(f"checkpoint {checkpoint.path}: {problem}")
+    return accum
+
+
+def resize_of(checkpoint: Checkpoint, world_size: int, shares_optimizer: bool) -> Resize:
+    return Resize(checkpoint.world_size, checkpoint.part_ranks, world_size, shares_optimizer)
 
 
 def publish_checkpoint_choice(
@@ -76,8 +109,23 @@ def publish_checkpoint_choice(
         if found
         else None
     )
-    publish_json(exchange, "checkpoint", {"checkpoint": saved})
+    accum = grad_accum_on(settings, found, coordinator_state(found), world_size) if found else None
+    publish_json(exchange, "checkpoint", {"checkpoint": saved, "grad_accum": accum})
     return found
+
+
+def agreed_config(cfg: FlodlConfig, exchange: PrefixStore) -> FlodlConfig:
+    """The run's config as the checkpoint the host chose leaves it: under keep_global_batch, the grad_accum
+    that keeps its global batch on this world."""
+    accum = read_json(exchange, "checkpoint").get("grad_accum")
+    if accum is None or accum == cfg.grad_accum:
+        return cfg
+    log.info(
+        "keep_global_batch=true: grad_accum %d (configured %d) keeps the checkpoint's global batch",
+        accum,
+        cfg.grad_accum,
+    )
+    return replace(cfg, grad_accum=int(accum))
 
 
 def agreed_checkpoint(rank: int, exchange: PrefixStore) -> Checkpoint | None:
@@ -108,42 +156,37 @@ def load_model(checkpoint: Checkpoint, model: nn.Module) -> None:
     model.load_state_dict(checkpoint.load(MODEL_FILE))
 
 
-def restore_worker(checkpoint: Checkpoint, worker: WorkerBase) -> None:
-    """Put the rank back where its part of the checkpoint left it. A rank without a part (it was no member
-    at the checkpoint round) keeps the consensus model (load_model) with a fresh optimizer, scheduler, RNG
-    and step count; its worker state (the LR clock, the outer optimizer) is the same on every rank, so it
-    takes a member's."""
-    _restore(checkpoint, worker)
-    worker.stepper.storage.check(f"resuming from {checkpoint.path}")
-
-
-def _restore(checkpoint: Checkpoint, worker: WorkerBase) -> None:
-    ranks = checkpoint.part_ranks
-    if worker.rank in ranks:
-        worker.restore(restore_rank_part(checkpoint, worker.rank, worker.stepper))
+def restore_worker(checkpoint: Checkpoint, worker: WorkerBase, world_size: int) -> None:
+    """Put the rank back where its part of the checkpoint left it, or where the part flodl/job/resize.py
+    names for it leaves a rank that has none (another world size, or no member at the checkpoint round):
+    the consensus model (load_model) and what that part holds that another rank may take."""
+    resize = resize_of(checkpoint, world_size, worker.shares_optimizer)
+    if resize.owns(worker.rank):
+        part = checkpoint.load(rank_file(worker.rank))
+        if part["stepper"].get("data") is not None:  # a stream's readers stand at the saved world's split
+            problem = stream_problem(checkpoint.world_size, world_size)
+            if problem is not None:
+                raise CheckpointError(f"checkpoint {checkpoint.path}: {problem}")
+        restore_stepper(worker.stepper, part["stepper"])
+        worker.restore(part["worker"])
         log.info("resumed from %s: training continues %s", checkpoint.path, continues_at(checkpoint))
-        return
-    member = checkpoint.load(rank_file(ranks[0]))
-    if worker.shares_optimizer:  # sync: the member's optimizer is everyone's (its RNG streams stay its own)
-        restore_stepper(worker.stepper, shared_state(member["stepper"]))
-        worker.restore(member["worker"])
-        log.warning(
-            "rank %d has no part in %s (not a member at its checkpoint): it resumes with rank %d's optimizer "
-            "state; training continues %s",
+    else:
+        source = resize.source(worker.rank)
+        part = checkpoint.load(rank_file(source))
+        problem = stream_problem(checkpoint.world_size, world_size)
+        if part["stepper"].get("data") is not None and problem is not None:
+            raise CheckpointError(f"checkpoint {checkpoint.path}: {problem}")
+        restore_stepper(worker.stepper, shared_state(part["stepper"]))
+        worker.restore(worker.shared_state(part["worker"]))
+        log.info(
+            "rank %d has no part in %s: it resumes from the consensus with rank %d's optimizer state; "
+            "training continues %s",
             worker.rank,
             checkpoint.path,
-            ranks[0],
+            source,
             continues_at(checkpoint),
         )
-        return
-    worker.restore(member["worker"])
-    log.warning(
-        "rank %d has no part in %s (not a member at its checkpoint round): it resumes from the consensus "
-        "with a fresh optimizer; training continues %s",
-        worker.rank,
-        checkpoint.path,
-        continues_at(checkpoint),
-    )
+    worker.stepper.storage.check(f"resuming from {checkpoint.path}")
 
 
 def continues_at(checkpoint: Checkpoint) -> str:
@@ -197,15 +240,4 @@ def check_run_kind(checkpoint: Checkpoint, saved: dict[str, Any], kind: dict[str
             f"checkpoint {checkpoint.path} was written under policy={theirs['policy']} (local SGD: "
             f"{theirs['local_sgd']}); this run has policy={kind['policy']} (local SGD: {kind['local_sgd']}). "
             "Resume with the policy that wrote it, or start fresh with resume=never."
-        )
-
-
-def check_world_size(checkpoint: Checkpoint, world_size: int) -> None:
-    """Each rank's optimizer state and data position belong to its rank: a checkpoint resumes only at the
-    world size that wrote it."""
-    if checkpoint.world_size != world_size:
-        raise CheckpointError(
-            f"checkpoint {checkpoint.path} was written by {checkpoint.world_size} rank(s); this job has "
-            f"{world_size}. Resume with {checkpoint.world_size} ranks, or start fresh with resume=never "
-            "(its model.pt loads into any world size)."
         )

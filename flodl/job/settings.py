@@ -11,7 +11,7 @@ from typing import Any
 
 from flodl.checkpoints.disk import CheckpointDir
 from flodl.config.host import GIB, RankEnv, stage_dir_of
-from flodl.config.policy import PolicyFacts, compile_mode_for
+from flodl.config.policy import PolicyFacts, compile_mode_for, step_samples
 from flodl.config.schema import FlodlConfig
 from flodl.coordinator.commit import run_kind
 from flodl.data.feeder import DataPlaneSettings
@@ -102,7 +102,16 @@ def resume_settings(cfg: FlodlConfig, run_dir: Path, run: dict[str, Any]) -> Res
     """`run`: this run's identity (flodl/checkpoints/identity.py: from the config, world size and uid)."""
     policy = PolicyFacts.of(cfg)
     kind = run_kind(policy.name, policy.averages_parameters)
-    return ResumeSettings(cfg.resume, checkpoint_store(cfg, run_dir), kind, run, run_dir / METRICS_FILE)
+    return ResumeSettings(
+        cfg.resume,
+        checkpoint_store(cfg, run_dir),
+        kind,
+        run,
+        run_dir / METRICS_FILE,
+        cfg.batch_size,
+        step_samples(cfg),
+        cfg.keep_global_batch,
+    )
 
 
 def wandb_settings(cfg: FlodlConfig) -> WandbSettings:

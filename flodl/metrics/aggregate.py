@@ -177,7 +177,10 @@ def aggregate_epoch(
     return EpochMetrics(
         epoch=epoch,
         step=max(step_before, *(c.steps_total for c in chunks)),
-        loss=sum(c.loss_sum for c in chunks) / batches if batches else float("nan"),
+        # Each step's loss weighs its samples: a resume with keep_global_batch steps more of them at once.
+        loss=sum(c.loss_sum * c.samples / c.batches for c in chunks if c.batches) / samples
+        if batches
+        else float("nan"),
         samples=samples,
         epoch_s=wall_s,
         samples_per_s=rate,

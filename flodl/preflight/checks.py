@@ -218,7 +218,7 @@ def _resume_problems(cfg: FlodlConfig, config: dict[str, Any], host: HostFacts, 
     together (a restart's checkpoint is its own run's, by the uid the ranks agree on)."""
     if RankEnv.from_environ().launched:
         return []
-    run = run_identity(config, host.world_size, uid="")
+    run = run_identity(config, uid="")
     try:
         choose_checkpoint(resume_settings(cfg, run_dir, run), host.world_size)
     except CheckpointError as err:

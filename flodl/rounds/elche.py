@@ -364,12 +364,11 @@ class ElChe:
     def from_state(
         cls, settings: ElCheSettings, state: dict[str, Any], epoch_batches: int | None = None
     ) -> ElChe:
-        """Rebuild from `state()`. Knobs come from `settings` (a resume may re-bind them); a different
-        world size is rejected."""
+        """Rebuild from `state()`. Knobs come from `settings` (a resume may re-bind them). On another world
+        size (`resized`) the run's cadence carries over, its ranks' speeds do not."""
         n = settings.world_size
-        smoothed = state["smoothed_ms_per_batch"]
-        if len(smoothed) != n:
-            raise ValueError(f"ElCheState is for world_size {len(smoothed)}, this run has {n}")
+        if len(state["smoothed_ms_per_batch"]) != n:
+            return cls.resized(settings, state, epoch_batches)
         el = cls(settings, state["anchor_rank"], epoch_batches)
         el.anchor = el._counts_anchor = int(state["anchor"])
         el._counts = [el.anchor] * n
@@ -381,4 +380,23 @@ class ElChe:
             el._windows[r].extend(float(x) for x in w)
         for key in _RESUME:
             setattr(el, key, copy.copy(extra[key.lstrip("_")]))
+        return el
+
+    @classmethod
+    def resized(
+        cls, settings: ElCheSettings, state: dict[str, Any], epoch_batches: int | None = None
+    ) -> ElChe:
+        """A `state()` of another world: the anchor the run grew to (the window that amortizes a round),
+        its phase, calibrations and growth streaks carry over; every rank starts at the anchor's count with
+        no speed history and the anchor rank is elected again, as a restarted rank is measured afresh (the
+        ranks' speeds belong to their processes and devices)."""
+        el = cls(settings, None, epoch_batches)
+        el.anchor = el._counts_anchor = int(state["anchor"])
+        el._counts = [el.anchor] * settings.world_size
+        el.phase = Phase[str(state["phase"]).upper()]
+        el.calibration_count = int(state["calibration_count"])
+        extra = state["resume"]
+        el.growth_enabled = bool(extra["growth_enabled"])
+        el._stable_streak = int(extra["stable_streak"])
+        el._auto_overshoot = int(extra["auto_overshoot"])
         return el

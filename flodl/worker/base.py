@@ -254,6 +254,10 @@ class WorkerBase:
     def restore(self, state: dict[str, Any]) -> None:
         """Continue from `state()` as saved in a checkpoint."""
 
+    def shared_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Of another rank's `state()`, what this rank takes when it has no part of its own."""
+        return state
+
     def work(self) -> None:
         """One unit of training between message checks."""
 

@@ -19,11 +19,11 @@ from typing import Any
 
 from torch import nn
 
-from flodl.checkpoints.disk import MODEL_FILE, Checkpoint, CheckpointDir, Point, model_state, rank_file
+from flodl.checkpoints.disk import MODEL_FILE, CheckpointDir, Point, model_state, rank_file
 from flodl.links.messages import Saved
 from flodl.worker.host_snapshot import HostSnapshot, SharedRegionFailed, Taken
 from flodl.worker.part_writer import PartWriterProcess, WriterGone
-from flodl.worker.rank_state import restore_stepper, stepper_state
+from flodl.worker.rank_state import stepper_state
 from flodl.worker.stepper import Stepper
 
 log = logging.getLogger("flodl")
@@ -144,10 +144,3 @@ class RankCheckpointer:
         if self._process is not None:
             self._process.close()
         self._snapshot.release()
-
-
-def restore_rank_part(checkpoint: Checkpoint, rank: int, stepper: Stepper) -> dict[str, Any]:
-    """Restore the stepper (optimizer, scheduler, RNG, counters); return the worker's own state."""
-    part = checkpoint.load(rank_file(rank))
-    restore_stepper(stepper, part["stepper"])
-    return part["worker"]

@@ -95,6 +95,12 @@ class LocalSgdWorker(WorkerBase):
         self.global_steps = int(state["global_steps"])
         self.averager.load_state_dict(state["averager"])
 
+    def shared_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The round clock and the outer optimizer are every rank's; a wire's error feedback (what that
+        rank's earlier rounds left out) is its own: a rank taking it would send it a second time."""
+        averager = {key: value for key, value in state["averager"].items() if key != "wire_feedback"}
+        return {**state, "averager": averager}
+
     def release(self) -> None:
         self.averager.release()
 

@@ -86,11 +86,14 @@ class SyncWorker(WorkerBase):
         lr_scale_ratio: float = 0.0,
         group: RankGroup | None = None,
         wrap: Callable[[dist.ProcessGroup], nn.Module] | None = None,
+        keep_global_batch: bool = False,
     ) -> None:
         """`lr_scale_ratio`: the learning rate follows the world, x (1 + (n - 1) * ratio) for n ranks (as
         the task was built); it matters when the world changes (survive) or differs from a checkpoint's.
         `wrap`: DDP around the model on a group's process group, wrapped again on each group survive forms
-        (every member calls it together: it broadcasts the first member's parameters)."""
+        (every member calls it together: it broadcasts the first member's parameters).
+        `keep_global_batch`: a checkpoint's global batch kept on another world (flodl/job/resize.py), and
+        with it the learning rate scaled for the world it was laid out for."""
         super().__init__(stepper, link, settings, checkpointer, group)
         self.lr_scale_ratio = lr_scale_ratio
         self.wrap = wrap
@@ -98,8 +101,12 @@ class SyncWorker(WorkerBase):
         self.gradient_bytes = wire.gradient_bytes(stepper.params)
         # Samples of the global batches trained (every member's, step after step; the eval row's label).
         self.global_samples = 0
-        # The world the learning rate is scaled for (survive: the members of the group).
+        # The world the learning rate is scaled for: the global batch in steps of `layout_step`, a rank's
+        # step in the world the run was laid out for (its own step, unless keep_global_batch resumed it on
+        # another world).
         self.lr_world = self.world_size
+        self.keep_global_batch = keep_global_batch
+        self.layout_step = stepper.step_samples
         self.position = RESTARTED if self.group.joining else UNTRAINED
         # survive: the group's first member says when the first step of a new group went through.
         self._first_step_due = False
@@ -261,7 +268,11 @@ class SyncWorker(WorkerBase):
         return steps + math.ceil(2.0 * (steps - first) / max(time.perf_counter() - started, 1e-3)) + 2
 
     def state(self) -> dict[str, Any]:
-        return {"global_samples": self.global_samples, "lr_world": self.lr_world}
+        return {
+            "global_samples": self.global_samples,
+            "lr_world": self.lr_world,
+            "layout_step": self.layout_step,
+        }
 
     def restore(self, state: dict[str, Any]) -> None:
         """After the stepper's state: a checkpoint taken with fewer ranks (survive) held a learning rate
@@ -271,7 +282,9 @@ class SyncWorker(WorkerBase):
             state.get("global_samples", stepper.steps_total * stepper.step_samples * self.world_size)
         )
         self.lr_world = int(state.get("lr_world", self.world_size))
-        self._scale_lr(self.world_size, say=self.rank == 0)
+        if self.keep_global_batch:
+            self.layout_step = int(state.get("layout_step", self.layout_step))
+        self._scale_lr(self._batch_world(self.world_size), say=self.rank == 0)
 
     def release(self) -> None:
         self.stepper.set_train_module(self.stepper.parts.model)  # DDP holds the group's buckets
@@ -287,7 +300,7 @@ class SyncWorker(WorkerBase):
         assert self.wrap is not None, "a group formed for a sync worker without a DDP wrap"
         self.position = self._agree(group)
         self.stepper.set_train_module(self.wrap(group.process_group()))
-        self._scale_lr(group.size, say=group.index == 0)
+        self._scale_lr(self._batch_world(group.size), say=group.index == 0)
         self._first_step_due = group.index == 0
         if change is not None:
             what = f"admitting {change.joining}" if change.joining else "regrouping"
@@ -363,6 +376,10 @@ class SyncWorker(WorkerBase):
         self.global_samples = int(state["global_samples"])
         self.lr_world = int(state["lr_world"])
 
+    def _batch_world(self, size: int) -> int:
+        """The global batch of `size` ranks, in ranks of the world the run was laid out for."""
+        return size * self.stepper.step_samples // self.layout_step
+
     def _scale_lr(self, size: int, say: bool) -> None:
         """Scale the learning rate from the world it is scaled for to `size` ranks (`say`: log it)."""
         ratio = self.lr_scale_ratio
@@ -372,7 +389,7 @@ class SyncWorker(WorkerBase):
                 "world %d -> %d: global batch %d, learning rate x%.4g (lr_scale_ratio=%g)",
                 self.lr_world,
                 size,
-                size * self.stepper.step_samples,
+                size * self.layout_step,
                 factor,
                 ratio,
             )

@@ -33,16 +33,20 @@ def _points(n: int, seed: int) -> tuple[Tensor, Tensor]:
 class NoisyPoints(Dataset):
     """Random augmentation in `__getitem__` (fresh noise from the global RNG on every read)."""
 
-    def __init__(self, n: int = 192, log: str | None = None, dicts: bool = False, seed: int = 0) -> None:
+    def __init__(
+        self, n: int = 192, log: str | None = None, dicts: bool = False, seed: int = 0, noise: float = 0.1
+    ) -> None:
+        """`noise`: its scale (0: the same sample on every read, whichever rank's RNG reads it)."""
         self.x, self.y = _points(n, seed)
         self.log = Path(log) if log else None
         self.dicts = dicts
+        self.noise = noise
 
     def __len__(self) -> int:
         return len(self.y)
 
     def __getitem__(self, i: int) -> Any:
-        x = self.x[i] + 0.1 * torch.randn(DIM)
+        x = self.x[i] + self.noise * torch.randn(DIM)
         if self.log is not None:
             self.log.mkdir(parents=True, exist_ok=True)
             with open(self.log / f"reads-{os.getpid()}.txt", "a") as f:

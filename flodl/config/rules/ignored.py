@@ -33,6 +33,13 @@ def ignored_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
             "never restarted",
         )
     yield from _checkpoint_problems(cfg, defaults)
+    if cfg.keep_global_batch and cfg.policy != "sync":
+        yield problem(
+            "keep_global_batch",
+            cfg.keep_global_batch,
+            f"applies to policy=sync (under {cfg.policy} each rank steps its own batch; a resume on another "
+            "world keeps every rank's step)",
+        )
     if cfg.simulate.slow_rank is None and cfg.simulate.factor != defaults.simulate.factor:
         yield problem("simulate.factor", cfg.simulate.factor, "slows simulate.slow_rank, which is not set")
     if cfg.logger.name != "wandb":
