@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.helpers.procs import (
+    FAST_START,
     PYTHON,
     TORCHRUN,
     TRAIN,
@@ -86,6 +87,7 @@ def test_with_no_restarts_left_the_error_names_the_dead_rank_and_the_last_checkp
         PYTHON,
         TRAIN,
         "launch.nproc_per_node=2",
+        FAST_START,
         "epochs=24",
         "checkpoint_every=1",
         f"hydra.run.dir={run_dir}",
@@ -106,6 +108,7 @@ def test_a_frozen_rank_is_reported_within_the_heartbeat_timeout(tmp_path: Path) 
             PYTHON,
             TRAIN,
             "launch.nproc_per_node=2",
+            FAST_START,
             "epochs=200",
             "heartbeat_timeout_s=3",
             "checkpoint_every=null",  # the line then says no checkpoint was taken
@@ -145,6 +148,7 @@ def test_a_frozen_rank_0_is_named_by_the_other_ranks_within_the_heartbeat_timeou
                 PYTHON,
                 TRAIN,
                 "launch.nproc_per_node=2",
+                FAST_START,
                 "epochs=200",
                 "heartbeat_timeout_s=3",
                 "simulate.hang_rank=0",
@@ -175,6 +179,7 @@ def test_a_nan_injected_at_step_k_stops_the_run_naming_rank_and_step(tmp_path: P
     # team behind (a forked rank's first parallel region would wait for it forever).
     result = train(
         "launch.nproc_per_node=2",
+        FAST_START,
         "policy=cadence",
         "epochs=6",
         "checkpoint_every=1",
@@ -205,6 +210,7 @@ def test_under_sync_a_nan_is_blamed_on_its_rank_in_one_line_and_the_detail_is_in
     run_dir = tmp_path / "run"
     result = train(
         "launch.nproc_per_node=2",
+        FAST_START,
         "policy=sync",
         "epochs=4",
         "simulate.nan_rank=1",
@@ -253,6 +259,7 @@ def test_on_nonfinite_skip_drops_the_bad_window_and_training_goes_on(tmp_path: P
     run_dir = tmp_path / "run"
     train(
         "launch.nproc_per_node=2",
+        FAST_START,
         "policy=cadence",
         "epochs=5",
         "on_nonfinite=skip",
@@ -297,6 +304,7 @@ def test_a_resumed_local_sgd_run_continues_its_step_clock_schedule_and_elche(
     run_dir = tmp_path / "run"
     common = [
         "launch.nproc_per_node=2",
+        FAST_START,
         f"policy={policy}",
         "checkpoint_every=2",
         STEP_LR,
@@ -320,7 +328,13 @@ def test_resuming_a_finished_run_trains_nothing_and_another_policy_is_refused_be
     tmp_path: Path,
 ) -> None:
     run_dir = tmp_path / "run"
-    common = ["launch.nproc_per_node=2", "checkpoint_every=2", "epochs=2", f"hydra.run.dir={run_dir}"]
+    common = [
+        "launch.nproc_per_node=2",
+        FAST_START,
+        "checkpoint_every=2",
+        "epochs=2",
+        f"hydra.run.dir={run_dir}",
+    ]
     train("policy=cadence", *common, cwd=tmp_path, timeout=150).check()
     records = epochs_of(run_dir)
     again = train("policy=cadence", *common, cwd=tmp_path, timeout=150).check()
@@ -339,7 +353,7 @@ def test_a_fault_injected_once_the_elastic_agent_s_restart_runs_clean_and_equals
     """simulate.kill_at_step kills rank 1 once per run: the group the agent restarts resumes from the step
     checkpoint before it (below step 30) and passes step 30 clean, ending with the uninterrupted run's
     model bit for bit (sync, CPU)."""
-    common = ["launch.nproc_per_node=2", "policy=sync", "epochs=3", "checkpoint_every_steps=7"]
+    common = ["launch.nproc_per_node=2", FAST_START, "policy=sync", "epochs=3", "checkpoint_every_steps=7"]
     train(*common, f"hydra.run.dir={tmp_path / 'whole'}", cwd=tmp_path, timeout=240).check()
     killed = tmp_path / "killed"
     result = train(

@@ -14,7 +14,7 @@ import torch
 from flodl.data.streams import SeededIndices, SeededReads, batch_seed, seed_rank_streams
 from flodl.worker.task_setup import TaskSettings, build_task
 from tests.helpers.byo_data import DrawingPoints
-from tests.helpers.procs import REPO, train
+from tests.helpers.procs import FAST_START, REPO, train
 
 CONF = str(REPO / "tests" / "helpers" / "conf")
 SAMPLES, BATCH = 192, 16
@@ -33,6 +33,7 @@ def _run(tmp_path: Path, name: str, *overrides: str) -> None:
         "policy=sync",
         "device=cpu",
         "launch.nproc_per_node=2",
+        FAST_START,
         f"batch_size={BATCH}",
         f"hydra.run.dir={tmp_path / ('run-' + name)}",
         *overrides,

@@ -23,6 +23,7 @@ from flodl.checkpoints.disk import CheckpointDir, Point, rank_file
 from flodl.data.partition import epoch_permutation
 from tests.helpers.byo_data import reads
 from tests.helpers.procs import (
+    FAST_START,
     PYTHON,
     REPO,
     TRAIN,
@@ -82,6 +83,7 @@ def test_a_run_resumed_inside_an_epoch_ends_bitwise_equal_to_the_uninterrupted_o
     common = [
         *task,
         "launch.nproc_per_node=2",
+        FAST_START,
         f"policy={policy}",
         "epochs=3",
         "checkpoint_every_steps=5",
@@ -114,6 +116,7 @@ def test_cadence_reading_a_stream_trains_each_ranks_shard_in_order_every_item_on
         *STREAM,
         "task.train_data._target_=tests.helpers.byo_data.ShardedPointStream",
         "launch.nproc_per_node=2",
+        FAST_START,
         "policy=cadence",
         "checkpoint_every_steps=5",
         "checkpoint_keep=50",
@@ -146,6 +149,7 @@ def test_async_resumed_inside_an_epoch_trains_every_sample_of_every_epoch_exactl
         CONF,
         "task=byo_points",
         "launch.nproc_per_node=2",
+        FAST_START,
         "policy=async",
         "epochs=3",
         "checkpoint_every_s=0.000001",
@@ -194,7 +198,13 @@ def test_a_job_killed_while_a_part_is_written_in_the_background_resumes_from_the
     tmp_path: Path,
 ) -> None:
     run_dir = tmp_path / "run"
-    overrides = ["launch.nproc_per_node=2", "epochs=3", "checkpoint_every=1", f"hydra.run.dir={run_dir}"]
+    overrides = [
+        "launch.nproc_per_node=2",
+        FAST_START,
+        "epochs=3",
+        "checkpoint_every=1",
+        f"hydra.run.dir={run_dir}",
+    ]
     held = {  # the parts of the checkpoint after the second epoch are held on their writer threads
         "FLODL_TEST_WRITE_DELAY_S": "600",
         "FLODL_TEST_WRITE_DELAY_FROM_EPOCH": "1",

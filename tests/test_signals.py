@@ -23,6 +23,7 @@ import torch
 from flodl.checkpoints.disk import Checkpoint, Point, verify
 from flodl.job.resume import continues_at
 from tests.helpers.procs import (
+    FAST_START,
     PYTHON,
     REPO,
     TRAIN,
@@ -122,7 +123,7 @@ def rank_pid(tmp_path: Path, rank: int) -> int:
 def test_sigint_to_the_elastic_launcher_stops_every_rank_and_the_printed_command_resumes(
     tmp_path: Path,
 ) -> None:
-    args = [PYTHON, TRAIN, "launch.nproc_per_node=2", *overrides(tmp_path)]
+    args = [PYTHON, TRAIN, "launch.nproc_per_node=2", FAST_START, *overrides(tmp_path)]
     result = stop_mid_run(args, tmp_path, signal.SIGINT, lambda proc: proc.pid)
     assert result.code == 130, result.out[-4000:]
     assert "Traceback" not in result.out, result.out[-4000:]
@@ -224,8 +225,9 @@ def _stop_after_first_checkpoint(args: list[str], tmp_path: Path, signum: int = 
 # Digits under sync, one rank slowed so that an epoch lasts a second or so: a stop lands inside the run.
 SYNC_STOP = [
     "launch.nproc_per_node=2",
+    FAST_START,
     "policy=sync",
-    "epochs=5",
+    "epochs=3",
     "checkpoint_every=1",
     "simulate.slow_rank=0",
     "simulate.factor=40",
@@ -275,6 +277,7 @@ def test_under_survive_a_stop_saves_at_the_next_boundary_and_the_printed_command
         PYTHON,
         TRAIN,
         "launch.nproc_per_node=2",
+        FAST_START,
         f"policy={policy}",
         "epochs=4",
         "checkpoint_every=1",
@@ -344,7 +347,15 @@ def test_with_the_default_config_a_stop_saves_and_the_printed_command_resumes(tm
     """No checkpoint_every* key given: a SIGTERM in the second epoch still saves the stop's checkpoint (the
     ranks held there until the coordinator took the stop), and its command finishes the run."""
     run_dir = tmp_path / "run"
-    args = [PYTHON, TRAIN, "launch.nproc_per_node=2", "policy=sync", "epochs=3", f"hydra.run.dir={run_dir}"]
+    args = [
+        PYTHON,
+        TRAIN,
+        "launch.nproc_per_node=2",
+        FAST_START,
+        "policy=sync",
+        "epochs=3",
+        f"hydra.run.dir={run_dir}",
+    ]
     # Digits: 22 steps of 32 samples an epoch on each of 2 ranks.
     proc = start(args, tmp_path, env=_hooks_env(tmp_path, 30), errors=subprocess.PIPE)
     try:
@@ -372,6 +383,7 @@ def test_a_sync_stop_saves_its_own_checkpoint_when_an_earlier_one_commits_after_
         PYTHON,
         TRAIN,
         "launch.nproc_per_node=2",
+        FAST_START,
         "policy=sync",
         "epochs=3",
         "checkpoint_every_steps=5",

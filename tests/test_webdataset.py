@@ -15,7 +15,7 @@ import torch
 
 from flodl.checkpoints.disk import rank_file
 from tests.helpers.byo_data import write_point_shards
-from tests.helpers.procs import REPO, train
+from tests.helpers.procs import FAST_START, REPO, train
 
 pytestmark = pytest.mark.multiproc
 
@@ -34,6 +34,7 @@ def _run(tmp_path: Path, name: str, *overrides: str) -> list[list[int]]:
         "task=byo_webdataset",
         f"task.train_data.folder={tmp_path / 'shards'}",
         "launch.nproc_per_node=2",
+        FAST_START,
         "policy=sync",
         "num_workers=2",
         "checkpoint_every_steps=5",
