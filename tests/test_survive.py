@@ -82,6 +82,12 @@ def digests(out: str, what: str) -> dict[int, str]:
     return found
 
 
+def admitted_optimizers(out: str) -> dict[int, tuple[str, str]]:
+    """Each rank's optimizer fingerprint and learning rate, as it logged them after an admission."""
+    found = re.findall(r"rank (\d+): state after admitting [^\n]*, optimizer ([0-9a-f]+), lr (\S+)", out)
+    return {int(rank): (digest, lr) for rank, digest, lr in found}
+
+
 def epoch_records(run: Path, epochs: int | None) -> list[dict]:
     """The records, one per epoch in order (`epochs` of them; None: a run StopOnceAdmitted ended)."""
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -138,6 +144,11 @@ def test_a_killed_rank_is_cut_out_restarted_and_admitted_back(
     # The admitted rank received the consensus and the global steps: every member held the same right after.
     admitted = digests(result.out, "admitting")
     assert set(admitted) == {0, 1, 2} and len(set(admitted.values())) == 1, admitted
+    # And the sharer's optimizer (rank 0, the first member: its Adam moments), not a fresh one; every member's
+    # learning rate the same (a joiner's schedule on the global clock).
+    optimizers = admitted_optimizers(result.out)
+    assert set(optimizers) == {0, 1, 2} and optimizers[1] == optimizers[0], optimizers
+    assert len({lr for _, lr in optimizers.values()}) == 1, optimizers
     # The last round was exact: one state on every member, and model.pt is it.
     final = digests(result.out, "final round")
     assert set(final) == {0, 1, 2} and len(set(final.values())) == 1, final

@@ -28,6 +28,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import PrefixStore, Store
 
+from flodl.links.state_bytes import state_from_bytes, state_to_bytes
+
 # How often forming looks at the store for members not ready yet: often at first (a change in progress), then
 # gently (a sync admission may wait out the members' epochs).
 _POLL_S = 0.005
@@ -201,6 +203,19 @@ class AveragingGroup:
         options.rootRank = source
         for tensor in tensors:
             self.settle(self.group.broadcast([tensor], options))
+
+    def broadcast_state(self, state: Any, source: int, wire: torch.device, to: torch.device) -> Any:
+        """The member at index `source`'s `state` (plain data and tensors; the others pass None) on every
+        member, its tensors on `to`: serialized, then its size and its bytes broadcast on `wire` (the device
+        the group's backend sends from)."""
+        encoded = state_to_bytes(state) if self.index == source else None
+        size = torch.tensor([0 if encoded is None else encoded.numel()], dtype=torch.int64, device=wire)
+        self.broadcast([size], source)
+        payload = torch.zeros(int(size.item()), dtype=torch.uint8, device=wire)
+        if encoded is not None:
+            payload.copy_(encoded)
+        self.broadcast([payload], source)
+        return state if encoded is not None else state_from_bytes(payload, to)
 
     def all_gather(self, tensor: Tensor) -> list[Tensor]:
         """Every member's `tensor` (same shape on each), in member order."""

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from flodl.averaging.consensus import DeviceAverager, HostAverager
+from flodl.averaging.flat import state_digest
 from flodl.checkpoints.disk import Point
 from flodl.links.membership import AveragingGroup
 from flodl.links.messages import (
@@ -46,6 +47,7 @@ from flodl.worker.group import RankGroup
 from flodl.worker.local_chunk import Chunk
 from flodl.worker.local_round import FinishedRound, RoundInFlight
 from flodl.worker.nonfinite import NonFiniteError
+from flodl.worker.rank_state import restore_stepper, shared_state, stepper_state
 from flodl.worker.stepper import Stepper
 
 log = logging.getLogger("flodl")
@@ -345,15 +347,41 @@ class LocalSgdWorker(WorkerBase):
         if change is None or change.shares_state:
             sharer = group.members[0] if change is None else change.sharer
             self._share(functools.partial(group.broadcast_from, member=sharer))
+            if change is not None and change.joining:
+                self._share_optimizer(group, sharer, change.joining)
         self.averager.regroup()
+
+    def _share_optimizer(self, group: AveragingGroup, sharer: int, joining: list[int]) -> None:
+        """A joiner (a restart, or a rank new to the run) takes the sharer's optimizer and scheduler state
+        (as a rank without a checkpoint part does): its moments and learning rate, not a fresh optimizer's.
+        The other members keep their own."""
+        stepper = self.stepper
+        mine = shared_state(stepper_state(stepper)) if self.rank == sharer else None
+        wire = stepper.device if group.backend == "nccl" else torch.device("cpu")
+        state = group.broadcast_state(mine, group.members.index(sharer), wire, stepper.device)
+        if self.rank in joining:
+            restore_stepper(stepper, state)
+            stepper.schedule_to(self.schedule_position())
 
     def regrouped(self, change: Regroup, formed: Regrouped) -> None:
         self.report(formed)
         self.stepper.storage.check(f"averaging group {change.generation} formed")
         if change.shares_state:
             what = f"admitting {change.joining}" if change.joining else "a member's state was shared"
-            digest = self.averager.state_digest
-            self.group.say_state(lambda: f"{what}: {digest()}, global steps {self.global_steps}")
+            digest, optimizer = self.averager.state_digest, self._optimizer_words
+
+            def state() -> str:
+                return f"{what}: {digest()}, global steps {self.global_steps}, {optimizer()}"
+
+            self.group.say_state(state)
+
+    def _optimizer_words(self) -> str:
+        """The optimizer's state fingerprinted, and its learning rate (a joiner's equals its sharer's)."""
+        optimizer = self.stepper.parts.optimizer
+        moments = [
+            t.reshape(-1) for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)
+        ]
+        return f"optimizer {state_digest(moments)}, lr {self.stepper.lr:.9g}"
 
     def _share(self, send: Callable[[list[torch.Tensor]], None]) -> None:
         """One member's state to every member: parameters and f32 buffers, and its LR schedule's clock

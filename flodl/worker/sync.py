@@ -30,14 +30,13 @@ from flodl.checkpoints.disk import Point
 from flodl.counting import shown_epoch
 from flodl.links.membership import AveragingGroup
 from flodl.links.messages import ChunkReport, FirstStep, Message, Regroup, Regrouped, StartEpoch
-from flodl.links.state_bytes import state_from_bytes, state_to_bytes
 from flodl.metrics.scalars import drain_scalars
 from flodl.worker.base import RankLink, WorkerBase, WorkerSettings
 from flodl.worker.checkpoint_part import RankCheckpointer
 from flodl.worker.group import RankGroup
+from flodl.worker.lr_world import LrWorld
 from flodl.worker.rank_state import restore_stepper, shared_state, stepper_state
 from flodl.worker.stepper import Stepper
-from flodl.worker.task_setup import lr_scale_factor
 
 log = logging.getLogger("flodl")
 
@@ -95,18 +94,13 @@ class SyncWorker(WorkerBase):
         `keep_global_batch`: a checkpoint's global batch kept on another world (flodl/job/resize.py), and
         with it the learning rate scaled for the world it was laid out for."""
         super().__init__(stepper, link, settings, checkpointer, group)
-        self.lr_scale_ratio = lr_scale_ratio
         self.wrap = wrap
         # What DDP all-reduces per optimizer step (once, after the last micro-batch), as `wire` sends it.
         self.gradient_bytes = wire.gradient_bytes(stepper.params)
         # Samples of the global batches trained (every member's, step after step; the eval row's label).
         self.global_samples = 0
-        # The world the learning rate is scaled for: the global batch in steps of `layout_step`, a rank's
-        # step in the world the run was laid out for (its own step, unless keep_global_batch resumed it on
-        # another world).
-        self.lr_world = self.world_size
-        self.keep_global_batch = keep_global_batch
-        self.layout_step = stepper.step_samples
+        # The world the learning rate is scaled for.
+        self.lr = LrWorld(stepper, self.world_size, lr_scale_ratio, keep_global_batch)
         self.position = RESTARTED if self.group.joining else UNTRAINED
         # survive: the group's first member says when the first step of a new group went through.
         self._first_step_due = False
@@ -268,11 +262,7 @@ class SyncWorker(WorkerBase):
         return steps + math.ceil(2.0 * (steps - first) / max(time.perf_counter() - started, 1e-3)) + 2
 
     def state(self) -> dict[str, Any]:
-        return {
-            "global_samples": self.global_samples,
-            "lr_world": self.lr_world,
-            "layout_step": self.layout_step,
-        }
+        return {"global_samples": self.global_samples, **self.lr.state()}
 
     def restore(self, state: dict[str, Any]) -> None:
         """After the stepper's state: a checkpoint taken with fewer ranks (survive) held a learning rate
@@ -281,10 +271,8 @@ class SyncWorker(WorkerBase):
         self.global_samples = int(
             state.get("global_samples", stepper.steps_total * stepper.step_samples * self.world_size)
         )
-        self.lr_world = int(state.get("lr_world", self.world_size))
-        if self.keep_global_batch:
-            self.layout_step = int(state.get("layout_step", self.layout_step))
-        self._scale_lr(self._batch_world(self.world_size), say=self.rank == 0)
+        self.lr.restore(state, self.world_size)
+        self.lr.scale_to(self.world_size, say=self.rank == 0)
 
     def release(self) -> None:
         self.stepper.set_train_module(self.stepper.parts.model)  # DDP holds the group's buckets
@@ -300,7 +288,7 @@ class SyncWorker(WorkerBase):
         assert self.wrap is not None, "a group formed for a sync worker without a DDP wrap"
         self.position = self._agree(group)
         self.stepper.set_train_module(self.wrap(group.process_group()))
-        self._scale_lr(self._batch_world(group.size), say=group.index == 0)
+        self.lr.scale_to(group.size, say=group.index == 0)
         self._first_step_due = group.index == 0
         if change is not None:
             what = f"admitting {change.joining}" if change.joining else "regrouping"
@@ -357,53 +345,19 @@ class SyncWorker(WorkerBase):
             for tensor, received in zip(tensors, moved, strict=True):
                 tensor.copy_(received)
         self.stepper.storage.check("the members agreed on their state")
-        mine = {
-            "stepper": shared_state(stepper_state(stepper)),
-            "global_samples": self.global_samples,
-            "lr_world": self.lr_world,
-        }
-        encoded = state_to_bytes(mine)
-        size = torch.tensor([encoded.numel()], dtype=torch.int64, device=device)
-        group.broadcast([size], source)
-        payload = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
+        mine = None
         if group.index == source:
-            payload.copy_(encoded)
-        group.broadcast([payload], source)
+            mine = {
+                "stepper": shared_state(stepper_state(stepper)),
+                "global_samples": self.global_samples,
+                "lr_world": self.lr.world,
+            }
+        state = group.broadcast_state(mine, source, device, stepper.device)
         if group.index == source:
             return
-        state = state_from_bytes(payload, stepper.device)
         restore_stepper(stepper, state["stepper"])
         self.global_samples = int(state["global_samples"])
-        self.lr_world = int(state["lr_world"])
-
-    def _batch_world(self, size: int) -> int:
-        """The global batch of `size` ranks, in ranks of the world the run was laid out for."""
-        return size * self.stepper.step_samples // self.layout_step
-
-    def _scale_lr(self, size: int, say: bool) -> None:
-        """Scale the learning rate from the world it is scaled for to `size` ranks (`say`: log it)."""
-        ratio = self.lr_scale_ratio
-        factor = lr_scale_factor(size, ratio) / lr_scale_factor(self.lr_world, ratio)
-        if size != self.lr_world and say:
-            log.info(
-                "world %d -> %d: global batch %d, learning rate x%.4g (lr_scale_ratio=%g)",
-                self.lr_world,
-                size,
-                size * self.layout_step,
-                factor,
-                ratio,
-            )
-        self.lr_world = size
-        if factor == 1.0:
-            return
-        parts = self.stepper.parts
-        for param_group in parts.optimizer.param_groups:
-            param_group["lr"] *= factor
-            if "initial_lr" in param_group:  # what a scheduler that recomputes from the base starts from
-                param_group["initial_lr"] *= factor
-        base_lrs = getattr(parts.scheduler, "base_lrs", None)
-        if base_lrs is not None:
-            parts.scheduler.base_lrs = [lr * factor for lr in base_lrs]
+        self.lr.world = int(state["lr_world"])
 
     def _say_first_step(self) -> None:
         """The first step on a new group went through on every member (its all-reduce finished here)."""
