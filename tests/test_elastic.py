@@ -15,7 +15,7 @@ import torch
 
 from flodl.data.partition import epoch_permutation
 from tests.helpers.byo_data import reads
-from tests.helpers.procs import REPO, train
+from tests.helpers.procs import FAST_START, REPO, train
 from tests.helpers.runs import epochs_of
 
 pytestmark = pytest.mark.multiproc
@@ -123,3 +123,33 @@ def test_keep_global_batch_resumes_two_ranks_checkpoint_on_one_within_float_tole
     assert [(r["epoch"], r["world"]) for r in again_records] == [(1, 1), (2, 1), (3, 1)]
     assert [r["lr"] for r in again_records] == [r["lr"] for r in ran[1:]]
     assert [round(r["loss"], 5) for r in again_records] == [round(r["loss"], 5) for r in ran[1:]]
+
+
+def test_keep_global_batch_under_survive_a_death_leaves_the_trajectory_of_the_undisturbed_run(
+    tmp_path: Path,
+) -> None:
+    """sync, 2 ranks, survive: rank 1 dies inside the third epoch and is not restarted; rank 0 takes its
+    share of each step by gradient accumulation (two micro-batches), so the global batch and the learning
+    rate stay, and the run ends within float tolerance of the same run without a death."""
+    common = [
+        *POINTS,
+        FAST_START,
+        "task.train_data.noise=0",
+        "launch.nproc_per_node=2",
+        "fault_tolerance=survive",
+        "min_ranks=1",
+        "launch.max_restarts=0",
+        "keep_global_batch=true",
+    ]
+    whole, survived = tmp_path / "whole", tmp_path / "survived"
+    train(*common, f"hydra.run.dir={whole}", cwd=tmp_path, timeout=240).check()
+    death = ("simulate.kill_rank=1", "simulate.kill_at_step=15", f"hydra.run.dir={survived}")
+    out = train(*common, *death, cwd=tmp_path, timeout=240).check().out
+    assert "keep_global_batch: 1 members keep the global step of 32, 32 samples each" in out
+    a = torch.load(whole / "model.pt", weights_only=True)
+    b = torch.load(survived / "model.pt", weights_only=True)
+    assert all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-6) for k in a)
+    ran, records = epochs_of(whole), epochs_of(survived)
+    assert [r["world"] for r in records] == [2, 2, 1, 1] and [r["lr"] for r in records] == [
+        r["lr"] for r in ran
+    ]

@@ -206,10 +206,11 @@ class FlodlConfig:
     peak_tflops: float | None = None
     # The learning rate is scaled by 1 + (world_size - 1) x this ratio (0: not scaled).
     lr_scale_ratio: float = 1.0
-    # policy=sync, a checkpoint resumed on another number of ranks: keep its global batch by gradient
-    # accumulation (grad_accum becomes what makes it up on the new world; refused where it does not divide),
-    # so the learning rate and the trajectory stay the saved run's. false: the global batch follows the
-    # world and the learning rate is scaled by lr_scale_ratio (docs/checkpoints-and-faults.md).
+    # policy=sync, when the world changes (a checkpoint resumed on another number of ranks, a survive cut):
+    # keep the global batch by gradient accumulation, each global step holding the samples it would have,
+    # so the learning rate and the trajectory stay the run's (a resume where it does not divide is refused;
+    # a cut where it does not divide follows the world). false: the global batch follows the world and the
+    # learning rate is scaled by lr_scale_ratio (docs/checkpoints-and-faults.md, docs/survive.md).
     keep_global_batch: bool = False
     # Evaluate after every this many epochs and after the last (0: no eval).
     eval_every: int = 1

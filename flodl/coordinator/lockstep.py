@@ -36,6 +36,8 @@ class Segment:
     shares: dict[int, tuple[EpochSlice, ...]]
     # Picks left over that make no whole step of every member (not trained this epoch).
     dropped: int = 0
+    # Samples of each member's step (keep_global_batch: the global step cut among fewer or more members).
+    step_samples: int = 0
 
     @property
     def end_step(self) -> int:
@@ -51,7 +53,33 @@ def opening_segment(
         rank: (part,) for rank, part in zip(ordered, slices, strict=True)
     }
     dropped = total_picks - len(ordered) * slices[0].size
-    return Segment(epoch, generation, ordered, 0, slices[0].size // step_samples, shares, dropped)
+    steps = slices[0].size // step_samples
+    return Segment(epoch, generation, ordered, 0, steps, shares, dropped, step_samples)
+
+
+def kept_step(global_step: int, members: int, batch_size: int) -> int | None:
+    """A member's step that makes up `global_step` on `members` ranks in whole micro-batches of
+    `batch_size`; None: it does not divide."""
+    per_member, left = divmod(global_step, members)
+    if left or per_member == 0 or per_member % batch_size:
+        return None
+    return per_member
+
+
+@dataclass(frozen=True)
+class KeptBatch:
+    """keep_global_batch: the global step every membership trains, in samples, where it divides."""
+
+    global_step: int
+    batch_size: int
+    # A rank's step in the world the run was laid out for (its global steps stay that world's).
+    layout_step: int
+
+    def step_for(self, members: int, fallback: int) -> int:
+        """Each member's step: its part of the global step, or `fallback` where that does not divide (the
+        global batch then follows the world)."""
+        step = kept_step(self.global_step, members, self.batch_size)
+        return fallback if step is None else step
 
 
 def laid_out(
@@ -66,7 +94,7 @@ def laid_out(
     world's (keep_global_batch on fewer ranks than the run was laid out for): the epoch as the saved world
     of `total step / layout_step` ranks would open it, each of its global steps cut among `members`."""
     ordered = tuple(sorted(members))
-    if layout_step == step_samples:
+    if layout_step == step_samples or len(ordered) * step_samples % layout_step:
         return opening_segment(epoch, total_picks, ordered, step_samples, generation)
     saved_world = len(ordered) * step_samples // layout_step
     saved = opening_segment(epoch, total_picks, range(saved_world), layout_step, generation)
@@ -80,7 +108,11 @@ def regrouped(
     its global steps kept whole (every member's piece of it, in member order) and cut into equal parts of
     `step_samples` for `members`: the run's global steps, and so its trajectory, stay the same."""
     ordered = tuple(sorted(members))
-    old_step = sum(piece.size for piece in segment.shares[segment.members[0]]) // max(segment.steps, 1)
+    old_step = segment.step_samples
+    if trained_steps == segment.steps:  # nothing left: no step to cut
+        empty: dict[int, tuple[EpochSlice, ...]] = {rank: () for rank in ordered}
+        first = segment.first_step + trained_steps
+        return Segment(segment.epoch, generation, ordered, first, 0, empty, segment.dropped, step_samples)
     if len(ordered) * step_samples != len(segment.members) * old_step:
         raise ValueError(
             f"{len(segment.members)} steps of {old_step} make no {len(ordered)} equal steps of {step_samples}"
@@ -97,7 +129,7 @@ def regrouped(
     steps = segment.steps - trained_steps
     first = segment.first_step + trained_steps
     kept = {rank: _merged(pieces) for rank, pieces in shares.items()}
-    return Segment(segment.epoch, generation, ordered, first, steps, kept, segment.dropped)
+    return Segment(segment.epoch, generation, ordered, first, steps, kept, segment.dropped, step_samples)
 
 
 def rest_of(
@@ -114,7 +146,8 @@ def rest_of(
     size = steps * step_samples
     shares = {rank: _window(tuple(rest), i * size, size) for i, rank in enumerate(ordered)}
     first = segment.first_step + trained_steps
-    return Segment(segment.epoch, generation, ordered, first, steps, shares, total - len(ordered) * size)
+    dropped = total - len(ordered) * size
+    return Segment(segment.epoch, generation, ordered, first, steps, shares, dropped, step_samples)
 
 
 def _merged(pieces: list[EpochSlice]) -> tuple[EpochSlice, ...]:
@@ -148,6 +181,7 @@ def segment_state(segment: Segment) -> dict[str, Any]:
         "members": list(segment.members),
         "first_step": segment.first_step,
         "steps": segment.steps,
+        "step_samples": segment.step_samples,
         "shares": [[rank, [asdict(piece) for piece in segment.shares[rank]]] for rank in segment.members],
     }
 
@@ -155,9 +189,12 @@ def segment_state(segment: Segment) -> dict[str, Any]:
 def segment_from_state(state: Mapping[str, Any], generation: int) -> Segment:
     shares = {int(rank): tuple(EpochSlice(**piece) for piece in pieces) for rank, pieces in state["shares"]}
     members = tuple(int(rank) for rank in state["members"])
-    return Segment(
-        int(state["epoch"]), generation, members, int(state["first_step"]), int(state["steps"]), shares
-    )
+    steps = int(state["steps"])
+    # Checkpoints before segments said their step: each member's share holds `steps` of them.
+    held = sum(piece.size for piece in shares[members[0]]) // steps if steps else 0
+    step_samples = int(state.get("step_samples") or held)
+    first = int(state["first_step"])
+    return Segment(int(state["epoch"]), generation, members, first, steps, shares, 0, step_samples)
 
 
 def checkpoint_steps(segment: Segment, steps_per_epoch: int, every: int) -> list[int]:
@@ -186,28 +223,41 @@ class _EpochPlan:
 class LockstepPlan:
     """The coordinator's record of each planned epoch's segments: what to send, what to expect back."""
 
-    def __init__(self, total_picks: int, step_samples: int, layout_step: int | None = None) -> None:
-        """`layout_step` (keep_global_batch): a rank's step in the world the run was laid out for; each
-        member's step of `step_samples` then holds several of its ranks' (flodl/job/resize.py)."""
+    def __init__(self, total_picks: int, step_samples: int, kept: KeptBatch | None = None) -> None:
+        """`kept` (keep_global_batch): the global step each membership trains, its members' steps holding
+        several of the world's the run was laid out for (flodl/job/resize.py)."""
         self.total_picks = total_picks
         self.step_samples = step_samples
-        self.layout_step = layout_step
+        self.kept = kept
         self._epochs: dict[int, _EpochPlan] = {}
+
+    def step_for(self, members: int) -> int:
+        """Samples of each member's step in a plan for `members` ranks."""
+        return self.step_samples if self.kept is None else self.kept.step_for(members, self.step_samples)
 
     def open(self, epoch: int, members: Iterable[int], generation: int) -> Segment:
         """Plan `epoch` afresh for `members` (none of it trained yet)."""
-        layout = self.layout_step or self.step_samples
-        segment = laid_out(epoch, self.total_picks, members, self.step_samples, generation, layout)
+        ordered = tuple(sorted(members))
+        step = self.step_for(len(ordered))
+        layout = step if self.kept is None else self.kept.layout_step
+        segment = laid_out(epoch, self.total_picks, ordered, step, generation, layout)
         self._epochs[epoch] = _EpochPlan([segment])
         return segment
 
+    def _rest(self, segment: Segment, trained: int, members: Iterable[int], generation: int) -> Segment:
+        """What `segment`'s members did not train in its first `trained` steps, for `members`: its global
+        steps whole where keep_global_batch keeps them, else its picks cut into steps of their own."""
+        ordered = tuple(sorted(members))
+        step = self.step_for(len(ordered))
+        if self.kept is not None and len(ordered) * step == len(segment.members) * segment.step_samples:
+            return regrouped(segment, trained, ordered, step, generation)
+        return rest_of(segment, trained, ordered, step, generation)
+
     def resume(self, segment: Segment, members: Iterable[int], before: int, before_samples: int) -> Segment:
         """A run resumed inside `segment.epoch`: the rest a checkpoint recorded, `before` batches of the epoch
-        reported already; shared by `members` (the same ones keep their own picks; other ones take its
-        global steps whole under keep_global_batch, else its picks cut into steps of their own)."""
+        reported already; shared by `members` (the same ones keep their own picks)."""
         if tuple(sorted(members)) != segment.members:
-            share = regrouped if self.layout_step is not None else rest_of
-            segment = share(segment, 0, members, self.step_samples, segment.generation)
+            segment = self._rest(segment, 0, members, segment.generation)
         self._epochs[segment.epoch] = _EpochPlan([segment], before=before, before_samples=before_samples)
         return segment
 
@@ -218,7 +268,7 @@ class LockstepPlan:
         for segment in plan.segments[:-1]:
             reporters = plan.reporters.get(segment.generation, frozenset(segment.members))
             trained += (
-                plan.trained.get(segment.generation, segment.steps) * len(reporters) * self.step_samples
+                plan.trained.get(segment.generation, segment.steps) * len(reporters) * segment.step_samples
             )
         return trained + plan.before_samples
 
@@ -244,7 +294,7 @@ class LockstepPlan:
         plan = self._epochs[epoch]
         segment = plan.segments[-1]
         trained = step - segment.first_step
-        rest = rest_of(segment, trained, members, self.step_samples, generation)
+        rest = self._rest(segment, trained, members, generation)
         plan.trained[segment.generation] = trained
         # Those in at the cut report it (the agreement told them where it ended); a member already gone
         # reports it only if it finished the segment before it went and said so.

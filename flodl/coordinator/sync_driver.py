@@ -19,6 +19,7 @@ from flodl.coordinator.commit import CheckpointCommitter
 from flodl.coordinator.driver import CoordinatorError, EpochSchedule
 from flodl.coordinator.ledger import EpochLedger
 from flodl.coordinator.lockstep import (
+    KeptBatch,
     LockstepPlan,
     Segment,
     checkpoint_steps,
@@ -89,14 +90,14 @@ class SyncDriver:
         checkpoint_every_steps: int | None = None,
         resumed: dict[str, Any] | None = None,
         checkpoint_every_s: float | None = None,
-        layout_step: int | None = None,
+        kept: KeptBatch | None = None,
     ) -> None:
         """`committer`: the checkpoints (None: checkpointing is off); its due epochs are the ones whose
         plan asks for the ranks' parts. `lookahead`: epochs planned beyond the one being aggregated.
         `checkpoint_every_steps`: a checkpoint inside an epoch at each multiple of it of the run's global
         steps. `resumed`: the driver's state of a checkpoint inside `first_epoch` (its rest).
         `checkpoint_every_s`: a checkpoint this long after the last request, at a step the ranks agree on.
-        `layout_step` (keep_global_batch): a rank's step in the world the run was laid out for."""
+        `kept` (keep_global_batch): the global step every membership trains, where it divides."""
         self.schedule = schedule
         self.lookahead = lookahead
         self.ledger = ledger
@@ -106,7 +107,7 @@ class SyncDriver:
         self.first_epoch = first_epoch
         self.planned = first_epoch - 1
         self.stopped = False
-        self.plan = LockstepPlan(schedule.total_picks, schedule.batch_size, layout_step)
+        self.plan = LockstepPlan(schedule.total_picks, schedule.batch_size, kept)
         # A cut's generation whose rest is still to be planned (once its members agreed where they are).
         self._replan: int | None = None
         self.checkpoint_every_steps = checkpoint_every_steps
@@ -170,7 +171,7 @@ class SyncDriver:
             return  # the epoch is emitted and forgotten: the committer lets the point go
         segment = self.plan.segment(point.epoch)
         rest = rest_of(
-            segment, step - segment.first_step, segment.members, self.plan.step_samples, segment.generation
+            segment, step - segment.first_step, segment.members, segment.step_samples, segment.generation
         )
         self.committer.expect_parts(point, segment.members, {"rest": segment_state(rest)})
 
@@ -218,6 +219,7 @@ class SyncDriver:
                 segment.generation,
                 segment.first_step,
                 inside,
+                segment.step_samples,
             )
             self.outbox.send(rank, order)
 
@@ -233,8 +235,8 @@ class SyncDriver:
         inside = []
         for step in checkpoint_steps(segment, steps_per_epoch, every):
             trained = step - segment.first_step
-            into = before + trained * len(segment.members) * step_samples
-            rest = rest_of(segment, trained, segment.members, step_samples, segment.generation)
+            into = before + trained * len(segment.members) * segment.step_samples
+            rest = rest_of(segment, trained, segment.members, segment.step_samples, segment.generation)
             self.committer.expect_parts(
                 Point(segment.epoch, into), segment.members, {"rest": segment_state(rest)}
             )
@@ -256,6 +258,29 @@ class SyncDriver:
             self._replan = None
             self._plan_rest((message.position[0], message.position[1]))
 
+    def _say_kept(self, members: int, step: int) -> None:
+        """keep_global_batch: whether the members keep the global step (by micro-batches) or it follows
+        them."""
+        kept = self.plan.kept
+        if kept is None:
+            return
+        if members * step == kept.global_step:
+            log.info(
+                "keep_global_batch: %d members keep the global step of %d, %d samples each",
+                members,
+                step * members,
+                step,
+            )
+        else:
+            log.warning(
+                "keep_global_batch: the global step of %d does not divide into whole micro-batches on %d "
+                "members: it follows them (%d x %d), the learning rate scaled by lr_scale_ratio",
+                kept.global_step,
+                members,
+                members,
+                step,
+            )
+
     def _plan_rest(self, position: tuple[int, int]) -> None:
         """Plan the rest of the cut epoch and the epochs planned after it for the members."""
         members, generation = self.roster.members, self.roster.generation
@@ -267,14 +292,16 @@ class SyncDriver:
             epoch, step = replan.rest_of
             rest = self.plan.cut_short(epoch, step, members, generation)
             log.info(
-                "epoch %d: the members trained %d steps of it; its rest goes to ranks %s, %d steps each "
-                "(%d picks that make no whole step dropped)",
+                "epoch %d: the members trained %d steps of it; its rest goes to ranks %s, %d steps of %d "
+                "each (%d picks that make no whole step dropped)",
                 shown_epoch(epoch),
                 step,
                 list(rest.members),
                 rest.steps,
+                rest.step_samples,
                 rest.dropped,
             )
+            self._say_kept(len(rest.members), rest.step_samples)
             self._send(rest)
         if replan.again is not None:
             self._send(self.plan.cut_short(*replan.again, members, generation))

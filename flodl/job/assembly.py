@@ -45,6 +45,7 @@ from flodl.coordinator.driver import Driver, EpochSchedule
 from flodl.coordinator.hooks import CallbackError, Hooks, Run
 from flodl.coordinator.ledger import EpochLedger
 from flodl.coordinator.local_sgd_driver import LocalSgdDriver
+from flodl.coordinator.lockstep import KeptBatch
 from flodl.coordinator.roster import Roster, SurvivingRoster
 from flodl.coordinator.survivors import SurviveSettings
 from flodl.coordinator.sync_driver import PLAN_LOOKAHEAD, SyncDriver
@@ -281,7 +282,7 @@ def make_coordinator(cfg: FlodlConfig, setup: CoordinatorSetup) -> Coordinator:
             every,
             driver_state,
             cfg.checkpoint_every_s,
-            layout,
+            None if layout is None else KeptBatch(world_size * step_size, cfg.batch_size, layout),
         )
     else:
         batches_per_epoch = total_picks // step_size

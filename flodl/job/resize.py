@@ -29,6 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from flodl.coordinator.lockstep import kept_step
+
 
 @dataclass(frozen=True)
 class Resize:
@@ -79,10 +81,8 @@ def _ranks(ranks: list[int]) -> str:
 def grad_accum_for(saved_global_batch: int, world: int, batch_size: int) -> int | None:
     """Micro-batches per rank step that keep `saved_global_batch` on `world` ranks; None: it does not
     divide."""
-    per_rank, left = divmod(saved_global_batch, world)
-    if left or per_rank % batch_size or per_rank == 0:
-        return None
-    return per_rank // batch_size
+    step = kept_step(saved_global_batch, world, batch_size)
+    return None if step is None else step // batch_size
 
 
 def keep_batch_problem(saved_global_batch: int, saved_ranks: int, world: int, batch_size: int) -> str | None:

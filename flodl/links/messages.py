@@ -45,6 +45,8 @@ class StartEpoch:
     # Checkpoints inside the share: [step of the epoch after which to save, samples of the epoch trained
     # by then], in order (each saved and reported with Saved, after a ChunkReport of the steps before it).
     checkpoint_steps: list[list[int]] = field(default_factory=list)
+    # Samples of each of this rank's steps (0: its own; keep_global_batch gives fewer members more).
+    step_samples: int = 0
 
     def __post_init__(self) -> None:
         self.slices = [_as_slice(s) for s in self.slices]

@@ -138,7 +138,7 @@ class Stepper:
 
     def load_step(self, picks: Tensor, epoch: int) -> list[Any]:
         """The micro-batches of one optimizer step's `step_samples` picks of `epoch`, in order."""
-        if self.settings.grad_accum == 1:
+        if len(picks) <= self.batch_size:  # one micro-batch (keep_global_batch may give a rank more)
             return [self.load(picks, epoch)]
         return [self.load(micro, epoch) for micro in picks.split(self.batch_size)]
 

@@ -142,6 +142,10 @@ class SyncWorker(WorkerBase):
         """The epoch's share `plan` hands this rank; None when a step of it failed (survive: the group
         changed meanwhile, and the part trained is reported once the members agreed where it ended)."""
         stepper = self.stepper
+        if plan.step_samples and plan.step_samples != stepper.step_samples:
+            # keep_global_batch: the global step is cut among more or fewer members than before.
+            stepper.step_samples = plan.step_samples
+            self.lr.scale_to(self.group.size, say=self.group.index == 0)
         step_samples = stepper.step_samples
         pieces = [stepper.picks(part) for part in plan.slices]
         picks = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int64)
