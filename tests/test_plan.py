@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
+from flodl.checkpoints.disk import COORDINATOR_FILE, MODEL_FILE, CheckpointDir, Point, rank_file
 from flodl.config.host import GIB, HostFacts
 from flodl.config.policy import collective_backend
 from flodl.config.schema import to_config
 from flodl.data.feeder import staging_budgets
 from flodl.job.settings import data_plane_settings
-from flodl.preflight.plan import checkpoints_line, describe
+from flodl.preflight.plan import checkpoints_line, describe, resume_lines
 
 DIGITS = {
     "name": "digits",
@@ -114,3 +116,19 @@ def test_plan_warns_when_the_ranks_outnumber_the_cores_they_run_on():
     crowded = plan_of(dataclasses.replace(HOST, cpu_cores=2))
     assert "warning         4 ranks on this host share its 2 CPU core(s)" in crowded
     assert "warning" not in plan_of(dataclasses.replace(HOST, cpu_cores=4))
+
+
+def test_plan_says_where_a_resume_continues_and_what_a_resize_does(tmp_path: Path) -> None:
+    store = CheckpointDir(tmp_path, keep=2)
+    for name in (MODEL_FILE, COORDINATOR_FILE, rank_file(0), rank_file(1)):
+        store.write_part(Point(2, 96), name, {})
+    store.commit(Point(2, 96), world_size=2)
+    cfg = to_config({"task": DIGITS, "policy": "cadence"})
+    (line,) = resume_lines(cfg, 4, tmp_path)
+    assert "training continues inside epoch 3, 96 samples into it" in line
+    assert line.endswith(
+        "resumed 2 ranks' checkpoint on 4; ranks 2, 3 start with saved rank (r mod 2)'s optimizer state"
+    )
+    assert resume_lines(cfg, 2, tmp_path)[0].endswith("on the 2 ranks that wrote it")
+    assert resume_lines(to_config({"task": DIGITS, "resume": "never"}), 4, tmp_path) == []
+    assert resume_lines(cfg, 4, tmp_path / "elsewhere") == []  # a fresh start

@@ -121,7 +121,7 @@ class Preflight(Callback):
             _exit_config(str(err) if isinstance(err, ConfigError) else omegaconf_problem(err))
         warn_of_idle_disk_tier(typed)
         if typed.plan:
-            _print_plan(typed, host)
+            _print_plan(typed, host, Path(config.hydra.run.dir) if config.get("hydra") else None)
             release_claimed()
             sys.exit(0)
 
@@ -161,7 +161,7 @@ def launch(cfg: DictConfig, info: RunInfo) -> None:
     typed, host = check_job(config)
     env = RankEnv.from_environ()
     if typed.plan:  # a sweep's job (a single run's plan is printed before Hydra makes its dir)
-        _print_plan(typed, host)
+        _print_plan(typed, host, Path(info.run_dir))
         return
     info = dataclasses.replace(info, uid=run_uid(Path(info.run_dir)))
     try:  # before any rank starts: the run dir is this run's alone
@@ -243,9 +243,9 @@ def _single_rank(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig) -> Non
         raise RankFailure(line) from None
 
 
-def _print_plan(cfg: FlodlConfig, host: HostFacts) -> None:
+def _print_plan(cfg: FlodlConfig, host: HostFacts, run_dir: Path | None) -> None:
     if RankEnv.from_environ().rank == 0:  # torchrun's ranks: one says it
-        print(describe(cfg, host, data_plane_settings(cfg, host.ranks_per_node)))
+        print(describe(cfg, host, data_plane_settings(cfg, host.ranks_per_node), run_dir))
 
 
 def check_job(config: dict[str, Any]) -> tuple[FlodlConfig, HostFacts]:

@@ -8,11 +8,13 @@ and the data plane settings the assembly maps.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from hydra.utils import instantiate
 
 from flodl.averaging.wire import BF16, WIRES, wire_for
+from flodl.checkpoints.disk import CheckpointError, resolve_resume
 from flodl.config.host import GIB, HostFacts
 from flodl.config.policy import (
     PolicyFacts,
@@ -29,6 +31,8 @@ from flodl.config.policy import (
 from flodl.config.schema import FlodlConfig
 from flodl.data.feeder import DataPlaneSettings, staging_budgets
 from flodl.data.memory import RAM_FRACTION_CAP
+from flodl.job.resume import continues_at, resize_of
+from flodl.job.settings import checkpoint_store
 
 
 def human_bytes(n: float) -> str:
@@ -87,8 +91,9 @@ def wire_words(cfg: FlodlConfig, size: ModelSize) -> str:
     )
 
 
-def describe(cfg: FlodlConfig, host: HostFacts, data: DataPlaneSettings) -> str:
-    """`data`: the data plane settings the run would map for this host (flodl/job/assembly.py)."""
+def describe(cfg: FlodlConfig, host: HostFacts, data: DataPlaneSettings, run_dir: Path | None = None) -> str:
+    """`data`: the data plane settings the run would map for this host (flodl/job/assembly.py); `run_dir`:
+    the one it would resume in."""
     size = model_size(cfg)
     numel, param_bytes, buffer_bytes = size.params, size.param_bytes, size.float32_buffer_bytes
     world = host.world_size
@@ -131,9 +136,25 @@ def describe(cfg: FlodlConfig, host: HostFacts, data: DataPlaneSettings) -> str:
             + (" overlap_rounds (each round applied one window late)" if cfg.overlap_rounds else "")
         )
     lines.append(checkpoints_line(cfg, world, device_type))
+    lines += resume_lines(cfg, world, run_dir)
     lines.append(faults_line(cfg))
     lines += crowding_lines(host, uses_gpu)
     return "\n".join(lines)
+
+
+def resume_lines(cfg: FlodlConfig, world: int, run_dir: Path | None) -> list[str]:
+    """Where a resumed run continues, and on another world what the resize does (flodl/job/resize.py)."""
+    if run_dir is None or cfg.resume == "never":
+        return []
+    try:
+        found = resolve_resume(cfg.resume, checkpoint_store(cfg, run_dir))
+    except CheckpointError:  # preflight said why already
+        return []
+    if found is None:
+        return []
+    resized = resize_of(found, world, not PolicyFacts.of(cfg).averages_parameters)
+    how = resized.words() if resized.changed else f"on the {world} ranks that wrote it"
+    return [f"  resume          {found.path}: training continues {continues_at(found)}; {how}"]
 
 
 def crowding_lines(host: HostFacts, uses_gpu: bool) -> list[str]:
