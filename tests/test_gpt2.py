@@ -52,6 +52,48 @@ def test_the_chunked_loss_and_its_gradients_are_the_whole_logits_ones(chunk: int
         torch.testing.assert_close(chunked_cross_entropy(hidden, weight, targets, chunk), got.detach())
 
 
+def test_the_compiled_chunked_loss_is_the_eager_one() -> None:
+    """Under torch.compile the softmax gradient is one expression (fused by the compiler), eager it is made in
+    place: the same loss and gradients either way."""
+    torch.manual_seed(0)
+    hidden = torch.randn(23, 16, requires_grad=True)
+    weight = torch.randn(40, 16, requires_grad=True)
+    targets = torch.randint(40, (23,))
+    compiled = torch.compile(chunked_cross_entropy, backend="aot_eager", fullgraph=True)
+    results = []
+    for fn in (chunked_cross_entropy, compiled):
+        loss = fn(hidden, weight, targets, 7)
+        results.append((loss, *torch.autograd.grad(loss * 3.0, (hidden, weight))))
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def _float8_matmuls() -> bool:
+    try:
+        one = torch.ones((), dtype=torch.float32)
+        a = torch.zeros(16, 16).to(torch.float8_e5m2)
+        b = torch.zeros(16, 16).to(torch.float8_e4m3fn)
+        torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _float8_matmuls(), reason="this torch has no float8 matmuls on the CPU")
+def test_the_float8_chunked_loss_is_close_to_the_exact_one() -> None:
+    torch.manual_seed(0)
+    hidden = torch.randn(48, 32, requires_grad=True)
+    weight = (torch.randn(64, 32) * 0.2).requires_grad_()
+    targets = torch.randint(64, (48,))
+    expected = F.cross_entropy(hidden @ weight.t(), targets)
+    want = torch.autograd.grad(expected, (hidden, weight))
+    got = chunked_cross_entropy(hidden, weight, targets, 16, float8=True)
+    # e4m3 keeps 3 mantissa bits, e5m2 (the softmax gradient) 2: a few percent, averaged over the products.
+    assert abs(float(got.detach()) / float(expected.detach()) - 1) < 0.03
+    for g, w in zip(torch.autograd.grad(got, (hidden, weight)), want, strict=True):
+        assert float((g - w).norm() / w.norm()) < 0.15
+
+
 def test_a_gpt_with_loss_chunks_trains_as_one_without() -> None:
     torch.manual_seed(0)
     whole = GPT(layers=1, dim=32, heads=2, context=16, vocab=96, loss_chunk=None)
@@ -134,6 +176,20 @@ def test_float8_conversion_keeps_the_parameters_and_skips_what_it_cannot_run() -
     assert {name: p for name, p in model.named_parameters()} == before  # the very same objects
     with pytest.raises(ValueError, match=r"precision=fp8: the model has no nn\.Linear that float8 can run"):
         convert_to_float8(torch.nn.Sequential(torch.nn.Linear(30, 30)))
+
+
+def test_a_gpt_can_keep_its_blocks_out_of_float8_and_take_its_output_layer_in() -> None:
+    """gpt2_124m's float8_blocks=false: no block linear converted; the GPT itself runs its chunked loss's
+    output-layer matmuls in float8, through the same (tied) Parameters."""
+    model = GPT(layers=1, dim=32, heads=2, context=16, vocab=64, loss_chunk=16, float8_blocks=False)
+    before = {name: p for name, p in model.named_parameters()}
+    assert convert_to_float8(model) == [""]  # the model itself, nothing else
+    assert model.float8_loss and not any(isinstance(m, Float8Linear) for m in model.modules())
+    assert {name: p for name, p in model.named_parameters()} == before
+    assert model.head.weight is model.tokens.weight
+    without_chunks = GPT(layers=1, dim=32, heads=2, context=16, vocab=64, float8_blocks=False)
+    with pytest.raises(ValueError, match=r"precision=fp8: the model has no nn\.Linear that float8 can run"):
+        convert_to_float8(without_chunks)  # nothing it could take float8 in
 
 
 def test_a_converted_model_computes_with_the_flat_buffers_the_averager_writes() -> None:

@@ -67,6 +67,8 @@ class GPT(nn.Module):
     and layer norms (GPT-2 has them; without, a step has no bias gradients to reduce). `loss_chunk`: given
     targets, the loss over the tied output layer is computed this many tokens at a time, so the full float32
     logits never exist (flodl/tasks/chunked_ce.py; for large vocabularies); None: from the whole logits.
+    `float8_blocks`: under precision=fp8 the blocks' linear layers multiply in float8 too (False: only the
+    output layer, inside the chunked loss).
     """
 
     def __init__(
@@ -79,11 +81,14 @@ class GPT(nn.Module):
         amp: bool = True,
         bias: bool = True,
         loss_chunk: int | None = None,
+        float8_blocks: bool = True,
     ) -> None:
         super().__init__()
         self.context = context
         self.amp = amp
         self.loss_chunk = loss_chunk
+        # use_float8(): the chunked loss's matmuls through the output layer run in float8.
+        self.float8_loss = False
         self.tokens = nn.Embedding(vocab, dim)
         self.positions = nn.Embedding(context, dim)
         self.blocks = nn.ModuleList(Block(dim, heads, bias) for _ in range(layers))
@@ -91,6 +96,17 @@ class GPT(nn.Module):
         self.head = nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.tokens.weight
         self.apply(_init_weights)
+        if not float8_blocks:  # precision=fp8 leaves them in the autocast dtype (flodl/worker/float8.py)
+            for module in self.blocks.modules():
+                if isinstance(module, nn.Linear):
+                    module.__dict__["float8"] = False  # a plain attribute (nn.Module's setattr types it)
+
+    def use_float8(self) -> bool:
+        """precision=fp8 (flodl/worker/float8.py): the output layer, tied to the embedding and so left as it
+        is by the conversion, multiplies in float8 inside the chunked loss (its logits and the hidden states'
+        gradient, in training). Whether it does: only with `loss_chunk` set."""
+        self.float8_loss = bool(self.loss_chunk)
+        return self.float8_loss
 
     def train_flops(self, batch: list[Tensor]) -> float:
         """Model FLOPs of a training step on `batch` (forward and backward): 6N + 12·L·d·T per token, N the
@@ -118,7 +134,7 @@ class GPT(nn.Module):
             x = self.ln_out(x)
             if targets is not None and self.loss_chunk:
                 return chunked_cross_entropy(
-                    x.flatten(0, 1), self.head.weight, targets.flatten(), self.loss_chunk
+                    x.flatten(0, 1), self.head.weight, targets.flatten(), self.loss_chunk, self.float8_loss
                 )
             logits = self.head(x).float()
             if targets is None:

@@ -7,8 +7,16 @@ fuses the amax and casts into the neighbouring kernels.
 
 The conversion swaps a module's class and nothing else: its weight and bias stay the same Parameter objects,
 read at every call, so the flat buffers (flodl/averaging/flat.py), the optimizer, DDP and captured CUDA
-graphs keep pointing at what trains. Layers whose weight another module shares (a tied output layer) and
-those whose sizes float8 matmuls cannot take (multiples of 16) stay as they are.
+graphs keep pointing at what trains. Layers whose weight another module shares (a tied output layer), those
+whose sizes float8 matmuls cannot take (multiples of 16) and those a model marked `float8 = False` (where it
+measured float8 slower, flodl/tasks/gpt.py's `float8_blocks`) stay as they are. A module with a
+`use_float8()` method is told to run its own matmuls in float8 (the GPT's tied output layer, inside its
+chunked loss).
+
+Measured on one H200 (gpt2_124m compiled; bench/results/2026-12-04-gpt2-124m-mfu-fp8-1x-NVIDIA-H200.md):
+at width 768 these per-tensor casts cost more than the faster matmuls save (every block linear in float8:
+0.97x bf16; torchao's tensorwise 0.94x, its rowwise 0.75x), while the 50k-wide output layer's matmuls in
+float8 give 1.05x.
 """
 
 from __future__ import annotations
@@ -73,13 +81,20 @@ class Float8Linear(nn.Linear):
 
 
 def convert_to_float8(model: nn.Module) -> list[str]:
-    """Turn `model`'s eligible nn.Linear modules into Float8Linear in place; their names."""
+    """Turn `model`'s eligible nn.Linear modules into Float8Linear in place, and tell the modules that have
+    a `use_float8()` to use it; the names of those converted and of those that took it (True back)."""
     uses: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):
         uses[id(param)] = uses.get(id(param), 0) + 1
     converted = []
     for name, module in model.named_modules():
+        if callable(getattr(module, "use_float8", None)):
+            if module.use_float8():
+                converted.append(name)
+            continue
         if type(module) is not nn.Linear or uses[id(module.weight)] > 1:
+            continue
+        if getattr(module, "float8", True) is False:  # the model measured it slower in float8
             continue
         if module.in_features % FLOAT8_MULTIPLE or module.out_features % FLOAT8_MULTIPLE:
             continue
@@ -87,7 +102,7 @@ def convert_to_float8(model: nn.Module) -> list[str]:
         converted.append(name)
     if not converted:
         raise ValueError(
-            "precision=fp8: the model has no nn.Linear that float8 can run (untied, in and out features "
-            f"multiples of {FLOAT8_MULTIPLE}); use precision=bf16"
+            "precision=fp8: the model has no nn.Linear that float8 can run (untied, not marked float8=False, "
+            f"in and out features multiples of {FLOAT8_MULTIPLE}); use precision=bf16"
         )
     return converted
