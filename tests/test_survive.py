@@ -321,7 +321,7 @@ def rest_lines(out: str) -> list[tuple[int, int, list[int], int, int]]:
     that share its rest, their steps each, picks dropped)."""
     found = re.findall(
         r"epoch (\d+): the members trained (\d+) steps of it; its rest goes to ranks \[([\d, ]+)\], "
-        r"(\d+) steps each \((\d+) picks",
+        r"(\d+) steps of \d+ each \((\d+) picks",
         out,
     )
     return [(int(e), int(k), [int(r) for r in m.split(",")], int(s), int(d)) for e, k, m, s, d in found]
