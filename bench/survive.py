@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import re
 import signal
@@ -141,7 +142,10 @@ def seconds(events: list[dict], key: str, scale: float = 1.0) -> list[float]:
 
 
 def churn_report(run: Path, killed: list[float], calms: list[Path]) -> list[str]:
-    events = json.loads((run / "timeline.json").read_text())["membership"]
+    timeline = run / "timeline.json"
+    if not timeline.is_file():
+        raise SystemExit(f"the churned run left no {timeline.name}: its output is {run}.out")
+    events = json.loads(timeline.read_text())["membership"]
     # The kills' cuts: not those of the ranks leaving when the bench stops the run (they say they exit).
     cuts = [e for e in events if e["event"] == "rank_cut" and not e["why"].startswith("exiting")]
     admits = [e for e in events if e["event"] == "rank_admitted" and e["formed_s"] is not None]
@@ -190,7 +194,10 @@ def rank0_report(work: Path, name: str, run: Path, calm: Path, kills: list[float
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     reference = [json.loads(line) for line in (calm / "metrics.jsonl").read_text().splitlines()]
     states = final_states((work / f"{name}.out").read_text(), policy)
-    events = json.loads((run / "timeline.json").read_text())["membership"]
+    timeline = run / "timeline.json"
+    if not timeline.is_file():
+        raise SystemExit(f"the churned run left no {timeline.name}: its output is {run}.out")
+    events = json.loads(timeline.read_text())["membership"]
     rank0_cuts = sum(e["event"] == "rank_cut" and e["rank"] == 0 for e in events)
     once = "yes" if [r["epoch"] for r in records] == list(range(len(reference))) else "**no**"
     one_state = "yes" if len(states) > 1 and len(set(states.values())) == 1 else "**no**"
@@ -203,7 +210,10 @@ def rank0_report(work: Path, name: str, run: Path, calm: Path, kills: list[float
 
 
 def kill_report(run: Path, killed: list[float]) -> list[str]:
-    events = json.loads((run / "timeline.json").read_text())["membership"]
+    timeline = run / "timeline.json"
+    if not timeline.is_file():
+        raise SystemExit(f"the churned run left no {timeline.name}: its output is {run}.out")
+    events = json.loads(timeline.read_text())["membership"]
     cuts = [e for e in events if e["event"] == "rank_cut"]
     admits = [e for e in events if e["event"] == "rank_admitted"]
     # Each cut follows one kill: the kill closest before it.
@@ -273,6 +283,8 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     ranks = args.ranks or (3 if args.churn or args.rank0 else 2)
     start_method = "fork" if args.cpu else "spawn"
+    if args.cpu:  # gloo ranks on the CPU, forked: a GPU the host has stays out of them (fork refuses CUDA)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     heartbeat = [f"heartbeat_timeout_s={args.heartbeat_s}"] if args.heartbeat_s else []
     task_given = any(override.startswith("task=") for override in args.overrides)
     device = ["device=cpu"] if args.cpu else [] if task_given else ["task=resnet"]
