@@ -11,6 +11,16 @@ import pytest
 import torch.distributed as dist
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """tests/unit holds no test that starts a process, tests/runs only such tests (marked multiproc)."""
+    for item in items:
+        folder = item.path.parent.name
+        marked = item.get_closest_marker("multiproc") is not None
+        if (folder == "unit" and marked) or (folder == "runs" and not marked):
+            where = "tests/runs: multiproc only" if folder == "runs" else "tests/unit: no multiproc test"
+            raise pytest.UsageError(f"{item.nodeid} is in {where}")
+
+
 @pytest.fixture(autouse=True)
 def _a_process_only_where_marked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """`-m 'not multiproc'` starts no process: a test that starts one (a CLI run, ranks, a fresh

@@ -1,7 +1,7 @@
 """The configuration reference, generated from the schema: `python -m flodl.config.reference [PATH]` writes
 every key of flodl/config/schema.py (the groups' keys too) with its type, default, allowed values and the
-comment above it to PATH (docs/configuration.md by default). tests/test_config_reference.py fails when the
-committed file is not what this writes.
+comment above it to PATH (docs/configuration.md by default). tests/runs/test_config_reference.py fails when
+the committed file is not what this writes.
 
 Descriptions are the schema's own comments, read from its source: the comment lines directly above a field
 (a `# --- name ---` line heads a section instead). Allowed values are the rules' own table of them
@@ -116,7 +116,8 @@ def render(all_groups: list[Group]) -> str:
         "# Configuration reference",
         "",
         f"<!-- Written by `{COMMAND}` from flodl/config/schema.py: edit the schema (its",
-        "comments are the descriptions), then run it; tests/test_config_reference.py checks this file. -->",
+        "comments are the descriptions), then run it; tests/runs/test_config_reference.py checks this file.",
+        "-->",
         "",
         "Every key is an override on the command line (`python train.py epochs=5 launch.nproc_per_node=2`)",
         "and a key of the configs in `conf/`. *required*: the task's config sets it. The allowed values",

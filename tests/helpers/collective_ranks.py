@@ -1,4 +1,4 @@
-"""Rank side of tests/test_consensus_collective.py: averaging rounds over 2 real ranks.
+"""Rank side of tests/runs/test_consensus_collective.py: averaging rounds over 2 real ranks.
 
 `worker` is the entry point of each spawned rank. It joins a process group (gloo on the CPU, or nccl
 with one GPU per rank) through the parent's TCPStore, runs every scenario in sequence on a fresh model

@@ -1,4 +1,4 @@
-"""Rank side of tests/test_supervisor.py: the entry the supervisor starts as each rank.
+"""Rank side of tests/runs/test_supervisor.py: the entry the supervisor starts as each rank.
 
 A rank counts its starts in the supervisor's store, makes ready what the test's plan says for it (signal
 handlers), records the start (its pid and the variables the supervisor set) as a JSON line in

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flodl.config.sweep import CheckedJob, grid_batches
 from flodl.metrics.compare import report
 from tests.helpers.procs import train
 
@@ -45,18 +44,3 @@ def test_skip_invalid_runs_the_valid_jobs_and_lists_the_others(tmp_path: Path) -
     ran = [yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text())[:3] for job in trained]
     assert not [job for job in ran if job in INVALID]
     assert f"Skipped as invalid (2): `{' '.join(INVALID[0])}" in report(sweep_dir)
-
-
-def test_batches_keep_each_jobs_place_in_the_grid() -> None:
-    """A launcher numbers a batch's jobs on from the number it is given: every batch is a run of jobs next
-    to each other in the grid, started at the first one's place, so an invalid job's number stays unused."""
-    checked = [CheckedJob(i, [f"seed={i}"], ["bad"] if i in (0, 3, 4) else []) for i in range(9)]
-    assert [(first, [j.job for j in jobs]) for first, jobs in grid_batches(checked, None)] == [
-        (1, [1, 2]),
-        (5, [5, 6, 7, 8]),
-    ]
-    assert [(first, [j.job for j in jobs]) for first, jobs in grid_batches(checked, 3)] == [
-        (1, [1, 2]),
-        (5, [5, 6, 7]),
-        (8, [8]),
-    ]

@@ -9,11 +9,8 @@ import pytest
 from omegaconf import DictConfig, OmegaConf
 
 from flodl.config import schema
-from flodl.config.reference import COMMAND, main, read_source, reference
+from flodl.config.reference import main, read_source, reference
 from flodl.config.rules import CHOICES, NULL_MEANS
-from tests.helpers.procs import PYTHON, REPO, run
-
-COMMITTED = REPO / "docs" / "configuration.md"
 
 
 def rows(markdown: str) -> dict[str, list[str]]:
@@ -35,13 +32,6 @@ def leaf_keys(node: DictConfig, prefix: str = "") -> set[str]:
         else:
             keys.add(f"{prefix}{name}")
     return keys
-
-
-@pytest.mark.multiproc
-def test_the_committed_reference_is_what_the_command_writes(tmp_path: Path) -> None:
-    written = tmp_path / "configuration.md"
-    run([PYTHON, "-m", "flodl.config.reference", str(written)], cwd=tmp_path).check()
-    assert COMMITTED.read_text() == written.read_text(), f"docs/configuration.md is stale: run `{COMMAND}`"
 
 
 def test_every_key_of_the_schema_has_a_row_with_its_default_and_comment() -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from flodl.metrics.aggregate import EpochMetrics
-from flodl.metrics.run_info import RunInfo, job_name, sweep_keys
+from flodl.metrics.run_info import RunInfo
 from flodl.metrics.wandb_sink import WandbSettings, WandbSink
 from tests.helpers.procs import FAST_START, child_env, leftovers, train
 
@@ -210,19 +210,3 @@ def test_a_failing_log_is_reported_once_and_then_skipped(caplog: pytest.LogCaptu
     assert [r.getMessage() for r in caplog.records if "without W&B" in r.getMessage()] == [
         "W&B logging failed (ConnectionError: wandb service went away); training goes on without W&B"
     ]
-
-
-def test_a_jobs_name_holds_only_what_its_sweep_varies(tmp_path: Path) -> None:
-    saved = tmp_path / "multirun.yaml"  # as Hydra's sweeper saves it in the sweep dir
-    saved.write_text(
-        "hydra:\n"
-        "  overrides:\n"
-        "    task: ['policy=sync,async', epochs=2, logger=wandb, 'launch.timeout_s=60,90']\n"
-        "  sweeper:\n"
-        "    params: {seed: '0,1', +task.model.width: 'range(2)'}\n"
-    )
-    varying = sweep_keys(saved)
-    assert varying == {"policy", "launch.timeout_s", "seed", "task.model.width"}
-    job = ["policy=async", "epochs=2", "logger=wandb", "launch.timeout_s=90", "seed=1", "+task.model.width=1"]
-    assert job_name(job, varying) == "policy=async,seed=1,task.model.width=1"
-    assert sweep_keys(tmp_path / "missing.yaml") == set()

@@ -1,5 +1,5 @@
-"""The round weighted on the device (one gloo rank here; tests/test_consensus_collective.py runs it over 2
-ranks, and over NCCL replayed from a CUDA graph)."""
+"""The round weighted on the device (one gloo rank here; tests/runs/test_consensus_collective.py runs it
+over 2 ranks, and over NCCL replayed from a CUDA graph)."""
 
 from __future__ import annotations
 

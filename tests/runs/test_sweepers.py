@@ -10,31 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flodl.launcher.objective import NoObjective, objective_key, objective_of
 from tests.helpers.procs import FAST_START, train
 
 SMALL = ("task.train_data.split=test", "epochs=1", "eval_every=1")
-
-
-def test_the_objective_is_the_last_recorded_value_of_its_key() -> None:
-    records = [{"epoch": 0, "loss": 2.0, "eval/loss": 1.5}, {"epoch": 1, "loss": 1.0, "eval/loss": 0.5}]
-    assert objective_of(records, "eval/loss") == 0.5
-    assert objective_of(records, "loss") == 1.0
-    assert objective_key(None, evaluates=True) == "eval/loss"
-    assert objective_key(None, evaluates=False) == "loss"
-    assert objective_key("eval/accuracy", evaluates=True) == "eval/accuracy"
-
-
-def test_no_objective_names_the_key_and_what_was_recorded() -> None:
-    with pytest.raises(
-        NoObjective, match=r"objective=eval/accuracy: no epoch record holds it \(recorded: loss\)"
-    ):
-        objective_of([{"epoch": 0, "loss": 2.0}], "eval/accuracy")
-    with pytest.raises(NoObjective, match="no epoch was recorded"):
-        objective_of([], "loss")
-    # A run whose last value of its objective is NaN gives the sweeper nothing to compare: a failed trial.
-    with pytest.raises(NoObjective, match="not finite at epoch 1"):
-        objective_of([{"epoch": 0, "loss": 2.0}, {"epoch": 1, "loss": math.nan}], "loss")
 
 
 def _job_dirs(root: Path) -> list[Path]:

@@ -15,7 +15,7 @@ from flodl.tasks.gpt import GPT, next_token_loss, next_token_sums, stdlib_files,
 from flodl.tasks.resnet import ResNet20, synthetic_images
 from tests.helpers.corpus import fake_library
 
-CONF = Path(__file__).resolve().parents[1] / "conf" / "task"
+CONF = Path(__file__).resolve().parents[2] / "conf" / "task"
 
 
 def params_of(task: str) -> int:

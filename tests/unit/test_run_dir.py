@@ -8,8 +8,6 @@ import logging
 import os
 import socket
 import stat
-import subprocess
-import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -21,7 +19,7 @@ from flodl.checkpoints.identity import check_identity, run_identity
 from flodl.config.host import user_temp_dir
 from flodl.data.pack import _HOST, remove_stale
 from flodl.job.resume import prepare_history, truncate_history
-from flodl.launcher.run_dir import OWNER_FILE, RunDirTaken, agreed_run_stamp, claim_run_dir, claim_stamp
+from flodl.launcher.run_dir import RunDirTaken, agreed_run_stamp, claim_stamp
 from flodl.links.group import loopback_store
 from flodl.metrics.sinks import read_history, record_line
 
@@ -52,31 +50,6 @@ def test_a_stamp_from_the_store_must_be_a_stamp_before_it_becomes_a_path(
         agreed_run_stamp(str(tmp_path), "RUN", "RUN")
     store.set(f"flodl/run_stamp/{tmp_path}/r", "2026-01-02/03-04-05-1")
     assert agreed_run_stamp(str(tmp_path), "RUN", "RUN") == "2026-01-02/03-04-05-1"
-
-
-def _owner(run_dir: Path, uid: str, pid: int) -> None:
-    started = psutil.Process(pid).create_time()
-    record = {"uid": uid, "host": socket.gethostname(), "pid": pid, "pid_started": started}
-    (run_dir / OWNER_FILE).write_text(json.dumps(record))
-
-
-@pytest.mark.multiproc
-def test_a_dir_a_live_run_owns_is_refused_and_a_dead_run_s_is_taken_over(tmp_path: Path) -> None:
-    _owner(tmp_path, "other", os.getpid())  # this test process: alive
-    with pytest.raises(RunDirTaken, match=rf"run dir {tmp_path} belongs to run other, still running"):
-        claim_run_dir(tmp_path, "mine")
-    claim_run_dir(tmp_path, "other")  # its own dir: a restart of that run
-    ended = subprocess.Popen([sys.executable, "-c", "pass"])
-    record = {
-        "uid": "other",
-        "host": socket.gethostname(),
-        "pid": ended.pid,
-        "pid_started": psutil.Process(ended.pid).create_time(),
-    }
-    ended.wait()
-    (tmp_path / OWNER_FILE).write_text(json.dumps(record))
-    claim_run_dir(tmp_path, "mine")
-    assert json.loads((tmp_path / OWNER_FILE).read_text())["uid"] == "mine"
 
 
 def test_resume_auto_takes_its_own_run_and_its_own_config_and_refuses_another_saying_why(

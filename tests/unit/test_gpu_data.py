@@ -1,6 +1,6 @@
 """The device side of the data plane: prefetch on a side stream, depth re-sizing, the device sample pool.
 
-Skipped without CUDA; run on a GPU machine with `python -m pytest tests/test_gpu_data.py -m gpu`.
+Skipped without CUDA; run on a GPU machine with `python -m pytest tests/unit/test_gpu_data.py -m gpu`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A finished run's model outside flodl: safetensors that the safetensors package reads back, and the
-refusals that name what is missing. The end-to-end load of a real run is in tests/test_cli.py."""
+refusals that name what is missing. The end-to-end load of a real run is in tests/runs/test_cli.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The local-SGD wire on one rank (flodl/averaging/wire.py): the `Wire` objects the assembly chooses once,
-their encodings, byte counts and references; over gloo ranks in tests/test_consensus_collective.py."""
+their encodings, byte counts and references; over gloo ranks in tests/runs/test_consensus_collective.py."""
 
 from __future__ import annotations
 

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import pytest
 from hydra import compose, initialize_config_dir
 
@@ -12,8 +9,7 @@ from flodl.config.host import RankEnv
 from flodl.config.schema import register_configs
 from flodl.launcher.cluster_env import PORT_BASE, expand_nodelist, scheduler_rank_environ
 from flodl.launcher.run_dir import register_resolvers
-from tests.helpers.procs import CONF, leftovers, train
-from tests.helpers.runs import assert_complete_run
+from tests.helpers.procs import CONF
 
 
 @pytest.mark.parametrize(
@@ -86,31 +82,6 @@ def test_processes_that_are_not_one_task_of_many_stay_single() -> None:
     assert scheduler_rank_environ(batch_script) == {}
     assert scheduler_rank_environ({**SLURM_TASK, "SLURM_NTASKS": "1"}) == {}
     assert scheduler_rank_environ({}) == {}
-
-
-@pytest.mark.multiproc
-def test_submitit_runs_each_sweep_job_as_two_tasks_that_form_one_job(tmp_path: Path) -> None:
-    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
-    sweep = tmp_path / "sweep"
-    train(
-        "-m",
-        "hydra/launcher=submitit_local",
-        "hydra.launcher.tasks_per_node=2",
-        "hydra.launcher.timeout_min=4",
-        f"hydra.sweep.dir={sweep}",
-        "device=cpu",
-        "policy=cadence",
-        "epochs=2",
-        "seed=0,1",
-        cwd=tmp_path,
-        timeout=240,
-    ).check()
-    ports = set()
-    for job in ("0", "1"):
-        assert_complete_run(sweep / job, world=2, epochs=2)
-        ports.add(re.search(r"master port (\d+)", (sweep / job / "rank0.log").read_text()).group(1))
-    assert len(ports) == 2  # the jobs ran side by side, each on its own store
-    assert not leftovers(tmp_path)
 
 
 def test_the_slurm_launcher_config_runs_one_task_per_gpu() -> None:

@@ -1,0 +1,1 @@
+"""Tests that start processes: CLI runs, ranks, launchers (marked multiproc)."""
