@@ -308,7 +308,8 @@ def test_a_checkpoint_this_job_cannot_resume_is_refused_before_the_run_dir_is_ma
     first = tmp_path / "first"
     train("epochs=1", "checkpoint_every=1", f"hydra.run.dir={first}", cwd=tmp_path, timeout=120).check()
     (checkpoint,) = [p for p in (first / "checkpoints").iterdir() if p.is_dir()]
-    # An older flodl's checkpoint does not say which run wrote it: its world size and policy are checked.
+    # An older flodl's checkpoint does not say which run wrote it: its policy, and what a resize keeps, are
+    # checked.
     older = tmp_path / "older" / checkpoint.name
     shutil.copytree(checkpoint, older)
     manifest = json.loads((older / MANIFEST_FILE).read_text())
@@ -316,7 +317,10 @@ def test_a_checkpoint_this_job_cannot_resume_is_refused_before_the_run_dir_is_ma
     second = tmp_path / "second"
     for overrides, why in [
         ((f"resume={checkpoint}", "seed=7"), "whose config differs from this run's (seed: 42 there, 7 here"),
-        ((f"resume={older}", "launch.nproc_per_node=2"), "was written by 1 rank(s); this job has 2"),
+        (
+            (f"resume={older}", "launch.nproc_per_node=2", "keep_global_batch=true"),
+            "keep_global_batch=true: the checkpoint's global batch of 32 (1 ranks) does not divide",
+        ),
         ((f"resume={older}", "policy=cadence"), "was written under policy=sync"),
     ]:
         text = rejection((*overrides, f"hydra.run.dir={second}"))
