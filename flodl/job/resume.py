@@ -57,13 +57,19 @@ class ResumeSettings:
 def choose_checkpoint(settings: ResumeSettings, world_size: int) -> Checkpoint | None:
     """The checkpoint `resume` names, checked against this run's identity and policy, and on another world
     size against what the resize keeps."""
+    return _checked_choice(settings, world_size)[0]
+
+
+def _checked_choice(settings: ResumeSettings, world_size: int) -> tuple[Checkpoint | None, int | None]:
+    """The checkpoint, checked, and the grad_accum keep_global_batch needs on `world_size` (None: as
+    configured)."""
     found = resolve_resume(settings.resume, settings.checkpoints)
-    if found is not None:
-        check_identity(found, settings.run, settings.resume)
-        saved = coordinator_state(found)
-        check_run_kind(found, saved, settings.kind)
-        grad_accum_on(settings, found, saved, world_size)
-    return found
+    if found is None:
+        return None, None
+    check_identity(found, settings.run, settings.resume)
+    saved = coordinator_state(found)
+    check_run_kind(found, saved, settings.kind)
+    return found, grad_accum_on(settings, found, saved, world_size)
 
 
 def saved_step_samples(saved: dict[str, Any], settings: ResumeSettings) -> int:
@@ -99,7 +105,7 @@ def publish_checkpoint_choice(
     for swept in settings.checkpoints.sweep_partial():  # before any rank of this run writes a part
         log.info("removed %s: a checkpoint an earlier start left uncommitted", swept)
     try:
-        found = choose_checkpoint(settings, world_size)
+        found, accum = _checked_choice(settings, world_size)
         prepare_history(settings.metrics, settings.checkpoints, found)
     except CheckpointError as err:
         publish_json(exchange, "checkpoint", {"error": str(err)})
@@ -109,7 +115,6 @@ def publish_checkpoint_choice(
         if found
         else None
     )
-    accum = grad_accum_on(settings, found, coordinator_state(found), world_size) if found else None
     publish_json(exchange, "checkpoint", {"checkpoint": saved, "grad_accum": accum})
     return found
 
@@ -161,21 +166,16 @@ def restore_worker(checkpoint: Checkpoint, worker: WorkerBase, world_size: int) 
     names for it leaves a rank that has none (another world size, or no member at the checkpoint round):
     the consensus model (load_model) and what that part holds that another rank may take."""
     resize = resize_of(checkpoint, world_size, worker.shares_optimizer)
+    source = resize.source(worker.rank)
+    part = checkpoint.load(rank_file(source))
+    problem = stream_problem(checkpoint.world_size, world_size)
+    if part["stepper"].get("data") is not None and problem is not None:  # readers at the saved world's split
+        raise CheckpointError(f"checkpoint {checkpoint.path}: {problem}")
     if resize.owns(worker.rank):
-        part = checkpoint.load(rank_file(worker.rank))
-        if part["stepper"].get("data") is not None:  # a stream's readers stand at the saved world's split
-            problem = stream_problem(checkpoint.world_size, world_size)
-            if problem is not None:
-                raise CheckpointError(f"checkpoint {checkpoint.path}: {problem}")
         restore_stepper(worker.stepper, part["stepper"])
         worker.restore(part["worker"])
         log.info("resumed from %s: training continues %s", checkpoint.path, continues_at(checkpoint))
     else:
-        source = resize.source(worker.rank)
-        part = checkpoint.load(rank_file(source))
-        problem = stream_problem(checkpoint.world_size, world_size)
-        if part["stepper"].get("data") is not None and problem is not None:
-            raise CheckpointError(f"checkpoint {checkpoint.path}: {problem}")
         restore_stepper(worker.stepper, shared_state(part["stepper"]))
         worker.restore(worker.shared_state(part["worker"]))
         log.info(

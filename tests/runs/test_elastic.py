@@ -153,3 +153,18 @@ def test_keep_global_batch_under_survive_a_death_leaves_the_trajectory_of_the_un
     assert [r["world"] for r in records] == [2, 2, 1, 1] and [r["lr"] for r in records] == [
         r["lr"] for r in ran
     ]
+
+
+def test_a_stream_resumed_on_another_world_is_refused_saying_what_would_be_lost(tmp_path: Path) -> None:
+    stream = ("--config-dir", CONF, "task=byo_stream", "steps_per_epoch=4", "epochs=2", FAST_START)
+    saved, items = tmp_path / "saved", tmp_path / "items"  # the stream's loss logs the items it trains there
+    items.mkdir()
+    logged = {"FLODL_TEST_DRAW_DIR": str(items)}
+    train(
+        *stream, "launch.nproc_per_node=2", f"hydra.run.dir={saved}", cwd=tmp_path, timeout=240, **logged
+    ).check()
+    checkpoint = saved / "checkpoints" / "epoch-000001"
+    again = (f"resume={checkpoint}", f"hydra.run.dir={tmp_path / 'again'}")
+    refused = train(*stream, "launch.nproc_per_node=3", *again, cwd=tmp_path, timeout=240, **logged)
+    assert refused.code != 0 and not (tmp_path / "again" / "model.pt").exists(), refused.out
+    assert "task.train_data is a stream" in refused.out and "resume with 2 ranks" in refused.out, refused.out
