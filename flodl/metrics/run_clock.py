@@ -22,22 +22,31 @@ from flodl.config.host import RankEnv
 
 RUN_FILE = "run.json"
 SWEEP_FILE = "sweep.json"
+# Set by a launcher that starts each job as its own process (the slots launcher): the moment it launched it,
+# on this clock, where the job's process start is known only to the kernel's tick.
+LAUNCHED_AT_ENV = "FLODL_LAUNCHED_AT"
 # When this process launches its next job (a multirun walked in one process): the moment its sweep had
 # checked the grid, then each job's exit.
 _next_launch: float | None = None
 
 
 def _process_start() -> float:
-    """When this process started; under torchrun, its agent's (the agent launched the job)."""
+    """When this process started; under torchrun, its agent's (the agent launched the job). On time.time()'s
+    clock: psutil adds the process's age since boot to a boot time it rounds to the second, which can put the
+    start up to a second early against the exit times recorded here."""
     process = psutil.Process()
     if RankEnv.from_environ().run_id and (parent := process.parent()) is not None:
         process = parent
-    return process.create_time()
+    since_boot = process.create_time() - psutil.boot_time()
+    return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - since_boot)
 
 
 def launch_time() -> float:
-    """When this job was launched: see `_next_launch`, else the process's start."""
-    return _next_launch if _next_launch is not None else _process_start()
+    """When this job was launched: see `_next_launch`, else what its launcher said, else the process's start."""
+    if _next_launch is not None:
+        return _next_launch
+    said = os.environ.get(LAUNCHED_AT_ENV)
+    return float(said) if said else _process_start()
 
 
 def sweep_ready(sweep_dir: Path | None) -> None:

@@ -23,6 +23,8 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.launcher import Launcher
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from flodl.metrics import run_clock
+
 log = logging.getLogger("flodl")
 _POLL_S = 0.2
 # The override that tells a job the slots launcher started (a single run to Hydra) which sweep it belongs to.
@@ -124,6 +126,7 @@ class SlotLauncher(Launcher):
         job_dir.mkdir(parents=True, exist_ok=True)
         log.info("job %d on %s: %s", index, f"GPUs {gpus}" if gpus else "CPU", " ".join(overrides))
         output = (job_dir / "job.out").open("w")
+        env[run_clock.LAUNCHED_AT_ENV] = repr(time.time())
         process = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT)
         output.close()
         return _Running(index, process, gpus, job_dir, overrides)

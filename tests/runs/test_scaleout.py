@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
+from flodl.metrics import run_clock
 from tests.helpers.procs import (
     FAST_START,
     TORCHRUN,
@@ -80,6 +85,27 @@ def test_plan_prints_the_figures_and_starts_nothing(tmp_path: Path) -> None:
     assert "cadence on backend=nccl, batch 32/rank (global 64)" in result.out
     assert not list(tmp_path.rglob("rank*.log")) and not list(tmp_path.rglob(".launch"))
     assert not any(epochs_of(p.parent) for p in tmp_path.rglob("metrics.jsonl"))
+
+
+def test_a_process_start_is_on_the_clock_its_exit_is_recorded_on(tmp_path: Path) -> None:
+    """A job's launch and another's exit are compared (a slot was free): both on time.time()'s clock, not
+    psutil's create_time, which rounds the boot time to the second and can fall up to a second early."""
+    before = time.time()
+    child = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import time; from flodl.metrics import run_clock; "
+            "print(run_clock._process_start(), time.time())",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, run_clock.LAUNCHED_AT_ENV: ""},
+    )
+    started, now = map(float, child.stdout.split())
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    assert before - tick <= started <= now
 
 
 def test_slots_launcher_runs_jobs_side_by_side_on_their_own_ports(tmp_path: Path) -> None:

@@ -84,3 +84,11 @@ def test_a_sweeps_own_start_up_is_charged_to_no_job(tmp_path: Path, monkeypatch:
     run_clock.record_exit(job, first)
     assert run_clock.launch_time() == json.loads((job / run_clock.RUN_FILE).read_text())["exited_at"]
     assert run_clock.sweep_startup_s(job) is None
+
+
+def test_a_job_launched_by_its_launcher_starts_when_the_launcher_says(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(run_clock, "_next_launch", None)
+    monkeypatch.setenv(run_clock.LAUNCHED_AT_ENV, "1234.5")
+    assert run_clock.launch_time() == 1234.5
