@@ -73,6 +73,12 @@ def hosts_apart(cfg: FlodlConfig) -> bool:
     return cfg.fault_tolerance == "survive"
 
 
+def rank_capacity(cfg: FlodlConfig, world_size: int) -> int:
+    """The most ranks the job holds at once (seats 0..capacity-1): the `world_size` it starts with, and under
+    survive up to launch.max_ranks with the ones that join it later."""
+    return world_size if cfg.launch.max_ranks is None else max(cfg.launch.max_ranks, world_size)
+
+
 def heartbeat_timeout_of(cfg: FlodlConfig) -> float:
     """How long a silent rank counts as alive: as set, or 10 s under survive (exits are seen at once there;
     the timeout is for a frozen rank) and 60 s otherwise (a restart of the whole job is the remedy)."""

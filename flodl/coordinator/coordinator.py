@@ -177,8 +177,8 @@ class Coordinator(threading.Thread):
         return self.driver.done and self.ledger.all_emitted and self._checkpoints_committed
 
     def _shut_down(self, reason: str, signum: int | None = None) -> None:
-        # Every rank's inbox, the cut ones' too: a restarted rank waiting to be admitted ends with the run.
-        for rank in range(self.ledger.world_size):
+        # Every seat's inbox, the cut ones' too: a rank waiting to be admitted ends with the run.
+        for rank in self.roster.seats:
             self.outbox.send(rank, Shutdown(reason, signum))
 
     def _on_stop_requested(self, message: StopRequested) -> None:

@@ -46,6 +46,8 @@ class Roster:
     def __init__(self, world_size: int, outbox: Mailbox, monitor: HeartbeatMonitor) -> None:
         self.outbox = outbox
         self.monitor = monitor
+        # Every rank the run may hold (the fixed world's own): each has an inbox.
+        self.seats = range(world_size)
         # The averaging group's number: one more at each change (what plans, rounds and reports carry).
         self.generation = 0
         self.members = set(range(world_size))
@@ -135,8 +137,9 @@ class Roster:
 
 class SurvivingRoster(Roster):
     """fault_tolerance=survive: a member silent past the heartbeat timeout, exiting, or back as a restart (its
-    old process is then certainly gone) is cut; a restart is admitted at the driver's next boundary; fewer
-    than min_ranks members stop the run at its next consensus. Each change is timed (`MembershipChange`)."""
+    old process is then certainly gone) is cut; a restart, or a rank that joins the running job in a seat
+    past the ones it started with, is admitted at the driver's next boundary; fewer than min_ranks members
+    stop the run at its next consensus. Each change is timed (`MembershipChange`)."""
 
     def __init__(
         self,
@@ -147,7 +150,9 @@ class SurvivingRoster(Roster):
         timeline: Timeline,
         settings: SurviveSettings,
     ) -> None:
+        """`world_size`: the ranks the run starts with (its members); settings.capacity: its seats."""
         super().__init__(world_size, outbox, monitor)
+        self.seats = range(settings.capacity)
         self.ledger = ledger
         self.timeline = timeline
         self.min_ranks = settings.min_ranks
@@ -198,16 +203,113 @@ class SurvivingRoster(Roster):
         asked."""
 
     def on_joined(self, message: Joined) -> None:
-        """A restarted rank: its old process is gone for certain; it is admitted at the driver's next
-        boundary."""
+        """A restarted rank (its old process is gone for certain) or a new one in a free seat: admitted at the
+        driver's next boundary."""
         self.check_exits()  # its supervisor posted the old process's end before it started this one
         if message.rank in self.members:
             self.cut(message.rank, f"restarted as incarnation {message.incarnation}")
         self.incarnations[message.rank] = message.incarnation
         self.joined[message.rank] = (time.perf_counter(), message.startup_s)
         if self.too_few is None and not self.driver.done:
-            log.info("rank %d (incarnation %d) waits to be admitted", message.rank, message.incarnation)
+            log.info("rank %d (%s) waits to be admitted", message.rank, self._arrival(message))
             self.joiners.add(message.rank)
+
+    @staticmethod
+    def _arrival(message: Joined) -> str:
+        """How a joining rank came: restarted, or the first in a seat the run did not start with."""
+        return "new, in a free seat" if message.incarnation == 0 else f"incarnation {message.incarnation}"
+
+    def check_exits(self) -> None:
+        """Nothing: no supervisor posts a rank's exit (a dead rank fails its peers' collectives)."""
+
+    def follow_changes(self, run_ended: bool = False) -> None:
+        """Nothing: the world never changes."""
+
+
+class SurvivingRoster(Roster):
+    """fault_tolerance=survive: a member silent past the heartbeat timeout, exiting, or back as a restart (its
+    old process is then certainly gone) is cut; a restart, or a rank that joins the running job in a seat
+    past the ones it started with, is admitted at the driver's next boundary; fewer than min_ranks members
+    stop the run at its next consensus. Each change is timed (`MembershipChange`)."""
+
+    def __init__(
+        self,
+        world_size: int,
+        outbox: Mailbox,
+        monitor: HeartbeatMonitor,
+        ledger: EpochLedger,
+        timeline: Timeline,
+        settings: SurviveSettings,
+    ) -> None:
+        """`world_size`: the ranks the run starts with (its members); settings.capacity: its seats."""
+        super().__init__(world_size, outbox, monitor)
+        self.seats = range(settings.capacity)
+        self.ledger = ledger
+        self.timeline = timeline
+        self.min_ranks = settings.min_ranks
+        # Each rank's current process (0: the first).
+        self.incarnations: dict[int, int] = {}
+        # The exits the self-launch supervisor posts (each one cut at once).
+        self._exits = ExitReader(root_store(outbox.store))
+        # Restarted ranks waiting for admission: when they said so, and their start-up time.
+        self.joined: dict[int, tuple[float, float]] = {}
+        # The changes being carried out, oldest first.
+        self.changes: list[MembershipChange] = []
+
+    def cut(self, rank: int, why: str, exited_at: float | None = None) -> None:
+        """`rank` is gone: the others go on without it, or the run ends if too few are left. `exited_at`: when
+        its supervisor saw its process end (unix seconds), if that is how it is known."""
+        post_cut(self.outbox.store, rank, self.incarnations.get(rank, 0))
+        timings = {"silent_s": self.monitor.silence_of(rank, time.perf_counter())}
+        if exited_at is not None:  # how long after the death the cut came
+            timings["after_exit_s"] = time.time() - exited_at
+        self.ledger.membership_event("rank_cut", rank, timings)
+        self.monitor.forget(rank)
+        self.generation += 1
+        self.members.discard(rank)
+        self.joiners.discard(rank)
+        self.unformed.discard(rank)
+        self.driver.on_cut(rank)
+        members = sorted(self.members)
+        log.warning("rank %d is out (%s); the run goes on with ranks %s", rank, why, members)
+        self.changes.append(MembershipChange("cut", rank, self.generation, members, why))
+        if len(members) < self.min_ranks and self.too_few is None:
+            self.too_few = TooFewRanks(
+                f"only {len(members)} rank(s) left ({members}) after rank {rank} was cut ({why}); "
+                f"min_ranks={self.min_ranks}: the run stops at its next consensus"
+            )
+            self.stop_at_consensus(str(self.too_few))
+
+    def on_silent(self, ranks: list[int], now: float) -> None:
+        """The host's process trains nothing: any rank may be cut."""
+        for rank in ranks:
+            self.cut(rank, f"no heartbeat for {self.monitor.silence_of(rank, now):.1f} s")
+
+    def on_exiting(self, message: Exiting) -> None:
+        if message.rank in self.members:
+            self.cut(message.rank, f"exiting: {message.reason}" if message.reason else "exiting")
+
+    def on_writer_exiting(self, message: Exiting) -> None:
+        """Nothing yet: its exit, posted by its supervisor, or its silence cuts it, and the next holder is
+        asked."""
+
+    def on_joined(self, message: Joined) -> None:
+        """A restarted rank (its old process is gone for certain) or a new one in a free seat: admitted at the
+        driver's next boundary."""
+        self.check_exits()  # its supervisor posted the old process's end before it started this one
+        if message.rank in self.members:
+            self.cut(message.rank, f"restarted as incarnation {message.incarnation}")
+        self.incarnations[message.rank] = message.incarnation
+        self.joined[message.rank] = (time.perf_counter(), message.startup_s)
+        if self.too_few is None and not self.driver.done:
+            log.info("rank %d (%s) waits to be admitted", message.rank, self._arrival(message))
+            self.joiners.add(message.rank)
+
+    def _arrival(self, message: Joined) -> str:
+        """How a joining rank came: restarted, or new in a seat the run did not start with."""
+        if message.rank >= len(self.ledger.members | self.members | {message.rank}) or message.incarnation == 0:
+            return f"new in seat {message.rank}" if message.incarnation == 0 else f"incarnation {message.incarnation}"
+        return f"incarnation {message.incarnation}"
 
     def check_exits(self) -> None:
         """Cut at once the members whose process ended, as their supervisor saw it (an earlier incarnation's

@@ -25,6 +25,8 @@ log = logging.getLogger("flodl")
 class SurviveSettings:
     # Fewer members than this stops the run with an error (its last consensus saved).
     min_ranks: int
+    # The most ranks the run holds at once: seats past the ones it started with take ranks that join later.
+    capacity: int
 
 
 @dataclass

@@ -96,11 +96,14 @@ class ElChe:
     """Cadence state for one run: `report_timing` once per reduce window, then `apply_verdict`.
 
     Public attributes (anchor, anchor_rank, phase, calibration_count, proposed_anchor, growth_enabled)
-    are for reading; they change only through the methods. `epoch_batches` may be set by the caller.
-    """
+    are for reading; they change only through the methods. `epoch_batches` may be set by the caller."""
 
     def __init__(
-        self, settings: ElCheSettings, anchor_rank: int | None = None, epoch_batches: int | None = None
+        self,
+        settings: ElCheSettings,
+        anchor_rank: int | None = None,
+        epoch_batches: int | None = None,
+        first_members: int | None = None,
     ) -> None:
         n = settings.world_size
         if anchor_rank is not None and not 0 <= anchor_rank < n:
@@ -120,7 +123,8 @@ class ElChe:
         self.growth_enabled = True
         self._stable_streak = 0
         self._auto_overshoot = OVERSHOOT_START
-        self._members = set(range(n))
+        # Ranks 0..first_members-1 get counts from the start, the seats past them once admitted.
+        self._members = set(range(n if first_members is None else first_members))
 
     # --- queries ------------------------------------------------------------------------------------
 
@@ -133,7 +137,7 @@ class ElChe:
 
     @property
     def members(self) -> frozenset[int]:
-        """The ranks that get counts (every rank until one is retired)."""
+        """The ranks that get counts (the first members until one is retired or admitted)."""
         return frozenset(self._members)
 
     @property
@@ -362,41 +366,34 @@ class ElChe:
 
     @classmethod
     def from_state(
-        cls, settings: ElCheSettings, state: dict[str, Any], epoch_batches: int | None = None
+        cls,
+        settings: ElCheSettings,
+        state: dict[str, Any],
+        epoch_batches: int | None = None,
+        first_members: int | None = None,
     ) -> ElChe:
-        """Rebuild from `state()`. Knobs come from `settings` (a resume may re-bind them). On another world
-        size (`resized`) the run's cadence carries over, its ranks' speeds do not."""
-        n = settings.world_size
-        if len(state["smoothed_ms_per_batch"]) != n:
-            return cls.resized(settings, state, epoch_batches)
-        el = cls(settings, state["anchor_rank"], epoch_batches)
-        el.anchor = el._counts_anchor = int(state["anchor"])
-        el._counts = [el.anchor] * n
-        el.phase = Phase[str(state["phase"]).upper()]
-        el.calibration_count = int(state["calibration_count"])
-        el._members = set(state.get("members", range(n)))  # saved before members existed: every rank
-        extra = state["resume"]
-        for r, w in enumerate(extra["ms_windows"]):
-            el._windows[r].extend(float(x) for x in w)
-        for key in _RESUME:
-            setattr(el, key, copy.copy(extra[key.lstrip("_")]))
-        return el
-
-    @classmethod
-    def resized(
-        cls, settings: ElCheSettings, state: dict[str, Any], epoch_batches: int | None = None
-    ) -> ElChe:
-        """A `state()` of another world: the anchor the run grew to (the window that amortizes a round),
-        its phase, calibrations and growth streaks carry over; every rank starts at the anchor's count with
-        no speed history and the anchor rank is elected again, as a restarted rank is measured afresh (the
-        ranks' speeds belong to their processes and devices)."""
-        el = cls(settings, None, epoch_batches)
+        """Rebuild from `state()` for a job that starts with ranks 0..first_members-1 (None: every seat).
+        Knobs come from `settings` (a resume may re-bind them). The anchor the run grew to, its phase,
+        calibrations and growth streaks carry over; on other seats its ranks' speeds do not (they belong to
+        the old processes and devices): every rank starts at the anchor's count, the anchor elected again."""
+        el = cls(settings, None, epoch_batches, first_members)
         el.anchor = el._counts_anchor = int(state["anchor"])
         el._counts = [el.anchor] * settings.world_size
         el.phase = Phase[str(state["phase"]).upper()]
         el.calibration_count = int(state["calibration_count"])
         extra = state["resume"]
-        el.growth_enabled = bool(extra["growth_enabled"])
-        el._stable_streak = int(extra["stable_streak"])
-        el._auto_overshoot = int(extra["auto_overshoot"])
+        if len(state["smoothed_ms_per_batch"]) != settings.world_size:
+            el.growth_enabled = bool(extra["growth_enabled"])
+            el._stable_streak = int(extra["stable_streak"])
+            el._auto_overshoot = int(extra["auto_overshoot"])
+            return el
+        if state["anchor_rank"] in el._members:  # else elected again among the ranks there are
+            el.anchor_rank = state["anchor_rank"]
+        for r, w in enumerate(extra["ms_windows"]):
+            el._windows[r].extend(float(x) for x in w)
+        for key in _RESUME:
+            setattr(el, key, copy.copy(extra[key.lstrip("_")]))
+        for rank in el._members - set(state.get("members", el._members)):  # cut before it: measured afresh
+            el._forget(rank)
+            el._counts[rank] = el.anchor
         return el

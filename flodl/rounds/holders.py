@@ -1,6 +1,7 @@
 """Who takes part in local SGD's windows and rounds, and what each holds untrained (pure).
 
-Every rank is a member until one is dropped (fault_tolerance=survive). A dropped rank's slices that it
+Every rank the run starts with is a member until one is dropped (fault_tolerance=survive); the seats past them
+take ranks that join later. A dropped rank's slices that it
 was handed and had not reported trained return to a pool, in (epoch, offset) order, which the next windows
 hand out before the cursor; its trained slices stay trained. A restarted rank admitted while a window or a
 round is in progress joins when the next window opens.
@@ -15,8 +16,11 @@ from flodl.links.messages import EpochSlice
 
 @dataclass
 class Holders:
+    # The seats: every rank the run may hold.
     world_size: int
     batch_size: int
+    # Ranks 0..first_members-1 are members at the start (None: every seat).
+    first_members: int | None = None
     # The ranks that get windows and take part in rounds.
     members: set[int] = field(init=False)
     # Ranks admitted during a window or a round: members once the next window opens.
@@ -27,7 +31,7 @@ class Holders:
     returned: list[EpochSlice] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.members = set(range(self.world_size))
+        self.members = set(range(self.world_size if self.first_members is None else self.first_members))
         self.handed = {r: [] for r in range(self.world_size)}
 
     def open_window(self) -> list[int]:

@@ -92,6 +92,8 @@ class LocalSgdPlanner:
     checkpoint_every_batches: int | None = None
     # Overlapped rounds (cadence): the next window opens as a round that is not a segment's last starts.
     overlap: bool = False
+    # Ranks 0..first_members-1 get the first window; the seats past them wait for ranks that join (None: all).
+    first_members: int | None = None
     cursor: Cursor = field(init=False)
     round: int = 0
     targets: list[int] = field(init=False)
@@ -126,7 +128,7 @@ class LocalSgdPlanner:
         self.targets = [0] * self.world_size
         self.queued = [0] * self.world_size
         self.carried = [0] * self.world_size
-        self.holders = Holders(self.world_size, self.batch_size)
+        self.holders = Holders(self.world_size, self.batch_size, self.first_members)
 
     @property
     def members(self) -> set[int]:

@@ -556,27 +556,29 @@ def test_the_last_member_is_never_retired():
         el.retire(0)
 
 
-def test_state_round_trip_keeps_the_members():
+def test_a_resumed_job_starts_with_every_rank_it_launches_a_cut_one_measured_afresh():
+    """The saved members were the old job's processes: a resume's members are the ranks it starts with. One
+    cut before the checkpoint starts at the anchor's count, the others keep their balance."""
     kw = dict(world_size=3, anchor=8)
     el = ElChe(ElCheSettings(**kw))
     feed(el, [10.0, 20.0, 40.0])
     el.retire(1)
     state = json.loads(json.dumps(el.state()))
-    assert state["members"] == [0, 2]
+    assert state["members"] == [0, 2] and el.counts() == [32, 0, 8]
     resumed = ElChe.from_state(ElCheSettings(**kw), state)
-    assert resumed.members == {0, 2} and resumed.counts() == el.counts() == [32, 0, 8]
-    del state["members"]  # a state saved before members existed: every rank
+    assert resumed.members == {0, 1, 2} and resumed.counts() == [32, 8, 8]
+    assert resumed.smoothed_ms(1) is None
+    feed(resumed, [10.0, 20.0, 40.0])
+    assert resumed.counts() == [32, 16, 8]
+    del state["members"]  # a state saved before members existed: every rank was one
     assert ElChe.from_state(ElCheSettings(**kw), state).members == {0, 1, 2}
 
 
-def test_a_rank_cut_before_a_checkpoint_is_admitted_again_when_the_job_resumes():
-    """A resumed job starts every rank (flodl/job/assembly.py admits those the state lacks): the one cut
-    starts at the anchor's count, the others keep their balance."""
-    el = make(world=3, anchor=8)
-    feed(el, [10.0, 20.0, 40.0])
-    el.retire(1)
-    resumed = ElChe.from_state(ElCheSettings(world_size=3, anchor=8), el.state())
-    resumed.admit(1)
-    assert resumed.counts() == [32, 8, 8]
-    feed(resumed, [10.0, 20.0, 40.0])
-    assert resumed.counts() == [32, 16, 8]
+def test_a_job_started_with_fewer_ranks_than_seats_leaves_the_rest_to_joiners():
+    """Seats past the first members get no counts until a rank joins in one (launch.max_ranks)."""
+    el = ElChe(ElCheSettings(world_size=4, anchor=8), first_members=2)
+    assert el.members == {0, 1} and el.counts() == [8, 8, 0, 0]
+    el.admit(3)
+    assert el.members == {0, 1, 3} and el.counts() == [8, 8, 0, 8]
+    resumed = ElChe.from_state(ElCheSettings(world_size=4, anchor=8), el.state(), first_members=3)
+    assert resumed.members == {0, 1, 2} and resumed.counts() == [8, 8, 8, 0]

@@ -48,7 +48,7 @@ def surviving(min_ranks: int = 1) -> tuple[SurvivingRoster, Driver, HashStore]:
     monitor = HeartbeatMonitor(3, timeout_s=2.0, started=0.0)
     ledger = EpochLedger(epochs=2, world_size=3, batches_per_epoch=4)
     roster = SurvivingRoster(
-        3, Mailbox(store, "coordinator"), monitor, ledger, Timeline(3), SurviveSettings(min_ranks)
+        3, Mailbox(store, "coordinator"), monitor, ledger, Timeline(3), SurviveSettings(min_ranks, capacity=3)
     )
     driver = Driver(roster)
     roster.attach(driver, driver.stop, lambda: "none")  # type: ignore[arg-type]

@@ -60,7 +60,7 @@ class Run:
         )
         self.ledger = EpochLedger(epochs=2, world_size=3, batches_per_epoch=12)
         monitor = HeartbeatMonitor(3, timeout_s=10.0, started=0.0)
-        settings = SurviveSettings(min_ranks=1)
+        settings = SurviveSettings(min_ranks=1, capacity=3)
         self.roster = SurvivingRoster(3, outbox, monitor, self.ledger, Timeline(3), settings)
         self.driver = SyncDriver(schedule, self.ledger, outbox, self.roster, 0, lookahead=0)
         self.stops: list[str] = []

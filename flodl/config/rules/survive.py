@@ -13,7 +13,19 @@ def survive_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
     if cfg.fault_tolerance != "survive":
         if cfg.min_ranks != 1:
             yield problem("min_ranks", cfg.min_ranks, "applies to fault_tolerance=survive")
+        if cfg.launch.max_ranks is not None:
+            yield problem(
+                "launch.max_ranks",
+                cfg.launch.max_ranks,
+                "applies to fault_tolerance=survive (only a surviving job takes ranks while it trains)",
+            )
         return
+    if cfg.launch.max_ranks is not None and cfg.launch.max_ranks < host.world_size:
+        yield problem(
+            "launch.max_ranks",
+            cfg.launch.max_ranks,
+            f"must be at least the {host.world_size} rank(s) the job starts with",
+        )
     if cfg.outer != "avg":
         yield problem(
             "outer",
