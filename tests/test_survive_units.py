@@ -278,7 +278,7 @@ def test_a_rank_waiting_for_the_coordinator_keeps_what_else_came_and_ends_with_t
     sender = Mailbox.connect("127.0.0.1", store.port, "ns", "coordinator", 10.0)
     reader = InboxReader(Mailbox.connect("127.0.0.1", store.port, "ns", 1, 10.0))
     group = AveragingGroup(store, "gloo", 1, torch.device("cpu"), 10.0)
-    survival = SurvivingGroup(group, reader, 2, incarnation=0, wait_s=10.0)
+    survival = SurvivingGroup(group, reader, 2, incarnation=0, joining=False, wait_s=10.0)
     reader.start()
     regroup = Regroup(generation=1, members=[0, 1], cut_round=4)
     for message in (AverageNow(round=4), regroup, ExtendPartition([], 0)):
@@ -288,7 +288,7 @@ def test_a_rank_waiting_for_the_coordinator_keeps_what_else_came_and_ends_with_t
     assert reader.next_message(5.0) == AverageNow(round=4)  # given back, in order, before the queue's
     assert reader.next_message(5.0) == ExtendPartition([], 0)
     # A restart waits for its admission; what was meant for its previous incarnation is dropped.
-    joiner = SurvivingGroup(group, reader, 2, incarnation=1, wait_s=10.0)
+    joiner = SurvivingGroup(group, reader, 2, incarnation=1, joining=True, wait_s=10.0)
     assert joiner.joining
     admission = Regroup(generation=2, members=[0, 1], joining=[1])
     for message in (AverageNow(round=5), regroup, admission):
@@ -307,7 +307,7 @@ def test_a_failure_no_change_follows_is_raised_as_what_it_was() -> None:
     store = loopback_store(0, None, timedelta(seconds=20))
     reader = InboxReader(Mailbox.connect("127.0.0.1", store.port, "ns", 1, 10.0))
     group = AveragingGroup(store, "gloo", 1, torch.device("cpu"), 10.0)
-    survival = SurvivingGroup(group, reader, 2, incarnation=0, wait_s=0.5)
+    survival = SurvivingGroup(group, reader, 2, incarnation=0, joining=False, wait_s=0.5)
     reader.start()
     cause = ValueError("the loss of batch 7 is a string")
     with pytest.raises(RuntimeError, match="no member's death: ValueError: the loss of batch 7") as raised:
@@ -321,7 +321,7 @@ def test_a_cut_round_s_cause_is_logged_on_one_line_cut_at_a_word(caplog: pytest.
     sender = Mailbox.connect("127.0.0.1", store.port, "ns", "coordinator", 10.0)
     reader = InboxReader(Mailbox.connect("127.0.0.1", store.port, "ns", 1, 10.0))
     group = AveragingGroup(store, "gloo", 1, torch.device("cpu"), 10.0)
-    survival = SurvivingGroup(group, reader, 2, incarnation=0, wait_s=10.0)
+    survival = SurvivingGroup(group, reader, 2, incarnation=0, joining=False, wait_s=10.0)
     reader.start()
     text = "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:40915"
     cause = RuntimeError(text + " while the all-reduce of bucket 3 waited" * 6 + "\nException raised from")

@@ -1,8 +1,8 @@
 """What this host and its launcher say: the one reader of the torchrun environment, and the host probe.
 
 Every place that needs torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT, TORCHELASTIC_*, SLURM_JOB_ID) asks `RankEnv.from_environ()`; flodl/launcher/cluster_env.py
-writes them from Slurm's.
+MASTER_PORT, TORCHELASTIC_*, SLURM_JOB_ID; flodl-join's FLODL_INCARNATION) asks `RankEnv.from_environ()`;
+flodl/launcher/cluster_env.py writes them from Slurm's.
 """
 
 from __future__ import annotations
@@ -37,6 +37,9 @@ class RankEnv:
     run_id: str = ""
     # SLURM_JOB_ID: the scheduler's job, shared by the ranks it started ("" outside Slurm).
     job_id: str = ""
+    # FLODL_INCARNATION: the number of flodl-join's taking of this rank's seat (flodl/links/seats.py); None:
+    # the rank's starts are counted in the run's store.
+    incarnation: int | None = None
 
     @classmethod
     def from_environ(cls) -> RankEnv:
@@ -54,6 +57,7 @@ class RankEnv:
             restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
             run_id=env.get("TORCHELASTIC_RUN_ID", ""),
             job_id=env.get("SLURM_JOB_ID", ""),
+            incarnation=int(env["FLODL_INCARNATION"]) if "FLODL_INCARNATION" in env else None,
         )
 
     @property

@@ -204,7 +204,8 @@ class CheckpointCommitter:
 
     def _seal(self, point: Point, state: dict[str, Any], ranks: frozenset[int]) -> Checkpoint:
         self.store.write_part(point, COORDINATOR_FILE, state)
-        return self.store.commit(point, self.world_size, self.run, ranks)
+        # A job that grew past its start holds more ranks than it started with: its checkpoint says so.
+        return self.store.commit(point, max(self.world_size, len(ranks)), self.run, ranks)
 
     def close(self) -> None:
         """Let a commit in flight finish (the run is over or failed)."""

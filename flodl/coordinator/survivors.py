@@ -16,6 +16,7 @@ from typing import Any
 from torch.distributed import Store
 
 from flodl.links.membership import cut_key
+from flodl.links.seats import seat_left
 from flodl.links.transport import inbox
 
 log = logging.getLogger("flodl")
@@ -105,6 +106,7 @@ def root_store(store: Store) -> Store:
 
 
 def post_cut(store: Store, rank: int, incarnation: int) -> None:
-    """Tell the supervisor to end the cut process, and empty its inbox."""
+    """Tell the supervisor to end the cut process, free its seat, and empty its inbox."""
     root_store(store).set(cut_key(rank), str(incarnation))
+    seat_left(root_store(store), rank, incarnation)
     store.delete_key(inbox(rank))

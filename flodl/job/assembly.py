@@ -145,7 +145,10 @@ def make_worker(
             wrap = functools.partial(_ddp, cfg, parts, device, wire, settle=group.settle if gloo else None)
             train_module = parts.model
         else:
-            train_module = _ddp(cfg, parts, device, wire) if world_size > 1 else parts.model
+            # On the group's process group: the world's (None) in a process of its own; the in-process
+            # harness's ranks, threads of one process, each have their own.
+            world = group.collective()[0]
+            train_module = _ddp(cfg, parts, device, wire, world) if world_size > 1 else parts.model
         stepper = Stepper(stepper_for, parts, device, train_module)
         checkpoints = checkpointer(stepper)
         return SyncWorker(
@@ -190,14 +193,18 @@ def make_group(
         host_rounds = PolicyFacts.of(cfg).averages_parameters and cfg.backend == "cpu"
         gloo = dist.new_group(backend="gloo") if host_rounds else None
         return FixedGroup(env.rank, env.world_size, gloo, cfg.launch.timeout_s)
-    incarnation = exchange.add(f"incarnation/{env.rank}", 1) - 1
+    incarnation = env.incarnation
+    if incarnation is None:  # a seat flodl-join took comes numbered; the others count their starts here
+        incarnation = exchange.add(f"incarnation/{env.rank}", 1) - 1
     # gloo has no abort: its timeout bounds a collective (or a group's forming) that a member left without
     # closing its sockets. NCCL's is aborted instead, and its watchdog must not fire on a slow first round.
     timeout_s = cfg.launch.timeout_s if backend == "nccl" else max(3 * heartbeat_timeout_of(cfg), 10.0)
     membership = AveragingGroup(exchange, backend, env.rank, device, timeout_s)
     # A rank whose round failed hears who is still in once the coordinator has seen the silence.
     wait_s = 2 * heartbeat_timeout_of(cfg) + 10
-    return SurvivingGroup(membership, reader, env.world_size, incarnation, wait_s)
+    # A restart, or a rank in a seat past the ones the job started with (flodl-join), joins a running group.
+    joining = incarnation > 0 or env.rank >= env.world_size
+    return SurvivingGroup(membership, reader, env.world_size, incarnation, joining, wait_s)
 
 
 @dataclass(frozen=True)
@@ -207,7 +214,9 @@ class CoordinatorSetup:
     # The resolved config (recorded in checkpoints and W&B) and the job's names.
     config: dict[str, Any]
     info: RunInfo
+    # The ranks the job starts with, and the most it holds at once (rank_capacity: seats for joiners).
     world_size: int
+    capacity: int
     # The task, as the ranks built it: the epoch's picks, and whether there is eval data.
     total_picks: int
     has_eval: bool
@@ -231,76 +240,69 @@ def hang_saver(
 
 
 def make_coordinator(cfg: FlodlConfig, setup: CoordinatorSetup) -> Coordinator:
-    config, info, world_size, total_picks = setup.config, setup.info, setup.world_size, setup.total_picks
-    outbox, resumed = setup.outbox, setup.resumed
+    """The run's coordinator: every structure sized for the job's seats, its members the ranks it starts
+    with (the seats past them wait for ranks that join)."""
+    info, world_size, capacity, resumed = setup.info, setup.world_size, setup.capacity, setup.resumed
     policy = PolicyFacts.of(cfg)
     step_size = step_samples(cfg)
-    schedule = EpochSchedule(cfg.epochs, world_size, total_picks, step_size, cfg.eval_every, setup.has_eval)
-    timeline = Timeline(world_size)
+    schedule = EpochSchedule(
+        cfg.epochs, world_size, setup.total_picks, step_size, cfg.eval_every, setup.has_eval
+    )
+    timeline = Timeline(capacity)
     run_dir = Path(info.run_dir)
     # Where a resumed run starts: the epoch after its checkpoint, or the one it was taken inside.
     first = Point(resumed["epoch"], resumed.get("into")).next_epoch if resumed else 0
     comm_total = resumed["comm_bytes_total"] if resumed else 0
-    inside = resumed.get("ledger") if resumed else None  # what the epoch's record held at the checkpoint
     layout = layout_step(cfg.keep_global_batch, resumed, step_size)
     committer = None
     if checkpoints_on(cfg):
         due = {e for e in checkpoint_epochs(cfg) if e >= first}
-        settings = resume_settings(cfg, run_dir, run_identity(config, info.uid))
+        settings = resume_settings(cfg, run_dir, run_identity(setup.config, info.uid))
         committer = CheckpointCommitter(
             settings.checkpoints, world_size, due, settings.kind, settings.run, step_size, layout
         )
-    monitor = HeartbeatMonitor(world_size, heartbeat_timeout_of(cfg), started=0.0)
-    survive = cfg.fault_tolerance == "survive"
-
-    def roster_of(ledger: EpochLedger) -> Roster:
-        """Who is in, chosen once: survive's members, cut and admitted, or the fixed world."""
-        if survive:
-            return SurvivingRoster(
-                world_size, outbox, monitor, ledger, timeline, SurviveSettings(cfg.min_ranks)
-            )
-        return Roster(world_size, outbox, monitor)
-
-    driver: Driver
-    if not policy.averages_parameters:
-        per_rank = equal_slices(total_picks, world_size, step_size)[0].size // step_size
-        ledger = EpochLedger(cfg.epochs, world_size, per_rank * world_size, False, first, comm_total)
-        if inside is not None:
-            ledger.resume_partial(first, inside)
-        roster = roster_of(ledger)
-        lookahead = 0 if survive else PLAN_LOOKAHEAD  # admissions at the next epoch
-        every = cfg.checkpoint_every_steps
-        driver_state = resumed["driver"] if resumed is not None and inside is not None else None
-        driver = SyncDriver(
-            schedule,
-            ledger,
-            outbox,
-            roster,
-            first,
-            committer,
-            lookahead,
-            every,
-            driver_state,
-            cfg.checkpoint_every_s,
-            None if layout is None else KeptBatch(world_size * step_size, cfg.batch_size, layout),
+    monitor = HeartbeatMonitor(
+        capacity, heartbeat_timeout_of(cfg), 0.0, ignored=set(range(world_size, capacity))
+    )
+    if policy.averages_parameters:
+        batches_per_epoch = setup.total_picks // step_size
+    else:  # DDP's steps: whole global steps of the world
+        batches_per_epoch = (
+            equal_slices(setup.total_picks, world_size, step_size)[0].size // step_size * world_size
+        )
+    ledger = EpochLedger(
+        cfg.epochs,
+        world_size,
+        batches_per_epoch,
+        policy.averages_parameters,
+        first,
+        comm_total,
+        policy.crosses_epochs,
+    )
+    if (
+        resumed is not None and resumed.get("ledger") is not None
+    ):  # what the epoch's record held at the checkpoint
+        ledger.resume_partial(first, resumed["ledger"])
+    roster: Roster
+    if cfg.fault_tolerance == "survive":
+        roster = SurvivingRoster(
+            world_size, setup.outbox, monitor, ledger, timeline, SurviveSettings(cfg.min_ranks, capacity)
         )
     else:
-        batches_per_epoch = total_picks // step_size
-        overlapping = policy.crosses_epochs  # no epoch barrier
-        ledger = EpochLedger(cfg.epochs, world_size, batches_per_epoch, True, first, comm_total, overlapping)
-        if inside is not None:
-            ledger.resume_partial(first, inside)
-        roster = roster_of(ledger)
-        driver = _local_sgd_driver(
-            cfg, policy, schedule, ledger, outbox, roster, batches_per_epoch, timeline, committer, resumed
-        )
+        roster = Roster(world_size, setup.outbox, monitor)
+    driver: Driver
+    if policy.averages_parameters:
+        driver = _local_sgd_driver(cfg, policy, schedule, ledger, setup, roster, timeline, committer)
+    else:
+        driver = _sync_driver(cfg, schedule, ledger, setup, roster, committer, layout)
     total_batches = (cfg.epochs - first) * ledger.batches_per_epoch - ledger.reported_batches(first)
     sinks = _sinks(cfg, setup, policy, total_batches)
-    run = Run(run_dir, policy.name, world_size, cfg.epochs, config)
-    hooks = Hooks(build_callbacks(cfg.callbacks), run)
+    hooks = Hooks(
+        build_callbacks(cfg.callbacks), Run(run_dir, policy.name, world_size, cfg.epochs, setup.config)
+    )
     return Coordinator(
         setup.reader,
-        outbox,
+        setup.outbox,
         ledger,
         driver,
         sinks,
@@ -314,10 +316,36 @@ def make_coordinator(cfg: FlodlConfig, setup: CoordinatorSetup) -> Coordinator:
     )
 
 
+def _sync_driver(
+    cfg: FlodlConfig,
+    schedule: EpochSchedule,
+    ledger: EpochLedger,
+    setup: CoordinatorSetup,
+    roster: Roster,
+    committer: CheckpointCommitter | None,
+    layout: int | None,
+) -> SyncDriver:
+    resumed = setup.resumed
+    inside = resumed is not None and resumed.get("ledger") is not None
+    return SyncDriver(
+        schedule,
+        ledger,
+        setup.outbox,
+        roster,
+        ledger.first_epoch,
+        committer,
+        0 if cfg.fault_tolerance == "survive" else PLAN_LOOKAHEAD,  # survive: admissions at the next epoch
+        cfg.checkpoint_every_steps,
+        resumed["driver"] if resumed is not None and inside else None,
+        cfg.checkpoint_every_s,
+        None if layout is None else KeptBatch(setup.world_size * step_samples(cfg), cfg.batch_size, layout),
+    )
+
+
 def _sinks(cfg: FlodlConfig, setup: CoordinatorSetup, policy: PolicyFacts, total_batches: int) -> list[Sink]:
     """Where the run's metrics go: the console, metrics.jsonl in the run dir, and W&B when logger=wandb."""
     sinks: list[Sink] = [
-        ConsoleSink(cfg.epochs, total_batches, setup.world_size),
+        ConsoleSink(cfg.epochs, total_batches, setup.capacity),
         JsonlSink(Path(setup.info.run_dir) / METRICS_FILE),
     ]
     if cfg.logger.name == "wandb":
@@ -343,17 +371,16 @@ def _local_sgd_driver(
     policy: PolicyFacts,
     schedule: EpochSchedule,
     ledger: EpochLedger,
-    outbox: Mailbox,
+    setup: CoordinatorSetup,
     roster: Roster,
-    batches_per_epoch: int,
     timeline: Timeline,
     committer: CheckpointCommitter | None,
-    resumed: dict[str, Any] | None,
 ) -> LocalSgdDriver:
-    settings = elche_settings(cfg, schedule.world_size, policy)
+    resumed, first_members = setup.resumed, setup.world_size
+    settings = elche_settings(cfg, setup.capacity, policy)
     planner = LocalSgdPlanner(
-        world_size=schedule.world_size,
-        batches_per_epoch=batches_per_epoch,
+        world_size=setup.capacity,
+        batches_per_epoch=ledger.batches_per_epoch,
         batch_size=schedule.batch_size,
         epochs=cfg.epochs,
         is_async=policy.crosses_epochs,
@@ -363,19 +390,18 @@ def _local_sgd_driver(
         first_batch=(resumed.get("into") or 0) // schedule.batch_size if resumed else 0,
         checkpoint_every_batches=_checkpoint_every_batches(cfg, schedule),
         overlap=cfg.overlap_rounds,
+        first_members=first_members,
     )
     guard = make_guard(cfg.divergence_guard, cfg.divergence_threshold, policy.blends)
-    elche = ElChe(settings, epoch_batches=batches_per_epoch)
+    elche = ElChe(settings, epoch_batches=ledger.batches_per_epoch, first_members=first_members)
     if resumed is not None:  # ElChe's anchor and counts, the guard's history, the round clock
         state = resumed["driver"]
         planner.restore(state["planner"])
-        elche = ElChe.from_state(settings, state["elche"], epoch_batches=batches_per_epoch)
-        for rank in sorted(set(range(schedule.world_size)) - elche.members):  # a resumed job has every rank
-            elche.admit(rank)
+        elche = ElChe.from_state(settings, state["elche"], ledger.batches_per_epoch, first_members)
         guard = guard_from_state(state["guard"])
         log.info("ElChe resumed at anchor %d (round %d)", elche.anchor, planner.round)
     return LocalSgdDriver(
-        planner, elche, guard, ledger, outbox, timeline, roster, committer, cfg.checkpoint_every_s
+        planner, elche, guard, ledger, setup.outbox, timeline, roster, committer, cfg.checkpoint_every_s
     )
 
 

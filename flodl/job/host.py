@@ -30,7 +30,7 @@ from torch.distributed import PrefixStore
 
 from flodl.checkpoints.disk import MODEL_FILE, Checkpoint, atomic_save
 from flodl.checkpoints.identity import run_identity
-from flodl.config.policy import PolicyFacts
+from flodl.config.policy import PolicyFacts, rank_capacity
 from flodl.config.schema import FlodlConfig
 from flodl.coordinator.coordinator import Coordinator
 from flodl.coordinator.hooks import RunSummary
@@ -151,6 +151,7 @@ class RunHost:
             self.config,
             self.info,
             self.world_size,
+            rank_capacity(self.cfg, self.world_size),
             facts.total_picks,
             facts.has_eval,
             reader,

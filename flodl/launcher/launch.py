@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import socket
 import sys
 from collections.abc import Callable
 from datetime import timedelta
@@ -224,7 +225,8 @@ def host_apart(cfg: DictConfig, info: RunInfo) -> None:
             address, env.master_port, None, is_master=True, timeout=timeout, wait_for_workers=False
         )
     try:
-        host_run(config, info, typed, env.world_size, facts.gpus, store)
+        reachable = address if address not in ("0.0.0.0", "::") else socket.getfqdn()
+        host_run(config, info, typed, env.world_size, facts.gpus, store, reachable)
     except Stopped as stop:
         say(stopped_line(stop.signum, typed, Path(info.run_dir), info))
         raise

@@ -20,7 +20,7 @@ from typing import Any
 
 from torch.distributed import TCPStore
 
-from flodl.config.policy import hosts_apart, saves_on_stop
+from flodl.config.policy import hosts_apart, rank_capacity, saves_on_stop
 from flodl.config.rules import START_METHODS
 from flodl.config.schema import FlodlConfig
 from flodl.coordinator.roster import TooFewRanks
@@ -28,12 +28,15 @@ from flodl.job import failures
 from flodl.job.host import RunHost
 from flodl.job.rank import EXIT_WORDED, device_type_of, log_plan, self_launched_rank, stopped_line
 from flodl.job.settings import checkpoint_store
-from flodl.launcher.supervisor import SupervisedRankFailure, signal_name, supervise
+from flodl.launcher.join_card import JoinCard, write_card
+from flodl.launcher.supervisor import SupervisedRankFailure, host_ranks, signal_name, supervise
 from flodl.links.group import hosted_exchange, loopback_store
 from flodl.links.stop import STOP_EXIT_CODES, Stopped, catch_stop_signals
 from flodl.links.transport import Mailbox
 from flodl.logs import setup_host_logging, stderr_kept_in
 from flodl.metrics.run_info import RunInfo
+
+log = logging.getLogger("flodl")
 
 
 class RankFailure(RuntimeError):
@@ -157,17 +160,15 @@ def _supervised_launch(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig, 
         supervise(
             self_launched_rank,
             (config, info.as_dict()),
-            world,
-            cfg.launch.max_restarts,
+            host_ranks(world, store.port, cfg.launch.max_restarts),
             cfg.launch.start_method,
             store,
-            store.port,
             Path(info.run_dir),
             ended,
             saving_s=cfg.stop_grace_s if saves_on_stop(cfg) else 0.0,
         )
 
-    host_run(config, info, cfg, world, gpus, store, supervised)
+    host_run(config, info, cfg, world, gpus, store, "127.0.0.1", supervised)
 
 
 def host_run(
@@ -177,11 +178,12 @@ def host_run(
     world: int,
     gpus: int,
     store: TCPStore,
+    store_addr: str,
     ranks: Callable[[Callable[[], bool]], None] | None = None,
 ) -> None:
-    """This process hosts the run (flodl/job/host.py) in `store`, while `ranks(ended)` supervises its ranks
-    until `ended()` (None: the ranks run apart; the host ends with the run). A planned stop (min_ranks) and a
-    failure end in one line."""
+    """This process hosts the run (flodl/job/host.py) in `store` (at `store_addr`, as ranks reach it), while
+    `ranks(ended)` supervises its ranks until `ended()` (None: the ranks run apart; the host ends with the
+    run). A planned stop (min_ranks) and a failure end in one line."""
     run_dir = Path(info.run_dir)
     setup_host_logging(run_dir)
 
@@ -191,6 +193,7 @@ def host_run(
     host = RunHost(cfg, config, info, world, hosted_exchange(store), connect)
     host.open()
     log_plan(cfg, world, device_type_of(cfg, gpus))
+    card = _join_card(config, info, cfg, world, store_addr, store.port)
     serving = threading.Thread(target=host.serve, name="flodl-run-host", daemon=True)
     serving.start()
     try:
@@ -208,6 +211,32 @@ def host_run(
     except BaseException:
         host.stop()
         raise
+    finally:
+        if card is not None:  # no rank joins a run that ended
+            card.unlink(missing_ok=True)
+
+
+def _join_card(
+    config: dict[str, Any], info: RunInfo, cfg: FlodlConfig, world: int, store_addr: str, store_port: int
+) -> Path | None:
+    """A job with seats past its start (launch.max_ranks) says in its run dir how a rank joins it
+    (flodl-join); its path (None: the job does not grow)."""
+    capacity = rank_capacity(cfg, world)
+    if capacity == world:
+        return None
+    card = JoinCard(
+        store_addr,
+        store_port,
+        world,
+        capacity,
+        config,
+        info.as_dict(),
+        cfg.launch.start_method,
+        cfg.launch.timeout_s,
+    )
+    path = write_card(Path(info.run_dir), card)
+    log.info("the job takes up to %d ranks; one more joins with: flodl-join %s", capacity, info.run_dir)
+    return path
 
 
 def failure_line(

@@ -79,30 +79,28 @@ class SupervisedRankFailure(RuntimeError):
 def supervise(
     entry: Callable[..., None],
     args: tuple[Any, ...],
-    world_size: int,
-    max_restarts: int,
+    ranks: list[SupervisedRank],
     start_method: str,
     store: TCPStore,
-    store_port: int,
     log_dir: Path,
     ended: Callable[[], bool],
     poll_s: float = 0.1,
     saving_s: float = 0.0,
 ) -> list[RankExit]:
-    """Run `entry(*args)` as ranks 0..world_size-1 on this host until `ended()` says the run did (its host,
-    in this process, told the ranks); every exit seen.
+    """Run `entry(*args)` as each of `ranks` (`host_ranks`: a one-host job's; flodl-join: one rank in a
+    seat of a running job) until `ended()` says the run did (its host told the ranks); every exit seen.
 
-    A rank that dies or is cut, rank 0 included, is started again, `max_restarts` times at most (counted per
+    A rank that dies or is cut, rank 0 included, is started again while it has restarts left (counted per
     rank). Raises Stopped when the supervisor is stopped by SIGINT / SIGTERM, or every rank stopped on one,
     and SupervisedRankFailure when every rank ended before the run and none has restarts left; no rank
-    outlives the call. Call it from the main thread: it handles those signals. `saving_s`: how long a stop's
-    checkpoint may take (stop_grace_s), the ranks are waited for that much longer on a stop.
+    outlives the call. Call it from the main thread: it handles those signals. `store`: the run's, where
+    exits are posted and cuts read. `saving_s`: how long a stop's checkpoint may take (stop_grace_s), the
+    ranks are waited for that much longer on a stop.
     """
     context = multiprocessing.get_context(start_method)
     assert isinstance(context, (ForkContext, SpawnContext, ForkServerContext)), (
         start_method
     )  # named, not default
-    ranks = [_Rank(rank, _rank_env(rank, world_size, store_port), max_restarts) for rank in range(world_size)]
     with _StopSignals() as stop:
         watch = _Supervisor(context, entry, args, ranks, store, log_dir, poll_s, stop, ended, saving_s)
         try:
@@ -111,14 +109,25 @@ def supervise(
             watch.kill_left()  # an unexpected error here must not leave ranks behind
 
 
-def _rank_env(rank: int, world_size: int, store_port: int) -> dict[str, str]:
-    """What torchrun would set for a rank of a one-host job whose store the launcher hosts."""
+def host_ranks(world_size: int, store_port: int, max_restarts: int) -> list[SupervisedRank]:
+    """Ranks 0..world_size-1 of a one-host job whose store this process hosts on loopback."""
+    return [
+        SupervisedRank(rank, rank_env(rank, world_size, "127.0.0.1", store_port), max_restarts)
+        for rank in range(world_size)
+    ]
+
+
+def rank_env(
+    rank: int, world_size: int, store_addr: str, store_port: int, local_rank: int | None = None
+) -> dict[str, str]:
+    """What torchrun would set for a rank of a job whose store a launcher hosts (`world_size`: the ranks it
+    starts with; a rank that joins later sits past them)."""
     return {
         "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
+        "LOCAL_RANK": str(rank if local_rank is None else local_rank),
         "WORLD_SIZE": str(world_size),
         "LOCAL_WORLD_SIZE": str(world_size),
-        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_ADDR": store_addr,
         "MASTER_PORT": str(store_port),
         "TORCHELASTIC_USE_AGENT_STORE": "True",
     }
@@ -141,10 +150,11 @@ def signal_name(signum: int) -> str:
 
 
 @dataclass
-class _Rank:
+class SupervisedRank:
     rank: int
     env: dict[str, str]
     restarts_left: int
+    # Its seat's incarnation (0: the first process in it; a seat taken again by flodl-join: more).
     incarnation: int = 0
     process: BaseProcess | None = None
     # The live incarnation was killed on the coordinator's word; its exit is still to be reaped.
@@ -185,7 +195,7 @@ class _Supervisor:
     context: ForkContext | SpawnContext | ForkServerContext
     entry: Callable[..., None]
     args: tuple[Any, ...]
-    ranks: list[_Rank]
+    ranks: list[SupervisedRank]
     store: TCPStore
     log_dir: Path
     poll_s: float
@@ -212,16 +222,16 @@ class _Supervisor:
             if not self._live() and self._none_left():
                 return self.exits
 
-    def _start(self, rank: _Rank) -> None:
+    def _start(self, rank: SupervisedRank) -> None:
         rank.process = self.context.Process(
             target=_rank_main, args=(self.entry, self.args, rank.env), name=f"flodl-rank{rank.rank}"
         )
         rank.process.start()
 
-    def _live(self) -> list[_Rank]:
+    def _live(self) -> list[SupervisedRank]:
         return [rank for rank in self.ranks if rank.process is not None]
 
-    def _ended(self, timeout: float) -> list[_Rank]:
+    def _ended(self, timeout: float) -> list[SupervisedRank]:
         """The live ranks whose process ended, after waiting up to `timeout` for one to end. The exit status
         says so, not the sentinel: a process closes its end before it can be reaped, and a child of a rank
         (a DataLoader worker) may hold it open after the rank died."""
@@ -231,7 +241,7 @@ class _Supervisor:
             time.sleep(timeout)  # about to be reapable (or it closed its sentinel): look again, no spinning
         return [rank for rank in live if rank.live_process.exitcode is not None]
 
-    def _reap(self, rank: _Rank) -> RankExit:
+    def _reap(self, rank: SupervisedRank) -> RankExit:
         """Record the ended process of `rank`."""
         process = rank.process
         assert process is not None and process.exitcode is not None
@@ -248,7 +258,7 @@ class _Supervisor:
         self.exits.append(ended)
         return ended
 
-    def _on_exit(self, rank: _Rank) -> None:
+    def _on_exit(self, rank: SupervisedRank) -> None:
         """Act on the exit of `rank`: a death is posted for the coordinator and restarted if it may be."""
         assert rank.process is not None
         pid = rank.process.pid

@@ -42,7 +42,7 @@ def _process_start() -> float:
 
 
 def launch_time() -> float:
-    """When this job was launched: see `_next_launch`, else what its launcher said, else the process's start."""
+    """When this job was launched: `_next_launch`, else what its launcher said, else its process start."""
     if _next_launch is not None:
         return _next_launch
     said = os.environ.get(LAUNCHED_AT_ENV)

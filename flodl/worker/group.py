@@ -135,7 +135,7 @@ class FixedGroup(WorldGroup):
 
 class SurvivingGroup:
     """fault_tolerance=survive: the members' `AveragingGroup`, formed by the workers (generation 0 with every
-    rank; a restart waits for its admission) and again at each `Regroup`."""
+    rank the job starts with; a restart or a new rank waits for its admission) and again at each `Regroup`."""
 
     # A captured round could not follow the group to its next communicator.
     capture_after: int | None = None
@@ -146,14 +146,18 @@ class SurvivingGroup:
         reader: InboxReader,
         world_size: int,
         incarnation: int,
+        joining: bool,
         wait_s: float,
     ) -> None:
+        """`world_size`: the ranks that form generation 0; `incarnation`: how often this rank's seat was
+        taken before; `joining`: a restart, or a rank in a seat past the start's, which joins a running
+        group."""
         self.membership = membership
         self.reader = reader
         self.rank = membership.rank
         self.world_size = world_size
-        # How often this rank was started before (0: an original member; more: it joins a running group).
         self.incarnation = incarnation
+        self._joining = joining
         # How long a rank whose group failed waits for the coordinator's Regroup.
         self.wait_s = wait_s
         self.timeout_s = membership.timeout.total_seconds()
@@ -177,7 +181,7 @@ class SurvivingGroup:
 
     @property
     def joining(self) -> bool:
-        return self.incarnation > 0
+        return self._joining
 
     @property
     def aborted(self) -> bool:

@@ -22,7 +22,7 @@ import pytest
 from torch.distributed import TCPStore
 
 from flodl.launcher import supervisor
-from flodl.launcher.supervisor import RankExit, SupervisedRankFailure, supervise
+from flodl.launcher.supervisor import RankExit, SupervisedRankFailure, host_ranks, supervise
 from flodl.links.group import loopback_store
 from flodl.links.membership import ExitReader, cut_key
 from flodl.links.stop import Stopped
@@ -78,11 +78,9 @@ def run(
     return supervise(
         rank_main,
         (store.port, str(tmp_path), plan),
-        world,
-        max_restarts,
+        host_ranks(world, store.port, max_restarts),
         START_METHOD,
         store,
-        store.port,
         tmp_path / "logs",
         lambda: store.check([ENDED]),
         poll_s=POLL_S,

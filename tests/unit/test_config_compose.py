@@ -107,6 +107,7 @@ NESTED_OVERRIDES = [
     ("launch.start_method=fork", "start_method", "fork", str),
     ("launch.timeout_s=30", "timeout_s", 30.0, float),
     ("launch.max_restarts=2", "max_restarts", 2, int),
+    ("launch.max_ranks=4", "max_ranks", 4, int),
 ]
 
 

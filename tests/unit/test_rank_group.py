@@ -70,7 +70,9 @@ def surviving(incarnation: int = 0) -> tuple[SurvivingGroup, Mailbox]:
     coordinator = Mailbox.connect("127.0.0.1", store.port, "ns", "coordinator", 10.0)
     reader = InboxReader(Mailbox.connect("127.0.0.1", store.port, "ns", 0, 10.0))
     membership = AveragingGroup(store, "gloo", 0, torch.device("cpu"), 5.0)
-    group = SurvivingGroup(membership, reader, world_size=1, incarnation=incarnation, wait_s=10.0)
+    group = SurvivingGroup(
+        membership, reader, world_size=1, incarnation=incarnation, joining=incarnation > 0, wait_s=10.0
+    )
     reader.start()
     return group, coordinator
 
