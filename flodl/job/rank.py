@@ -16,11 +16,13 @@ import os
 import signal
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import PrefixStore
 
 from flodl.checkpoints.disk import CheckpointError
 from flodl.config.host import RankEnv
@@ -67,8 +69,9 @@ from flodl.logs import FILE_ONLY, setup_rank_logging, stderr_to
 from flodl.metrics.run_info import RunInfo
 from flodl.metrics.wandb_sink import WandbStartError
 from flodl.worker.base import WorkerBase
+from flodl.worker.group import RankGroup
 from flodl.worker.nonfinite import NonFiniteError
-from flodl.worker.task_setup import build_task, lr_scale_factor
+from flodl.worker.task_setup import TaskParts, TaskSettings, build_task, lr_scale_factor
 
 log = logging.getLogger("flodl")
 
@@ -118,10 +121,53 @@ def _run_rank(config: dict[str, Any], info_fields: dict[str, Any], self_launched
     run_dir = Path(info.run_dir)
     setup_rank_logging(env.rank, run_dir)
     apart = hosts_apart(cfg) and env.launched  # one in-process rank is its own host
+    making = RankMaking(functools.partial(_join, cfg, config, env, run_dir, apart))
+    try:
+        serve_rank(cfg, config, info, env, making, apart, self_launched)
+    finally:
+        if dist.is_initialized():  # survive never forms the world (a dead member would hang its teardown)
+            dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class Joined:
+    """A rank in the run: its device, its collectives' backend, and the run's store and group it joined."""
+
+    device: torch.device
+    backend: str
+    group: GroupHandle
+
+
+@dataclass(frozen=True)
+class RankMaking:
+    """How a rank joins the run, gets its group and builds its task. A process's rank: `_join` (the world's
+    process group), `make_group`, `build_task`; the in-process harness (tests/helpers/in_process.py) runs
+    ranks as threads of one process, each with process groups of its own built on the store."""
+
+    join: Callable[[], Joined]
+    group_of: Callable[[FlodlConfig, RankEnv, torch.device, str, PrefixStore, InboxReader], RankGroup] = (
+        make_group
+    )
+    build: Callable[[TaskSettings, torch.device, int, int], TaskParts] = build_task
+
+
+def serve_rank(
+    cfg: FlodlConfig,
+    config: dict[str, Any],
+    info: RunInfo,
+    env: RankEnv,
+    making: RankMaking,
+    apart: bool = False,
+    self_launched: bool = False,
+) -> None:
+    """A rank's part of the run, from joining it to the coordinator's Shutdown (or its failure, recorded and
+    told). `apart`: the run's host is a process apart from the ranks (else rank 0 hosts it)."""
+    run_dir = Path(info.run_dir)
     host: RunHost | None = None
     outbox: Mailbox | None = None
     try:
-        device, backend, group = _join(cfg, config, env, run_dir, apart)
+        joined = making.join()
+        device, backend, group = joined.device, joined.backend, joined.group
 
         def connect(namespace: str, owner: int | str) -> Mailbox:
             return Mailbox.connect(group.store_host, group.store_port, namespace, owner, cfg.launch.timeout_s)
@@ -135,8 +181,8 @@ def _run_rank(config: dict[str, Any], info_fields: dict[str, Any], self_launched
             return  # the host made the checkpoint's model the run's
         namespace = host_namespace(group.exchange)
         inbox = InboxReader(connect(namespace, env.rank))
-        rank_group = make_group(cfg, env, device, backend, group.exchange, inbox)
-        parts = build_task(task_settings(cfg), device, env.world_size, env.rank)
+        rank_group = making.group_of(cfg, env, device, backend, group.exchange, inbox)
+        parts = making.build(task_settings(cfg), device, env.world_size, env.rank)
         picks = epoch_picks(
             parts.train_data, cfg.augment, cfg.steps_per_epoch, env.world_size, step_samples(cfg)
         )
@@ -179,14 +225,9 @@ def _run_rank(config: dict[str, Any], info_fields: dict[str, Any], self_launched
                 "%s", stopped_line(signum, cfg, run_dir, info), extra=FILE_ONLY if self_launched else None
             )
         raise Stopped(signum) from None
-    finally:
-        if dist.is_initialized():  # survive never forms the world (a dead member would hang its teardown)
-            dist.destroy_process_group()
 
 
-def _join(
-    cfg: FlodlConfig, config: dict[str, Any], env: RankEnv, run_dir: Path, apart: bool
-) -> tuple[torch.device, str, GroupHandle]:
+def _join(cfg: FlodlConfig, config: dict[str, Any], env: RankEnv, run_dir: Path, apart: bool) -> Joined:
     """This rank's device, its collectives' backend, and the run's store and group joined; the config checked
     the same as the other ranks composed."""
     device = pick_device(cfg.device, env.local_rank)
@@ -204,7 +245,7 @@ def _join(
         run_dir,
     )
     agree_on_config(config, env.rank, env.world_size, group.exchange)
-    return device, backend, group
+    return Joined(device, backend, group)
 
 
 def _train(
