@@ -86,3 +86,22 @@ class HoldAfterFirstEpoch:
     def on_epoch_end(self, epoch: int, metrics: dict[str, Any]) -> None:
         (self.run_dir / "first-epoch-recorded").touch()
         threading.Event().wait()
+
+
+class StopOnceGrown:
+    """Ends the run at the end of the first epoch trained by `world` ranks from its start: a growth test waits
+    for the joiners' admission itself, however long they take to start on a loaded machine."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.run: Run | None = None
+        self._admitted = False
+
+    def on_run_start(self, run: Run) -> None:
+        self.run = run
+
+    def on_epoch_end(self, epoch: int, metrics: dict[str, Any]) -> None:
+        assert self.run is not None
+        if self._admitted and metrics["world"] >= self.world:
+            self.run.stop(f"{self.world} ranks trained epoch {epoch} whole")
+        self._admitted = metrics["world"] >= self.world

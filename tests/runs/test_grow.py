@@ -1,0 +1,141 @@
+"""A running fault_tolerance=survive job grows past its start size: 2 self-launched gloo ranks with
+launch.max_ranks=4, two more started later with `flodl-join RUN_DIR` (each takes a free seat). Each joiner is
+admitted with the members' parameters and optimizer state (bit for bit), every rank's learning rate is the
+same after each admission, every epoch is trained and reported once, and the run ends with one state on all
+four. A joiner that dies frees its seat at once (its supervisor posts the exit), and the next takes it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from flodl.launcher.join_card import CARD
+from tests.helpers.procs import FAST_START, PYTHON, TRAIN, Child, child_env, finish, kill_group, start
+from tests.runs.test_survive import (
+    EPOCHS_AT_MOST,
+    admitted_optimizers,
+    check_every_epoch_once,
+    check_sync_epochs,
+    digests,
+    membership,
+)
+
+pytestmark = pytest.mark.multiproc
+
+JOIN = str(Path(PYTHON).parent / "flodl-join")
+GROWN = "callbacks=[{_target_:tests.helpers.callback_log.StopOnceGrown,world:4}]"
+
+
+def grow_job(tmp_path: Path, policy: str, *overrides: str) -> Child:
+    return start(
+        [
+            PYTHON,
+            TRAIN,
+            "launch.nproc_per_node=2",
+            "launch.max_ranks=4",
+            FAST_START,
+            "fault_tolerance=survive",
+            "hydra.run.dir=run",
+            f"policy={policy}",
+            f"epochs={EPOCHS_AT_MOST}",
+            "batch_size=8",
+            "eval_every=0",
+            *overrides,
+        ],
+        tmp_path,
+    )
+
+
+def until(done: object, job: subprocess.Popen, what: str, within_s: float = 120) -> None:
+    """Wait for the event `done()` while the job runs (polling a file or a log line, not a duration)."""
+    deadline = time.monotonic() + within_s
+    while not done():  # type: ignore[operator]
+        assert job.poll() is None, f"the job ended before {what}"
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.05)
+
+
+def joiner(tmp_path: Path) -> Child:
+    return start([JOIN, str(tmp_path / "run")], tmp_path, child_env())
+
+
+def rank_logs(run: Path) -> str:
+    return "".join(path.read_text() for path in sorted(run.glob("rank*.log")))
+
+
+@pytest.mark.parametrize("policy", ["cadence", "sync"])
+def test_a_running_job_grows_past_its_start_and_joiners_take_the_members_state(
+    tmp_path: Path, policy: str
+) -> None:
+    job = grow_job(tmp_path, policy, GROWN)
+    run = tmp_path / "run"
+    joiners: list[Child] = []
+    try:
+        until((run / CARD).is_file, job, "the job wrote its join card")
+        joiners = [joiner(tmp_path), joiner(tmp_path)]  # at once: each takes a seat of its own
+        result = finish(job, 240)
+        codes = [finish(j, 60).code for j in joiners]
+    finally:
+        for proc in [job, *joiners]:
+            if proc.poll() is None:
+                kill_group(proc)
+    result.check()
+    assert codes == [0, 0], codes
+    assert not (run / CARD).exists(), "the card goes with the run"
+    events = membership(run)
+    assert sorted((e["event"], e["rank"]) for e in events) == [("rank_admitted", 2), ("rank_admitted", 3)], (
+        events
+    )
+    logs = rank_logs(run)
+    # Each joiner received the members' parameters (and, admitted, every member held the same), the sharer's
+    # optimizer state (its moments, not a fresh Adam's) and the same learning rate.
+    admitted = digests(logs, r"admitting \[[\d, ]*3[\d, ]*\]")
+    assert set(admitted) == {0, 1, 2, 3} and len(set(admitted.values())) == 1, admitted
+    optimizers = admitted_optimizers(logs)
+    assert set(optimizers) == {0, 1, 2, 3} and len(set(optimizers.values())) == 1, optimizers
+    records = check_sync_epochs(run)[0] if policy == "sync" else check_every_epoch_once(run)
+    worlds = [r["world"] for r in records]
+    assert worlds[0] == 2 and worlds[-1] == 4, worlds
+    final = digests(logs, "the last epoch" if policy == "sync" else "final round")
+    assert set(final) == {0, 1, 2, 3} and len(set(final.values())) == 1, final
+    if policy == "sync":  # the learning rate follows the world (lr_scale_ratio=1: x world)
+        assert records[-1]["lr"] == pytest.approx(records[0]["lr"] * 2)
+
+
+def test_a_joiner_that_dies_frees_its_seat_and_the_next_takes_it(tmp_path: Path) -> None:
+    job = grow_job(tmp_path, "cadence", GROWN.replace("world:4", "world:3"), "launch.max_ranks=3")
+    run = tmp_path / "run"
+    joiners: list[Child] = []
+    try:
+        until((run / CARD).is_file, job, "the job wrote its join card")
+        joiners.append(joiner(tmp_path))
+        admitted = re.compile(r"averaging group \d+ is \[0, 1, 2\], admitting \[2\]")
+        until(lambda: admitted.search(rank_logs(run)) is not None, job, "rank 2 was admitted")
+        full = finish(joiner(tmp_path), 60)  # every seat taken: refused, naming the key
+        assert full.code == 2 and "launch.max_ranks=3" in full.out, full.out
+        pid = int(re.search(r"rank 2/2 \(pid (\d+)\)", (run / "rank2.log").read_text()).group(1))  # type: ignore[union-attr]
+        os.kill(pid, signal.SIGKILL)
+        dead = finish(joiners[0], 60)
+        assert dead.code == 1 and "rank 2 left the run before its end (signal SIGKILL)" in dead.out, dead.out
+        joiners.append(joiner(tmp_path))
+        result = finish(job, 240)
+        assert finish(joiners[1], 60).code == 0
+    finally:
+        for proc in [job, *joiners]:
+            if proc.poll() is None:
+                kill_group(proc)
+    result.check()
+    events = [(e["event"], e["rank"]) for e in membership(run)]
+    assert events == [("rank_admitted", 2), ("rank_cut", 2), ("rank_admitted", 2)], events
+    cut = next(e for e in membership(run) if e["event"] == "rank_cut")
+    assert cut["why"] == "its process ended: signal SIGKILL", cut  # posted by flodl-join: no heartbeat waited
+    check_every_epoch_once(run)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["world"] == 3
