@@ -76,19 +76,13 @@ class ProcessExit(RuntimeError):
 @dataclass(frozen=True)
 class Fault:
     """A fault in `rank`'s `step`-th training forward (1-based; micro-batches each count, as the loss is
-    called for each): "raise" fails it with InjectedFault; "stall" holds it until `release` is set."""
+    called for each): it fails with InjectedFault there, as a rank's own error would."""
 
     rank: int
     step: int
-    kind: str = "raise"
-    release: threading.Event | None = None
 
     def strike(self) -> None:
-        if self.kind == "stall":
-            assert self.release is not None, "a stall needs its release"
-            self.release.wait()
-        else:
-            raise InjectedFault(f"rank {self.rank}: fault injected at step {self.step}")
+        raise InjectedFault(f"rank {self.rank}: fault injected at step {self.step}")
 
 
 @dataclass

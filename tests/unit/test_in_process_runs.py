@@ -1,0 +1,88 @@
+"""The orchestrators together in one process (tests/helpers/in_process.py): the real Coordinator in rank 0's
+host and real SyncWorker / LocalSgdWorker ranks as threads over a loopback store and gloo groups. What the
+run records (metrics.jsonl, the timeline, checkpoints, model.pt) is checked against the task's own size, and
+each rank's final state against the others'."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from flodl.data.partition import equal_slices
+from flodl.tasks.digits import digits_dataset
+from tests.helpers.in_process import Fault, InProcessRun, run_in_process
+
+WORLD, EPOCHS, BATCH = 3, 3, 32
+TRAIN = len(digits_dataset("train"))
+
+
+def planned_batches(policy: str, world: int) -> int:
+    """The batches of one epoch: local SGD hands out every whole batch, sync equal whole shares per rank."""
+    if policy == "sync":
+        return equal_slices(TRAIN, world, BATCH)[0].size // BATCH * world
+    return TRAIN // BATCH
+
+
+def assert_one_model(run: InProcessRun) -> None:
+    """Every rank ended with the same state, bit for bit, and model.pt is it."""
+    model = run.model()
+    for end in run.ranks:
+        assert end.error is None and end.state is not None, (end.rank, end.error, run.log[-3000:])
+        assert set(end.state) == set(model)
+        assert all(torch.equal(end.state[k], model[k]) for k in model), end.rank
+
+
+@pytest.mark.parametrize("policy", ["sync", "cadence", "async"])
+def test_every_batch_is_trained_once_an_epoch_and_every_rank_ends_with_model_pt(
+    tmp_path: Path, policy: str
+) -> None:
+    run = run_in_process(
+        tmp_path / "run",
+        WORLD,
+        f"policy={policy}",
+        f"epochs={EPOCHS}",
+        f"batch_size={BATCH}",
+        "checkpoint_every=3",
+    )
+    assert_one_model(run)
+    records = run.records
+    assert [r["epoch"] for r in records] == list(range(EPOCHS))  # each epoch recorded once, in order
+    per_epoch = planned_batches(policy, WORLD)
+    for record in records:
+        assert len(record["per_rank"]) == WORLD
+        assert sum(p["batches"] for p in record["per_rank"]) == per_epoch
+        assert record["samples"] == per_epoch * BATCH
+        assert "eval/accuracy" in record
+    assert records[-1]["eval/accuracy"] > 0.8  # it learned: the digits MLP after 3 epochs, ~0.9
+    if policy != "sync":  # every batch counted in exactly one round
+        rounds = run.timeline["rounds"]
+        assert sum(n for r in rounds for n in r["steps"].values()) == per_epoch * EPOCHS
+    manifest = json.loads((run.run_dir / "checkpoints" / "epoch-000003" / "manifest.json").read_text())
+    assert sorted(manifest["files"]) == sorted(
+        ["model.pt", "coordinator.pt"] + [f"rank{r}.pt" for r in range(WORLD)]
+    )
+
+
+@pytest.mark.parametrize("policy", ["sync", "cadence"])
+def test_a_rank_s_error_ends_the_run_blaming_that_rank(tmp_path: Path, policy: str) -> None:
+    run = run_in_process(tmp_path / "run", 2, f"policy={policy}", "epochs=2", faults=(Fault(1, 5),))
+    assert run.ranks[1].error == "InjectedFault: rank 1: fault injected at step 5"
+    assert run.ranks[0].error is not None  # its peer's end reached it: a closed collective or the coordinator
+    blamed = run.blamed()
+    assert blamed is not None and blamed.rank == 1, run.log[-3000:]
+    assert blamed.cause == "InjectedFault: rank 1: fault injected at step 5"
+    assert not (run.run_dir / "model.pt").exists()
+
+
+def test_a_nan_at_step_k_stops_local_sgd_naming_rank_and_step(tmp_path: Path) -> None:
+    nan = ("simulate.nan_rank=1", "simulate.nan_at_step=30", "checkpoint_every=1")
+    run = run_in_process(tmp_path / "run", 2, "policy=cadence", "epochs=4", *nan)
+    blamed = run.blamed()
+    assert blamed is not None and blamed.rank == 1 and blamed.step == 30, run.log[-3000:]
+    assert "rank 1: the training loss became non-finite (NaN/Inf) at step 30" in blamed.message
+    latest = run.run_dir / "checkpoints" / (run.run_dir / "checkpoints" / "latest").read_text()
+    state = torch.load(latest / "model.pt", weights_only=True)  # the last good checkpoint stays, finite
+    assert all(torch.isfinite(t).all() for t in state.values())
