@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from flodl.averaging.flat import state_digest
 from flodl.checkpoints.disk import Point, evaluated_model_path, save_model
 from flodl.counting import shown_epoch
 from flodl.links.membership import AveragingGroup
@@ -146,6 +147,14 @@ class WorkerBase:
 
     def release(self) -> None:
         """Free what this worker holds on the device for the process group (it is destroyed next)."""
+
+    def optimizer_words(self) -> str:
+        """The optimizer's state fingerprinted, and its learning rate (a joiner's equal its sharer's)."""
+        optimizer = self.stepper.parts.optimizer
+        moments = [
+            t.reshape(-1) for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)
+        ]
+        return f"optimizer {state_digest(moments)}, lr {self.stepper.lr:.9g}"
 
     def report(self, message: Message) -> None:
         if isinstance(message, ChunkReport):

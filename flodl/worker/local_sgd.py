@@ -28,7 +28,6 @@ from typing import Any
 import torch
 
 from flodl.averaging.consensus import DeviceAverager, HostAverager
-from flodl.averaging.flat import state_digest
 from flodl.checkpoints.disk import Point
 from flodl.links.membership import AveragingGroup
 from flodl.links.messages import (
@@ -368,20 +367,12 @@ class LocalSgdWorker(WorkerBase):
         self.stepper.storage.check(f"averaging group {change.generation} formed")
         if change.shares_state:
             what = f"admitting {change.joining}" if change.joining else "a member's state was shared"
-            digest, optimizer = self.averager.state_digest, self._optimizer_words
+            digest, optimizer = self.averager.state_digest, self.optimizer_words
 
             def state() -> str:
                 return f"{what}: {digest()}, global steps {self.global_steps}, {optimizer()}"
 
             self.group.say_state(state)
-
-    def _optimizer_words(self) -> str:
-        """The optimizer's state fingerprinted, and its learning rate (a joiner's equals its sharer's)."""
-        optimizer = self.stepper.parts.optimizer
-        moments = [
-            t.reshape(-1) for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)
-        ]
-        return f"optimizer {state_digest(moments)}, lr {self.stepper.lr:.9g}"
 
     def _share(self, send: Callable[[list[torch.Tensor]], None]) -> None:
         """One member's state to every member: parameters and f32 buffers, and its LR schedule's clock

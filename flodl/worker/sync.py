@@ -325,7 +325,7 @@ class SyncWorker(WorkerBase):
 
         def state() -> str:
             digest = state_digest([*model.parameters(), *model.buffers()])
-            return f"{what}: {digest}, global steps {self.stepper.steps_total}"
+            return f"{what}: {digest}, global steps {self.stepper.steps_total}, {self.optimizer_words()}"
 
         self.group.say_state(state)
 

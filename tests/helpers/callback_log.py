@@ -89,19 +89,23 @@ class HoldAfterFirstEpoch:
 
 
 class StopOnceGrown:
-    """Ends the run at the end of the first epoch trained by `world` ranks from its start: a growth test waits
-    for the joiners' admission itself, however long they take to start on a loaded machine."""
+    """Ends the run at the end of the first epoch trained whole by `world` ranks once `admissions` ranks were
+    admitted: a growth test waits for the joiners' admission itself, however long they take to start on a
+    loaded machine."""
 
-    def __init__(self, world: int) -> None:
+    def __init__(self, world: int, admissions: int = 1) -> None:
         self.world = world
+        self.admissions = admissions
         self.run: Run | None = None
-        self._admitted = False
+        self._admitted = 0
+        self._grown = False
 
     def on_run_start(self, run: Run) -> None:
         self.run = run
 
     def on_epoch_end(self, epoch: int, metrics: dict[str, Any]) -> None:
         assert self.run is not None
-        if self._admitted and metrics["world"] >= self.world:
+        if self._grown and metrics["world"] >= self.world:
             self.run.stop(f"{self.world} ranks trained epoch {epoch} whole")
-        self._admitted = metrics["world"] >= self.world
+        self._admitted += sum(change["event"] == "rank_admitted" for change in metrics["membership"])
+        self._grown = self._admitted >= self.admissions and metrics["world"] >= self.world

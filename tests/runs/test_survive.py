@@ -6,7 +6,6 @@ consensus saved."""
 
 from __future__ import annotations
 
-import itertools
 import json
 import re
 import signal
@@ -30,6 +29,15 @@ from tests.helpers.procs import (
     kill_group,
     start,
     train,
+)
+from tests.helpers.survive_runs import (
+    EPOCHS_AT_MOST,
+    STOP_ONCE_ADMITTED,
+    check_every_epoch_once,
+    check_sync_epochs,
+    digests,
+    epoch_records,
+    membership,
 )
 
 pytestmark = pytest.mark.multiproc
@@ -57,12 +65,6 @@ def survive_run(
     return result, tmp_path / "run"
 
 
-# A bound, not a length: a restart test stops its run (StopOnceAdmitted) once the restarted rank is in,
-# however long the restarted process takes to start on a loaded machine.
-EPOCHS_AT_MOST = 10_000
-STOP_ONCE_ADMITTED = "callbacks=[{_target_:tests.helpers.callback_log.StopOnceAdmitted}]"
-
-
 def pids(out: str) -> dict[int, list[int]]:
     """Each rank's processes, in the order they started (a rank's start line names its pid)."""
     seen: dict[int, list[int]] = defaultdict(list)
@@ -71,41 +73,10 @@ def pids(out: str) -> dict[int, list[int]]:
     return seen
 
 
-def digests(out: str, what: str) -> dict[int, str]:
-    """The last state fingerprint each rank logged after `what` ('final round' or 'admitting'; an admission
-    also gives the global steps, the LR schedule's clock at the last round)."""
-    found = {}
-    for rank, digest in re.findall(
-        rf"rank (\d+): state after {what}[^:]*: ([0-9a-f]+(?:, global steps \d+)?)", out
-    ):
-        found[int(rank)] = digest
-    return found
-
-
 def admitted_optimizers(out: str) -> dict[int, tuple[str, str]]:
     """Each rank's optimizer fingerprint and learning rate, as it logged them after an admission."""
     found = re.findall(r"rank (\d+): state after admitting [^\n]*, optimizer ([0-9a-f]+), lr (\S+)", out)
     return {int(rank): (digest, lr) for rank, digest, lr in found}
-
-
-def epoch_records(run: Path, epochs: int | None) -> list[dict]:
-    """The records, one per epoch in order (`epochs` of them; None: a run StopOnceAdmitted ended)."""
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["epoch"] for r in records] == list(range(len(records) if epochs is None else epochs))
-    if epochs is None:
-        assert len(records) < EPOCHS_AT_MOST, "the run did not stop once the rank was admitted"
-    return records
-
-
-def check_every_epoch_once(run: Path, epochs: int | None = None) -> list[dict]:
-    records = epoch_records(run, epochs)
-    per_epoch = {r["samples"] for r in records}
-    assert len(per_epoch) == 1, f"every epoch trains the same samples: {per_epoch}"
-    return records
-
-
-def membership(run: Path) -> list[dict]:
-    return json.loads((run / "timeline.json").read_text())["membership"]
 
 
 # async on the cpu backend: the round runs on a thread while the ranks train on, and is cut there.
@@ -325,18 +296,6 @@ def rest_lines(out: str) -> list[tuple[int, int, list[int], int, int]]:
         out,
     )
     return [(int(e), int(k), [int(r) for r in m.split(",")], int(s), int(d)) for e, k, m, s, d in found]
-
-
-def check_sync_epochs(run: Path, epochs: int | None = None) -> tuple[list[dict], int]:
-    """Every epoch once (as check_every_epoch_once), with the optimizer steps each took (and the samples of
-    a whole epoch: the last). A cut epoch trains every pick of a whole one but less than a global step: the
-    steps before the cut with every member, the rest with the survivors (who report)."""
-    records = epoch_records(run, epochs)
-    whole = records[-1]["samples"]  # the last epoch is every member's again
-    steps = [records[0]["step"]] + [b["step"] - a["step"] for a, b in itertools.pairwise(records)]
-    for record, taken in zip(records, steps, strict=True):
-        record["steps_taken"] = taken
-    return records, whole
 
 
 def test_sync_a_killed_rank_is_cut_its_rest_planned_again_and_it_heals_back(tmp_path: Path) -> None:

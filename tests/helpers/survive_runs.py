@@ -1,0 +1,57 @@
+"""What the survive and growth runs (tests/runs/test_survive.py, test_grow.py) read back from a run: each
+epoch's record, the state fingerprints ranks log after a change, the membership changes."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from pathlib import Path
+
+# A bound, not a length: a restart test stops its run (StopOnceAdmitted) once the restarted rank is in,
+# however long the restarted process takes to start on a loaded machine.
+EPOCHS_AT_MOST = 10_000
+STOP_ONCE_ADMITTED = "callbacks=[{_target_:tests.helpers.callback_log.StopOnceAdmitted}]"
+
+
+def digests(out: str, what: str) -> dict[int, str]:
+    """The last state fingerprint each rank logged after `what` ('final round' or 'admitting'; an admission
+    also gives the global steps, the LR schedule's clock at the last round)."""
+    found = {}
+    for rank, digest in re.findall(
+        rf"rank (\d+): state after {what}[^:]*: ([0-9a-f]+(?:, global steps \d+)?)", out
+    ):
+        found[int(rank)] = digest
+    return found
+
+
+def epoch_records(run: Path, epochs: int | None) -> list[dict]:
+    """The records, one per epoch in order (`epochs` of them; None: a run StopOnceAdmitted ended)."""
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == list(range(len(records) if epochs is None else epochs))
+    if epochs is None:
+        assert len(records) < EPOCHS_AT_MOST, "the run did not stop once the rank was admitted"
+    return records
+
+
+def check_every_epoch_once(run: Path, epochs: int | None = None) -> list[dict]:
+    records = epoch_records(run, epochs)
+    per_epoch = {r["samples"] for r in records}
+    assert len(per_epoch) == 1, f"every epoch trains the same samples: {per_epoch}"
+    return records
+
+
+def membership(run: Path) -> list[dict]:
+    return json.loads((run / "timeline.json").read_text())["membership"]
+
+
+def check_sync_epochs(run: Path, epochs: int | None = None) -> tuple[list[dict], int]:
+    """Every epoch once (as check_every_epoch_once), with the optimizer steps each took (and the samples of
+    a whole epoch: the last). A cut epoch trains every pick of a whole one but less than a global step: the
+    steps before the cut with every member, the rest with the survivors (who report)."""
+    records = epoch_records(run, epochs)
+    whole = records[-1]["samples"]  # the last epoch is every member's again
+    steps = [records[0]["step"]] + [b["step"] - a["step"] for a, b in itertools.pairwise(records)]
+    for record, taken in zip(records, steps, strict=True):
+        record["steps_taken"] = taken
+    return records, whole
