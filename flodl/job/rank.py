@@ -8,13 +8,11 @@ coordinator hands it until Shutdown.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import functools
 import logging
 import os
 import signal
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,10 +57,13 @@ from flodl.links.stop import (
     StopWatch,
     agree_step,
     catch_stop_signals,
+    leave_now,
+    part_done,
     post,
     posted,
     received,
     save_on_stop,
+    watch_signals,
 )
 from flodl.links.transport import COORDINATOR, InboxReader, Mailbox
 from flodl.logs import FILE_ONLY, setup_rank_logging, stderr_to
@@ -86,6 +87,7 @@ def run_rank(config: dict[str, Any], info_fields: dict[str, Any], self_launched:
     exit code 130 / 143. `self_launched`: this process's launcher tells the user how the run ended (the
     rank's own lines about it go to its log only)."""
     catch_stop_signals()
+    watch_signals()
     try:
         _run_rank(config, info_fields, self_launched)
     except Stopped as stop:  # everything worth doing is done, and a preempted job has no seconds to spare
@@ -103,15 +105,7 @@ def self_launched_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> N
         run_rank(config, info_fields, self_launched=True)
     except Exception:
         leave_now(EXIT_WORDED)
-
-
-def leave_now(code: int) -> None:
-    """Run the exit handlers (logs, stage files) and end the process without the interpreter's teardown of
-    torch and gloo, which can take seconds."""
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    part_done()  # back in torch's launcher, waiting for the others: its SIGTERM ends this rank at once
 
 
 def _run_rank(config: dict[str, Any], info_fields: dict[str, Any], self_launched: bool) -> None:

@@ -12,18 +12,26 @@ the ranks save a checkpoint at the next boundary where one can be taken and then
 signal; sync's ranks agree on the step themselves (`agree_step`: the first proposal in the store wins).
 If the run has not stopped within the grace budget, the rank posts a stop for every rank and stops at once,
 as without saving. Sync's checkpoints by time travel the same way: the coordinator posts the n-th request
-(`post_checkpoint_request`), each rank's watch hands it to the worker, whose members agree on its step."""
+(`post_checkpoint_request`), each rank's watch hands it to the worker, whose members agree on its step.
+
+Python runs a signal's handler in the main thread only, between bytecodes: a rank whose main thread waits in
+native code (gloo's or NCCL's wait on a frozen peer, a device sync) would not take its stop until that call
+returns. A rank's signal watch (`watch_signals`) hears every signal at once, through the wakeup fd, and a
+stop the main thread has not raised within `_STUCK_S` ends the process from there."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
 from types import FrameType
+from typing import NoReturn
 
 from flodl.links.transport import Mailbox
 
@@ -44,6 +52,18 @@ _received: int | None = None
 _save_requested: threading.Event | None = None
 # The next signal raises Stopped whatever came before (a stop that could not save, or a peer's stop).
 _force = False
+# A stop decided, not raised yet in the main thread; and whether one was (later signals then change nothing).
+_unraised: int | None = None
+_claimed = False
+# The rank's part is done (back in torch's launcher, which catches no Stopped): a stop signal leaves at once.
+_done = False
+# The handler and the signal watch decide each signal once, whichever sees it first.
+_lock = threading.RLock()
+# Past this, a stop the main thread has not raised means it sits in native code: the signal watch ends it.
+_STUCK_S = 1.0
+_pipe: tuple[int, int] | None = None
+# The running StopWatch, whose store tells the peers of a stop the signal watch carries out.
+_watch: StopWatch | None = None
 
 
 class Stopped(BaseException):
@@ -65,31 +85,122 @@ def catch_stop_signals() -> None:
     a launcher forwards the signal a terminal already sent, and a second one must not break the stop.
     A stop saves only once this rank says so (`save_on_stop`): a sweep's next job in this process starts
     without the last one's."""
-    global _save_requested, _force
-    _save_requested, _force = None, False
+    global _save_requested, _force, _unraised, _claimed, _done
+    _save_requested, _force, _unraised, _claimed, _done = None, False, None, False, False
     owner = os.getpid()
 
     def handler(signum: int, frame: FrameType | None) -> None:
-        global _received
-        global _force
         if os.getpid() != owner:  # a forked child (a DataLoader worker): what it would do without us
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        if _force:
-            _force = False
-            raise Stopped(_received or signum)
-        if _received is None:
-            _received = signum
-            if _save_requested is not None:  # the StopWatch carries it out: the ranks save, then stop
-                _save_requested.set()
-                return
-            raise Stopped(signum)
+        with _lock:
+            _take(signum)
+            stop = _claim()
+        if stop is not None and _done:
+            leave_now(128 + stop)
+        if stop is not None:
+            raise Stopped(stop)
 
     for signum in STOP_SIGNALS:
         signal.signal(signum, handler)
+
+
+def _take(signum: int) -> None:
+    """What a stop signal means here (under `_lock`): a stop to raise (`_unraised`), a stop that saves handed
+    to the StopWatch, or nothing (a later signal)."""
+    global _received, _force, _unraised
+    if _claimed:
+        return
+    if _done:
+        _unraised = signum
+    elif _force:
+        _force = False
+        _unraised = _received or signum
+    elif _received is None:
+        _received = signum
+        if _save_requested is not None:  # the StopWatch carries it out: the ranks save, then stop
+            _save_requested.set()
+        else:
+            _unraised = signum
+
+
+def _claim() -> int | None:
+    """The stop decided and not raised yet, taken by whoever raises it (or leaves on it)."""
+    global _unraised, _claimed
+    with _lock:
+        stop, _unraised = _unraised, None
+        _claimed = _claimed or stop is not None
+        return stop
+
+
+def watch_signals() -> None:
+    """A rank's signal watch (main thread only): a stop its main thread has not raised within `_STUCK_S`
+    (it waits in native code, which runs no handler) ends the process: its exit handlers run, its peers
+    are told (while a StopWatch runs), and it exits 128 + the signal."""
+    global _pipe
+    if _pipe is None:
+        _pipe = os.pipe()
+        os.set_blocking(_pipe[1], False)
+        thread = threading.Thread(target=_follow_signals, args=(_pipe[0],), name="flodl-signals", daemon=True)
+        thread.start()
+        os.register_at_fork(after_in_child=_forget_pipe)
+    signal.set_wakeup_fd(_pipe[1], warn_on_full_buffer=False)
+
+
+def _forget_pipe() -> None:
+    """A forked child (a DataLoader worker) writes no signal of its own into its parent's watch."""
+    global _pipe
+    if _pipe is not None:
+        signal.set_wakeup_fd(-1)
+        for fd in _pipe:
+            os.close(fd)
+        _pipe = None
+
+
+def _follow_signals(fd: int) -> None:
+    while True:
+        for signum in os.read(fd, 64):  # the wakeup fd: a byte per signal, whatever the main thread does
+            if signum in STOP_SIGNALS:
+                _follow(signum)
+
+
+def _follow(signum: int) -> None:
+    with _lock:
+        _take(signum)
+    deadline = time.monotonic() + _STUCK_S
+    while _unraised is not None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    stop = _claim()
+    if stop is None:  # the main thread raised it (or nothing is to be raised)
+        return
+    name = signal.Signals(stop).name
+    log.warning(
+        "%s came while the main thread was in native code: it took no handler in %g s, leaving now",
+        name,
+        _STUCK_S,
+    )
+    if _watch is not None:
+        post(_watch.mailbox, stop)
+    leave_now(128 + stop)
+
+
+def part_done() -> None:
+    """The rank's part is done, and nothing of flodl's catches Stopped now (a self-launched rank waits in
+    torch's launcher for the others): from now on a stop signal ends the process at once."""
+    global _done
+    _done = True
+
+
+def leave_now(code: int) -> NoReturn:
+    """Run the exit handlers (logs, stage files) and end the process without the interpreter's teardown of
+    torch and gloo, which can take seconds."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def agent_takes_every_stop_signal() -> None:
@@ -185,6 +296,11 @@ class StopWatch(threading.Thread):
         self.save_s = save_s
         self._checkpoints_seen = 0
 
+    def start(self) -> None:
+        global _watch
+        _watch = self
+        super().start()
+
     def run(self) -> None:
         while not self.stopped.wait(_WATCH_S):
             if _received is not None and self.saving is None:
@@ -238,6 +354,11 @@ class StopWatch(threading.Thread):
         stop_now(signum)
 
     def stop(self) -> None:
-        """Stop and wait: a thread left inside a store call when the process exits aborts it."""
+        """Stop and wait: a thread left inside a store call when the process exits aborts it. A stop signal
+        from now on stops at once: no watch is left to carry out one that saves."""
+        global _watch, _save_requested
         self.stopped.set()
         self.join(timeout=10)
+        with _lock:
+            _watch = None if _watch is self else _watch
+            _save_requested = None if _save_requested is self.saving else _save_requested

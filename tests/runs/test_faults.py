@@ -24,6 +24,7 @@ from tests.helpers.procs import (
     leftovers,
     start,
     train,
+    wait_for,
     wait_for_path,
 )
 from tests.helpers.runs import MODEL_KEYS, assert_complete_run, epochs_of
@@ -171,6 +172,45 @@ def test_a_frozen_rank_0_is_named_by_the_other_ranks_within_the_heartbeat_timeou
     assert re.search(r"rank 0 stopped responding: no heartbeat for [3-9] s", report), report[-3000:]
     verdict = next(line for line in out.read_text().splitlines() if "failed first" in line)
     assert verdict.startswith("flodl: rank 1 failed first (RankHung: rank 0 stopped responding"), verdict
+
+
+def test_a_sigterm_ends_a_rank_whose_main_thread_waits_in_a_collective_on_a_frozen_peer(
+    tmp_path: Path,
+) -> None:
+    """Rank 0's main thread waits in gloo's all-reduce (its backward) on frozen rank 1, where Python runs no
+    signal handler: the signal watch ends the rank, long before the heartbeat would (or the launcher's
+    SIGKILL, 30 s after its SIGTERM)."""
+    run_dir = tmp_path / "run"
+    proc = start(
+        [
+            PYTHON,
+            TRAIN,
+            "launch.nproc_per_node=2",
+            FAST_START,
+            "policy=sync",
+            "epochs=200",
+            "heartbeat_timeout_s=120",
+            "checkpoint_every=null",  # a plain stop: no checkpoint to wait for
+            "simulate.hang_rank=1",
+            "simulate.hang_at_step=30",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=tmp_path,
+        output=subprocess.DEVNULL,
+    )
+    try:
+        logs = [run_dir / f"rank{r}.log" for r in (0, 1)]
+        wait_for(lambda: all(log.exists() and "(pid " in log.read_text() for log in logs), proc)
+        rank0, rank1 = (psutil.Process(_first_pid(log)) for log in logs)
+        wait_for(lambda: rank1.status() == psutil.STATUS_STOPPED, proc, what="rank 1 froze")
+        time.sleep(1)  # rank 0's step 30 (milliseconds) reaches its all-reduce, and waits there
+        rank0.send_signal(signal.SIGTERM)
+        rank0.wait(timeout=20)
+    finally:
+        kill_group(proc, grace=0)  # frozen rank 1 would sit out the launcher's SIGTERM grace
+    report = logs[0].read_text()
+    assert "SIGTERM came while the main thread was in native code" in report, report[-3000:]
+    assert "stopped responding" not in report  # the heartbeat did not end it
 
 
 def test_a_nan_injected_at_step_k_stops_the_run_naming_rank_and_step(tmp_path: Path) -> None:

@@ -227,6 +227,9 @@ def test_a_failing_callback_stops_every_rank_naming_it(tmp_path: Path) -> None:
     assert named in result.out
     # Rank 1 stops at the coordinator's word; rank 0 too, or at its own coordinator's failure.
     assert "rank 1 stops after epoch" in (tmp_path / "run" / "rank1.log").read_text()
+    # Rank 1, its part done when rank 0 failed, left on the launcher's SIGTERM (not its SIGKILL 30 s later).
+    launcher = (tmp_path / "run" / ".launch" / "launcher.log").read_text()
+    assert "forcefully exiting via SIGKILL" not in launcher, launcher
     assert all(named in (tmp_path / "run" / f"rank{r}.log").read_text() for r in (0, 1))
     assert not (tmp_path / "run" / "model.pt").exists()
     assert not leftovers(tmp_path)
