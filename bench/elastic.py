@@ -1,0 +1,282 @@
+"""A job that changes size under fault_tolerance=survive, on real processes and signals:
+`python bench/elastic.py [--life] [--joins N] [--optimizer] [--cpu] [-- overrides]` (all three by default).
+
+--life: a cadence job started with 2 self-launched ranks and `launch.max_ranks=4` grows to 3 and then 4
+  (`flodl-join`, each once the last joiner is in), loses 2 (rank 1 and the last joiner SIGKILLed; neither is
+  started again), is stopped (SIGTERM to its launcher: it saves) and resumed on 3 ranks to its last epoch;
+  beside it the same job undisturbed on 2 ranks. Every epoch recorded once across the stop, each epoch's
+  samples those of the undisturbed run (every sample once), one final state on the 3 ranks, both final
+  accuracies.
+--joins N: a job of 2 ranks (max 3) takes a joiner N times: it joins, trains until a round closed with it, and
+  is SIGKILLed (its seat freed at once); per join, from the timeline: its start-up, ready -> admitted,
+  admitted -> group formed, ready -> first round with it (median, p95).
+--optimizer: a 2-rank checkpoint (epoch 2 of digits, cadence) resumed on 3 ranks, rank 2 partless: with the
+  rule (saved rank 2 mod 2's optimizer state) against a fresh optimizer for rank 2 (Adam's moments empty, the
+  same learning rate; a hook in bench/hooks/fresh_optimizer), `--repeats` interleaved pairs: the training
+  loss of the first epochs after the resume.
+
+    python bench/elastic.py --cpu                     # all three on CPU (gloo), digits
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from benchlib import REPO, environment_lines, results_path, write_report
+from survive import both, rank_process
+
+from tests.helpers.procs import FAST_START, PYTHON, TRAIN, Child, child_env, finish, kill_group, start
+
+JOIN = str(Path(PYTHON).parent / "flodl-join")
+CARD = Path(".launch") / "join.json"
+FRESH_HOOK = REPO / "bench" / "hooks" / "fresh_optimizer"
+SURVIVE = ["fault_tolerance=survive", "policy=cadence", FAST_START, "heartbeat_timeout_s=3"]
+
+
+def records(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def logs(run: Path) -> str:
+    return "".join(path.read_text() for path in sorted(run.glob("*.log")))
+
+
+def until(done: Callable[[], bool], job: Child, what: str, within_s: float = 300) -> None:
+    """Wait for an event of the run (a file, a log line, a record) while its job runs."""
+    deadline = time.monotonic() + within_s
+    while not done():
+        if job.poll() is not None:
+            raise RuntimeError(f"the job ended before {what}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting until {what}")
+        time.sleep(0.1)
+
+
+def admitted(run: Path, rank: int, times: int = 1) -> bool:
+    return len(re.findall(rf"rank {rank} admitted", logs(run))) >= times
+
+
+def job(work: Path, name: str, overrides: list[str], env: dict[str, str] | None = None) -> tuple[Child, Path]:
+    run = work / name
+    shutil.rmtree(run, ignore_errors=True)
+    return start([PYTHON, TRAIN, *overrides, f"hydra.run.dir={run}"], work, child_env(**(env or {}))), run
+
+
+def joiner(work: Path, run: Path) -> Child:
+    return start([JOIN, str(run)], work, child_env())
+
+
+def kill(run: Path, rank: int) -> None:
+    process = rank_process(run, rank)
+    if process is None:
+        raise RuntimeError(f"rank {rank} is not running")
+    process.send_signal(signal.SIGKILL)
+
+
+def final_accuracy(run: Path) -> float:
+    return float(records(run)[-1]["eval/accuracy"])
+
+
+def states(text: str) -> dict[int, str]:
+    return {int(r): d for r, d in re.findall(r"rank (\d+): state after final round[^:]*: ([0-9a-f]+)", text)}
+
+
+def life(args: argparse.Namespace, common: list[str]) -> list[str]:
+    epochs = args.epochs
+    grow = [*common, *SURVIVE, "launch.nproc_per_node=2", "launch.max_ranks=4", f"epochs={epochs}"]
+    calm, calm_run = job(
+        args.work,
+        "life-calm",
+        [*common, "policy=cadence", FAST_START, "launch.nproc_per_node=2", f"epochs={epochs}"],
+    )
+    proc, run = job(args.work, "life", grow)
+    joiners: list[Child] = []
+    try:
+        until(lambda: (run / CARD).is_file() and len(records(run)) >= 2, proc, "epoch 2")
+        joiners.append(joiner(args.work, run))
+        until(lambda: admitted(run, 2), proc, "rank 2 was admitted")
+        joiners.append(joiner(args.work, run))
+        until(lambda: admitted(run, 3), proc, "rank 3 was admitted")
+        grown = len(records(run))
+        until(lambda: len(records(run)) >= grown + 2, proc, "two epochs on 4 ranks")
+        kill(run, 1)
+        kill(run, 3)
+        lost = len(records(run))
+        until(lambda: len(records(run)) >= lost + 2, proc, "two epochs on 2 ranks")
+        proc.send_signal(signal.SIGTERM)  # to the launcher, as a scheduler preempting the job does
+        stopped = finish(proc, 120)
+        for j in joiners:
+            finish(j, 60)
+        resumed = finish(
+            start(
+                [
+                    PYTHON,
+                    TRAIN,
+                    *common,
+                    *SURVIVE,
+                    "launch.nproc_per_node=3",
+                    f"epochs={epochs}",
+                    f"hydra.run.dir={run}",
+                ],
+                args.work,
+                child_env(),
+            ),
+            900,
+        )
+        calm_done = finish(calm, 900)
+    finally:
+        for p in [proc, calm, *joiners]:
+            if p.poll() is None:
+                kill_group(p)
+    resumed.check()
+    calm_done.check()
+    mine, theirs = records(run), records(calm_run)
+    once = [r["epoch"] for r in mine] == list(range(epochs))
+    same_samples = [r["samples"] for r in mine] == [r["samples"] for r in theirs]
+    final = states(resumed.out)
+    return [
+        "",
+        f"## life: 2 -> 3 -> 4 ranks, 2 lost, stopped, resumed on 3 ({epochs} epochs)",
+        *environment_lines(args.cpu),
+        f"- overrides: `{' '.join(grow)}`",
+        f"- worlds by epoch: {[r['world'] for r in mine]}; the stop exited {stopped.code}",
+        f"- every epoch recorded once across the stop: {once}; each epoch's samples the undisturbed run's: "
+        f"{same_samples} ({theirs[0]['samples']} an epoch)",
+        f"- one final state on the 3 resumed ranks: {sorted(final) == [0, 1, 2] and len(set(final.values())) == 1}",
+        f"- final eval accuracy: {final_accuracy(run):.4f} against {final_accuracy(calm_run):.4f} undisturbed on 2 ranks",
+    ]
+
+
+def joins(args: argparse.Namespace, common: list[str]) -> list[str]:
+    overrides = [*common, *SURVIVE, "launch.nproc_per_node=2", "launch.max_ranks=3", "epochs=100000"]
+    proc, run = job(args.work, "joins", overrides)
+    try:
+        until((run / CARD).is_file, proc, "the join card")
+        for n in range(1, args.joins + 1):
+            j = joiner(args.work, run)
+            until(lambda n=n: first_rounds(run) >= n, proc, f"join {n}'s first round", within_s=120)
+            kill(run, 2)
+            finish(j, 60)
+            until(lambda n=n: len(re.findall(r"rank 2 cut out", logs(run))) >= n, proc, f"join {n}'s cut")
+        proc.send_signal(signal.SIGTERM)
+        finish(proc, 120)
+    finally:
+        if proc.poll() is None:
+            kill_group(proc)
+    events = [
+        e
+        for e in json.loads((run / "timeline.json").read_text())["membership"]
+        if e["event"] == "rank_admitted"
+    ]
+
+    def column(key: str, other: str | None = None) -> list[float]:
+        return [
+            e[key] + (e[other] if other else 0.0)
+            for e in events
+            if e[key] is not None and (other is None or e[other] is not None)
+        ]
+
+    return [
+        "",
+        f"## joins: a rank joins a running 2-rank job {len(events)} times (each SIGKILLed after its first round)",
+        *environment_lines(args.cpu),
+        f"- overrides: `{' '.join(overrides)}`",
+        "",
+        "| step | median / p95 (s) |",
+        "|---|---|",
+        f"| the joiner's start-up (its process to ready) | {both(column('startup_s'))} |",
+        f"| ready -> admitted (the next round boundary) | {both(column('waited_s'))} |",
+        f"| admitted -> group formed with it | {both(column('formed_s'))} |",
+        f"| ready -> first round with it | {both(column('waited_s', 'first_round_s'))} |",
+    ]
+
+
+def first_rounds(run: Path) -> int:
+    """Admissions whose first round closed (the coordinator's line for each)."""
+    return len(re.findall(r"rank 2 admitted .*first good round", logs(run)))
+
+
+def optimizer(args: argparse.Namespace, common: list[str]) -> list[str]:
+    base = [*common, "policy=cadence", FAST_START, "checkpoint_every=1", "eval_every=0"]
+    done, seed_run = job(args.work, "optimizer-seed", [*base, "launch.nproc_per_node=2", "epochs=2"])
+    finish(done, 600).check()
+    after = args.after
+    losses: dict[str, list[list[float]]] = {"rule": [], "fresh": []}
+    for repeat in range(args.repeats):
+        for arm in ("rule", "fresh") if repeat % 2 == 0 else ("fresh", "rule"):
+            run = args.work / f"optimizer-{arm}-{repeat}"
+            shutil.rmtree(run, ignore_errors=True)
+            shutil.copytree(seed_run, run)
+            env = {"PYTHONPATH": f"{FRESH_HOOK}:{REPO}"} if arm == "fresh" else {}
+            proc = start(
+                [
+                    PYTHON,
+                    TRAIN,
+                    *base,
+                    "launch.nproc_per_node=3",
+                    f"epochs={2 + after}",
+                    f"hydra.run.dir={run}",
+                ],
+                args.work,
+                child_env(**env),
+            )
+            finish(proc, 600).check()
+            losses[arm].append([r["loss"] for r in records(run)[2:]])
+    rows = [
+        f"| {e + 3} | {statistics.median(r[e] for r in losses['rule']):.4f} | "
+        f"{statistics.median(r[e] for r in losses['fresh']):.4f} |"
+        for e in range(after)
+    ]
+    return [
+        "",
+        f"## optimizer: a 2-rank checkpoint resumed on 3, rank 2's optimizer by the rule or fresh ({args.repeats} pairs)",
+        *environment_lines(args.cpu),
+        f"- overrides: `{' '.join(base)}`; checkpoint at epoch 2, resumed to epoch {2 + after}",
+        "",
+        "| epoch | training loss, rule (median) | fresh optimizer (median) |",
+        "|---|---|---|",
+        *rows,
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--life", action="store_true")
+    parser.add_argument("--joins", type=int, default=0, help="joins to time (default with no part named: 10)")
+    parser.add_argument("--optimizer", action="store_true")
+    parser.add_argument("--epochs", type=int, default=14, help="--life: the run's epochs")
+    parser.add_argument("--repeats", type=int, default=3, help="--optimizer: interleaved pairs")
+    parser.add_argument("--after", type=int, default=3, help="--optimizer: epochs after the resume")
+    parser.add_argument("--cpu", action="store_true")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/flodl-bench-elastic"))
+    parser.add_argument("--results-dir", type=Path, default=REPO / "bench" / "results")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
+    args = parser.parse_args()
+    if not (args.life or args.joins or args.optimizer):
+        args.life, args.joins, args.optimizer = True, 10, True
+    args.work.mkdir(parents=True, exist_ok=True)
+    common = [*(["device=cpu"] if args.cpu else []), "task=digits", "batch_size=16", *args.overrides]
+    if args.cpu:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # fork refuses a process that touched CUDA
+    lines: list[str] = []
+    if args.life:
+        lines += life(args, common)
+    if args.joins:
+        lines += joins(args, common)
+    if args.optimizer:
+        lines += optimizer(args, common)
+    write_report(results_path(args.results_dir, "elastic", args.cpu), "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
