@@ -144,6 +144,8 @@ def life(args: argparse.Namespace, common: list[str]) -> list[str]:
     once = [r["epoch"] for r in mine] == list(range(epochs))
     same_samples = [r["samples"] for r in mine] == [r["samples"] for r in theirs]
     final = states(resumed.out)
+    one_state = sorted(final) == [0, 1, 2] and len(set(final.values())) == 1
+    calm_accuracy = final_accuracy(calm_run)
     return [
         "",
         f"## life: 2 -> 3 -> 4 ranks, 2 lost, stopped, resumed on 3 ({epochs} epochs)",
@@ -152,8 +154,8 @@ def life(args: argparse.Namespace, common: list[str]) -> list[str]:
         f"- worlds by epoch: {[r['world'] for r in mine]}; the stop exited {stopped.code}",
         f"- every epoch recorded once across the stop: {once}; each epoch's samples the undisturbed run's: "
         f"{same_samples} ({theirs[0]['samples']} an epoch)",
-        f"- one final state on the 3 resumed ranks: {sorted(final) == [0, 1, 2] and len(set(final.values())) == 1}",
-        f"- final eval accuracy: {final_accuracy(run):.4f} against {final_accuracy(calm_run):.4f} undisturbed on 2 ranks",
+        f"- one final state on the 3 resumed ranks: {one_state}",
+        f"- final eval accuracy {final_accuracy(run):.4f}, undisturbed on 2 ranks {calm_accuracy:.4f}",
     ]
 
 
@@ -188,7 +190,7 @@ def joins(args: argparse.Namespace, common: list[str]) -> list[str]:
 
     return [
         "",
-        f"## joins: a rank joins a running 2-rank job {len(events)} times (each SIGKILLed after its first round)",
+        f"## joins: a rank joins a running 2-rank job {len(events)} times (SIGKILLed after its first round)",
         *environment_lines(args.cpu),
         f"- overrides: `{' '.join(overrides)}`",
         "",
@@ -239,7 +241,8 @@ def optimizer(args: argparse.Namespace, common: list[str]) -> list[str]:
     ]
     return [
         "",
-        f"## optimizer: a 2-rank checkpoint resumed on 3, rank 2's optimizer by the rule or fresh ({args.repeats} pairs)",
+        f"## optimizer: a 2-rank checkpoint resumed on 3, rank 2's optimizer by the rule or fresh "
+        f"({args.repeats} pairs)",
         *environment_lines(args.cpu),
         f"- overrides: `{' '.join(base)}`; checkpoint at epoch 2, resumed to epoch {2 + after}",
         "",

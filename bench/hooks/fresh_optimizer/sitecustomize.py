@@ -1,7 +1,7 @@
-"""A bench hook (bench/elastic.py --optimizer), loaded at start-up by a process with this folder on PYTHONPATH:
-a rank without a part of its own in the checkpoint it resumes from starts with a fresh optimizer (Adam's
-moments empty) instead of the saved rank's state the rule hands it, the learning rate and schedule as the
-rule has them. What the rule is measured against."""
+"""A bench hook (bench/elastic.py --optimizer), loaded at start-up by a process with this folder on
+PYTHONPATH: a rank without a part of its own in the checkpoint it resumes from starts with a fresh
+optimizer (Adam's moments empty) instead of the saved rank's state the rule hands it, the learning rate and
+schedule as the rule has them. What the rule is measured against."""
 
 from __future__ import annotations
 
