@@ -39,7 +39,10 @@ from tests.helpers.procs import FAST_START, PYTHON, TRAIN, Child, child_env, fin
 JOIN = str(Path(PYTHON).parent / "flodl-join")
 CARD = Path(".launch") / "join.json"
 FRESH_HOOK = REPO / "bench" / "hooks" / "fresh_optimizer"
+FRESH_LINE = "starts with a fresh optimizer (bench hook)"
 SURVIVE = ["fault_tolerance=survive", "policy=cadence", FAST_START, "heartbeat_timeout_s=3"]
+# --life: epochs of digits (a fraction of a second each) between its changes.
+PHASE = 20
 
 
 def records(run: Path) -> list[dict]:
@@ -87,6 +90,17 @@ def final_accuracy(run: Path) -> float:
     return float(records(run)[-1]["eval/accuracy"])
 
 
+def runs_of(worlds: list[int]) -> str:
+    """`2 x 62, 3 x 72`: how many epochs in a row each world trained."""
+    runs: list[list[int]] = []
+    for world in worlds:
+        if runs and runs[-1][0] == world:
+            runs[-1][1] += 1
+        else:
+            runs.append([world, 1])
+    return ", ".join(f"{world} ranks x {n}" for world, n in runs)
+
+
 def states(text: str) -> dict[int, str]:
     return {int(r): d for r, d in re.findall(r"rank (\d+): state after final round[^:]*: ([0-9a-f]+)", text)}
 
@@ -102,19 +116,20 @@ def life(args: argparse.Namespace, common: list[str]) -> list[str]:
     proc, run = job(args.work, "life", grow)
     joiners: list[Child] = []
     try:
-        until(lambda: (run / CARD).is_file() and len(records(run)) >= 2, proc, "epoch 2")
+        until(lambda: (run / CARD).is_file() and len(records(run)) >= PHASE, proc, "a phase on 2 ranks")
         joiners.append(joiner(args.work, run))
         until(lambda: admitted(run, 2), proc, "rank 2 was admitted")
         joiners.append(joiner(args.work, run))
         until(lambda: admitted(run, 3), proc, "rank 3 was admitted")
         grown = len(records(run))
-        until(lambda: len(records(run)) >= grown + 2, proc, "two epochs on 4 ranks")
+        until(lambda: len(records(run)) >= grown + PHASE, proc, "a phase on 4 ranks")
         kill(run, 1)
         kill(run, 3)
         lost = len(records(run))
-        until(lambda: len(records(run)) >= lost + 2, proc, "two epochs on 2 ranks")
+        until(lambda: len(records(run)) >= lost + PHASE, proc, "a phase on 2 ranks")
         proc.send_signal(signal.SIGTERM)  # to the launcher, as a scheduler preempting the job does
         stopped = finish(proc, 120)
+        at_stop = len(records(run))
         for j in joiners:
             finish(j, 60)
         resumed = finish(
@@ -141,6 +156,7 @@ def life(args: argparse.Namespace, common: list[str]) -> list[str]:
     resumed.check()
     calm_done.check()
     mine, theirs = records(run), records(calm_run)
+    worlds = [r["world"] for r in mine]
     once = [r["epoch"] for r in mine] == list(range(epochs))
     same_samples = [r["samples"] for r in mine] == [r["samples"] for r in theirs]
     final = states(resumed.out)
@@ -151,7 +167,8 @@ def life(args: argparse.Namespace, common: list[str]) -> list[str]:
         f"## life: 2 -> 3 -> 4 ranks, 2 lost, stopped, resumed on 3 ({epochs} epochs)",
         *environment_lines(args.cpu),
         f"- overrides: `{' '.join(grow)}`",
-        f"- worlds by epoch: {[r['world'] for r in mine]}; the stop exited {stopped.code}",
+        f"- epochs by world: {runs_of(worlds[:at_stop])}, stopped (exit code {stopped.code}) after epoch "
+        f"{at_stop}, resumed: {runs_of(worlds[at_stop:])}",
         f"- every epoch recorded once across the stop: {once}; each epoch's samples the undisturbed run's: "
         f"{same_samples} ({theirs[0]['samples']} an epoch)",
         f"- one final state on the 3 resumed ranks: {one_state}",
@@ -233,6 +250,11 @@ def optimizer(args: argparse.Namespace, common: list[str]) -> list[str]:
                 child_env(**env),
             )
             finish(proc, 600).check()
+            hooked = FRESH_LINE in (run / "rank2.log").read_text()
+            if hooked != (arm == "fresh"):
+                raise RuntimeError(
+                    f"{run}: the fresh-optimizer hook {'did not apply' if arm == 'fresh' else 'applied'}"
+                )
             losses[arm].append([r["loss"] for r in records(run)[2:]])
     rows = [
         f"| {e + 3} | {statistics.median(r[e] for r in losses['rule']):.4f} | "
@@ -257,7 +279,7 @@ def main() -> None:
     parser.add_argument("--life", action="store_true")
     parser.add_argument("--joins", type=int, default=0, help="joins to time (default with no part named: 10)")
     parser.add_argument("--optimizer", action="store_true")
-    parser.add_argument("--epochs", type=int, default=14, help="--life: the run's epochs")
+    parser.add_argument("--epochs", type=int, default=300, help="--life: the run's epochs")
     parser.add_argument("--repeats", type=int, default=3, help="--optimizer: interleaved pairs")
     parser.add_argument("--after", type=int, default=3, help="--optimizer: epochs after the resume")
     parser.add_argument("--cpu", action="store_true")

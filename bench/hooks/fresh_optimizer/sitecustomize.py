@@ -5,6 +5,7 @@ schedule as the rule has them. What the rule is measured against."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from flodl.job import resume
@@ -17,6 +18,7 @@ def _fresh_moments(stepper: Stepper, state: dict[str, Any]) -> None:
     _restore(stepper, state)
     if "rng" not in state:  # a partless rank's (shared_state keeps no RNG streams): its moments dropped
         stepper.parts.optimizer.state.clear()
+        logging.getLogger("flodl").warning("this rank starts with a fresh optimizer (bench hook)")
 
 
 resume.restore_stepper = _fresh_moments
