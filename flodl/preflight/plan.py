@@ -208,6 +208,8 @@ def faults_line(cfg: FlodlConfig) -> str:
             f"survive: the others train on without a dead rank (min_ranks={cfg.min_ranks}); a self-launched "
             f"rank restarts alone, up to {cfg.launch.max_restarts} time(s), and is cut the moment it exits"
         )
+        if cfg.launch.max_ranks is not None:
+            what += f"; up to {cfg.launch.max_ranks} ranks, more joining with flodl-join RUN_DIR"
     else:
         what = "a dead rank ends the job" + (
             f" (self-launched: every rank restarts, up to {cfg.launch.max_restarts} time(s))"

@@ -83,6 +83,9 @@ def test_plan_says_what_a_dead_rank_does_to_the_run():
     assert "is cut the moment it exits; a rank silent for 5 s counts as dead" in survive
     # Unset, the timeout is 10 s under survive (exits are seen at once; it is for a frozen rank), else 60 s.
     assert "silent for 10 s" in plan_of(policy="async", fault_tolerance="survive")
+    grows = plan_of(fault_tolerance="survive", launch={"max_ranks": 4})
+    assert "up to 4 ranks, more joining with flodl-join RUN_DIR" in grows
+    assert "flodl-join" not in survive
 
 
 def test_plan_says_when_checkpoints_are_taken_and_what_a_stop_does():

@@ -14,6 +14,7 @@ from flodl.coordinator.survivors import SurviveSettings
 from flodl.links.heartbeat import HeartbeatMonitor
 from flodl.links.membership import cut_key
 from flodl.links.messages import Exiting, Joined, Regrouped
+from flodl.links.seats import take_seat
 from flodl.links.transport import Mailbox
 from flodl.metrics.timeline import Timeline
 
@@ -43,13 +44,12 @@ def fixed() -> Roster:
     return roster
 
 
-def surviving(min_ranks: int = 1) -> tuple[SurvivingRoster, Driver, HashStore]:
+def surviving(min_ranks: int = 1, capacity: int = 3) -> tuple[SurvivingRoster, Driver, HashStore]:
     store = HashStore()
-    monitor = HeartbeatMonitor(3, timeout_s=2.0, started=0.0)
+    monitor = HeartbeatMonitor(capacity, timeout_s=2.0, started=0.0, ignored=set(range(3, capacity)))
     ledger = EpochLedger(epochs=2, world_size=3, batches_per_epoch=4)
-    roster = SurvivingRoster(
-        3, Mailbox(store, "coordinator"), monitor, ledger, Timeline(3), SurviveSettings(min_ranks, capacity=3)
-    )
+    settings = SurviveSettings(min_ranks, capacity)
+    roster = SurvivingRoster(3, Mailbox(store, "coordinator"), monitor, ledger, Timeline(capacity), settings)
     driver = Driver(roster)
     roster.attach(driver, driver.stop, lambda: "none")  # type: ignore[arg-type]
     return roster, driver, store
@@ -112,3 +112,23 @@ def test_a_restart_of_a_member_is_cut_then_admitted_and_holds_the_model_once_its
     roster.follow_changes()
     assert roster.changes == [], "the admission is done: its group formed and a round went through"
     assert roster.monitor.silent(now=1.0) == []
+
+
+def test_a_rank_new_in_a_seat_past_the_start_waits_and_is_admitted_and_its_cut_frees_the_seat() -> None:
+    """launch.max_ranks=5 on 3 ranks: seats 3 and 4 hold no member until a joiner takes one (flodl-join); none
+    is named silent meanwhile, and a Shutdown reaches every seat's inbox."""
+    roster, driver, store = surviving(capacity=5)
+    assert list(roster.seats) == [0, 1, 2, 3, 4] and roster.members == {0, 1, 2}
+    assert roster.monitor.silent(now=60.0) == [0, 1, 2], "an empty seat is no silent rank"
+    assert take_seat(store, 3, 5) == (3, 0)
+    roster.on_joined(Joined(3, incarnation=0, startup_s=2.5))
+    assert driver.cuts == [] and roster.joiners == {3}, "a new rank cuts nobody"
+    assert roster.admit_joiners() == [3] and roster.members == {0, 1, 2, 3}
+    roster.follow_changes()
+    assert [(c.kind, c.rank, c.startup_s) for c in roster.changes] == [("admitted", 3, 2.5)]
+    assert 3 not in roster.monitor.silent(now=roster.monitor.last_seen[3])
+    roster.on_exiting(Exiting(3, "OOM"))
+    assert driver.cuts[-1] == (3, 2, {0, 1, 2})
+    assert take_seat(store, 3, 5) == (3, 1), "the cut freed seat 3: its next taking is numbered 1"
+    assert take_seat(store, 3, 5) == (4, 0)
+    assert take_seat(store, 3, 5) is None, "every seat taken"

@@ -674,6 +674,20 @@ def test_survive_takes_every_policy_and_refuses_what_it_cannot_restore_yet():
     )
 
 
+def test_a_job_grows_only_under_survive_and_never_below_its_start():
+    three = host(world_size=3, ranks_per_node=3)
+    grows = make(**{"fault_tolerance": "survive", "policy": "sync", "launch.max_ranks": 5})
+    assert problems_of(grows, three) == []
+    fixed = make(**{"launch.max_ranks": 5})
+    assert_problem(problems_of(fixed, three), "launch.max_ranks", 5, "applies to fault_tolerance=survive")
+    below = make(**{"fault_tolerance": "survive", "launch.max_ranks": 2})
+    assert_problem(
+        problems_of(below, three), "launch.max_ranks", 2, "at least the 3 rank(s) the job starts with"
+    )
+    zero = make(**{"fault_tolerance": "survive", "launch.max_ranks": 0})
+    assert_problem(problems_of(zero, three), "launch.max_ranks", 0, "must be >= 1")
+
+
 def test_overlapped_rounds_take_cadence_on_the_cpu_backend_with_any_wire_and_outer_optimizer():
     for extra in ({}, {"outer": "diloco"}, {"quantized_wire": "int8"}, {"checkpoint_every_steps": 50}):
         assert problems_of(make(overlap_rounds=True, policy="cadence", backend="cpu", **extra)) == []
