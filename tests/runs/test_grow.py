@@ -17,7 +17,17 @@ from pathlib import Path
 import pytest
 
 from flodl.launcher.join_card import CARD
-from tests.helpers.procs import FAST_START, PYTHON, TRAIN, Child, child_env, finish, kill_group, start
+from tests.helpers.procs import (
+    FAST_START,
+    PYTHON,
+    TRAIN,
+    Child,
+    child_env,
+    finish,
+    free_port,
+    kill_group,
+    start,
+)
 from tests.helpers.survive_runs import (
     EPOCHS_AT_MOST,
     check_every_epoch_once,
@@ -160,3 +170,42 @@ def test_a_joiner_that_dies_frees_its_seat_and_the_next_takes_it(tmp_path: Path)
     check_every_epoch_once(run)
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["world"] == 3
+
+
+def test_a_job_hosted_by_flodl_coordinator_takes_a_joiner_the_several_hosts_way(tmp_path: Path) -> None:
+    """flodl-coordinator hosts the store and the run; two ranks are started by hand (RANK / WORLD_SIZE /
+    MASTER_*), and a third joins with flodl-join, which reads where the store listens from the card."""
+    port = free_port()
+    overrides = [
+        FAST_START,
+        "fault_tolerance=survive",
+        "hydra.run.dir=run",
+        "policy=cadence",
+        f"epochs={EPOCHS_AT_MOST}",
+        "batch_size=8",
+        "eval_every=0",
+        "launch.max_ranks=3",
+        GROWN.replace("world:4", "world:3"),
+    ]
+    job_env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    host = start([str(Path(PYTHON).parent / "flodl-coordinator"), *overrides], tmp_path, child_env(**job_env))
+    ranks = [
+        start([PYTHON, TRAIN, *overrides], tmp_path, child_env(RANK=str(r), **job_env), subprocess.DEVNULL)
+        for r in range(2)
+    ]
+    run = tmp_path / "run"
+    joiners: list[Child] = []
+    try:
+        until((run / CARD).is_file, host, "the coordinator wrote its join card")
+        joiners.append(joiner(tmp_path))
+        hosted = finish(host, 240)
+        codes = [p.wait(timeout=60) for p in [*ranks, *joiners]]
+    finally:
+        for proc in [host, *ranks, *joiners]:
+            if proc.poll() is None:
+                kill_group(proc)
+    assert hosted.code == 0 and codes == [0, 0, 0], (codes, hosted.out[-3000:])
+    assert [(e["event"], e["rank"]) for e in membership(run)] == [("rank_admitted", 2)]
+    check_every_epoch_once(run)
+    final = digests(rank_logs(run), "final round")
+    assert set(final) == {0, 1, 2} and len(set(final.values())) == 1, final
