@@ -1,4 +1,5 @@
-"""Put one rank together for its policy: the worker on every rank, the coordinator on rank 0.
+"""Put one rank together for its policy: its group and its worker (the run's coordinator is put together in
+flodl/job/coordinator_assembly.py).
 
 The policy's facts are resolved once (flodl/config/policy.py: `PolicyFacts`) and the config is mapped to
 each room's settings by flodl/job/settings.py; what is built here takes those, and nothing under it reads
@@ -8,16 +9,11 @@ the schema.
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
-from hydra.utils import instantiate
-from torch import nn
 from torch.distributed import PrefixStore
 from torch.nn.parallel import DistributedDataParallel
 
@@ -25,49 +21,23 @@ from flodl.averaging.consensus import DeviceAverager, HostAverager
 from flodl.averaging.ddp_hooks import SettledBuckets, settled_gradient_hook
 from flodl.averaging.outer import OuterSettings
 from flodl.averaging.wire import Wire, wire_for
-from flodl.checkpoints.disk import Point
-from flodl.checkpoints.identity import run_identity
 from flodl.config.host import RankEnv
 from flodl.config.policy import (
     PolicyFacts,
-    checkpoint_epochs,
     checkpoints_on,
     collective_backend,
     heartbeat_timeout_of,
-    step_samples,
     writes_in_a_process,
     writes_in_background,
 )
 from flodl.config.schema import FlodlConfig
-from flodl.coordinator.commit import HANG_MODEL_FILE, CheckpointCommitter, consensus_saver
-from flodl.coordinator.coordinator import Coordinator
-from flodl.coordinator.driver import Driver, EpochSchedule
-from flodl.coordinator.hooks import CallbackError, Hooks, Run
-from flodl.coordinator.ledger import EpochLedger
-from flodl.coordinator.local_sgd_driver import LocalSgdDriver
-from flodl.coordinator.lockstep import KeptBatch
-from flodl.coordinator.roster import Roster, SurvivingRoster
-from flodl.coordinator.survivors import SurviveSettings
-from flodl.coordinator.sync_driver import PLAN_LOOKAHEAD, SyncDriver
-from flodl.data.partition import equal_slices
-from flodl.job.resize import layout_step
 from flodl.job.settings import (
     checkpoint_store,
-    elche_settings,
-    resume_settings,
     stepper_settings,
-    wandb_settings,
     worker_settings,
 )
-from flodl.links.heartbeat import HeartbeatMonitor
 from flodl.links.membership import AveragingGroup
 from flodl.links.transport import InboxReader, Mailbox
-from flodl.metrics.run_info import RunInfo
-from flodl.metrics.sinks import METRICS_FILE, ConsoleSink, JsonlSink, Sink
-from flodl.metrics.timeline import Timeline
-from flodl.rounds.elche import ElChe
-from flodl.rounds.guard import guard_from_state, make_guard
-from flodl.rounds.planner import LocalSgdPlanner
 from flodl.worker.base import RankLink, WorkerBase
 from flodl.worker.checkpoint_part import RankCheckpointer
 from flodl.worker.group import FixedGroup, RankGroup, SurvivingGroup
@@ -75,9 +45,6 @@ from flodl.worker.local_sgd import LocalSgdWorker
 from flodl.worker.stepper import Stepper
 from flodl.worker.sync import SyncWorker
 from flodl.worker.task_setup import TaskParts
-
-log = logging.getLogger("flodl")
-
 
 # --- the rank's parts ---
 
@@ -205,207 +172,3 @@ def make_group(
     # A restart, or a rank in a seat past the ones the job started with (flodl-join), joins a running group.
     joining = incarnation > 0 or env.rank >= env.world_size
     return SurvivingGroup(membership, reader, env.world_size, incarnation, joining, wait_s)
-
-
-@dataclass(frozen=True)
-class CoordinatorSetup:
-    """What the run's host (flodl/job/host.py) knows when it builds the coordinator, beyond the config."""
-
-    # The resolved config (recorded in checkpoints and W&B) and the job's names.
-    config: dict[str, Any]
-    info: RunInfo
-    # The ranks the job starts with, and the most it holds at once (rank_capacity: seats for joiners).
-    world_size: int
-    capacity: int
-    # The task, as the ranks built it: the epoch's picks, and whether there is eval data.
-    total_picks: int
-    has_eval: bool
-    # The coordinator's inbox and its outbox to the ranks.
-    reader: InboxReader
-    outbox: Mailbox
-    # The coordinator state of the checkpoint this run continues from (None: a fresh run).
-    resumed: dict[str, Any] | None
-    # Under sync with the host in rank 0's process: writes rank 0's parameters (the consensus) if a peer
-    # hangs (None: nothing worth saving there).
-    hang_saver: Callable[[], None] | None = None
-
-
-def hang_saver(
-    cfg: FlodlConfig, model: nn.Module, device: torch.device, run_dir: Path
-) -> Callable[[], None] | None:
-    """Under sync, rank 0's parameters are the consensus a hung peer leaves: what its host saves then."""
-    if PolicyFacts.of(cfg).averages_parameters:
-        return None
-    return consensus_saver(model, device, run_dir / HANG_MODEL_FILE)
-
-
-def make_coordinator(cfg: FlodlConfig, setup: CoordinatorSetup) -> Coordinator:
-    """The run's coordinator: every structure sized for the job's seats, its members the ranks it starts
-    with (the seats past them wait for ranks that join)."""
-    info, world_size, capacity, resumed = setup.info, setup.world_size, setup.capacity, setup.resumed
-    policy = PolicyFacts.of(cfg)
-    step_size = step_samples(cfg)
-    schedule = EpochSchedule(
-        cfg.epochs, world_size, setup.total_picks, step_size, cfg.eval_every, setup.has_eval
-    )
-    timeline = Timeline(capacity)
-    run_dir = Path(info.run_dir)
-    # Where a resumed run starts: the epoch after its checkpoint, or the one it was taken inside.
-    first = Point(resumed["epoch"], resumed.get("into")).next_epoch if resumed else 0
-    comm_total = resumed["comm_bytes_total"] if resumed else 0
-    layout = layout_step(cfg.keep_global_batch, resumed, step_size)
-    committer = None
-    if checkpoints_on(cfg):
-        due = {e for e in checkpoint_epochs(cfg) if e >= first}
-        settings = resume_settings(cfg, run_dir, run_identity(setup.config, info.uid))
-        committer = CheckpointCommitter(
-            settings.checkpoints, world_size, due, settings.kind, settings.run, step_size, layout
-        )
-    monitor = HeartbeatMonitor(
-        capacity, heartbeat_timeout_of(cfg), 0.0, ignored=set(range(world_size, capacity))
-    )
-    if policy.averages_parameters:
-        batches_per_epoch = setup.total_picks // step_size
-    else:  # DDP's steps: whole global steps of the world
-        batches_per_epoch = (
-            equal_slices(setup.total_picks, world_size, step_size)[0].size // step_size * world_size
-        )
-    ledger = EpochLedger(
-        cfg.epochs,
-        world_size,
-        batches_per_epoch,
-        policy.averages_parameters,
-        first,
-        comm_total,
-        policy.crosses_epochs,
-    )
-    if (
-        resumed is not None and resumed.get("ledger") is not None
-    ):  # what the epoch's record held at the checkpoint
-        ledger.resume_partial(first, resumed["ledger"])
-    roster: Roster
-    if cfg.fault_tolerance == "survive":
-        roster = SurvivingRoster(
-            world_size, setup.outbox, monitor, ledger, timeline, SurviveSettings(cfg.min_ranks, capacity)
-        )
-    else:
-        roster = Roster(world_size, setup.outbox, monitor)
-    driver: Driver
-    if policy.averages_parameters:
-        driver = _local_sgd_driver(cfg, policy, schedule, ledger, setup, roster, timeline, committer)
-    else:
-        driver = _sync_driver(cfg, schedule, ledger, setup, roster, committer, layout)
-    total_batches = (cfg.epochs - first) * ledger.batches_per_epoch - ledger.reported_batches(first)
-    sinks = _sinks(cfg, setup, policy, total_batches)
-    hooks = Hooks(
-        build_callbacks(cfg.callbacks), Run(run_dir, policy.name, world_size, cfg.epochs, setup.config)
-    )
-    return Coordinator(
-        setup.reader,
-        setup.outbox,
-        ledger,
-        driver,
-        sinks,
-        timeline,
-        run_dir,
-        monitor,
-        committer,
-        hooks,
-        roster,
-        setup.hang_saver,
-    )
-
-
-def _sync_driver(
-    cfg: FlodlConfig,
-    schedule: EpochSchedule,
-    ledger: EpochLedger,
-    setup: CoordinatorSetup,
-    roster: Roster,
-    committer: CheckpointCommitter | None,
-    layout: int | None,
-) -> SyncDriver:
-    resumed = setup.resumed
-    inside = resumed is not None and resumed.get("ledger") is not None
-    return SyncDriver(
-        schedule,
-        ledger,
-        setup.outbox,
-        roster,
-        ledger.first_epoch,
-        committer,
-        0 if cfg.fault_tolerance == "survive" else PLAN_LOOKAHEAD,  # survive: admissions at the next epoch
-        cfg.checkpoint_every_steps,
-        resumed["driver"] if resumed is not None and inside else None,
-        cfg.checkpoint_every_s,
-        None if layout is None else KeptBatch(setup.world_size * step_samples(cfg), cfg.batch_size, layout),
-    )
-
-
-def _sinks(cfg: FlodlConfig, setup: CoordinatorSetup, policy: PolicyFacts, total_batches: int) -> list[Sink]:
-    """Where the run's metrics go: the console, metrics.jsonl in the run dir, and W&B when logger=wandb."""
-    sinks: list[Sink] = [
-        ConsoleSink(cfg.epochs, total_batches, setup.capacity),
-        JsonlSink(Path(setup.info.run_dir) / METRICS_FILE),
-    ]
-    if cfg.logger.name == "wandb":
-        from flodl.metrics.wandb_sink import WandbSink
-
-        sinks.append(WandbSink(wandb_settings(cfg), setup.info, setup.config, policy.name))
-    return sinks
-
-
-def build_callbacks(nodes: list[Any]) -> list[object]:
-    built = []
-    for i, node in enumerate(nodes):
-        try:
-            built.append(instantiate(node))
-        except Exception as err:
-            target = node.get("_target_")
-            raise CallbackError(f"callbacks[{i}] ({target}): could not build it: {err}") from err
-    return built
-
-
-def _local_sgd_driver(
-    cfg: FlodlConfig,
-    policy: PolicyFacts,
-    schedule: EpochSchedule,
-    ledger: EpochLedger,
-    setup: CoordinatorSetup,
-    roster: Roster,
-    timeline: Timeline,
-    committer: CheckpointCommitter | None,
-) -> LocalSgdDriver:
-    resumed, first_members = setup.resumed, setup.world_size
-    settings = elche_settings(cfg, setup.capacity, policy)
-    planner = LocalSgdPlanner(
-        world_size=setup.capacity,
-        batches_per_epoch=ledger.batches_per_epoch,
-        batch_size=schedule.batch_size,
-        epochs=cfg.epochs,
-        is_async=policy.crosses_epochs,
-        eval_epochs=schedule.eval_epochs(),
-        barrier_epochs=checkpoint_epochs(cfg),
-        first_epoch=ledger.first_epoch,
-        first_batch=(resumed.get("into") or 0) // schedule.batch_size if resumed else 0,
-        checkpoint_every_batches=_checkpoint_every_batches(cfg, schedule),
-        overlap=cfg.overlap_rounds,
-        first_members=first_members,
-    )
-    guard = make_guard(cfg.divergence_guard, cfg.divergence_threshold, policy.blends)
-    elche = ElChe(settings, epoch_batches=ledger.batches_per_epoch, first_members=first_members)
-    if resumed is not None:  # ElChe's anchor and counts, the guard's history, the round clock
-        state = resumed["driver"]
-        planner.restore(state["planner"])
-        elche = ElChe.from_state(settings, state["elche"], ledger.batches_per_epoch, first_members)
-        guard = guard_from_state(state["guard"])
-        log.info("ElChe resumed at anchor %d (round %d)", elche.anchor, planner.round)
-    return LocalSgdDriver(
-        planner, elche, guard, ledger, setup.outbox, timeline, roster, committer, cfg.checkpoint_every_s
-    )
-
-
-def _checkpoint_every_batches(cfg: FlodlConfig, schedule: EpochSchedule) -> int | None:
-    """checkpoint_every_steps as batches the local-SGD planner hands out (a global step: one per rank)."""
-    every = cfg.checkpoint_every_steps
-    return None if every is None else every * schedule.world_size

@@ -35,7 +35,7 @@ from flodl.config.schema import FlodlConfig
 from flodl.coordinator.coordinator import Coordinator
 from flodl.coordinator.hooks import RunSummary
 from flodl.coordinator.roster import TooFewRanks
-from flodl.job.assembly import CoordinatorSetup, make_coordinator
+from flodl.job.coordinator_assembly import CoordinatorSetup, make_coordinator
 from flodl.job.failures import Consequence
 from flodl.job.resume import (
     agreed_config,

@@ -39,7 +39,8 @@ from flodl.coordinator.hooks import CallbackError
 from flodl.coordinator.roster import RankHung, TooFewRanks
 from flodl.data.stream import epoch_picks
 from flodl.job import failures
-from flodl.job.assembly import hang_saver, make_group, make_worker
+from flodl.job.assembly import make_group, make_worker
+from flodl.job.coordinator_assembly import hang_saver
 from flodl.job.host import HostFailed, RunHost, TaskFacts, coordinator_started, host_namespace, publish_task
 from flodl.job.resume import (
     agreed_checkpoint,
