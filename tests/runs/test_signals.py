@@ -49,8 +49,7 @@ STOPPED = re.compile(
 
 
 def overrides(tmp_path: Path) -> list[str]:
-    """A small run whose data spills to the disk stage (pack files in tmp_path/stage), one rank slowed so
-    that an epoch lasts long enough to be stopped in."""
+    """A small run whose data spills to the disk stage (pack files in tmp_path/stage)."""
     data = tmp_path / "data"
     return [
         "task=npy_blobs",
@@ -65,23 +64,32 @@ def overrides(tmp_path: Path) -> list[str]:
         "+task.train_data.samples=3000",
         f"+task.eval_data.folder={data}",
         "+task.eval_data.samples=600",
-        "simulate.slow_rank=1",
-        "simulate.factor=3",
         f"hydra.run.dir={tmp_path / 'run'}",
     ]
+
+
+# npy_blobs' 3000 samples in steps of 64 on 2 ranks: 23 or 24 steps a rank an epoch; this one is in the third.
+HELD_AT_STEP = 55
 
 
 def stop_mid_run(
     args: list[str], tmp_path: Path, signum: int, target: Callable[[subprocess.Popen], int]
 ) -> Result:
-    """Start the job; once its second checkpoint is committed, send `signum` to `target(job)`. The job must
-    end within 10 s of it. Its stderr is kept apart."""
+    """Start the job, its ranks held in the third epoch (tests/helpers/held_steps); once its second checkpoint
+    is committed, send `signum` to `target(job)`, and let the ranks go once the coordinator took the stop: the
+    run surely has work left. The job must end within 10 s of that. Its stderr is kept apart."""
     (tmp_path / "stage").mkdir()
-    proc = start(args, tmp_path, errors=subprocess.PIPE)
+    proc = start(args, tmp_path, env=_hooks_env(tmp_path, HELD_AT_STEP), errors=subprocess.PIPE)
     try:
+        wait_for_path(tmp_path / "held", proc)
         wait_for_path(tmp_path / "run" / "checkpoints" / "epoch-000002", proc)
         assert list((tmp_path / "stage").iterdir()), "the ranks staged nothing to disk"
         os.kill(target(proc), signum)
+        took = _log_says(
+            tmp_path / "run" / "rank0.log", r"got SIG\w+: the ranks save a checkpoint at the next"
+        )
+        wait_for(took, proc, what="the coordinator took the stop")
+        (tmp_path / "release").touch()
         sent = time.monotonic()
         out, err = proc.communicate(timeout=30)
         assert time.monotonic() - sent < 10, f"stopped after {time.monotonic() - sent:.1f} s:\n{out[-4000:]}"
