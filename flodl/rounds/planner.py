@@ -31,6 +31,7 @@ gets its first window at the next `open_window`.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,11 +118,14 @@ class LocalSgdPlanner:
     in_flight: Average | None = None
     # Whether the segment being handed out ends with a checkpoint, and whether the next window ends it.
     checkpoint_at_end: bool = field(init=False)
+    # barrier_epochs in order, for the next one after a segment's start.
+    _barrier_order: tuple[int, ...] = field(init=False, repr=False)
     cut_requested: bool = False
 
     def __post_init__(self) -> None:
         if self.overlap and self.is_async:
             raise ValueError("overlapped rounds are cadence's: an async window's overshoot is its rank's own")
+        self._barrier_order = tuple(sorted(self.barrier_epochs))
         start = (self.first_epoch, self.first_batch)
         end, self.checkpoint_at_end = self._segment_end(start)
         self.cursor = Cursor(self.batches_per_epoch, end, *start)
@@ -285,13 +289,17 @@ class LocalSgdPlanner:
         if (end, 0) < self.cursor.end:
             self.cursor.end, self.checkpoint_at_end = (end, 0), end - 1 in self.barrier_epochs
         self.barrier_epochs = frozenset(e for e in self.barrier_epochs if e < end)
+        self._barrier_order = tuple(sorted(self.barrier_epochs))
         return end - 1
 
     def _segment_end(self, start: tuple[int, int]) -> tuple[tuple[int, int], bool]:
         """Where the segment that opens at `start` ends, and whether a checkpoint is taken there: after the
         next barrier epoch, at the next step threshold, or at the run's end (a checkpoint if its last epoch
         is a barrier)."""
-        ends = [((e + 1, 0), True) for e in self.barrier_epochs if (e + 1, 0) > start]
+        # The first barrier epoch not behind `start` (a scan of every epoch, per segment, cost a long run's
+        # coordinator most of its time between windows).
+        after = bisect.bisect_left(self._barrier_order, start[0])
+        ends = [((self._barrier_order[after] + 1, 0), True)] if after < len(self._barrier_order) else []
         ends.append(((self.epochs, 0), self.epochs - 1 in self.barrier_epochs))
         every = self.checkpoint_every_batches
         if every is not None:
