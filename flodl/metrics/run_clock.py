@@ -31,12 +31,16 @@ _next_launch: float | None = None
 
 
 def _process_start() -> float:
-    """When this process started; under torchrun, its agent's (the agent launched the job). On time.time()'s
-    clock: psutil adds the process's age since boot to a boot time it rounds to the second, which can put the
-    start up to a second early against the exit times recorded here."""
+    """When this process started; under torchrun, its agent's (the agent launched the job)."""
     process = psutil.Process()
     if RankEnv.from_environ().run_id and (parent := process.parent()) is not None:
         process = parent
+    return started_at(process)
+
+
+def started_at(process: psutil.Process) -> float:
+    """When `process` started, on time.time()'s clock: psutil's create_time adds its age since boot to a boot
+    time it rounds to the second, which can put the start up to a second early against time.time()."""
     since_boot = process.create_time() - psutil.boot_time()
     return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - since_boot)
 

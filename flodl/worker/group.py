@@ -25,6 +25,7 @@ from flodl.links.membership import AveragingGroup
 from flodl.links.messages import Joined, Message, Regroup, Regrouped, Shutdown
 from flodl.links.transport import INBOX_WAIT_S, InboxReader
 from flodl.logs import one_line
+from flodl.metrics import run_clock
 
 log = logging.getLogger("flodl")
 
@@ -218,7 +219,7 @@ class SurvivingGroup:
         starts from rank 0's); a rank that dies meanwhile is cut like any other. A restarted rank says it is
         ready (Joined, with its start-up time) and waits to be admitted with the members' state."""
         if self.joining:
-            startup_s = time.time() - psutil.Process().create_time()
+            startup_s = time.time() - run_clock.started_at(psutil.Process())
             member.report(Joined(self.rank, self.incarnation, startup_s))
             admission = self.await_admission()
             if admission is not None:  # else the run ended first
