@@ -83,7 +83,7 @@ def admitting(joined: int) -> str:
 def admitted_in(logs: str, joined: int) -> dict[int, tuple[str, str]]:
     """Each rank's optimizer fingerprint and learning rate as it logged them after admitting `joined`."""
     found = re.findall(
-        rf"rank (\d+): state after admitting \[{joined}\][^\n]*, optimizer ([0-9a-f]+), lr (\S+)", logs
+        rf"rank (\d+): state after {admitting(joined)}[^\n]*, optimizer ([0-9a-f]+), lr (\S+)", logs
     )
     return {int(rank): (digest, lr) for rank, digest, lr in found}
 
