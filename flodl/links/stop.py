@@ -313,6 +313,8 @@ class StopWatch(threading.Thread):
                 if signum is None and self.on_checkpoint is not None:
                     self._follow_checkpoint_requests(self.on_checkpoint)
             except Exception:  # the store is gone: the run is over or failing, and says so elsewhere
+                if self._deadline is not None:  # a stop that saves can save nothing now: it stops at once
+                    stop_now(_received or signal.SIGTERM)
                 return
             if signum is not None:
                 stop_now(signum)  # the main thread's handler takes it as its own

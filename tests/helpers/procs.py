@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+import psutil
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -128,13 +129,21 @@ def start(
 
 
 def kill_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
-    """Terminate `proc`'s process group, give the leader `grace` seconds, then kill what is left of it."""
+    """Terminate `proc`'s process group, give the leader `grace` seconds, then kill what is left of it and of
+    its process tree (torchrun's ranks have process groups of their own: SIGKILLed, their agent would leave
+    them running)."""
+    tree: list[psutil.Process] = []
+    with contextlib.suppress(psutil.NoSuchProcess):
+        tree = psutil.Process(proc.pid).children(recursive=True)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=grace)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
+    for child in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
     proc.wait()
 
 

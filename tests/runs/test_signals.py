@@ -68,7 +68,8 @@ def overrides(tmp_path: Path) -> list[str]:
     ]
 
 
-# npy_blobs' 3000 samples in steps of 64 on 2 ranks: 23 or 24 steps a rank an epoch; this one is in the third.
+# npy_blobs' 3000 samples in steps of 64 on 2 ranks: 23 or 24 steps a rank an epoch; this one is in the third
+# (the hold begins at the first step from here once the second checkpoint is committed).
 HELD_AT_STEP = 55
 
 
@@ -79,10 +80,14 @@ def stop_mid_run(
     is committed, send `signum` to `target(job)`, and let the ranks go once the coordinator took the stop: the
     run surely has work left. The job must end within 10 s of that. Its stderr is kept apart."""
     (tmp_path / "stage").mkdir()
-    proc = start(args, tmp_path, env=_hooks_env(tmp_path, HELD_AT_STEP), errors=subprocess.PIPE)
+    # Held only once the second checkpoint is committed: its commit waits for the ranks' receipts, which a
+    # rank held before it (a loaded machine's part writer still busy at the step) would never send.
+    second = tmp_path / "run" / "checkpoints" / "epoch-000002"
+    env = _hooks_env(tmp_path, HELD_AT_STEP, FLODL_TEST_HOLD_AFTER=str(second))
+    proc = start(args, tmp_path, env=env, errors=subprocess.PIPE)
     try:
+        wait_for_path(second, proc)
         wait_for_path(tmp_path / "held", proc)
-        wait_for_path(tmp_path / "run" / "checkpoints" / "epoch-000002", proc)
         assert list((tmp_path / "stage").iterdir()), "the ranks staged nothing to disk"
         os.kill(target(proc), signum)
         took = _log_says(

@@ -1,7 +1,9 @@
 """A test hook, loaded at start-up by every Python process that has this folder on PYTHONPATH: with
 $FLODL_TEST_HOLD_AT_STEP and $FLODL_TEST_HOLD_DIR set, a rank that has taken that many steps touches `held`
 in that dir and waits there until `release` appears, so a test can send a stop signal while the run surely
-has work left, and let it go on once the stop was taken."""
+has work left, and let it go on once the stop was taken. With $FLODL_TEST_HOLD_AFTER set, the hold begins at
+the first such step once that path exists (a checkpoint the test waits for, whose commit needs the rank's
+receipt: a rank held before it would hold the commit too)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import os
 
 _AT_STEP = int(os.environ.get("FLODL_TEST_HOLD_AT_STEP", "0"))
 _DIR = os.environ.get("FLODL_TEST_HOLD_DIR")
+_AFTER = os.environ.get("FLODL_TEST_HOLD_AFTER")
 
 if _AT_STEP and _DIR:
     import time
@@ -20,7 +23,7 @@ if _AT_STEP and _DIR:
     _step = Stepper.step
 
     def _held_step(self: Stepper, *args: Any, **kwargs: Any) -> Any:
-        if self.steps_total >= _AT_STEP:
+        if self.steps_total >= _AT_STEP and (_AFTER is None or Path(_AFTER).exists()):
             held, release = Path(_DIR) / "held", Path(_DIR) / "release"
             held.touch()
             while not release.exists():
