@@ -27,14 +27,22 @@ import re
 import shutil
 import signal
 import statistics
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 from benchlib import REPO, environment_lines, results_path, write_report
 from survive import both, rank_process
 
-from tests.helpers.procs import FAST_START, PYTHON, TRAIN, Child, child_env, finish, kill_group, start
+from tests.helpers.procs import (
+    FAST_START,
+    PYTHON,
+    TRAIN,
+    Child,
+    child_env,
+    finish,
+    kill_group,
+    start,
+    wait_for,
+)
 
 JOIN = str(Path(PYTHON).parent / "flodl-join")
 CARD = Path(".launch") / "join.json"
@@ -52,17 +60,6 @@ def records(run: Path) -> list[dict]:
 
 def logs(run: Path) -> str:
     return "".join(path.read_text() for path in sorted(run.glob("*.log")))
-
-
-def until(done: Callable[[], bool], job: Child, what: str, within_s: float = 300) -> None:
-    """Wait for an event of the run (a file, a log line, a record) while its job runs."""
-    deadline = time.monotonic() + within_s
-    while not done():
-        if job.poll() is not None:
-            raise RuntimeError(f"the job ended before {what}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out waiting until {what}")
-        time.sleep(0.1)
 
 
 def admitted(run: Path, rank: int, times: int = 1) -> bool:
@@ -116,17 +113,19 @@ def life(args: argparse.Namespace, common: list[str]) -> list[str]:
     proc, run = job(args.work, "life", grow)
     joiners: list[Child] = []
     try:
-        until(lambda: (run / CARD).is_file() and len(records(run)) >= PHASE, proc, "a phase on 2 ranks")
+        wait_for(
+            lambda: (run / CARD).is_file() and len(records(run)) >= PHASE, proc, 300, "a phase on 2 ranks"
+        )
         joiners.append(joiner(args.work, run))
-        until(lambda: admitted(run, 2), proc, "rank 2 was admitted")
+        wait_for(lambda: admitted(run, 2), proc, 300, "rank 2 was admitted")
         joiners.append(joiner(args.work, run))
-        until(lambda: admitted(run, 3), proc, "rank 3 was admitted")
+        wait_for(lambda: admitted(run, 3), proc, 300, "rank 3 was admitted")
         grown = len(records(run))
-        until(lambda: len(records(run)) >= grown + PHASE, proc, "a phase on 4 ranks")
+        wait_for(lambda: len(records(run)) >= grown + PHASE, proc, 300, "a phase on 4 ranks")
         kill(run, 1)
         kill(run, 3)
         lost = len(records(run))
-        until(lambda: len(records(run)) >= lost + PHASE, proc, "a phase on 2 ranks")
+        wait_for(lambda: len(records(run)) >= lost + PHASE, proc, 300, "a phase on 2 ranks")
         proc.send_signal(signal.SIGTERM)  # to the launcher, as a scheduler preempting the job does
         stopped = finish(proc, 120)
         at_stop = len(records(run))
@@ -180,13 +179,15 @@ def joins(args: argparse.Namespace, common: list[str]) -> list[str]:
     overrides = [*common, *SURVIVE, "launch.nproc_per_node=2", "launch.max_ranks=3", "epochs=100000"]
     proc, run = job(args.work, "joins", overrides)
     try:
-        until((run / CARD).is_file, proc, "the join card")
+        wait_for((run / CARD).is_file, proc, 300, "the join card")
         for n in range(1, args.joins + 1):
             j = joiner(args.work, run)
-            until(lambda n=n: first_rounds(run) >= n, proc, f"join {n}'s first round", within_s=120)
+            wait_for(lambda n=n: first_rounds(run) >= n, proc, 120, f"join {n}'s first round")
             kill(run, 2)
             finish(j, 60)
-            until(lambda n=n: len(re.findall(r"rank 2 cut out", logs(run))) >= n, proc, f"join {n}'s cut")
+            wait_for(
+                lambda n=n: len(re.findall(r"rank 2 cut out", logs(run))) >= n, proc, 300, f"join {n}'s cut"
+            )
         proc.send_signal(signal.SIGTERM)
         finish(proc, 120)
     finally:

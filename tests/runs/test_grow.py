@@ -11,7 +11,6 @@ import os
 import re
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +26,7 @@ from tests.helpers.procs import (
     free_port,
     kill_group,
     start,
+    wait_for,
 )
 from tests.helpers.survive_runs import (
     EPOCHS_AT_MOST,
@@ -62,15 +62,6 @@ def grow_job(tmp_path: Path, policy: str, *overrides: str) -> Child:
     )
 
 
-def until(done: object, job: subprocess.Popen, what: str, within_s: float = 120) -> None:
-    """Wait for the event `done()` while the job runs (polling a file or a log line, not a duration)."""
-    deadline = time.monotonic() + within_s
-    while not done():  # type: ignore[operator]
-        assert job.poll() is None, f"the job ended before {what}"
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.05)
-
-
 def joiner(tmp_path: Path) -> Child:
     return start([JOIN, str(tmp_path / "run")], tmp_path, child_env())
 
@@ -100,7 +91,7 @@ def test_a_running_job_grows_past_its_start_and_joiners_take_the_members_state(
     run = tmp_path / "run"
     joiners: list[Child] = []
     try:
-        until((run / CARD).is_file, job, "the job wrote its join card")
+        wait_for((run / CARD).is_file, job, what="the job wrote its join card")
         joiners = [joiner(tmp_path), joiner(tmp_path)]  # at once: each takes a seat of its own
         result = finish(job, 240)
         codes = [finish(j, 60).code for j in joiners]
@@ -145,10 +136,10 @@ def test_a_joiner_that_dies_frees_its_seat_and_the_next_takes_it(tmp_path: Path)
     run = tmp_path / "run"
     joiners: list[Child] = []
     try:
-        until((run / CARD).is_file, job, "the job wrote its join card")
+        wait_for((run / CARD).is_file, job, what="the job wrote its join card")
         joiners.append(joiner(tmp_path))
         admitted = re.compile(r"averaging group \d+ is \[0, 1, 2\], admitting \[2\]")
-        until(lambda: admitted.search(rank_logs(run)) is not None, job, "rank 2 was admitted")
+        wait_for(lambda: admitted.search(rank_logs(run)) is not None, job, what="rank 2 was admitted")
         full = finish(joiner(tmp_path), 60)  # every seat taken: refused, naming the key
         assert full.code == 2 and "launch.max_ranks=3" in full.out, full.out
         pid = int(re.search(r"rank 2/2 \(pid (\d+)\)", (run / "rank2.log").read_text()).group(1))  # type: ignore[union-attr]
@@ -196,7 +187,7 @@ def test_a_job_hosted_by_flodl_coordinator_takes_a_joiner_the_several_hosts_way(
     run = tmp_path / "run"
     joiners: list[Child] = []
     try:
-        until((run / CARD).is_file, host, "the coordinator wrote its join card")
+        wait_for((run / CARD).is_file, host, what="the coordinator wrote its join card")
         joiners.append(joiner(tmp_path))
         hosted = finish(host, 240)
         codes = [p.wait(timeout=60) for p in [*ranks, *joiners]]
