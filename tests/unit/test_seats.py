@@ -6,8 +6,10 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
+import pytest
 from torch.distributed import HashStore, TCPStore
 
+from flodl.launcher.join_card import JoinError, read_card
 from flodl.links.seats import seat_left, take_seat
 
 
@@ -35,3 +37,8 @@ def test_joiners_at_once_never_share_a_seat() -> None:
     seats = sorted(t for t in taken if t is not None)
     assert seats == [(1, 0), (2, 0), (3, 0), (4, 0), (5, 0)], taken
     assert taken.count(None) == 3
+
+
+def test_a_run_dir_without_a_join_card_is_refused_naming_the_card_and_the_key(tmp_path) -> None:
+    with pytest.raises(JoinError, match=r"no \.launch/join\.json.*launch\.max_ranks above its ranks"):
+        read_card(tmp_path)
