@@ -44,7 +44,8 @@ from tests.helpers.procs import (
     wait_for,
 )
 
-JOIN = str(Path(PYTHON).parent / "flodl-join")
+# flodl-join as a module: a GPU machine runs the repo from source, with no installed entry point.
+JOIN = [PYTHON, "-m", "flodl.launcher.join"]
 CARD = Path(".launch") / "join.json"
 FRESH_HOOK = REPO / "bench" / "hooks" / "fresh_optimizer"
 FRESH_LINE = "starts with a fresh optimizer (bench hook)"
@@ -73,7 +74,7 @@ def job(work: Path, name: str, overrides: list[str], env: dict[str, str] | None 
 
 
 def joiner(work: Path, run: Path) -> Child:
-    return start([JOIN, str(run)], work, child_env())
+    return start([*JOIN, str(run)], work, child_env())
 
 
 def kill(run: Path, rank: int) -> None:
@@ -237,7 +238,8 @@ def optimizer(args: argparse.Namespace, common: list[str]) -> list[str]:
             run = args.work / f"optimizer-{arm}-{repeat}"
             shutil.rmtree(run, ignore_errors=True)
             shutil.copytree(seed_run, run)
-            env = {"PYTHONPATH": f"{FRESH_HOOK}:{REPO}"} if arm == "fresh" else {}
+            hooked_path = os.pathsep.join([str(FRESH_HOOK), str(REPO), os.environ.get("PYTHONPATH", "")])
+            env = {"PYTHONPATH": hooked_path} if arm == "fresh" else {}
             proc = start(
                 [
                     PYTHON,

@@ -182,8 +182,9 @@ class AveragingGroup:
                 work.wait(_SETTLE_SLICE)
                 return
             except RuntimeError:
-                if work.is_completed():  # it failed (a closed socket, its timeout): that error
-                    raise
+                if work.is_completed():  # it ended, maybe just after the slice ran out: its own outcome
+                    work.wait()  # returns, or raises what failed it (a closed socket, its timeout)
+                    return
             if self.aborted.is_set():
                 with self._lock:
                     if self.group is not None:

@@ -13,59 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from flodl.data.partition import epoch_permutation
-from tests.helpers.byo_data import reads
 from tests.helpers.procs import FAST_START, REPO, train
+from tests.helpers.resize_counts import SAMPLES, read, resumable, resumed_trains_each_sample_once_an_epoch
 from tests.helpers.runs import epochs_of
 
 pytestmark = pytest.mark.multiproc
 
 CONF = str(REPO / "tests" / "helpers" / "conf")
-SAMPLES = 192  # byo_points' training set: 12 batches of 16 an epoch
 # Forked ranks (the start method is not what these tests test): a spawned rank imports torch again.
 POINTS = ("--config-dir", CONF, "task=byo_points", "epochs=4", "checkpoint_keep=50", FAST_START)
 PINNED = ("anchor=2", "min_anchor=2", "max_anchor=2", "max_batch_diff=0")
-
-
-def _resumable(run_dir: Path, shown_epoch: int) -> Path:
-    """The first checkpoint `run_dir` took inside its epoch `shown_epoch` (as lines count)."""
-    found = sorted((run_dir / "checkpoints").glob(f"epoch-{shown_epoch:06d}-sample-*"))
-    assert found, f"no checkpoint inside epoch {shown_epoch}: {sorted((run_dir / 'checkpoints').iterdir())}"
-    return found[0]
-
-
-def _read(log: Path) -> Counter[int]:
-    counted: Counter[int] = Counter()
-    for process in reads(log):
-        counted.update({i: len(v) for i, v in process.items()})
-    return counted
-
-
-def _before(checkpoint: Path) -> tuple[int, Counter[int]]:
-    """The checkpoint's epoch, and the samples of it trained before the checkpoint: under sync every pick
-    but the rest its driver recorded, under local SGD the slices its record's chunks trained."""
-    state = torch.load(checkpoint / "coordinator.pt", weights_only=True)
-    order = epoch_permutation(SAMPLES, 42, state["epoch"])  # the default seed
-    rest = state["driver"].get("rest")
-    if rest is not None:
-        left = {
-            p
-            for _, pieces in rest["shares"]
-            for s in pieces
-            for p in range(s["offset"], s["offset"] + s["size"])
-        }
-        trained = Counter(int(order[p]) for p in range(SAMPLES) if p not in left)
-    else:
-        chunks = state["ledger"]["chunks"]
-        trained = Counter(int(i) for c in chunks for i in order[c["offset"] : c["offset"] + c["samples"]])
-    assert sum(trained.values()) == state["into"] and max(trained.values()) == 1
-    return state["epoch"], trained
-
-
-def _resumed_trains_each_sample_once_an_epoch(checkpoint: Path, log: Path, epochs: int) -> None:
-    epoch, before = _before(checkpoint)
-    after = _read(log)
-    assert {i: before[i] + after[i] for i in range(SAMPLES)} == {i: epochs - epoch for i in range(SAMPLES)}
 
 
 @pytest.mark.parametrize(
@@ -90,15 +47,15 @@ def test_a_checkpoint_resumes_on_more_ranks_and_then_on_fewer_every_sample_once_
         return result.out
 
     run("two", 2)
-    assert _read(logs["two"]) == Counter({i: 4 for i in range(SAMPLES)})  # uninterrupted: once an epoch
-    grown_from = _resumable(tmp_path / "two", 3)
+    assert read(logs["two"]) == Counter({i: 4 for i in range(SAMPLES)})  # uninterrupted: once an epoch
+    grown_from = resumable(tmp_path / "two", 3)
     out = run("three", 3, f"resume={grown_from}", "checkpoint_every_steps=2")
     assert "resumed 2 ranks' checkpoint on 3; rank 2 starts with" in out
-    _resumed_trains_each_sample_once_an_epoch(grown_from, logs["three"], 4)
-    shrunk_from = _resumable(tmp_path / "three", 4)
+    resumed_trains_each_sample_once_an_epoch(grown_from, logs["three"], 4)
+    shrunk_from = resumable(tmp_path / "three", 4)
     out = run("back", 2, f"resume={shrunk_from}")
     assert "resumed 3 ranks' checkpoint on 2; the part of rank 2 is left" in out
-    _resumed_trains_each_sample_once_an_epoch(shrunk_from, logs["back"], 4)
+    resumed_trains_each_sample_once_an_epoch(shrunk_from, logs["back"], 4)
     # Each run dir's records: the epochs it trained (of the resumed one, the whole epoch's record).
     grown, records = epochs_of(tmp_path / "three"), epochs_of(tmp_path / "back")
     assert [(r["epoch"], r["world"]) for r in grown + records] == [(2, 3), (3, 3), (3, 2)]
@@ -112,7 +69,7 @@ def test_keep_global_batch_resumes_two_ranks_checkpoint_on_one_within_float_tole
     common = [*POINTS, "task.train_data.noise=0", "checkpoint_every_steps=5", "keep_global_batch=true"]
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     train(*common, "launch.nproc_per_node=2", f"hydra.run.dir={whole}", cwd=tmp_path, timeout=240).check()
-    checkpoint = _resumable(whole, 2)
+    checkpoint = resumable(whole, 2)
     again = (f"resume={checkpoint}", f"hydra.run.dir={resumed}")
     out = train(*common, "launch.nproc_per_node=1", *again, cwd=tmp_path, timeout=240).check().out
     assert "grad_accum 2 (configured 1) keeps the checkpoint's global batch" in out
