@@ -21,6 +21,8 @@ from tests.helpers.procs import TRAIN, Result, child_env, finish, start  # noqa:
 
 # NCCL's network transport over loopback (~3.5 GB/s on 2x H200): stands for training across hosts.
 SLOW_LINK_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
+# The GPT of every smoke run (charlm and the GPT tasks): the same code paths in seconds on a CPU.
+TINY_GPT = ("task.model.layers=1", "task.model.dim=32", "task.model.heads=2", "task.model.context=32")
 
 
 def hardware(cpu: bool = False) -> str:

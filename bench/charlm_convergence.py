@@ -25,6 +25,7 @@ from pathlib import Path
 from benchlib import (
     REPO,
     SLOW_LINK_ENV,
+    TINY_GPT,
     environment_lines,
     first_reach,
     results_path,
@@ -36,10 +37,7 @@ from benchlib import (
 POLICIES = ("sync", "cadence", "async")
 GOAL = 0.75
 SMOKE_OVERRIDES = [
-    "task.model.layers=1",
-    "task.model.dim=32",
-    "task.model.heads=2",
-    "task.model.context=32",
+    *TINY_GPT,
     "batch_size=8",
     "task.train_data.max_bytes=40000",
     "task.eval_data.max_bytes=8000",

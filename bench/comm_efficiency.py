@@ -50,6 +50,7 @@ from pathlib import Path
 
 from benchlib import (
     REPO,
+    TINY_GPT,
     UNIFORM_BYTE_LOSS,
     environment_lines,
     first_reach,
@@ -79,10 +80,7 @@ GOAL_BYTES, GOAL_LOSS, GOAL_INT8 = 50.0, 0.01, 0.003
 GOAL_HIDDEN, GOAL_OVERLAP_LOSS = 0.9, 0.0075
 OVERLAP = "-overlap"
 SMOKE_OVERRIDES = [
-    "task.model.layers=1",
-    "task.model.dim=32",
-    "task.model.heads=2",
-    "task.model.context=32",
+    *TINY_GPT,
     "batch_size=8",
     "task.train_data.max_bytes=60000",
     "task.eval_data.max_bytes=8000",

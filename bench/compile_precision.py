@@ -44,6 +44,7 @@ from pathlib import Path
 
 from benchlib import (
     REPO,
+    TINY_GPT,
     environment_lines,
     results_path,
     run_child,
@@ -61,26 +62,17 @@ MODES = ("reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 SMOKE_OVERRIDES = {
     "resnet20": ("task.model.width=4", "task.model.blocks=1", "batch_size=8"),
     "gpt_nano": (
-        "task.model.layers=1",
-        "task.model.dim=32",
-        "task.model.heads=2",
-        "task.model.context=32",
+        *TINY_GPT,
         "batch_size=4",
     ),
     "gpt2_small": (
-        "task.model.layers=1",
-        "task.model.dim=32",
-        "task.model.heads=2",
-        "task.model.context=32",
+        *TINY_GPT,
         "batch_size=4",
         "grad_accum=2",
         "task.optimizer.fused=false",
     ),
     "gpt2_124m": (
-        "task.model.layers=1",
-        "task.model.dim=32",
-        "task.model.heads=2",
-        "task.model.context=32",
+        *TINY_GPT,
         "task.model.vocab=384",
         "task.model.loss_chunk=64",
         "task.train_data.vocab_size=300",

@@ -39,6 +39,7 @@ from pathlib import Path
 from benchlib import (
     REPO,
     SLOW_LINK_ENV,
+    TINY_GPT,
     environment_lines,
     results_path,
     run_child,
@@ -53,10 +54,7 @@ SLOW_FACTOR = 1.5
 # Tiny sizes for --cpu-smoke: the same code paths in seconds on a CPU.
 SMOKE_OVERRIDES = {
     "gpt": [
-        "task.model.layers=1",
-        "task.model.dim=32",
-        "task.model.heads=2",
-        "task.model.context=32",
+        *TINY_GPT,
         "batch_size=4",
     ],
     "resnet20": ["task.model.width=4", "task.model.blocks=1", "batch_size=8"],

@@ -108,18 +108,26 @@ def staging_tiers(settings: DataPlaneSettings) -> tuple[RamCache | None, PackFil
     return ram, pack
 
 
-def positions_refused() -> ValueError:
-    """A map-style feeder's answer to a checkpoint that holds a stream's reader positions."""
-    return ValueError(
-        "the checkpoint was written by a run whose task.train_data was a stream (an IterableDataset), "
-        "this run's is not: resume it with the same data, or start fresh with resume=never"
-    )
-
-
-class BatchFeeder:
-    """A BatchDataSet's feeder (flodl/data/feeders.py)."""
+class PickedFeeder:
+    """What the map-style feeders (BatchFeeder, SampleFeeder) share: a pick names a sample's view, so the
+    picks say all a resumed rank needs and a rank's checkpoint keeps nothing of where the reads stand."""
 
     in_order = False
+
+    def state(self) -> None:
+        """Nothing: the picks name every batch a resumed rank reads."""
+        return None
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """`state` holds a stream's reader positions: the checkpoint is of other data."""
+        raise ValueError(
+            "the checkpoint was written by a run whose task.train_data was a stream (an IterableDataset), "
+            "this run's is not: resume it with the same data, or start fresh with resume=never"
+        )
+
+
+class BatchFeeder(PickedFeeder):
+    """A BatchDataSet's feeder (flodl/data/feeders.py)."""
 
     def __init__(
         self,
@@ -196,14 +204,6 @@ class BatchFeeder:
             # thread still has work before the step.
             self.plan.take(position)
         return batch
-
-    def state(self) -> None:
-        """Nothing: the picks name every batch a resumed rank reads."""
-        return None
-
-    def restore(self, state: dict[str, Any]) -> None:
-        """`state` holds a stream's reader positions: the checkpoint is of other data."""
-        raise positions_refused()
 
     def close(self) -> None:
         _shutdown(self.stager, self.prefetcher)

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, Dataset
 from flodl.config.host import available_ram
 from flodl.data.advice import PlannedBatch, ReadPlan, batch_key
 from flodl.data.augment import view_keys
-from flodl.data.feeder import DataPlaneSettings, positions_refused, staging_budgets
+from flodl.data.feeder import DataPlaneSettings, PickedFeeder, staging_budgets
 from flodl.data.pack import PackFile
 from flodl.data.partition import picks_to_samples
 from flodl.data.prefetch import CPU_DEPTH, Prefetcher
@@ -94,10 +94,8 @@ class CachedSamples(Dataset):
         return value
 
 
-class SampleFeeder:
+class SampleFeeder(PickedFeeder):
     """A map-style Dataset's feeder (flodl/data/feeders.py)."""
-
-    in_order = False
 
     def __init__(
         self,
@@ -168,14 +166,6 @@ class SampleFeeder:
         if position is not None:
             self.plan.take(position)
         return batch
-
-    def state(self) -> None:
-        """Nothing: the picks name every batch a resumed rank reads."""
-        return None
-
-    def restore(self, state: dict[str, Any]) -> None:
-        """`state` holds a stream's reader positions: the checkpoint is of other data."""
-        raise positions_refused()
 
     def close(self) -> None:
         self.prefetcher.stop()

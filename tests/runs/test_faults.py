@@ -49,6 +49,22 @@ def _kill_rank1_after(checkpoint: str, args: list[str], cwd: Path, run_dir: Path
     return Result(proc.returncode, out, err=err)
 
 
+def _freezing_job(run_dir: Path, frozen_rank: int, *overrides: str) -> list[str]:
+    """The command of a 2-rank job, long enough to outlast the test, whose rank `frozen_rank` freezes at its
+    step 30."""
+    return [
+        PYTHON,
+        TRAIN,
+        "launch.nproc_per_node=2",
+        FAST_START,
+        "epochs=200",
+        *overrides,
+        f"simulate.hang_rank={frozen_rank}",
+        "simulate.hang_at_step=30",
+        f"hydra.run.dir={run_dir}",
+    ]
+
+
 def one_line_on_stderr(result: Result) -> str:
     """flodl's line, the only thing the job wrote to stderr; no traceback anywhere on the terminal."""
     lines = result.err.strip().splitlines()
@@ -105,18 +121,12 @@ def test_with_no_restarts_left_the_error_names_the_dead_rank_and_the_last_checkp
 def test_a_frozen_rank_is_reported_within_the_heartbeat_timeout(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = start(
-        [
-            PYTHON,
-            TRAIN,
-            "launch.nproc_per_node=2",
-            FAST_START,
-            "epochs=200",
+        _freezing_job(
+            run_dir,
+            1,
             "heartbeat_timeout_s=3",
             "checkpoint_every=null",  # the line then says no checkpoint was taken
-            "simulate.hang_rank=1",
-            "simulate.hang_at_step=30",
-            f"hydra.run.dir={run_dir}",
-        ],
+        ),
         cwd=tmp_path,
         output=subprocess.DEVNULL,
     )
@@ -145,17 +155,7 @@ def test_a_frozen_rank_0_is_named_by_the_other_ranks_within_the_heartbeat_timeou
     run_dir, out = tmp_path / "run", tmp_path / "out.txt"
     with out.open("w") as sink:
         proc = start(
-            [
-                PYTHON,
-                TRAIN,
-                "launch.nproc_per_node=2",
-                FAST_START,
-                "epochs=200",
-                "heartbeat_timeout_s=3",
-                "simulate.hang_rank=0",
-                "simulate.hang_at_step=30",
-                f"hydra.run.dir={run_dir}",
-            ],
+            _freezing_job(run_dir, 0, "heartbeat_timeout_s=3"),
             cwd=tmp_path,
             output=sink,  # type: ignore[arg-type]
         )
@@ -182,19 +182,13 @@ def test_a_sigterm_ends_a_rank_whose_main_thread_waits_in_a_collective_on_a_froz
     SIGKILL, 30 s after its SIGTERM)."""
     run_dir = tmp_path / "run"
     proc = start(
-        [
-            PYTHON,
-            TRAIN,
-            "launch.nproc_per_node=2",
-            FAST_START,
+        _freezing_job(
+            run_dir,
+            1,
             "policy=sync",
-            "epochs=200",
             "heartbeat_timeout_s=120",
             "checkpoint_every=null",  # a plain stop: no checkpoint to wait for
-            "simulate.hang_rank=1",
-            "simulate.hang_at_step=30",
-            f"hydra.run.dir={run_dir}",
-        ],
+        ),
         cwd=tmp_path,
         output=subprocess.DEVNULL,
     )

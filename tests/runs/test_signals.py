@@ -235,16 +235,10 @@ def _stop_after_first_checkpoint(args: list[str], tmp_path: Path, signum: int = 
     return Result(proc.returncode, out, err=err)
 
 
-# Digits under sync, one rank slowed so that an epoch lasts a second or so: a stop lands inside the run.
-SYNC_STOP = [
-    "launch.nproc_per_node=2",
-    FAST_START,
-    "policy=sync",
-    "epochs=3",
-    "checkpoint_every=1",
-    "simulate.slow_rank=0",
-    "simulate.factor=40",
-]
+# Digits under sync on 2 ranks: 22 steps of 32 samples an epoch on each.
+SYNC_DIGITS = ["launch.nproc_per_node=2", FAST_START, "policy=sync", "epochs=3"]
+# One rank slowed so that an epoch lasts a second or so: a stop lands inside the run.
+SYNC_STOP = [*SYNC_DIGITS, "checkpoint_every=1", "simulate.slow_rank=0", "simulate.factor=40"]
 
 
 def test_a_sync_run_stopped_at_a_step_saves_there_and_resumed_ends_bitwise_equal_to_the_uninterrupted_run(
@@ -300,18 +294,7 @@ def test_under_survive_a_stop_saves_at_the_next_boundary_and_the_printed_command
     hook = os.pathsep.join([str(REPO / "tests" / "helpers" / "held_steps"), str(REPO)])
     # Digits: 22 steps of 32 samples an epoch on each of 2 ranks (sync), about as many under cadence.
     env = child_env(PYTHONPATH=hook, FLODL_TEST_HOLD_AT_STEP="30", FLODL_TEST_HOLD_DIR=str(tmp_path))
-    proc = start(args, tmp_path, env=env, errors=subprocess.PIPE)
-    try:
-        wait_for_path(tmp_path / "held", proc)
-        os.kill(proc.pid, signal.SIGTERM)
-        taken = re.compile(r"got SIGTERM: the ranks save a checkpoint at the next")
-        took = "the coordinator took the stop"
-        wait_for(lambda: taken.search((run_dir / "coordinator.log").read_text()) is not None, proc, what=took)
-        (tmp_path / "release").touch()
-        out, err = proc.communicate(timeout=60)
-    finally:
-        kill_group(proc)
-    result = Result(proc.returncode, out, err=err)
+    result = _sigterm_once_held(args, tmp_path, env, stop_log=run_dir / "coordinator.log")
     stopped_at, resume = _stopped_by_sigterm(result)
     # The stop's own, where the ranks were held: in the second epoch (or at its end), both members' parts.
     assert stopped_at.point.epoch == 1 and stopped_at.point.order > Point(0).order, stopped_at.path
@@ -356,30 +339,40 @@ def _log_says(path: Path, pattern: str) -> Callable[[], bool]:
 TOOK_STOP = r"got SIGTERM: the ranks save a checkpoint at the next"
 
 
-def test_with_the_default_config_a_stop_saves_and_the_printed_command_resumes(tmp_path: Path) -> None:
-    """No checkpoint_every* key given: a SIGTERM in the second epoch still saves the stop's checkpoint (the
-    ranks held there until the coordinator took the stop), and its command finishes the run."""
-    run_dir = tmp_path / "run"
-    args = [
-        PYTHON,
-        TRAIN,
-        "launch.nproc_per_node=2",
-        FAST_START,
-        "policy=sync",
-        "epochs=3",
-        f"hydra.run.dir={run_dir}",
-    ]
-    # Digits: 22 steps of 32 samples an epoch on each of 2 ranks.
-    proc = start(args, tmp_path, env=_hooks_env(tmp_path, 30), errors=subprocess.PIPE)
+def _sigterm_once_held(
+    args: list[str],
+    tmp_path: Path,
+    env: dict[str, str],
+    stop_log: Path,
+    held: tuple[str, ...] = ("held",),
+    before_release: Callable[[subprocess.Popen], None] | None = None,
+) -> Result:
+    """Start the job under the held_* hooks (`env`); once the files `held` name are in tmp_path (the hooks'
+    signs that they hold the ranks or a commit), SIGTERM its launcher; once `stop_log` says the coordinator
+    took the stop, call `before_release`, then let the ranks go. The job must end within 60 s. Its stderr is
+    kept apart."""
+    proc = start(args, tmp_path, env=env, errors=subprocess.PIPE)
     try:
-        wait_for_path(tmp_path / "held", proc)
+        for name in held:
+            wait_for_path(tmp_path / name, proc)
         os.kill(proc.pid, signal.SIGTERM)
-        wait_for(_log_says(run_dir / "rank0.log", TOOK_STOP), proc, what="the coordinator took the stop")
+        wait_for(_log_says(stop_log, TOOK_STOP), proc, what="the coordinator took the stop")
+        if before_release is not None:
+            before_release(proc)
         (tmp_path / "release").touch()
         out, err = proc.communicate(timeout=60)
     finally:
         kill_group(proc)
-    stopped_at, resume = _stopped_by_sigterm(Result(proc.returncode, out, err=err))
+    return Result(proc.returncode, out, err=err)
+
+
+def test_with_the_default_config_a_stop_saves_and_the_printed_command_resumes(tmp_path: Path) -> None:
+    """No checkpoint_every* key given: a SIGTERM in the second epoch still saves the stop's checkpoint (the
+    ranks held there until the coordinator took the stop), and its command finishes the run."""
+    run_dir = tmp_path / "run"
+    args = [PYTHON, TRAIN, *SYNC_DIGITS, f"hydra.run.dir={run_dir}"]
+    result = _sigterm_once_held(args, tmp_path, _hooks_env(tmp_path, 30), stop_log=run_dir / "rank0.log")
+    stopped_at, resume = _stopped_by_sigterm(result)
     assert stopped_at.point.order > Point(0).order, stopped_at.path  # the stop's own, past the first epoch's
     _resume_finishes(resume, stopped_at, tmp_path, epochs=3)
 
@@ -392,31 +385,18 @@ def test_a_sync_stop_saves_its_own_checkpoint_when_an_earlier_one_commits_after_
     checkpoint taken after the signal, committed and named (not the held one), and its resume leaves no
     `.partial` dir."""
     run_dir = tmp_path / "run"
-    args = [
-        PYTHON,
-        TRAIN,
-        "launch.nproc_per_node=2",
-        FAST_START,
-        "policy=sync",
-        "epochs=3",
-        "checkpoint_every_steps=5",
-        f"hydra.run.dir={run_dir}",
-    ]
+    args = [PYTHON, TRAIN, *SYNC_DIGITS, "checkpoint_every_steps=5", f"hydra.run.dir={run_dir}"]
     env = _hooks_env(tmp_path, 12, FLODL_TEST_HOLD_COMMIT_DIR=str(tmp_path))
-    proc = start(args, tmp_path, env=env, errors=subprocess.PIPE)
     rank0 = run_dir / "rank0.log"
-    try:
-        wait_for_path(tmp_path / "commit-held", proc)
-        wait_for_path(tmp_path / "held", proc)
-        os.kill(proc.pid, signal.SIGTERM)
-        wait_for(_log_says(rank0, TOOK_STOP), proc, what="the coordinator took the stop")
+
+    def let_the_held_commit_finish(proc: subprocess.Popen) -> None:
         (tmp_path / "commit-release").touch()
         wait_for(_log_says(rank0, r"checkpoint epoch 1, \d+ samples into it: "), proc, what="the commit")
-        (tmp_path / "release").touch()
-        out, err = proc.communicate(timeout=60)
-    finally:
-        kill_group(proc)
-    stopped_at, resume = _stopped_by_sigterm(Result(proc.returncode, out, err=err))
+
+    result = _sigterm_once_held(
+        args, tmp_path, env, rank0, held=("commit-held", "held"), before_release=let_the_held_commit_finish
+    )
+    stopped_at, resume = _stopped_by_sigterm(result)
     # Past the step the ranks were held at (12 steps of 2 ranks x 32 samples): taken after the stop.
     assert stopped_at.point.order > Point(0, 12 * 64).order, stopped_at.path
     assert (run_dir / "checkpoints" / "latest").read_text() == stopped_at.path.name

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import flodl
+from tests.helpers.imports import names_imported_by
 
 PACKAGE = Path(flodl.__file__).parent
 
@@ -78,15 +79,7 @@ def imported_names(path: Path, module: str, runtime_only: bool) -> set[str]:
             return
         if runtime_only and isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING"):
             return
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join([*anchor, *([base] if base else [])])
-            names.add(base)
-            names.update(f"{base}.{alias.name}" for alias in node.names)
+        names.update(names_imported_by(node, package))
         for child in ast.iter_child_nodes(node):
             visit(child)
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import yaml
 
+from tests.helpers.imports import names_imported_by
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -24,18 +26,9 @@ def test_pre_commit_runs_ruff_check_ruff_format_and_mypy_from_the_venv() -> None
 def imported_modules(path: Path) -> set[str]:
     """Every module `path` imports, absolute (`from . import x` under tests/ is `tests.x`)."""
     package = ".".join(path.relative_to(REPO).parent.parts)
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join([*anchor, *([base] if base else [])])
-            names.add(base)
-            names.update(f"{base}.{alias.name}" for alias in node.names)
-    return names
+    return {
+        name for node in ast.walk(ast.parse(path.read_text())) for name in names_imported_by(node, package)
+    }
 
 
 def test_no_test_module_imports_another() -> None:

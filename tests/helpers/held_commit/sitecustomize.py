@@ -16,20 +16,17 @@ _DIR = os.environ.get("FLODL_TEST_HOLD_COMMIT_DIR")
 
 if _DIR:
     import threading
-    import time
     from typing import Any
 
     from flodl.checkpoints.disk import Checkpoint, CheckpointDir
+    from tests.helpers.hold import hold_until_released
 
     _commit = CheckpointDir.commit
     _first = threading.Lock()
 
     def _held_commit(self: CheckpointDir, *args: Any, **kwargs: Any) -> Checkpoint:
         if _first.acquire(blocking=False):  # never released: only the first commit is held
-            held, release = Path(_DIR) / "commit-held", Path(_DIR) / "commit-release"
-            held.touch()
-            while not release.exists():
-                time.sleep(0.02)
+            hold_until_released(Path(_DIR) / "commit-held", Path(_DIR) / "commit-release")
         return _commit(self, *args, **kwargs)
 
     CheckpointDir.commit = _held_commit  # type: ignore[method-assign]

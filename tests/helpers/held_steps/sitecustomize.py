@@ -14,20 +14,17 @@ _DIR = os.environ.get("FLODL_TEST_HOLD_DIR")
 _AFTER = os.environ.get("FLODL_TEST_HOLD_AFTER")
 
 if _AT_STEP and _DIR:
-    import time
     from pathlib import Path
     from typing import Any
 
     from flodl.worker.stepper import Stepper
+    from tests.helpers.hold import hold_until_released
 
     _step = Stepper.step
 
     def _held_step(self: Stepper, *args: Any, **kwargs: Any) -> Any:
         if self.steps_total >= _AT_STEP and (_AFTER is None or Path(_AFTER).exists()):
-            held, release = Path(_DIR) / "held", Path(_DIR) / "release"
-            held.touch()
-            while not release.exists():
-                time.sleep(0.02)
+            hold_until_released(Path(_DIR) / "held", Path(_DIR) / "release")
         return _step(self, *args, **kwargs)
 
     Stepper.step = _held_step  # type: ignore[method-assign]
