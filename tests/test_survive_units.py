@@ -273,13 +273,20 @@ def test_forming_waits_for_every_member_and_gives_way_to_a_newer_group_or_the_en
     assert group.generation == -1, "no group was formed"
 
 
-def test_a_rank_waiting_for_the_coordinator_keeps_what_else_came_and_ends_with_the_run() -> None:
+def _rank_1_waiting() -> tuple[Mailbox, InboxReader, AveragingGroup, SurvivingGroup]:
+    """Rank 1 of 2 under survive with its inbox read over a real store: the coordinator's mailbox that sends
+    to it, its reader (started), its averaging group and its surviving group."""
     store = loopback_store(0, None, timedelta(seconds=20))
     sender = Mailbox.connect("127.0.0.1", store.port, "ns", "coordinator", 10.0)
     reader = InboxReader(Mailbox.connect("127.0.0.1", store.port, "ns", 1, 10.0))
     group = AveragingGroup(store, "gloo", 1, torch.device("cpu"), 10.0)
     survival = SurvivingGroup(group, reader, 2, incarnation=0, joining=False, wait_s=10.0)
     reader.start()
+    return sender, reader, group, survival
+
+
+def test_a_rank_waiting_for_the_coordinator_keeps_what_else_came_and_ends_with_the_run() -> None:
+    sender, reader, group, survival = _rank_1_waiting()
     regroup = Regroup(generation=1, members=[0, 1], cut_round=4)
     for message in (AverageNow(round=4), regroup, ExtendPartition([], 0)):
         sender.send(1, message)
@@ -317,12 +324,7 @@ def test_a_failure_no_change_follows_is_raised_as_what_it_was() -> None:
 
 def test_a_cut_round_s_cause_is_logged_on_one_line_cut_at_a_word(caplog: pytest.LogCaptureFixture) -> None:
     """gloo's errors run long: the warning keeps whole words, and says it shortened the cause."""
-    store = loopback_store(0, None, timedelta(seconds=20))
-    sender = Mailbox.connect("127.0.0.1", store.port, "ns", "coordinator", 10.0)
-    reader = InboxReader(Mailbox.connect("127.0.0.1", store.port, "ns", 1, 10.0))
-    group = AveragingGroup(store, "gloo", 1, torch.device("cpu"), 10.0)
-    survival = SurvivingGroup(group, reader, 2, incarnation=0, joining=False, wait_s=10.0)
-    reader.start()
+    sender, _, _, survival = _rank_1_waiting()
     text = "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:40915"
     cause = RuntimeError(text + " while the all-reduce of bucket 3 waited" * 6 + "\nException raised from")
     regroup = Regroup(generation=1, members=[0, 2], cut_round=4)
