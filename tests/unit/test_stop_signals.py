@@ -107,3 +107,23 @@ def test_the_next_job_in_the_same_process_stops_at_once_again(handlers: None) ->
     catch_stop_signals()  # the sweep's next job, without checkpoints
     with pytest.raises(Stopped):
         _signal_self()
+
+
+def test_a_stop_that_saves_stops_at_once_when_the_store_is_gone(handlers: None) -> None:
+    """The run's store went away while this rank's stop waited for its checkpoint (the host died, torchrun's
+    agent was killed): nothing can be saved any more, so the rank stops now, not after stop_grace_s (seen
+    as an orphaned rank under load: its watch returned quietly and it trained on)."""
+    store = TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    client = TCPStore("127.0.0.1", store.port, None, False, timeout=timedelta(seconds=30))
+    catch_stop_signals()
+    saving = save_on_stop()
+    os.kill(os.getpid(), signal.SIGTERM)  # taken by the watch, not raised
+    watch = StopWatch(Mailbox(client, 0), saving, grace_s=3600.0, save_s=lambda: None)
+    with pytest.raises(Stopped):
+        watch.start()
+        while not store.check([stop._REQUEST_KEY]):  # the watch posted this rank's request
+            time.sleep(0.01)
+        del store  # the server goes with its owner: the watch's next look fails
+        watch.join(timeout=60)
+        time.sleep(5)  # the watch's stop is raised here, at the next bytecode
+    assert not watch.is_alive()
