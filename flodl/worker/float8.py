@@ -13,10 +13,8 @@ measured float8 slower, flodl/tasks/gpt.py's `float8_blocks`) stay as they are. 
 `use_float8()` method is told to run its own matmuls in float8 (the GPT's tied output layer, inside its
 chunked loss).
 
-Measured on one H200 (gpt2_124m compiled; bench/results/2026-12-04-gpt2-124m-mfu-fp8-1x-NVIDIA-H200.md):
-at width 768 these per-tensor casts cost more than the faster matmuls save (every block linear in float8:
-0.97x bf16; torchao's tensorwise 0.94x, its rowwise 0.75x), while the 50k-wide output layer's matmuls in
-float8 give 1.05x.
+At width 768 these per-tensor casts cost more than the faster matmuls save, while the 50k-wide output
+layer's matmuls gain (bench/results/2026-12-04-gpt2-124m-mfu-fp8-1x-NVIDIA-H200.md, torchao's casts too).
 """
 
 from __future__ import annotations

@@ -108,9 +108,9 @@ def _step_callable_of(node: Any, key: str) -> Any:
 
 class _AuthorizedOnce:
     """A config partial (`_partial_: true`) called every step. Hydra 1.3.8 wraps such partials in a
-    subclass of functools.partial that re-runs its target policy on every call (~0.25 ms on this machine's
-    CPU, a few percent of a small model's step); here Hydra authorizes the first call and later calls go
-    to the same function with the same bound arguments directly."""
+    subclass of functools.partial that re-runs its target policy on every call (a few percent of a small
+    model's step, docs/your-task.md); here Hydra authorizes the first call and later calls go to the same
+    function with the same bound arguments directly."""
 
     def __init__(self, deferred: functools.partial) -> None:
         self._deferred = deferred
