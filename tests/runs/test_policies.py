@@ -73,5 +73,9 @@ def test_lr_schedule_clock(tmp_path: Path, policy: str) -> None:
         assert position == pytest.approx(records[-1]["step"], abs=0.5)
     else:  # the original's clock: every rank's steps up to the last average, plus rank 0's since
         trained = sum(r["samples"] for r in records) // 32
-        assert trained * 0.6 <= position <= trained
-        assert position > records[-1]["step"] * 1.2  # well past rank 0's own step count
+        own = sum(p["batches"] for r in records for p in r["per_rank"] if p["rank"] == 0)
+        # Past rank 0's own steps by the other rank's up to the last average: all of them but at most its
+        # last window. ElChe sizes the windows by the ranks' speeds, which load shifts (a busy machine's
+        # rank 0 trained 25 of 89 steps, its peer 64 in windows of up to ~35), so the bound is a quarter of
+        # the other rank's steps, not a share of the busiest rank's count.
+        assert own + (trained - own) / 4 < position <= trained
