@@ -10,8 +10,14 @@ import torch
 
 from flodl.data.partition import epoch_permutation
 from tests.helpers.byo_data import reads
+from tests.helpers.procs import FAST_START, REPO
 
 SAMPLES = 192  # byo_points' training set: 12 batches of 16 an epoch
+# The task, its checkpoints all kept (a test resumes from one inside an epoch), ranks forked where they may.
+CONF = str(REPO / "tests" / "helpers" / "conf")
+POINTS = ("--config-dir", CONF, "task=byo_points", "checkpoint_keep=50", FAST_START)
+# ElChe's windows pinned at 2 steps: a local-SGD checkpoint inside an epoch comes at a known place.
+PINNED = ("anchor=2", "min_anchor=2", "max_anchor=2", "max_batch_diff=0")
 
 
 def resumable(run_dir: Path, shown_epoch: int) -> Path:

@@ -13,16 +13,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.procs import FAST_START, REPO, train
-from tests.helpers.resize_counts import SAMPLES, read, resumable, resumed_trains_each_sample_once_an_epoch
+from tests.helpers.procs import FAST_START, train
+from tests.helpers.resize_counts import (
+    CONF,
+    PINNED,
+    SAMPLES,
+    read,
+    resumable,
+    resumed_trains_each_sample_once_an_epoch,
+)
+from tests.helpers.resize_counts import POINTS as BYO_POINTS
 from tests.helpers.runs import epochs_of
 
 pytestmark = pytest.mark.multiproc
 
-CONF = str(REPO / "tests" / "helpers" / "conf")
-# Forked ranks (the start method is not what these tests test): a spawned rank imports torch again.
-POINTS = ("--config-dir", CONF, "task=byo_points", "epochs=4", "checkpoint_keep=50", FAST_START)
-PINNED = ("anchor=2", "min_anchor=2", "max_anchor=2", "max_batch_diff=0")
+POINTS = (*BYO_POINTS, "epochs=4")
 
 
 @pytest.mark.parametrize(

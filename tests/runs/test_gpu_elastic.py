@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.procs import FAST_START, REPO, train
-from tests.helpers.resize_counts import resumable, resumed_trains_each_sample_once_an_epoch
+from tests.helpers.procs import train
+from tests.helpers.resize_counts import PINNED, resumable, resumed_trains_each_sample_once_an_epoch
+from tests.helpers.resize_counts import POINTS as BYO_POINTS
 from tests.helpers.runs import epochs_of
 
 pytestmark = [
@@ -20,10 +21,9 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-CONF = str(REPO / "tests" / "helpers" / "conf")
-POINTS = ("--config-dir", CONF, "task=byo_points", "epochs=3", "checkpoint_keep=50", FAST_START)
 SHARED_GPU = ("launch.nproc_per_node=2", "backend=cpu")
-PINNED = ("anchor=2", "min_anchor=2", "max_anchor=2", "max_batch_diff=0")
+
+POINTS = (*BYO_POINTS, "epochs=3")
 
 
 @pytest.mark.parametrize(
