@@ -8,7 +8,8 @@ time. Batches are handed out from one cursor over the epochs: batch i of epoch e
 - cadence: a window gives rank r exactly `counts[r]` batches; one window in flight; the last window of
   an epoch splits what is left in proportion to the counts (epoch barrier).
 - async: rank r is kept supplied up to `counts[r] + overshoot` batches per window and may run into the
-  next epoch; the reduce fires once every rank has done `counts[r]`.
+  next epoch; the reduce fires once every rank has done `counts[r]`. A segment's tail is split so that what
+  each rank then holds is in proportion to its count.
 
 Checkpoints cut the run into segments: the cursor stops at a segment's end, every rank trains out its
 queue, and the segment's last reduce is exact (no EASGD blend), so every rank holds the same consensus
@@ -38,7 +39,7 @@ from typing import Any
 from flodl.links.messages import EpochSlice, RoundAck
 from flodl.rounds.cursor import Cursor
 from flodl.rounds.holders import Holders
-from flodl.rounds.split import proportional_split
+from flodl.rounds.split import balanced_split, proportional_split
 
 
 @dataclass(frozen=True)
@@ -159,8 +160,11 @@ class LocalSgdPlanner:
         if self.is_async:
             allocation = [max(counts[r] + overshoot - self.queued[r], 0) for r in ranks]
             left = self.cursor.left_in_segment() + self.holders.returned_batches()
-            if sum(allocation) > left:  # the segment's tail: shared in proportion, not to the first asker
-                allocation = proportional_split(left, allocation)
+            if sum(allocation) > left:
+                # The segment's tail, which every rank trains out before its exact round: what each then holds
+                # in proportion to its count (its speed), so they finish together. Shared by what each asked
+                # for, the overshoot (the same for every rank) would hand the slow ones more than their share.
+                allocation = balanced_split(left, [counts[r] for r in ranks], [self.queued[r] for r in ranks])
         else:
             allocation = [counts[r] for r in ranks]
             epoch, left = self._cadence_epoch()

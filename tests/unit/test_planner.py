@@ -18,7 +18,7 @@ from flodl.rounds.planner import (
     LocalSgdPlanner,
     WindowReport,
 )
-from flodl.rounds.split import proportional_split
+from flodl.rounds.split import balanced_split, proportional_split
 from tests.helpers.planner_batches import Batch, all_batches, expand, settled
 
 # --- a coordinator with fake ranks ---------------------------------------------------------------
@@ -244,8 +244,8 @@ def check_cadence_window(log: WindowLog, bpe: int, batch_size: int) -> None:
 def check_async_window(log: WindowLog, total: int, bpe: int, batch_size: int) -> None:
     cursor = log.cursor_before
     wants = [max(0, c + log.overshoot - q) for c, q in zip(log.counts, log.queued_at_ack, strict=True)]
-    if sum(wants) > total - cursor:  # the tail: shared in proportion to what each rank asked for
-        wants = proportional_split(total - cursor, wants)
+    if sum(wants) > total - cursor:  # the tail: what each rank then holds in proportion to its count
+        wants = balanced_split(total - cursor, log.counts, log.queued_at_ack)
     for dispatch, n in zip(log.dispatches, wants, strict=True):
         batches = [b for piece in dispatch.slices for b in expand(piece, batch_size)]
         assert batches == [divmod(g, bpe) for g in range(cursor, cursor + n)]
@@ -822,6 +822,46 @@ def test_proportional_split_equal_weights_give_extras_to_lower_ranks(total, n, w
 @pytest.mark.parametrize(("total", "weights"), [(11, [15, 7]), (21, [5, 9]), (45, [7, 3])])
 def test_proportional_split_ties_go_to_the_lower_rank_despite_float_rounding(total, weights):
     assert proportional_split(total, weights) == exact_split(total, weights)
+
+
+def test_async_segment_tail_follows_the_counts_not_the_overshoot():
+    """A segment of one 44-batch epoch, ElChe's counts [36, 8] (rank 0 4.5x as fast), overshoot 15: the tail
+    goes by the counts. By what each asked for (51 and 23) the slow rank would get 14 and hold everyone up."""
+    planner = LocalSgdPlanner(2, 44, 1, 1, True, frozenset({0}))
+    assert [d.target for d in planner.open_window([36, 8], 15)] == [36, 8]
+
+
+@pytest.mark.parametrize(
+    ("total", "weights", "held", "expected"),
+    [
+        (44, [36, 8], [0, 0], [36, 8]),
+        (10, [1, 1], [4, 0], [3, 7]),  # each then holds 7
+        (10, [1, 1], [12, 0], [0, 10]),  # rank 0 holds more than its share: none for it
+        (6, [3, 1, 2], [0, 2, 0], [4, 0, 2]),  # shares of 8: 4, 1.33, 2.67; rank 1 is over, 6 go 3.6 : 2.4
+        (0, [2, 5], [3, 1], [0, 0]),
+        (5, [0, 0], [0, 0], [3, 2]),  # no weights: even
+    ],
+)
+def test_balanced_split_examples(total, weights, held, expected):
+    assert balanced_split(total, weights, held) == expected
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    total=st.integers(0, 300),
+    ranks=st.lists(st.tuples(st.integers(1, 60), st.integers(0, 40)), min_size=1, max_size=8),
+)
+def test_balanced_split_finishes_together(total, ranks):
+    """No batch could move from one rank to another and end what they hold sooner: a rank given any is at
+    most one batch past the others' finish (held / weight is the time to train out what a rank holds)."""
+    weights, held = [w for w, _ in ranks], [h for _, h in ranks]
+    parts = balanced_split(total, weights, held)
+    assert sum(parts) == total and all(p >= 0 for p in parts)
+    finish = [Fraction(h + p, w) for h, p, w in zip(held, parts, weights, strict=True)]
+    for i, part in enumerate(parts):
+        for j in range(len(parts)):
+            if part > 0:
+                assert finish[i] - Fraction(1, weights[i]) < finish[j] + Fraction(1, weights[j])
 
 
 def test_async_eval_waits_for_every_earlier_epoch():
