@@ -4,6 +4,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
+# Test modules run side by side in this many pytest-xdist workers, a module per worker (its fixtures once);
+# many multi-process tests spend their time waiting on ranks (bench/loaded_suite.py --workers is the same).
+WORKERS ?= 2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.flodl-installed
 
@@ -19,7 +22,7 @@ train: $(STAMP)
 	$(BIN)/python train.py $(ARGS)
 
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q $(ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

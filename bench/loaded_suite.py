@@ -3,9 +3,10 @@
 
 What a newcomer's `make test` meets on a shared or busy machine. The burner is one busy-looping process per
 core (`os.cpu_count()`), at the same priority as the tests; `--unloaded` adds one run without it first, for
-the suite's plain wall time. Each run is `python -m pytest -q` with `OMP_NUM_THREADS=1` (what `make test`
-runs), its whole output kept in a temporary dir the script names; its result line and wall time go to
-bench/results/<date>-loaded-suite-<host>.md. The burners are stopped however the script ends.
+the suite's plain wall time. Each run is `python -m pytest -q -n 2 --dist loadfile` with `OMP_NUM_THREADS=1`
+(what `make test` runs; `--workers` is its WORKERS), its whole output kept in a temporary dir the script
+names; its result line and wall time go to bench/results/<date>-loaded-suite-<host>.md. The burners are
+stopped however the script ends.
 """
 
 from __future__ import annotations
@@ -53,15 +54,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3, help="loaded runs in a row")
     parser.add_argument("--unloaded", action="store_true", help="one run without the burner first")
+    parser.add_argument("--workers", type=int, default=2, help="pytest-xdist workers (make test's WORKERS)")
     parser.add_argument("pytest_args", nargs="*", help="passed to pytest (e.g. a test file)")
     args = parser.parse_args()
+    pytest_args = ["-n", str(args.workers), "--dist", "loadfile", *args.pytest_args]
 
     rows = []
     logs = Path(tempfile.mkdtemp(prefix="flodl-loaded-suite-"))
 
     def run(name: str) -> None:
         log = logs / f"{name.replace(' ', '-').replace('/', '-of-')}.log"
-        rows.append((name, *_suite(args.pytest_args, log)))
+        rows.append((name, *_suite(pytest_args, log)))
         print(f"{name}: {rows[-1][3]} ({rows[-1][2]:.0f} s; its output: {log})", flush=True)
 
     if args.unloaded:
@@ -78,7 +81,7 @@ def main() -> None:
     lines = [
         f"## The test suite under a CPU burner ({len(burners)} busy processes)",
         *environment_lines(cpu=True),
-        f"- command: `python -m pytest -q {' '.join(args.pytest_args)}` with OMP_NUM_THREADS=1",
+        f"- command: `python -m pytest -q {' '.join(pytest_args)}` with OMP_NUM_THREADS=1",
         "",
         "| run | passed | wall | pytest's summary |",
         "|---|---|---|---|",
