@@ -3,10 +3,10 @@
 
 What a newcomer's `make test` meets on a shared or busy machine. The burner is one busy-looping process per
 core (`os.cpu_count()`), at the same priority as the tests; `--unloaded` adds one run without it first, for
-the suite's plain wall time. Each run is `python -m pytest -q -n 2 --dist loadfile` with `OMP_NUM_THREADS=1`
-(what `make test` runs; `--workers` is its WORKERS), its whole output kept in a temporary dir the script
-names; its result line and wall time go to bench/results/<date>-loaded-suite-<host>.md. The burners are
-stopped however the script ends.
+the suite's plain wall time. Each run is `python -m pytest -q -n <workers> --dist loadfile` with
+`OMP_NUM_THREADS=1` (what `make test` runs; `--workers`, 2, is its WORKERS), its whole output kept in a
+temporary dir the script names; its result line and wall time go to
+bench/results/<date>-loaded-suite-<host>.md. The burners are stopped however the script ends.
 """
 
 from __future__ import annotations
