@@ -8,7 +8,6 @@ roster who is in (`roster.py`: under fault_tolerance=survive it cuts and admits 
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 import time
@@ -38,6 +37,7 @@ from flodl.links.messages import (
     Shutdown,
     StopRequested,
 )
+from flodl.links.stop import end_process
 from flodl.links.transport import INBOX_WAIT_S, InboxReader, Mailbox
 from flodl.metrics.sinks import Sink
 from flodl.metrics.timeline import Timeline
@@ -144,8 +144,7 @@ class Coordinator(threading.Thread):
                 saver = threading.Thread(target=self.save_on_hang, name="flodl-save-on-hang", daemon=True)
                 saver.start()
                 saver.join(timeout=30)
-            logging.shutdown()
-            os._exit(1)
+            end_process(1)
 
     def _save_model(self) -> None:
         """The run's end: every member holds the final model; the first writes it as model.pt (a member cut

@@ -58,6 +58,7 @@ from flodl.links.stop import (
     StopWatch,
     agree_step,
     catch_stop_signals,
+    end_process,
     leave_now,
     part_done,
     post,
@@ -336,8 +337,7 @@ def _stop_on_hang(run_dir: Path, uid: str, env: RankEnv, why: str) -> None:
     (the launcher stops the others), naming rank 0."""
     log.error("%s; stopping rank %d", why, env.rank)
     failures.record(run_dir, uid, env.restart_count, env.rank, RankHung(why))
-    logging.shutdown()
-    os._exit(1)
+    end_process(1)
 
 
 def stopped_line(signum: int, cfg: FlodlConfig, run_dir: Path, info: RunInfo) -> str:

@@ -15,7 +15,8 @@ What the harness cannot cover (a process of its own is the only faithful test of
 - deaths and freezes (`simulate.kill_*`, `hang_*` stop the whole process): a planned fault raises in the
   rank's thread instead, and its process groups are destroyed as its process would end, so that its peers'
   collectives fail at once as they do when a rank dies;
-- a path that ends the process (`os._exit`: a silent rank, rank 0 frozen) raises `ProcessExit` in its thread;
+- a path that ends the process (`end_process`: a silent rank, rank 0 frozen) raises `ProcessExit` in its
+  thread;
 - launchers, torchrun, survive's supervisor, spawn and fork; DataLoader workers (they are processes);
 - logging: the ranks log to `in_process.log` in the run dir, without the [rN] prefix and rank{N}.log;
 - timing: the ranks share one interpreter lock, so measured speeds (ElChe's balance) are rougher than apart.
@@ -27,7 +28,6 @@ import contextlib
 import gc
 import json
 import logging
-import os
 import threading
 import uuid
 import weakref
@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -47,7 +48,9 @@ from torch.distributed import PrefixStore, TCPStore
 from flodl.config.host import RankEnv
 from flodl.config.policy import PolicyFacts, collective_backend
 from flodl.config.schema import FlodlConfig, register_configs, to_config
+from flodl.coordinator import coordinator as coordinator_module
 from flodl.job import failures
+from flodl.job import rank as rank_module
 from flodl.job.rank import Joined, RankMaking, serve_rank
 from flodl.launcher.run_dir import register_resolvers
 from flodl.links.group import GroupHandle, agree_on_config, loopback_store
@@ -61,6 +64,8 @@ from tests.helpers.runs import epochs_of
 
 # The run's keys in the harness's store (a process's rank has flodl/group/<restart>/<n>/ there).
 _PREFIX = "flodl/group/in-process/"
+# Where flodl ends its process (flodl/links/stop.py's `end_process`, looked up in these modules).
+_ENDS_PROCESS = (coordinator_module, rank_module)
 # How long a failed rank's process groups may take to go once its thread ended.
 _RELEASE_S = 10.0
 
@@ -70,7 +75,7 @@ class InjectedFault(RuntimeError):
 
 
 class ProcessExit(RuntimeError):
-    """flodl would have ended the whole process here (`os._exit`): in the harness, only this thread fails."""
+    """flodl would have ended the whole process here (`end_process`): here only this thread fails."""
 
 
 @dataclass(frozen=True)
@@ -297,10 +302,10 @@ def run_in_process(
 @contextlib.contextmanager
 def _one_process(log_file: Path) -> Iterator[None]:
     """What the ranks share in this process, for the run: one OpenMP thread (as each of the suite's rank
-    processes has), os._exit raising ProcessExit, flodl's log in `log_file` (pytest's capture would keep
-    each failure's traceback, and with it the failed rank's process groups)."""
+    processes has), flodl's `end_process` raising ProcessExit where it is called (os._exit itself stays: a
+    forked DataLoader worker ends with it, pytest-timeout too), flodl's log in `log_file` (pytest's capture
+    would keep each failure's traceback, and with it the failed rank's process groups)."""
     threads = torch.get_num_threads()
-    exit_process = os._exit
     logger = logging.getLogger("flodl")
     handler = logging.FileHandler(log_file)
     handler.setFormatter(logging.Formatter("%(asctime)s %(threadName)s %(levelname)s %(message)s"))
@@ -312,11 +317,12 @@ def _one_process(log_file: Path) -> Iterator[None]:
         raise ProcessExit(f"flodl would end the process here (exit code {code})")
 
     torch.set_num_threads(1)
-    os._exit = refuse_exit  # type: ignore[assignment]
     try:
-        yield
+        with contextlib.ExitStack() as ending:
+            for module in _ENDS_PROCESS:
+                ending.enter_context(mock.patch.object(module, "end_process", refuse_exit))
+            yield
     finally:
-        os._exit = exit_process
         torch.set_num_threads(threads)
         logger.propagate, logger.handlers = saved[0], saved[2]
         logger.setLevel(saved[1])

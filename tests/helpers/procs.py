@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -194,8 +195,21 @@ def leftovers(cwd: Path, grace_s: float = 60.0) -> list[str]:
     return [f"{proc.pid}: {' '.join(proc.info['cmdline'] or [])}" for proc in alive]
 
 
+# Ports for stores a test's ranks meet at: below the kernel's ephemeral range (32768 up on Linux), which the
+# other tests' outgoing connections and bind(0) servers draw from, a span per pytest-xdist worker.
+_PORTS_FROM, _PORTS_PER_WORKER = 10_000, 2_000
+
+
 def free_port() -> int:
-    """A port nothing listens on now (for a store a test's ranks rendezvous at)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on now, for a store a test's ranks meet at once they started (seconds later):
+    no other test running beside it, in this worker or another, can take it in between."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    first = _PORTS_FROM + worker * _PORTS_PER_WORKER
+    for port in random.sample(range(first, first + _PORTS_PER_WORKER), _PORTS_PER_WORKER):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {first}..{first + _PORTS_PER_WORKER - 1}")

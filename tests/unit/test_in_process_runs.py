@@ -6,14 +6,18 @@ each rank's final state against the others'."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from flodl.coordinator import coordinator as coordinator_module
 from flodl.data.partition import equal_slices
+from flodl.job import rank as rank_module
+from flodl.links import stop
 from flodl.tasks.digits import digits_dataset
-from tests.helpers.in_process import Fault, InProcessRun, run_in_process
+from tests.helpers.in_process import Fault, InProcessRun, ProcessExit, _one_process, run_in_process
 
 WORLD, EPOCHS, BATCH = 3, 3, 32
 TRAIN = len(digits_dataset("train"))
@@ -86,3 +90,15 @@ def test_a_nan_at_step_k_stops_local_sgd_naming_rank_and_step(tmp_path: Path) ->
     latest = run.run_dir / "checkpoints" / (run.run_dir / "checkpoints" / "latest").read_text()
     state = torch.load(latest / "model.pt", weights_only=True)  # the last good checkpoint stays, finite
     assert all(torch.isfinite(t).all() for t in state.values())
+
+
+def test_where_flodl_ends_its_process_only_the_rank_s_thread_fails_and_os_exit_stays(tmp_path: Path) -> None:
+    """The harness replaces flodl's `end_process` where flodl calls it, not os._exit: a DataLoader worker
+    forked during a run ends with os._exit, and so does pytest-timeout's thread on a hung test."""
+    exit_process = os._exit
+    with _one_process(tmp_path / "in_process.log"):
+        assert os._exit is exit_process
+        for module in (coordinator_module, rank_module):
+            with pytest.raises(ProcessExit):
+                module.end_process(1)
+    assert coordinator_module.end_process is rank_module.end_process is stop.end_process
