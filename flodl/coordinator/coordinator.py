@@ -38,11 +38,13 @@ from flodl.links.messages import (
     StopRequested,
 )
 from flodl.links.stop import end_process
-from flodl.links.transport import INBOX_WAIT_S, InboxReader, Mailbox
+from flodl.links.transport import COORDINATOR, INBOX_WAIT_S, InboxReader, Mailbox
 from flodl.metrics.sinks import Sink
 from flodl.metrics.timeline import Timeline
 
 log = logging.getLogger("flodl")
+# How long a failed run waits for the parts its ranks still write (its hosting rank's, their Saved).
+_LAST_PARTS_S = 30.0
 
 
 class Coordinator(threading.Thread):
@@ -91,6 +93,9 @@ class Coordinator(threading.Thread):
         # committer knows which one that is: one taken before the request may commit after it).
         self.stop_signal: int | None = None
         self._stop_saved = False
+        # Set by the rank in this process that hosts the run (rank 0 under fault_tolerance=none) once it said
+        # Saved for its last parts: a failed run waits for it before it commits them. None: a host apart.
+        self.hosting_rank_done: threading.Event | None = None
 
     def run(self) -> None:
         try:
@@ -126,6 +131,7 @@ class Coordinator(threading.Thread):
             if isinstance(err, CallbackError):  # every rank stops at its next message, naming the callback
                 self._shut_down(str(err))
             self.error = err
+            self._commit_what_is_written()
             try:  # the run stops (Ctrl-C, preemption, a failure): keep the timeline up to here
                 self.timeline.save(self.run_dir, plot=False)
             except Exception as save_err:
@@ -237,6 +243,33 @@ class Coordinator(threading.Thread):
         if self.stop_signal is not None and self.committer.stop_saved:
             self._stop_saved = True
 
+    def _on_saved(self, message: Saved) -> None:
+        assert self.committer is not None, "a Saved report without checkpoints"
+        point = Point(message.epoch, message.into)
+        if message.step is not None and point not in self.committer.expected:  # a stop's, unplanned
+            self.driver.expect_checkpoint(point, message.step)
+        self.committer.on_saved(point, message.rank, message.chunks, self.ledger, message.after_stop)
+
+    def _commit_what_is_written(self) -> None:
+        """The run failed: a checkpoint whose every part was written before it still counts (a NaN a few
+        steps after a checkpoint must not lose it). A rank that fails says Saved for the parts it wrote
+        before it goes (the hosting rank before it stops this host): take in those said so far, up to a
+        Shutdown this sends itself after them, and commit each checkpoint now whole. Not for a silent rank:
+        its part never comes."""
+        committer = self.committer
+        if committer is None or not committer.writing or isinstance(self.error, RankHung):
+            return
+        try:
+            if self.hosting_rank_done is not None:
+                self.hosting_rank_done.wait(_LAST_PARTS_S)
+            self.outbox.send(COORDINATOR, Shutdown(reason="the run failed: its last parts are in"))
+            while not isinstance(message := self.reader.next_message(_LAST_PARTS_S), Shutdown | None):
+                if isinstance(message, Saved):
+                    self._on_saved(message)
+            committer.poll(self.ledger, wait_sealed=True)
+        except Exception as err:
+            log.warning("the checkpoints written before the failure are not committed: %s", err)
+
     def _handle(self, message: Message) -> None:
         rank = getattr(message, "rank", None)
         if rank is not None:
@@ -244,11 +277,7 @@ class Coordinator(threading.Thread):
         if isinstance(message, Heartbeat):
             return
         if isinstance(message, Saved):
-            assert self.committer is not None, "a Saved report without checkpoints"
-            point = Point(message.epoch, message.into)
-            if message.step is not None and point not in self.committer.expected:  # a stop's, unplanned
-                self.driver.expect_checkpoint(point, message.step)
-            self.committer.on_saved(point, message.rank, message.chunks, self.ledger, message.after_stop)
+            self._on_saved(message)
         elif isinstance(message, StopRequested):
             self._on_stop_requested(message)
         elif isinstance(message, ChunkReport):

@@ -142,9 +142,12 @@ class RunHost:
         """The checkpoint the run continues from covers every epoch (the ranks see it too)."""
         return self.checkpoint is not None and covers_every_epoch(self.checkpoint, self.cfg.epochs)
 
-    def start(self, facts: TaskFacts, hang_saver: Callable[[], None] | None = None) -> Coordinator:
+    def start(
+        self, facts: TaskFacts, hang_saver: Callable[[], None] | None = None, in_rank: bool = False
+    ) -> Coordinator:
         """Build and start the coordinator for the ranks' task; the ranks hear whether it started.
-        `hang_saver` (rank 0's process under sync): what to save when a peer hangs."""
+        `hang_saver` (rank 0's process under sync): what to save when a peer hangs. `in_rank`: this is
+        rank 0's process (its `stop` says when that rank's last parts are said)."""
         resumed = coordinator_state(self.checkpoint) if self.checkpoint is not None else None
         reader = InboxReader(self.connect(self.namespace, COORDINATOR))
         setup = CoordinatorSetup(
@@ -164,6 +167,8 @@ class RunHost:
         except Exception as err:  # the ranks hear it before they wait for the host in a collective
             publish_json(self.exchange, _STARTED, {"error": f"{type(err).__name__}: {err}"})
             raise
+        if in_rank:
+            coordinator.hosting_rank_done = threading.Event()
         keeps = coordinator.hooks.run.keeps_evaluated_models
         publish_json(self.exchange, _STARTED, {"keeps_evaluated_models": keeps})
         coordinator.start()
@@ -209,7 +214,10 @@ class RunHost:
             raise TooFewRanks(f"{too_few}; its consensus is saved as {model}")
 
     def stop(self) -> None:
-        """The run stops (a signal, a failure): let the coordinator end (it keeps the timeline so far)."""
+        """The run stops (a signal, a failure): let the coordinator end (it keeps the timeline so far, and
+        commits a checkpoint whose parts the ranks wrote, this process's rank's last ones said by now)."""
         if self.coordinator is not None:
+            if self.coordinator.hosting_rank_done is not None:
+                self.coordinator.hosting_rank_done.set()
             self.coordinator.stop_requested.set()
             self.coordinator.join(timeout=10)

@@ -187,7 +187,7 @@ def serve_rank(
         if host is not None:
             log_plan(cfg, env.world_size, device.type)
             try:
-                host.start(facts, hang_saver(cfg, parts.model, device, run_dir))
+                host.start(facts, hang_saver(cfg, parts.model, device, run_dir), in_rank=True)
             except WORDED as err:  # the others hear it before they wait for the host in a collective
                 failures.record(run_dir, info.uid, env.restart_count, env.rank, err)  # first: the cause
                 raise

@@ -134,8 +134,18 @@ class WorkerBase:
         finally:
             if self.checkpointer is not None:  # a part in flight is finished (the coordinator may not wait)
                 self.checkpointer.close()
+                self._say_last_written()
             self.reader.stop(self.outbox)
             self.release()
+
+    def _say_last_written(self) -> None:
+        """As the rank ends, however it ends: Saved for the parts written since the last look, so that a
+        checkpoint taken before a failure (a NaN a few steps later) is committed rather than lost. The
+        error that ended the rank stays the one raised."""
+        try:
+            self.report_written()
+        except Exception as err:
+            log.warning("rank %d: its last checkpoint part was not written: %s", self.rank, err)
 
     def _trained_so_far(self) -> str:
         if self.last_epoch is None:

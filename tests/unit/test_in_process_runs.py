@@ -7,16 +7,21 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from flodl.checkpoints.disk import Point, dir_name
 from flodl.coordinator import coordinator as coordinator_module
 from flodl.data.partition import equal_slices
 from flodl.job import rank as rank_module
 from flodl.links import stop
 from flodl.tasks.digits import digits_dataset
+from flodl.worker.checkpoint_part import RankCheckpointer
+from flodl.worker.nonfinite import NonFiniteError
 from tests.helpers.in_process import Fault, InProcessRun, ProcessExit, _one_process, run_in_process
 
 WORLD, EPOCHS, BATCH = 3, 3, 32
@@ -81,13 +86,49 @@ def test_a_rank_s_error_ends_the_run_blaming_that_rank(tmp_path: Path, policy: s
     assert not (run.run_dir / "model.pt").exists()
 
 
-def test_a_nan_at_step_k_stops_local_sgd_naming_rank_and_step(tmp_path: Path) -> None:
-    nan = ("simulate.nan_rank=1", "simulate.nan_at_step=30", "checkpoint_every=1")
-    run = run_in_process(tmp_path / "run", 2, "policy=cadence", "epochs=4", *nan)
+def test_a_nan_at_step_k_stops_local_sgd_naming_rank_and_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1's loss turns NaN in its second epoch or later (a rank trains at most an epoch's 44 batches in
+    the first), while its part of the last checkpoint is still being written (each of its parts is held
+    until its next save or the NaN): the rank finishes the part and says so before it goes, so that
+    checkpoint is committed, finite."""
+    held = threading.Condition()
+    saves: dict[Point, int] = {}  # rank 1's parts: their point, the count of its saves then
+    nan_found = False
+    save, write, found = RankCheckpointer.save, RankCheckpointer._write, NonFiniteError.__init__
+
+    def counted_save(self: RankCheckpointer, point: Point, *args: Any) -> None:
+        if self.rank == 1:
+            with held:
+                saves[point] = len(saves) + 1
+                held.notify_all()
+        save(self, point, *args)
+
+    def held_write(self: RankCheckpointer, point: Point, *args: Any) -> None:
+        if self.rank == 1:
+            with held:
+                assert held.wait_for(lambda: nan_found or len(saves) > saves[point], 60), "no NaN, no save"
+        write(self, point, *args)
+
+    def finding(self: NonFiniteError, *args: Any, **kwargs: Any) -> None:
+        nonlocal nan_found
+        found(self, *args, **kwargs)
+        with held:
+            nan_found = True
+            held.notify_all()
+
+    monkeypatch.setattr(RankCheckpointer, "save", counted_save)
+    monkeypatch.setattr(RankCheckpointer, "_write", held_write)
+    monkeypatch.setattr(NonFiniteError, "__init__", finding)
+    nan = ("simulate.nan_rank=1", "simulate.nan_at_step=45", "checkpoint_every=1")
+    run = run_in_process(tmp_path / "run", 2, "policy=cadence", "epochs=6", *nan)
     blamed = run.blamed()
-    assert blamed is not None and blamed.rank == 1 and blamed.step == 30, run.log[-3000:]
-    assert "rank 1: the training loss became non-finite (NaN/Inf) at step 30" in blamed.message
-    latest = run.run_dir / "checkpoints" / (run.run_dir / "checkpoints" / "latest").read_text()
+    assert blamed is not None and blamed.rank == 1 and blamed.step == 45, run.log[-3000:]
+    assert "rank 1: the training loss became non-finite (NaN/Inf) at step 45" in blamed.message
+    last_saved = max(saves, key=saves.__getitem__)  # its part was in flight when the NaN was found
+    assert (run.run_dir / "checkpoints" / "latest").read_text() == dir_name(last_saved)
+    latest = run.run_dir / "checkpoints" / dir_name(last_saved)
     state = torch.load(latest / "model.pt", weights_only=True)  # the last good checkpoint stays, finite
     assert all(torch.isfinite(t).all() for t in state.values())
 
