@@ -147,7 +147,7 @@ class RunHost:
     ) -> Coordinator:
         """Build and start the coordinator for the ranks' task; the ranks hear whether it started.
         `hang_saver` (rank 0's process under sync): what to save when a peer hangs. `in_rank`: this is
-        rank 0's process (its `stop` says when that rank's last parts are said)."""
+        rank 0's process (`rank_done` says when that rank's last parts are said)."""
         resumed = coordinator_state(self.checkpoint) if self.checkpoint is not None else None
         reader = InboxReader(self.connect(self.namespace, COORDINATOR))
         setup = CoordinatorSetup(
@@ -213,11 +213,14 @@ class RunHost:
         if too_few is not None:  # the consensus is saved: now the run ends, naming why
             raise TooFewRanks(f"{too_few}; its consensus is saved as {model}")
 
+    def rank_done(self) -> None:
+        """This process's rank has trained its part and said Saved for its last parts: a failed coordinator
+        may commit what they complete."""
+        if self.coordinator is not None and self.coordinator.hosting_rank_done is not None:
+            self.coordinator.hosting_rank_done.set()
+
     def stop(self) -> None:
-        """The run stops (a signal, a failure): let the coordinator end (it keeps the timeline so far, and
-        commits a checkpoint whose parts the ranks wrote, this process's rank's last ones said by now)."""
+        """The run stops (a signal, a failure): let the coordinator end (it keeps the timeline so far)."""
         if self.coordinator is not None:
-            if self.coordinator.hosting_rank_done is not None:
-                self.coordinator.hosting_rank_done.set()
             self.coordinator.stop_requested.set()
             self.coordinator.join(timeout=10)

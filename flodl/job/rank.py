@@ -274,6 +274,8 @@ def _train(
     try:
         worker.run(alive=lambda: _raise_if_failed(host))
     finally:
+        if host is not None:
+            host.rank_done()
         if host_watch is not None:
             host_watch.stop()
         watch.stop()
