@@ -253,9 +253,9 @@ class Coordinator(threading.Thread):
     def _commit_what_is_written(self) -> None:
         """The run failed: a checkpoint whose every part was written before it still counts (a NaN a few
         steps after a checkpoint must not lose it). A rank that fails says Saved for the parts it wrote
-        before it goes (the hosting rank before it stops this host): take in those said so far, up to a
-        Shutdown this sends itself after them, and commit each checkpoint now whole. Not for a silent rank:
-        its part never comes."""
+        before it goes (the rank in this process, if any, as its part ends: `hosting_rank_done`): take in
+        those said so far, up to a Shutdown this sends itself after them, and commit each checkpoint now
+        whole. Not for a silent rank: its part never comes."""
         committer = self.committer
         if committer is None or not committer.writing or isinstance(self.error, RankHung):
             return
