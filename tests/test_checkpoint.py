@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import fcntl
 import functools
 import io
@@ -13,6 +14,7 @@ import struct
 import sys
 import termios
 import threading
+import zipfile
 from pathlib import Path
 
 import psutil
@@ -58,6 +60,24 @@ def test_a_committed_checkpoint_is_latest_and_loads_with_weights_only(tmp_path: 
     assert found is not None and (found.epoch, found.world_size) == (1, 2)
     assert torch.equal(found.load(MODEL_FILE)["w"], torch.full((64,), 1.0))
     assert (store.root / LATEST_FILE).read_text() == found.path.name
+
+
+def test_a_part_is_written_without_torch_s_record_checksums_and_leaves_its_thread_s_context_as_it_was(
+    tmp_path: Path,
+) -> None:
+    """The manifest holds each part's CRC-32, so torch's own per record is off; torch turns it off through a
+    ContextVar it sets anew at each call, which a writer thread kept for good (~220 B per save)."""
+    store = CheckpointDir(tmp_path, keep=2)
+    before = len(contextvars.copy_context())
+    for point in range(3):
+        write_checkpoint(store, point)
+    assert len(contextvars.copy_context()) == before
+    found = store.latest()
+    assert found is not None
+    model = found.path / MODEL_FILE
+    with zipfile.ZipFile(model) as archive:
+        assert [info.CRC for info in archive.infolist() if "/data/" in info.filename] == [0]
+    assert torch.equal(torch.load(model, weights_only=True)["w"], torch.full((64,), 2.0))
 
 
 def test_a_checkpoint_interrupted_mid_write_is_never_latest(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ never loaded. Everything is loaded with `weights_only=True`."""
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import json
 import logging
 import math
@@ -72,8 +73,11 @@ def atomic_write_bytes(data: bytes, path: Path) -> None:
 def atomic_save(obj: object, path: Path, zip_crc: bool = True) -> None:
     """torch.save straight into the temp file (no copy of the bytes in memory first). Not `zip_crc`: without
     torch's checksum of each record (it loads the same)."""
-    with contextlib.nullcontext() if zip_crc else _without_zip_crc():
+    if zip_crc:
         _atomic_write(path, lambda f: torch.save(obj, f))
+    else:  # torch's config.patch leaves a ContextVar set in the context it runs in, each call (a long-lived
+        # writer thread kept ~220 B per save for good): it runs in a copy of the context, dropped after it.
+        contextvars.copy_context().run(_save_without_zip_crc, obj, path)
 
 
 def write_part_file(obj: object, path: Path) -> None:
@@ -83,12 +87,15 @@ def write_part_file(obj: object, path: Path) -> None:
     atomic_save(obj, path, zip_crc=False)
 
 
-def _without_zip_crc() -> contextlib.AbstractContextManager[Any]:
+def _save_without_zip_crc(obj: object, path: Path) -> None:
     try:
         from torch.utils.serialization import config
     except ImportError:  # torch < 2.6 always writes it
-        return contextlib.nullcontext()
-    return config.patch({"save.compute_crc32": False})  # type: ignore[attr-defined]  # installed at import
+        patch: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    else:
+        patch = config.patch({"save.compute_crc32": False})  # type: ignore[attr-defined]  # installed at import
+    with patch:
+        _atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def model_state(model: nn.Module) -> dict[str, torch.Tensor]:

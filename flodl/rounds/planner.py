@@ -107,8 +107,14 @@ class LocalSgdPlanner:
     # The Reached reports of the window the round in flight (or the last one) averages.
     averaged: dict[int, WindowReport] = field(default_factory=dict)
     acks: dict[int, RoundAck] = field(default_factory=dict)
+    # The first epoch not settled (every batch of the epochs before it trained), and the epochs completed
+    # past it. Async ranks can finish a later epoch before an earlier one; an epoch's eval waits for the
+    # epochs before it. Kept as it moves: a scan from the run's first epoch at every round grew with the run.
+    settled_end: int = field(init=False)
     completed_epochs: set[int] = field(default_factory=set)
     evaluated_epochs: set[int] = field(default_factory=set)
+    # The wanted epochs (eval_epochs) not evaluated yet, in order: what is due is always a prefix.
+    _evals_left: list[int] = field(init=False, repr=False)
     averaging: bool = False
     final_round: bool = False
     # Who takes part, and what each holds untrained.
@@ -127,6 +133,8 @@ class LocalSgdPlanner:
         if self.overlap and self.is_async:
             raise ValueError("overlapped rounds are cadence's: an async window's overshoot is its rank's own")
         self._barrier_order = tuple(sorted(self.barrier_epochs))
+        self.settled_end = self.first_epoch
+        self._evals_left = sorted(e for e in self.eval_epochs if e >= self.first_epoch)
         start = (self.first_epoch, self.first_batch)
         end, self.checkpoint_at_end = self._segment_end(start)
         self.cursor = Cursor(self.batches_per_epoch, end, *start)
@@ -212,7 +220,17 @@ class LocalSgdPlanner:
         return self.holders.trained(rank, part)
 
     def on_epoch_complete(self, epoch: int) -> None:
+        if epoch < self.settled_end:
+            return
         self.completed_epochs.add(epoch)
+        while self.settled_end in self.completed_epochs:
+            self.completed_epochs.remove(self.settled_end)
+            self.settled_end += 1
+
+    def want_eval(self, epoch: int) -> None:
+        """`epoch` gets an eval too, unless it had one (the last epoch of a run that stops early)."""
+        if epoch not in self.evaluated_epochs and epoch not in self._evals_left:
+            bisect.insort(self._evals_left, epoch)
 
     def on_ack(self, ack: RoundAck) -> bool:
         """Record one rank's reduce; True once every member has acknowledged the round."""
@@ -246,15 +264,6 @@ class LocalSgdPlanner:
         at once between a round's end and the next window, else once that window opens (the window and
         round in progress are not its business)."""
         self.holders.admit(rank, busy=self.window_open or self.averaging)
-
-    @property
-    def settled_end(self) -> int:
-        """The first epoch not settled: every batch of the epochs before it has been trained. Async ranks can
-        finish a later epoch before an earlier one; an epoch's eval waits for the epochs before it."""
-        end = self.first_epoch
-        while end in self.completed_epochs:
-            end += 1
-        return end
 
     @property
     def segment_done(self) -> bool:
@@ -320,13 +329,16 @@ class LocalSgdPlanner:
         return (epoch - 1, None) if batch == 0 else (epoch, batch)
 
     def state(self) -> dict[str, Any]:
-        """What a resumed planner needs beyond its settings (taken between segments)."""
-        return {"round": self.round, "evaluated_epochs": sorted(self.evaluated_epochs)}
+        """What a resumed planner needs beyond its settings (taken between segments). Every wanted epoch
+        before the segment's end had its eval in the segment's final round: only those past it are kept."""
+        past = sorted(e for e in self.evaluated_epochs if e >= self.whole_epochs_end)
+        return {"round": self.round, "evaluated_epochs": past}
 
     def restore(self, state: dict[str, Any]) -> None:
+        """Continue from `state` (a checkpoint's; first_epoch is where it resumes)."""
         self.round = int(state["round"])
         self.evaluated_epochs = set(state["evaluated_epochs"])
-        self.completed_epochs = set(range(self.first_epoch))
+        self._evals_left = [e for e in self._evals_left if e not in self.evaluated_epochs]
 
     def window_acks(self) -> list[RoundAck]:
         return [self.acks[r] for r in sorted(self.members)]
@@ -344,6 +356,13 @@ class LocalSgdPlanner:
         """Overlapped: once a round is acknowledged, the window open since may have been reached already;
         its round starts now."""
         return self._maybe_average()
+
+    def _take_evals_before(self, end: int) -> tuple[int, ...]:
+        """The wanted epochs before `end` not evaluated yet, now marked evaluated."""
+        due = tuple(self._evals_left[: bisect.bisect_left(self._evals_left, end)])
+        del self._evals_left[: len(due)]
+        self.evaluated_epochs.update(due)
+        return due
 
     def _batches(self, slices: tuple[EpochSlice, ...]) -> int:
         return sum(s.size for s in slices) // self.batch_size
@@ -375,12 +394,10 @@ class LocalSgdPlanner:
         )
         # The final round evaluates every wanted epoch left; another, those settled. A redo keeps the evals
         # of its round (the driver decided them then), and adds only those left if it became the final.
-        left = self.eval_epochs - self.evaluated_epochs
         if self.final_round:
-            due = {e for e in left if e < self.whole_epochs_end}
+            due = self._take_evals_before(self.whole_epochs_end)
         else:
-            due = set() if redo else {e for e in left if e < self.settled_end}
-        self.evaluated_epochs.update(due)
+            due = () if redo else self._take_evals_before(self.settled_end)
         checkpoint = self._checkpoint_point() if self.final_round and self.checkpoint_at_end else None
         evaluate = tuple(sorted({*carried, *due}))
         self.in_flight = Average(self.round, evaluate, self.final_round, checkpoint, redo)

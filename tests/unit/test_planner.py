@@ -752,6 +752,55 @@ def test_final_average_evaluates_without_waiting_for_completion_notices(is_async
     assert planner.on_reached(WindowReport(0, 2, 1.0)) == [Average(1, (0,), True)]
 
 
+def test_a_long_run_s_planner_keeps_only_the_epochs_not_settled():
+    """Its bookkeeping of completed and wanted epochs does not grow with the run: each round's decisions
+    once scanned every epoch since the run's start, and a long run's coordinator slowed with its length."""
+    sim = Simulator(
+        world_size=2,
+        batches_per_epoch=3,
+        batch_size=1,
+        epochs=300,
+        is_async=True,
+        counts=[[2, 5], [4, 1]],
+        overshoot=2,
+        eval_epochs=set(range(300)),
+        max_extra=3,
+        max_carried=2,
+    )
+    unsettled = []
+    while not sim.planner.finished:
+        sim.run_window()
+        unsettled.append(len(sim.planner.completed_epochs))
+    check_run(sim)
+    assert sim.planner.settled_end == 300 and sim.planner.completed_epochs == set()
+    assert max(unsettled) <= 3  # an async rank runs ahead by at most its window and overshoot
+
+
+def segment_by_hand(planner: LocalSgdPlanner, epoch: int, evaluate: tuple[int, ...]) -> None:
+    """One rank trains `epoch` (2 batches) as one window and segment ending in a checkpoint."""
+    assert planner.open_window([2], 0) == [Dispatch(0, (EpochSlice(epoch, 0, 2),), 2)]
+    planner.on_epoch_complete(epoch)
+    average = planner.on_reached(WindowReport(0, 2, 1.0))
+    assert average == [Average(planner.round, evaluate, True, (epoch, None))]
+    assert planner.on_ack(RoundAck(0, 0, 2, False, 0.0, 0.0, queued=0))
+
+
+def test_a_checkpoint_keeps_no_eval_its_segment_decided_and_a_resumed_run_evaluates_only_what_is_left():
+    every = frozenset(range(6))
+    planner = LocalSgdPlanner(1, 2, 1, 6, False, every, barrier_epochs=every)
+    for epoch in range(3):
+        segment_by_hand(planner, epoch, (epoch,))
+        # Every wanted epoch before the checkpoint had its eval: the state does not list them.
+        assert planner.state() == {"round": epoch + 1, "evaluated_epochs": []}
+        planner.next_segment()
+    # Resumed after epoch 2: from this state, from one that listed every evaluated epoch (as checkpoints
+    # did), and with an eval wanted for an epoch before the resume point (eval_every changed): epoch 3 next.
+    for state in ({"round": 3, "evaluated_epochs": []}, {"round": 3, "evaluated_epochs": [0, 1, 2]}):
+        resumed = LocalSgdPlanner(1, 2, 1, 6, False, every, barrier_epochs=every, first_epoch=3)
+        resumed.restore(state)
+        segment_by_hand(resumed, 3, (3,))
+
+
 # --- 6. proportional_split -----------------------------------------------------------------------
 
 
