@@ -16,7 +16,7 @@ share of a round; per checkpoint, that time over the checkpoints the run committ
 Across runs that comparison drifts with the machine: on one H200 the arm without checkpoints spread by up to
 ±12% between passes and machines, more than the effect, once with the checkpoint arms faster than none. So the
 background arms also measure within each run: a window with a part written beside it (it starts at a
-checkpoint's boundary) against a window without, median busy time per batch from the run's timeline.json,
+checkpoint's boundary) against a window without, median busy time per batch from the run's timeline,
 the epochs after the first. That ratio minus one is what a checkpoint taken costs, as a share of a window
 (a part is written within one); it leaves out the boundary's own copy (a few milliseconds, between windows).
 """
@@ -24,7 +24,6 @@ the epochs after the first. That ratio minus one is what a checkpoint taken cost
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import statistics
 import sys
@@ -33,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchlib import environment_lines, results_path, run_flodl, steady_throughput, write_report
+
+from flodl.metrics.timeline import read_timeline
 
 ARMS = {
     "none": ("checkpoints off", ()),
@@ -104,7 +105,7 @@ def stall_within(run_dir: Path, log: str, first: dict, anchor: int) -> float | N
         (int(epoch) - 1, int(into))
         for epoch, into in re.findall(r" INFO checkpoint epoch (\d+), (\d+) samples into it", log)
     }
-    spans = json.loads((run_dir / "timeline.json").read_text())["spans"]
+    spans = read_timeline(run_dir)["spans"]
     ranks = {span["rank"] for span in spans}
     round_samples = anchor * first["samples"] // first["batches"] * len(ranks)
     writing: list[float] = []

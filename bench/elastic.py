@@ -32,6 +32,7 @@ from pathlib import Path
 from benchlib import REPO, environment_lines, results_path, write_report
 from survive import both, rank_process
 
+from flodl.metrics.timeline import read_timeline
 from tests.helpers.procs import (
     FAST_START,
     PYTHON,
@@ -194,11 +195,7 @@ def joins(args: argparse.Namespace, common: list[str]) -> list[str]:
     finally:
         if proc.poll() is None:
             kill_group(proc)
-    events = [
-        e
-        for e in json.loads((run / "timeline.json").read_text())["membership"]
-        if e["event"] == "rank_admitted"
-    ]
+    events = [e for e in read_timeline(run)["membership"] if e["event"] == "rank_admitted"]
 
     def column(key: str, other: str | None = None) -> list[float]:
         return [

@@ -42,6 +42,7 @@ from pathlib import Path
 import psutil
 from benchlib import REPO, environment_lines, results_path, write_report
 
+from flodl.metrics.timeline import TIMELINE_JSONL, read_timeline
 from tests.helpers.procs import PYTHON, TRAIN, child_env, finish, kill_group, start
 
 
@@ -113,6 +114,13 @@ def launch(
     return run, killed
 
 
+def membership_events(run: Path) -> list[dict]:
+    """The run's membership changes, from its timeline."""
+    if not (run / TIMELINE_JSONL).is_file():
+        raise SystemExit(f"the run left no {TIMELINE_JSONL}: its output is {run}.out")
+    return read_timeline(run)["membership"]
+
+
 def median(values: list[float]) -> str:
     return f"{statistics.median(values):.2f}" if values else "-"
 
@@ -142,10 +150,7 @@ def seconds(events: list[dict], key: str, scale: float = 1.0) -> list[float]:
 
 
 def churn_report(run: Path, killed: list[float], calms: list[Path]) -> list[str]:
-    timeline = run / "timeline.json"
-    if not timeline.is_file():
-        raise SystemExit(f"the churned run left no {timeline.name}: its output is {run}.out")
-    events = json.loads(timeline.read_text())["membership"]
+    events = membership_events(run)
     # The kills' cuts: not those of the ranks leaving when the bench stops the run (they say they exit).
     cuts = [e for e in events if e["event"] == "rank_cut" and not e["why"].startswith("exiting")]
     admits = [e for e in events if e["event"] == "rank_admitted" and e["formed_s"] is not None]
@@ -194,10 +199,7 @@ def rank0_report(work: Path, name: str, run: Path, calm: Path, kills: list[float
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     reference = [json.loads(line) for line in (calm / "metrics.jsonl").read_text().splitlines()]
     states = final_states((work / f"{name}.out").read_text(), policy)
-    timeline = run / "timeline.json"
-    if not timeline.is_file():
-        raise SystemExit(f"the churned run left no {timeline.name}: its output is {run}.out")
-    events = json.loads(timeline.read_text())["membership"]
+    events = membership_events(run)
     rank0_cuts = sum(e["event"] == "rank_cut" and e["rank"] == 0 for e in events)
     once = "yes" if [r["epoch"] for r in records] == list(range(len(reference))) else "**no**"
     one_state = "yes" if len(states) > 1 and len(set(states.values())) == 1 else "**no**"
@@ -210,10 +212,7 @@ def rank0_report(work: Path, name: str, run: Path, calm: Path, kills: list[float
 
 
 def kill_report(run: Path, killed: list[float]) -> list[str]:
-    timeline = run / "timeline.json"
-    if not timeline.is_file():
-        raise SystemExit(f"the churned run left no {timeline.name}: its output is {run}.out")
-    events = json.loads(timeline.read_text())["membership"]
+    events = membership_events(run)
     cuts = [e for e in events if e["event"] == "rank_cut"]
     admits = [e for e in events if e["event"] == "rank_admitted"]
     # Each cut follows one kill: the kill closest before it.

@@ -102,7 +102,8 @@ class Coordinator(threading.Thread):
             self.reader.start()
             self.hooks.run_start()
             # The run starts now, not when the sinks were set up.
-            self.ledger.started_at = self.timeline.started = time.perf_counter()
+            self.timeline.start(self.run_dir)
+            self.ledger.started_at = self.timeline.started
             self.started_at = time.time()
             self.driver.begin()
             self.monitor.started = time.perf_counter()
@@ -121,21 +122,21 @@ class Coordinator(threading.Thread):
             if self._stop_saved:
                 assert self.stop_signal is not None
                 self._shut_down(f"stopped by {signal.Signals(self.stop_signal).name}", self.stop_signal)
-                self.timeline.save(self.run_dir, plot=False)
+                self.timeline.close(self.run_dir, plot=False)
                 return
             self.roster.follow_changes(run_ended=True)
             self._save_model()
             self._shut_down(self.stopped or "done")
-            self.timeline.save(self.run_dir)
+            self.timeline.close(self.run_dir)
         except BaseException as err:  # surfaced to rank 0's main thread through self.error
             if isinstance(err, CallbackError):  # every rank stops at its next message, naming the callback
                 self._shut_down(str(err))
             self.error = err
             self._commit_what_is_written()
             try:  # the run stops (Ctrl-C, preemption, a failure): keep the timeline up to here
-                self.timeline.save(self.run_dir, plot=False)
+                self.timeline.close(self.run_dir, plot=False)
             except Exception as save_err:
-                log.warning("could not save the timeline: %s: %s", type(save_err).__name__, save_err)
+                log.warning("could not write the timeline: %s: %s", type(save_err).__name__, save_err)
         finally:
             if self.committer is not None:
                 self.committer.close()

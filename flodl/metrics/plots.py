@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,28 +22,40 @@ from flodl.metrics.sweep import Group, Job
 ROUND_COLOR = "tab:red"
 
 
-def plot_timeline(record: dict[str, Any], path: Path) -> Figure:
-    """One lane per rank: training chunks as bars, averaging rounds as shaded bands, epochs as lines."""
+def plot_timeline(record: dict[str, Any], path: Path, max_spans: int) -> Figure:
+    """One lane per rank: training chunks as bars, averaging rounds as shaded bands, epochs as lines. A run
+    with more than `max_spans` chunks is drawn from where its last `max_spans` begin (the title says so)."""
     world = record["world_size"]
+    spans = record["spans"][-max_spans:]
+    since = spans[0]["start"] if len(record["spans"]) > max_spans else -math.inf
     fig, ax = plt.subplots(figsize=(12, 1.2 + 0.6 * world))
-    for span in record["spans"]:
-        color = plt.cm.tab10(span["epoch"] % 10)
+    for rank in range(world):  # one collection a lane: a bar each would take matplotlib minutes on a long run
+        mine = [span for span in spans if span["rank"] == rank]
         ax.broken_barh(
-            [(span["start"], span["end"] - span["start"])], (span["rank"] - 0.35, 0.7), color=color
+            [(span["start"], span["end"] - span["start"]) for span in mine],
+            (rank - 0.35, 0.7),
+            facecolors=[plt.cm.tab10(span["epoch"] % 10) for span in mine],
         )
-    for entry in record["rounds"]:
-        if entry["end"] is not None:
-            ax.axvspan(entry["start"], entry["end"], color=ROUND_COLOR, alpha=0.25, linewidth=0)
-    for epoch in record["epochs"]:
-        ax.axvline(epoch["time"], color="black", linewidth=0.8, linestyle="--")
+    rounds = [r for r in record["rounds"] if r["end"] is not None and r["end"] >= since]
+    ax.broken_barh(
+        [(r["start"], r["end"] - r["start"]) for r in rounds],
+        (-0.6, world + 0.2),
+        facecolors=ROUND_COLOR,
+        alpha=0.25,
+        linewidth=0,
+    )
+    epochs = [epoch["time"] for epoch in record["epochs"] if epoch["time"] >= since]
+    ax.vlines(epochs, -0.6, world - 0.4, colors="black", linewidth=0.8, linestyles="--")
     for change in record["anchors"]:
-        ax.annotate(f"anchor {change['from']}→{change['to']}", (change["time"], world - 0.5), fontsize=7)
+        if change["time"] >= since:
+            ax.annotate(f"anchor {change['from']}→{change['to']}", (change["time"], world - 0.5), fontsize=7)
     ax.set_yticks(range(world), [f"rank {r}" for r in range(world)])
     ax.set_ylim(-0.6, world - 0.4)
     ax.invert_yaxis()
     ax.set_xlabel("seconds since start (rank 0's clock)")
+    shown = "" if since == -math.inf else f", from {since:.0f} s (its last {max_spans:,} chunks)"
     ax.set_title(
-        f"timeline — {len(record['rounds'])} averaging rounds (red), epochs (dashed), chunks by epoch"
+        f"timeline — {len(record['rounds'])} averaging rounds (red), epochs (dashed), chunks by epoch{shown}"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=100)

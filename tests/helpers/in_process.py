@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import logging
 import threading
 import uuid
@@ -57,6 +56,7 @@ from flodl.links.group import GroupHandle, agree_on_config, loopback_store
 from flodl.links.membership import AveragingGroup
 from flodl.links.transport import InboxReader
 from flodl.metrics.run_info import RunInfo
+from flodl.metrics.timeline import read_timeline
 from flodl.worker.group import FixedGroup
 from flodl.worker.task_setup import TaskParts, TaskSettings, build_task
 from tests.helpers.procs import CONF
@@ -112,7 +112,7 @@ class InProcessRun:
 
     @property
     def timeline(self) -> dict[str, Any]:
-        return cast(dict[str, Any], json.loads((self.run_dir / "timeline.json").read_text()))
+        return read_timeline(self.run_dir)
 
     @property
     def log(self) -> str:

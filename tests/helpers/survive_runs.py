@@ -8,6 +8,8 @@ import json
 import re
 from pathlib import Path
 
+from flodl.metrics.timeline import read_timeline
+
 # A bound, not a length: a restart test stops its run (StopOnceAdmitted) once the restarted rank is in,
 # however long the restarted process takes to start on a loaded machine.
 EPOCHS_AT_MOST = 10_000
@@ -42,7 +44,7 @@ def check_every_epoch_once(run: Path, epochs: int | None = None) -> list[dict]:
 
 
 def membership(run: Path) -> list[dict]:
-    return json.loads((run / "timeline.json").read_text())["membership"]
+    return read_timeline(run)["membership"]
 
 
 def check_sync_epochs(run: Path, epochs: int | None = None) -> tuple[list[dict], int]:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from flodl.metrics.timeline import read_timeline
 from tests.helpers.procs import FAST_START, held_rounds_env, train
 
 pytestmark = pytest.mark.multiproc
@@ -49,7 +50,7 @@ def test_async_last_round_throughput_and_eval_labels(tmp_path: Path, backend: st
     ).check()
     run = tmp_path / "run"
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    rounds = json.loads((run / "timeline.json").read_text())["rounds"]
+    rounds = read_timeline(run)["rounds"]
 
     # 1. model.pt is the gamma-weighted consensus of the parameters each rank brought to the last round,
     # weighed by the steps it took since the round before.

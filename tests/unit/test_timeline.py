@@ -1,0 +1,73 @@
+"""The run's timeline: written as it happens, read back as one record, drawn within bounds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from flodl.metrics.plots import plot_timeline
+from flodl.metrics.timeline import TIMELINE_JSONL, Timeline, read_timeline
+
+
+def test_events_reach_the_file_as_the_run_goes_and_only_the_last_rounds_wait_for_their_acks(
+    tmp_path: Path,
+) -> None:
+    timeline = Timeline(2)
+    timeline.start(tmp_path)
+    for number in range(1, 6):
+        timeline.round_started(number, (number - 1,))
+        for rank in range(2):
+            timeline.chunk(rank, number - 1, busy_ms=5.0, batches=3)
+            timeline.round_acked(number, rank, divergence=0.1 * rank, steps=3)
+        timeline.epoch_done(number - 1)
+    # Before the run ends (a run killed here keeps it): every span and epoch, and the rounds before the two
+    # still held for late acks or a redo.
+    record = read_timeline(tmp_path)
+    assert [(s["rank"], s["epoch"]) for s in record["spans"]] == [(r, e) for e in range(5) for r in range(2)]
+    assert [e["epoch"] for e in record["epochs"]] == list(range(5))
+    assert [r["round"] for r in record["rounds"]] == [1, 2, 3]
+    assert record["rounds"][0]["steps"] == {"0": 3, "1": 3} and record["rounds"][2]["evaluates"] == [2]
+    timeline.round_redone(5)
+    timeline.close(tmp_path, plot=False)
+    rounds = read_timeline(tmp_path)["rounds"]
+    assert [r["round"] for r in rounds] == [1, 2, 3, 4, 5]
+    assert rounds[-1]["redone"] and rounds[-1]["steps"] == {} and "redone" not in rounds[-2]
+
+
+def test_a_resumed_run_appends_its_own_and_a_line_cut_short_by_a_kill_is_not_read(tmp_path: Path) -> None:
+    first = Timeline(2)
+    first.start(tmp_path)
+    first.chunk(0, 0, busy_ms=1.0, batches=1)
+    first.membership_changed({"event": "rank_cut", "rank": 1})
+    first.close(tmp_path, plot=False)
+    with (tmp_path / TIMELINE_JSONL).open("a") as file:
+        file.write('{"kind": "span", "rank": 0, "epo')  # the process died mid-line
+    resumed = Timeline(3)
+    resumed.start(tmp_path)
+    resumed.chunk(2, 4, busy_ms=1.0, batches=1)
+    resumed.close(tmp_path, plot=False)
+    record = read_timeline(tmp_path)
+    assert record["world_size"] == 3 and [s["rank"] for s in record["spans"]] == [2]
+    assert record["membership"] == []
+    assert len((tmp_path / TIMELINE_JSONL).read_text().splitlines()) == 6  # the first run's lines stay
+
+
+def test_a_long_run_is_drawn_from_its_last_spans_one_collection_a_lane(tmp_path: Path) -> None:
+    timeline = Timeline(2)
+    timeline.start(tmp_path)
+    for number in range(1, 301):
+        timeline.round_started(number, ())
+        for rank in range(2):
+            timeline.chunk(rank, number, busy_ms=1.0, batches=1)
+            timeline.round_acked(number, rank, divergence=0.0, steps=1)
+        timeline.epoch_done(number)
+    timeline.close(tmp_path, plot=False)
+    record = read_timeline(tmp_path)
+    figure = plot_timeline(record, tmp_path / "t.png", max_spans=100)
+    (ax,) = figure.axes
+    *lanes, rounds, epochs = ax.collections
+    assert [len(lane.get_paths()) for lane in lanes] == [50, 50]
+    drawn_from = record["spans"][-100]["start"]
+    assert len(rounds.get_paths()) == sum(r["end"] >= drawn_from for r in record["rounds"]) < 300
+    assert len(epochs.get_segments()) == sum(e["time"] >= drawn_from for e in record["epochs"]) < 300
+    assert f"from {drawn_from:.0f} s (its last 100 chunks)" in ax.get_title()
+    assert (tmp_path / "t.png").stat().st_size > 0
