@@ -337,16 +337,25 @@ class StopWatch(threading.Thread):
             signum = _received or signal.SIGTERM
             self._deadline = time.monotonic() + self.grace_s
             self.mailbox.store.set(_REQUEST_KEY, str(signum))
-            if self.announce is not None:
+            # Taken here before the coordinator hears of it: once it has, this rank has agreed where it saves
+            # (sync's step) and marks the parts it saves from then on as the stop's.
+            if (self._answered or self._answer()) and self.announce is not None:
                 self.announce(signum)
         if not self._answered and self.mailbox.store.check([_REQUEST_KEY]):
-            self._answered = True
-            took = self.save_s() if self.save_s is not None else None
-            if took is not None and took > self.grace_s:  # waiting out the budget would only lose time
-                budget = f"stop_grace_s={self.grace_s:g}"
-                self._give_up(f"this rank's last checkpoint took {took:.3g} s, more than {budget}")
-            elif self.on_request is not None and not self.on_request():
-                self._give_up("this rank was past the agreed step before it learned it")
+            self._answer()
+
+    def _answer(self) -> bool:
+        """Take the posted request (once); False: this rank cannot save for it, and every rank stops now."""
+        self._answered = True
+        took = self.save_s() if self.save_s is not None else None
+        if took is not None and took > self.grace_s:  # waiting out the budget would only lose time
+            budget = f"stop_grace_s={self.grace_s:g}"
+            self._give_up(f"this rank's last checkpoint took {took:.3g} s, more than {budget}")
+            return False
+        if self.on_request is not None and not self.on_request():
+            self._give_up("this rank was past the agreed step before it learned it")
+            return False
+        return True
 
     def _follow_checkpoint_requests(self, on_checkpoint: Callable[[int], None]) -> None:
         if not self.mailbox.store.check([_CHECKPOINT_KEY]):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -127,3 +128,33 @@ def test_a_stop_that_saves_stops_at_once_when_the_store_is_gone(handlers: None) 
         watch.join(timeout=60)
         time.sleep(5)  # the watch's stop is raised here, at the next bytecode
     assert not watch.is_alive()
+
+
+def test_a_rank_takes_its_own_stop_request_before_the_coordinator_hears_of_it(handlers: None) -> None:
+    """Once the coordinator has the request, the rank that sent it has agreed where it saves (sync's step)
+    and marks the parts it saves from then on as the stop's: a rank whose watch thread was slow to get back
+    to it trained past checkpoints that would have been the stop's (seen under load: the stop saved at the
+    run's end)."""
+    store = TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    client = TCPStore("127.0.0.1", store.port, None, False, timeout=timedelta(seconds=30))
+    catch_stop_signals()
+    saving = save_on_stop()
+    os.kill(os.getpid(), signal.SIGTERM)  # taken by the watch, not raised
+    order: list[str] = []
+    announced = threading.Event()
+
+    def announce(signum: int) -> None:
+        order.append("announced")
+        announced.set()
+
+    def on_request() -> bool:
+        order.append("took the request")
+        return True
+
+    watch = StopWatch(Mailbox(client, 0), saving, announce, on_request, grace_s=3600.0, save_s=lambda: None)
+    watch.start()
+    try:
+        assert announced.wait(30)
+    finally:
+        watch.stop()
+    assert order == ["took the request", "announced"]
