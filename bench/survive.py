@@ -343,8 +343,8 @@ def churn(args: argparse.Namespace, common: list[str], ranks: int, stamp: int) -
     every_s = args.every_s or 20.0
     kills = args.kills or max(1, int(args.duration_s // every_s))
     job = [*common, f"policy={args.policy}", "eval_every=0", "epochs=100000"]
-    # The undisturbed runs last as long as the churned one: a run's speed drifts over its minutes (a calm
-    # 200 s run slows as a churned one does), and a short calm run would read faster.
+    # The undisturbed runs last as long as the churned one: a run's speed may drift over its minutes (see
+    # bench/long_run.py), and a short calm run would not show it.
     calm_s = args.duration_s
 
     def calm(when: str) -> Path:
