@@ -22,12 +22,14 @@ from flodl.metrics.sweep import Group, Job
 ROUND_COLOR = "tab:red"
 
 
-def plot_timeline(record: dict[str, Any], path: Path, max_spans: int) -> Figure:
-    """One lane per rank: training chunks as bars, averaging rounds as shaded bands, epochs as lines. A run
-    with more than `max_spans` chunks is drawn from where its last `max_spans` begin (the title says so)."""
+def plot_timeline(record: dict[str, Any], path: Path) -> Figure:
+    """One lane per rank: training chunks as bars, averaging rounds as shaded bands, epochs as lines. A record
+    read with only its last spans (`read_timeline(..., last=N)`) is drawn from where they begin (the title
+    says so)."""
     world = record["world_size"]
-    spans = record["spans"][-max_spans:]
-    since = spans[0]["start"] if len(record["spans"]) > max_spans else -math.inf
+    spans = record["spans"]
+    totals = record.get("totals", {key: len(record[key]) for key in ("spans", "rounds")})
+    since = spans[0]["start"] if totals["spans"] > len(spans) else -math.inf
     fig, ax = plt.subplots(figsize=(12, 1.2 + 0.6 * world))
     for rank in range(world):  # one collection a lane: a bar each would take matplotlib minutes on a long run
         mine = [span for span in spans if span["rank"] == rank]
@@ -53,9 +55,9 @@ def plot_timeline(record: dict[str, Any], path: Path, max_spans: int) -> Figure:
     ax.set_ylim(-0.6, world - 0.4)
     ax.invert_yaxis()
     ax.set_xlabel("seconds since start (rank 0's clock)")
-    shown = "" if since == -math.inf else f", from {since:.0f} s (its last {max_spans:,} chunks)"
+    shown = "" if since == -math.inf else f", from {since:.0f} s (its last {len(spans):,} chunks)"
     ax.set_title(
-        f"timeline — {len(record['rounds'])} averaging rounds (red), epochs (dashed), chunks by epoch{shown}"
+        f"timeline — {totals['rounds']} averaging rounds (red), epochs (dashed), chunks by epoch{shown}"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=100)

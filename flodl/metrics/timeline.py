@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,8 +21,8 @@ TIMELINE_JSONL = "timeline.jsonl"
 TIMELINE_PNG = "timeline.png"
 # Rounds held in memory for their acks, newest last (one is in flight at a time; a redo keeps its number).
 _ROUNDS_HELD = 2
-# The drawing shows at most this many spans (the run's last ones): past it bars merge at any width, and
-# matplotlib's time grows with them.
+# The drawing shows at most this many spans, rounds and epochs (the run's last ones): past it bars merge at
+# any width, and matplotlib's time grows with them.
 _SPANS_DRAWN = 50_000
 # Each kind of event, and the list of the record (read_timeline) it goes to.
 _LISTS = {
@@ -31,6 +32,8 @@ _LISTS = {
     "anchor": "anchors",
     "membership": "membership",
 }
+# The lists a long run has many of (the others hold a change each).
+_HELD_LAST = ("spans", "rounds", "epochs")
 
 
 @dataclass
@@ -111,7 +114,7 @@ class Timeline:
             return
         from flodl.metrics.plots import plot_timeline
 
-        plot_timeline(read_timeline(run_dir), run_dir / TIMELINE_PNG, _SPANS_DRAWN)
+        plot_timeline(read_timeline(run_dir, last=_SPANS_DRAWN), run_dir / TIMELINE_PNG)
 
     def _round(self, number: int) -> dict[str, Any]:
         return next(r for r in reversed(self._rounds) if r["round"] == number)
@@ -120,18 +123,29 @@ class Timeline:
         self._pending.append(json.dumps(event) + "\n")
 
 
-def read_timeline(run_dir: Path) -> dict[str, Any]:
+def read_timeline(run_dir: Path, last: int | None = None) -> dict[str, Any]:
     """The timeline of the run dir's last start (a resumed run's own, as its times count from it): its
-    world size and, each in order, its spans, rounds, epochs, anchor changes and membership changes."""
+    world size and, each in order, its spans, rounds, epochs, anchor changes and membership changes. `last`:
+    only the last that many spans, rounds and epochs (a long run's whole would take the memory the timeline
+    is written to spare), and `totals`, how many of each the run had."""
     record: dict[str, Any] = {}
+    totals: dict[str, int] = {}
     for event in _events(run_dir / TIMELINE_JSONL):
         kind = event.pop("kind")
         if kind == "start":
-            record = {"world_size": event["world_size"], **{key: [] for key in _LISTS.values()}}
+            record = {"world_size": event["world_size"], "anchors": [], "membership": []}
+            record.update({key: deque(maxlen=last) for key in _HELD_LAST})
+            totals = dict.fromkeys(_HELD_LAST, 0)
         else:
-            record[_LISTS[kind]].append(event)
+            key = _LISTS[kind]
+            record[key].append(event)
+            if key in totals:
+                totals[key] += 1
     if not record:
         raise FileNotFoundError(f"{run_dir / TIMELINE_JSONL}: no timeline (the run did not start)")
+    record.update({key: list(record[key]) for key in _HELD_LAST})
+    if last is not None:
+        record["totals"] = totals
     return record
 
 
@@ -143,12 +157,13 @@ def _last_byte(path: Path) -> bytes:
 
 def _events(path: Path) -> Iterator[dict[str, Any]]:
     """The file's events, but for a line a kill cut short (the last, or the last before a resumed run's)."""
-    with path.open(encoding="utf-8") as file:
-        lines = file.read().split("\n")
-    for number, line in enumerate(lines):
-        try:
-            yield json.loads(line)
-        except json.JSONDecodeError:
-            last_of_its_run = number == len(lines) - 1 or lines[number + 1].startswith('{"kind": "start"')
-            if not last_of_its_run:
-                raise ValueError(f"{path}, line {number + 1}: not an event of flodl's timeline") from None
+    with path.open(encoding="utf-8") as lines:
+        broken: int | None = None
+        for number, line in enumerate(lines, 1):
+            if broken is not None and not line.startswith('{"kind": "start"'):
+                raise ValueError(f"{path}, line {broken}: not an event of flodl's timeline")
+            broken = None
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                broken = number

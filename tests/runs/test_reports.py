@@ -86,7 +86,7 @@ def test_timeline_has_a_lane_per_rank_and_the_averaging_rounds(sweep: Path, tmp_
     assert [e["epoch"] for e in cadence["epochs"]] == trained
     # Sync averages gradients inside DDP: its timeline has chunks and epochs but no rounds.
     assert read_timeline(job_of(sweep, "sync"))["rounds"] == []
-    figure = plot_timeline(cadence, tmp_path / "t.png", max_spans=len(cadence["spans"]))
+    figure = plot_timeline(cadence, tmp_path / "t.png")
     (ax,) = figure.axes
     assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0", "rank 1"]
     *lanes, rounds, _ = ax.collections

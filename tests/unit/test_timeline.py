@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from flodl.metrics.plots import plot_timeline
 from flodl.metrics.timeline import TIMELINE_JSONL, Timeline, read_timeline
 
@@ -51,23 +53,43 @@ def test_a_resumed_run_appends_its_own_and_a_line_cut_short_by_a_kill_is_not_rea
     assert len((tmp_path / TIMELINE_JSONL).read_text().splitlines()) == 6  # the first run's lines stay
 
 
-def test_a_long_run_is_drawn_from_its_last_spans_one_collection_a_lane(tmp_path: Path) -> None:
+def test_a_long_run_is_read_by_its_last_events_and_drawn_from_there_one_collection_a_lane(
+    tmp_path: Path,
+) -> None:
     timeline = Timeline(2)
     timeline.start(tmp_path)
     for number in range(1, 301):
         timeline.round_started(number, ())
         for rank in range(2):
-            timeline.chunk(rank, number, busy_ms=1.0, batches=1)
+            timeline.chunk(rank, number, busy_ms=0.0, batches=1)
             timeline.round_acked(number, rank, divergence=0.0, steps=1)
         timeline.epoch_done(number)
+    timeline.anchor_changed(0, 1, "grow")
     timeline.close(tmp_path, plot=False)
-    record = read_timeline(tmp_path)
-    figure = plot_timeline(record, tmp_path / "t.png", max_spans=100)
+    whole = read_timeline(tmp_path)
+    record = read_timeline(tmp_path, last=100)
+    assert record["totals"] == {"spans": 600, "rounds": 300, "epochs": 300}
+    for key in ("spans", "rounds", "epochs"):
+        assert record[key] == whole[key][-100:]
+    assert record["anchors"] == whole["anchors"] and "totals" not in whole
+    figure = plot_timeline(record, tmp_path / "t.png")
     (ax,) = figure.axes
     *lanes, rounds, epochs = ax.collections
     assert [len(lane.get_paths()) for lane in lanes] == [50, 50]
-    drawn_from = record["spans"][-100]["start"]
-    assert len(rounds.get_paths()) == sum(r["end"] >= drawn_from for r in record["rounds"]) < 300
-    assert len(epochs.get_segments()) == sum(e["time"] >= drawn_from for e in record["epochs"]) < 300
+    drawn_from = record["spans"][0]["start"]
+    # Those of the drawn spans' time: about the last 50 of the 100 read.
+    assert len(rounds.get_paths()) == sum(r["end"] >= drawn_from for r in record["rounds"]) < 100
+    assert len(epochs.get_segments()) == sum(e["time"] >= drawn_from for e in record["epochs"]) < 100
+    assert ax.get_title().startswith("timeline — 300 averaging rounds")
     assert f"from {drawn_from:.0f} s (its last 100 chunks)" in ax.get_title()
     assert (tmp_path / "t.png").stat().st_size > 0
+
+
+def test_a_line_that_is_no_event_inside_a_run_is_an_error_naming_the_file_and_line(tmp_path: Path) -> None:
+    timeline = Timeline(1)
+    timeline.start(tmp_path)
+    timeline.close(tmp_path, plot=False)
+    with (tmp_path / TIMELINE_JSONL).open("a") as file:
+        file.write('not json\n{"kind": "epoch", "epoch": 0, "time": 1.0}\n')
+    with pytest.raises(ValueError, match=rf"{TIMELINE_JSONL}, line 2: not an event of flodl's timeline"):
+        read_timeline(tmp_path)
