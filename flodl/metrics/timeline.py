@@ -1,6 +1,6 @@
-"""The run's timeline on rank 0: what each rank trained when, averaging rounds, anchor changes, divergence.
+"""The run's timeline, kept by its host: what each rank trained when, rounds, anchor changes, divergence.
 
-Times are seconds since the run started, on rank 0's clock (a span's end is when its report arrived).
+Times are seconds since the run started, on the host's clock (a span's end is when its report arrived).
 Written as it happens to `timeline.jsonl` (one event a line; a run that resumes appends, after a `start`
 line), so that a long run's coordinator holds none of it and a run that dies keeps it up to there; drawn as
 `timeline.png` (one lane per rank) at the end of the run. `read_timeline` gives a run's as one record.
@@ -23,7 +23,7 @@ TIMELINE_PNG = "timeline.png"
 _ROUNDS_HELD = 2
 # The drawing shows at most this many spans, rounds and epochs (the run's last ones): past it bars merge at
 # any width, and matplotlib's time grows with them.
-_SPANS_DRAWN = 50_000
+_LAST_DRAWN = 50_000
 # Each kind of event, and the list of the record (read_timeline) it goes to.
 _LISTS = {
     "span": "spans",
@@ -33,7 +33,7 @@ _LISTS = {
     "membership": "membership",
 }
 # The lists a long run has many of (the others hold a change each).
-_HELD_LAST = ("spans", "rounds", "epochs")
+_LONG_LISTS = ("spans", "rounds", "epochs")
 
 
 @dataclass
@@ -114,7 +114,7 @@ class Timeline:
             return
         from flodl.metrics.plots import plot_timeline
 
-        plot_timeline(read_timeline(run_dir, last=_SPANS_DRAWN), run_dir / TIMELINE_PNG)
+        plot_timeline(read_timeline(run_dir, last=_LAST_DRAWN), run_dir / TIMELINE_PNG)
 
     def _round(self, number: int) -> dict[str, Any]:
         return next(r for r in reversed(self._rounds) if r["round"] == number)
@@ -134,8 +134,8 @@ def read_timeline(run_dir: Path, last: int | None = None) -> dict[str, Any]:
         kind = event.pop("kind")
         if kind == "start":
             record = {"world_size": event["world_size"], "anchors": [], "membership": []}
-            record.update({key: deque(maxlen=last) for key in _HELD_LAST})
-            totals = dict.fromkeys(_HELD_LAST, 0)
+            record.update({key: deque(maxlen=last) for key in _LONG_LISTS})
+            totals = dict.fromkeys(_LONG_LISTS, 0)
         else:
             key = _LISTS[kind]
             record[key].append(event)
@@ -143,7 +143,7 @@ def read_timeline(run_dir: Path, last: int | None = None) -> dict[str, Any]:
                 totals[key] += 1
     if not record:
         raise FileNotFoundError(f"{run_dir / TIMELINE_JSONL}: no timeline (the run did not start)")
-    record.update({key: list(record[key]) for key in _HELD_LAST})
+    record.update({key: list(record[key]) for key in _LONG_LISTS})
     if last is not None:
         record["totals"] = totals
     return record
