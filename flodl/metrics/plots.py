@@ -54,7 +54,7 @@ def plot_timeline(record: dict[str, Any], path: Path) -> Figure:
     ax.set_yticks(range(world), [f"rank {r}" for r in range(world)])
     ax.set_ylim(-0.6, world - 0.4)
     ax.invert_yaxis()
-    ax.set_xlabel("seconds since start (rank 0's clock)")
+    ax.set_xlabel("seconds since start (the run's host's clock)")
     shown = "" if since == -math.inf else f", from {since:.0f} s (its last {len(spans):,} chunks)"
     ax.set_title(
         f"timeline — {totals['rounds']} averaging rounds (red), epochs (dashed), chunks by epoch{shown}"
