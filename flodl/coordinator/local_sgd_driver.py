@@ -33,7 +33,7 @@ from flodl.metrics.aggregate import RoundCost
 from flodl.metrics.timeline import Timeline
 from flodl.rounds.elche import ElChe, round_overhead_ms
 from flodl.rounds.guard import ConvergenceGuard, DivergenceReport
-from flodl.rounds.planner import Average, Dispatch, Instruction, LocalSgdPlanner, WindowReport
+from flodl.rounds.planner import Average, Dispatch, EpochsDone, Instruction, LocalSgdPlanner, WindowReport
 
 log = logging.getLogger("flodl")
 
@@ -70,11 +70,9 @@ class LocalSgdDriver:
         self.guard = guard
         self.ledger = ledger
         self.outbox = outbox
-        # Epochs completed whose eval is not decided yet; every epoch before `_decided_end` is decided, and
-        # `_decided_past` holds those decided past it (a set of every decided epoch grew with the run).
+        # Epochs completed whose eval is not decided yet, and those decided.
         self._undecided_evals: set[int] = set()
-        self._decided_end = ledger.first_epoch
-        self._decided_past: set[int] = set()
+        self._decided_evals = EpochsDone(ledger.first_epoch)
         self._round_costs: dict[int, RoundCost] = {}
         # Rounds every member acknowledged.
         self.rounds_closed = 0
@@ -131,7 +129,7 @@ class LocalSgdDriver:
 
     def on_epoch_complete(self, epoch: int) -> None:
         self.planner.on_epoch_complete(epoch)
-        if not self._decided(epoch):  # a segment's final round decides its epochs, reported or not
+        if epoch not in self._decided_evals:  # a segment's final round decides its epochs, reported or not
             self._undecided_evals.add(epoch)
 
     def on_epoch_emitted(self, epoch: int) -> None:
@@ -154,7 +152,7 @@ class LocalSgdDriver:
 
     def stop(self) -> int:
         last = self.planner.stop()
-        if not self._decided(last):  # the last epoch gets its eval, as a run's last epoch does
+        if last not in self._decided_evals:  # the last epoch gets its eval, as a run's last epoch does
             self.planner.want_eval(last)
         return last
 
@@ -274,18 +272,12 @@ class LocalSgdDriver:
         """Epochs settled since the last reduce learn whether they get an eval (this round's)."""
         deciding = {e for e in self._undecided_evals if e < self.planner.settled_end}
         if average.final:  # every epoch of the segment not decided yet is decided now
-            segment = range(self._decided_end, self.planner.whole_epochs_end)
-            deciding |= {e for e in segment if e not in self._decided_past}
+            segment = range(self._decided_evals.end, self.planner.whole_epochs_end)
+            deciding |= {e for e in segment if e not in self._decided_evals}
         for epoch in deciding:
             self.ledger.expect_eval(epoch, epoch in average.evaluate_epochs, ranks=len(self.roster.members))
+            self._decided_evals.add(epoch)
         self._undecided_evals -= deciding
-        self._decided_past |= deciding
-        while self._decided_end in self._decided_past:
-            self._decided_past.remove(self._decided_end)
-            self._decided_end += 1
-
-    def _decided(self, epoch: int) -> bool:
-        return epoch < self._decided_end or epoch in self._decided_past
 
     def _point(self, checkpoint_at: tuple[int, int | None] | None) -> Point | None:
         """The planner's checkpoint place as a checkpoint's point: inside an epoch, in samples into it."""

@@ -42,6 +42,26 @@ from flodl.rounds.holders import Holders
 from flodl.rounds.split import balanced_split, proportional_split
 
 
+class EpochsDone:
+    """A set of epochs that fills in from `first` on, held as `end` (the first epoch not in it: every one
+    before it is) and the few in it past `end`: its size is the gap's, however long the run (a set of every
+    epoch, scanned at each round, slowed a long run's coordinator)."""
+
+    def __init__(self, first: int) -> None:
+        self.end = first
+        self.past: set[int] = set()
+
+    def add(self, epoch: int) -> None:
+        if epoch >= self.end:
+            self.past.add(epoch)
+        while self.end in self.past:
+            self.past.remove(self.end)
+            self.end += 1
+
+    def __contains__(self, epoch: int) -> bool:
+        return epoch < self.end or epoch in self.past
+
+
 @dataclass(frozen=True)
 class Dispatch:
     rank: int
@@ -107,11 +127,9 @@ class LocalSgdPlanner:
     # The Reached reports of the window the round in flight (or the last one) averages.
     averaged: dict[int, WindowReport] = field(default_factory=dict)
     acks: dict[int, RoundAck] = field(default_factory=dict)
-    # The first epoch not settled (every batch of the epochs before it trained), and the epochs completed
-    # past it. Async ranks can finish a later epoch before an earlier one; an epoch's eval waits for the
-    # epochs before it. Kept as it moves: a scan from the run's first epoch at every round grew with the run.
-    settled_end: int = field(init=False)
-    completed_epochs: set[int] = field(default_factory=set)
+    # The epochs every batch of which was trained. Async ranks can finish a later epoch before an earlier
+    # one; an epoch's eval waits for the epochs before it (settled_end).
+    completed: EpochsDone = field(init=False)
     evaluated_epochs: set[int] = field(default_factory=set)
     # The wanted epochs (eval_epochs) not evaluated yet, in order: what is due is always a prefix.
     _evals_left: list[int] = field(init=False, repr=False)
@@ -133,7 +151,7 @@ class LocalSgdPlanner:
         if self.overlap and self.is_async:
             raise ValueError("overlapped rounds are cadence's: an async window's overshoot is its rank's own")
         self._barrier_order = tuple(sorted(self.barrier_epochs))
-        self.settled_end = self.first_epoch
+        self.completed = EpochsDone(self.first_epoch)
         self._evals_left = sorted(e for e in self.eval_epochs if e >= self.first_epoch)
         start = (self.first_epoch, self.first_batch)
         end, self.checkpoint_at_end = self._segment_end(start)
@@ -220,12 +238,12 @@ class LocalSgdPlanner:
         return self.holders.trained(rank, part)
 
     def on_epoch_complete(self, epoch: int) -> None:
-        if epoch < self.settled_end:
-            return
-        self.completed_epochs.add(epoch)
-        while self.settled_end in self.completed_epochs:
-            self.completed_epochs.remove(self.settled_end)
-            self.settled_end += 1
+        self.completed.add(epoch)
+
+    @property
+    def settled_end(self) -> int:
+        """The first epoch not settled: every batch of the epochs before it has been trained."""
+        return self.completed.end
 
     def want_eval(self, epoch: int) -> None:
         """`epoch` gets an eval too, unless it had one (the last epoch of a run that stops early)."""

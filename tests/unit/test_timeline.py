@@ -10,17 +10,24 @@ from flodl.metrics.plots import plot_timeline
 from flodl.metrics.timeline import TIMELINE_JSONL, Timeline, read_timeline
 
 
+def two_ranks_trained(run_dir: Path, rounds: int, busy_ms: float) -> Timeline:
+    """A 2-rank timeline started in `run_dir`: round n trains epoch n - 1 on both ranks (3 steps each) and
+    evaluates it."""
+    timeline = Timeline(2)
+    timeline.start(run_dir)
+    for number in range(1, rounds + 1):
+        timeline.round_started(number, (number - 1,))
+        for rank in range(2):
+            timeline.chunk(rank, number - 1, busy_ms=busy_ms, batches=3)
+            timeline.round_acked(number, rank, divergence=0.1 * rank, steps=3)
+        timeline.epoch_done(number - 1)
+    return timeline
+
+
 def test_events_reach_the_file_as_the_run_goes_and_only_the_last_rounds_wait_for_their_acks(
     tmp_path: Path,
 ) -> None:
-    timeline = Timeline(2)
-    timeline.start(tmp_path)
-    for number in range(1, 6):
-        timeline.round_started(number, (number - 1,))
-        for rank in range(2):
-            timeline.chunk(rank, number - 1, busy_ms=5.0, batches=3)
-            timeline.round_acked(number, rank, divergence=0.1 * rank, steps=3)
-        timeline.epoch_done(number - 1)
+    timeline = two_ranks_trained(tmp_path, rounds=5, busy_ms=5.0)
     # Before the run ends (a run killed here keeps it): every span and epoch, and the rounds before the two
     # still held for late acks or a redo.
     record = read_timeline(tmp_path)
@@ -56,14 +63,7 @@ def test_a_resumed_run_appends_its_own_and_a_line_cut_short_by_a_kill_is_not_rea
 def test_a_long_run_is_read_by_its_last_events_and_drawn_from_there_one_collection_a_lane(
     tmp_path: Path,
 ) -> None:
-    timeline = Timeline(2)
-    timeline.start(tmp_path)
-    for number in range(1, 301):
-        timeline.round_started(number, ())
-        for rank in range(2):
-            timeline.chunk(rank, number, busy_ms=0.0, batches=1)
-            timeline.round_acked(number, rank, divergence=0.0, steps=1)
-        timeline.epoch_done(number)
+    timeline = two_ranks_trained(tmp_path, rounds=300, busy_ms=0.0)
     timeline.anchor_changed(0, 1, "grow")
     timeline.close(tmp_path, plot=False)
     whole = read_timeline(tmp_path)
