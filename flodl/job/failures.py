@@ -1,6 +1,8 @@
 """Why a run's ranks failed, and which failure began it: the one line the launcher prints.
 
-Every rank that fails records why in the run dir (`.launch/failure-<run uid>-<restart>-<rank>.json`, its
+Every rank records its process id at its start (`.launch/pid-<run uid>-<restart>-<rank>`): the launcher
+names by it a rank that a signal killed (flodl/launcher/signal_deaths.py). Every rank that fails records why
+in the run dir (`.launch/failure-<run uid>-<restart>-<rank>.json`, its
 first cause only: what it does after that follows from it) before it leaves; a run resumed in the same dir
 has a uid of its own. Once the ranks are gone, the launcher blames one of them (`blame`):
 - a rank that died by a signal without a record (SIGKILL, the OOM killer, a crash in native code) began it:
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -52,6 +55,28 @@ class Failure:
 
 def _path(run_dir: Path, run: str, restart: int, rank: int | str) -> Path:
     return run_dir / ".launch" / f"failure-{run}-{restart}-{rank}.json"
+
+
+def _pid_path(run_dir: Path, run: str, restart: int | str, rank: int | str) -> Path:
+    return run_dir / ".launch" / f"pid-{run}-{restart}-{rank}"
+
+
+def record_pid(run_dir: Path, run: str, restart: int, rank: int) -> None:
+    """Record that this process is `rank` of run `run`, attempt `restart`."""
+    path = _pid_path(run_dir, run, restart, rank)
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(str(os.getpid()))
+
+
+def rank_pids(run_dir: Path, run: str) -> dict[int, tuple[int, int]]:
+    """The process id -> (attempt, rank) of every rank of run `run` that recorded its own."""
+    found = {}
+    for path in (run_dir / ".launch").glob(_pid_path(run_dir, run, "*", "*").name):
+        with contextlib.suppress(OSError, ValueError):
+            restart, rank = path.name.removeprefix(f"pid-{run}-").split("-")
+            found[int(path.read_text())] = (int(restart), int(rank))
+    return found
 
 
 def record(

@@ -99,7 +99,10 @@ def run_rank(config: dict[str, Any], info_fields: dict[str, Any], self_launched:
 def self_launched_rank(config: dict[str, Any], info_fields: dict[str, Any]) -> None:
     """A rank this process's launcher started. Its stderr goes to its log (native code's reports too); a
     failure, recorded and logged with its traceback, ends it with EXIT_WORDED, and the launcher words it."""
-    stderr_to(Path(info_fields["run_dir"]) / f"rank{RankEnv.from_environ().rank}.log")
+    env = RankEnv.from_environ()
+    run_dir = Path(info_fields["run_dir"])
+    stderr_to(run_dir / f"rank{env.rank}.log")
+    failures.record_pid(run_dir, info_fields["uid"], env.restart_count, env.rank)
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit():  # a forked rank's OpenMP read it in the launcher, before the launcher set it
         torch.set_num_threads(int(threads))

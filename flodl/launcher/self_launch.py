@@ -29,6 +29,7 @@ from flodl.job.host import RunHost
 from flodl.job.rank import EXIT_WORDED, device_type_of, log_plan, self_launched_rank, stopped_line
 from flodl.job.settings import checkpoint_store
 from flodl.launcher.join_card import JoinCard, write_card
+from flodl.launcher.signal_deaths import SignalDeaths
 from flodl.launcher.supervisor import SupervisedRankFailure, host_ranks, signal_name, supervise
 from flodl.links.group import hosted_exchange, loopback_store
 from flodl.links.stop import STOP_EXIT_CODES, Stopped, catch_stop_signals
@@ -129,8 +130,10 @@ def _elastic_launch(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig) -> 
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_quiet_stops)
+    signal_deaths = SignalDeaths(run_dir, info.uid)
     try:
-        elastic_launch(launch_config, self_launched_rank)(config, info.as_dict())
+        with signal_deaths:
+            elastic_launch(launch_config, self_launched_rank)(config, info.as_dict())
     except SignalException as err:  # the launcher got it: the agent forwarded it and waited for the ranks
         raise Stopped(err.sigval) from None
     except ChildFailedError as err:
@@ -138,10 +141,13 @@ def _elastic_launch(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig) -> 
         if len(codes) == 1 and codes <= STOP_EXIT_CODES:  # a rank got it and every rank stopped on it
             raise Stopped(codes.pop() - 128) from None
         failed = sorted(err.failures)
-        deaths = {r: signal_name(-f.exitcode) for r, f in err.failures.items() if f.exitcode < 0}
+        recorded = failures.recorded(run_dir, info.uid, cfg.launch.max_restarts)
+        # The agent reports the first rank it found exited; a rank a signal killed unreported is seen too.
+        first_record = min((f.time for f in recorded), default=None)
+        deaths = signal_deaths.began(cfg.launch.max_restarts, first_record)
+        deaths |= {r: signal_name(-f.exitcode) for r, f in err.failures.items() if f.exitcode < 0}
         exits = ", ".join(f"rank {r}: exit code {err.failures[r].exitcode}" for r in failed)
         logs = ", ".join(str(log) for log in logs_of(run_dir, failed)) or "no log was written"
-        recorded = failures.recorded(run_dir, info.uid, cfg.launch.max_restarts)
         otherwise = f"rank(s) {failed} failed ({exits}; see {logs})"
         raise RankFailure(
             failure_line(cfg, run_dir, cfg.launch.nproc_per_node, recorded, deaths, otherwise)
