@@ -22,7 +22,7 @@ train: $(STAMP)
 	$(BIN)/python train.py $(ARGS)
 
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile $(ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile --max-worker-restart=0 $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
