@@ -1,10 +1,10 @@
 """Why a run's ranks failed, and which failure began it: the one line the launcher prints.
 
-A rank flodl's launcher started records its process id at its start (`.launch/pid-<run uid>-<restart>-
-<rank>`): the launcher names by it a rank that a signal killed (flodl/launcher/signal_deaths.py). Every rank
-that fails records why in the run dir (`.launch/failure-<run uid>-<restart>-<rank>.json`, its first cause
-only: what it does after that follows from it) before it leaves; a run resumed in the same dir has a uid of
-its own. Once the ranks are gone, the launcher blames one of them (`blame`):
+A rank that flodl's launcher started records its pid first (`.launch/pid-<run uid>-<restart>-<rank>`):
+the launcher names by it a rank that a signal killed (flodl/launcher/signal_deaths.py). Every rank that
+fails records why in the run dir (`.launch/failure-<run uid>-<restart>-<rank>.json`, its first cause only:
+what it does after that follows from it) before it leaves; a run resumed in the same dir has a uid of its own.
+Once the ranks are gone, the launcher blames one of them (`blame`):
 - a rank that died by a signal without a record (SIGKILL, the OOM killer, a crash in native code) began it:
   its peers' errors (a collective whose peer left) follow from its death;
 - else a rank's own fault before one that only follows from another process's (`Consequence`: the run's
