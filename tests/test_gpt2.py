@@ -4,6 +4,7 @@ cached once, and float8 linears keep the Parameters everything else holds."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -18,7 +19,7 @@ from flodl.averaging.flat import flatten_parameters
 from flodl.tasks.bpe import bpe_text, next_token_bits, token_bytes
 from flodl.tasks.chunked_ce import chunked_cross_entropy
 from flodl.tasks.gpt import GPT
-from flodl.worker.float8 import Float8Linear, convert_to_float8
+from flodl.worker.float8 import DelayedFloat8Linear, Float8Linear, convert_to_float8
 from tests.helpers.corpus import fake_library
 from tests.helpers.procs import CONF, train
 
@@ -223,6 +224,36 @@ def test_a_float8_linear_is_close_to_its_matmul_both_ways() -> None:
     expected.square().sum().backward()
     for got, want in ((x.grad, x_ref.grad), (layer.weight.grad, reference.weight.grad)):
         assert float((got - want).norm() / want.norm()) < 0.15
+
+
+@pytest.mark.multiproc  # inductor compiles its C++ kernels with g++
+def test_delayed_scaling_casts_with_the_step_befores_maxima_compiled_as_eager() -> None:
+    """The input and the gradient are cast with the scales of the maxima seen the step before, then those
+    are updated: compiled, a backward pass once read the updated maximum instead (gradients 100x off)."""
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(torch.nn.Linear(64, 48, bias=False))
+    convert_to_float8(eager, delayed=True)
+    assert isinstance(eager[0], DelayedFloat8Linear)
+    assert "0.float8_seen_input" not in eager.state_dict()  # not saved: checkpoints keep their keys
+    compiled_copy = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_copy, fullgraph=True)
+    for layer in (eager[0], compiled_copy[0]):  # far from this step's maxima: a stale scale shows
+        layer.float8_seen_input.fill_(100.0)
+        layer.float8_seen_grad.fill_(100.0)
+    x = torch.randn(32, 64)
+    results = []
+    for model, layer in ((eager, eager[0]), (compiled, compiled_copy[0])):
+        x_in = x.clone().requires_grad_()
+        out = model(x_in)
+        out.sum().backward()
+        results.append((out.detach(), x_in.grad, layer.weight.grad))
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want)
+    exact_grad = torch.ones(32, 48) @ eager[0].weight.detach()
+    assert float((results[0][1] - exact_grad).norm() / exact_grad.norm()) < 0.15
+    for layer in (eager[0], compiled_copy[0]):  # this step's maxima, for the next
+        assert float(layer.float8_seen_input) == pytest.approx(float(x.abs().max()))
+        assert float(layer.float8_seen_grad) == 1.0  # d sum / d out
 
 
 @pytest.mark.multiproc

@@ -64,6 +64,51 @@ class _Float8Matmul(torch.autograd.Function):
         return grad_x, grad_w.to(ctx.weight_dtype)
 
 
+# Delayed scaling: what the previous step's absolute maximum is multiplied by for this step's scale, so that
+# values may grow this much in one step before they saturate.
+_HEADROOM = 2.0
+# The first step's absolute maxima, before any was seen: inputs (layer norm and GELU outputs are a few units)
+# and gradients (far below 1). Too high costs low values precision for that step, too low saturates it.
+_FIRST_SEEN = {E4M3: 64.0, E5M2: 1.0}
+
+
+def _to_float8_as_seen(t: Tensor, seen: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """`t` cast with the scale of the absolute maximum `seen` before; the inverse scale, and `t`'s own
+    absolute maximum (for the next step). The maximum is taken per row first: that reduction runs in the
+    cast's pass (and its producer's: a layer norm, a GELU), leaving one small reduction over the rows."""
+    top = torch.finfo(dtype).max
+    scale = top / (seen * _HEADROOM)
+    cast = (t.float() * scale).clamp(-top, top).to(dtype)
+    return cast, scale.reciprocal(), t.detach().abs().amax(dim=-1).max().float().clamp(min=1e-12)
+
+
+class _DelayedFloat8Matmul(torch.autograd.Function):
+    """As _Float8Matmul, the input and the gradient scaled by the maxima their module saw the step before
+    (`seen_input`, `seen_grad`: 0-dim buffers, updated here); the weight, small, by its own. Each buffer is
+    written whole: torch.compile (inductor) let a backward pass read an in-place update of one element of a
+    shared buffer before it was due (its gradient measured 100x off)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, seen_input: Tensor, seen_grad: Tensor) -> Tensor:
+        x8, x_inv, x_amax = _to_float8_as_seen(x, seen_input, E4M3)
+        seen_input.copy_(x_amax)
+        w8, w_inv = _to_float8(weight, E4M3)
+        ctx.save_for_backward(x8, x_inv, w8, w_inv, seen_grad)
+        ctx.weight_dtype = weight.dtype
+        return torch._scaled_mm(x8, w8.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x8, x_inv, w8, w_inv, seen_grad = ctx.saved_tensors
+        g8, g_inv, g_amax = _to_float8_as_seen(grad, seen_grad, E5M2)
+        seen_grad.copy_(g_amax)
+        grad_x = torch._scaled_mm(g8, _column_major(w8), scale_a=g_inv, scale_b=w_inv, out_dtype=grad.dtype)
+        grad_w = torch._scaled_mm(
+            g8.t().contiguous(), _column_major(x8), scale_a=g_inv, scale_b=x_inv, out_dtype=torch.float32
+        )
+        return grad_x, grad_w.to(ctx.weight_dtype), None, None
+
+
 class Float8Linear(nn.Linear):
     """An nn.Linear whose matmul runs in float8 (made by `convert_to_float8`, never built directly)."""
 
@@ -72,13 +117,29 @@ class Float8Linear(nn.Linear):
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         with torch.autocast(device, enabled=False):
             rows = x.reshape(-1, self.in_features).to(dtype)
-            out = _Float8Matmul.apply(rows, self.weight)
+            out = self._matmul(rows)
             if self.bias is not None:
                 out = out + self.bias.to(dtype)
         return out.view(*x.shape[:-1], self.out_features)
 
+    def _matmul(self, rows: Tensor) -> Tensor:
+        return _Float8Matmul.apply(rows, self.weight)
 
-def convert_to_float8(model: nn.Module) -> list[str]:
+
+class DelayedFloat8Linear(Float8Linear):
+    """A Float8Linear whose input and gradient take the scales of the step before (`float8_seen_*`
+    buffers, not saved: a resumed run's first step guesses as the first run's did)."""
+
+    def _matmul(self, rows: Tensor) -> Tensor:
+        return _DelayedFloat8Matmul.apply(rows, self.weight, self.float8_seen_input, self.float8_seen_grad)
+
+    def take_delayed_scaling(self) -> None:
+        device = self.weight.device
+        for name, dtype in (("float8_seen_input", E4M3), ("float8_seen_grad", E5M2)):
+            self.register_buffer(name, torch.tensor(_FIRST_SEEN[dtype], device=device), persistent=False)
+
+
+def convert_to_float8(model: nn.Module, delayed: bool = False) -> list[str]:
     """Turn `model`'s eligible nn.Linear modules into Float8Linear in place, and tell the modules that have
     a `use_float8()` to use it; the names of those converted and of those that took it (True back)."""
     uses: dict[int, int] = {}
@@ -96,7 +157,9 @@ def convert_to_float8(model: nn.Module) -> list[str]:
             continue
         if module.in_features % FLOAT8_MULTIPLE or module.out_features % FLOAT8_MULTIPLE:
             continue
-        module.__class__ = Float8Linear
+        module.__class__ = DelayedFloat8Linear if delayed else Float8Linear
+        if isinstance(module, DelayedFloat8Linear):
+            module.take_delayed_scaling()
         converted.append(name)
     if not converted:
         raise ValueError(

@@ -1,0 +1,224 @@
+"""float8 recipes on GPT-2-124M's model, one process on one GPU: the step's time under each, side by side.
+
+    python bench/float8_scaling.py                       # bf16, head, dynamic, delayed; 3 interleaved passes
+    python bench/float8_scaling.py --variants bf16,delayed --repeat 2 --profile delayed
+    python bench/float8_scaling.py --smoke               # a tiny model on CPU: checks the pipeline
+
+Variants (flodl/worker/float8.py): `bf16` (autocast, no float8); `head` (the tied output layer's matmuls in
+float8 inside the chunked loss: gpt2_124m's precision=fp8); `dynamic` (head, and every block linear scaled by
+its operands' current maxima: an extra pass over each before its cast); `delayed` (head, and the block
+linears' inputs and gradients scaled by the maxima seen the step before, so the cast joins its producer's
+pass); `delayed-mlp` (as delayed, the attention's linears left in bf16). The model is task=gpt2_124m's (12 x
+768, context 1024, vocabulary 50,304, tied, no biases, loss in chunks of 16,384), torch.compile'd (--mode),
+fused AdamW, bf16 autocast, 64 x 1024 uniform random tokens (one batch, every step); --model gpt2_small: its
+byte vocabulary, whole logits (no head variant). Each run compiles and warms up (--warmup steps), then times
+--steps steps with CUDA events. With --repeat N every variant runs N times, interleaved, and its median
+counts. MFU: 6N + 12·L·d·T per token over the bf16 dense peak (989 TFLOPS on H100/H200 SXM), float8 too.
+--profile VARIANT: one more step of that variant under torch.profiler, its kernels' time by kind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.benchlib import REPO, environment_lines, results_path, write_report
+from flodl.tasks.gpt import GPT
+from flodl.worker.float8 import convert_to_float8
+
+VARIANTS = ("bf16", "head", "dynamic", "delayed", "delayed-mlp")
+BF16_PEAK_FLOPS = 989e12
+SHAPES = {
+    "gpt2_124m": {
+        "layers": 12,
+        "dim": 768,
+        "heads": 12,
+        "context": 1024,
+        "vocab": 50304,
+        "loss_chunk": 16384,
+    },
+    "gpt2_small": {"layers": 12, "dim": 768, "heads": 12, "context": 1024, "vocab": 256, "loss_chunk": 0},
+    "smoke": {"layers": 1, "dim": 64, "heads": 2, "context": 32, "vocab": 256, "loss_chunk": 32},
+}
+
+
+@dataclass
+class Measured:
+    variant: str
+    step_ms: float
+    samples_s: float
+    mfu: float
+    loss: float
+    peak_gb: float
+    compile_s: float
+
+
+def build(variant: str, shape: dict[str, int], device: torch.device) -> GPT:
+    torch.manual_seed(0)
+    model = GPT(**shape, amp=False, bias=False, float8_blocks=variant != "head").to(device)
+    if variant == "delayed-mlp":
+        for block in model.blocks:
+            for linear in (block.attn.qkv, block.attn.proj):
+                linear.__dict__["float8"] = False
+    if variant != "bf16":
+        convert_to_float8(model, delayed=variant.startswith("delayed"))
+    return model
+
+
+def run(variant: str, shape: dict[str, int], args: argparse.Namespace, device: torch.device) -> Measured:
+    model = build(variant, shape, device)
+    fused = device.type == "cuda"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), fused=fused)
+    step_fn = torch.compile(model, mode=args.mode) if not args.eager else model
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(shape["vocab"], (args.batch, shape["context"] + 1), generator=gen).to(device)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+
+    def step() -> torch.Tensor:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = step_fn(inputs, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    began = time.perf_counter()
+    for _ in range(args.warmup):
+        loss = step()
+    sync(device)
+    compile_s = time.perf_counter() - began
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    began = time.perf_counter()
+    for _ in range(args.steps):
+        loss = step()
+    if device.type == "cuda":
+        end.record()
+        end.synchronize()
+        step_ms = start.elapsed_time(end) / args.steps
+        peak_gb = torch.cuda.max_memory_allocated() / 1e9
+    else:
+        step_ms = (time.perf_counter() - began) * 1000 / args.steps
+        peak_gb = 0.0
+    flops = model.train_flops([inputs])
+    if args.profile == variant:
+        profile(step, device)
+    return Measured(
+        variant,
+        step_ms,
+        args.batch / (step_ms / 1000),
+        flops / (step_ms / 1000) / BF16_PEAK_FLOPS,
+        float(loss),
+        peak_gb,
+        compile_s,
+    )
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+# Kernel names by kind, first match wins (cuBLAS / CUTLASS matmuls, cuDNN / flash attention, inductor's
+# triton kernels named after what they fuse).
+KINDS = (
+    ("matmul", ("gemm", "sm90_xmma", "cutlass", "nvjet", "scaled_mm")),
+    ("attention", ("fmha", "flash", "cudnn", "attention")),
+    ("optimizer", ("adam",)),
+)
+
+
+def profile(step: object, device: torch.device) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
+    with torch_profile(activities=activities) as prof:
+        step()  # type: ignore[operator]
+        sync(device)
+    by_kind: dict[str, float] = {}
+    rows = []
+    for event in prof.key_averages():
+        us = event.device_time_total if device.type == "cuda" else event.self_cpu_time_total
+        if us <= 0:
+            continue
+        name = event.key.lower()
+        kind = next((k for k, words in KINDS if any(w in name for w in words)), "other")
+        by_kind[kind] = by_kind.get(kind, 0.0) + us / 1000
+        rows.append((us / 1000, event.count, event.key[:100]))
+    print("profile, ms by kind:", {k: round(v, 2) for k, v in sorted(by_kind.items())})
+    for ms, count, name in sorted(rows, reverse=True)[:40]:
+        print(f"  {ms:8.2f} ms  x{count:<4d} {name}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--mode", default="default", help="torch.compile's mode")
+    parser.add_argument("--eager", action="store_true", help="no torch.compile")
+    parser.add_argument("--profile", default="", help="a variant to profile one step of")
+    parser.add_argument("--model", default="gpt2_124m", choices=sorted(set(SHAPES) - {"smoke"}))
+    parser.add_argument("--smoke", action="store_true", help="a tiny model on CPU")
+    parser.add_argument("--results-dir", type=Path, default=REPO / "bench" / "results")
+    args = parser.parse_args()
+    variants = args.variants.split(",")
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        parser.error(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
+    device = torch.device("cpu" if args.smoke else "cuda")
+    shape = SHAPES["smoke" if args.smoke else args.model]
+    if args.smoke:
+        args.batch, args.steps, args.warmup = 4, 2, 1
+    runs: dict[str, list[Measured]] = {v: [] for v in variants}
+    for repeat in range(args.repeat):
+        for variant in variants:
+            torch._dynamo.reset()
+            measured = run(variant, shape, args, device)
+            runs[variant].append(measured)
+            graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            print(f"pass {repeat + 1} {variant}: {measured}; {graphs} graph(s)", flush=True)
+    report(runs, args)
+
+
+def report(runs: dict[str, list[Measured]], args: argparse.Namespace) -> None:
+    base = statistics.median(m.samples_s for m in runs.get("bf16", runs[next(iter(runs))]))
+    lines = [
+        f"## float8 recipes on {'a tiny' if args.smoke else args.model + chr(39) + 's'} model "
+        f"(bench/float8_scaling.py, {args.repeat} interleaved passes)",
+        "",
+        *environment_lines(cpu=args.smoke),
+        f"- torch.compile mode {args.mode if not args.eager else '(eager)'}, batch {args.batch}, "
+        f"{args.steps} timed steps after {args.warmup}",
+        "",
+        "| variant | samples/s (median) | each pass | vs bf16 | MFU (bf16 peak) | step ms | loss | peak GB "
+        "| warm-up s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for variant, measured in runs.items():
+        median = sorted(measured, key=lambda m: m.samples_s)[len(measured) // 2]
+        each = " / ".join(f"{m.samples_s:.1f}" for m in measured)
+        lines.append(
+            f"| {variant} | {median.samples_s:.1f} | {each} | {median.samples_s / base:.3f} | "
+            f"{median.mfu:.1%} | {median.step_ms:.1f} | {median.loss:.4f} | {median.peak_gb:.1f} | "
+            f"{median.compile_s:.0f} |"
+        )
+    write_report(results_path(args.results_dir, "float8-scaling", cpu=args.smoke), "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
