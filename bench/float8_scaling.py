@@ -8,11 +8,10 @@ Variants (flodl/worker/float8.py): `bf16` (autocast, no float8); `head` (the tie
 float8 inside the chunked loss: gpt2_124m's precision=fp8); `dynamic` (head, and every block linear scaled by
 its operands' current maxima: an extra pass over each before its cast); `delayed` (head, and the block
 linears' inputs and gradients scaled by the maxima seen the step before, so the cast joins its producer's
-pass); `delayed-t` (as delayed, the casts also write the transposes backward's weight gradient takes);
-`delayed-mlp` (as delayed, the attention's linears left in bf16). The model is task=gpt2_124m's (12 x 768,
-context 1024, vocabulary 50,304, tied, no biases, loss in chunks of 16,384), torch.compile'd (--mode), fused
-AdamW, bf16 autocast, 64 x 1024 uniform random tokens (one batch, every step); --model gpt2_small: its byte
-vocabulary, whole logits (no head variant). Each run compiles and warms up (--warmup steps), then times
+pass); `delayed-mlp` (as delayed, the attention's linears left in bf16). The model is task=gpt2_124m's (12 x
+768, context 1024, vocabulary 50,304, tied, no biases, loss in chunks of 16,384), torch.compile'd (--mode),
+fused AdamW, bf16 autocast, 64 x 1024 uniform random tokens (one batch, every step); --model gpt2_small: its
+byte vocabulary, whole logits (no head variant). Each run compiles and warms up (--warmup steps), then times
 --steps steps with CUDA events. With --repeat N every variant runs N times, interleaved, and its median
 counts. MFU: 6N + 12·L·d·T per token over the bf16 dense peak (989 TFLOPS on H100/H200 SXM), float8 too.
 --profile VARIANT: one more step of that variant under torch.profiler, its kernels' time by kind.
@@ -32,9 +31,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.benchlib import REPO, environment_lines, results_path, write_report
 from flodl.tasks.gpt import GPT
-from flodl.worker.float8 import DelayedFloat8Linear, convert_to_float8
+from flodl.worker.float8 import convert_to_float8
 
-VARIANTS = ("bf16", "head", "dynamic", "delayed", "delayed-t", "delayed-mlp")
+VARIANTS = ("bf16", "head", "dynamic", "delayed", "delayed-mlp")
 BF16_PEAK_FLOPS = 989e12
 SHAPES = {
     "gpt2_124m": {
@@ -70,10 +69,6 @@ def build(variant: str, shape: dict[str, int], device: torch.device) -> GPT:
                 linear.__dict__["float8"] = False
     if variant != "bf16":
         convert_to_float8(model, delayed=variant.startswith("delayed"))
-    if variant == "delayed-t":
-        for module in model.modules():
-            if isinstance(module, DelayedFloat8Linear):
-                module.float8_transposes = True
     return model
 
 

@@ -72,19 +72,14 @@ _HEADROOM = 2.0
 _FIRST_SEEN = {E4M3: 64.0, E5M2: 1.0}
 
 
-def _to_float8_as_seen(
-    t: Tensor, seen: Tensor, dtype: torch.dtype, transposed: bool = False
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """`t` cast with the scale of the absolute maximum `seen` before; the inverse scale, `t`'s own absolute
-    maximum (for the next step) and, if `transposed`, the cast's transpose made from `t` in the same pass.
-    The maximum is taken per row first: that reduction runs in the cast's pass (and its producer's: a layer
-    norm, a GELU), leaving one small reduction over the rows."""
+def _to_float8_as_seen(t: Tensor, seen: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """`t` cast with the scale of the absolute maximum `seen` before; the inverse scale, and `t`'s own
+    absolute maximum (for the next step). The maximum is taken per row first: that reduction runs in the
+    cast's pass (and its producer's: a layer norm, a GELU), leaving one small reduction over the rows."""
     top = torch.finfo(dtype).max
     scale = top / (seen * _HEADROOM)
-    scaled = (t.float() * scale).clamp(-top, top)
-    cast_t = scaled.t().contiguous().to(dtype) if transposed else None
-    amax = t.detach().abs().amax(dim=-1).max().float().clamp(min=1e-12)
-    return scaled.to(dtype), scale.reciprocal(), amax, cast_t
+    cast = (t.float() * scale).clamp(-top, top).to(dtype)
+    return cast, scale.reciprocal(), t.detach().abs().amax(dim=-1).max().float().clamp(min=1e-12)
 
 
 class _DelayedFloat8Matmul(torch.autograd.Function):
@@ -94,29 +89,24 @@ class _DelayedFloat8Matmul(torch.autograd.Function):
     shared buffer before it was due (its gradient measured 100x off)."""
 
     @staticmethod
-    def forward(
-        ctx: Any, x: Tensor, weight: Tensor, seen_input: Tensor, seen_grad: Tensor, transposes: bool
-    ) -> Tensor:
-        x8, x_inv, x_amax, x8_t = _to_float8_as_seen(x, seen_input, E4M3, transposes)
+    def forward(ctx: Any, x: Tensor, weight: Tensor, seen_input: Tensor, seen_grad: Tensor) -> Tensor:
+        x8, x_inv, x_amax = _to_float8_as_seen(x, seen_input, E4M3)
         seen_input.copy_(x_amax)
         w8, w_inv = _to_float8(weight, E4M3)
-        # the weight gradient's matmul takes x column-major: its transpose, made now or in backward
-        x8_cols = x8_t.t() if x8_t is not None else x8
-        ctx.save_for_backward(x8_cols, x_inv, w8, w_inv, seen_grad)
+        ctx.save_for_backward(x8, x_inv, w8, w_inv, seen_grad)
         ctx.weight_dtype = weight.dtype
-        ctx.transposes = transposes
         return torch._scaled_mm(x8, w8.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=x.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        x8_cols, x_inv, w8, w_inv, seen_grad = ctx.saved_tensors
-        g8, g_inv, g_amax, g8_t = _to_float8_as_seen(grad, seen_grad, E5M2, ctx.transposes)
+        x8, x_inv, w8, w_inv, seen_grad = ctx.saved_tensors
+        g8, g_inv, g_amax = _to_float8_as_seen(grad, seen_grad, E5M2)
         seen_grad.copy_(g_amax)
-        if g8_t is None:
-            g8_t, x8_cols = g8.t().contiguous(), _column_major(x8_cols)
         grad_x = torch._scaled_mm(g8, _column_major(w8), scale_a=g_inv, scale_b=w_inv, out_dtype=grad.dtype)
-        grad_w = torch._scaled_mm(g8_t, x8_cols, scale_a=g_inv, scale_b=x_inv, out_dtype=torch.float32)
-        return grad_x, grad_w.to(ctx.weight_dtype), None, None, None
+        grad_w = torch._scaled_mm(
+            g8.t().contiguous(), _column_major(x8), scale_a=g_inv, scale_b=x_inv, out_dtype=torch.float32
+        )
+        return grad_x, grad_w.to(ctx.weight_dtype), None, None
 
 
 class Float8Linear(nn.Linear):
@@ -138,16 +128,10 @@ class Float8Linear(nn.Linear):
 
 class DelayedFloat8Linear(Float8Linear):
     """A Float8Linear whose input and gradient take the scales of the step before (`float8_seen_*`
-    buffers, not saved: a resumed run's first step guesses as the first run's did). With
-    `float8_transposes` the casts also write the transposes the weight gradient's matmul takes, from the
-    unscaled values in the same pass, instead of transposing the float8 casts in backward."""
-
-    float8_transposes = False
+    buffers, not saved: a resumed run's first step guesses as the first run's did)."""
 
     def _matmul(self, rows: Tensor) -> Tensor:
-        return _DelayedFloat8Matmul.apply(
-            rows, self.weight, self.float8_seen_input, self.float8_seen_grad, self.float8_transposes
-        )
+        return _DelayedFloat8Matmul.apply(rows, self.weight, self.float8_seen_input, self.float8_seen_grad)
 
     def take_delayed_scaling(self) -> None:
         device = self.weight.device
