@@ -20,7 +20,6 @@ counts. MFU: 6N + 12·L·d·T per token over the bf16 dense peak (989 TFLOPS on 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -128,9 +127,11 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-# Kernel names by kind, first match wins (cuBLAS / CUTLASS matmuls, cuDNN / flash attention, inductor's
-# triton kernels named after what they fuse).
+# Kernel names by kind, first match wins: inductor's triton kernels first, as they are named after every op
+# they fuse (a cast feeding a matmul names `_scaled_mm`); then cuBLAS / CUTLASS matmuls, cuDNN / flash
+# attention.
 KINDS = (
+    ("fused", ("triton_",)),
     ("matmul", ("gemm", "sm90_xmma", "cutlass", "nvjet", "scaled_mm")),
     ("attention", ("fmha", "flash", "cudnn", "attention")),
     ("optimizer", ("adam",)),
@@ -195,8 +196,13 @@ def main() -> None:
     report(runs, args)
 
 
+def _median_run(measured: list[Measured]) -> Measured:
+    """The run whose speed is the median (of an even count, the faster middle one): a run that happened."""
+    return sorted(measured, key=lambda m: m.samples_s)[len(measured) // 2]
+
+
 def report(runs: dict[str, list[Measured]], args: argparse.Namespace) -> None:
-    base = statistics.median(m.samples_s for m in runs.get("bf16", runs[next(iter(runs))]))
+    base = _median_run(runs.get("bf16", runs[next(iter(runs))])).samples_s
     lines = [
         f"## float8 recipes on {'a tiny' if args.smoke else args.model + chr(39) + 's'} model "
         f"(bench/float8_scaling.py, {args.repeat} interleaved passes)",
@@ -210,7 +216,7 @@ def report(runs: dict[str, list[Measured]], args: argparse.Namespace) -> None:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for variant, measured in runs.items():
-        median = sorted(measured, key=lambda m: m.samples_s)[len(measured) // 2]
+        median = _median_run(measured)
         each = " / ".join(f"{m.samples_s:.1f}" for m in measured)
         lines.append(
             f"| {variant} | {median.samples_s:.1f} | {each} | {median.samples_s / base:.3f} | "
