@@ -59,13 +59,21 @@ class _Float8Matmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
-        x8, x_inv, w8, w_inv = ctx.saved_tensors
         g8, g_inv = _to_float8(grad, E5M2)
-        grad_x = torch._scaled_mm(g8, _column_major(w8), scale_a=g_inv, scale_b=w_inv, out_dtype=grad.dtype)
-        grad_w = torch._scaled_mm(
-            g8.t().contiguous(), _column_major(x8), scale_a=g_inv, scale_b=x_inv, out_dtype=torch.float32
-        )
-        return grad_x, grad_w.to(ctx.weight_dtype)
+        return _float8_grads(ctx.saved_tensors, ctx.weight_dtype, g8, g_inv, grad.dtype)
+
+
+def _float8_grads(
+    saved: tuple[Tensor, ...], weight_dtype: torch.dtype, g8: Tensor, g_inv: Tensor, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """The input's gradient (in `dtype`) and the weight's (in `weight_dtype`) from the output's, cast
+    (`g8`), and the casts forward saved first (x8, x_inv, w8, w_inv)."""
+    x8, x_inv, w8, w_inv = saved[:4]
+    grad_x = torch._scaled_mm(g8, _column_major(w8), scale_a=g_inv, scale_b=w_inv, out_dtype=dtype)
+    grad_w = torch._scaled_mm(
+        g8.t().contiguous(), _column_major(x8), scale_a=g_inv, scale_b=x_inv, out_dtype=torch.float32
+    )
+    return grad_x, grad_w.to(weight_dtype)
 
 
 # Delayed scaling: what the previous step's absolute maximum is multiplied by for this step's scale, so that
@@ -103,14 +111,10 @@ class _DelayedFloat8Matmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        x8, x_inv, w8, w_inv, seen_grad = ctx.saved_tensors
-        g8, g_inv, g_amax = _to_float8_as_seen(grad, seen_grad, E5M2)
-        seen_grad.copy_(g_amax)
-        grad_x = torch._scaled_mm(g8, _column_major(w8), scale_a=g_inv, scale_b=w_inv, out_dtype=grad.dtype)
-        grad_w = torch._scaled_mm(
-            g8.t().contiguous(), _column_major(x8), scale_a=g_inv, scale_b=x_inv, out_dtype=torch.float32
-        )
-        return grad_x, grad_w.to(ctx.weight_dtype), None, None
+        saved = ctx.saved_tensors  # read before seen_grad's update below (autograd checks its version)
+        g8, g_inv, g_amax = _to_float8_as_seen(grad, saved[4], E5M2)
+        saved[4].copy_(g_amax)
+        return *_float8_grads(saved, ctx.weight_dtype, g8, g_inv, grad.dtype), None, None
 
 
 class Float8Linear(nn.Linear):
@@ -144,8 +148,9 @@ class DelayedFloat8Linear(Float8Linear):
 
 
 def convert_to_float8(model: nn.Module, delayed: bool = False) -> list[str]:
-    """Turn `model`'s eligible nn.Linear modules into Float8Linear in place, and tell the modules that have
-    a `use_float8()` to use it; the names of those converted and of those that took it (True back)."""
+    """Turn `model`'s eligible nn.Linear modules into Float8Linear in place (`delayed`: DelayedFloat8Linear),
+    and tell the modules that have a `use_float8()` to use it; the names of those converted and of those that
+    took it (True back)."""
     uses: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):
         uses[id(param)] = uses.get(id(param), 0) + 1
