@@ -36,9 +36,13 @@ FLOAT8_MULTIPLE = 16
 
 def _to_float8(t: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """`t` scaled so that its absolute maximum is float8's, cast; and the scale that undoes it (float32)."""
-    top = torch.finfo(dtype).max
     amax = t.detach().abs().max().float().clamp(min=1e-12)
-    scale = top / amax
+    return _cast(t, torch.finfo(dtype).max / amax, dtype)
+
+
+def _cast(t: Tensor, scale: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """`t` times `scale`, saturated at float8's maximum and cast; and the scale that undoes it."""
+    top = torch.finfo(dtype).max
     return (t.float() * scale).clamp(-top, top).to(dtype), scale.reciprocal()
 
 
@@ -88,10 +92,8 @@ def _to_float8_as_seen(t: Tensor, seen: Tensor, dtype: torch.dtype) -> tuple[Ten
     """`t` cast with the scale of the absolute maximum `seen` before; the inverse scale, and `t`'s own
     absolute maximum (for the next step). The maximum is taken per row first: that reduction runs in the
     cast's pass (and its producer's: a layer norm, a GELU), leaving one small reduction over the rows."""
-    top = torch.finfo(dtype).max
-    scale = top / (seen * _HEADROOM)
-    cast = (t.float() * scale).clamp(-top, top).to(dtype)
-    return cast, scale.reciprocal(), t.detach().abs().amax(dim=-1).max().float().clamp(min=1e-12)
+    cast, inverse = _cast(t, torch.finfo(dtype).max / (seen * _HEADROOM), dtype)
+    return cast, inverse, t.detach().abs().amax(dim=-1).max().float().clamp(min=1e-12)
 
 
 class _DelayedFloat8Matmul(torch.autograd.Function):
