@@ -15,12 +15,14 @@ import torch.nn.functional as F
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from flodl.averaging.flat import flatten_parameters
+from flodl.averaging.flat import flatten_float32_buffers, flatten_parameters, rank_own_buffers
 from flodl.tasks.bpe import bpe_text, next_token_bits, token_bytes
 from flodl.tasks.chunked_ce import chunked_cross_entropy
 from flodl.tasks.gpt import GPT
-from flodl.worker.float8 import DelayedFloat8Linear, Float8Linear, convert_to_float8
+from flodl.worker.float8 import Float8Linear, convert_to_float8, restore_scaling, scaling_state
+from flodl.worker.rank_state import restore_stepper, stepper_state
 from tests.helpers.corpus import fake_library
+from tests.helpers.digits_stepper import digits_stepper, train_steps
 from tests.helpers.procs import CONF, train
 
 TASK = CONF / "task" / "gpt2_124m.yaml"
@@ -214,7 +216,10 @@ def test_a_float8_linear_is_close_to_its_matmul_both_ways() -> None:
     reference.load_state_dict(layer.state_dict())
     convert_to_float8(layer_holder := torch.nn.Sequential(layer))
     assert isinstance(layer_holder[0], Float8Linear)
-    x = torch.randn(2, 16, 64, requires_grad=True)
+    x = torch.randn(2, 16, 64)
+    layer(x).square().sum().backward()  # a first step: the maxima the next one casts with
+    layer.zero_grad()
+    x = x.requires_grad_()
     x_ref = x.detach().clone().requires_grad_()
     out, expected = layer(x), reference(x_ref)
     assert out.shape == expected.shape
@@ -227,14 +232,12 @@ def test_a_float8_linear_is_close_to_its_matmul_both_ways() -> None:
 
 
 @pytest.mark.multiproc  # inductor compiles its C++ kernels with g++
-def test_delayed_scaling_casts_with_the_step_befores_maxima_compiled_as_eager() -> None:
+def test_float8_casts_with_the_step_befores_maxima_compiled_as_eager() -> None:
     """The input and the gradient are cast with the scales of the maxima seen the step before, then those
     are updated: compiled, a backward pass once read the updated maximum instead (gradients 100x off)."""
     torch.manual_seed(0)
     eager = torch.nn.Sequential(torch.nn.Linear(64, 48, bias=False))
-    convert_to_float8(eager, delayed=True)
-    assert isinstance(eager[0], DelayedFloat8Linear)
-    assert "0.float8_seen_input" not in eager.state_dict()  # not saved: checkpoints keep their keys
+    convert_to_float8(eager)
     compiled_copy = copy.deepcopy(eager)
     compiled = torch.compile(compiled_copy, fullgraph=True)
     for layer in (eager[0], compiled_copy[0]):  # far from this step's maxima: a stale scale shows
@@ -254,6 +257,62 @@ def test_delayed_scaling_casts_with_the_step_befores_maxima_compiled_as_eager() 
     for layer in (eager[0], compiled_copy[0]):  # this step's maxima, for the next
         assert float(layer.float8_seen_input) == pytest.approx(float(x.abs().max()))
         assert float(layer.float8_seen_grad) == 1.0  # d sum / d out
+
+
+def test_float8s_maxima_are_each_ranks_own_and_outside_the_models_state() -> None:
+    """model.pt loads into the plain model; the local-SGD rounds average, and DDP broadcasts, only the state
+    buffers (a BatchNorm's statistics), never the maxima a rank saw."""
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.BatchNorm1d(32), torch.nn.Linear(32, 16))
+    plain = copy.deepcopy(model)
+    convert_to_float8(model)
+    assert model.state_dict().keys() == plain.state_dict().keys()
+    assert sorted(rank_own_buffers(model)) == [
+        "0.float8_seen_grad",
+        "0.float8_seen_input",
+        "2.float8_seen_grad",
+        "2.float8_seen_input",
+    ]
+    flat = flatten_float32_buffers(model)
+    assert flat is not None and flat.buffer.numel() == 2 * 32  # BatchNorm's running mean and variance
+    assert model[0].float8_seen_input.data_ptr() != flat.buffer.data_ptr()
+    flat.buffer.fill_(3.0)
+    assert float(model[1].running_var[0]) == 3.0 and float(model[0].float8_seen_input) != 3.0
+    seen = scaling_state(model)
+    model.eval()  # eval, and a training-mode pass without gradients (the FLOP count), cast but see nothing
+    model(torch.randn(4, 32) * 50)
+    with torch.no_grad():
+        model.train()(torch.randn(4, 32) * 50)
+    assert all(torch.equal(scaling_state(model)[name], seen[name]) for name in seen)
+    model(torch.randn(4, 32) * 50).sum().backward()  # a training step sees
+    assert not torch.equal(scaling_state(model)["0"], seen["0"])
+
+
+@pytest.mark.skipif(not _float8_matmuls(), reason="this torch has no float8 matmuls on the CPU")
+def test_a_resumed_fp8_rank_casts_with_the_maxima_its_checkpoint_kept(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Exact resume: a rank restored from its state steps as the uninterrupted one, bit for bit (with the
+    first step's guess instead of the kept maxima, its first cast differs)."""
+    torch.manual_seed(0)
+    running = digits_stepper("precision=fp8")
+    train_steps(running, 6)
+    # Copies, as a checkpoint's are (the optimizer's state_dict holds its live tensors).
+    state, weights = copy.deepcopy((stepper_state(running), running.parts.model.state_dict()))
+    assert sorted(state["float8"]) == ["net.0", "net.2"]  # the MLP's two layers of multiples of 16
+    train_steps(running, 3)
+    resumed = digits_stepper("precision=fp8")
+    resumed.parts.model.load_state_dict(weights)
+    restore_stepper(resumed, state)
+    train_steps(resumed, 3)
+    for (name, want), got in zip(
+        running.parts.model.state_dict().items(), resumed.parts.model.state_dict().values(), strict=True
+    ):
+        assert torch.equal(got, want), name
+    guessing = digits_stepper("precision=fp8")
+    with caplog.at_level("INFO", logger="flodl.worker.float8"):
+        restore_scaling(guessing.parts.model, {})  # a checkpoint written under bf16, or before the maxima
+    assert "no maxima for 2 layers (net.0, ...): their first step guesses" in caplog.text
+    assert scaling_state(guessing.parts.model)["net.0"].tolist() == [64.0, 1.0]
 
 
 @pytest.mark.multiproc

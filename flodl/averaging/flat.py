@@ -54,17 +54,32 @@ def flatten_parameters(model: nn.Module) -> list[FlatGroup]:
     return [_flatten(group, repoint) for group in _group_by_dtype(params).values()]
 
 
+def state_buffers(model: nn.Module) -> list[tuple[str, nn.Module, str, Tensor]]:
+    """The buffers that are the model's state, those its state_dict saves: (qualified name, module, name,
+    tensor). Those registered persistent=False are constants or a rank's own (float8's maxima seen,
+    flodl/worker/float8.py): never averaged, broadcast or compared across ranks."""
+    return [
+        (f"{prefix}.{name}" if prefix else name, module, name, buf)
+        for prefix, module in model.named_modules()
+        for name, buf in module._buffers.items()
+        if buf is not None and name not in module._non_persistent_buffers_set
+    ]
+
+
+def rank_own_buffers(model: nn.Module) -> list[str]:
+    """The qualified names of the buffers `state_buffers` leaves out (DDP is told to leave them too)."""
+    state = {qualified for qualified, *_ in state_buffers(model)}
+    return [name for name, _ in model.named_buffers(remove_duplicate=False) if name not in state]
+
+
 @torch.no_grad()
 def flatten_float32_buffers(model: nn.Module) -> FlatGroup | None:
-    """Re-point float32 buffers (e.g. BatchNorm statistics) into one flat buffer; None if none.
+    """Re-point the float32 state buffers (e.g. BatchNorm statistics) into one flat buffer; None if none.
 
-    Other buffers (integer counters) stay local and are never averaged.
+    Other buffers (integer counters, `rank_own_buffers`) stay where they are and are never averaged.
     """
     owned = [
-        (module, name, buf)
-        for module in model.modules()
-        for name, buf in module._buffers.items()
-        if buf is not None and buf.dtype == torch.float32
+        (module, name, buf) for _, module, name, buf in state_buffers(model) if buf.dtype == torch.float32
     ]
     if not owned:
         return None

@@ -195,8 +195,9 @@ class FlodlConfig:
     # Micro-batches of batch_size per optimizer step (the global batch is world x grad_accum x batch_size).
     grad_accum: int = 1
     # Autocast of the forward pass: fp32 (off), bf16, or fp16 with a GradScaler (CUDA only); fp8: bf16 with
-    # the model's linear layers multiplying in float8, dynamically scaled (a GPU of compute capability 8.9+:
-    # H100/H200, L40S). Parameters, optimizer state, the consensus and checkpoints stay float32.
+    # the model's linear layers multiplying in float8, scaled by the maxima of the step before (a GPU of
+    # compute capability 8.9+: H100/H200, L40S). Parameters, optimizer state, the consensus and checkpoints
+    # stay float32.
     precision: str = "fp32"
     # torch.compile the training module (DDP under sync); compile_mode is torch.compile's `mode`, or auto:
     # reduce-overhead (CUDA graphs) on a GPU, where it measured fastest (never slower than default), except

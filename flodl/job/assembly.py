@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from flodl.averaging.consensus import DeviceAverager, HostAverager
 from flodl.averaging.ddp_hooks import SettledBuckets, settled_gradient_hook
+from flodl.averaging.flat import rank_own_buffers
 from flodl.averaging.outer import OuterSettings
 from flodl.averaging.wire import Wire, wire_for
 from flodl.config.host import RankEnv
@@ -64,6 +65,8 @@ def _ddp(
     # (collective: every rank builds its worker in step). Survive's group is gloo then already.
     if group is None and cfg.backend == "cpu" and device.type == "cuda":
         group = dist.new_group(backend="gloo")
+    if own := rank_own_buffers(parts.model):  # float8's maxima seen: not broadcast from rank 0 each step
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(parts.model, own)
     ddp = DistributedDataParallel(
         parts.model, device_ids=device_ids, gradient_as_bucket_view=True, process_group=group
     )

@@ -1,32 +1,36 @@
 """precision=fp8: the model's linear layers multiply in float8 (torch._scaled_mm), scaled per tensor.
 
-Each matmul of a converted nn.Linear casts its operands to float8 with a scale from their current absolute
-maximum (inputs and weights e4m3, gradients e5m2, as float8 training recipes do) and accumulates in higher
-precision; the output and gradients come back in the input's dtype (bf16 under autocast). torch.compile
-fuses the amax and casts into the neighbouring kernels.
+Each matmul of a converted nn.Linear casts its operands to float8 (inputs and weights e4m3, gradients e5m2,
+as float8 training recipes do) and accumulates in higher precision; the output and gradients come back in
+the input's dtype (bf16 under autocast). The weight, small, is scaled by its own absolute maximum. The input
+and the gradient are scaled by the maxima the layer saw the step before (delayed scaling): the cast and the
+new maximum then run in the kernel that produces them (a layer norm, a GELU, their backward passes, fused
+by torch.compile), where taking the current maximum first would cost a pass of its own. On GPT-2-124M's
+model this measured 1.12x bf16, per-tensor current scaling 0.97x (one H200,
+bench/results/2026-12-05-float8-scaling-1x-NVIDIA-H200.md).
+
+The maxima are 0-dim float32 buffers, outside the model's state_dict (model.pt loads into the plain model):
+each rank keeps its own (they are no model state: not averaged, not broadcast by DDP), and a checkpoint
+keeps them in the rank's part (`scaling_state`), so a resumed run casts as the uninterrupted one would. A
+run's first step casts with a guess.
 
 The conversion swaps a module's class and nothing else: its weight and bias stay the same Parameter objects,
 read at every call, so the flat buffers (flodl/averaging/flat.py), the optimizer, DDP and captured CUDA
 graphs keep pointing at what trains. Layers whose weight another module shares (a tied output layer), those
-whose sizes float8 matmuls cannot take (multiples of 16) and those a model marked `float8 = False` (where it
-measured float8 slower, flodl/tasks/gpt.py's `float8_blocks`) stay as they are. A module with a
-`use_float8()` method is told to run its own matmuls in float8 (the GPT's tied output layer, inside its
-chunked loss).
-
-At width 768 these per-tensor casts cost more than the faster matmuls save, while the 50k-wide output
-layer's matmuls gain (bench/results/2026-12-04-gpt2-124m-mfu-fp8-1x-NVIDIA-H200.md, torchao's casts too).
-Delayed scaling (`convert_to_float8(delayed=True)`: each cast takes the maximum seen the step before, so it
-runs in its producer's kernel) pays in the blocks: 1.12x bf16 on GPT-2-124M, 1.09x on gpt2_small
-(bench/results/2026-12-05-float8-scaling-1x-NVIDIA-H200.md). It is not precision=fp8's recipe yet: its
-maxima are not saved in checkpoints, and its loss on a real corpus is not measured.
+whose sizes float8 matmuls cannot take (multiples of 16) and those a model marked `float8 = False`
+(flodl/tasks/gpt.py's `float8_blocks`) stay as they are. A module with a `use_float8()` method is told to
+run its own matmuls in float8 (the GPT's tied output layer, inside its chunked loss).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+log = logging.getLogger(__name__)
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -50,42 +54,14 @@ def _column_major(t: Tensor) -> Tensor:
     return t.t().contiguous().t()
 
 
-class _Float8Matmul(torch.autograd.Function):
-    """x (rows, in) @ weight (out, in).T in float8, both passes."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor) -> Tensor:
-        x8, x_inv = _to_float8(x, E4M3)
-        w8, w_inv = _to_float8(weight, E4M3)
-        ctx.save_for_backward(x8, x_inv, w8, w_inv)
-        ctx.weight_dtype = weight.dtype
-        return torch._scaled_mm(x8, w8.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=x.dtype)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
-        g8, g_inv = _to_float8(grad, E5M2)
-        return _float8_grads(ctx.saved_tensors, ctx.weight_dtype, g8, g_inv, grad.dtype)
-
-
-def _float8_grads(
-    saved: tuple[Tensor, ...], weight_dtype: torch.dtype, g8: Tensor, g_inv: Tensor, dtype: torch.dtype
-) -> tuple[Tensor, Tensor]:
-    """The input's gradient (in `dtype`) and the weight's (in `weight_dtype`) from the output's, cast
-    (`g8`), and the casts forward saved first (x8, x_inv, w8, w_inv)."""
-    x8, x_inv, w8, w_inv = saved[:4]
-    grad_x = torch._scaled_mm(g8, _column_major(w8), scale_a=g_inv, scale_b=w_inv, out_dtype=dtype)
-    grad_w = torch._scaled_mm(
-        g8.t().contiguous(), _column_major(x8), scale_a=g_inv, scale_b=x_inv, out_dtype=torch.float32
-    )
-    return grad_x, grad_w.to(weight_dtype)
-
-
-# Delayed scaling: what the previous step's absolute maximum is multiplied by for this step's scale, so that
-# values may grow this much in one step before they saturate.
+# What the previous step's absolute maximum is multiplied by for this step's scale, so that values may grow
+# this much in one step before they saturate.
 _HEADROOM = 2.0
 # The first step's absolute maxima, before any was seen: inputs (layer norm and GELU outputs are a few units)
 # and gradients (far below 1). Too high costs low values precision for that step, too low saturates it.
 _FIRST_SEEN = {E4M3: 64.0, E5M2: 1.0}
+# A Float8Linear's buffers of the maxima seen, in the order `scaling_state` keeps them.
+SEEN = (("float8_seen_input", E4M3), ("float8_seen_grad", E5M2))
 
 
 def _to_float8_as_seen(t: Tensor, seen: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
@@ -96,16 +72,20 @@ def _to_float8_as_seen(t: Tensor, seen: Tensor, dtype: torch.dtype) -> tuple[Ten
     return cast, inverse, t.detach().abs().amax(dim=-1).max().float().clamp(min=1e-12)
 
 
-class _DelayedFloat8Matmul(torch.autograd.Function):
-    """As _Float8Matmul, the input and the gradient scaled by the maxima their module saw the step before
-    (`seen_input`, `seen_grad`: 0-dim buffers, updated here); the weight, small, by its own. Each buffer is
-    written whole: torch.compile (inductor) let a backward pass read an in-place update of one element of a
-    shared buffer before it was due (its gradient measured 100x off)."""
+class _Float8Matmul(torch.autograd.Function):
+    """x (rows, in) @ weight (out, in).T in float8, both passes; the input and the gradient scaled by the
+    maxima their module saw the step before (`seen_input`, `seen_grad`: 0-dim buffers, updated here by a
+    training step, never by eval or a FLOP count: `training`). Each buffer is written whole: torch.compile
+    (inductor) let a backward pass read an in-place update of one element of a shared buffer before it was
+    due (its gradient measured 100x off)."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, seen_input: Tensor, seen_grad: Tensor) -> Tensor:
+    def forward(
+        ctx: Any, x: Tensor, weight: Tensor, seen_input: Tensor, seen_grad: Tensor, training: bool
+    ) -> Tensor:
         x8, x_inv, x_amax = _to_float8_as_seen(x, seen_input, E4M3)
-        seen_input.copy_(x_amax)
+        if training:
+            seen_input.copy_(x_amax)
         w8, w_inv = _to_float8(weight, E4M3)
         ctx.save_for_backward(x8, x_inv, w8, w_inv, seen_grad)
         ctx.weight_dtype = weight.dtype
@@ -113,46 +93,72 @@ class _DelayedFloat8Matmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        saved = ctx.saved_tensors  # read before seen_grad's update below (autograd checks its version)
-        g8, g_inv, g_amax = _to_float8_as_seen(grad, saved[4], E5M2)
-        saved[4].copy_(g_amax)
-        return *_float8_grads(saved, ctx.weight_dtype, g8, g_inv, grad.dtype), None, None
+        x8, x_inv, w8, w_inv, seen_grad = ctx.saved_tensors  # read before the update (autograd checks)
+        g8, g_inv, g_amax = _to_float8_as_seen(grad, seen_grad, E5M2)
+        seen_grad.copy_(g_amax)
+        grad_x = torch._scaled_mm(g8, _column_major(w8), scale_a=g_inv, scale_b=w_inv, out_dtype=grad.dtype)
+        grad_w = torch._scaled_mm(
+            g8.t().contiguous(), _column_major(x8), scale_a=g_inv, scale_b=x_inv, out_dtype=torch.float32
+        )
+        return grad_x, grad_w.to(ctx.weight_dtype), None, None, None
 
 
 class Float8Linear(nn.Linear):
     """An nn.Linear whose matmul runs in float8 (made by `convert_to_float8`, never built directly)."""
+
+    float8_seen_input: Tensor
+    float8_seen_grad: Tensor
 
     def forward(self, x: Tensor) -> Tensor:
         device = x.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         with torch.autocast(device, enabled=False):
             rows = x.reshape(-1, self.in_features).to(dtype)
-            out = self._matmul(rows)
+            training = self.training and torch.is_grad_enabled()
+            out = _Float8Matmul.apply(
+                rows, self.weight, self.float8_seen_input, self.float8_seen_grad, training
+            )
             if self.bias is not None:
                 out = out + self.bias.to(dtype)
         return out.view(*x.shape[:-1], self.out_features)
 
-    def _matmul(self, rows: Tensor) -> Tensor:
-        return _Float8Matmul.apply(rows, self.weight)
+
+def scaling_state(model: nn.Module) -> dict[str, Tensor]:
+    """Each float8 layer's maxima seen (input, gradient), by the layer's name: what a rank's checkpoint part
+    keeps (copies: the layers go on updating theirs)."""
+    return {
+        name: torch.stack([getattr(module, seen) for seen, _ in SEEN])
+        for name, module in model.named_modules()
+        if isinstance(module, Float8Linear)
+    }
 
 
-class DelayedFloat8Linear(Float8Linear):
-    """A Float8Linear whose input and gradient take the scales of the step before (`float8_seen_*`
-    buffers, not saved: a resumed run's first step guesses as the first run's did)."""
+def restore_scaling(model: nn.Module, state: dict[str, Tensor]) -> None:
+    """Put back the maxima `scaling_state` kept, in place (captured CUDA graphs read these buffers). Layers
+    the state has none for (a checkpoint of another precision, or older than the maxima) keep the first
+    step's guess, as a new run's do; both are said."""
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, Float8Linear)}
+    with torch.no_grad():
+        for name in layers.keys() & state.keys():
+            for index, (seen, _) in enumerate(SEEN):
+                getattr(layers[name], seen).copy_(state[name][index])
+    if missing := sorted(layers.keys() - state.keys()):
+        log.info(
+            "float8: the checkpoint has no maxima for %d layers (%s, ...): their first step guesses",
+            len(missing),
+            missing[0],
+        )
+    if unknown := sorted(state.keys() - layers.keys()):
+        log.info(
+            "float8: the checkpoint's maxima of %d layers not in float8 here (%s, ...) are not used",
+            len(unknown),
+            unknown[0],
+        )
 
-    def _matmul(self, rows: Tensor) -> Tensor:
-        return _DelayedFloat8Matmul.apply(rows, self.weight, self.float8_seen_input, self.float8_seen_grad)
 
-    def take_delayed_scaling(self) -> None:
-        device = self.weight.device
-        for name, dtype in (("float8_seen_input", E4M3), ("float8_seen_grad", E5M2)):
-            self.register_buffer(name, torch.tensor(_FIRST_SEEN[dtype], device=device), persistent=False)
-
-
-def convert_to_float8(model: nn.Module, delayed: bool = False) -> list[str]:
-    """Turn `model`'s eligible nn.Linear modules into Float8Linear in place (`delayed`: DelayedFloat8Linear),
-    and tell the modules that have a `use_float8()` to use it; the names of those converted and of those that
-    took it (True back)."""
+def convert_to_float8(model: nn.Module) -> list[str]:
+    """Turn `model`'s eligible nn.Linear modules into Float8Linear in place, and tell the modules that have a
+    `use_float8()` to use it; the names of those converted and of those that took it (True back)."""
     uses: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):
         uses[id(param)] = uses.get(id(param), 0) + 1
@@ -168,9 +174,10 @@ def convert_to_float8(model: nn.Module, delayed: bool = False) -> list[str]:
             continue
         if module.in_features % FLOAT8_MULTIPLE or module.out_features % FLOAT8_MULTIPLE:
             continue
-        module.__class__ = DelayedFloat8Linear if delayed else Float8Linear
-        if isinstance(module, DelayedFloat8Linear):
-            module.take_delayed_scaling()
+        module.__class__ = Float8Linear
+        for seen, dtype in SEEN:  # not saved with the model: `scaling_state`
+            first = torch.tensor(_FIRST_SEEN[dtype], device=module.weight.device)
+            module.register_buffer(seen, first, persistent=False)
         converted.append(name)
     if not converted:
         raise ValueError(

@@ -1,5 +1,5 @@
-"""What one rank must keep to continue exactly: optimizer, scheduler, GradScaler, RNG streams, step
-counters and, reading a stream, where its readers stand."""
+"""What one rank must keep to continue exactly: optimizer, scheduler, GradScaler, float8's maxima seen, RNG
+streams, step counters and, reading a stream, where its readers stand."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from flodl.worker.float8 import restore_scaling, scaling_state
 from flodl.worker.stepper import Stepper
 
 
@@ -58,6 +59,8 @@ def stepper_state(stepper: Stepper) -> dict[str, Any]:
         "rng": rng_state(stepper.device),
         # fp16's loss scale and growth tracker (empty otherwise): a resumed run steps with the same scale.
         "scaler": stepper.scaler.state_dict(),
+        # fp8's maxima seen the step before, by layer (empty otherwise): the next step's casts.
+        "float8": scaling_state(parts.model),
         # A stream's readers after the batches trained (flodl/data/stream.py); None for any other data.
         "data": stepper.feeder.state(),
     }
@@ -78,6 +81,7 @@ def restore_stepper(stepper: Stepper, state: dict[str, Any]) -> None:
     stepper.schedule_position = int(state["schedule_position"])
     if state.get("scaler"):  # empty under fp32/bf16 (and absent from checkpoints older than precision)
         stepper.scaler.load_state_dict(state["scaler"])
+    restore_scaling(parts.model, state.get("float8", {}))  # absent from checkpoints before 2026-12-05
     if "rng" in state:  # absent from a `shared_state`: this rank keeps its own streams (and readers)
         set_rng_state(state["rng"], stepper.device)
         _restore_readers(stepper, state.get("data"))

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flodl.averaging.flat import state_digest
+from flodl.averaging.flat import state_buffers, state_digest
 from flodl.averaging.wire import Wire
 from flodl.checkpoints.disk import Point
 from flodl.counting import shown_epoch
@@ -320,11 +320,11 @@ class SyncWorker(WorkerBase):
         self._log_state("the last epoch")
 
     def _log_state(self, what: str) -> None:
-        """This rank's parameters and buffers, fingerprinted (members hold the same, bit for bit)."""
+        """This rank's parameters and state buffers, fingerprinted (members hold the same, bit for bit)."""
         model = self.stepper.parts.model
 
         def state() -> str:
-            digest = state_digest([*model.parameters(), *model.buffers()])
+            digest = state_digest([*model.parameters(), *(buf for *_, buf in state_buffers(model))])
             return f"{what}: {digest}, global steps {self.stepper.steps_total}, {self.optimizer_words()}"
 
         self.group.say_state(state)
