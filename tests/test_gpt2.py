@@ -16,6 +16,8 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from flodl.averaging.flat import flatten_float32_buffers, flatten_parameters, rank_own_buffers
+from flodl.config.host import float8_matmul, gpu_capability
+from flodl.config.rules.host_fit import FP8_CAPABILITY
 from flodl.tasks.bpe import bpe_text, next_token_bits, token_bytes
 from flodl.tasks.chunked_ce import chunked_cross_entropy
 from flodl.tasks.gpt import GPT
@@ -82,7 +84,14 @@ def _float8_matmuls() -> bool:
     return True
 
 
-@pytest.mark.skipif(not _float8_matmuls(), reason="this torch has no float8 matmuls on the CPU")
+_CPU_FLOAT8 = pytest.mark.skipif(not _float8_matmuls(), reason="this torch has no float8 matmuls on the CPU")
+_GPU_FLOAT8 = pytest.mark.skipif(
+    not torch.cuda.is_available() or not float8_matmul() or (gpu_capability() or (0, 0)) < FP8_CAPABILITY,
+    reason="needs a GPU with float8 matmuls (compute capability 8.9+)",
+)
+
+
+@_CPU_FLOAT8
 def test_the_float8_chunked_loss_is_close_to_the_exact_one() -> None:
     torch.manual_seed(0)
     hidden = torch.randn(48, 32, requires_grad=True)
@@ -232,18 +241,22 @@ def test_a_float8_linear_is_close_to_its_matmul_both_ways() -> None:
 
 
 @pytest.mark.multiproc  # inductor compiles its C++ kernels with g++
-def test_float8_casts_with_the_step_befores_maxima_compiled_as_eager() -> None:
+@pytest.mark.parametrize(
+    "device",
+    [pytest.param("cpu", marks=_CPU_FLOAT8), pytest.param("cuda", marks=[pytest.mark.gpu, _GPU_FLOAT8])],
+)
+def test_float8_casts_with_the_step_befores_maxima_compiled_as_eager(device: str) -> None:
     """The input and the gradient are cast with the scales of the maxima seen the step before, then those
     are updated: compiled, a backward pass once read the updated maximum instead (gradients 100x off)."""
     torch.manual_seed(0)
-    eager = torch.nn.Sequential(torch.nn.Linear(64, 48, bias=False))
+    eager = torch.nn.Sequential(torch.nn.Linear(64, 48, bias=False)).to(device)
     convert_to_float8(eager)
     compiled_copy = copy.deepcopy(eager)
     compiled = torch.compile(compiled_copy, fullgraph=True)
     for layer in (eager[0], compiled_copy[0]):  # far from this step's maxima: a stale scale shows
         layer.float8_seen_input.fill_(100.0)
         layer.float8_seen_grad.fill_(100.0)
-    x = torch.randn(32, 64)
+    x = torch.randn(32, 64, device=device)
     results = []
     for model, layer in ((eager, eager[0]), (compiled, compiled_copy[0])):
         x_in = x.clone().requires_grad_()
@@ -252,7 +265,7 @@ def test_float8_casts_with_the_step_befores_maxima_compiled_as_eager() -> None:
         results.append((out.detach(), x_in.grad, layer.weight.grad))
     for got, want in zip(results[1], results[0], strict=True):
         torch.testing.assert_close(got, want)
-    exact_grad = torch.ones(32, 48) @ eager[0].weight.detach()
+    exact_grad = torch.ones(32, 48, device=device) @ eager[0].weight.detach()
     assert float((results[0][1] - exact_grad).norm() / exact_grad.norm()) < 0.15
     for layer in (eager[0], compiled_copy[0]):  # this step's maxima, for the next
         assert float(layer.float8_seen_input) == pytest.approx(float(x.abs().max()))
@@ -287,20 +300,26 @@ def test_float8s_maxima_are_each_ranks_own_and_outside_the_models_state() -> Non
     assert not torch.equal(scaling_state(model)["0"], seen["0"])
 
 
-@pytest.mark.skipif(not _float8_matmuls(), reason="this torch has no float8 matmuls on the CPU")
+@pytest.mark.parametrize(
+    "device",
+    [
+        pytest.param("cpu", marks=_CPU_FLOAT8),
+        pytest.param("cuda", marks=[pytest.mark.gpu, _GPU_FLOAT8]),
+    ],
+)
 def test_a_resumed_fp8_rank_casts_with_the_maxima_its_checkpoint_kept(
-    caplog: pytest.LogCaptureFixture,
+    device: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Exact resume: a rank restored from its state steps as the uninterrupted one, bit for bit (with the
     first step's guess instead of the kept maxima, its first cast differs)."""
     torch.manual_seed(0)
-    running = digits_stepper("precision=fp8")
+    running = digits_stepper("precision=fp8", device=device)
     train_steps(running, 6)
     # Copies, as a checkpoint's are (the optimizer's state_dict holds its live tensors).
     state, weights = copy.deepcopy((stepper_state(running), running.parts.model.state_dict()))
     assert sorted(state["float8"]) == ["net.0", "net.2"]  # the MLP's two layers of multiples of 16
     train_steps(running, 3)
-    resumed = digits_stepper("precision=fp8")
+    resumed = digits_stepper("precision=fp8", device=device)
     resumed.parts.model.load_state_dict(weights)
     restore_stepper(resumed, state)
     train_steps(resumed, 3)
@@ -308,7 +327,7 @@ def test_a_resumed_fp8_rank_casts_with_the_maxima_its_checkpoint_kept(
         running.parts.model.state_dict().items(), resumed.parts.model.state_dict().values(), strict=True
     ):
         assert torch.equal(got, want), name
-    guessing = digits_stepper("precision=fp8")
+    guessing = digits_stepper("precision=fp8", device=device)
     with caplog.at_level("INFO", logger="flodl.worker.float8"):
         restore_scaling(guessing.parts.model, {})  # a checkpoint written under bf16, or before the maxima
     assert "no maxima for 2 layers (net.0, ...): their first step guesses" in caplog.text
