@@ -74,33 +74,31 @@ def _to_float8_as_seen(t: Tensor, seen: Tensor, dtype: torch.dtype) -> tuple[Ten
 
 class _Float8Matmul(torch.autograd.Function):
     """x (rows, in) @ weight (out, in).T in float8, both passes; the input and the gradient scaled by the
-    maxima their module saw the step before (`seen_input`, `seen_grad`: 0-dim buffers, updated here by a
-    training step, never by eval or a FLOP count: `training`). Each buffer is written whole: torch.compile
-    (inductor) let a backward pass read an in-place update of one element of a shared buffer before it was
-    due (its gradient measured 100x off)."""
+    maxima their module saw the step before (`seen_input`, `seen_grad`: 0-dim buffers). Both are written in
+    the backward pass, after every read of them, so eval and the FLOP count (no backward) leave them as they
+    were. Compiled, an earlier form read updates too soon: one element of a shared buffer (gradients 100x
+    off), and the input's maximum written in the forward pass, whose inverse scale the min-cut partitioner
+    recomputed in the backward pass from the written buffer (weight gradients 20-36x off)."""
 
     @staticmethod
-    def forward(
-        ctx: Any, x: Tensor, weight: Tensor, seen_input: Tensor, seen_grad: Tensor, training: bool
-    ) -> Tensor:
+    def forward(ctx: Any, x: Tensor, weight: Tensor, seen_input: Tensor, seen_grad: Tensor) -> Tensor:
         x8, x_inv, x_amax = _to_float8_as_seen(x, seen_input, E4M3)
-        if training:
-            seen_input.copy_(x_amax)
         w8, w_inv = _to_float8(weight, E4M3)
-        ctx.save_for_backward(x8, x_inv, w8, w_inv, seen_grad)
+        ctx.save_for_backward(x8, x_inv, w8, w_inv, x_amax, seen_input, seen_grad)
         ctx.weight_dtype = weight.dtype
         return torch._scaled_mm(x8, w8.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=x.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        x8, x_inv, w8, w_inv, seen_grad = ctx.saved_tensors  # read before the update (autograd checks)
+        x8, x_inv, w8, w_inv, x_amax, seen_input, seen_grad = ctx.saved_tensors  # before the writes below
         g8, g_inv, g_amax = _to_float8_as_seen(grad, seen_grad, E5M2)
-        seen_grad.copy_(g_amax)
         grad_x = torch._scaled_mm(g8, _column_major(w8), scale_a=g_inv, scale_b=w_inv, out_dtype=grad.dtype)
         grad_w = torch._scaled_mm(
             g8.t().contiguous(), _column_major(x8), scale_a=g_inv, scale_b=x_inv, out_dtype=torch.float32
         )
-        return grad_x, grad_w.to(ctx.weight_dtype), None, None, None
+        seen_input.copy_(x_amax)
+        seen_grad.copy_(g_amax)
+        return grad_x, grad_w.to(ctx.weight_dtype), None, None
 
 
 class Float8Linear(nn.Linear):
@@ -114,10 +112,7 @@ class Float8Linear(nn.Linear):
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         with torch.autocast(device, enabled=False):
             rows = x.reshape(-1, self.in_features).to(dtype)
-            training = self.training and torch.is_grad_enabled()
-            out = _Float8Matmul.apply(
-                rows, self.weight, self.float8_seen_input, self.float8_seen_grad, training
-            )
+            out = _Float8Matmul.apply(rows, self.weight, self.float8_seen_input, self.float8_seen_grad)
             if self.bias is not None:
                 out = out + self.bias.to(dtype)
         return out.view(*x.shape[:-1], self.out_features)
