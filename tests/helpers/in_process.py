@@ -92,12 +92,13 @@ class Fault:
 
 @dataclass
 class RankEnd:
-    """How a rank's thread ended: its error (None: it finished), and its model's state then (a finished
-    rank's only)."""
+    """How a rank's thread ended: its error (None: it finished), and its model's state and buffers then (a
+    finished rank's only; `buffers` also holds those outside the state, registered persistent=False)."""
 
     rank: int
     error: str | None = None
     state: dict[str, Tensor] | None = None
+    buffers: dict[str, Tensor] | None = None
 
 
 @dataclass
@@ -240,6 +241,7 @@ class _Harness:
         model = self.models.get(rank)
         if model is not None:
             self.ends[rank].state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            self.ends[rank].buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
         else:
             self._release(rank)
 

@@ -44,6 +44,23 @@ def assert_one_model(run: InProcessRun) -> None:
         assert all(torch.equal(end.state[k], model[k]) for k in model), end.rank
 
 
+@pytest.mark.parametrize("policy", ["sync", "cadence"])
+def test_a_buffer_registered_persistent_false_stays_each_ranks_own(tmp_path: Path, policy: str) -> None:
+    """float8's maxima seen: DDP does not broadcast them from rank 0 before each step (every rank would read
+    rank 0's), the rounds do not average them (every rank would end with the mean); the model agrees."""
+    run = run_in_process(
+        tmp_path / "run",
+        2,
+        f"policy={policy}",
+        "epochs=1",
+        f"batch_size={BATCH}",
+        "task.model._target_=tests.helpers.rank_own.DigitsWithOwnBuffers",
+    )
+    assert_one_model(run)
+    reads = [end.buffers["read"] for end in run.ranks if end.buffers is not None]
+    assert len(reads) == 2 and float(reads[0]) != float(reads[1]), reads
+
+
 @pytest.mark.parametrize("policy", ["sync", "cadence", "async"])
 def test_every_batch_is_trained_once_an_epoch_and_every_rank_ends_with_model_pt(
     tmp_path: Path, policy: str
