@@ -12,7 +12,8 @@ bench/results/2026-12-05-float8-scaling-1x-NVIDIA-H200.md).
 The maxima are 0-dim float32 buffers, outside the model's state_dict (model.pt loads into the plain model):
 each rank keeps its own (they are no model state: not averaged, not broadcast by DDP), and a checkpoint
 keeps them in the rank's part (`scaling_state`), so a resumed run casts as the uninterrupted one would. A
-run's first step casts with a guess.
+run's first step casts with a guess. A layer called more than once in a step (shared across depth) keeps
+the maxima of its first call, whose backward pass runs last; the 2x headroom covers calls that differ less.
 
 The conversion swaps a module's class and nothing else: its weight and bias stay the same Parameter objects,
 read at every call, so the flat buffers (flodl/averaging/flat.py), the optimizer, DDP and captured CUDA
