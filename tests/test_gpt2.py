@@ -16,8 +16,6 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from flodl.averaging.flat import flatten_float32_buffers, flatten_parameters, rank_own_buffers
-from flodl.config.host import float8_matmul, gpu_capability
-from flodl.config.rules.host_fit import FP8_CAPABILITY
 from flodl.tasks.bpe import bpe_text, next_token_bits, token_bytes
 from flodl.tasks.chunked_ce import chunked_cross_entropy
 from flodl.tasks.gpt import GPT
@@ -25,6 +23,7 @@ from flodl.worker.float8 import Float8Linear, convert_to_float8, restore_scaling
 from flodl.worker.rank_state import restore_stepper, stepper_state
 from tests.helpers.corpus import fake_library
 from tests.helpers.digits_stepper import digits_stepper, train_steps
+from tests.helpers.float8 import CPU_FLOAT8, GPU_FLOAT8
 from tests.helpers.procs import CONF, train
 
 TASK = CONF / "task" / "gpt2_124m.yaml"
@@ -73,25 +72,7 @@ def test_the_compiled_chunked_loss_is_the_eager_one() -> None:
         torch.testing.assert_close(got, want)
 
 
-def _float8_matmuls() -> bool:
-    try:
-        one = torch.ones((), dtype=torch.float32)
-        a = torch.zeros(16, 16).to(torch.float8_e5m2)
-        b = torch.zeros(16, 16).to(torch.float8_e4m3fn)
-        torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-    except (RuntimeError, NotImplementedError, AttributeError):
-        return False
-    return True
-
-
-_CPU_FLOAT8 = pytest.mark.skipif(not _float8_matmuls(), reason="this torch has no float8 matmuls on the CPU")
-_GPU_FLOAT8 = pytest.mark.skipif(
-    not torch.cuda.is_available() or not float8_matmul() or (gpu_capability() or (0, 0)) < FP8_CAPABILITY,
-    reason="needs a GPU with float8 matmuls (compute capability 8.9+)",
-)
-
-
-@_CPU_FLOAT8
+@CPU_FLOAT8
 def test_the_float8_chunked_loss_is_close_to_the_exact_one() -> None:
     torch.manual_seed(0)
     hidden = torch.randn(48, 32, requires_grad=True)
@@ -243,7 +224,7 @@ def test_a_float8_linear_is_close_to_its_matmul_both_ways() -> None:
 @pytest.mark.multiproc  # inductor compiles its C++ kernels with g++
 @pytest.mark.parametrize(
     "device",
-    [pytest.param("cpu", marks=_CPU_FLOAT8), pytest.param("cuda", marks=[pytest.mark.gpu, _GPU_FLOAT8])],
+    [pytest.param("cpu", marks=CPU_FLOAT8), pytest.param("cuda", marks=[pytest.mark.gpu, GPU_FLOAT8])],
 )
 def test_float8_casts_with_the_step_befores_maxima_compiled_as_eager(device: str) -> None:
     """The input and the gradient are cast with the scales of the maxima seen the step before, then those
@@ -315,8 +296,8 @@ def test_float8s_maxima_are_each_ranks_own_and_outside_the_models_state() -> Non
 @pytest.mark.parametrize(
     "device",
     [
-        pytest.param("cpu", marks=_CPU_FLOAT8),
-        pytest.param("cuda", marks=[pytest.mark.gpu, _GPU_FLOAT8]),
+        pytest.param("cpu", marks=CPU_FLOAT8),
+        pytest.param("cuda", marks=[pytest.mark.gpu, GPU_FLOAT8]),
     ],
 )
 def test_a_resumed_fp8_rank_casts_with_the_maxima_its_checkpoint_kept(

@@ -8,20 +8,11 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
-from flodl.config.host import float8_matmul, gpu_capability
-from flodl.config.rules.host_fit import FP8_CAPABILITY
+from tests.helpers.float8 import GPU_FLOAT8
 from tests.helpers.procs import train
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.multiproc,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or not float8_matmul() or (gpu_capability() or (0, 0)) < FP8_CAPABILITY,
-        reason="needs a GPU with float8 matmuls (compute capability 8.9+)",
-    ),
-]
+pytestmark = [pytest.mark.gpu, pytest.mark.multiproc, GPU_FLOAT8]
 # A small GPT on the stdlib's bytes (widths multiples of 16 for the float8 matmuls), short enough for a
 # test: 2 epochs of 2 MB in windows of 256 bytes, 64 windows a step.
 SMALL = (
