@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from flodl.averaging.flat import flatten_float32_buffers, flatten_parameters, rank_own_buffers
 from flodl.tasks.bpe import bpe_text, next_token_bits, token_bytes
@@ -265,6 +266,35 @@ def test_float8_casts_with_the_step_befores_maxima_compiled_as_eager(device: str
             assert float(model[3].float8_seen_grad) == 1.0  # d sum / d out
 
 
+@CPU_FLOAT8
+@pytest.mark.multiproc  # inductor compiles its C++ kernels with g++
+def test_compiled_the_inputs_maxima_are_taken_in_the_forward_pass() -> None:
+    """Where each maximum is taken decides the speed: in the forward pass its reduction joins the kernel that
+    makes the input (a layer norm, a GELU). With nothing in the forward pass needing it, inductor's
+    partitioner moved it into the backward pass, which recomputed the input for it (4% of gpt2_124m's fp8
+    step on one H100). Each layer's `float8_latest_input` keeps it in the forward pass."""
+    taken: list[int] = []  # row-wise maxima (amax) per compiled graph: forward, then backward
+
+    class CountMaxima(CustomGraphPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            taken.append(sum(node.target is torch.ops.aten.amax.default for node in graph.nodes))
+
+        def uuid(self) -> None:  # never cached: the count is taken as it compiles
+            return None
+
+    model = torch.nn.Sequential(
+        torch.nn.LayerNorm(64),
+        torch.nn.Linear(64, 128, bias=False),
+        torch.nn.GELU(),
+        torch.nn.Linear(128, 48, bias=False),
+    )
+    convert_to_float8(model)
+    torch._dynamo.reset()  # compile it afresh, not from an earlier test's graphs
+    with torch._inductor.config.patch(post_grad_custom_pre_pass=CountMaxima(), fx_graph_cache=False):
+        torch.compile(model, fullgraph=True)(torch.randn(32, 64, requires_grad=True)).sum().backward()
+    assert taken == [2, 2]  # two layers: their inputs' in the forward pass, their gradients' in the backward
+
+
 def test_float8s_maxima_are_each_ranks_own_and_outside_the_models_state() -> None:
     """model.pt loads into the plain model; the local-SGD rounds average, and DDP broadcasts, only the state
     buffers (a BatchNorm's statistics), never the maxima a rank saw."""
@@ -273,10 +303,7 @@ def test_float8s_maxima_are_each_ranks_own_and_outside_the_models_state() -> Non
     convert_to_float8(model)
     assert model.state_dict().keys() == plain.state_dict().keys()
     assert sorted(rank_own_buffers(model)) == [
-        "0.float8_seen_grad",
-        "0.float8_seen_input",
-        "2.float8_seen_grad",
-        "2.float8_seen_input",
+        f"{layer}.float8_{kind}" for layer in "02" for kind in ("latest_input", "seen_grad", "seen_input")
     ]
     flat = flatten_float32_buffers(model)
     assert flat is not None and flat.buffer.numel() == 2 * 32  # BatchNorm's running mean and variance
