@@ -6,7 +6,8 @@ and the real worker (`make_worker`: SyncWorker with DDP, or LocalSgdWorker with 
 through mailboxes on a real loopback TCPStore. What differs from a rank's process is what `RankMaking` hands
 in: the world is not torch's default process group (one per process) but gloo groups of each rank's own,
 built on the store (a second one for the cpu backend's host rounds, as `make_group` makes); a rank's task is
-built under a lock, so that its model comes from the seed alone; a fault plan wraps a rank's loss.
+built under a lock, so that its model comes from the seed alone; a fault plan wraps a rank's loss. DDP's
+note of the module whose forward runs, a class attribute, is each thread's own.
 
 What the harness cannot cover (a process of its own is the only faithful test of these):
 - torch's RNG, numpy's and Python's are the process's: the ranks' own streams (dropout, augmentation, batch
@@ -43,6 +44,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from torch import Tensor, nn
 from torch.distributed import PrefixStore, TCPStore
+from torch.nn.parallel import DistributedDataParallel
 
 from flodl.config.host import RankEnv
 from flodl.config.policy import PolicyFacts, collective_backend
@@ -167,6 +169,7 @@ class _Harness:
         self.held = dict.fromkeys(range(world), 0)
         self.released = {rank: threading.Event() for rank in range(world)}
         self._refs: list[weakref.ref[dist.ProcessGroup]] = []
+        self.unreleased: list[int] = []  # failed ranks whose process groups stayed held (its peers hang)
         self._build_lock = threading.Lock()
 
     def env(self, rank: int) -> RankEnv:
@@ -198,7 +201,9 @@ class _Harness:
         world = self._formed(exchange, "world", env, device)
         timeout_s = cfg.launch.timeout_s
         if not PolicyFacts.of(cfg).averages_parameters:
-            return _ThreadWorld(env, world, world.process_group(), timeout_s)
+            ddp_group = world.process_group()  # DDP's wrapper holds the gloo group: it must go too
+            self._watch(env.rank, ddp_group)
+            return _ThreadWorld(env, world, ddp_group, timeout_s)
         rounds = self._formed(exchange, "host_rounds", env, device) if cfg.backend == "cpu" else world
         assert rounds.group is not None
         return _ThreadWorld(env, world, rounds.group, timeout_s)
@@ -252,7 +257,7 @@ class _Harness:
             gc.collect()  # its worker's cycles (DDP, the averager) hold them
             if released.wait(0.1):
                 return
-        raise AssertionError(f"rank {rank} failed, but its process groups are still held")
+        self.unreleased.append(rank)
 
 
 def _faulty(
@@ -295,10 +300,42 @@ def run_in_process(
         for thread in threads:
             thread.join(timeout_s)
     running = [t.name for t in threads if t.is_alive()]
+    held = f"failed ranks whose process groups are still held: {harness.unreleased}"
     assert not running, (
-        f"{running} still running after {timeout_s:g} s:\n{(run_dir / 'in_process.log').read_text()[-4000:]}"
+        f"{running} still running after {timeout_s:g} s ({held}):\n"
+        f"{(run_dir / 'in_process.log').read_text()[-4000:]}"
     )
+    assert not harness.unreleased, held
     return InProcessRun(run_dir, info.uid, harness.ends)
+
+
+@contextlib.contextmanager
+def _ddp_forward_per_thread() -> Iterator[None]:
+    """DDP notes the module whose forward runs in a class attribute (for torchdynamo), restoring the one it
+    found there on the way out. One per process with ranks apart; with ranks as threads, two forwards that
+    overlap restore each other's, and the attribute kept a failed rank's DDP, whose gloo pairs then stayed
+    open: its peer's all-reduce waited out its timeout (about one sync run in five). Here each thread keeps
+    its own."""
+    local = threading.local()
+
+    @contextlib.contextmanager
+    @torch._disable_dynamo(recursive=False)
+    def inside_forward(ddp: DistributedDataParallel) -> Iterator[None]:
+        before = getattr(local, "module", None)
+        local.module = ddp
+        try:
+            yield
+        finally:
+            local.module = before
+
+    def active(_: type) -> DistributedDataParallel | None:
+        return getattr(local, "module", None)
+
+    with (
+        mock.patch.object(DistributedDataParallel, "_inside_ddp_forward", inside_forward),
+        mock.patch.object(DistributedDataParallel, "_get_active_ddp_module", classmethod(active)),
+    ):
+        yield
 
 
 @contextlib.contextmanager
@@ -323,6 +360,7 @@ def _one_process(log_file: Path) -> Iterator[None]:
         with contextlib.ExitStack() as ending:
             for module in _ENDS_PROCESS:
                 ending.enter_context(mock.patch.object(module, "end_process", refuse_exit))
+            ending.enter_context(_ddp_forward_per_thread())
             yield
     finally:
         torch.set_num_threads(threads)
