@@ -222,6 +222,16 @@ def test_a_float8_linear_is_close_to_its_matmul_both_ways() -> None:
         assert float((got - want).norm() / want.norm()) < 0.15
 
 
+def _linears_behind_a_norm_and_a_gelu() -> torch.nn.Sequential:
+    """Two linears whose inputs a layer norm and a GELU make: the producers a float8 cast joins, compiled."""
+    return torch.nn.Sequential(
+        torch.nn.LayerNorm(64),
+        torch.nn.Linear(64, 128, bias=False),
+        torch.nn.GELU(),
+        torch.nn.Linear(128, 48, bias=False),
+    )
+
+
 @pytest.mark.multiproc  # inductor compiles its C++ kernels with g++
 @pytest.mark.parametrize(
     "device",
@@ -234,12 +244,7 @@ def test_float8_casts_with_the_step_befores_maxima_compiled_as_eager(device: str
     partitioner recomputed its inverse scale in the backward pass from the buffer: weight gradients 20-36x
     off, behind a layer norm and a GELU). Two steps: the second casts with the first's maxima."""
     torch.manual_seed(0)
-    plain = torch.nn.Sequential(
-        torch.nn.LayerNorm(64),
-        torch.nn.Linear(64, 128, bias=False),
-        torch.nn.GELU(),
-        torch.nn.Linear(128, 48, bias=False),
-    ).to(device)
+    plain = _linears_behind_a_norm_and_a_gelu().to(device)
     eager = copy.deepcopy(plain)
     convert_to_float8(eager)
     compiled_copy = copy.deepcopy(eager)
@@ -282,12 +287,7 @@ def test_compiled_the_inputs_maxima_are_taken_in_the_forward_pass() -> None:
         def uuid(self) -> None:  # never cached: the count is taken as it compiles
             return None
 
-    model = torch.nn.Sequential(
-        torch.nn.LayerNorm(64),
-        torch.nn.Linear(64, 128, bias=False),
-        torch.nn.GELU(),
-        torch.nn.Linear(128, 48, bias=False),
-    )
+    model = _linears_behind_a_norm_and_a_gelu()
     convert_to_float8(model)
     torch._dynamo.reset()  # compile it afresh, not from an earlier test's graphs
     with torch._inductor.config.patch(post_grad_custom_pre_pass=CountMaxima(), fx_graph_cache=False):
