@@ -24,7 +24,7 @@ def test_four_ranks_with_one_slowed_balance_and_checkpoint(tmp_path: Path, polic
         "launch.nproc_per_node=4",
         FAST_START,
         "simulate.slow_rank=3",
-        "simulate.factor=3",
+        "simulate.factor=10",
         "epochs=6",
         "checkpoint_every=3",
         "logger.log_every=0",
@@ -35,9 +35,11 @@ def test_four_ranks_with_one_slowed_balance_and_checkpoint(tmp_path: Path, polic
     records = assert_complete_run(run_dir, world=4, epochs=6)
     later = records[2:]  # after ElChe's calibration
     batches = [sum(r["per_rank"][rank]["batches"] for r in later) for rank in range(4)]
-    # The slowed rank trains the least, clearly less than the fast ranks' mean (4 ranks share 2 CPU cores in
-    # CI, so the fast ranks' own speeds vary); every batch is trained exactly once.
-    assert batches[3] == min(batches) and batches[3] < 0.75 * sum(batches[:3]) / 3, batches
+    # The slowed rank trains the least, clearly less than the fast ranks' mean; every batch is trained exactly
+    # once. The whole run trains for about half a second, and 4 ranks share 2 CPU cores in CI with another
+    # test's: at factor 3 a fast rank held off its core that long once trained less than the slowed one
+    # ([45, 36, 47, 48]). At factor 10 the slowed rank still gets the probe's and async's overshoot steps.
+    assert batches[3] == min(batches) and batches[3] < 0.5 * sum(batches[:3]) / 3, batches
     per_epoch = sum(p["batches"] for p in records[0]["per_rank"])
     assert all(sum(p["batches"] for p in r["per_rank"]) == per_epoch for r in records)
     # Every rank sends the same payload in every round, slow or fast.
