@@ -1,12 +1,13 @@
 """float8 recipes on GPT-2-124M's model, one process on one GPU: the step's time under each, side by side.
 
-    python bench/float8_scaling.py                       # bf16, head, fp8, fp8-mlp; 3 interleaved passes
+    python bench/float8_scaling.py                       # every variant, 3 interleaved passes
     python bench/float8_scaling.py --variants bf16,fp8 --repeat 2 --profile fp8
     python bench/float8_scaling.py --smoke               # a tiny model on CPU: checks the pipeline
 
 Variants (flodl/worker/float8.py): `bf16` (autocast, no float8); `head` (only the tied output layer's matmuls
 in float8, inside the chunked loss: task.model.float8_blocks=false); `fp8` (head, and every block linear:
-precision=fp8); `fp8-mlp` (as fp8, the attention's linears left in bf16). Until 2026-12-05 a `dynamic`
+precision=fp8); `fp8-mlp` (as fp8, the attention's linears left in bf16); `fp8-wgrad` (as fp8, the output
+layer's weight gradient in float8 too: `HeadWeightGradInFloat8`, a probe). Until 2026-12-05 a `dynamic`
 variant scaled the block linears by their operands' current maxima (an extra pass over each before its
 cast): 0.97x bf16 where delayed scaling, today's recipe, measured 1.12x. The model is task=gpt2_124m's (12 x
 768, context 1024, vocabulary 50,304, tied, no biases, loss in chunks of 16,384), torch.compile'd (--mode),
@@ -20,19 +21,23 @@ counts. MFU: 6N + 12·L·d·T per token over the bf16 dense peak (989 TFLOPS on 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.benchlib import REPO, environment_lines, results_path, write_report
+from flodl.tasks import chunked_ce
 from flodl.tasks.gpt import GPT
-from flodl.worker.float8 import convert_to_float8
+from flodl.worker.float8 import E4M3, FLOAT8_MULTIPLE, _column_major, _to_float8, convert_to_float8
 
-VARIANTS = ("bf16", "head", "fp8", "fp8-mlp")
+VARIANTS = ("bf16", "head", "fp8", "fp8-mlp", "fp8-wgrad")
 BF16_PEAK_FLOPS = 989e12
 SHAPES = {
     "gpt2_124m": {
@@ -69,6 +74,38 @@ def build(variant: str, shape: dict[str, int], device: torch.device) -> GPT:
     if variant != "bf16":
         convert_to_float8(model)
     return model
+
+
+class HeadWeightGradInFloat8(chunked_ce._Float8Head):
+    """fp8-wgrad's output layer: its weight gradient in float8 too, the last large bf16 matmul of fp8's step
+    (a third of the head's FLOPs). The softmax gradient e5m2 at its fixed scale, transposed (the tokens are
+    the contraction: torch._scaled_mm wants them along the rows of the first operand), times the hidden
+    states e4m3 as columns. A chunk whose token count is no multiple of 16 (a batch's last) multiplies in
+    the work dtype. A probe: it moves into flodl/tasks/chunked_ce.py if it pays."""
+
+    def grads(self, h: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        g8 = self.cast_grad(grad)
+        if h.shape[0] % FLOAT8_MULTIPLE:
+            return self.grad_hidden(g8), grad.t() @ h
+        h8, h_inv = _to_float8(h, E4M3)
+        grad_weight = torch._scaled_mm(
+            g8.t().contiguous(),
+            _column_major(h8),
+            scale_a=self.grad_inv,
+            scale_b=h_inv,
+            out_dtype=torch.float32,
+        )
+        return self.grad_hidden(g8), grad_weight
+
+
+@contextlib.contextmanager
+def head_of(variant: str) -> Iterator[None]:
+    """The chunked loss's float8 head for `variant` (fp8-wgrad's in place of flodl's) while it runs."""
+    if variant != "fp8-wgrad":
+        yield
+        return
+    with mock.patch.object(chunked_ce, "_Float8Head", HeadWeightGradInFloat8):
+        yield
 
 
 def run(variant: str, shape: dict[str, int], args: argparse.Namespace, device: torch.device) -> Measured:
@@ -189,7 +226,8 @@ def main() -> None:
     for repeat in range(args.repeat):
         for variant in variants:
             torch._dynamo.reset()
-            measured = run(variant, shape, args, device)
+            with head_of(variant):
+                measured = run(variant, shape, args, device)
             runs[variant].append(measured)
             graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
             print(f"pass {repeat + 1} {variant}: {measured}; {graphs} graph(s)", flush=True)

@@ -47,8 +47,9 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             logits = head.logits(h) if head is not None else h @ low.t()
             loss, grad = _loss_and_grad(logits, picked, work)
             total = total + loss
-            grad_hidden[start : start + chunk] = head.grad_hidden(grad) if head is not None else grad @ low
-            grad_weight += (grad.t() @ h).float()
+            grad_h, grad_w = head.grads(h, grad) if head is not None else (grad @ low, grad.t() @ h)
+            grad_hidden[start : start + chunk] = grad_h
+            grad_weight += grad_w.float()
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.rows = rows
         ctx.weight_dtype = weight.dtype
@@ -82,8 +83,9 @@ def _loss_and_grad(logits: Tensor, targets: Tensor, dtype: torch.dtype) -> tuple
 
 
 class _Float8Head:
-    """The output layer's two matmuls of a step in float8; the weight cast once per forward, both layouts
-    (torch._scaled_mm multiplies a row-major operand by a column-major one)."""
+    """The output layer's logits and hidden-state gradient in float8 (its weight gradient stays in the work
+    dtype); the weight cast once per forward, both layouts (torch._scaled_mm multiplies a row-major operand
+    by a column-major one)."""
 
     def __init__(self, weight: Tensor, out_dtype: torch.dtype) -> None:
         self.out_dtype = out_dtype
@@ -97,8 +99,15 @@ class _Float8Head:
             h8, self.weight8.t(), scale_a=h_inv, scale_b=self.weight_inv, out_dtype=self.out_dtype
         )
 
-    def grad_hidden(self, grad: Tensor) -> Tensor:
-        g8 = (grad.float() * _GRAD_SCALE).to(E5M2)
+    def grads(self, h: Tensor, grad: Tensor) -> tuple[Tensor, Tensor]:
+        """The chunk's gradients of the hidden states (float8) and of the weight (in `h`'s dtype), from its
+        softmax gradient `grad`."""
+        return self.grad_hidden(self.cast_grad(grad)), grad.t() @ h
+
+    def cast_grad(self, grad: Tensor) -> Tensor:
+        return (grad.float() * _GRAD_SCALE).to(E5M2)
+
+    def grad_hidden(self, g8: Tensor) -> Tensor:
         return torch._scaled_mm(
             g8, self.weight8_t.t(), scale_a=self.grad_inv, scale_b=self.weight_inv, out_dtype=self.out_dtype
         )
