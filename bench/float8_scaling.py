@@ -7,14 +7,16 @@
 Variants (flodl/worker/float8.py): `bf16` (autocast, no float8); `head` (only the tied output layer's matmuls
 in float8, inside the chunked loss: task.model.float8_blocks=false); `fp8` (head, and every block linear:
 precision=fp8); `fp8-mlp` (as fp8, the attention's linears left in bf16); `fp8-wgrad` (as fp8, the output
-layer's weight gradient in float8 too: `HeadWeightGradInFloat8`, a probe). Until 2026-12-05 a `dynamic`
-variant scaled the block linears by their operands' current maxima (an extra pass over each before its
-cast): 0.97x bf16 where delayed scaling, today's recipe, measured 1.12x. The model is task=gpt2_124m's (12 x
-768, context 1024, vocabulary 50,304, tied, no biases, loss in chunks of 16,384), torch.compile'd (--mode),
-fused AdamW, bf16 autocast, 64 x 1024 uniform random tokens (one batch, every step); --model gpt2_small: its
-byte vocabulary, whole logits (no head variant). Each run compiles and warms up (--warmup steps), then times
---steps steps with CUDA events. With --repeat N every variant runs N times, interleaved, and its median
-counts. MFU: 6N + 12·L·d·T per token over the bf16 dense peak (989 TFLOPS on H100/H200 SXM), float8 too.
+layer's weight gradient in float8 too: `HeadWeightGradInFloat8`, a probe). A variant's name with `+rows` (e.g.
+`bf16+rows`): the chunked loss's softmax pass is bench/loss_kernel.py's Triton kernel (a probe). Until
+2026-12-05 a `dynamic` variant scaled the block linears by their operands' current maxima (an extra pass over
+each before its cast): 0.97x bf16 where delayed scaling, today's recipe, measured 1.12x. The model is
+task=gpt2_124m's (12 x 768, context 1024, vocabulary 50,304, tied, no biases, loss in chunks of 16,384),
+torch.compile'd (--mode), fused AdamW, bf16 autocast, 64 x 1024 uniform random tokens (one batch, every step);
+--model gpt2_small: its byte vocabulary, whole logits (no head variant). Each run compiles and warms up
+(--warmup steps), then times --steps steps with CUDA events. With --repeat N every variant runs N times,
+interleaved, and its median counts. MFU: 6N + 12·L·d·T per token over the bf16 dense peak (989 TFLOPS on
+H100/H200 SXM), float8 too.
 --profile VARIANT: one more step of that variant under torch.profiler, its kernels' time by kind.
 """
 
@@ -65,6 +67,7 @@ class Measured:
 
 
 def build(variant: str, shape: dict[str, int], device: torch.device) -> GPT:
+    variant = variant.partition("+")[0]  # the recipe; its suffix patches the loss (`patched`)
     torch.manual_seed(0)
     model = GPT(**shape, amp=False, bias=False, float8_blocks=variant != "head").to(device)
     if variant == "fp8-mlp":
@@ -99,12 +102,22 @@ class HeadWeightGradInFloat8(chunked_ce._Float8Head):
 
 
 @contextlib.contextmanager
-def head_of(variant: str) -> Iterator[None]:
-    """The chunked loss's float8 head for `variant` (fp8-wgrad's in place of flodl's) while it runs."""
-    if variant != "fp8-wgrad":
-        yield
-        return
-    with mock.patch.object(chunked_ce, "_Float8Head", HeadWeightGradInFloat8):
+def patched(variant: str, args: argparse.Namespace) -> Iterator[None]:
+    """What `variant` puts in place of flodl's own while it runs: fp8-wgrad's float8 head, and with `+rows`
+    bench/loss_kernel.py's Triton pass for the chunked loss's softmax (imported only then: needs Triton)."""
+    with contextlib.ExitStack() as stack:
+        if variant.partition("+")[0] == "fp8-wgrad":
+            stack.enter_context(mock.patch.object(chunked_ce, "_Float8Head", HeadWeightGradInFloat8))
+        if variant.endswith("+rows"):
+            from bench.loss_kernel import triton_loss_and_grad
+
+            def rows_pass(
+                logits: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+                assert dtype == logits.dtype, "the Triton pass makes the gradient in the logits' dtype"
+                return triton_loss_and_grad(logits, targets, args.rows_block, args.rows_warps)
+
+            stack.enter_context(mock.patch.object(chunked_ce, "_loss_and_grad", rows_pass))
         yield
 
 
@@ -210,14 +223,18 @@ def main() -> None:
     parser.add_argument("--mode", default="default", help="torch.compile's mode")
     parser.add_argument("--eager", action="store_true", help="no torch.compile")
     parser.add_argument("--profile", default="", help="a variant to profile one step of")
+    parser.add_argument("--rows-block", type=int, default=4096, help="+rows: the Triton pass's block")
+    parser.add_argument("--rows-warps", type=int, default=16, help="+rows: the Triton pass's warps")
     parser.add_argument("--model", default="gpt2_124m", choices=sorted(set(SHAPES) - {"smoke"}))
     parser.add_argument("--smoke", action="store_true", help="a tiny model on CPU")
     parser.add_argument("--results-dir", type=Path, default=REPO / "bench" / "results")
     args = parser.parse_args()
     variants = args.variants.split(",")
-    unknown = sorted(set(variants) - set(VARIANTS))
+    unknown = sorted(v for v in variants if v.removesuffix("+rows") not in VARIANTS)
     if unknown:
-        parser.error(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
+        parser.error(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}, each also +rows")
+    if any(v.endswith("+rows") for v in variants) and not SHAPES[args.model]["loss_chunk"]:
+        parser.error(f"--variants: +rows patches the chunked loss, which {args.model} does not use")
     device = torch.device("cpu" if args.smoke else "cuda")
     shape = SHAPES["smoke" if args.smoke else args.model]
     if args.smoke:
@@ -226,7 +243,7 @@ def main() -> None:
     for repeat in range(args.repeat):
         for variant in variants:
             torch._dynamo.reset()
-            with head_of(variant):
+            with patched(variant, args):
                 measured = run(variant, shape, args, device)
             runs[variant].append(measured)
             graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]

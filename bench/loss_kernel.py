@@ -58,17 +58,27 @@ def _softmax_rows(
         tl.store(grad + row * grad_stride + ids, g.to(grad.dtype.element_ty), mask=ids < cols)
 
 
+@torch.library.triton_op("flodl_bench::softmax_rows", mutates_args=())
+def softmax_rows(
+    logits: torch.Tensor, targets: torch.Tensor, block: int, warps: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's cross-entropy (float32) and softmax - one-hot in the logits' dtype: an op torch.compile
+    keeps whole, the kernel in its graph."""
+    rows, cols = logits.shape
+    grad = torch.empty_like(logits)
+    losses = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    torch.library.wrap_triton(_softmax_rows)[(rows,)](
+        logits, targets, grad, losses, cols, logits.stride(0), grad.stride(0), BLOCK=block, num_warps=warps
+    )
+    return losses, grad
+
+
 def triton_loss_and_grad(
     logits: torch.Tensor, targets: torch.Tensor, block: int, warps: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunk's summed cross-entropy (float32) and softmax - one-hot in the logits' dtype, as
     `_loss_and_grad` makes them."""
-    rows, cols = logits.shape
-    grad = torch.empty_like(logits)
-    losses = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    _softmax_rows[(rows,)](
-        logits, targets, grad, losses, cols, logits.stride(0), grad.stride(0), BLOCK=block, num_warps=warps
-    )
+    losses, grad = softmax_rows(logits, targets, block, warps)
     return losses.sum(), grad
 
 

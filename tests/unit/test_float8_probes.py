@@ -3,11 +3,13 @@ claims, on the CPU, so that GPU time measures a recipe that is right."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from bench.float8_scaling import head_of
+from bench.float8_scaling import patched
 from flodl.tasks.chunked_ce import chunked_cross_entropy
 from tests.helpers.float8 import CPU_FLOAT8
 
@@ -27,7 +29,7 @@ def test_the_output_layers_weight_gradient_in_float8_is_close_to_the_exact_one(r
     targets = torch.randint(64, (rows,))
     want = torch.autograd.grad(F.cross_entropy(hidden @ weight.t(), targets), (hidden, weight))
     flodls = torch.autograd.grad(chunked_cross_entropy(hidden, weight, targets, 16, float8=True), weight)[0]
-    with head_of("fp8-wgrad"):
+    with patched("fp8-wgrad", argparse.Namespace()):
         loss = chunked_cross_entropy(hidden, weight, targets, 16, float8=True)
     grad_hidden, grad_weight = torch.autograd.grad(loss, (hidden, weight))
     assert _relative_error(grad_hidden, want[0]) < 0.15
