@@ -83,11 +83,11 @@ def triton_loss_and_grad(
 
 
 def check(logits: torch.Tensor, targets: torch.Tensor, block: int, warps: int) -> None:
-    """The Triton pass against the plain one in float32: the loss to float32's rounding, the gradient to its
-    dtype's."""
+    """The Triton pass against the plain one in float32: the loss (a sum over the rows, in another order, of
+    other exponentials) to 1e-4, the gradient to its bf16 rounding."""
     want_loss, want_grad = _loss_and_grad(logits, targets, torch.float32)
     loss, grad = triton_loss_and_grad(logits, targets, block, warps)
-    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-4, atol=1e-3)
     torch.testing.assert_close(grad.float(), want_grad, rtol=1e-2, atol=1e-2 * float(want_grad.abs().max()))
 
 
