@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -91,14 +92,14 @@ def check(logits: torch.Tensor, targets: torch.Tensor, block: int, warps: int) -
     torch.testing.assert_close(grad.float(), want_grad, rtol=1e-2, atol=1e-2 * float(want_grad.abs().max()))
 
 
-def time_ms(fn: object, repeat: int) -> float:
+def time_ms(fn: Callable[[], object], repeat: int) -> float:
     """Milliseconds a call, CUDA events around `repeat` calls after two warm-up calls."""
     for _ in range(2):
-        fn()  # type: ignore[operator]
+        fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(repeat):
-        fn()  # type: ignore[operator]
+        fn()
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / repeat

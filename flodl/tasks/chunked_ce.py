@@ -36,18 +36,16 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         # the hidden states' own; the softmax gradient is made in it, so no float32 copy of it is cast again.
         device = hidden.device.type
         work = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
-        low = weight.to(work)
-        head = _Float8Head(weight, work) if float8 else None
+        head = _Float8Head(weight, work) if float8 else _Head(weight, work)
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, rows, chunk):
             h = hidden[start : start + chunk].to(work)
             picked = targets[start : start + chunk]
-            logits = head.logits(h) if head is not None else h @ low.t()
-            loss, grad = _loss_and_grad(logits, picked, work)
+            loss, grad = _loss_and_grad(head.logits(h), picked, work)
             total = total + loss
-            grad_h, grad_w = head.grads(h, grad) if head is not None else (grad @ low, grad.t() @ h)
+            grad_h, grad_w = head.grads(h, grad)
             grad_hidden[start : start + chunk] = grad_h
             grad_weight += grad_w.float()
         ctx.save_for_backward(grad_hidden, grad_weight)
@@ -82,10 +80,24 @@ def _loss_and_grad(logits: Tensor, targets: Tensor, dtype: torch.dtype) -> tuple
     return loss, grad.to(dtype)
 
 
+class _Head:
+    """The output layer's matmuls of a chunk, in the work dtype: its logits, and from their softmax gradient
+    the gradients of the hidden states and of the weight."""
+
+    def __init__(self, weight: Tensor, work: torch.dtype) -> None:
+        self.weight = weight.to(work)
+
+    def logits(self, h: Tensor) -> Tensor:
+        return h @ self.weight.t()
+
+    def grads(self, h: Tensor, grad: Tensor) -> tuple[Tensor, Tensor]:
+        return grad @ self.weight, grad.t() @ h
+
+
 class _Float8Head:
-    """The output layer's logits and hidden-state gradient in float8 (its weight gradient stays in the work
-    dtype); the weight cast once per forward, both layouts (torch._scaled_mm multiplies a row-major operand
-    by a column-major one)."""
+    """As `_Head`, the logits and the hidden states' gradient in float8 (the weight's gradient stays in the
+    work dtype); the weight cast once per forward, both layouts (torch._scaled_mm multiplies a row-major
+    operand by a column-major one)."""
 
     def __init__(self, weight: Tensor, out_dtype: torch.dtype) -> None:
         self.out_dtype = out_dtype
