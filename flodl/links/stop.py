@@ -327,6 +327,8 @@ class StopWatch(threading.Thread):
             if signum is not None:
                 stop_now(signum)  # the main thread's handler takes it as its own
                 return
+            if self.stopped.is_set():  # it gave up: a second signal would reach a process already stopping
+                return
             if self._deadline is not None and time.monotonic() > self._deadline:
                 self._give_up(f"no checkpoint within stop_grace_s={self.grace_s:g}")
                 return
@@ -370,6 +372,7 @@ class StopWatch(threading.Thread):
         signum = _received or int(self.mailbox.store.get(_REQUEST_KEY))
         log.warning("the stop could not save (%s): stopping now", why)
         post(self.mailbox, signum)
+        self.stopped.set()
         stop_now(signum)
 
     def stop(self) -> None:
