@@ -28,12 +28,16 @@ from flodl.links.transport import Mailbox
 
 @pytest.fixture
 def handlers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """This process's signal handlers and the module's state put back afterwards."""
+    """This process's signal handlers and the module's state put back afterwards, once the test's stop
+    watches ended: one still running could signal the process after that, when nothing takes it."""
     before = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
     monkeypatch.setattr(stop, "_received", None)
     monkeypatch.setattr(stop, "_save_requested", None)
     try:
         yield
+        for thread in threading.enumerate():
+            if isinstance(thread, StopWatch):
+                _wait_until_ended(thread)
     finally:
         for signum, handler in before.items():
             signal.signal(signum, handler)
