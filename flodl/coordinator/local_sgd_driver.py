@@ -32,8 +32,9 @@ from flodl.links.transport import Mailbox
 from flodl.metrics.aggregate import RoundCost
 from flodl.metrics.timeline import Timeline
 from flodl.rounds.elche import ElChe, round_overhead_ms
+from flodl.rounds.epochs_done import EpochsDone
 from flodl.rounds.guard import ConvergenceGuard, DivergenceReport
-from flodl.rounds.planner import Average, Dispatch, EpochsDone, Instruction, LocalSgdPlanner, WindowReport
+from flodl.rounds.planner import Average, Dispatch, Instruction, LocalSgdPlanner, WindowReport
 
 log = logging.getLogger("flodl")
 

@@ -11,17 +11,15 @@ time. Batches are handed out from one cursor over the epochs: batch i of epoch e
   next epoch; the reduce fires once every rank has done `counts[r]`. A segment's tail is split so that what
   each rank then holds is in proportion to its count.
 
-Checkpoints cut the run into segments: the cursor stops at a segment's end, every rank trains out its
-queue, and the segment's last reduce is exact (no EASGD blend), so every rank holds the same consensus
-when the checkpoint is taken. The next segment opens once that reduce is acknowledged. A segment ends
-after a barrier epoch, at a step threshold inside an epoch (every `checkpoint_every_batches` batches
-handed out, counted from the run's start), or with the window after `cut_segment` (a checkpoint by time,
-or a stop that saves).
+Checkpoints cut the run into segments: the cursor stops at a segment's end, every rank trains out its queue,
+and the segment's last reduce is exact (no EASGD blend), so every rank holds the same consensus when the
+checkpoint is taken. The next segment opens once that reduce is acknowledged. A segment ends after a barrier
+epoch, at a step threshold inside an epoch (every `checkpoint_every_batches` batches handed out, counted
+from the run's start), or with the window after `cut_segment` (a checkpoint by time, or a stop that saves).
 
 Overlapped rounds (`overlap`, cadence only): the window after a round opens as the round starts, so its
-communication runs while that window trains; the round's acks arrive during it, and the next round waits
-for them (one round in flight at a time). The segment's last round is not overlapped: every rank waits
-for it, and the next segment opens once it is acknowledged, as above.
+communication runs while that window trains; the round's acks arrive during it, and the next round waits for
+them (one round in flight at a time). The segment's last round is not overlapped: every rank waits for it.
 
 Membership (fault_tolerance=survive): only members get windows, are waited for and acknowledge rounds
 (who holds what: rounds/holders.py). A rank that dies is dropped: the slices it was handed and had not
@@ -38,28 +36,9 @@ from typing import Any
 
 from flodl.links.messages import EpochSlice, RoundAck
 from flodl.rounds.cursor import Cursor
+from flodl.rounds.epochs_done import EpochsDone
 from flodl.rounds.holders import Holders
 from flodl.rounds.split import balanced_split, proportional_split
-
-
-class EpochsDone:
-    """A set of epochs that fills in from `first` on, held as `end` (the first epoch not in it: every one
-    before it is) and the few in it past `end`: its size is the gap's, however long the run (a set of every
-    epoch, scanned at each round, slowed a long run's coordinator)."""
-
-    def __init__(self, first: int) -> None:
-        self.end = first
-        self.past: set[int] = set()
-
-    def add(self, epoch: int) -> None:
-        if epoch >= self.end:
-            self.past.add(epoch)
-        while self.end in self.past:
-            self.past.remove(self.end)
-            self.end += 1
-
-    def __contains__(self, epoch: int) -> bool:
-        return epoch < self.end or epoch in self.past
 
 
 @dataclass(frozen=True)
@@ -120,8 +99,7 @@ class LocalSgdPlanner:
     round: int = 0
     targets: list[int] = field(init=False)
     queued: list[int] = field(init=False)
-    # Per rank: the steps it carried out of its last round into the window that follows
-    # (RoundAck.steps_during_round).
+    # Per rank: the steps it carried out of its last round into the next window (RoundAck.steps_during_round).
     carried: list[int] = field(init=False)
     reached: dict[int, WindowReport] = field(default_factory=dict)
     # The Reached reports of the window the round in flight (or the last one) averages.

@@ -51,6 +51,35 @@ def test_the_root_holds_the_configs_the_package_and_the_entry_point() -> None:
     assert not (REPO / "flodl" / "conf").exists(), "remove flodl/conf/: flodl's configs live in conf/"
 
 
+# The house's measures (docs/architecture.md lists them for a reader's own check): rooms hold the modules,
+# and no module or function grows past what a reader takes in at once.
+TOP_MODULES_MAX = 6
+MODULE_MAX_LINES = 400
+FUNCTION_MAX_LINES = 80
+
+
+def test_the_top_of_the_package_holds_the_commands_and_a_few_leaves() -> None:
+    top = sorted(p.name for p in (REPO / "flodl").glob("*.py") if p.name != "__init__.py")
+    assert len(top) <= TOP_MODULES_MAX, f"flodl/ holds {top}: give new modules a room"
+
+
+def test_no_module_or_function_of_the_package_is_past_the_house_measures() -> None:
+    found = []
+    for path in sorted((REPO / "flodl").rglob("*.py")):
+        text = path.read_text()
+        name = path.relative_to(REPO)
+        if len(text.splitlines()) > MODULE_MAX_LINES:
+            found.append(f"{name}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                if length > FUNCTION_MAX_LINES:
+                    found.append(f"{name}: {node.name} is {length} lines")
+    assert not found, (
+        f"split these (over {MODULE_MAX_LINES} lines a module, {FUNCTION_MAX_LINES} a function): {found}"
+    )
+
+
 # The front door: a README read in minutes, the manual in docs/ (one guide per topic).
 README_MAX_LINES = 260
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
