@@ -46,6 +46,7 @@ from flodl.job.resume import (
 )
 from flodl.job.settings import resume_settings
 from flodl.links.group import publish_json, read_json
+from flodl.links.threads import wait_ended
 from flodl.links.transport import COORDINATOR, InboxReader, Mailbox
 from flodl.metrics import run_clock
 from flodl.metrics.run_info import RunInfo
@@ -197,7 +198,7 @@ class RunHost:
             return
         coordinator = self.coordinator
         assert coordinator is not None, "finish() before the coordinator started"
-        coordinator.join()
+        wait_ended(coordinator)
         if coordinator.error is not None:
             raise RuntimeError(f"the coordinator failed: {coordinator.error}") from coordinator.error
         assert coordinator.started_at is not None and coordinator.ended_at is not None
@@ -223,4 +224,4 @@ class RunHost:
         """The run stops (a signal, a failure): let the coordinator end (it keeps the timeline so far)."""
         if self.coordinator is not None:
             self.coordinator.stop_requested.set()
-            self.coordinator.join(timeout=10)
+            wait_ended(self.coordinator, timeout=10)

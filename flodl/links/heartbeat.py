@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from flodl.links.messages import Heartbeat
+from flodl.links.threads import wait_ended
 from flodl.links.transport import COORDINATOR, Mailbox
 
 
@@ -103,7 +104,7 @@ class HeartbeatSender(threading.Thread):
     def stop(self) -> None:
         """Stop and wait: a thread left inside a store call when the process exits aborts it."""
         self.stopped.set()
-        self.join(timeout=30)
+        wait_ended(self, timeout=30)
 
 
 class Rank0Watch(threading.Thread):
@@ -144,4 +145,4 @@ class Rank0Watch(threading.Thread):
 
     def stop(self) -> None:
         self.stopped.set()
-        self.join(timeout=30)
+        wait_ended(self, timeout=30)

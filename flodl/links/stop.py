@@ -33,6 +33,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import NoReturn
 
+from flodl.links.threads import wait_ended
 from flodl.links.transport import Mailbox
 
 log = logging.getLogger("flodl")
@@ -380,7 +381,7 @@ class StopWatch(threading.Thread):
         from now on stops at once: no watch is left to carry out one that saves."""
         global _watch, _save_requested
         self.stopped.set()
-        self.join(timeout=10)
+        wait_ended(self, timeout=10)
         with _lock:
             _watch = None if _watch is self else _watch
             _save_requested = None if _save_requested is self.saving else _save_requested

@@ -17,6 +17,7 @@ from datetime import timedelta
 from torch.distributed import DistStoreError, PrefixStore, Store, TCPStore
 
 from flodl.links.messages import Message, Shutdown, decode, encode
+from flodl.links.threads import wait_ended
 
 COORDINATOR = "coordinator"
 # A blocking pop logs a warning each time it times out: readers wait long and are woken by a message.
@@ -105,4 +106,4 @@ class InboxReader(threading.Thread):
         """End the reader early (an error path): wake its blocking pop with a Shutdown from `waker`."""
         if self.is_alive():
             waker.send(self.mailbox.owner, Shutdown(reason="stopped locally"))
-            self.join(timeout=10)
+            wait_ended(self, timeout=10)
