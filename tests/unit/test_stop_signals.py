@@ -23,6 +23,7 @@ from flodl.links.stop import (
     catch_stop_signals,
     save_on_stop,
 )
+from flodl.links.threads import wait_ended
 from flodl.links.transport import Mailbox
 
 
@@ -37,7 +38,7 @@ def handlers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         yield
         for thread in threading.enumerate():
             if isinstance(thread, StopWatch):
-                _wait_until_ended(thread)
+                assert wait_ended(thread, timeout=60)
     finally:
         for signum, handler in before.items():
             signal.signal(signum, handler)
@@ -73,15 +74,6 @@ def test_torchruns_agent_takes_sigusr1_as_it_takes_sigterm(handlers: None) -> No
     assert raised.value.sigval == signal.SIGUSR1  # flodl-torchrun exits 128 + it
 
 
-def _wait_until_ended(thread: threading.Thread) -> None:
-    """Until the thread's body returned. Not `join`: on Python 3.11 a join that an exception interrupts
-    (here the stop's) marks the thread ended while it still runs."""
-    deadline = time.monotonic() + 60
-    while thread in threading.enumerate() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert thread not in threading.enumerate()
-
-
 def _watch_until_stopped(
     save_s: float | None, grace_s: float, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> str:
@@ -100,8 +92,9 @@ def _watch_until_stopped(
     watch = StopWatch(Mailbox(client, 0), saving, grace_s=grace_s, save_s=lambda: save_s)
     with caplog.at_level(logging.WARNING, logger="flodl"), pytest.raises(Stopped):
         watch.start()
-        _wait_until_ended(watch)  # the watch's stop is raised here, at the next bytecode
-    _wait_until_ended(watch)
+        wait_ended(watch, timeout=60)
+        time.sleep(5)  # the watch's stop is raised here at the latest, at the next bytecode
+    assert wait_ended(watch, timeout=60)
     assert stops == [signal.SIGTERM]
     assert store.get("stop") == str(int(signal.SIGTERM)).encode()  # posted for every peer
     return caplog.text
@@ -146,8 +139,9 @@ def test_a_stop_that_saves_stops_at_once_when_the_store_is_gone(handlers: None) 
         while not store.check([stop._REQUEST_KEY]):  # the watch posted this rank's request
             time.sleep(0.01)
         del store  # the server goes with its owner: the watch's next look fails
-        _wait_until_ended(watch)  # the watch's stop is raised here, at the next bytecode
-    _wait_until_ended(watch)
+        wait_ended(watch, timeout=60)
+        time.sleep(5)  # the watch's stop is raised here at the latest, at the next bytecode
+    assert wait_ended(watch, timeout=60)
 
 
 def test_a_rank_takes_its_own_stop_request_before_the_coordinator_hears_of_it(handlers: None) -> None:
