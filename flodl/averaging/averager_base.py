@@ -42,12 +42,14 @@ class AveragerBase:
         self.params = flatten_parameters(model)
         self.buffers = flatten_float32_buffers(model)
         self.group = group
+        # The backends make these once the shared start is in place (their global starts from it).
+        self.outer: OuterOptimizer | None = None
+        self.refs: list[Tensor] | None = None
         self.share(group.share_before_start)
         process_group, backend = group.collective()
         self.reducer = Reducer(gamma, wire, process_group, backend, group.settle)
         self.reducer.capture_after = group.capture_after
         self.outer_settings = outer
-        self.outer: OuterOptimizer | None = None
         self.outcome: RoundOutcome | None = None
 
     def state_dict(self) -> dict[str, Any]:
@@ -60,7 +62,7 @@ class AveragerBase:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.outer is not None and "outer" in state:
-            self.outer.optimizer.load_state_dict(state["outer"])
+            self.outer.load_state_dict(state["outer"])
         self.reducer.load_feedback_state(state.get("wire_feedback", {}), self._reduced_tensors())
 
     def _reduced_tensors(self) -> list[Tensor]:
@@ -83,16 +85,42 @@ class AveragerBase:
         """What makes two ranks' models the same: the flat parameters and f32 buffers."""
         return self._flat_params() + ([self.buffers.buffer] if self.buffers is not None else [])
 
+    def _replicated_tensors(self) -> list[Tensor]:
+        """What the rounds keep alike on every rank: the outer optimizer's global parameters and momentum,
+        or a delta wire's reference (the last consensus)."""
+        if self.outer is not None:
+            return self.outer.state_tensors()
+        return self.refs or []
+
+    def _averaging_tensors(self) -> list[Tensor]:
+        """What a round changes beside the rank's state: the replicated tensors and this rank's own wire
+        feedback."""
+        return self._replicated_tensors() + self.reducer.feedback_tensors(self._reduced_tensors())
+
+    def _keep_round_start(self) -> None:
+        """A round begins: what a cut of it goes back to (the averaging tensors first, then the state)."""
+        self.group.keep_round_start(self._averaging_tensors() + self._state_tensors())
+
     @torch.no_grad()
     def share(self, send: Callable[[list[Tensor]], None]) -> None:
-        """Make every rank hold the same state through `send` (a broadcast from one rank). Local SGD never
-        runs DDP's initial broadcast; a rank joining a survive run receives the consensus this way."""
-        send(self._state_tensors())
+        """Make every rank hold the same state through `send` (a broadcast from one rank), and what the rounds
+        keep alike (a wire's feedback is each rank's own). Local SGD never runs DDP's initial broadcast; a
+        rank joining a survive run receives the consensus and the outer optimizer's state this way."""
+        send(self._state_tensors() + self._replicated_tensors())
 
     @torch.no_grad()
     def restore_pre_round(self) -> None:
         """A round this rank finished was cut elsewhere: back to the state it began from."""
-        self.group.back_to_round_start(self._state_tensors())
+        self.group.back_to_round_start(self._averaging_tensors() + self._state_tensors())
+
+    @torch.no_grad()
+    def restore_averaging(self) -> None:
+        """A round was cut whose result this rank keeps in its own state (an EASGD blend), or which never
+        touched it (the host backend's): the averaging tensors go back to its start, as every member's do,
+        for the round's second run."""
+        averaging = self._averaging_tensors()
+        if averaging:  # plain averaging over the float32 wire keeps none
+            self.group.back_to_round_start(averaging)
 
     @torch.no_grad()
     def state_digest(self) -> str:

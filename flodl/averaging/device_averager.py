@@ -45,7 +45,7 @@ class DeviceAverager(AveragerBase):
         """Queue the round, in place; `exact` and `kept` as in `Reducer.reduce`. What it measured (the
         totals, the divergence) is read from the device in `finish`."""
         start = time.perf_counter()
-        self.group.keep_round_start(self._state_tensors())
+        self._keep_round_start()
         flat = self._flat_params()
         buffers = self.buffers.buffer if self.buffers is not None else None
         # The guard's copy and norms ride along chunk by chunk while the reduce is on the wire. An outer

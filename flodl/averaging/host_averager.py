@@ -62,7 +62,7 @@ class HostAverager(AveragerBase):
     def begin(self, steps: int, exact: bool = False, kept: bool = True) -> None:
         """Snapshot and start the round on a thread; `exact` and `kept` as in `Reducer.reduce`."""
         start = self._began_at = time.perf_counter()
-        self.group.keep_round_start(self._state_tensors())
+        self._keep_round_start()
         snapshot_done = self._to_host()
         self.thread = threading.Thread(
             target=self._round, args=(steps, exact, kept, snapshot_done), daemon=True
@@ -100,12 +100,14 @@ class HostAverager(AveragerBase):
 
     def discard_round(self) -> None:
         """survive: the round was cut. The rank's parameters were never touched (the reduce ran on the host
-        copy); its thread ends when the group is cut (or on a dead peer's closed socket, or the timeout)."""
+        copy); its thread ends when the group is cut (or on a dead peer's closed socket, or the timeout), and
+        what it changed of the averaging goes back."""
         if self.thread is not None:
             self.thread.join(timeout=self.group.timeout_s + 5)
             if self.thread.is_alive():
                 raise RuntimeError("a cut averaging round did not end within the group's timeout")
         self.thread, self.error, self.outcome = None, None, None
+        self.restore_averaging()
 
     @torch.no_grad()
     def adopt(

@@ -12,6 +12,7 @@ Both are torch's SGD on the pseudo-gradient (momentum `mu`, dampening 0, nestero
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -54,6 +55,24 @@ class OuterOptimizer:
             momentum=settings.momentum,
             nesterov=settings.kind == "diloco",
         )
+        self._momentum_from_zero()
+
+    def _momentum_from_zero(self) -> None:
+        """Every momentum buffer exists from the start, zero: torch's first step would start it at the
+        pseudo-gradient, which `mu 0 + g` is too, and a cut round can go back to a state of the same shape."""
+        if self.settings.momentum == 0:  # torch's SGD keeps no buffer then
+            return
+        for param in self.global_params:
+            self.optimizer.state[param].setdefault("momentum_buffer", torch.zeros_like(param))
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+        self._momentum_from_zero()  # a checkpoint of a run that had not stepped yet holds none
+
+    def state_tensors(self) -> list[Tensor]:
+        """What every rank holds alike: the global parameters and their momentum."""
+        momentum = [self.optimizer.state[param].get("momentum_buffer") for param in self.global_params]
+        return [*self.global_params, *(buffer for buffer in momentum if buffer is not None)]
 
     @torch.no_grad()
     def step(self, consensus: list[Tensor]) -> None:

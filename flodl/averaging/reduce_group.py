@@ -40,7 +40,8 @@ class ReduceGroup(Protocol):
         ...
 
     def back_to_round_start(self, tensors: list[Tensor]) -> None:
-        """A round was cut: `tensors` go back to what `keep_round_start` kept."""
+        """A round was cut: `tensors` go back to what `keep_round_start` kept (they may be its first ones
+        only)."""
         ...
 
 

@@ -201,6 +201,16 @@ class Reducer:
         """A quantized wire's error feedback per reduced tensor (a rank's own: saved with its part)."""
         return {i: d.feedback for i, d in self.deltas.items() if d.feedback is not None}
 
+    def feedback_tensors(self, params: list[Tensor]) -> list[Tensor]:
+        """A quantized wire's error feedback for each tensor of `params` it carries, this rank's own (zero
+        until its first round): what a cut round gives back."""
+        return [
+            feedback
+            for i, tensor in enumerate(params)
+            if self._travels_as_delta(tensor)
+            for feedback in self._deltas(i).own_state(tensor)
+        ]
+
     def load_feedback_state(self, state: dict[int, Tensor], params: list[Tensor]) -> None:
         for i, feedback in state.items():
             self._deltas(i).load_state(feedback, params[i])
@@ -241,6 +251,13 @@ class Reducer:
         assert work is not None  # async_op: torch hands back the work
         return work
 
+    def _all_gather(self, gathered: Tensor, payload: Tensor) -> dist.Work:
+        """Every rank's `payload` into `gathered`, in rank order. Survive's group is a bare backend, which
+        torch's function does not take (it has the older entry only)."""
+        if self.group is not None and not isinstance(self.group, dist.ProcessGroup):
+            return self.group._allgather_base(gathered, payload)
+        return self._async(_all_gather_flat(gathered, payload, group=self.group, async_op=True))
+
     def _all_reduce(self, tensor: Tensor, factor: float | Tensor, async_op: bool = False) -> dist.Work | None:
         """SUM of `factor * tensor` over the group; a tensor `factor` (one element) is read on the device."""
         op: dist.ReduceOp | dist.ReduceOp.RedOpType
@@ -267,7 +284,7 @@ class Reducer:
         payload = deltas.encode((tensor - ref).view(-1), factor)
         world = dist.get_world_size(self.group)
         gathered = torch.empty(world * payload.numel(), dtype=payload.dtype, device=payload.device)
-        self.settle(self._async(_all_gather_flat(gathered, payload, group=self.group, async_op=True)))
+        self.settle(self._all_gather(gathered, payload))
         # Summed in float32: ref + Σ_k w_k (θ_k - ref) = Σ_k w_k θ_k, since the weights sum to 1.
         summed = deltas.sum_gathered(gathered.view(world, -1), tensor.numel())
         torch.add(ref, summed.view_as(tensor), out=tensor)

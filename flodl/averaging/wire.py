@@ -52,6 +52,11 @@ class Deltas(Protocol):
         """Take a checkpoint's feedback, onto `like`'s device (the tensor it belongs to)."""
         ...
 
+    def own_state(self, like: Tensor) -> list[Tensor]:
+        """The feedback, zero until a round adds to it (none for a wire that keeps none): what a cut round
+        gives back."""
+        ...
+
 
 @dataclass(frozen=True)
 class Wire:
@@ -196,6 +201,9 @@ class Bf16Deltas:
     def load_state(self, feedback: Tensor | None, like: Tensor) -> None:
         assert feedback is None, "the bf16 wire keeps no feedback"
 
+    def own_state(self, like: Tensor) -> list[Tensor]:
+        return []
+
 
 class QuantizedDeltas:
     """A quantized wire's encoder: the payload is the integer blocks (int4: packed) then their float32
@@ -232,3 +240,8 @@ class QuantizedDeltas:
 
     def load_state(self, feedback: Tensor | None, like: Tensor) -> None:
         self.feedback = None if feedback is None else torch.empty_like(like).copy_(feedback)
+
+    def own_state(self, like: Tensor) -> list[Tensor]:
+        if self.feedback is None:
+            self.feedback = torch.zeros_like(like)
+        return [self.feedback]

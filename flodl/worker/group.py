@@ -198,13 +198,14 @@ class SurvivingGroup:
         """Nothing yet: the members share once their first group is formed (`start`)."""
 
     def keep_round_start(self, tensors: list[Tensor]) -> None:
-        if not self._round_start:
+        if len(self._round_start) != len(tensors):
             self._round_start = [torch.empty_like(t) for t in tensors]
         torch._foreach_copy_(self._round_start, tensors)
 
     def back_to_round_start(self, tensors: list[Tensor]) -> None:
+        """`tensors`: what keep_round_start kept, or its first ones (an averager's own state stays)."""
         assert self._round_start, "no round began"
-        torch._foreach_copy_(tensors, self._round_start)
+        torch._foreach_copy_(tensors, self._round_start[: len(tensors)])
 
     def say_state(self, state: Callable[[], str]) -> None:
         """The members compare these lines after each change and at the end (they hold the same state, bit

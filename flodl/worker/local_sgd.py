@@ -321,20 +321,19 @@ class LocalSgdWorker(WorkerBase):
             # touched them), and its steps stay this rank's for the round's second run.
             self.averager.discard_round()
             self.round = None
-        elif (
-            finished is not None
-            and finished.cuttable
-            and finished.order.round == cut
-            and (finished.order.final or self.easgd_alpha is None)
-        ):
-            # Finished here, cut elsewhere. An exact round (cadence, a final one) must leave every member
-            # with one state: back to before it, and run it again with the others. A blend round is kept:
-            # the consensus it blended in was whole.
-            self.averager.restore_pre_round()
-            self.steps_since_avg += finished.steps
-            self.global_steps -= finished.total_steps
-            self.window_busy_s += finished.busy_s
-            self.finished = None
+        elif finished is not None and finished.cuttable and finished.order.round == cut:
+            if finished.order.final or self.easgd_alpha is None:
+                # Finished here, cut elsewhere. An exact round (cadence, a final one) must leave every member
+                # with one state: back to before it, and run it again with the others.
+                self.averager.restore_pre_round()
+                self.steps_since_avg += finished.steps
+                self.global_steps -= finished.total_steps
+                self.window_busy_s += finished.busy_s
+                self.finished = None
+            else:
+                # A blend round is kept (the consensus it blended in was whole), but what every member holds
+                # alike (the outer optimizer, a wire's reference) goes back as theirs does for its second run.
+                self.averager.restore_averaging()
         if self.finished is not None:  # the change is past it: it stands
             self.finished = replace(self.finished, cuttable=False)
 

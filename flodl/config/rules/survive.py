@@ -26,20 +26,6 @@ def survive_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
             cfg.launch.max_ranks,
             f"must be at least the {host.world_size} rank(s) the job starts with",
         )
-    if cfg.outer != "avg":
-        yield problem(
-            "outer",
-            cfg.outer,
-            "not with fault_tolerance=survive yet: its state is not restored when a round is cut",
-        )
-    for key in ("bf16_wire", "quantized_wire"):
-        if getattr(cfg, key):
-            yield problem(
-                key,
-                getattr(cfg, key),
-                "not with fault_tolerance=survive yet: its reference copy is not restored when a round is "
-                "cut",
-            )
     if cfg.steps_per_epoch is not None:
         yield problem(
             "steps_per_epoch",
