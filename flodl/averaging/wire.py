@@ -71,6 +71,8 @@ class Wire:
     # default, asked by neither).
     key: ClassVar[str] = ""
     override: ClassVar[str] = ""
+    # Under sync: the dtype gradient buckets cross the wire as (None: their own).
+    bucket_dtype: ClassVar[torch.dtype | None] = None
 
     def payload_bytes(self, numel: int) -> int:
         """What a rank sends for one float32 tensor of `numel` elements."""
@@ -98,6 +100,7 @@ class Bf16Wire(Wire):
     needs_reference: ClassVar[bool] = True
     key: ClassVar[str] = "bf16_wire"
     override: ClassVar[str] = "bf16_wire=true"
+    bucket_dtype: ClassVar[torch.dtype | None] = torch.bfloat16
 
     def payload_bytes(self, numel: int) -> int:
         return 2 * numel

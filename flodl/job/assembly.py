@@ -72,7 +72,7 @@ def _ddp(
     )
     if settle is not None:
         assert group is not None, "a settled DDP runs on survive's group"
-        ddp.register_comm_hook(SettledBuckets(group, settle), settled_gradient_hook)  # bf16_wire: refused
+        ddp.register_comm_hook(SettledBuckets(group, settle, wire.bucket_dtype), settled_gradient_hook)
     elif (hook := wire.gradient_hook) is not None:  # bf16 buckets
         ddp.register_comm_hook(group or dist.group.WORLD, hook)
     return ddp

@@ -311,13 +311,18 @@ def rest_lines(out: str) -> list[tuple[int, int, list[int], int, int]]:
     return [(int(e), int(k), [int(r) for r in m.split(",")], int(s), int(d)) for e, k, m, s, d in found]
 
 
-def test_sync_a_killed_rank_is_cut_its_rest_planned_again_and_it_heals_back(tmp_path: Path) -> None:
+# bf16_wire: each new group's DDP sends its buckets as bf16 through survive's own waiting hook.
+@pytest.mark.parametrize("wire", [(), ("bf16_wire=true",)], ids=["fp32", "bf16"])
+def test_sync_a_killed_rank_is_cut_its_rest_planned_again_and_it_heals_back(
+    tmp_path: Path, wire: tuple[str, ...]
+) -> None:
     batch = 8
     result, run = survive_run(
         tmp_path,
         EPOCHS_AT_MOST,
         batch,
         "policy=sync",
+        *wire,
         "simulate.kill_rank=1",
         "simulate.kill_at_step=6",
         "launch.max_restarts=1",

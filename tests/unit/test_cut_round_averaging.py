@@ -1,7 +1,8 @@
 """A cut round under fault_tolerance=survive leaves the averaging where it began (flodl/averaging/): the outer
 optimizer's global parameters and momentum, a delta wire's reference and a quantized wire's error feedback go
 back with the rank's state, so that the round's second run starts every member from the same place; and a
-joiner receives what the rounds keep alike. Both backends, over a real one-rank gloo group."""
+joiner receives what the rounds keep alike. Both backends, over a real one-rank gloo group; and sync's
+gradient buckets under survive cross the wire as `bf16_wire` says."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 
 from flodl.averaging.consensus import DeviceAverager, HostAverager
+from flodl.averaging.ddp_hooks import SettledBuckets, settled_gradient_hook
 from flodl.averaging.outer import OuterSettings
 from flodl.averaging.wire import wire_for
 from flodl.worker.group import SurvivingGroup
@@ -151,3 +154,20 @@ def test_a_joiner_takes_what_the_rounds_keep_alike_but_no_feedback(
     # A wire's feedback is what this rank's own rounds left out: a joiner taking it would send it again.
     feedback = member.reducer.feedback_state().values()
     assert not any(s is f for s in sent for f in feedback)
+
+
+@pytest.mark.parametrize("sent_as", [None, torch.bfloat16])
+def test_sync_buckets_waited_for_by_survive_cross_the_wire_as_the_wire_says(
+    group: SurvivingGroup, sent_as: torch.dtype | None
+) -> None:
+    model = nn.Linear(4, 1, bias=False)
+    process_group = group.membership.process_group()
+    ddp = DistributedDataParallel(model, process_group=process_group)
+    ddp.register_comm_hook(
+        SettledBuckets(process_group, group.membership.settle, sent_as), settled_gradient_hook
+    )
+    inputs = torch.full((1, 4), 1.0 + 2**-10)  # the gradient of w.x is x: not a bf16 number
+    ddp(inputs).sum().backward()
+    assert model.weight.grad is not None
+    expected = inputs if sent_as is None else inputs.to(sent_as).float()
+    assert torch.equal(model.weight.grad, expected)
