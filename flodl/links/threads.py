@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 
-# How often a wait looks again: the waits are on a rank's way out, where 10 ms is nothing.
+# How often a wait looks again once a join cannot tell: on a rank's way out, where 10 ms is nothing.
 _LOOK_S = 0.01
 
 
@@ -21,7 +21,11 @@ def wait_ended(thread: threading.Thread, timeout: float | None = None) -> bool:
     deadline = None if timeout is None else time.monotonic() + timeout
     # A thread leaves threading's list of active ones only as its body returns, whatever a join said.
     while thread in threading.enumerate():
-        if deadline is not None and time.monotonic() >= deadline:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
             return False
-        time.sleep(_LOOK_S)
+        if thread.is_alive():  # no join was interrupted: one wakes the moment the thread ends
+            thread.join(left)
+        else:  # an interrupted join took it for ended (or it is only starting): look again shortly
+            time.sleep(_LOOK_S if left is None else min(_LOOK_S, left))
     return True
