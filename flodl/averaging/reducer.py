@@ -95,6 +95,8 @@ class Reducer:
         self.group = group
         backend = backend or dist.get_backend(group)
         self.premul = backend == "nccl" and hasattr(dist, "_make_nccl_premul_sum")
+        # Survive's group is a bare backend, which torch's all-gather function does not take: its own entry.
+        self._gathers_bare = group is not None and not isinstance(group, dist.ProcessGroup)
 
     def weighs_on_device(self, params: Sequence[Tensor], exact: bool) -> bool:
         """Whether a round on these tensors gets its weights on the device (the same answer on every rank:
@@ -252,9 +254,9 @@ class Reducer:
         return work
 
     def _all_gather(self, gathered: Tensor, payload: Tensor) -> dist.Work:
-        """Every rank's `payload` into `gathered`, in rank order. Survive's group is a bare backend, which
-        torch's function does not take (it has the older entry only)."""
-        if self.group is not None and not isinstance(self.group, dist.ProcessGroup):
+        """Every rank's `payload` into `gathered`, in rank order."""
+        if self._gathers_bare:
+            assert self.group is not None
             return self.group._allgather_base(gathered, payload)
         return self._async(_all_gather_flat(gathered, payload, group=self.group, async_op=True))
 

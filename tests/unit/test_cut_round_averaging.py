@@ -66,6 +66,15 @@ def run_round(averager: Averager) -> None:
     averager.adopt(None, None)
 
 
+def into_second_window(group: SurvivingGroup, backend: str, kind: str) -> tuple[Averager, nn.Module]:
+    """An averager after a first round (its momentum and feedback hold something) and a window's training."""
+    avg, model = averager(group, backend, kind)
+    train(model, 1)
+    run_round(avg)
+    train(model, 2)
+    return avg, model
+
+
 def averaging_state(averager: Averager) -> list[Tensor]:
     """The averaging a round changes, as a test reads it from outside."""
     held = [t.clone() for t in averager.outer.state_tensors()] if averager.outer is not None else []
@@ -86,10 +95,7 @@ def same(a: list[Tensor], b: list[Tensor]) -> bool:
 def test_a_round_finished_here_and_cut_elsewhere_goes_back_whole(
     group: SurvivingGroup, backend: str, kind: str
 ) -> None:
-    avg, model = averager(group, backend, kind)
-    train(model, 1)
-    run_round(avg)  # a first round: momentum and feedback hold something
-    train(model, 2)
+    avg, model = into_second_window(group, backend, kind)
     before, params = averaging_state(avg), model_state(model)
     run_round(avg)
     after = averaging_state(avg)
@@ -103,10 +109,7 @@ def test_a_round_finished_here_and_cut_elsewhere_goes_back_whole(
 def test_a_kept_blend_round_gives_back_only_the_averaging(
     group: SurvivingGroup, backend: str, kind: str
 ) -> None:
-    avg, model = averager(group, backend, kind)
-    train(model, 1)
-    run_round(avg)
-    train(model, 2)
+    avg, model = into_second_window(group, backend, kind)
     before = averaging_state(avg)
     run_round(avg)
     blended = model_state(model)
@@ -119,10 +122,7 @@ def test_a_kept_blend_round_gives_back_only_the_averaging(
 def test_a_round_cut_here_before_it_finished_goes_back(
     group: SurvivingGroup, backend: str, kind: str
 ) -> None:
-    avg, model = averager(group, backend, kind)
-    train(model, 1)
-    run_round(avg)
-    train(model, 2)
+    avg, model = into_second_window(group, backend, kind)
     before, params = averaging_state(avg), model_state(model)
     avg.begin(steps=3)  # the device's reduce runs in place; the host's thread reduces its copy
     avg.discard_round()
