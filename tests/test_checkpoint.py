@@ -579,6 +579,7 @@ def test_a_writer_process_ends_with_its_rank_killed_while_it_writes(tmp_path: Pa
 
 
 @pytest.mark.gpu
+@pytest.mark.multiproc  # its part is written by a writer process of its own
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_background_save_on_a_gpu_does_not_wait_for_the_device_and_writes_the_boundary_s_state(
     tmp_path: Path,

@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import torch
-import webdataset as wds
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
 from flodl.config.schema import FlodlConfig
@@ -210,35 +209,41 @@ def test_a_streams_epoch_is_every_ranks_steps() -> None:
     assert epoch_picks(list(range(10)), 2, None, 3, 8) == 20
 
 
-def _webdataset(folder: Path, **splitters: Any) -> Any:
+@pytest.fixture
+def wds() -> Any:
+    """webdataset, an optional package: its tests are skipped where it is not installed, the others run."""
+    return pytest.importorskip("webdataset", exc_type=ImportError)
+
+
+def _webdataset(wds: Any, folder: Path, **splitters: Any) -> Any:
     """The points as 8 real webdataset shards of 6 (ids 0 .. 47), read as its users write it."""
     write_point_shards(folder, 48, 8)
     urls = sorted(str(p) for p in folder.glob("*.tar"))
     return wds.WebDataset(urls, shardshuffle=False, **splitters).decode().to_tuple("id.cls", "x.npy")
 
 
-@pytest.mark.parametrize("nodesplitter", [wds.split_by_node, None], ids=["split_by_node", "none"])
+@pytest.mark.parametrize("by_node", [True, False], ids=["split_by_node", "none"])
 @pytest.mark.multiproc
 def test_a_webdataset_that_splits_itself_is_not_split_again(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nodesplitter: Any
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, wds: Any, by_node: bool
 ) -> None:
     # 2 ranks (as flodl's ranks have it: RANK and WORLD_SIZE set, which its DataLoader workers inherit) of 2
     # real workers: webdataset splits the shards among the workers (its default split_by_worker) and, with
     # split_by_node, among the ranks; flodl keeps every world_size-th item of a worker's part without it.
-    dataset = _webdataset(tmp_path, nodesplitter=nodesplitter)
+    dataset = _webdataset(wds, tmp_path, nodesplitter=wds.split_by_node if by_node else None)
     trained = []
     monkeypatch.setenv("WORLD_SIZE", "2")
     for rank in (0, 1):
         monkeypatch.setenv("RANK", str(rank))
         feeder = _feeder(rank, 2, 2, dataset=dataset)
-        assert feeder.split.ranks == (nodesplitter is not None) and feeder.split.workers
+        assert feeder.split.ranks == by_node and feeder.split.workers
         trained += [i for batch in _batches(feeder, 8) for i in batch]  # 24 items a rank
         feeder.close()
     assert sorted(trained) == list(range(48))
 
 
-def test_a_split_twice_or_a_webdataset_that_refuses_several_ranks_is_named(tmp_path: Path) -> None:
-    dataset = _webdataset(tmp_path, nodesplitter=wds.split_by_node)
+def test_a_split_twice_or_a_webdataset_that_refuses_several_ranks_is_named(tmp_path: Path, wds: Any) -> None:
+    dataset = _webdataset(wds, tmp_path, nodesplitter=wds.split_by_node)
     with pytest.raises(
         ValueError,
         match=r"task.stream_split=flodl: WebDataset splits itself among the ranks "
@@ -248,7 +253,7 @@ def test_a_split_twice_or_a_webdataset_that_refuses_several_ranks_is_named(tmp_p
     with pytest.raises(ValueError, match=r"task.stream_split=ranks: .* among the workers"):
         decide(dataset, "ranks", 2)
     assert decide(dataset, "dataset", 2) == StreamSplit(True, True, "task.stream_split=dataset")
-    single = _webdataset(tmp_path)  # webdataset's default nodesplitter, single_node_only
+    single = _webdataset(wds, tmp_path)  # webdataset's default nodesplitter, single_node_only
     assert decide(single, "auto", 1) == StreamSplit(False, True, "its pipeline's split_by_worker")
     with pytest.raises(
         ValueError,
@@ -261,6 +266,7 @@ def test_a_split_twice_or_a_webdataset_that_refuses_several_ranks_is_named(tmp_p
     assert decide(WorkerSplit(), "workers", 2).workers
 
 
+@pytest.mark.usefixtures("wds")
 def test_the_split_is_checked_before_any_rank(tmp_path: Path) -> None:
     write_point_shards(tmp_path, 48, 8)
     cfg = FlodlConfig(batch_size=4, steps_per_epoch=2)

@@ -18,6 +18,7 @@ from tests.helpers.byo_data import write_point_shards
 from tests.helpers.procs import FAST_START, REPO, train
 
 pytestmark = pytest.mark.multiproc
+pytest.importorskip("webdataset", exc_type=ImportError)  # optional: every test here reads its shards
 
 CONF = str(REPO / "tests" / "helpers" / "conf")
 SAMPLES, SHARDS, BATCH = 96, 8, 4  # 2 shards a reader; byo_webdataset: 12 steps of 4 a rank per epoch
