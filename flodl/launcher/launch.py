@@ -130,6 +130,25 @@ class Preflight(Callback):
         problems = sweep_job.shared_problems(config)
         if problems:  # every job would fail on them: the sweep's error, before any job
             _exit_config(f"{ConfigError(problems)} (in every job of this sweep)")
+        if sweep_job.drawn_on_rank_0(config):  # before Hydra builds the sweeper from `config`
+            try:
+                sweep_job.follow_rank_0(config)
+            except ConfigError as err:
+                _exit_config(str(err))
+            if RankEnv.from_environ().rank == 0:
+                self._leading = 0
+
+    # Rank 0 of a sweep whose trials it draws under torchrun: the number of the job it hands out next.
+    _leading: int | None = None
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if self._leading is not None:  # each job to the other ranks, as it starts
+            self._leading = config.hydra.job.num + 1
+            sweep_job.publish_job(config, config.hydra.job.num, list(config.hydra.overrides.task))
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if self._leading is not None:  # the other ranks' sweeps end
+            sweep_job.publish_job(config, self._leading, None)
 
 
 def launch_from_hydra(cfg: DictConfig) -> float | None:

@@ -45,7 +45,7 @@ def env_rank() -> int:
     return RankEnv.from_environ().rank
 
 
-def _agent_store() -> Any:
+def agent_store() -> Any:
     """torchrun's agent store, the only store there is before rank 0 calls init_process_group; None
     outside torchrun (or when torchrun does not share it)."""
     env = RankEnv.from_environ()
@@ -56,7 +56,7 @@ def _agent_store() -> Any:
     return TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timedelta(seconds=60))
 
 
-def _launch_key(name: str) -> str:
+def launch_key(name: str) -> str:
     return f"flodl/{name}/{RankEnv.from_environ().run_id}"
 
 
@@ -104,10 +104,10 @@ def agreed_run_stamp(base: str, mode: Any, used_in: str) -> str:
     is claimed."""
     if getattr(mode, "name", mode) != used_in:
         return datetime.now().strftime(STAMP_FORMAT)
-    store = _agent_store()
+    store = agent_store()
     if store is None:
         return claim_stamp(Path(base))
-    key = _launch_key(f"run_stamp/{base}")
+    key = launch_key(f"run_stamp/{base}")
     if store.check([key]):  # a restart, or a rank that came late
         return checked_stamp(store.get(key).decode(), "the rendezvous store")
     mine = claim_stamp(Path(base))
@@ -124,9 +124,9 @@ def run_uid(run_dir: Path) -> str:
     env = RankEnv.from_environ()
     if not env.launched and not env.hosts_ranks_apart:  # one process, or one that self-launches the ranks
         return uuid.uuid4().hex
-    store = _agent_store()
+    store = agent_store()
     if store is not None:
-        return store.compare_set(_launch_key(f"run_uid/{run_dir}"), "", uuid.uuid4().hex).decode()
+        return store.compare_set(launch_key(f"run_uid/{run_dir}"), "", uuid.uuid4().hex).decode()
     # Ranks a scheduler (or a person) started, and flodl-coordinator beside them: what they share of this run.
     shared = [env.job_id, env.run_id, env.master_addr or "", str(env.master_port or ""), str(run_dir)]
     return hashlib.sha256("/".join(shared).encode()).hexdigest()[:32]

@@ -8,7 +8,8 @@ keeps its place in the grid as its number (its dir's name), so a skipped job's n
 A failed job ends the sweep with exit code 1 after its one line (a sweeper that searches, such as Optuna,
 counts it as a failed trial instead). Once the grid is checked the sweep's own start-up is over
 (`flodl.metrics.run_clock.sweep_ready`). Ranks walking a sweep together (torchrun) each run it; only rank 0
-says Hydra's launcher lines.
+says Hydra's launcher lines. Under a sweeper that draws its trials (Optuna, ...), every rank but 0 walks
+`RankZerosTrials` instead (flodl/launcher/sweep_job.py).
 """
 
 # No `from __future__ import annotations`: Hydra's plugin scan runs this module unregistered.
@@ -20,8 +21,11 @@ from typing import Any
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.types import Override
+from hydra.core.plugins import Plugins
 from hydra.plugins.launcher import Launcher
-from omegaconf import OmegaConf, open_dict
+from hydra.plugins.sweeper import Sweeper
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from flodl.config.sweep import CheckedJob, grid_batches, invalid_block, write_skipped
 from flodl.metrics import run_clock
@@ -60,6 +64,30 @@ class _GridNumbered(Launcher):
         return getattr(self.launcher, name)
 
 
+def _quiet_unless_rank_0() -> None:
+    if _rank() != 0:  # every rank walks the sweep: rank 0 says what is launched
+        logging.getLogger("hydra").setLevel(logging.WARNING)
+
+
+class RankZerosTrials(Sweeper):
+    """Under torchrun, the sweep of every rank but 0 when rank 0's sweeper draws the trials: it runs each job
+    rank 0 runs, with rank 0's overrides and number, until rank 0's sweep ends."""
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        self.config = config
+        self.launcher = Plugins.instance().instantiate_launcher(
+            hydra_context=hydra_context, task_function=task_function, config=config
+        )
+        _quiet_unless_rank_0()
+
+    def sweep(self, arguments: list[str]) -> None:
+        from flodl.launcher.sweep_job import rank_0s_jobs
+
+        assert self.config is not None and self.launcher is not None
+        for num, overrides in rank_0s_jobs(self.config):
+            self.launcher.launch([overrides], initial_job_idx=num)
+
+
 class FlodlSweeper(BasicSweeper):
     def __init__(
         self,
@@ -75,8 +103,7 @@ class FlodlSweeper(BasicSweeper):
         super().setup(**kwargs)
         assert self.launcher is not None
         self.launcher = _GridNumbered(self.launcher, self._first_of)
-        if _rank() != 0:  # every rank walks the sweep: rank 0 says what is launched
-            logging.getLogger("hydra").setLevel(logging.WARNING)
+        _quiet_unless_rank_0()
 
     # The basic sweeper's static split, called through `self`: the grid is checked here, before `sweep`
     # makes the sweep dir or launches a batch.

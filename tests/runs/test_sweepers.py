@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers.procs import FAST_START, train
+from tests.helpers.procs import FAST_START, leftovers, torchrun, train
+from tests.helpers.runs import assert_complete_run
 
 SMALL = ("task.train_data.split=test", "epochs=1", "eval_every=1")
 
@@ -97,3 +98,37 @@ def test_joblib_workers_start_each_jobs_ranks(tmp_path: Path) -> None:
         records = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
         assert records[-1]["epoch"] == 0 and math.isfinite(records[-1]["eval/loss"])
         assert (job / "rank1.log").is_file()
+
+
+@pytest.mark.multiproc
+def test_torchrun_ranks_run_the_trials_rank_0s_optuna_draws(tmp_path: Path) -> None:
+    """Under torchrun every rank walks the sweep: rank 0's sampler draws each trial (no seed set: ranks
+    drawing their own would compose different configs) and the other ranks run the same jobs."""
+    result = torchrun(
+        2,
+        "-m",
+        "hydra/sweeper=optuna",  # TPE, no seed
+        "hydra.sweeper.n_trials=3",
+        "hydra.sweeper.n_jobs=2",  # a batch of two, then one
+        "hydra.sweeper.direction=maximize",
+        "task.optimizer.lr=interval(0.005,0.05)",  # none diverges
+        "objective=eval/accuracy",
+        *SMALL,
+        cwd=tmp_path,
+        timeout=420,
+    )
+    result.check()
+    assert "Failed experiment" not in result.out, result.out
+    assert result.out.count("#0 : ") == 1  # Hydra's launcher lines are rank 0's alone
+    jobs = _job_dirs(tmp_path / "multirun")
+    assert [job.name for job in jobs] == ["0", "1", "2"]
+    accuracy = {}
+    for job in jobs:
+        records = assert_complete_run(job, world=2, epochs=1)
+        (lr,) = [o for o in yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text()) if "lr=" in o]
+        accuracy[lr] = records[-1]["eval/accuracy"]
+    (results,) = (tmp_path / "multirun").rglob("optimization_results.yaml")
+    best = yaml.safe_load(results.read_text())
+    assert best["best_value"] == max(accuracy.values())
+    assert f"task.optimizer.lr={best['best_params']['task.optimizer.lr']}" == max(accuracy, key=accuracy.get)
+    assert not leftovers(tmp_path)
