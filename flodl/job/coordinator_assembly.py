@@ -77,6 +77,8 @@ class CoordinatorSetup:
     # Under sync with the host in rank 0's process: writes rank 0's parameters (the consensus) if a peer
     # hangs (None: nothing worth saving there).
     hang_saver: Callable[[], None] | None = None
+    # The ranks of the world that wrote the checkpoint this run continues from (None: a fresh run).
+    saved_world: int | None = None
 
 
 def hang_saver(
@@ -145,7 +147,7 @@ def make_coordinator(cfg: FlodlConfig, setup: CoordinatorSetup) -> Coordinator:
     else:
         driver = _sync_driver(cfg, schedule, ledger, setup, roster, committer, layout)
     total_batches = (cfg.epochs - first) * ledger.batches_per_epoch - ledger.reported_batches(first)
-    sinks = _sinks(cfg, setup, policy, total_batches)
+    sinks = _sinks(cfg, setup, policy, total_batches, first)
     hooks = Hooks(
         build_callbacks(cfg.callbacks), Run(run_dir, policy.name, world_size, cfg.epochs, setup.config)
     )
@@ -191,16 +193,21 @@ def _sync_driver(
     )
 
 
-def _sinks(cfg: FlodlConfig, setup: CoordinatorSetup, policy: PolicyFacts, total_batches: int) -> list[Sink]:
-    """Where the run's metrics go: the console, metrics.jsonl in the run dir, and W&B when logger=wandb."""
+def _sinks(
+    cfg: FlodlConfig, setup: CoordinatorSetup, policy: PolicyFacts, total_batches: int, first: int
+) -> list[Sink]:
+    """Where the run's metrics go: the console, metrics.jsonl in the run dir, and W&B when logger=wandb (its
+    run continued where the run resumes from a checkpoint, from `first`, the first epoch it trains)."""
     sinks: list[Sink] = [
         ConsoleSink(cfg.epochs, total_batches, setup.capacity),
         JsonlSink(Path(setup.info.run_dir) / METRICS_FILE),
     ]
     if cfg.logger.name == "wandb":
-        from flodl.metrics.wandb_sink import WandbSink
+        from flodl.metrics.wandb_sink import Resumed, WandbSink
 
-        sinks.append(WandbSink(wandb_settings(cfg), setup.info, setup.config, policy.name))
+        saved = setup.saved_world
+        resumed = None if saved is None else Resumed(first, saved, setup.world_size)
+        sinks.append(WandbSink(wandb_settings(cfg), setup.info, setup.config, policy.name, resumed))
     return sinks
 
 

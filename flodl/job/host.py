@@ -162,6 +162,7 @@ class RunHost:
             self.connect(self.namespace, COORDINATOR),
             resumed,
             hang_saver,
+            None if self.checkpoint is None else self.checkpoint.world_size,
         )
         try:
             coordinator = make_coordinator(self.cfg, setup)

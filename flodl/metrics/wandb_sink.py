@@ -2,8 +2,12 @@
 
 - Every `logger.*` key left null defers to W&B's environment (WANDB_MODE, WANDB_PROJECT, ...) or default;
   where neither the config nor the environment says, group = the sweep (or the run), job_type = the policy,
-  name = the overrides the sweep varies, dir = the run dir. A deterministic id from the run dir with
-  `resume="allow"`; config = the resolved config (nested), overrides, the user's git commit, command.
+  name = the overrides the sweep varies, dir = the run dir. A deterministic id from the run dir;
+  config = the resolved config (nested), overrides, the user's git commit, command.
+- One W&B run across the job's starts: a start resumed from a checkpoint passes `resume="allow"` (a fresh
+  start none), and every row is logged at an explicit `_step` going on from the last start's, each epoch
+  and each rank's progress step once (flodl/metrics/wandb_cursor.py); a resume on another number of ranks
+  says so in the summary (`resize`).
 - Axes: `train/*`, `eval/*` and `rank{r}/*` against `train/step`; `epoch/*` against `epoch`; `comm/*` against
   `comm/bytes_total`. An eval is a row of its own at the `train/step` where its model was taken (async:
   after its epoch's end), once even when it stands for several epochs.
@@ -20,11 +24,13 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from flodl.links.messages import Progress
 from flodl.metrics.aggregate import EpochMetrics
 from flodl.metrics.run_info import RunInfo
+from flodl.metrics.wandb_cursor import CURSOR_FILE, Cursor
 
 log = logging.getLogger("flodl")
 FINISH_TIMEOUT_S = 60.0
@@ -45,6 +51,16 @@ class WandbSettings:
     notes: str | None = None
     # W&B failing to start stops the run; False: warn once and train without it.
     required: bool = True
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """This start of the job continues from a checkpoint: the first epoch it trains, and the ranks of the
+    world that wrote the checkpoint and of this one (a resize where they differ)."""
+
+    epoch: int
+    saved_world: int
+    world: int
 
 
 class WandbStartError(RuntimeError):
@@ -98,14 +114,21 @@ def start_problem(settings: WandbSettings) -> str | None:
 
 
 class WandbSink:
-    def __init__(self, settings: WandbSettings, info: RunInfo, config: dict[str, Any], policy: str) -> None:
+    def __init__(
+        self,
+        settings: WandbSettings,
+        info: RunInfo,
+        config: dict[str, Any],
+        policy: str,
+        resumed: Resumed | None = None,
+    ) -> None:
         self.run: Any = None
+        self._cursor_path = Path(info.run_dir) / CURSOR_FILE
+        self._cursor = Cursor.resumed(self._cursor_path) if resumed else Cursor()
         self._changes: list[dict[str, Any]] = []
-        # The last eval logged: async reports one eval for several epochs.
-        self._last_eval: tuple[Any, ...] | None = None
         self._failed = False
         try:
-            self._start(settings, info, config, policy)
+            self._start(settings, info, config, policy, resumed)
         except Exception as err:
             cause = f"{type(err).__name__}: {err}".strip()
             if settings.required:
@@ -115,16 +138,28 @@ class WandbSink:
             log.warning("could not start the W&B run (%s); training goes on without W&B", cause)
             self._failed = True
 
-    def _start(self, settings: WandbSettings, info: RunInfo, config: dict[str, Any], policy: str) -> None:
+    def _start(
+        self,
+        settings: WandbSettings,
+        info: RunInfo,
+        config: dict[str, Any],
+        policy: str,
+        resumed: Resumed | None,
+    ) -> None:
         import wandb
 
+        if resumed is None:  # a fresh start: an earlier start's cursor belongs to the history it moved aside
+            self._cursor_path.unlink(missing_ok=True)
         self.run = wandb.init(
             **init_arguments(settings, info, policy),
             id=info.run_id,
-            resume="allow",
+            resume=None if resumed is None else "allow",  # None: W&B's default, a run begun
             config={**config, "flodl": info.as_dict()},
             settings=wandb.Settings(console="off", silent=True, x_disable_stats=True),
         )
+        if resumed is not None and resumed.saved_world != resumed.world:
+            resize = {"from": resumed.saved_world, "to": resumed.world, "epoch": resumed.epoch}
+            self.run.summary["resize"] = resize
         self.run.define_metric("train/step")
         self.run.define_metric("epoch")
         self.run.define_metric("comm/bytes_total")
@@ -134,6 +169,9 @@ class WandbSink:
         self.run.define_metric("comm/*", step_metric="comm/bytes_total")
 
     def progress(self, report: Progress) -> None:
+        if not self._cursor.wants_progress(report.rank, report.step):  # an earlier start logged it
+            return
+        self._cursor.logged_progress(report.rank, report.step)
         if report.rank == 0:
             row = {
                 "train/step": report.step,
@@ -147,6 +185,11 @@ class WandbSink:
         self._log(row)
 
     def emit(self, metrics: EpochMetrics) -> None:
+        if self._cursor.wants_epoch(metrics.epoch):  # else an earlier start logged it
+            self._log_epoch(metrics)
+        self._log_eval(metrics)
+
+    def _log_epoch(self, metrics: EpochMetrics) -> None:
         row: dict[str, float] = {
             "epoch": metrics.epoch,
             "train/step": metrics.step,
@@ -185,16 +228,16 @@ class WandbSink:
             row[f"rank{share.rank}/data_ms"] = share.data_ms
             row[f"rank{share.rank}/averaging_blocked_ms"] = share.averaging_blocked_ms
             row[f"rank{share.rank}/averaging_comm_ms"] = share.averaging_comm_ms
+        self._cursor.logged_epoch(metrics.epoch)
         self._log(row)
-        self._log_eval(metrics)
 
     def _log_eval(self, metrics: EpochMetrics) -> None:
-        """The epoch's eval as a row of its own, at the step its model was taken, unless it was logged."""
-        measured = (metrics.eval_step, metrics.eval_samples, metrics.eval_taken_at, *metrics.eval.items())
-        if not metrics.eval or measured == self._last_eval:
-            return
-        self._last_eval = measured
+        """The epoch's eval as a row of its own, at the step its model was taken, unless it was logged (async
+        reports one eval for several epochs; an earlier start may have logged it)."""
         step = metrics.step if metrics.eval_at_step is None else metrics.eval_at_step
+        if not metrics.eval or not self._cursor.wants_eval(step):
+            return
+        self._cursor.logged_eval(step)
         self._log({"train/step": step, **{f"eval/{name}": value for name, value in metrics.eval.items()}})
 
     def close(self) -> None:
@@ -209,8 +252,13 @@ class WandbSink:
             log.warning("W&B finish did not return within %.0f s; leaving it behind", FINISH_TIMEOUT_S)
 
     def _log(self, row: dict[str, float]) -> None:
+        """One row at the run's next `_step`, committed at once (a crash loses no row held back), then the
+        cursor that says so (the row's own mark is set before)."""
         if self.run is not None:
-            self._guard(lambda: self.run.log(row), "W&B logging failed")
+            step = self._cursor.next_step()
+            self._guard(lambda: self.run.log(row, step=step, commit=True), "W&B logging failed")
+        if self.run is not None:
+            self._guard(lambda: self._cursor.save(self._cursor_path), "W&B's cursor could not be written")
 
     def _guard(self, action: Callable[[], object], what: str) -> None:
         """Run `action`; on the first failure report it once and stop using W&B for this run."""

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -19,12 +21,15 @@ WANDB = str(Path(sys.executable).with_name("wandb"))
 
 
 def wandb_env(tmp_path: Path) -> dict[str, str]:
-    """Keep wandb's caches and settings inside the test dir, and away from any real account."""
+    """Keep wandb's caches, settings and service inside the test, and away from any real account."""
     return {
         "WANDB_CACHE_DIR": str(tmp_path / "wandb-cache"),
         "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"),
         "WANDB_DATA_DIR": str(tmp_path / "wandb-data"),
         "WANDB_API_KEY": "",
+        # A job's own wandb-core service, never one this process started for an earlier test (a start that
+        # died leaves its run in use there).
+        "WANDB_SERVICE": "",
         "HOME": str(tmp_path),
     }
 
@@ -191,7 +196,7 @@ class FailingRun:
     def __init__(self) -> None:
         self.calls = 0
 
-    def log(self, row: dict) -> None:
+    def log(self, row: dict, step: int, commit: bool) -> None:
         self.calls += 1
         raise ConnectionError("wandb service went away")
 
@@ -210,3 +215,56 @@ def test_a_failing_log_is_reported_once_and_then_skipped(caplog: pytest.LogCaptu
     assert [r.getMessage() for r in caplog.records if "without W&B" in r.getMessage()] == [
         "W&B logging failed (ConnectionError: wandb service went away); training goes on without W&B"
     ]
+
+
+def increasing(values: list) -> bool:
+    return all(a < b for a, b in itertools.pairwise(values))
+
+
+def summary(rows: list[dict]) -> dict:
+    """The run's summary as the updates in its records leave it."""
+    merged: dict = {}
+    for row in rows:
+        if row.get("type") == "summary":
+            merged.update(row["summary"].get("update", {}))
+    return merged
+
+
+@pytest.mark.multiproc
+def test_a_crashed_job_resumed_on_fewer_ranks_continues_its_run(tmp_path: Path) -> None:
+    """Rank 1 is killed inside the last epoch, after the checkpoint of epoch 1: the job fails with epoch 2
+    logged past its checkpoint. Resumed on one rank (resume=auto) it re-trains epochs 2 and 3. Read back
+    with wandb's own reader, the two starts' offline dirs are one run: its id, `_step` going on across the
+    starts, each epoch and each rank's progress step once, the second start marked resumed (W&B's `resume`)
+    and its resize in the summary. The kill's step is drawn from a seed (printed) in the last epoch."""
+    kill_at = random.Random(55).randint(67, 87)  # rank 1's steps: 22 an epoch on 2 ranks, epoch 3 from 67
+    print(f"rank 1 killed at its step {kill_at}")
+    common = ("policy=sync", "epochs=4", "checkpoint_every=2", "logger=wandb", "logger.log_every=5")
+    env = {"WANDB_MODE": "offline", **wandb_env(tmp_path)}
+    crashed = train(
+        *common,
+        "launch.nproc_per_node=2",
+        FAST_START,
+        "simulate.kill_rank=1",
+        f"simulate.kill_at_step={kill_at}",
+        "hydra.run.dir=run",
+        cwd=tmp_path,
+        **env,
+    )
+    assert crashed.code != 0, crashed.out[-4000:]
+    train(*common, "launch.nproc_per_node=1", "hydra.run.dir=run", "resume=auto", cwd=tmp_path, **env).check()
+    starts = [records(run) for run in (tmp_path / "run").glob("wandb/offline-run-*")]
+    starts.sort(key=lambda rows: run_record(rows)["start_time"])
+    assert len(starts) == 2, starts
+    first, resumed = (run_record(rows) for rows in starts)
+    assert first["run_id"] == resumed["run_id"]
+    assert not first.get("resume") and resumed.get("resume") is True  # W&B resumes the run on sync
+    items = [item for rows in starts for item in history(rows)]
+    steps = [i["_step"] for i in items]
+    assert increasing(steps), steps  # across the starts
+    assert [i["epoch"] for i in items if "epoch/loss" in i] == [0, 1, 2, 3]  # each epoch once
+    progress = [i["train/step"] for i in items if "train/loss" in i]  # rank 0's, each step once, in order
+    assert increasing(progress), progress
+    assert [i["epoch/world"] for i in items if "epoch/loss" in i][-1] == 1
+    assert summary(starts[1])["resize"] == {"from": 2, "to": 1, "epoch": 2}
+    assert not leftovers(tmp_path)
