@@ -10,12 +10,13 @@ The config is validated before any rank starts; every rank then checks it holds 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ from flodl.launcher.run_dir import RunDirTaken, claim_run_dir, release_claimed, 
 from flodl.launcher.self_launch import RankFailure, failure_line, host_run, keep_on_loopback, say, self_launch
 from flodl.links.group import is_loopback, loopback_store
 from flodl.links.stop import Stopped, catch_stop_signals
-from flodl.logs import stderr_kept_in
+from flodl.logs import one_line, stderr_kept_in
 from flodl.metrics import run_clock
 from flodl.metrics.run_info import RunInfo, from_hydra
 from flodl.metrics.wandb_sink import WandbStartError
@@ -151,6 +152,10 @@ class Preflight(Callback):
             sweep_job.publish_job(config, self._leading, None)
 
 
+# The failures flodl words in one line (the rest are a traceback's).
+_SAID = (ConfigError, RankFailure, WandbStartError, HostFailed, sweep_job.NoObjective)
+
+
 def launch_from_hydra(cfg: DictConfig) -> float | None:
     """The @hydra.main body: validate, then run the ranks. A single run exits 2 on a config error, 1 on a
     failure; a sweep's job raises its failure for the sweeper (a failed trial) and returns the run's
@@ -163,7 +168,7 @@ def launch_from_hydra(cfg: DictConfig) -> float | None:
     try:
         launch(cfg, from_hydra(run_dir, cfg.logger.group))
         return sweep_job.objective(cfg, run_dir) if in_sweep else None
-    except (ConfigError, RankFailure, WandbStartError, HostFailed, sweep_job.NoObjective) as err:
+    except _SAID as err:
         if isinstance(err, RankFailure) or RankEnv.from_environ().rank == 0:  # torchrun's ranks: one says it
             print(f"flodl: {err}", file=sys.stderr)
         if in_sweep:  # SystemExit would end the whole sweep, past the sweeper's own count of failures
@@ -188,17 +193,31 @@ def launch(cfg: DictConfig, info: RunInfo) -> None:
         claim_run_dir(Path(info.run_dir), info.uid)
     except RunDirTaken as err:
         raise ConfigError([str(err)]) from None
-    if env.launched:
-        run_rank(config, info.as_dict())
-        if env.rank != 0:  # torchrun's: rank 0 records the run's end
-            return
-    else:
-        keep_on_loopback()
-        if typed.launch.nproc_per_node == 1:
-            _single_rank(config, info, typed)
+    # torchrun's ranks: rank 0 records the run's end.
+    with _exit_recorded(Path(info.run_dir), launched_at, records=env.rank == 0):
+        if env.launched:
+            run_rank(config, info.as_dict())
         else:
-            self_launch(config, info, typed, host.gpus)
-    run_clock.record_exit(Path(info.run_dir), launched_at)
+            keep_on_loopback()
+            if typed.launch.nproc_per_node == 1:
+                _single_rank(config, info, typed)
+            else:
+                self_launch(config, info, typed, host.gpus)
+
+
+@contextlib.contextmanager
+def _exit_recorded(run_dir: Path, launched_at: float, records: bool) -> Iterator[None]:
+    """The job's exit in its run.json, with the line that says why when it failed (the compare report lists
+    a failed job by it); a stop is no exit recorded."""
+    try:
+        yield
+    except Exception as err:
+        if records:
+            said = str(err) if isinstance(err, _SAID) else f"{type(err).__name__}: {err}"
+            run_clock.record_exit(run_dir, launched_at, failed=one_line(said))
+        raise
+    if records:
+        run_clock.record_exit(run_dir, launched_at)
 
 
 def coordinator_from_hydra(cfg: DictConfig) -> None:

@@ -2,7 +2,8 @@
 
 Jobs are grouped by the keys that vary across the sweep (read from each job's `.hydra/overrides.yaml` and
 config); `seed` is folded: each group shows the mean ± sample standard deviation over its seeds. Writes into
-that dir `compare.md` (a row per group, a row per job, then the jobs the sweep skipped as invalid) and
+that dir `compare.md` (a row per group, a row per job, then the jobs not compared: each failed one with the
+line its launcher said of it, each that recorded no epoch; then the jobs the sweep skipped as invalid) and
 `compare.png` (the eval metric against wall time and against samples, throughput, bytes on the wire, and
 where each group's wall time went).
 Wall time is the job's own, from launch to exit (`run.json`), with its start-up shown apart; the sweep's own
@@ -18,7 +19,17 @@ from pathlib import Path
 from flodl.config.sweep import read_skipped
 from flodl.metrics.plots import plot_compare
 from flodl.metrics.run_clock import sweep_startup_s
-from flodl.metrics.sweep import SEED_KEY, Job, group_jobs, load_job, mean_std, varying_keys
+from flodl.metrics.sweep import (
+    OVERRIDES,
+    SEED_KEY,
+    Group,
+    Job,
+    group_jobs,
+    job_dirs,
+    load_job,
+    mean_std,
+    varying_keys,
+)
 
 REPORT_MD = "compare.md"
 REPORT_PNG = "compare.png"
@@ -60,13 +71,14 @@ DIGITS = {"final loss": 4, "wall s": 1, "start-up s": 1, "samples/s": 0, "rounds
 
 
 def report(sweep_dir: Path) -> str:
-    job_dirs = sorted((p.parent for p in sweep_dir.rglob("metrics.jsonl")), key=lambda p: str(p))
-    if not job_dirs:
-        raise SystemExit(f"flodl.metrics.compare: no job with a metrics.jsonl under {sweep_dir}")
-    jobs = [load_job(d) for d in job_dirs]
-    metric = eval_metric(jobs)
+    found = job_dirs(sweep_dir)
+    if not found:
+        raise SystemExit(f"flodl.metrics.compare: no job dir (with its {OVERRIDES}) under {sweep_dir}")
+    everyone = [load_job(d) for d in found]
+    # A job that failed, or recorded no epoch, is listed apart: a part of a run is no run to compare.
+    jobs = [job for job in everyone if job.records and job.failed is None]
     groups = group_jobs(jobs)
-    columns = list(job_row(jobs[0], metric))
+    metric = eval_metric(jobs)
     varying = varying_keys(jobs)
     lines = [
         f"# {sweep_dir}",
@@ -77,10 +89,25 @@ def report(sweep_dir: Path) -> str:
         f"seeds. `{metric}` is the last eval; wall s is launch to exit (start-up apart: launch to the first "
         "epoch's start); samples/s is over training time.",
         *_sweep_startup_line(sweep_dir),
-        "",
-        f"| group | seeds | {' | '.join(columns)} |",
-        "|---|---|" + "---|" * len(columns),
     ]
+    if jobs:
+        lines += _tables(sweep_dir, groups, metric)
+    lines += _not_compared(sweep_dir, [job for job in everyone if job.failed is not None or not job.records])
+    skipped = read_skipped(sweep_dir)
+    if skipped:  # the sweep's invalid jobs (hydra.sweeper.skip_invalid=true): named, never silently missing
+        named = "; ".join(f"`{' '.join(j.overrides)}` ({'; '.join(j.problems)})" for j in skipped)
+        lines += ["", f"Skipped as invalid ({len(skipped)}): {named}"]
+    text = "\n".join(lines) + "\n"
+    (sweep_dir / REPORT_MD).write_text(text)
+    if jobs:
+        plot_compare(groups, metric, sweep_dir / REPORT_PNG)
+    return text
+
+
+def _tables(sweep_dir: Path, groups: list[Group], metric: str) -> list[str]:
+    """A row per group, then a row per job."""
+    columns = list(job_row(groups[0].jobs[0], metric))
+    lines = ["", f"| group | seeds | {' | '.join(columns)} |", "|---|---|" + "---|" * len(columns)]
     for group in groups:
         rows = [job_row(job, metric) for job in group.jobs]
         cells = [_cell([r[c] for r in rows], DIGITS.get(c, 4)) for c in columns]
@@ -98,14 +125,23 @@ def report(sweep_dir: Path) -> str:
             cells = [_cell([row[c]], DIGITS.get(c, 4)) for c in columns]
             name = job.dir.relative_to(sweep_dir)
             lines.append(f"| {name} | {group.label} | {job.value_of(SEED_KEY)} | {' | '.join(cells)} |")
-    skipped = read_skipped(sweep_dir)
-    if skipped:  # the sweep's invalid jobs (hydra.sweeper.skip_invalid=true): named, never silently missing
-        named = "; ".join(f"`{' '.join(j.overrides)}` ({'; '.join(j.problems)})" for j in skipped)
-        lines += ["", f"Skipped as invalid ({len(skipped)}): {named}"]
-    text = "\n".join(lines) + "\n"
-    (sweep_dir / REPORT_MD).write_text(text)
-    plot_compare(groups, metric, sweep_dir / REPORT_PNG)
-    return text
+    return lines
+
+
+def _not_compared(sweep_dir: Path, jobs: list[Job]) -> list[str]:
+    """The jobs that failed (and why: the line their launcher said), and those that recorded no epoch."""
+    if not jobs:
+        return []
+    lines = ["", f"## Not compared ({len(jobs)})", ""]
+    for job in jobs:
+        overrides = " ".join(f"{k}={v}" for k, v in job.overrides.items())
+        what = (
+            f"failed: {job.failed}"
+            if job.failed is not None
+            else "recorded no epoch and no failure (it still runs, or was killed; see its logs)"
+        )
+        lines.append(f"- `{job.dir.relative_to(sweep_dir)}` (`{overrides}`) {what}")
+    return lines
 
 
 def _sweep_startup_line(sweep_dir: Path) -> list[str]:

@@ -3,7 +3,8 @@
 
 The compare report reads them for each job's real wall time and start-up. Two processes write run.json, one
 after the other: rank 0 (`training_started_at`, `training_ended_at`: its coordinator's run) before it exits,
-then the process that launched the job (`launched_at`, `exited_at`). Under torchrun or in one process, rank 0
+then the process that launched the job (`launched_at`, `exited_at`, and for a job that failed the line its
+launcher said, `failed`). Under torchrun or in one process, rank 0
 is that process. A process that walks a sweep launches its first job once the sweep has checked its grid
 (its interpreter, Hydra and that check are the sweep's start-up), and each later job when the one before
 exited.
@@ -21,6 +22,8 @@ import psutil
 from flodl.config.host import RankEnv
 
 RUN_FILE = "run.json"
+# run.json's key for the line a failed job's launcher said (the other keys are times).
+FAILED = "failed"
 SWEEP_FILE = "sweep.json"
 # Set by a launcher that starts each job as its own process (the slots launcher): the moment it launched it,
 # on this clock, where the job's process start is known only to the kernel's tick.
@@ -72,21 +75,31 @@ def sweep_startup_s(sweep_dir: Path) -> float | None:
     return times["jobs_started_at"] - times["launched_at"]
 
 
-def record(run_dir: Path, **times: float) -> None:
-    """Merge `times` into the run dir's run.json."""
+def record(run_dir: Path, **fields: float | str) -> None:
+    """Merge `fields` (times; a failure's line) into the run dir's run.json."""
     path = run_dir / RUN_FILE
-    fields = json.loads(path.read_text()) if path.exists() else {}
-    fields.update(times)
-    _write(path, fields)
+    merged = json.loads(path.read_text()) if path.exists() else {}
+    merged.update(fields)
+    _write(path, merged)
 
 
-def _write(path: Path, fields: dict[str, float]) -> None:
+def _write(path: Path, fields: dict[str, float | str]) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(fields, indent=1) + "\n")
     tmp.replace(path)  # a reader sees the old file or the new one
 
 
-def record_exit(run_dir: Path, launched_at: float) -> None:
+def record_exit(run_dir: Path, launched_at: float, failed: str | None = None) -> None:
+    """The job exited; `failed`: the one line its launcher said of its failure (the compare report's why)."""
     global _next_launch
     _next_launch = time.time()
-    record(run_dir, launched_at=launched_at, exited_at=_next_launch)
+    said = {FAILED: failed} if failed is not None else {}
+    record(run_dir, launched_at=launched_at, exited_at=_next_launch, **said)
+
+
+def read_run(run_dir: Path) -> tuple[dict[str, float], str | None]:
+    """The job's times (none for a job that never wrote run.json) and its launcher's failure line, if any."""
+    path = run_dir / RUN_FILE
+    fields = json.loads(path.read_text()) if path.is_file() else {}
+    failed = fields.pop(FAILED, None)
+    return fields, failed

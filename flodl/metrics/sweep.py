@@ -10,10 +10,12 @@ from typing import Any
 
 import yaml
 
-from flodl.metrics.run_clock import RUN_FILE
+from flodl.metrics.run_clock import read_run
 
 # Folded into a group's mean ± spread instead of splitting it.
 SEED_KEY = "seed"
+# What Hydra writes in every job's dir: the job's own overrides.
+OVERRIDES = Path(".hydra") / "overrides.yaml"
 
 
 @dataclass
@@ -25,6 +27,8 @@ class Job:
     records: list[dict[str, Any]]
     # run.json: launched_at, training_started_at, training_ended_at, exited_at (absent for older runs).
     times: dict[str, float]
+    # The line its launcher said of its failure (run.json), None when it did not fail or said nothing.
+    failed: str | None = None
 
     def value_of(self, key: str) -> str:
         """The job's value for `key`: its override, else its composed config's value."""
@@ -92,17 +96,25 @@ class Group:
         return " ".join(f"{k}={v}" for k, v in self.keys.items()) or "all jobs"
 
 
+def job_dirs(sweep_dir: Path) -> list[Path]:
+    """Every job dir under `sweep_dir` (Hydra's `.hydra/` in it), whether it trained, failed or still runs."""
+    return sorted((p.parent.parent for p in sweep_dir.rglob(OVERRIDES.as_posix())), key=str)
+
+
 def load_job(job_dir: Path) -> Job:
-    records = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines() if line]
-    listed = yaml.safe_load((job_dir / ".hydra" / "overrides.yaml").read_text()) or []
+    """A job as its dir holds it; a job that failed before its first epoch has no records (its metrics.jsonl
+    empty, or none)."""
+    metrics = job_dir / "metrics.jsonl"
+    lines = metrics.read_text().splitlines() if metrics.is_file() else []
+    records = [json.loads(line) for line in lines if line]
+    listed = yaml.safe_load((job_dir / OVERRIDES).read_text()) or []
     overrides = {}
     for item in listed:
         key, _, value = item.partition("=")
         overrides[key.lstrip("+~")] = value
     config = yaml.safe_load((job_dir / ".hydra" / "config.yaml").read_text())
-    times_file = job_dir / RUN_FILE
-    times = json.loads(times_file.read_text()) if times_file.exists() else {}
-    return Job(job_dir, overrides, config, records, times)
+    times, failed = read_run(job_dir)
+    return Job(job_dir, overrides, config, records, times, failed)
 
 
 def varying_keys(jobs: list[Job]) -> list[str]:

@@ -14,6 +14,7 @@ import psutil
 import pytest
 import torch
 
+from flodl.metrics.run_clock import read_run
 from tests.helpers.procs import (
     FAST_START,
     PYTHON,
@@ -287,6 +288,8 @@ def test_a_nan_in_a_single_process_cadence_run_with_skip_stops_in_one_line(tmp_p
     ), line
     assert line.endswith(f"see {run_dir / 'rank0.log'}"), line
     assert "Traceback" in (run_dir / "rank0.log").read_text()
+    times, failed = read_run(run_dir)  # the compare report lists the job as failed by this line
+    assert failed == line.removeprefix("flodl: ") and times["exited_at"] >= times["launched_at"], failed
 
 
 def test_on_nonfinite_skip_drops_the_bad_window_and_training_goes_on(tmp_path: Path) -> None:

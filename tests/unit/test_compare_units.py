@@ -1,4 +1,5 @@
-"""flodl.metrics.compare's grouping, on jobs built in memory (the real sweep is in test_reports.py)."""
+"""flodl.metrics.compare's grouping, on jobs built in memory, and its report on job dirs written here (the
+real sweep is in test_reports.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from flodl.metrics import run_clock
+from flodl.metrics.compare import REPORT_MD, REPORT_PNG, report
 from flodl.metrics.plots import plot_compare
 from flodl.metrics.sweep import Job, group_jobs, mean_std, varying_keys
 
@@ -92,3 +95,36 @@ def test_a_job_launched_by_its_launcher_starts_when_the_launcher_says(
     monkeypatch.setattr(run_clock, "_next_launch", None)
     monkeypatch.setenv(run_clock.LAUNCHED_AT_ENV, "1234.5")
     assert run_clock.launch_time() == 1234.5
+
+
+def sweep_job(sweep: Path, name: str, overrides: list[str], records: list[dict] | None) -> Path:
+    """A job dir as Hydra and flodl leave it: its overrides and config; its metrics.jsonl (None: none)."""
+    job = sweep / name
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    (job / ".hydra" / "config.yaml").write_text(yaml.safe_dump({"policy": "sync", "seed": 42}))
+    if records is not None:
+        (job / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return job
+
+
+def test_a_failed_job_is_listed_with_its_launchers_line_and_the_rest_are_compared(tmp_path: Path) -> None:
+    epoch = {"epoch": 0, "loss": 0.5, "samples": 64, "epoch_s": 1.0, "samples_per_s": 64.0, "rounds": 2}
+    epoch["comm_bytes_total"] = 8
+    for seed in ("0", "1"):
+        job = sweep_job(tmp_path, seed, ["policy=cadence", f"seed={seed}"], [epoch])
+        run_clock.record_exit(job, 100.0)
+    failed = sweep_job(tmp_path, "2", ["policy=async", "seed=0"], [])  # the host opened metrics.jsonl
+    line = "rank 1 failed first (ValueError: task.model: boom); no checkpoint was written; see x/rank1.log"
+    run_clock.record_exit(failed, 100.0, failed=line)
+    late = sweep_job(tmp_path, "3", ["policy=async", "seed=1"], [epoch, {**epoch, "epoch": 1}])
+    run_clock.record_exit(late, 100.0, failed="rank 0 failed (RuntimeError: lost)")  # a part of a run
+    sweep_job(tmp_path, "4", ["policy=async", "seed=2"], None)  # killed before it wrote anything
+    text = report(tmp_path)
+    assert "2 jobs in 1 group(s)" in text, text
+    assert "| all jobs | 2 | 0.5000 ± 0.0000 |" in text, text  # the two that trained to their end
+    assert "## Not compared (3)" in text
+    assert f"- `2` (`policy=async seed=0`) failed: {line}" in text
+    assert "- `3` (`policy=async seed=1`) failed: rank 0 failed (RuntimeError: lost)" in text
+    assert "- `4` (`policy=async seed=2`) recorded no epoch and no failure" in text
+    assert (tmp_path / REPORT_MD).read_text() == text and (tmp_path / REPORT_PNG).is_file()
