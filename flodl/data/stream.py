@@ -44,7 +44,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from flodl.data.dataset import is_stream
 from flodl.data.feeder import DataPlaneSettings
 from flodl.data.sample import check_movable, to_device
-from flodl.data.stream_split import StreamSplit, decide, reader_part, readers_words
+from flodl.data.stream_split import StreamSplit, decide, reader_part, readers_per_rank, readers_words
 from flodl.data.streams import batch_streams, mixed_seed
 from flodl.data.tiers import FeedStats
 
@@ -54,11 +54,6 @@ Collate = Callable[[list[Any]], Any]
 # Tags that keep a stream's batch seeds and its DataLoader's worker seeds apart from every other stream.
 _READER = 0x53545245
 _LOADER = 0x4C4F4144
-
-
-def readers_per_rank(num_workers: int) -> int:
-    """A rank's readers: one per DataLoader worker, or the rank itself."""
-    return max(num_workers, 1)
 
 
 def stream_picks(steps_per_epoch: int, world_size: int, step_samples: int) -> int:
@@ -225,7 +220,7 @@ class StreamFeeder:
         self._early: dict[int, tuple[Any, dict[str, Any]]] = {}
         self._checked = False
         # Which levels the stream splits itself (checked before any rank: flodl/preflight/task_probe.py).
-        self.split = decide(dataset, settings.stream_split, settings.world_size)
+        self.split = decide(dataset, settings.stream_split, settings.world_size, settings.num_workers)
         if settings.rank == 0:
             words = readers_words(dataset, self.split, settings.world_size, self.per_rank)
             log.info("task.train_data (%s): %s", type(dataset).__name__, words)

@@ -54,6 +54,7 @@ def task_problems(
         cfg.steps_per_epoch,
         cfg.persistent_workers,
         cfg.task.stream_split,
+        cfg.num_workers,
     ]
     key = json.dumps([task, world_size, *settings, whole], default=str)
     if key not in _PROBED:
@@ -148,7 +149,7 @@ def _stream_problems(cfg: FlodlConfig, task: Mapping[str, Any], kind: str) -> li
 def _split_problems(cfg: FlodlConfig, train_data: Any, world_size: int) -> list[str]:
     """A stream's split among its readers as every rank will decide it: a contradiction is refused here."""
     try:
-        decide(train_data, cfg.task.stream_split, world_size)
+        decide(train_data, cfg.task.stream_split, world_size, cfg.num_workers)
     except ValueError as err:
         return [one_line(str(err))]
     return []
