@@ -350,6 +350,13 @@ def test_nproc_per_node_matching_torchrun_passes(nproc):
     assert problems_of(make(**{"launch.nproc_per_node": nproc}), facts) == []
 
 
+@pytest.mark.parametrize("nproc", [0, -1])
+def test_a_job_of_no_ranks_is_one_problem_not_one_per_simulated_rank(nproc):
+    facts = host(ranks_per_node=nproc, world_size=nproc)  # what the host probe makes of it
+    problems = problems_of(make(**{"launch.nproc_per_node": nproc}), facts)
+    assert problems == [assert_problem(problems, "launch.nproc_per_node", nproc, "must be >= 1")]
+
+
 def test_nproc_per_node_outside_torchrun_passes():
     assert problems_of(make(**{"launch.nproc_per_node": 3}), host(ranks_per_node=3)) == []
 

@@ -18,7 +18,8 @@ def host_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
     yield from _launcher_problems(cfg, host)
     for name in ("slow_rank", "nan_rank", "hang_rank", "kill_rank"):
         rank: int | None = getattr(cfg.simulate, name)
-        if rank is not None and not 0 <= rank < host.world_size:
+        # A job of no ranks is refused as such (launch.nproc_per_node), not once per simulated rank.
+        if rank is not None and host.world_size >= 1 and not 0 <= rank < host.world_size:
             yield problem(f"simulate.{name}", rank, f"must be a rank of this job, 0..{host.world_size - 1}")
     if cfg.precision == "fp16" and not uses_gpus:
         yield problem(
