@@ -252,6 +252,24 @@ class CheckpointDir:
             shutil.rmtree(path, ignore_errors=True)
         return swept
 
+    def mark(self, name: str) -> None:
+        """Leave an empty file `name` in the dir (the run's host, for each rank to look for in its own view of
+        the dir: flodl/job/shared_dir.py)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        (self.root / name).touch()
+
+    def marked(self, name: str) -> bool:
+        """Whether this view of the dir holds the file `name` (a name never looked up before here: a network
+        file system's cache of names it did not find has no entry for it)."""
+        return (self.root / name).is_file()
+
+    def unmark(self, name: str) -> None:
+        """The file `name` removed, and the dir with it if that left it empty (a run that failed before its
+        first checkpoint leaves no history for the next start to move aside)."""
+        (self.root / name).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            self.root.rmdir()
+
     def latest(self) -> Checkpoint | None:
         """The newest checkpoint whose manifest and files check out; damaged ones are skipped with a
         warning (the `latest` pointer is only a hint: a checkpoint dir is trusted on its manifest)."""

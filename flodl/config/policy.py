@@ -103,9 +103,17 @@ CHECKPOINT_KEYS = "checkpoint_every, checkpoint_every_steps or checkpoint_every_
 
 
 def checkpoints_on(cfg: FlodlConfig) -> bool:
-    return any(
-        v is not None for v in (cfg.checkpoint_every, cfg.checkpoint_every_steps, cfg.checkpoint_every_s)
-    )
+    return bool(checkpoint_keys_set(cfg))
+
+
+def checkpoint_keys_set(cfg: FlodlConfig) -> list[str]:
+    """The keys of CHECKPOINT_KEYS that `cfg` sets (null on all of them: checkpoints off)."""
+    keys = {
+        "checkpoint_every": cfg.checkpoint_every,
+        "checkpoint_every_steps": cfg.checkpoint_every_steps,
+        "checkpoint_every_s": cfg.checkpoint_every_s,
+    }
+    return [key for key, value in keys.items() if value is not None]
 
 
 def checkpoint_epochs(cfg: FlodlConfig) -> frozenset[int]:

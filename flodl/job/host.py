@@ -28,9 +28,9 @@ from typing import Any
 
 from torch.distributed import PrefixStore
 
-from flodl.checkpoints.disk import MODEL_FILE, Checkpoint, atomic_save
+from flodl.checkpoints.disk import MODEL_FILE, Checkpoint, CheckpointDir, atomic_save
 from flodl.checkpoints.identity import run_identity
-from flodl.config.policy import PolicyFacts, rank_capacity
+from flodl.config.policy import PolicyFacts, checkpoints_on, rank_capacity
 from flodl.config.schema import FlodlConfig
 from flodl.coordinator.coordinator import Coordinator
 from flodl.coordinator.hooks import RunSummary
@@ -45,6 +45,7 @@ from flodl.job.resume import (
     resize_of,
 )
 from flodl.job.settings import resume_settings
+from flodl.job.shared_dir import mark_checkpoint_dir
 from flodl.links.group import publish_json, read_json
 from flodl.links.threads import wait_ended
 from flodl.links.transport import COORDINATOR, InboxReader, Mailbox
@@ -112,18 +113,28 @@ class RunHost:
         self.run_dir = Path(info.run_dir)
         self.namespace = uuid.uuid4().hex
         self.checkpoint: Checkpoint | None = None
+        # The mark left in the checkpoint dir for this start (None: checkpoints off, or not opened yet).
+        self.checkpoints: CheckpointDir | None = None
+        self.mark: str | None = None
         self.coordinator: Coordinator | None = None
         # Set once the coordinator ended (done, failed or stopped): the ranks are told, the host may go.
         self.ended = threading.Event()
         self.error: BaseException | None = None
 
     def open(self) -> Checkpoint | None:
-        """Before any rank needs them: the run's namespace and the checkpoint it continues from. A checkpoint
-        that covers every epoch leaves nothing to train: its model is the run's."""
+        """Before any rank needs them: the run's namespace, its checkpoint dir marked for the ranks to look
+        for (flodl/job/shared_dir.py), and the checkpoint it continues from. A checkpoint that covers every
+        epoch leaves nothing to train: its model is the run's."""
         publish_json(self.exchange, _NAMESPACE, self.namespace)
         identity = run_identity(self.config, self.info.uid)
         settings = resume_settings(self.cfg, self.run_dir, identity)
-        self.checkpoint = publish_checkpoint_choice(settings, self.world_size, self.exchange)
+        self.checkpoints = settings.checkpoints
+        try:
+            self.checkpoint = publish_checkpoint_choice(settings, self.world_size, self.exchange)
+        finally:  # after the history is put in line (a fresh start moves checkpoints/ aside); the ranks
+            # wait for the mark before they read the choice, or why there is none
+            marked = self.checkpoints if checkpoints_on(self.cfg) else None
+            self.mark = mark_checkpoint_dir(self.exchange, marked)
         self.cfg = agreed_config(self.cfg, self.exchange)
         if self.checkpoint is not None and self.checkpoint.world_size != self.world_size:
             shares = not PolicyFacts.of(self.cfg).averages_parameters
@@ -193,6 +204,7 @@ class RunHost:
     def finish(self) -> None:
         """After the coordinator ended: its failure raised; else the run's times and on_run_end (model.pt was
         written by a member), and a planned stop for too few ranks raised, naming why."""
+        self._unmark()
         if self.error is not None:
             raise self.error
         if self.nothing_left:
@@ -223,6 +235,12 @@ class RunHost:
 
     def stop(self) -> None:
         """The run stops (a signal, a failure): let the coordinator end (it keeps the timeline so far)."""
+        self._unmark()
         if self.coordinator is not None:
             self.coordinator.stop_requested.set()
             wait_ended(self.coordinator, timeout=10)
+
+    def _unmark(self) -> None:
+        """No rank looks for this start's mark once the run ends."""
+        if self.checkpoints is not None and self.mark is not None:
+            self.checkpoints.unmark(self.mark)

@@ -25,6 +25,7 @@ from torch.distributed import PrefixStore
 from flodl.checkpoints.disk import CheckpointError
 from flodl.config.host import RankEnv
 from flodl.config.policy import (
+    checkpoint_keys_set,
     collective_backend,
     compile_mode_for,
     heartbeat_timeout_of,
@@ -50,6 +51,7 @@ from flodl.job.resume import (
     restore_worker,
 )
 from flodl.job.settings import checkpoint_store, task_settings
+from flodl.job.shared_dir import agree_on_checkpoint_dir
 from flodl.links.group import GroupHandle, agree_on_config, init_group, pick_device
 from flodl.links.heartbeat import HeartbeatSender, Rank0Watch, beat_interval
 from flodl.links.messages import Exiting, StopRequested
@@ -174,6 +176,7 @@ def serve_rank(
         if not apart and env.rank == 0:  # this process is the run's host
             host = RunHost(cfg, config, info, env.world_size, group.exchange, connect)
             host.open()
+        _agree_on_checkpoint_dir(cfg, env, run_dir, group.exchange, apart)
         checkpoint = agreed_checkpoint(env.rank, group.exchange)
         cfg = agreed_config(cfg, group.exchange)
         if checkpoint is not None and covers_every_epoch(checkpoint, cfg.epochs):
@@ -245,6 +248,18 @@ def _join(cfg: FlodlConfig, config: dict[str, Any], env: RankEnv, run_dir: Path,
     )
     agree_on_config(config, env.rank, env.world_size, group.exchange)
     return Joined(device, backend, group)
+
+
+def _agree_on_checkpoint_dir(
+    cfg: FlodlConfig, env: RankEnv, run_dir: Path, exchange: PrefixStore, apart: bool
+) -> None:
+    """Before any rank trains: every rank sees the checkpoint dir of the run's host (rank 0's own process
+    sees it; a joiner checks itself besides the start's ranks), or none trains (flodl/job/shared_dir.py)."""
+    ranks = {*range(env.world_size), env.rank}
+    checked = sorted(ranks if apart else ranks - {0})
+    together = [] if apart else list(range(env.world_size))  # survive's store is its host's: it stays
+    mine = checkpoint_store(cfg, run_dir)
+    agree_on_checkpoint_dir(exchange, env.rank, checked, mine, checkpoint_keys_set(cfg), together)
 
 
 def _train(

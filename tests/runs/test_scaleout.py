@@ -18,6 +18,7 @@ from tests.helpers.procs import (
     FAST_START,
     TORCHRUN,
     TRAIN,
+    Result,
     finish,
     free_port,
     leftovers,
@@ -44,7 +45,9 @@ def test_torchrun_ranks_walk_a_multirun_sweep_together(tmp_path: Path) -> None:
     assert not leftovers(tmp_path)
 
 
-def test_two_nodes_on_one_machine(tmp_path: Path) -> None:
+def _two_nodes(tmp_path: Path, *overrides: str, run_dirs: tuple[str, str] | None = None) -> list[Result]:
+    """Two torchrun agents of one job on this machine, as on two hosts (`run_dirs`: each host's own
+    `hydra.run.dir`, as hosts with local disks would have); both waited for (or killed) before a check."""
     endpoint = f"localhost:{free_port()}"
     nodes = [
         start(
@@ -57,19 +60,60 @@ def test_two_nodes_on_one_machine(tmp_path: Path) -> None:
                 f"--rdzv-endpoint={endpoint}",
                 "--rdzv-id=two-nodes",
                 TRAIN,
-                "epochs=2",
+                *overrides,
+                *([f"hydra.run.dir={run_dirs[rank]}"] if run_dirs else []),
             ],
             cwd=tmp_path,
         )
         for rank in (0, 1)
     ]
-    for result in [finish(node, timeout=180) for node in nodes]:  # both finished (or killed) before a check
+    return [finish(node, timeout=180) for node in nodes]
+
+
+def test_two_nodes_on_one_machine(tmp_path: Path) -> None:
+    for result in _two_nodes(tmp_path, "epochs=2"):
         result.check()
     (run_dir,) = [p.parent for p in tmp_path.rglob("metrics.jsonl")]
     records = assert_complete_run(run_dir, world=2, epochs=2)
     assert records[-1]["per_rank"][1]["batches"] > 0
     # Logs name the host once a job spans several hosts.
     assert f"[{socket.gethostname()}:r1]" in (run_dir / "rank1.log").read_text()
+    # Checkpoints were on (the default), in the one dir both hosts see.
+    assert (run_dir / "checkpoints" / "epoch-000002" / "rank1.pt").is_file()
+    assert not leftovers(tmp_path)
+
+
+def test_hosts_that_do_not_share_the_run_dir_are_refused_before_training(tmp_path: Path) -> None:
+    """Each host writes its own run dir (local disks): rank 1's checkpoint parts would never reach the dir
+    rank 0 commits in. Every rank refuses before it trains, in one line naming the key that fixes it."""
+    results = _two_nodes(tmp_path, "epochs=2", run_dirs=("host0", "host1"))
+    assert [r.timed_out or r.code == 0 for r in results] == [False, False], results[0].out[-4000:]
+    line = f"rank 1 does not see the checkpoint dir {tmp_path / 'host0' / 'checkpoints'} of the run's host"
+    # Each rank recorded the refusal as its failure (the launcher's one line names it) ...
+    for host in (tmp_path / "host0", tmp_path / "host1"):
+        (recorded,) = [json.loads(p.read_text()) for p in host.glob(".launch/failure-*.json")]
+        assert recorded["error"] == "ConfigError" and line in recorded["message"], recorded
+        assert "save_path=" in recorded["message"] and "checkpoint_every=null" in recorded["message"]
+    # ... and said it in one line of its own (the agent whose rendezvous store went first may be cut off by
+    # torchrun before its rank prints), no traceback of a rank's.
+    said = [text for r in results for text in r.out.splitlines() if line in text]
+    assert said, results[1].out[-4000:]
+    ranks_said = [text for r in results for text in r.out.splitlines() if text.startswith("[rank")]
+    assert not any("Traceback" in text for text in ranks_said), ranks_said  # torchrun's own report aside
+    for host in (tmp_path / "host0", tmp_path / "host1"):  # nothing trained, nothing checkpointed
+        assert not (host / "metrics.jsonl").exists() or not epochs_of(host)
+        assert not list(host.glob("checkpoints/epoch-*"))
+    assert not leftovers(tmp_path)
+
+
+def test_hosts_apart_train_without_a_shared_dir_when_nothing_is_checkpointed(tmp_path: Path) -> None:
+    """Checkpoints off: nothing of a rank goes to disk but rank 0's records, so each host's own dir does."""
+    nodes = _two_nodes(tmp_path, "epochs=1", "checkpoint_every=null", run_dirs=("host0", "host1"))
+    for result in nodes:
+        result.check()
+    (record,) = epochs_of(tmp_path / "host0")  # rank 0's records; each rank's log in its own host's dir
+    assert [r["batches"] > 0 for r in record["per_rank"]] == [True, True]
+    assert (tmp_path / "host0" / "model.pt").is_file() and (tmp_path / "host1" / "rank1.log").is_file()
     assert not leftovers(tmp_path)
 
 
@@ -117,6 +161,7 @@ def test_slots_launcher_runs_jobs_side_by_side_on_their_own_ports(tmp_path: Path
         "epochs=2",
         "launch.nproc_per_node=2",
         FAST_START,
+        Result,
         "hydra.sweep.dir=sweep",
         cwd=tmp_path,
         timeout=300,
