@@ -47,7 +47,7 @@ class Cursor:
         return found
 
     def wants_epoch(self, epoch: int) -> bool:
-        """The epoch's rows are not in the run yet."""
+        """The epoch's row is not in the run yet."""
         return epoch > self.epoch
 
     def wants_eval(self, step: int) -> bool:
