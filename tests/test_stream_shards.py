@@ -35,14 +35,13 @@ def hf() -> Any:
     return pytest.importorskip("datasets")
 
 
-def _webdataset(wds: Any, folder: Path, shards: int) -> Any:
+def _webdataset(wds: Any, folder: Path, shards: int, shardshuffle: int = 0, **options: Any) -> Any:
     """`shards` real webdataset shards of PER_SHARD points (ids 0 ..), read as its users read them on
-    several ranks: split_by_node, and its default split_by_worker."""
+    several ranks: split_by_node, and its default split_by_worker; the shards' order shuffled, if asked."""
     write_point_shards(folder, shards * PER_SHARD, shards)
     urls = sorted(str(p) for p in folder.glob("*.tar"))
-    return (
-        wds.WebDataset(urls, nodesplitter=wds.split_by_node, shardshuffle=False).decode().to_tuple("id.cls")
-    )
+    dataset = wds.WebDataset(urls, nodesplitter=wds.split_by_node, shardshuffle=shardshuffle, **options)
+    return dataset.decode().to_tuple("id.cls")
 
 
 def _part(reader: ShardReader) -> list[int]:
@@ -86,6 +85,39 @@ def test_every_reader_of_a_webdataset_reads_as_many_items_and_together_the_strea
     assert max(map(len, parts)) - min(map(len, parts)) <= 1, [len(p) for p in parts]
 
 
+def test_a_seeded_shard_shuffle_that_a_ranks_workers_draw_alike_is_split_by_item_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, wds: Any
+) -> None:
+    # 5 shards among 1 rank's 2 workers, their order shuffled from the pipeline's seed: each worker reads
+    # all 5 in the same order and keeps every other item.
+    parts = _parts(_webdataset(wds, tmp_path, 5, shardshuffle=5, seed=1), 1, 2, monkeypatch)
+    assert sorted(parts[0] + parts[1]) == list(range(20))
+    assert [len(p) for p in parts] == [10, 10]
+
+
+def test_uneven_shards_whose_readers_would_shuffle_apart_are_refused_with_the_numbers(
+    tmp_path: Path, wds: Any
+) -> None:
+    # Issue 54's shape with an unseeded sample shuffle (each worker would draw its own order): refused.
+    with pytest.raises(ValueError) as refused:
+        decide(_webdataset(wds, tmp_path / "workers", 6).shuffle(8), "auto", 2, 2)
+    assert str(refused.value) == (
+        "task.train_data (WebDataset): splits its 6 shards among its 4 readers itself (2, 1, 2, 1 shards "
+        "each), and a rank takes its readers' batches in turn: each pass of the stream would read about 1 "
+        "shards' items twice and as many never, and its pipeline shuffles (shuffle(8)) where its readers "
+        "would not shuffle alike, so flodl cannot keep every n-th item instead; set num_workers=1 (a divisor "
+        "of a rank's 3 shards), or give each rank a multiple of 2 shards"
+    )
+    # 3 shards on 2 ranks, shuffled from a seed each rank's pipeline draws itself: refused too.
+    with pytest.raises(
+        ValueError,
+        match=r"splits its 3 shards among its 2 readers itself \(2, 1 shards each\).* about 0.5 shards' "
+        r"items twice .* shuffles \(shuffle\(3\)\) .*; run on a number of ranks that divides 3, or write a "
+        r"multiple of 2 shards$",
+    ):
+        decide(_webdataset(wds, tmp_path / "ranks", 3, shardshuffle=3, seed=1), "auto", 2, 0)
+
+
 @pytest.mark.multiproc
 def test_six_webdataset_shards_on_two_ranks_of_two_workers_train_every_item_once_a_pass(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, wds: Any
@@ -126,10 +158,10 @@ def test_hf_data_sources_that_do_not_divide_among_a_ranks_workers_are_refused_wi
     # splits each rank's 3 among its 2 workers as 2 and 1.
     assert _probed(2, 2, n=120, shards=3, ranks=2) == [
         "num_workers=2: task.train_data (IterableDataset) splits a rank's 3 data sources (num_shards) among "
-        "its 2 DataLoader workers itself, 2, 1, and a rank takes its workers' batches in turn: each pass of "
-        "the stream would read about 0.5 sources' items twice and as many never, on every rank; set "
-        "num_workers=1 (a divisor of 3), or give each rank a multiple of 2 data sources (the world_size, or "
-        "the stream's num_shards)"
+        "its 2 DataLoader workers itself (2, 1 data sources each), and a rank takes its readers' batches in "
+        "turn: each pass of the stream would read about 0.5 data sources' items twice and as many never, on "
+        "every rank; set num_workers=1 (a divisor of a rank's 3 data sources), or give each rank a multiple "
+        "of 2 data sources"
     ]
     assert _probed(2, 3, n=120, shards=3, ranks=2) == []
     assert _probed(2, 2, n=120, shards=4, ranks=2) == []  # 2 sources a rank: one a worker

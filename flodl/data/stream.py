@@ -44,7 +44,8 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from flodl.data.dataset import is_stream
 from flodl.data.feeder import DataPlaneSettings
 from flodl.data.sample import check_movable, to_device
-from flodl.data.stream_split import StreamSplit, decide, reader_part, readers_per_rank, readers_words
+from flodl.data.stream_shards import readers_per_rank
+from flodl.data.stream_split import StreamSplit, decide, reader_part, readers_words
 from flodl.data.streams import batch_streams, mixed_seed
 from flodl.data.tiers import FeedStats
 

@@ -13,22 +13,23 @@ webdataset pipeline's stages, HF's distributed config), and a stream flodl canno
 A key that says flodl splits a level the stream visibly splits itself is refused, as is a webdataset
 pipeline that refuses several ranks (`single_node_only`, its default node splitter) under several ranks.
 
-A level the stream splits by whole shards holds every item once only where its shards divide evenly among
-the readers there: else the readers' parts differ, the short ones wrap around and the long ones never reach
-their end, since a rank takes its readers' batches in turn. Where the shard list shows (webdataset's URLs,
-HF's `num_shards`), flodl checks it: it takes a webdataset level over (its splitter stage left out of the
-readers' pipelines, and every n-th item kept instead), asks a dataset's `shard` only when its shards divide
-among the ranks, and refuses an HF stream whose shards do not divide among a rank's DataLoader workers (HF
-splits them there, unasked) with the numbers; a shuffled HF stream under DataLoader workers, whose state
-does not load back, is refused too.
+A level the stream splits by whole shards must have them divide among its readers there
+(flodl/data/stream_shards.py): a webdataset level whose shards do not is split by item instead, where it
+can be, and what cannot be read evenly or resumed is refused, with the numbers and the key to change.
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Any
+
+from flodl.data.stream_shards import (
+    check_hf,
+    readers_per_rank,
+    shards_divide,
+    webdataset_levels,
+    without_splitters,
+)
 
 # task.stream_split's values (flodl/config/schema.py): whether the stream splits itself among the ranks,
 # among a rank's DataLoader workers.
@@ -92,11 +93,6 @@ def _hf_seen(dataset: Any) -> _Seen | None:
     )
 
 
-def readers_per_rank(num_workers: int) -> int:
-    """A rank's readers: one per DataLoader worker, or the rank itself."""
-    return max(num_workers, 1)
-
-
 def _seen(dataset: Any) -> _Seen:
     for look in (_webdataset_seen, _hf_seen):
         seen = look(dataset)
@@ -117,8 +113,15 @@ def decide(dataset: Any, said: str, world_size: int, num_workers: int = 0) -> St
         split = StreamSplit(bool(seen.ranks), bool(seen.workers), seen.why)
     else:
         split = _said(dataset, said, seen)
-    _check_hf(dataset, split, world_size, num_workers)
-    return _webdataset_evened(dataset, split, world_size, readers_per_rank(num_workers))
+    per_rank = readers_per_rank(num_workers)
+    ranks, workers, note = webdataset_levels(dataset, split.ranks, split.workers, world_size, per_rank)
+    if note:
+        split = StreamSplit(ranks, workers, f"{split.why}; {note}")
+    sources = getattr(dataset, "num_shards", None)
+    if isinstance(sources, int) and _asked_for_shards(dataset, split, world_size):
+        sources //= world_size
+    check_hf(dataset, sources, num_workers)
+    return split
 
 
 def _said(dataset: Any, said: str, seen: _Seen) -> StreamSplit:
@@ -134,80 +137,6 @@ def _said(dataset: Any, said: str, seen: _Seen) -> StreamSplit:
             f"{' and '.join(twice)} ({seen.why}), which flodl would split again; leave task.stream_split=auto"
         )
     return StreamSplit(ranks, workers, f"task.stream_split={said}")
-
-
-def _webdataset_evened(dataset: Any, split: StreamSplit, world_size: int, per_rank: int) -> StreamSplit:
-    """`split`, less the levels a webdataset pipeline splits by shards that do not divide among its readers
-    there: flodl splits those by item (their splitter stage is left out of the readers' pipelines)."""
-    stages = getattr(dataset, "pipeline", None)
-    if not type(dataset).__module__.startswith("webdataset") or not isinstance(stages, list) or not stages:
-        return split
-    import webdataset as wds  # importable: the dataset is one of its classes
-
-    urls = getattr(stages[0], "urls", None) if isinstance(stages[0], wds.SimpleShardList) else None
-    if urls is None:  # no shard list to count (drawn, or the user's own source)
-        return split
-    shards, node, notes = len(urls), wds.split_by_node in stages, []
-    ranks, workers = split.ranks, split.workers
-    if ranks and node and shards % world_size:
-        ranks = False
-        notes.append(f"its {shards} shards do not divide among {world_size} ranks")
-    rank_shards = shards // world_size if ranks else shards
-    by_worker = workers and per_rank > 1 and wds.split_by_worker in stages and (node or not ranks)
-    if by_worker and rank_shards % per_rank:
-        workers = False
-        notes.append(f"a rank's {rank_shards} shards do not divide among its {per_rank} DataLoader workers")
-    if not notes:
-        return split
-    taken = " and ".join(n for n, own in (("split_by_node", ranks), ("split_by_worker", workers)) if not own)
-    why = f"{split.why}; {' and '.join(notes)}, so flodl splits by item instead of {taken}"
-    return StreamSplit(ranks, workers, why)
-
-
-def _check_hf(dataset: Any, split: StreamSplit, world_size: int, num_workers: int) -> None:
-    """An HF IterableDataset under DataLoader workers: they split its data sources (shards) among
-    themselves whatever flodl asks, so those must divide among a rank's workers; and a shuffled one's state,
-    taken in a worker, must load back."""
-    if num_workers == 0 or not type(dataset).__module__.startswith("datasets."):
-        return
-    name = type(dataset).__name__
-    if _hf_shuffled(dataset):
-        raise ValueError(
-            f"num_workers={num_workers}: task.train_data ({name}) is shuffled, and HF's state of a shuffled "
-            "stream taken in a DataLoader worker does not load back (an IndexError in its load_state_dict), "
-            "so no checkpoint of this run could be resumed; set num_workers=0"
-        )
-    total = getattr(dataset, "num_shards", None)
-    if total is None or num_workers == 1:
-        return
-    sources = total // world_size if _asked_for_shards(dataset, split, world_size) else total
-    if sources % num_workers:
-        raise ValueError(_uneven_hf_words(name, sources, num_workers))
-
-
-def _uneven_hf_words(name: str, sources: int, workers: int) -> str:
-    """Why a rank's `sources` HF data sources cannot be read evenly by its `workers`, and what to change."""
-    counts = [len(range(k, sources, workers)) for k in range(workers)]
-    twice = sum(max(Fraction(sources, workers) - c, Fraction(0)) for c in counts)
-    fits = max(d for d in range(1, workers) if sources % d == 0)
-    return (
-        f"num_workers={workers}: task.train_data ({name}) splits a rank's {sources} data sources "
-        f"(num_shards) among its {workers} DataLoader workers itself, {', '.join(map(str, counts))}, and a "
-        f"rank takes its workers' batches in turn: each pass of the stream would read about {float(twice):g} "
-        f"sources' items twice and as many never, on every rank; set num_workers={fits} (a divisor of "
-        f"{sources}), or give each rank a multiple of {workers} data sources (the world_size, or the "
-        "stream's num_shards)"
-    )
-
-
-def _hf_shuffled(dataset: Any) -> bool:
-    """Whether an HF IterableDataset shuffles (a shuffled stage in its chain of example iterables)."""
-    stage = getattr(dataset, "_ex_iterable", None)
-    while stage is not None:
-        if "Shuffled" in type(stage).__name__:
-            return True
-        stage = getattr(stage, "ex_iterable", None)
-    return False
 
 
 @dataclass(frozen=True)
@@ -230,25 +159,11 @@ def reader_part(dataset: Any, split: StreamSplit, world_size: int, per_rank: int
     words = _words(
         split, shards, world_size, per_rank, (rank, worker), f"items {offset}, {offset} + {stride}, ..."
     )
-    source = dataset.shard(num_shards=world_size, index=rank) if shards else _own_stages(dataset, split)
+    if shards:
+        source = dataset.shard(num_shards=world_size, index=rank)
+    else:
+        source = without_splitters(dataset, split.ranks, split.workers)
     return ReaderPart(source, stride, offset, words)
-
-
-def _own_stages(dataset: Any, split: StreamSplit) -> Any:
-    """`dataset`, less the webdataset splitter stages of the levels flodl splits (`_webdataset_evened`)."""
-    stages = getattr(dataset, "pipeline", None)
-    if not type(dataset).__module__.startswith("webdataset") or not isinstance(stages, list):
-        return dataset
-    import webdataset as wds  # importable: the dataset is one of its classes
-
-    dropped = [
-        s for s, own in ((wds.split_by_node, split.ranks), (wds.split_by_worker, split.workers)) if not own
-    ]
-    if not any(stage in dropped for stage in stages):
-        return dataset
-    source = copy.copy(dataset)
-    source.pipeline = [stage for stage in stages if stage not in dropped]
-    return source
 
 
 def readers_words(dataset: Any, split: StreamSplit, world_size: int, per_rank: int) -> str:
@@ -263,9 +178,9 @@ def readers_words(dataset: Any, split: StreamSplit, world_size: int, per_rank: i
 def _asked_for_shards(dataset: Any, split: StreamSplit, world_size: int) -> bool:
     """Whether flodl asks the dataset for its rank's `shard`: it has one, does not split among ranks, and
     its shards (`num_shards`, where it says) divide among them: else every rank would not get as many."""
-    shards = getattr(dataset, "num_shards", None)
-    divides = not isinstance(shards, int) or shards % world_size == 0
-    return not split.ranks and callable(getattr(dataset, "shard", None)) and divides
+    return (
+        not split.ranks and callable(getattr(dataset, "shard", None)) and shards_divide(dataset, world_size)
+    )
 
 
 def _stride(split: StreamSplit, shards: bool, world_size: int, per_rank: int) -> tuple[int, str]:
