@@ -24,6 +24,7 @@ from flodl.config.schema import register_configs
 from flodl.launcher.launch import hydra_problem
 from flodl.launcher.run_dir import register_resolvers
 from flodl.preflight.checks import omegaconf_problem, preflight
+from tests.helpers.byo_data import write_point_shards
 from tests.helpers.procs import CONF, train
 
 FILE = "{file}"  # an existing regular file: nothing can be created under it
@@ -340,3 +341,32 @@ def test_a_plan_writes_nothing_and_warns_of_more_ranks_than_cores(tmp_path: Path
     assert "flodl plan (nothing was started)" in result.out, result.out
     assert f"warning         {ranks} ranks on this host share its {ranks - 1} CPU core(s)" in result.out
     assert list(tmp_path.iterdir()) == []  # not even the run dir Hydra would have made
+
+
+def _shards(pattern: str) -> tuple[str, ...]:
+    """The training data as a webdataset stream of the shards `pattern` names."""
+    return (
+        "task.train_data._target_=webdataset.WebDataset",
+        "~task.train_data.split",
+        f"+task.train_data.urls='{pattern}'",
+        "+task.train_data.shardshuffle=false",
+        "steps_per_epoch=3",
+    )
+
+
+def test_a_webdataset_pattern_that_names_missing_shards_is_refused_naming_its_key(
+    hydra_conf: None, tmp_path: Path
+) -> None:
+    pytest.importorskip("webdataset", exc_type=ImportError)
+    write_point_shards(tmp_path, 16, 4)  # points-000000.tar .. points-000003.tar
+    assert rejection(_shards(f"{tmp_path}/points-{{000000..000003}}.tar")) is None
+    for names, missing in (
+        ("{000010..000013}", "4 of its 4 shards"),
+        ("{000000..000005}", "2 of its 6 shards"),
+    ):
+        pattern = f"{tmp_path}/points-{names}.tar"
+        text = rejection(_shards(pattern))
+        assert text is not None
+        (line,) = text.splitlines()
+        assert line.startswith(f"invalid flodl config: task.train_data.urls={pattern!r}: "), line
+        assert f"names no file for {missing}" in line

@@ -3,7 +3,8 @@
 - The datasets are built (not their batches): a missing path, a split that does not exist, an empty
   dataset, a batch larger than the training data, and a stream (an IterableDataset) without
   steps_per_epoch, with what needs a sample index (views, a transform, the tiers), or whose split among
-  its readers task.stream_split contradicts (flodl/data/stream_split.py) fail here.
+  its readers task.stream_split contradicts (flodl/data/stream_split.py) fail here, and so does a webdataset
+  shard pattern that names files this host does not have.
 - The model is built on the meta device (no memory, no weights), its optimizer and scheduler on its
   parameters: a model with nothing to train and a scheduler missing an argument fail here.
 - `eval_fn` is called once on the first eval batch, on the meta device: what it returns must be the
@@ -18,7 +19,9 @@ from __future__ import annotations
 import json
 import warnings
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
 from hydra.errors import InstantiationException
@@ -101,7 +104,11 @@ def _train_data_problems(
 ) -> list[str]:
     kind = type(train_data).__name__
     if is_stream(train_data):
-        return _stream_problems(cfg, task, kind) + _split_problems(cfg, train_data, world_size)
+        return (
+            _stream_problems(cfg, task, kind)
+            + _split_problems(cfg, train_data, world_size)
+            + _shard_problems(task["train_data"], train_data)
+        )
     if cfg.task.stream_split != "auto":
         return [
             f"task.stream_split={cfg.task.stream_split}: applies to a stream (an IterableDataset as "
@@ -153,6 +160,44 @@ def _split_problems(cfg: FlodlConfig, train_data: Any, world_size: int) -> list[
     except ValueError as err:
         return [one_line(str(err))]
     return []
+
+
+def _shard_problems(node: Mapping[str, Any], train_data: Any) -> list[str]:
+    """A webdataset pipeline's shards (its first stage's URLs) that are files on this host and do not exist:
+    every rank would fail at its first read of one. Named by the key of `node` whose pattern names them."""
+    stages = getattr(train_data, "pipeline", None)
+    urls = getattr(stages[0], "urls", None) if stages else None
+    if not isinstance(urls, list) or not urls:
+        return []
+    missing = [url for url in urls if (path := _local_file(url)) is not None and not path.exists()]
+    if not missing:
+        return []
+    key, pattern = _naming(node, "task.train_data", missing[0]) or ("task.train_data", urls[0])
+    first = missing[0] if Path(missing[0]).is_absolute() else f"{missing[0]} in {Path.cwd()}"
+    return [
+        f"{key}={pattern!r}: names no file for {len(missing)} of its {len(urls)} shards (the first: "
+        f"{first}); fix the pattern or write the shards first"
+    ]
+
+
+def _local_file(url: str) -> Path | None:
+    """The file a shard URL reads (a plain path or file:), None for a URL read otherwise (pipe:, http:)."""
+    parsed = urlparse(url)
+    if parsed.scheme == "file":
+        return Path(parsed.path)
+    return Path(url) if parsed.scheme == "" else None
+
+
+def _naming(node: Any, key: str, url: str) -> tuple[str, Any] | None:
+    """The key under `node` (and its value) whose shard pattern or list names `url`."""
+    from webdataset.shardlists import expand_urls
+
+    if isinstance(node, Mapping):
+        found = (_naming(value, f"{key}.{name}", url) for name, value in node.items())
+        return next((hit for hit in found if hit is not None), None)
+    if isinstance(node, (str, list)) and url in expand_urls(node):
+        return key, node
+    return None
 
 
 def _epoch_fit_problems(cfg: FlodlConfig, total_picks: int, world_size: int) -> list[str]:
