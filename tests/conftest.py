@@ -42,3 +42,15 @@ def solo_group():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture
+def wds() -> Any:
+    """webdataset, an optional package: its tests are skipped where it is not installed, the others run."""
+    return pytest.importorskip("webdataset", exc_type=ImportError)
+
+
+@pytest.fixture
+def hf() -> Any:
+    """HF `datasets`, an optional package: its tests are skipped where it is not installed."""
+    return pytest.importorskip("datasets", exc_type=ImportError)

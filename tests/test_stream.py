@@ -15,16 +15,15 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import IterableDataset, default_collate, get_worker_info
+from torch.utils.data import IterableDataset, get_worker_info
 
 from flodl.config.schema import FlodlConfig
 from flodl.data.stream import ShardReader, StreamFeeder, epoch_picks, stream_picks
 from flodl.data.stream_split import StreamSplit, decide
-from flodl.job.settings import data_plane_settings
 from flodl.preflight.task_probe import task_problems
 from tests.helpers.byo_data import write_point_shards
+from tests.helpers.stream_feeds import SEED, fed_ids, stream_feeder
 
-SEED = 7
 # What auto decides for a stream that shows no split of its own: flodl splits it all.
 FLODL = StreamSplit(False, False, "flodl splits it")
 
@@ -154,19 +153,10 @@ def _feeder(
     split: str = "auto",
     dataset: Any = None,
 ) -> StreamFeeder:
-    cfg = FlodlConfig(batch_size=3, seed=SEED, num_workers=workers)
-    cfg.task.stream_split = split
-    settings = data_plane_settings(cfg, ranks_on_host=1, rank=rank, world_size=world)
-    data = dataset if dataset is not None else kind(200)
-    feeder = StreamFeeder(settings, data, torch.device("cpu"), default_collate)
+    feeder = stream_feeder(rank, world, workers, dataset if dataset is not None else kind(200), split)
     if state is not None:
         feeder.restore(state)
     return feeder
-
-
-def _batches(feeder: StreamFeeder, count: int) -> list[list[int]]:
-    picks = torch.arange(3)
-    return [feeder.load(picks, 0)[0].tolist() for _ in range(count)]
 
 
 @pytest.mark.parametrize(("kind", "split"), [(Numbers, "auto"), (Sharded, "auto"), (WorkerSplit, "workers")])
@@ -175,7 +165,7 @@ def _batches(feeder: StreamFeeder, count: int) -> list[list[int]]:
 def test_a_rank_takes_its_readers_batches_in_turn_and_so_does_it_after_a_resume(
     workers: int, kind: type[Numbers], split: str
 ) -> None:
-    whole = _batches(_feeder(1, 2, workers, kind=kind, split=split), 9)
+    whole = fed_ids(_feeder(1, 2, workers, kind=kind, split=split), 9)
     # Rank 1 of 2: its readers are 2 and 3 of 4 with workers (1 of 2 without); Numbers' keep every R-th
     # item; Sharded's read the rank's shard, items 100 .. 199, every other item of it a worker's; the
     # shard splits itself between WorkerSplit's workers (task.stream_split=workers), none split again.
@@ -189,10 +179,10 @@ def test_a_rank_takes_its_readers_batches_in_turn_and_so_does_it_after_a_resume(
     }
     assert whole[:3] == expected[kind, workers]
     first = _feeder(1, 2, workers, kind=kind, split=split)
-    before = _batches(first, 5)  # an odd count: the second reader's turn is next
+    before = fed_ids(first, 5)  # an odd count: the second reader's turn is next
     state = first.state()
     first.close()
-    assert before + _batches(_feeder(1, 2, workers, state, kind, split), 4) == whole
+    assert before + fed_ids(_feeder(1, 2, workers, state, kind, split), 4) == whole
 
 
 def test_a_resume_with_other_readers_is_refused() -> None:
@@ -207,12 +197,6 @@ def test_a_streams_epoch_is_every_ranks_steps() -> None:
     assert stream_picks(5, 3, 8) == 120
     assert epoch_picks(Numbers(), 1, 5, 3, 8) == 120
     assert epoch_picks(list(range(10)), 2, None, 3, 8) == 20
-
-
-@pytest.fixture
-def wds() -> Any:
-    """webdataset, an optional package: its tests are skipped where it is not installed, the others run."""
-    return pytest.importorskip("webdataset", exc_type=ImportError)
 
 
 def _webdataset(wds: Any, folder: Path, **splitters: Any) -> Any:
@@ -237,7 +221,7 @@ def test_a_webdataset_that_splits_itself_is_not_split_again(
         monkeypatch.setenv("RANK", str(rank))
         feeder = _feeder(rank, 2, 2, dataset=dataset)
         assert feeder.split.ranks == by_node and feeder.split.workers
-        trained += [i for batch in _batches(feeder, 8) for i in batch]  # 24 items a rank
+        trained += [i for batch in fed_ids(feeder, 8) for i in batch]  # 24 items a rank
         feeder.close()
     assert sorted(trained) == list(range(48))
 

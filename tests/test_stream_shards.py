@@ -25,16 +25,6 @@ from tests.helpers.stream_feeds import SEED, fed_ids, hf_numbers, stream_feeder
 PER_SHARD = 4  # items a shard holds: every shard alike, so equal shard counts are equal parts
 
 
-@pytest.fixture
-def wds() -> Any:
-    return pytest.importorskip("webdataset")
-
-
-@pytest.fixture
-def hf() -> Any:
-    return pytest.importorskip("datasets")
-
-
 def _webdataset(wds: Any, folder: Path, shards: int, shardshuffle: int = 0, **options: Any) -> Any:
     """`shards` real webdataset shards of PER_SHARD points (ids 0 ..), read as its users read them on
     several ranks: split_by_node, and its default split_by_worker; the shards' order shuffled, if asked."""
@@ -46,7 +36,7 @@ def _webdataset(wds: Any, folder: Path, shards: int, shardshuffle: int = 0, **op
 
 def _part(reader: ShardReader) -> list[int]:
     """The ids of one pass of a reader's part (read up to the first item of its next pass)."""
-    part = []
+    part: list[int] = []
     while True:
         (item,) = reader.take(1)
         if reader.position()["passes"]:
