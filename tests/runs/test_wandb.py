@@ -157,7 +157,9 @@ def test_wandb_failing_to_start_is_an_error_unless_not_required(tmp_path: Path) 
         **{**wandb_env(tmp_path), **unreachable},
     )
     assert ranks.code == 1, ranks.err[-4000:]
-    (line,) = ranks.err.strip().splitlines()
+    lines = ranks.err.strip().splitlines()
+    assert len(lines) == 1, ranks.err[-4000:]
+    line = lines[0]
     assert line.startswith("flodl: rank 0 failed first (WandbStartError: W&B could not start ("), line
     assert "logger.required=false" in line and line.endswith(f"see {tmp_path / 'ranks' / 'rank0.log'}"), line
     assert "Traceback" not in ranks.out, ranks.out[-4000:]
