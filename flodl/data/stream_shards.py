@@ -30,10 +30,16 @@ def readers_per_rank(num_workers: int) -> int:
     return max(num_workers, 1)
 
 
+def declared_shards(dataset: Any) -> int | None:
+    """How many shards a dataset says it has: `num_shards` (HF's, `n_shards` before datasets 3), or None."""
+    shards = getattr(dataset, "num_shards", getattr(dataset, "n_shards", None))
+    return shards if isinstance(shards, int) else None
+
+
 def shards_divide(dataset: Any, world_size: int) -> bool:
-    """Whether a dataset's `num_shards`, where it says, divide among `world_size` ranks."""
-    shards = getattr(dataset, "num_shards", None)
-    return not isinstance(shards, int) or shards % world_size == 0
+    """Whether a dataset's shards, where it says, divide among `world_size` ranks."""
+    shards = declared_shards(dataset)
+    return shards is None or shards % world_size == 0
 
 
 def webdataset_levels(

@@ -25,6 +25,7 @@ from typing import Any
 
 from flodl.data.stream_shards import (
     check_hf,
+    declared_shards,
     readers_per_rank,
     shards_divide,
     webdataset_levels,
@@ -117,8 +118,8 @@ def decide(dataset: Any, said: str, world_size: int, num_workers: int = 0) -> St
     ranks, workers, note = webdataset_levels(dataset, split.ranks, split.workers, world_size, per_rank)
     if note:
         split = StreamSplit(ranks, workers, f"{split.why}; {note}")
-    sources = getattr(dataset, "num_shards", None)
-    if isinstance(sources, int) and _asked_for_shards(dataset, split, world_size):
+    sources = declared_shards(dataset)
+    if sources is not None and _asked_for_shards(dataset, split, world_size):
         sources //= world_size
     check_hf(dataset, sources, num_workers)
     return split
