@@ -126,8 +126,8 @@ def test_six_webdataset_shards_on_two_ranks_of_two_workers_train_every_item_once
     assert trained == Counter({i: 2 for i in range(24)})
     assert (
         "reads the stream's own part for its rank, keeping items n, n + 2, ... (n = k) (its pipeline's "
-        "split_by_node and split_by_worker; a rank's 3 shards do not divide among its 2 DataLoader workers, "
-        "so flodl splits by item instead of split_by_worker)"
+        "split_by_node and split_by_worker; flodl leaves split_by_worker out of its readers' pipelines and "
+        "splits by item: a rank's 3 shards do not divide among its 2 DataLoader workers)"
     ) in caplog.text
 
 

@@ -82,11 +82,8 @@ def webdataset_levels(
     taken = " and ".join(
         n for n, off in (("split_by_node", node_off), ("split_by_worker", worker_off)) if off
     )
-    return (
-        ranks and not node_off,
-        workers and not worker_off,
-        f"{' and '.join(notes)}, so flodl splits by item instead of {taken}",
-    )
+    note = f"flodl leaves {taken} out of its readers' pipelines and splits by item: {' and '.join(notes)}"
+    return ranks and not node_off, workers and not worker_off, note
 
 
 def without_splitters(dataset: Any, ranks: bool, workers: bool) -> Any:
