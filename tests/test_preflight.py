@@ -370,3 +370,21 @@ def test_a_webdataset_pattern_that_names_missing_shards_is_refused_naming_its_ke
         (line,) = text.splitlines()
         assert line.startswith(f"invalid flodl config: task.train_data.urls={pattern!r}: "), line
         assert f"names no file for {missing}" in line
+
+
+@pytest.mark.parametrize(
+    ("overrides", "records"),
+    [
+        ((), "eval/accuracy, eval/loss"),  # digits' eval_fn, run once on the meta device
+        (("task.eval_fn=null",), "eval/loss"),  # no eval_fn: the eval measures the task's loss
+    ],
+)
+def test_an_objective_the_eval_does_not_record_is_refused_naming_what_it_records(
+    overrides: tuple[str, ...], records: str, hydra_conf: None
+) -> None:
+    text = rejection((*overrides, "objective=eval/acc"))
+    assert text == (
+        f"invalid flodl config: objective='eval/acc': the run's eval records no such metric ({records}); "
+        "name one of them"
+    )
+    assert rejection((*overrides, "objective=eval/loss")) is None

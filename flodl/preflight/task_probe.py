@@ -8,8 +8,9 @@
 - The model is built on the meta device (no memory, no weights), its optimizer and scheduler on its
   parameters: a model with nothing to train and a scheduler missing an argument fail here.
 - `eval_fn` is called once on the first eval batch, on the meta device: what it returns must be the
-  dict of sums the eval adds up. An eval_fn the meta device cannot run (one that reads a value with
-  `.item()`) is left to the ranks.
+  dict of sums the eval adds up, and hold the metric `objective` names (eval/<name>; without an eval_fn the
+  eval records eval/loss). An eval_fn the meta device cannot run (one that reads a value with `.item()`) is
+  left to the ranks, and so is its objective (a sweep's job then fails naming the metrics it recorded).
 
 A sweep checks every job: the outcome is kept per task config, so each is built once per process.
 """
@@ -58,6 +59,8 @@ def task_problems(
         cfg.persistent_workers,
         cfg.task.stream_split,
         cfg.num_workers,
+        cfg.eval_every,
+        cfg.objective,
     ]
     key = json.dumps([task, world_size, *settings, whole], default=str)
     if key not in _PROBED:
@@ -236,8 +239,8 @@ def _optimizer_problems(
             instantiate(task["scheduler"])(optimizer)
         except Exception as err:
             problems.append(_failed("task.scheduler", "building it on the optimizer", err))
-    if eval_data is not None and task.get("eval_fn"):
-        problems += _eval_fn_problems(cfg, task, model, eval_data)
+    if eval_data is not None and cfg.eval_every > 0:
+        problems += _eval_problems(cfg, task, model, eval_data)
     return problems
 
 
@@ -251,11 +254,12 @@ def _capacity_problem(model: nn.Module, node: Mapping[str, Any]) -> str | None:
     return f"task.model: has {what}; check its width arguments ({given(node)})"
 
 
-def _eval_fn_problems(
-    cfg: FlodlConfig, task: Mapping[str, Any], model: nn.Module, eval_data: Any
-) -> list[str]:
+def _eval_problems(cfg: FlodlConfig, task: Mapping[str, Any], model: nn.Module, eval_data: Any) -> list[str]:
     """eval_fn on the first eval batch, as the rank's eval calls it; what it returns must be a dict of
-    tensors (per-batch sums, which the eval adds up and divides by the eval samples)."""
+    tensors (per-batch sums, which the eval adds up and divides by the eval samples), holding the metric
+    `objective` names. Without an eval_fn the eval measures the task's loss."""
+    if not task.get("eval_fn"):
+        return _objective_problems(cfg.objective, ["loss"])
     try:
         collate = instantiate(task["collate_fn"]) if task.get("collate_fn") else default_collate
         indices = torch.arange(min(cfg.batch_size, len(eval_data)))
@@ -271,7 +275,7 @@ def _eval_fn_problems(
         return []
     tensors = isinstance(measured, Mapping) and all(isinstance(v, torch.Tensor) for v in measured.values())
     if tensors and measured:
-        return []
+        return _objective_problems(cfg.objective, list(measured))
     got = (
         ", ".join(f"{k}: {type(v).__name__}" for k, v in measured.items()) or "an empty dict"
         if isinstance(measured, Mapping)
@@ -281,6 +285,14 @@ def _eval_fn_problems(
         f"task.eval_fn: returned {got} for a batch; it must return a dict of tensors, the batch's sums "
         "by metric name (the eval adds them up over the eval set and divides by its samples)"
     ]
+
+
+def _objective_problems(objective: str | None, metrics: list[str]) -> list[str]:
+    """An `objective` of eval/<name> names a metric the eval records (loss and null are the rules')."""
+    if objective is None or not objective.startswith("eval/") or objective[len("eval/") :] in metrics:
+        return []
+    records = ", ".join(f"eval/{name}" for name in sorted(metrics))
+    return [f"objective={objective!r}: the run's eval records no such metric ({records}); name one of them"]
 
 
 def given(node: Mapping[str, Any]) -> str:

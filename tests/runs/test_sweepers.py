@@ -64,17 +64,26 @@ def test_an_optuna_study_gets_each_trials_metric_and_counts_a_diverging_trial_fa
 
 
 @pytest.mark.multiproc
-def test_a_config_error_of_the_whole_sweep_exits_2_before_any_job(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("epochs=0", "epochs=0"),
+        ("objective=eval/acc", "objective='eval/acc': the run's eval records no such metric"),  # its task's
+    ],
+)
+def test_a_config_error_of_the_whole_sweep_exits_2_before_any_job(
+    override: str, named: str, tmp_path: Path
+) -> None:
     result = train(
         "-m",
         "hydra/sweeper=optuna",
         "hydra.sweeper.n_trials=2",
         "task.optimizer.lr=interval(0.01,0.5)",
-        "epochs=0",
+        override,
         cwd=tmp_path,
     )
     assert result.code == 2, result.out
-    assert "epochs=0" in result.out and "(in every job of this sweep)" in result.out
+    assert named in result.out and "(in every job of this sweep)" in result.out
     assert not list((tmp_path / "multirun").rglob("metrics.jsonl"))
 
 
