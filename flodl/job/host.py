@@ -30,7 +30,7 @@ from torch.distributed import PrefixStore
 
 from flodl.checkpoints.disk import MODEL_FILE, Checkpoint, CheckpointDir, atomic_save
 from flodl.checkpoints.identity import run_identity
-from flodl.config.policy import PolicyFacts, checkpoints_on, rank_capacity
+from flodl.config.policy import PolicyFacts, checkpoint_keys_set, checkpoints_on, rank_capacity
 from flodl.config.schema import FlodlConfig
 from flodl.coordinator.coordinator import Coordinator
 from flodl.coordinator.hooks import RunSummary
@@ -45,7 +45,7 @@ from flodl.job.resume import (
     resize_of,
 )
 from flodl.job.settings import resume_settings
-from flodl.job.shared_dir import mark_checkpoint_dir
+from flodl.job.shared_dir import mark_checkpoint_dir, ranks_see_it
 from flodl.links.group import publish_json, read_json
 from flodl.links.threads import wait_ended
 from flodl.links.transport import COORDINATOR, InboxReader, Mailbox
@@ -194,6 +194,8 @@ class RunHost:
         try:
             if self.nothing_left:
                 return
+            if self.mark is not None:  # the ranks of the start see this host's checkpoint dir, or none trains
+                ranks_see_it(self.exchange, list(range(self.world_size)), checkpoint_keys_set(self.cfg))
             facts = TaskFacts(**read_json(self.exchange, _TASK))
             self.start(facts).join()
         except BaseException as err:

@@ -85,11 +85,20 @@ def agree_on_checkpoint_dir(
     if rank in checked:
         seen = View(rank, checkpoints.marked(host["mark"]), str(checkpoints.root))
         publish_json(exchange, _VIEW.format(rank=rank), [seen.sees, seen.dir])
+    try:
+        ranks_see_it(exchange, checked, checkpoint_keys)
+    except ConfigError:
+        publish_json(exchange, _REFUSED.format(rank=rank), True)
+        for other in together:
+            read_json(exchange, _REFUSED.format(rank=other))
+        raise
+
+
+def ranks_see_it(exchange: PrefixStore, checked: list[int], checkpoint_keys: list[str]) -> None:
+    """What the ranks `checked` saw of the host's mark (waits for each): ConfigError if one does not see
+    it. The ranks ask it, and a host apart (survive), which then fails the run with their line."""
+    host = read_json(exchange, _HOST_DIR)
     views = [View(r, *read_json(exchange, _VIEW.format(rank=r))) for r in checked]
     line = refusal(host["dir"], views, checkpoint_keys)
-    if line is None:
-        return
-    publish_json(exchange, _REFUSED.format(rank=rank), True)
-    for other in together:
-        read_json(exchange, _REFUSED.format(rank=other))
-    raise ConfigError([line])
+    if line is not None:
+        raise ConfigError([line])

@@ -16,9 +16,11 @@ import yaml
 from flodl.metrics import run_clock
 from tests.helpers.procs import (
     FAST_START,
+    PYTHON,
     TORCHRUN,
     TRAIN,
     Result,
+    child_env,
     finish,
     free_port,
     leftovers,
@@ -103,6 +105,30 @@ def test_hosts_that_do_not_share_the_run_dir_are_refused_before_training(tmp_pat
     for host in (tmp_path / "host0", tmp_path / "host1"):  # nothing trained, nothing checkpointed
         assert not (host / "metrics.jsonl").exists() or not epochs_of(host)
         assert not list(host.glob("checkpoints/epoch-*"))
+    assert not leftovers(tmp_path)
+
+
+def test_survive_ranks_that_do_not_see_flodl_coordinators_dir_are_refused(tmp_path: Path) -> None:
+    """Under survive the host apart commits: each rank looks for its mark (the ranks here on their own
+    disks), and flodl-coordinator fails the run with the ranks' line instead of waiting for them."""
+    job = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    overrides = ["fault_tolerance=survive", "policy=cadence", "epochs=2"]
+    coordinator = start(
+        [str(Path(PYTHON).parent / "flodl-coordinator"), *overrides, "hydra.run.dir=host"],
+        tmp_path,
+        child_env(**job),
+    )
+    ranks = [
+        start([PYTHON, TRAIN, *overrides, f"hydra.run.dir=rank{r}"], tmp_path, child_env(RANK=str(r), **job))
+        for r in (0, 1)
+    ]
+    hosted, *trained = [finish(p, timeout=180) for p in (coordinator, *ranks)]
+    line = f"ranks 0, 1 do not see the checkpoint dir {tmp_path / 'host' / 'checkpoints'} of the run's host"
+    assert hosted.code == 2 and f"flodl: invalid flodl config: {line}" in hosted.out, hosted.out[-3000:]
+    assert [r.code for r in trained] == [2, 2], trained[0].out[-3000:]
+    assert line in trained[0].out  # rank 0 says it too
+    assert not list(tmp_path.rglob("metrics.jsonl")) or not epochs_of(tmp_path / "host")
+    assert not list((tmp_path / "host").glob("checkpoints/*"))  # its mark taken back
     assert not leftovers(tmp_path)
 
 
