@@ -132,9 +132,10 @@ class RunHost:
         try:
             self.checkpoint = publish_checkpoint_choice(settings, self.world_size, self.exchange)
         finally:  # after the history is put in line (a fresh start moves checkpoints/ aside); the ranks
-            # wait for the mark before they read the choice, or why there is none
-            marked = self.checkpoints if checkpoints_on(self.cfg) else None
-            self.mark = mark_checkpoint_dir(self.exchange, marked)
+            # wait for the mark before they read the choice, or why there is none. A run with nothing left
+            # to train writes no checkpoint.
+            writes = checkpoints_on(self.cfg) and not self.nothing_left
+            self.mark = mark_checkpoint_dir(self.exchange, self.checkpoints if writes else None)
         self.cfg = agreed_config(self.cfg, self.exchange)
         if self.checkpoint is not None and self.checkpoint.world_size != self.world_size:
             shares = not PolicyFacts.of(self.cfg).averages_parameters

@@ -377,6 +377,7 @@ def test_resuming_a_finished_run_trains_nothing_and_another_policy_is_refused_be
     again = train("policy=cadence", *common, cwd=tmp_path, timeout=150).check()
     assert "covers all 2 epochs: nothing left to train" in again.out
     assert epochs_of(run_dir) == records
+    assert not list((run_dir / "checkpoints").glob(".host-*"))  # the start's mark for its ranks taken back
     (run_dir / "rank1.log").unlink()
     refused = train("policy=sync", *common, cwd=tmp_path, timeout=150)
     assert refused.code == 2
