@@ -115,6 +115,10 @@ class LaunchConfig:
     # Self-launched ranks: restart the whole group this many times after a rank dies (each restart
     # resumes from the last checkpoint). Under torchrun use its own --max-restarts.
     max_restarts: int = 0
+    # fault_tolerance=survive with restarts left: keep a rank's process started ahead, its imports done, so
+    # that a restarted rank starts in a fraction of a second (spawn, forkserver; a forked one needs none).
+    # It holds torch's import in host memory (a few hundred MB) while it waits.
+    spare: bool = True
     # fault_tolerance=survive: the most ranks the job holds at once; ranks past the ones it starts with join
     # it while it trains (`flodl-join <run dir>`, on this host or another). null: the ranks it starts with.
     max_ranks: int | None = None

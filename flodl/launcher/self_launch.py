@@ -172,6 +172,7 @@ def _supervised_launch(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig, 
             Path(info.run_dir),
             ended,
             saving_s=cfg.stop_grace_s if saves_on_stop(cfg) else 0.0,
+            spare=cfg.launch.spare,
         )
 
     host_run(config, info, cfg, world, gpus, store, "127.0.0.1", supervised)

@@ -29,8 +29,10 @@ from typing import Any
 
 from torch.distributed import TCPStore
 
+from flodl.launcher.spare import Spare
 from flodl.links.membership import cut_key, post_exit
 from flodl.links.stop import STOP_SIGNALS, Stopped
+from flodl.metrics.run_clock import RANK_STARTED_AT_ENV
 
 log = logging.getLogger("flodl")
 
@@ -86,6 +88,7 @@ def supervise(
     ended: Callable[[], bool],
     poll_s: float = 0.1,
     saving_s: float = 0.0,
+    spare: bool = False,
 ) -> list[RankExit]:
     """Run `entry(*args)` as each of `ranks` (`host_ranks`: a one-host job's; flodl-join: one rank in a
     seat of a running job) until `ended()` says the run did (its host told the ranks); every exit seen.
@@ -95,14 +98,18 @@ def supervise(
     and SupervisedRankFailure when every rank ended before the run and none has restarts left; no rank
     outlives the call. Call it from the main thread: it handles those signals. `store`: the run's, where
     exits are posted and cuts read. `saving_s`: how long a stop's checkpoint may take (stop_grace_s), the
-    ranks are waited for that much longer on a stop.
+    ranks are waited for that much longer on a stop. `spare`: keep a spawned rank's process ready for the
+    next restart while restarts are left (flodl/launcher/spare.py).
     """
     context = multiprocessing.get_context(start_method)
     assert isinstance(context, (ForkContext, SpawnContext, ForkServerContext)), (
         start_method
     )  # named, not default
     with _StopSignals() as stop:
-        watch = _Supervisor(context, entry, args, ranks, store, log_dir, poll_s, stop, ended, saving_s)
+        spare_of = entry.__module__ if spare and not isinstance(context, ForkContext) else None
+        watch = _Supervisor(
+            context, entry, args, ranks, store, log_dir, poll_s, stop, ended, saving_s, spare_of
+        )
         try:
             return watch.run()
         finally:
@@ -202,13 +209,17 @@ class _Supervisor:
     stop: _StopSignals
     run_ended: Callable[[], bool]
     saving_s: float
+    # The module a spare imports (the ranks' entry's), or None: no spare.
+    spare_of: str | None
 
     def __post_init__(self) -> None:
         self.exits: list[RankExit] = []
+        self.spare: Spare | None = None
 
     def run(self) -> list[RankExit]:
         for rank in self.ranks:
             self._start(rank)
+        self._keep_spare()
         while True:
             ended = self._ended(self.poll_s)
             if self.stop.signum is not None:
@@ -223,10 +234,25 @@ class _Supervisor:
                 return self.exits
 
     def _start(self, rank: SupervisedRank) -> None:
-        rank.process = self.context.Process(
-            target=_rank_main, args=(self.entry, self.args, rank.env), name=f"flodl-rank{rank.rank}"
-        )
+        args = (self.entry, self.args, {**rank.env, RANK_STARTED_AT_ENV: repr(time.time())})
+        name = f"flodl-rank{rank.rank}"
+        spare, self.spare = self.spare, None
+        if spare is not None and spare.alive:
+            try:
+                rank.process = spare.become(_rank_main, args, name)
+                return
+            except OSError:  # it died just now (its pipe is closed): start one as if there were none
+                spare.discard()
+        rank.process = self.context.Process(target=_rank_main, args=args, name=name)
         rank.process.start()
+
+    def _keep_spare(self) -> None:
+        """A spare ready while a rank may still be started again."""
+        if self.spare is not None and not self.spare.alive:
+            self.spare.discard()
+            self.spare = None
+        if self.spare_of is not None and self.spare is None and any(r.restarts_left > 0 for r in self.ranks):
+            self.spare = Spare(self.context, self.spare_of)
 
     def _live(self) -> list[SupervisedRank]:
         return [rank for rank in self.ranks if rank.process is not None]
@@ -283,6 +309,7 @@ class _Supervisor:
                 rank.restarts_left,
             )
             self._start(rank)
+            self._keep_spare()
         else:
             log.warning(
                 "%s %s; no restarts left (launch.max_restarts): the others go on without it; see %s",
@@ -357,7 +384,10 @@ class _Supervisor:
             self._reap(rank)
 
     def kill_left(self) -> None:
-        """SIGKILL every rank still alive and record its end."""
+        """SIGKILL every rank still alive and record its end; the spare goes too."""
+        if self.spare is not None:
+            self.spare.discard()
+            self.spare = None
         for rank in self._live():
             rank.live_process.kill()
             rank.live_process.join()

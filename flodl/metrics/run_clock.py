@@ -28,6 +28,9 @@ SWEEP_FILE = "sweep.json"
 # Set by a launcher that starts each job as its own process (the slots launcher): the moment it launched it,
 # on this clock, where the job's process start is known only to the kernel's tick.
 LAUNCHED_AT_ENV = "FLODL_LAUNCHED_AT"
+# Set by the supervisor as it starts a rank: a spare process (flodl/launcher/spare.py) started long before
+# it became the rank.
+RANK_STARTED_AT_ENV = "FLODL_RANK_STARTED_AT"
 # When this process launches its next job (a multirun walked in one process): the moment its sweep had
 # checked the grid, then each job's exit.
 _next_launch: float | None = None
@@ -46,6 +49,12 @@ def started_at(process: psutil.Process) -> float:
     time it rounds to the second, which can put the start up to a second early against time.time()."""
     since_boot = process.create_time() - psutil.boot_time()
     return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - since_boot)
+
+
+def rank_started_at() -> float:
+    """When this rank's process was started as the rank."""
+    said = os.environ.get(RANK_STARTED_AT_ENV)
+    return float(said) if said else started_at(psutil.Process())
 
 
 def launch_time() -> float:

@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-import psutil
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -220,7 +219,7 @@ class SurvivingGroup:
         starts from rank 0's); a rank that dies meanwhile is cut like any other. A restarted rank says it is
         ready (Joined, with its start-up time) and waits to be admitted with the members' state."""
         if self.joining:
-            startup_s = time.time() - run_clock.started_at(psutil.Process())
+            startup_s = time.time() - run_clock.rank_started_at()
             member.report(Joined(self.rank, self.incarnation, startup_s))
             admission = self.await_admission()
             if admission is not None:  # else the run ended first

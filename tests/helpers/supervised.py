@@ -39,15 +39,20 @@ def started_key(rank: int) -> str:
     return f"test/started/{rank}"
 
 
+def kill_key(rank: int) -> str:
+    """Set by the test: the "kill-when-told" rank SIGKILLs itself now."""
+    return f"test/kill/{rank}"
+
+
 def pid_key(rank: int, start: int) -> str:
     """Where the `start`-th start (from 1) of `rank` publishes its pid, once its plan is in place."""
     return f"test/pid/{rank}/{start}"
 
 
 def rank_main(port: int, out: str, plan: dict[int, str]) -> None:
-    """One rank. Plans: "kill" (SIGKILL itself), "hang" (SIGSTOP itself), "stubborn" (ignores SIGTERM),
-    "record-stop" (writes the stop signal it gets to rank<r>.signal, exits 128 + it), "exit:N" (exits N once
-    every rank published its pid)."""
+    """One rank. Plans: "kill" (SIGKILL itself; "kill-when-told": once the test sets `kill_key`), "hang"
+    (SIGSTOP itself), "stubborn" (ignores SIGTERM), "record-stop" (writes the stop signal it gets to
+    rank<r>.signal, exits 128 + it), "exit:N" (exits N once every rank published its pid)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     out_dir = Path(out)
     store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=_WAIT_S))
@@ -66,7 +71,9 @@ def rank_main(port: int, out: str, plan: dict[int, str]) -> None:
     with open(out_dir / f"rank{rank}.starts", "a") as starts:
         starts.write(json.dumps({"pid": os.getpid(), **{v: os.environ[v] for v in VARIABLES}}) + "\n")
     store.set(pid_key(rank, start), str(os.getpid()))
-    if action == "kill":
+    if action == "kill-when-told":
+        store.wait([kill_key(rank)])
+    if action.startswith("kill"):
         os.kill(os.getpid(), signal.SIGKILL)
     elif action == "hang":
         os.kill(os.getpid(), signal.SIGSTOP)

@@ -26,7 +26,7 @@ from flodl.launcher.supervisor import RankExit, SupervisedRankFailure, host_rank
 from flodl.links.group import loopback_store
 from flodl.links.membership import ExitReader, cut_key
 from flodl.links.stop import Stopped
-from tests.helpers.supervised import ENDED, RELEASE, VARIABLES, pid_key, rank_main
+from tests.helpers.supervised import ENDED, RELEASE, VARIABLES, kill_key, pid_key, rank_main
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(30)]
 
@@ -73,7 +73,12 @@ def warnings_logged() -> Iterator[list[str]]:
 
 
 def run(
-    store: TCPStore, tmp_path: Path, plan: dict[int, str], world: int, max_restarts: int
+    store: TCPStore,
+    tmp_path: Path,
+    plan: dict[int, str],
+    world: int,
+    max_restarts: int,
+    spare: bool = False,
 ) -> list[RankExit]:
     return supervise(
         rank_main,
@@ -84,6 +89,7 @@ def run(
         tmp_path / "logs",
         lambda: store.check([ENDED]),
         poll_s=POLL_S,
+        spare=spare,
     )
 
 
@@ -212,6 +218,41 @@ def test_a_dead_or_cut_rank_alone_is_started_again_and_the_others_train_on(
     assert warnings_logged[1].startswith(
         f"rank 2 (pid {pids[1]}, incarnation 0) was cut by the coordinator (signal SIGKILL); {then}"
     )
+
+
+def spares() -> list[int]:
+    return [child.pid for child in multiprocessing.active_children() if child.name == "flodl-spare"]
+
+
+def test_a_rank_started_again_is_the_spare_started_before_it_died(store: TCPStore, tmp_path: Path):
+    """With a spare, the supervisor keeps one process started ahead while restarts are left; a rank that dies
+    is started again as that process (its imports done), with the rank's env, and the next spare starts;
+    none outlives the run, and none is kept once no restart is left."""
+    seen: dict[str, object] = {}
+
+    def script(client: TCPStore) -> None:
+        first = [pid_of(client, rank, 1) for rank in range(2)]
+        until(lambda: len(spares()) == 1, "a spare is started beside the ranks")
+        (ahead,) = spares()
+        assert ahead not in first
+        client.set(kill_key(0), "1")
+        seen["restarted"], seen["ahead"] = pid_of(client, 0, 2), ahead
+        until(lambda: spares() not in ([], [ahead]), "the next spare starts")
+        seen["next"] = spares()[0]
+        # Rank 0's last restart used, rank 1's left: the spare stays until the run ends.
+
+    with conducted(store.port, script):
+        exits = run(store, tmp_path, {0: "kill-when-told"}, 2, max_restarts=1, spare=True)
+
+    assert seen["restarted"] == seen["ahead"]
+    assert starts(tmp_path, 0)[1]["RANK"] == "0"
+    assert in_order(exits) == [
+        RankExit(0, 0, None, "SIGKILL"),
+        RankExit(0, 1, 0, None),
+        RankExit(1, 0, 0, None),
+    ]
+    assert spares() == []
+    assert_dead([int(seen["next"])])  # type: ignore[call-overload]
 
 
 def test_once_the_run_ended_no_rank_outlives_it(
