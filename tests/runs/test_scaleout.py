@@ -108,6 +108,18 @@ def test_hosts_that_do_not_share_the_run_dir_are_refused_before_training(tmp_pat
     assert not leftovers(tmp_path)
 
 
+def test_hosts_with_run_dirs_of_their_own_checkpoint_in_a_shared_save_path(tmp_path: Path) -> None:
+    """save_path on storage every host sees: the parts meet there, each host keeps its own run dir."""
+    shared = tmp_path / "shared"
+    for result in _two_nodes(tmp_path, "epochs=1", f"save_path={shared}", run_dirs=("host0", "host1")):
+        result.check()
+    (record,) = epochs_of(tmp_path / "host0")
+    assert [r["batches"] > 0 for r in record["per_rank"]] == [True, True]
+    assert (shared / "checkpoints" / "epoch-000001" / "rank1.pt").is_file()
+    assert not list(shared.glob("checkpoints/.host-*"))  # the start's mark taken back at the run's end
+    assert not leftovers(tmp_path)
+
+
 def test_survive_ranks_that_do_not_see_flodl_coordinators_dir_are_refused(tmp_path: Path) -> None:
     """Under survive the host apart commits: each rank looks for its mark (the ranks here on their own
     disks), and flodl-coordinator fails the run with the ranks' line instead of waiting for them."""
