@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore
 
-from flodl.checkpoints.disk import CheckpointError
+from flodl.checkpoints.disk import Checkpoint, CheckpointError
 from flodl.config.host import RankEnv
 from flodl.config.policy import (
     checkpoint_keys_set,
@@ -43,9 +43,11 @@ from flodl.job import failures
 from flodl.job.assembly import make_group, make_worker
 from flodl.job.coordinator_assembly import hang_saver
 from flodl.job.host import HostFailed, RunHost, TaskFacts, coordinator_started, host_namespace, publish_task
+from flodl.job.resize import lr_world_of
 from flodl.job.resume import (
     agreed_checkpoint,
     agreed_config,
+    coordinator_state,
     covers_every_epoch,
     load_model,
     restore_worker,
@@ -191,7 +193,7 @@ def serve_rank(
         facts = TaskFacts(picks, parts.eval_data is not None)
         publish_task(group.exchange, facts)
         if host is not None:
-            log_plan(cfg, env.world_size, device.type)
+            log_plan(cfg, env.world_size, device.type, checkpoint)
             try:
                 host.start(facts, hang_saver(cfg, parts.model, device, run_dir), in_rank=True)
             except WORDED as err:  # the others hear it before they wait for the host in a collective
@@ -371,8 +373,12 @@ def stopped_line(signum: int, cfg: FlodlConfig, run_dir: Path, info: RunInfo) ->
     return f"stopped by {signal.Signals(signum).name}: {where}; resume with: {resume}"
 
 
-def log_plan(cfg: FlodlConfig, world_size: int, device_type: str) -> None:
-    factor = lr_scale_factor(world_size, cfg.lr_scale_ratio)
+def log_plan(
+    cfg: FlodlConfig, world_size: int, device_type: str, checkpoint: Checkpoint | None = None
+) -> None:
+    """The run's start line, with the learning rate's scale the optimizer has (`lr_world_of`)."""
+    saved = coordinator_state(checkpoint) if checkpoint is not None and cfg.keep_global_batch else None
+    factor = lr_scale_factor(lr_world_of(cfg, saved, world_size), cfg.lr_scale_ratio)
     log.info(
         "policy=%s world=%d batch=%s/rank (global %d) lr x%.3g (lr_scale_ratio=%g) precision=%s compile=%s",
         cfg.policy,

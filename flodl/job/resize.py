@@ -29,7 +29,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from flodl.config.policy import step_samples
+from flodl.config.schema import FlodlConfig
 from flodl.coordinator.lockstep import kept_step
+from flodl.worker.lr_world import layout_world
 
 
 @dataclass(frozen=True)
@@ -121,3 +124,11 @@ def layout_step(keep_global_batch: bool, saved: dict[str, Any] | None, step_samp
     if saved is None:
         return step_samples
     return int(saved.get("layout_step") or saved.get("step_samples") or step_samples)
+
+
+def lr_world_of(cfg: FlodlConfig, saved: dict[str, Any] | None, world: int) -> int:
+    """The world the learning rate is scaled for on `world` ranks, resumed from `saved` (a checkpoint's
+    coordinator state; None: a fresh run): the world's own, but under keep_global_batch the world of the
+    checkpoint's global batch, which the optimizer's restored learning rate keeps."""
+    step = step_samples(cfg)
+    return layout_world(world, step, layout_step(cfg.keep_global_batch, saved, step) or step)

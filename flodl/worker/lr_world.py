@@ -18,6 +18,12 @@ from flodl.worker.task_setup import lr_scale_factor
 log = logging.getLogger("flodl")
 
 
+def layout_world(size: int, step_samples: int, layout_step: int) -> int:
+    """The global batch of `size` ranks stepping `step_samples` each, in ranks of `layout_step`: the world the
+    learning rate is scaled for."""
+    return size * step_samples // layout_step
+
+
 class LrWorld:
     def __init__(self, stepper: Stepper, world_size: int, ratio: float, keep_global_batch: bool) -> None:
         self.stepper = stepper
@@ -38,7 +44,7 @@ class LrWorld:
 
     def batch_world(self, size: int) -> int:
         """The global batch of `size` ranks, in ranks of the world the run was laid out for."""
-        return size * self.stepper.step_samples // self.layout_step
+        return layout_world(size, self.stepper.step_samples, self.layout_step)
 
     def scale_to(self, size: int, say: bool) -> None:
         """Scale the learning rate from the world it is scaled for to `size` ranks' global batch (`say`: log

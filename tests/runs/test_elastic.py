@@ -78,6 +78,8 @@ def test_keep_global_batch_resumes_two_ranks_checkpoint_on_one_within_float_tole
     again = (f"resume={checkpoint}", f"hydra.run.dir={resumed}")
     out = train(*common, "launch.nproc_per_node=1", *again, cwd=tmp_path, timeout=240).check().out
     assert "grad_accum 2 (configured 1) keeps the checkpoint's global batch" in out
+    # The start line says the learning rate the optimizer has: the 2 ranks' global batch's, not 1 rank's.
+    assert "world=1 batch=16 x grad_accum 2/rank (global 32) lr x2 (lr_scale_ratio=1)" in out
     a = torch.load(whole / "model.pt", weights_only=True)
     b = torch.load(resumed / "model.pt", weights_only=True)
     assert all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-6) for k in a)

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from flodl.job.resize import Resize, grad_accum_for, keep_batch_problem, layout_step, stream_problem
+from flodl.config.schema import to_config
+from flodl.job.resize import (
+    Resize,
+    grad_accum_for,
+    keep_batch_problem,
+    layout_step,
+    lr_world_of,
+    stream_problem,
+)
 
 
 def test_each_rank_restores_its_own_part_or_the_one_the_rule_names() -> None:
@@ -54,6 +62,15 @@ def test_the_layout_step_is_the_first_runs_and_travels_with_each_checkpoint() ->
     assert layout_step(True, None, 32) == 32  # a fresh run is laid out as it steps
     assert layout_step(True, {"step_samples": 32}, 64) == 32  # a checkpoint from before keep_global_batch
     assert layout_step(True, {"step_samples": 32, "layout_step": 16}, 64) == 16  # resized before: its first
+
+
+@pytest.mark.parametrize(("keep", "lr_world"), [(True, 2), (False, 1)])
+def test_the_learning_rate_keeps_the_world_of_the_global_batch_it_keeps(keep: bool, lr_world: int) -> None:
+    task = {"name": "t", "model": "m", "train_data": "d", "loss": "l", "optimizer": "o"}
+    # 2 ranks' checkpoint of steps of 16, resumed on 1 rank of two micro-batches of 16 (keep_global_batch).
+    cfg = to_config({"task": task, "batch_size": 16, "grad_accum": 2, "keep_global_batch": keep})
+    assert lr_world_of(cfg, {"step_samples": 16, "layout_step": 16}, 1) == lr_world
+    assert lr_world_of(cfg, None, 3) == 3  # a fresh run: its own world
 
 
 def test_a_stream_resumes_only_on_its_own_world() -> None:
