@@ -112,8 +112,9 @@ class CheckpointCommitter:
             self.driver_state[point] = driver_state
 
     def stop_requested(self) -> None:
-        """A stop that saves was asked: from now on the checkpoint it waits for is its own (`stop_saved`): the
-        first one taken after the request, or the one at the step the ranks agreed on."""
+        """A stop that saves was asked: from now on the checkpoint it waits for is its own (`stop_saved`):
+        under local SGD the first one taken after the request, under sync the one at the step the ranks
+        agreed on (every one they took on the way there is committed before it)."""
         self._stop_asked = True
 
     @property
@@ -130,8 +131,8 @@ class CheckpointCommitter:
         self, point: Point, rank: int, chunks: int, ledger: EpochLedger, after_stop: bool = False
     ) -> None:
         """`rank`'s part is on disk; it had reported `chunks` chunks of the point's epoch before it.
-        `after_stop`: the rank took it after it learned of a stop that saves (the agreed step's, or a
-        planned one on the way there): the stop may end at it."""
+        `after_stop`: the stop that saves may end at it (`Saved.after_stop`: under sync the agreed step's
+        alone, so the planned ones on the way there are committed before the stop ends)."""
         if after_stop:
             self._stop_takes(point)
         if point.into is not None and point not in self.ledger_state and not ledger.holds(point.epoch):

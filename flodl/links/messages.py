@@ -212,8 +212,9 @@ class Saved:
     step: int | None = None
     # The chunks of the epoch this rank reported before the part (the epoch's record at the checkpoint).
     chunks: int = 0
-    # The part was taken after this rank learned of a stop that saves: a checkpoint the stop may end at
-    # (one taken before may still commit after the signal, since parts are written in the background).
+    # A checkpoint the stop that saves may end at (one taken before may still commit after the signal, since
+    # parts are written in the background): local SGD, any part taken after this rank learned of the stop;
+    # sync, the agreed step's part alone (the parts on the way there are committed before it).
     after_stop: bool = False
 
 

@@ -84,7 +84,8 @@ class WorkerBase:
         self.on_nonfinite = settings.on_nonfinite
         # Writes this rank's checkpoint parts (None: checkpoints are off).
         self.checkpointer = checkpointer
-        # A stop that saves was asked of this rank (set from the stop watch's thread; its parts say so).
+        # A stop that saves was asked of this rank (set from the stop watch's thread; its parts say so); under
+        # sync, set as the rank writes the agreed step's part, the stop's own.
         self.stop_asked = False
         self.rank = link.rank
         self.world_size = link.world_size
@@ -115,8 +116,9 @@ class WorkerBase:
                 message = self.reader.next_message(None if self.has_work() else INBOX_WAIT_S)
                 if isinstance(message, Shutdown):
                     self.stopped_by = message.signum
-                    if message.signum is not None:  # a stop that saved: where is the checkpoint's to say
-                        log.info("rank %d stops: %s", self.rank, message.reason)
+                    if message.signum is not None:  # a stop that saved: the checkpoint holds this step
+                        steps = self.stepper.steps_total
+                        log.info("rank %d stops after global step %d: %s", self.rank, steps, message.reason)
                     elif message.reason != "done":
                         log.info("rank %d stops %s: %s", self.rank, self._trained_so_far(), message.reason)
                     self.on_done()

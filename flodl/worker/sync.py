@@ -182,19 +182,27 @@ class SyncWorker(WorkerBase):
             stepper.schedule_to(stepper.steps_total)
             self.observe(loss, plan.epoch)
             self.report_written()
-            into = inside.get(self.position[1])
-            if into is not None:
-                self._save_inside(share, Point(plan.epoch, into))
-            if stepper.steps_total in self.save_at:  # a checkpoint by time: every member saves here
-                self.save_at.discard(stepper.steps_total)
-                self._save_at_agreed_step(share)
-            if self.stop_at == stepper.steps_total:  # a stop that saves: every member saves here
-                self.stopping = True
-                self._save_at_agreed_step(share)
+            if self._save_after_step(share, inside.get(self.position[1])):
                 return None
         self.raise_if_nonfinite()  # before the epoch is reported, and long before it is checkpointed
         self.position = (plan.epoch, plan.first_step + share.steps)
         return self._chunk(share, share.steps - share.reported)
+
+    def _save_after_step(self, share: _Share, into: int | None) -> bool:
+        """After a step: the part of a checkpoint due here (`into`: one by steps, at the samples of the epoch
+        it holds; or one by time, or the stop's, at the step the members agreed on), written once; True: the
+        stop's, and this rank trains no more. Its part alone says it is the stop's (`stop_asked`): every part
+        written before it, after the signal too, is committed before it, so the stop loses no step."""
+        steps = self.stepper.steps_total
+        timed = steps in self.save_at
+        self.save_at.discard(steps)
+        if self.stop_at == steps:
+            self.stop_asked = self.stopping = True
+        if into is not None:
+            self._save_inside(share, Point(share.plan.epoch, into))
+        elif timed or self.stopping:
+            self._save_at_agreed_step(share)
+        return self.stopping
 
     def _save_at_agreed_step(self, share: _Share) -> None:
         """A checkpoint no plan asked for, at the step the members agreed on (fault_tolerance=none: every
@@ -239,9 +247,8 @@ class SyncWorker(WorkerBase):
         )
 
     def on_stop_request(self, agree: Callable[[int], int]) -> bool:
-        """A stop that saves: every member saves after the agreed step, then trains no more. False: this rank
-        is already past it."""
-        self.stop_asked = True
+        """A stop that saves: every member saves after the agreed step, then trains no more (the checkpoints
+        planned before it are taken on the way and committed too). False: this rank is already past it."""
         self.stop_at = agree(self._step_ahead())
         return self.stepper.steps_total < self.stop_at
 

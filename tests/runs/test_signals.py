@@ -38,15 +38,19 @@ from tests.helpers.procs import (
     wait_for_path,
 )
 from tests.helpers.runs import assert_complete_run, epochs_of
+from tests.helpers.stops import (
+    PACED,
+    STOPPED,
+    check_stop_kept_every_step,
+    hooks_env,
+    log_says,
+    sigterm_once_held,
+    stopped_by_sigterm,
+)
 
 pytestmark = pytest.mark.multiproc
 
 EPOCHS = 8
-# Said by rank 0 under torchrun, by flodl's launcher when it started the ranks.
-STOPPED = re.compile(
-    r"(?:\[r0\]|flodl:) stopped by (SIG\w+): last checkpoint (\S+) \((after epoch \d+|epoch \d+, \d+ samples "
-    r"into it)\); resume with: (.+)"
-)
 
 
 def overrides(tmp_path: Path) -> list[str]:
@@ -84,14 +88,14 @@ def stop_mid_run(
     # Held only once the second checkpoint is committed: its commit waits for the ranks' receipts, which a
     # rank held before it (a loaded machine's part writer still busy at the step) would never send.
     second = tmp_path / "run" / "checkpoints" / "epoch-000002"
-    env = _hooks_env(tmp_path, HELD_AT_STEP, FLODL_TEST_HOLD_AFTER=str(second))
+    env = hooks_env(tmp_path, HELD_AT_STEP, FLODL_TEST_HOLD_AFTER=str(second))
     proc = start(args, tmp_path, env=env, errors=subprocess.PIPE)
     try:
         wait_for_path(second, proc)
         wait_for_path(tmp_path / "held", proc)
         assert list((tmp_path / "stage").iterdir()), "the ranks staged nothing to disk"
         os.kill(target(proc), signum)
-        took = _log_says(
+        took = log_says(
             tmp_path / "run" / "rank0.log", r"got SIG\w+: the ranks save a checkpoint at the next"
         )
         wait_for(took, proc, what="the coordinator took the stop")
@@ -279,7 +283,7 @@ def test_under_survive_a_stop_saves_at_the_next_boundary_and_the_printed_command
 ) -> None:
     """Survive's launcher hosts the run and supervises the ranks: it forwards the signal, the coordinator has
     the members save, and no rank that stopped is started again. A rank holds in the second epoch until the
-    coordinator took the stop (tests/helpers/held_steps): the run surely has work left."""
+    coordinator took the stop (tests/helpers/held_steps), each step paced: the run surely has work left."""
     run_dir = tmp_path / "run"
     args = [
         PYTHON,
@@ -294,12 +298,14 @@ def test_under_survive_a_stop_saves_at_the_next_boundary_and_the_printed_command
     ]
     hook = os.pathsep.join([str(REPO / "tests" / "helpers" / "held_steps"), str(REPO)])
     # Digits: 22 steps of 32 samples an epoch on each of 2 ranks (sync), about as many under cadence.
-    env = child_env(PYTHONPATH=hook, FLODL_TEST_HOLD_AT_STEP="30", FLODL_TEST_HOLD_DIR=str(tmp_path))
-    result = _sigterm_once_held(args, tmp_path, env, stop_log=run_dir / "coordinator.log")
-    stopped_at, resume = _stopped_by_sigterm(result)
-    # The stop's own, where the ranks were held: in the second epoch (or at its end), both members' parts.
-    assert stopped_at.point.epoch == 1 and stopped_at.point.order > Point(0).order, stopped_at.path
+    env = child_env(PYTHONPATH=hook, FLODL_TEST_HOLD_AT_STEP="30", FLODL_TEST_HOLD_DIR=str(tmp_path), **PACED)
+    result = sigterm_once_held(args, tmp_path, env, stop_log=run_dir / "coordinator.log")
+    stopped_at, resume = stopped_by_sigterm(result)
+    # The stop's own, past where the ranks were held: in the second epoch (or at its end; sync's agreed step
+    # may be in the third), both members' parts.
+    assert stopped_at.point.epoch in (1, 2) and stopped_at.point.order > Point(0).order, stopped_at.path
     assert stopped_at.part_ranks == (0, 1)
+    check_stop_kept_every_step(run_dir, stopped_at, stops=1)
     launcher = (run_dir / ".launch" / "launcher.log").read_text()
     assert "starting it again" not in launcher, launcher[-3000:]
     _resume_finishes(resume, stopped_at, tmp_path, epochs=4)
@@ -324,56 +330,14 @@ def test_a_stop_that_cannot_save_within_stop_grace_s_stops_at_once_naming_the_ch
     ), logs[-3000:]
 
 
-def _hooks_env(tmp_path: Path, hold_at_step: int, **extra: str) -> dict[str, str]:
-    """tests/helpers/held_commit's hook (and held_steps' with it): the ranks held at `hold_at_step` until
-    tmp_path/release appears; with FLODL_TEST_HOLD_COMMIT_DIR in `extra`, the first commit too."""
-    hook = os.pathsep.join([str(REPO / "tests" / "helpers" / "held_commit"), str(REPO)])
-    return child_env(
-        PYTHONPATH=hook, FLODL_TEST_HOLD_AT_STEP=str(hold_at_step), FLODL_TEST_HOLD_DIR=str(tmp_path), **extra
-    )
-
-
-def _log_says(path: Path, pattern: str) -> Callable[[], bool]:
-    return lambda: path.is_file() and re.search(pattern, path.read_text()) is not None
-
-
-TOOK_STOP = r"got SIGTERM: the ranks save a checkpoint at the next"
-
-
-def _sigterm_once_held(
-    args: list[str],
-    tmp_path: Path,
-    env: dict[str, str],
-    stop_log: Path,
-    held: tuple[str, ...] = ("held",),
-    before_release: Callable[[subprocess.Popen], None] | None = None,
-) -> Result:
-    """Start the job under the held_* hooks (`env`); once the files `held` name are in tmp_path (the hooks'
-    signs that they hold the ranks or a commit), SIGTERM its launcher; once `stop_log` says the coordinator
-    took the stop, call `before_release`, then let the ranks go. The job must end within 60 s. Its stderr is
-    kept apart."""
-    proc = start(args, tmp_path, env=env, errors=subprocess.PIPE)
-    try:
-        for name in held:
-            wait_for_path(tmp_path / name, proc)
-        os.kill(proc.pid, signal.SIGTERM)
-        wait_for(_log_says(stop_log, TOOK_STOP), proc, what="the coordinator took the stop")
-        if before_release is not None:
-            before_release(proc)
-        (tmp_path / "release").touch()
-        out, err = proc.communicate(timeout=60)
-    finally:
-        kill_group(proc)
-    return Result(proc.returncode, out, err=err)
-
-
 def test_with_the_default_config_a_stop_saves_and_the_printed_command_resumes(tmp_path: Path) -> None:
     """No checkpoint_every* key given: a SIGTERM in the second epoch still saves the stop's checkpoint (the
     ranks held there until the coordinator took the stop), and its command finishes the run."""
     run_dir = tmp_path / "run"
     args = [PYTHON, TRAIN, *SYNC_DIGITS, f"hydra.run.dir={run_dir}"]
-    result = _sigterm_once_held(args, tmp_path, _hooks_env(tmp_path, 30), stop_log=run_dir / "rank0.log")
-    stopped_at, resume = _stopped_by_sigterm(result)
+    env = hooks_env(tmp_path, 30, **PACED)
+    result = sigterm_once_held(args, tmp_path, env, stop_log=run_dir / "rank0.log")
+    stopped_at, resume = stopped_by_sigterm(result)
     assert stopped_at.point.order > Point(0).order, stopped_at.path  # the stop's own, past the first epoch's
     _resume_finishes(resume, stopped_at, tmp_path, epochs=3)
 
@@ -383,37 +347,25 @@ def test_a_sync_stop_saves_its_own_checkpoint_when_an_earlier_one_commits_after_
 ) -> None:
     """The first scheduled checkpoint's commit is held (tests/helpers/held_commit) and the ranks are held at
     step 12; the stop is taken, then that commit finishes, then the ranks go on: the run stops at a
-    checkpoint taken after the signal, committed and named (not the held one), and its resume leaves no
-    `.partial` dir."""
+    checkpoint taken after the signal, committed and named (not the held one), and leaves no `.partial`
+    dir."""
     run_dir = tmp_path / "run"
     args = [PYTHON, TRAIN, *SYNC_DIGITS, "checkpoint_every_steps=5", f"hydra.run.dir={run_dir}"]
-    env = _hooks_env(tmp_path, 12, FLODL_TEST_HOLD_COMMIT_DIR=str(tmp_path))
+    env = hooks_env(tmp_path, 12, FLODL_TEST_HOLD_COMMIT_DIR=str(tmp_path), **PACED)
     rank0 = run_dir / "rank0.log"
 
     def let_the_held_commit_finish(proc: subprocess.Popen) -> None:
         (tmp_path / "commit-release").touch()
-        wait_for(_log_says(rank0, r"checkpoint epoch 1, \d+ samples into it: "), proc, what="the commit")
+        wait_for(log_says(rank0, r"checkpoint epoch 1, \d+ samples into it: "), proc, what="the commit")
 
-    result = _sigterm_once_held(
+    result = sigterm_once_held(
         args, tmp_path, env, rank0, held=("commit-held", "held"), before_release=let_the_held_commit_finish
     )
-    stopped_at, resume = _stopped_by_sigterm(result)
+    stopped_at, resume = stopped_by_sigterm(result)
     # Past the step the ranks were held at (12 steps of 2 ranks x 32 samples): taken after the stop.
     assert stopped_at.point.order > Point(0, 12 * 64).order, stopped_at.path
-    assert (run_dir / "checkpoints" / "latest").read_text() == stopped_at.path.name
-    # A part the ranks were still writing when they stopped is swept by the resume, which completes the run.
+    check_stop_kept_every_step(run_dir, stopped_at, stops=1)  # every part written up to it committed
     _resume_finishes(resume, stopped_at, tmp_path, epochs=3)
-    assert not list((run_dir / "checkpoints").glob("*.partial")), sorted((run_dir / "checkpoints").iterdir())
-
-
-def _stopped_by_sigterm(result: Result) -> tuple[Checkpoint, str]:
-    """A run a SIGTERM stopped (exit 143) and the one line it printed: the committed checkpoint it names,
-    and the command it says resumes the run."""
-    assert result.code == 143, result.out[-4000:] + result.err[-4000:]
-    (line,) = result.err.strip().splitlines()
-    name, checkpoint, _, resume = STOPPED.match(line).groups()  # type: ignore[union-attr]
-    assert name == "SIGTERM" and verify(Path(checkpoint)) is None
-    return Checkpoint.from_manifest(Path(checkpoint)), resume
 
 
 def _resume_finishes(resume: str, stopped_at: Checkpoint, cwd: Path, epochs: int) -> None:
