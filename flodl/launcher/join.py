@@ -4,9 +4,11 @@ A job whose `launch.max_ranks` is above the ranks it starts with writes a join c
 (`.launch/join.json`: where its store listens, its resolved config, its names) for as long as it runs. This
 command reads it, takes the lowest free seat past the start's (flodl/links/seats.py), and runs a rank there
 under a supervisor of its own, which posts the rank's exit to the coordinator the moment it happens (no
-heartbeat waited out) and frees the seat. The coordinator admits the rank at its next round (cadence, async)
-or epoch (sync) boundary with the members' parameters and optimizer state. On another host, the run dir must
-be one both hosts see and the store reachable (`flodl-coordinator` with MASTER_ADDR, or `--master-addr`).
+heartbeat waited out) and frees the seat. The rank runs and imports as the job's ranks do, from any directory
+(the card's working dir and sys.path: a user's project imports as it did under flodl-train). The coordinator
+admits the rank at its next round (cadence, async) or epoch (sync) boundary with the members' parameters and
+optimizer state. On another host, the run dir must be one both hosts see and the store reachable
+(`flodl-coordinator` with MASTER_ADDR, or `--master-addr`), and the user's project where the job has it.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from pathlib import Path
 
 from torch.distributed import TCPStore
 
+from flodl.config.schema import to_config
+from flodl.config.targets import list_target_problems, task_target_problems
 from flodl.job.rank import self_launched_rank
-from flodl.launcher.join_card import JoinError, read_card
+from flodl.launcher.join_card import JoinCard, JoinError, read_card
 from flodl.launcher.self_launch import keep_on_loopback
 from flodl.launcher.supervisor import SupervisedRank, SupervisedRankFailure, rank_env, supervise
 from flodl.links.group import is_loopback
@@ -35,6 +39,7 @@ def join(run_dir: Path, store_addr: str | None = None, local_rank: int | None = 
     """Run one rank of the job in `run_dir` in a free seat until it leaves; its exit code (0: it trained to
     the run's end)."""
     card = read_card(run_dir)
+    _import_as_the_job(card, run_dir)
     addr = store_addr or card.store_addr
     store = _connect(addr, card.store_port, run_dir)
     taken = take_seat(store, card.world_size, card.capacity)
@@ -77,6 +82,19 @@ def join(run_dir: Path, store_addr: str | None = None, local_rank: int | None = 
     finally:
         seat_left(store, seat, incarnation)
     return 0
+
+
+def _import_as_the_job(card: JoinCard, run_dir: Path) -> None:
+    """Run and import as the job's ranks do, from wherever flodl-join was started: in the job's working dir
+    (where it is on this host), with its sys.path ahead of this process's, which the rank inherits. The task's
+    parts and the callbacks must import so here: else one line naming the import, before a seat is taken."""
+    if Path(card.cwd).is_dir():
+        os.chdir(card.cwd)
+    sys.path[:] = [*card.sys_path, *(entry for entry in sys.path if entry not in card.sys_path)]
+    cfg = to_config(card.config)
+    problems = task_target_problems(cfg) + list(list_target_problems("callbacks", cfg.callbacks))
+    if problems:
+        raise JoinError(f"no rank joins the job in {run_dir} from here: {'; '.join(problems)}")
 
 
 def _connect(addr: str, port: int, run_dir: Path) -> TCPStore:

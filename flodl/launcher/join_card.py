@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+import sys
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,10 @@ class JoinCard:
     info: dict[str, Any]
     start_method: str
     timeout_s: float
+    # Where the job's ranks run and import from: the working dir and sys.path of the process that writes the
+    # card, the job's launcher, which its ranks inherit (flodl-train puts the user's project dir first).
+    cwd: str = field(default_factory=os.getcwd)
+    sys_path: list[str] = field(default_factory=lambda: [os.path.abspath(entry) for entry in sys.path])
 
 
 def write_card(run_dir: Path, card: JoinCard) -> Path:
@@ -37,7 +42,8 @@ def write_card(run_dir: Path, card: JoinCard) -> Path:
 
 
 class JoinError(RuntimeError):
-    """A rank cannot join (no running job that takes ranks, no free seat): the message says what to do."""
+    """A rank cannot join (no running job that takes ranks, its task does not import here, no free seat): the
+    message says what to do."""
 
 
 def read_card(run_dir: Path) -> JoinCard:

@@ -35,10 +35,12 @@ from tests.helpers.survive_runs import (
     digests,
     membership,
 )
+from tests.helpers.user_project import write_project
 
 pytestmark = pytest.mark.multiproc
 
 JOIN = str(Path(PYTHON).parent / "flodl-join")
+RUN = "hydra.run.dir=run"
 GROWN = "callbacks=[{_target_:tests.helpers.callback_log.StopOnceGrown,world:4}]"
 
 
@@ -51,7 +53,7 @@ def grow_job(tmp_path: Path, policy: str, *overrides: str) -> Child:
             "launch.max_ranks=4",
             FAST_START,
             "fault_tolerance=survive",
-            "hydra.run.dir=run",
+            RUN,
             f"policy={policy}",
             f"epochs={EPOCHS_AT_MOST}",
             "batch_size=8",
@@ -62,8 +64,9 @@ def grow_job(tmp_path: Path, policy: str, *overrides: str) -> Child:
     )
 
 
-def joiner(tmp_path: Path) -> Child:
-    return start([JOIN, str(tmp_path / "run")], tmp_path, child_env())
+def joiner(tmp_path: Path, cwd: Path | None = None) -> Child:
+    """`flodl-join` for the job in `tmp_path/run`, started in `cwd` (default: where the job was)."""
+    return start([JOIN, str(tmp_path / "run")], cwd or tmp_path, child_env())
 
 
 def admitting(joined: int) -> str:
@@ -170,7 +173,7 @@ def test_a_job_hosted_by_flodl_coordinator_takes_a_joiner_the_several_hosts_way(
     overrides = [
         FAST_START,
         "fault_tolerance=survive",
-        "hydra.run.dir=run",
+        RUN,
         "policy=cadence",
         f"epochs={EPOCHS_AT_MOST}",
         "batch_size=8",
@@ -200,3 +203,37 @@ def test_a_job_hosted_by_flodl_coordinator_takes_a_joiner_the_several_hosts_way(
     check_every_epoch_once(run)
     final = digests(rank_logs(run), "final round")
     assert set(final) == {0, 1, 2} and len(set(final.values())) == 1, final
+
+
+def test_a_joiner_started_anywhere_imports_the_users_task_as_the_job_s_ranks_do(tmp_path: Path) -> None:
+    """A job of a user's own project (its package and conf/, run from its dir with the installed command); a
+    joiner started in / imports the user's package as the job's ranks did (the card's sys.path and working
+    dir) and is admitted. Where the package does not import (a host without the project), the joiner says so
+    in one line naming the module, before it takes a seat."""
+    project = write_project(tmp_path)
+    command = [str(Path(PYTHON).parent / "flodl-train"), "--config-dir", "conf", "task=blobs"]
+    survive = ["fault_tolerance=survive", "launch.nproc_per_node=2", "launch.max_ranks=3", FAST_START]
+    job = start([*command, *survive, "policy=cadence", f"epochs={EPOCHS_AT_MOST}", RUN], project)
+    run = project / "run"
+    trained, joined_log = run / "metrics.jsonl", run / "rank2.log"
+    joined: Child | None = None
+    try:
+        # An epoch recorded: the job's ranks imported mypkg.
+        wait_for(lambda: trained.is_file() and trained.read_text().strip() != "", job, what="an epoch")
+        (project / "mypkg").rename(project / "away")
+        refused = finish(joiner(tmp_path, Path("/")), 60)
+        (project / "away").rename(project / "mypkg")
+        joined = joiner(tmp_path, Path("/"))  # the job's one seat past its start: the refused one took none
+        wait_for(
+            lambda: joined_log.is_file() and "rank 2: state after admitting [2]" in joined_log.read_text(),
+            job,
+            what="the joiner built the user's task and was admitted",
+        )
+    finally:
+        for proc in [job, joined]:
+            if proc is not None:
+                kill_group(proc)
+    (line,) = refused.out.strip().splitlines()
+    assert refused.code == 2 and line.startswith(f"flodl: no rank joins the job in {run} from here: "), line
+    assert "task.model._target_='mypkg.parts.Net': does not import" in line, line
+    assert "No module named 'mypkg'" in line, line

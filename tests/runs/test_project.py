@@ -17,49 +17,9 @@ import torch
 import yaml
 
 from tests.helpers.procs import PYTHON, REPO, TORCHRUN, Result, child_env, finish, leftovers, start
+from tests.helpers.user_project import write_project
 
 pytestmark = pytest.mark.multiproc
-
-PARTS = """
-import torch
-import torch.nn.functional as F
-from torch import nn
-
-from flodl.data.dataset import TensorDataSet
-
-
-class Net(nn.Module):
-    def __init__(self, width: int = 8, dropout: float = 0.0) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(4, width), nn.ReLU(), nn.Dropout(dropout), nn.Linear(width, 2))
-        self.dropout = dropout
-
-    def forward(self, x):
-        return self.net(x)
-
-
-def blobs(n: int) -> TensorDataSet:
-    generator = torch.Generator().manual_seed(0)
-    labels = torch.randint(0, 2, (n,), generator=generator)
-    return TensorDataSet(torch.randn(n, 4, generator=generator) + 2 * labels[:, None].float(), labels)
-
-
-def loss(model, batch):
-    inputs, labels = batch
-    return F.cross_entropy(model(inputs), labels)
-"""
-
-TASK = """# @package _global_
-epochs: 2
-batch_size: 16
-task:
-  name: blobs
-  model: {_target_: mypkg.parts.Net, width: 8}
-  train_data: {_target_: mypkg.parts.blobs, n: 256}
-  eval_data: null
-  loss: {_target_: mypkg.parts.loss, _partial_: true}
-  optimizer: {_target_: torch.optim.SGD, _partial_: true, lr: 0.1}
-"""
 
 
 @pytest.fixture(scope="module")
@@ -126,12 +86,7 @@ def test_a_checkout_run_from_source_finds_its_own_configs(tmp_path: Path) -> Non
 
 @pytest.fixture
 def project(tmp_path: Path) -> Path:
-    (tmp_path / "mypkg").mkdir()
-    (tmp_path / "mypkg" / "__init__.py").write_text("")
-    (tmp_path / "mypkg" / "parts.py").write_text(PARTS)
-    (tmp_path / "conf" / "task").mkdir(parents=True)
-    (tmp_path / "conf" / "task" / "blobs.yaml").write_text(TASK)
-    return tmp_path
+    return write_project(tmp_path)
 
 
 def run_installed(args: list[str], project: Path, command: Path) -> Result:
