@@ -366,7 +366,8 @@ def window_of_the_dead(trial: Trial, job: Job, samples: list[Sample], victim: in
 
 def run_trial(work: Path, kind: str, seed: int) -> Trial:
     """One trial of `kind` in `work` (a fresh dir), its moments drawn from `seed`; a harness failure (an event
-    that never came) is reported as the violation `harness`. No process of it outlives it."""
+    that never came, a file the checks need missing) is reported as the violation `harness`. No process of it
+    outlives it."""
     job, rng = Job(work), random.Random(f"{kind}-{seed}")
     try:
         if kind == "stop":
@@ -374,9 +375,11 @@ def run_trial(work: Path, kind: str, seed: int) -> Trial:
         if kind == "kill":
             return kill_trial(job, rng, seed)
         return survive_trial(job, rng, seed, kind)
-    except AssertionError as error:
+    except Exception as error:  # a bench of many trials reports it and goes on
         trial = Trial(kind, seed)
-        trial.violated("harness", str(error).splitlines()[0])
+        trial.violated(
+            "harness", f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        )
         return trial
     finally:
         for proc in job.procs:

@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.chaos import Job, Sample, Trial, check_each_sample_once, read_samples
+from tests.helpers.chaos import (
+    Job,
+    Sample,
+    Trial,
+    check_each_sample_once,
+    read_samples,
+    window_of_the_dead,
+)
 
 # An epoch of 8 samples, ids 0..7: 2 ranks x 2 steps x 2 ids.
 SIZE = 8
@@ -81,3 +88,22 @@ def test_a_dead_window_trained_again_is_left_out_once_and_lost_only_under_surviv
 def test_samples_read_back_as_the_hook_writes_them(tmp_path: Path) -> None:
     (tmp_path / "1-rank0-42.jsonl").write_text(json.dumps({"epoch": 2, "step": 7, "ids": [3, 1]}) + "\n")
     assert read_samples(tmp_path) == [Sample(1, 0, 42, 2, 7, (3, 1))]
+
+
+def test_a_survive_window_is_the_dead_process_s_steps_past_the_rounds_before_its_cut(tmp_path: Path) -> None:
+    job = job_of(tmp_path)
+    events = [
+        {"kind": "start", "world_size": 2},
+        {"kind": "round", "round": 1, "start": 1.0, "end": 1.5, "steps": {"0": 3, "1": 3}},
+        {"kind": "membership", "time": 2.0, "event": "rank_cut", "rank": 1},
+        {"kind": "round", "round": 2, "start": 2.5, "end": 3.0, "steps": {"0": 4}},
+    ]
+    (job.run_dir / "timeline.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    dead = [Sample(0, 1, 11, 0, step, (step,)) for step in range(1, 6)]
+    trial = Trial("survive-kill", 0)
+    assert window_of_the_dead(trial, job, dead, 1, 11) == set(dead[3:])
+    assert trial.violations == []
+    # Rounds that averaged more of its steps than it trained: its samples' log and the timeline disagree.
+    trial = Trial("survive-kill", 0)
+    window_of_the_dead(trial, job, dead[:2], 1, 11)
+    assert violated(trial) == ["window-of-the-dead"], trial.violations
