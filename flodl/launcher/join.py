@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from torch.distributed import TCPStore
 
 from flodl.config.schema import to_config
 from flodl.config.targets import list_target_problems, task_target_problems
+from flodl.job import failures
 from flodl.job.rank import self_launched_rank
 from flodl.launcher.join_card import JoinCard, JoinError, read_card
 from flodl.launcher.self_launch import keep_on_loopback
@@ -60,6 +62,7 @@ def join(run_dir: Path, store_addr: str | None = None, local_rank: int | None = 
         f"flodl: rank {seat} joins the run in {run_dir} (its log: {run_dir / f'rank{seat}.log'})",
         file=sys.stderr,
     )
+    since = time.time()
     try:
         supervise(
             self_launched_rank,
@@ -71,7 +74,7 @@ def join(run_dir: Path, store_addr: str | None = None, local_rank: int | None = 
             ended=lambda: False,  # its rank ends well only when the run told it
         )
     except SupervisedRankFailure as err:
-        cause = err.exits[-1].cause if err.exits else "it ended"
+        cause = why_left(err, run_dir, card.info["uid"], seat, since)
         print(
             f"flodl: rank {seat} left the run before its end ({cause}); see {run_dir / f'rank{seat}.log'}",
             file=sys.stderr,
@@ -82,6 +85,15 @@ def join(run_dir: Path, store_addr: str | None = None, local_rank: int | None = 
     finally:
         seat_left(store, seat, incarnation)
     return 0
+
+
+def why_left(err: SupervisedRankFailure, run_dir: Path, uid: str, seat: int, since: float) -> str:
+    """How the joiner's rank ended and, where it recorded why since `since` (a failure it words exits with
+    EXIT_WORDED), that cause: `exit code 3: ValueError: ...`. Its records are attempt 0's: flodl's supervisor
+    starts a rank as a new incarnation, never a torch restart."""
+    ended = err.exits[-1].cause if err.exits else "it ended"
+    said = [f for f in failures.recorded(run_dir, uid, 0, seat) if f.time >= since]
+    return f"{ended}: {said[0].cause}" if said else ended
 
 
 def _import_as_the_job(card: JoinCard, run_dir: Path) -> None:
