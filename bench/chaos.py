@@ -5,7 +5,7 @@ to bench/results/<date>-chaos-<hardware>.md, per fault kind: trials, violations 
 invariant, the steps the run dropped by design (trained again, or lost with a survive rank), each violating
 trial's seed and plan.
 
-    python bench/chaos.py --trials 40 --kinds stop,kill,survive-kill,freeze --seed 0
+    python bench/chaos.py --trials 40 --kinds stop,kill,survive-kill,freeze,host-kill --seed 0
     python bench/chaos.py --trials 200                       # the count (hours on 2 CPU cores)
 
 Trial i of a kind has seed S + i: `--seed S --trials 1` replays a violation's trial alone (its dirs are kept
@@ -22,7 +22,8 @@ from pathlib import Path
 
 from benchlib import REPO, environment_lines, results_path, write_report
 
-from tests.helpers.chaos import EPOCHS, KINDS, Trial, run_trial
+from tests.helpers.chaos import KINDS, run_trial
+from tests.helpers.chaos_job import EPOCHS, Trial
 
 
 def report(trials: list[Trial], kinds: list[str], args: argparse.Namespace, took_s: float) -> str:

@@ -3,7 +3,7 @@ from a seed, goes on as the fault asks (a stopped or failed job resumed by `resu
 printed; a survive job left to heal), and checks the invariants from the run's own files and the ids every
 rank logged for every step it trained (tests/helpers/sample_log). It returns the violations it found, each
 named by its invariant: tests/runs/test_chaos.py runs a fixed set of seeds and asserts none, bench/chaos.py
-runs many and publishes the counts.
+runs many and publishes the counts. The job, its samples and the checks: tests/helpers/chaos_job.py.
 
 Fault kinds:
 - stop: SIGTERM or SIGINT to the launcher once rank 0 trained N steps; resumed by the command the stop
@@ -12,222 +12,40 @@ Fault kinds:
 - kill: SIGKILL of rank 0 or 1 under fault_tolerance=none; the failed job started again (resume=auto).
 - survive-kill: SIGKILL of a rank under fault_tolerance=survive (cadence, async); its supervisor restarts it.
 - freeze: SIGSTOP of a rank under survive past the heartbeat timeout, SIGCONT once it was cut.
+- host-kill: SIGKILL of the launcher under survive (the run's host: its store, coordinator and records);
+  its ranks must end on their own, and the job started again (resume=auto).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
-import re
 import shlex
 import signal
-import subprocess
-from collections import Counter, defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
-from flodl.checkpoints.disk import rank_file, verify
-from flodl.metrics.timeline import read_timeline
-from tests.helpers.procs import (
-    PYTHON,
-    REPO,
-    TRAIN,
-    Child,
-    Result,
-    child_env,
-    finish,
-    kill_group,
-    start,
-    wait_for,
+from tests.helpers.chaos_job import (
+    START_TIMEOUT_S,
+    Job,
+    Trial,
+    check_each_sample_once,
+    check_failure_line,
+    check_ranks_end,
+    check_run_end,
+    check_stopped,
+    parts_steps,
+    read_samples,
+    window_of_the_dead,
 )
-from tests.helpers.runs import epochs_of
+from tests.helpers.procs import kill_group, wait_for
 from tests.helpers.stops import STOPPED
 from tests.helpers.survive_runs import digests
 
-KINDS = ("stop", "kill", "survive-kill", "freeze")
-EPOCHS = 4
+KINDS = ("stop", "kill", "survive-kill", "freeze", "host-kill")
 # Digits on 2 ranks: 22 steps of 32 samples each an epoch per rank. A fault lands within the first half of
 # the run, so the job surely has work left after it.
 RANK_STEPS = 22
-# Each step first waits this long (tests/helpers/held_steps): a ceiling on the pace on any machine.
-STEP_S = 0.02
-START_TIMEOUT_S = 180
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One step a rank trained: which start of the job, rank, process, epoch, its step count after it, ids."""
-
-    start: int
-    rank: int
-    pid: int
-    epoch: int
-    step: int
-    ids: tuple[int, ...]
-
-
-@dataclass
-class Trial:
-    kind: str
-    seed: int
-    plan: str = ""
-    violations: list[str] = field(default_factory=list)
-    # Steps a dead process trained that the run dropped by design (after its last checkpoint under
-    # fault_tolerance=none, since its last averaging round under survive): trained again by the others, or
-    # under survive lost with it (docs/survive.md).
-    retrained: int = 0
-    lost: int = 0
-
-    def violated(self, invariant: str, detail: str) -> None:
-        self.violations.append(f"{invariant}: {detail}")
-
-
-def read_samples(log_dir: Path) -> list[Sample]:
-    found = []
-    for path in sorted(log_dir.glob("*.jsonl")):
-        start_tag, rank, pid = re.fullmatch(r"(\d+)-rank(\d+)-(\d+)\.jsonl", path.name).groups()  # type: ignore[union-attr]
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
-            found.append(
-                Sample(int(start_tag), int(rank), int(pid), row["epoch"], row["step"], tuple(row["ids"]))
-            )
-    return found
-
-
-class Job:
-    """One trial's job across its starts: each start's ranks log their samples apart."""
-
-    def __init__(self, work: Path) -> None:
-        self.work, self.run_dir, self.log_dir = work, work / "run", work / "samples"
-        work.mkdir(parents=True, exist_ok=True)
-        self.args: list[str] = []
-        self.procs: list[Child] = []
-
-    @property
-    def starts(self) -> int:
-        return len(self.procs)
-
-    def configure(self, *overrides: str) -> None:
-        """The first start's command: 2 ranks of digits under `overrides`."""
-        self.args = [PYTHON, TRAIN, "launch.start_method=fork", "launch.nproc_per_node=2", "task=digits"]
-        self.args += [f"epochs={EPOCHS}", *overrides, f"hydra.run.dir={self.run_dir}"]
-
-    def start(self, args: list[str] | None = None) -> Child:
-        hook = os.pathsep.join([str(REPO / "tests" / "helpers" / "sample_log"), str(REPO)])
-        env = child_env(
-            PYTHONPATH=hook,
-            FLODL_TEST_SAMPLE_LOG=str(self.log_dir),
-            FLODL_TEST_SAMPLE_START=str(self.starts),
-            FLODL_TEST_STEP_S=str(STEP_S),
-        )
-        self.procs.append(start(args or self.args, self.work, env=env, errors=subprocess.PIPE))
-        return self.procs[-1]
-
-    def files(self, rank: int) -> list[Path]:
-        """The sample logs of `rank`'s processes in the current start, oldest first."""
-        found = self.log_dir.glob(f"{self.starts - 1}-rank{rank}-*.jsonl")
-        return sorted(found, key=lambda p: p.stat().st_mtime_ns)
-
-    def at_step(self, proc: subprocess.Popen, rank: int, steps: int) -> int:
-        """Wait until `rank`'s live process of this start trained `steps` steps; its pid."""
-
-        def reached() -> bool:
-            files = self.files(rank)
-            return bool(files) and len(files[-1].read_bytes().splitlines()) >= steps
-
-        wait_for(reached, proc, START_TIMEOUT_S, f"rank {rank} trained {steps} steps")
-        return int(self.files(rank)[-1].stem.rsplit("-", 1)[1])
-
-    def finish(self, proc: Child, trial: Trial) -> Result:
-        result = finish(proc, START_TIMEOUT_S)
-        if result.timed_out:
-            trial.violated("job-ended", f"start {self.starts - 1} timed out:\n{result.out[-2000:]}")
-        return result
-
-
-# --- the invariants ----------------------------------------------------------------------------------------
-
-
-def check_each_sample_once(
-    trial: Trial, job: Job, samples: list[Sample], window: set[Sample], may_lose: bool = False
-) -> None:
-    """Every epoch's samples (as many as its record says) trained exactly once, the steps in `window` (a
-    dead process's, whose training the run dropped by design) left out: each of their ids trained again
-    once by the others, or (`may_lose`: lost with a survive rank) not at all, and then counted as trained."""
-    records = {r["epoch"]: r["samples"] for r in epochs_of(job.run_dir)}
-    kept: dict[int, Counter[int]] = defaultdict(Counter)
-    for sample in samples:
-        if sample not in window:
-            kept[sample.epoch].update(sample.ids)
-    dropped: dict[int, set[int]] = defaultdict(set)
-    for sample in window:
-        again = [kept[sample.epoch][i] for i in sample.ids]
-        if any(n > 1 for n in again) or (not may_lose and any(n != 1 for n in again)):
-            trial.violated("window-of-the-dead", f"{sample}: its ids trained {again} times again, not once")
-        trial.retrained += all(n == 1 for n in again)
-        trial.lost += all(n == 0 for n in again)
-        dropped[sample.epoch].update(i for i in sample.ids if not kept[sample.epoch][i])
-    for epoch, size in records.items():
-        twice = sorted(i for i, n in kept[epoch].items() if n > 1)
-        trained = len(kept[epoch]) + len(dropped[epoch])
-        if trained != size or twice:
-            trial.violated(
-                "each-sample-once",
-                f"epoch {epoch}: {trained} distinct ids of {size}, {len(twice)} trained more than once"
-                f" (first {twice[:5]})",
-            )
-    if set(kept) - set(records):
-        trial.violated(
-            "each-sample-once", f"epochs trained past the records: {sorted(set(kept) - set(records))}"
-        )
-
-
-def check_run_end(trial: Trial, job: Job, result: Result) -> None:
-    """The last start ended well: every epoch once, no `.partial` dir, model.pt the last checkpoint's."""
-    if not result.ok:
-        trial.violated("job-ended", f"exit {result.code}: {(result.err or result.out)[-1500:]}")
-        return
-    epochs = [r["epoch"] for r in epochs_of(job.run_dir)]
-    if epochs != list(range(EPOCHS)):
-        trial.violated("epochs-once", f"metrics.jsonl holds epochs {epochs}")
-    check_no_partial(trial, job)
-    checkpoints = job.run_dir / "checkpoints"
-    last = checkpoints / (checkpoints / "latest").read_text()
-    model, saved = (torch.load(p, weights_only=True) for p in (job.run_dir / "model.pt", last / "model.pt"))
-    if set(model) != set(saved) or any(not torch.equal(model[k], saved[k]) for k in model):
-        trial.violated("model-is-consensus", f"model.pt differs from {last.name}'s model")
-
-
-def check_no_partial(trial: Trial, job: Job) -> None:
-    partial = sorted(p.name for p in (job.run_dir / "checkpoints").glob("*.partial"))
-    if partial:
-        trial.violated("no-partial", f"left after start {job.starts - 1}: {partial}")
-
-
-def parts_steps(checkpoint: Path) -> dict[int, int]:
-    """Each rank's step count as its part in `checkpoint` holds it."""
-    found = {}
-    for rank in (0, 1):
-        if (checkpoint / rank_file(rank)).is_file():
-            part = torch.load(checkpoint / rank_file(rank), weights_only=True)
-            found[rank] = part["stepper"]["steps_total"]
-    return found
-
-
-def last_steps(samples: list[Sample], start_tag: int) -> dict[int, int]:
-    """Each rank's last step count in start `start_tag`."""
-    last: dict[int, int] = {}
-    for sample in samples:
-        if sample.start == start_tag:
-            last[sample.rank] = max(last.get(sample.rank, 0), sample.step)
-    return last
-
-
-# --- the trials --------------------------------------------------------------------------------------------
 
 
 def stop_trial(job: Job, rng: random.Random, seed: int) -> Trial:
@@ -264,38 +82,30 @@ def stop_trial(job: Job, rng: random.Random, seed: int) -> Trial:
     return trial
 
 
-def check_stopped(trial: Trial, job: Job, checkpoint: Path) -> None:
-    """The stop's line names the committed checkpoint `latest` names, which holds every step trained."""
-    check_no_partial(trial, job)
-    if (
-        verify(checkpoint) is not None
-        or (job.run_dir / "checkpoints" / "latest").read_text() != checkpoint.name
-    ):
-        trial.violated("stop-line", f"{checkpoint} is not the committed latest checkpoint")
-        return
-    held, trained = parts_steps(checkpoint), last_steps(read_samples(job.log_dir), job.starts - 1)
-    if held != trained:
-        trial.violated(
-            "stop-lost-no-step", f"{checkpoint.name} holds steps {held}, the ranks trained {trained}"
-        )
-
-
-def kill_trial(job: Job, rng: random.Random, seed: int) -> Trial:
-    policy, victim, at = (
-        rng.choice(("sync", "cadence", "async")),
-        rng.randint(0, 1),
-        rng.randint(1, 2 * RANK_STEPS),
-    )
+def kill_trial(job: Job, rng: random.Random, seed: int, kind: str) -> Trial:
+    """kill: a rank SIGKILLed under fault_tolerance=none; host-kill: the launcher, the run's host under
+    survive (its store and records), SIGKILLed, its ranks left to notice. Then the job started again."""
+    host = kind == "host-kill"
+    policy = rng.choice(("cadence", "async") if host else ("sync", "cadence", "async"))
+    victim, at = rng.randint(0, 1), rng.randint(1, 2 * RANK_STEPS)
     schedule = rng.choice((["checkpoint_every=1"], ["checkpoint_every_steps=5"]))
-    trial = Trial("kill", seed, f"{policy}: rank {victim} SIGKILLed at its step {at}, {schedule[0]}")
-    job.configure(f"policy={policy}", *schedule)
+    killed = "the host" if host else f"rank {victim}"
+    trial = Trial(kind, seed, f"{policy}: {killed} SIGKILLed at rank {victim}'s step {at}, {schedule[0]}")
+    job.configure(f"policy={policy}", *schedule, *(["fault_tolerance=survive"] if host else []))
     proc = job.start()
-    os.kill(job.at_step(proc, victim, at), signal.SIGKILL)
+    pid = job.at_step(proc, victim, at)
+    os.kill(proc.pid if host else pid, signal.SIGKILL)
     result = job.finish(proc, trial)
     if result.ok:
         trial.violated("job-ended", "the job ended well with a rank killed")
         return trial
-    held = parts_steps(named) if (named := check_failure_line(trial, job, result)) else {}
+    if host:
+        check_ranks_end(trial, job)
+        latest = job.run_dir / "checkpoints" / "latest"
+        named = latest.parent / latest.read_text() if latest.is_file() else None
+    else:
+        named = check_failure_line(trial, job, result)
+    held = parts_steps(named) if named else {}
     result = job.finish(job.start(), trial)  # resume=auto
     check_run_end(trial, job, result)
     if result.ok:
@@ -303,19 +113,6 @@ def kill_trial(job: Job, rng: random.Random, seed: int) -> Trial:
         retrained = {s for s in samples if s.start == 0 and s.step > held.get(s.rank, 0)}
         check_each_sample_once(trial, job, samples, retrained)
     return trial
-
-
-def check_failure_line(trial: Trial, job: Job, result: Result) -> Path | None:
-    """The failed job's last line names the committed checkpoint `latest` names (or says none was written):
-    the one resume=auto goes on from. That checkpoint."""
-    lines = result.err.strip().splitlines()
-    named = re.search(r"the last checkpoint is ([^;\s]+)", lines[-1]) if lines else None
-    latest = job.run_dir / "checkpoints" / "latest"
-    committed = latest.parent / latest.read_text() if latest.is_file() else None
-    said = Path(named.group(1)) if named else None
-    if said != committed or (committed and verify(committed) is not None):
-        trial.violated("last-line", f"says {lines[-1:]!r}, latest is {committed}")
-    return committed
 
 
 def survive_trial(job: Job, rng: random.Random, seed: int, kind: str) -> Trial:
@@ -348,22 +145,6 @@ def survive_trial(job: Job, rng: random.Random, seed: int, kind: str) -> Trial:
     return trial
 
 
-def window_of_the_dead(trial: Trial, job: Job, samples: list[Sample], victim: int, pid: int) -> set[Sample]:
-    """The steps of the dead (or frozen) process `pid` of rank `victim` past the last round that averaged
-    them, as the run's timeline counts its steps in the rounds before its cut: by design lost with it, or
-    handed to the others again (either way each of their ids may be trained once more). Its steps before must
-    all be its own."""
-    timeline = read_timeline(job.run_dir)
-    cut = next(e["time"] for e in timeline["membership"] if e["event"] == "rank_cut" and e["rank"] == victim)
-    averaged = sum(r["steps"].get(str(victim), 0) for r in timeline["rounds"] if r["end"] <= cut)
-    own = [s for s in samples if s.pid == pid]
-    if averaged > len(own):
-        trial.violated(
-            "window-of-the-dead", f"rounds averaged {averaged} steps of pid {pid}, it trained {len(own)}"
-        )
-    return {s for s in own if s.step > averaged}
-
-
 def run_trial(work: Path, kind: str, seed: int) -> Trial:
     """One trial of `kind` in `work` (a fresh dir), its moments drawn from `seed`; a harness failure (an event
     that never came, a file the checks need missing) is reported as the violation `harness`. No process of it
@@ -372,8 +153,8 @@ def run_trial(work: Path, kind: str, seed: int) -> Trial:
     try:
         if kind == "stop":
             return stop_trial(job, rng, seed)
-        if kind == "kill":
-            return kill_trial(job, rng, seed)
+        if kind in ("kill", "host-kill"):
+            return kill_trial(job, rng, seed, kind)
         return survive_trial(job, rng, seed, kind)
     except Exception as error:  # a bench of many trials reports it and goes on
         trial = Trial(kind, seed)

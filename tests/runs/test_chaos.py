@@ -26,6 +26,7 @@ pytestmark = pytest.mark.multiproc
         ("kill", 4),  # cadence, fault_tolerance=none, rank 1 SIGKILLed at its step 41, resume=auto
         ("survive-kill", 1),  # async, rank 0 SIGKILLed at its step 21, restarted by its supervisor
         ("freeze", 1),  # cadence, rank 1 SIGSTOPped at its step 4, cut, then SIGCONT
+        ("host-kill", 1),  # async, survive: the launcher (the run's host) SIGKILLed, resume=auto
     ],
 )
 def test_a_faulted_run_keeps_every_invariant(tmp_path: Path, kind: str, seed: int) -> None:

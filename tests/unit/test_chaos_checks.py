@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.chaos import (
+from tests.helpers.chaos_job import (
     Job,
     Sample,
     Trial,
