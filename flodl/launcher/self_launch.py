@@ -197,7 +197,12 @@ def host_run(
     def connect(namespace: str, owner: int | str) -> Mailbox:  # the store listens here too
         return Mailbox.connect("127.0.0.1", store.port, namespace, owner, cfg.launch.timeout_s)
 
-    host = RunHost(cfg, config, info, world, hosted_exchange(store), connect)
+    # The host's own connection to the store: a client holds its lock through a blocking wait, and the host
+    # waits for the ranks' first words (what they see of its checkpoint dir, the task) while the supervisor
+    # polls the store for cuts: on one client, a rank dying before it spoke froze the supervisor, which then
+    # never started it again.
+    own = TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=cfg.launch.timeout_s))
+    host = RunHost(cfg, config, info, world, hosted_exchange(own), connect)
     host.open()
     log_plan(cfg, world, device_type_of(cfg, gpus))
     card = _join_card(config, info, cfg, world, store_addr, store.port)

@@ -7,6 +7,7 @@ consensus saved."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -29,6 +30,7 @@ from tests.helpers.procs import (
     kill_group,
     start,
     train,
+    wait_for,
 )
 from tests.helpers.survive_runs import (
     EPOCHS_AT_MOST,
@@ -295,6 +297,32 @@ def test_a_rank_dying_while_the_ranks_start_is_cut_and_the_others_share_a_start(
     assert [(e["event"], e["rank"], e["why"]) for e in membership(run)] == [("rank_cut", 2, EXITED)]
     final = digests(result.out, "final round")
     assert set(final) == {0, 1} and len(set(final.values())) == 1, final
+
+
+def test_a_rank_killed_before_its_first_word_to_the_host_is_started_again(tmp_path: Path) -> None:
+    """Rank 1 SIGKILLed at its log's first line, before it told the run's host what it sees of the
+    checkpoint dir (spawned: its imports leave the time): the supervisor starts it again, and the run finishes
+    with it admitted. The host's wait for that word once held the store client the supervisor polls for
+    cuts, so the dead rank was never reaped nor restarted, and the run failed a timeout later."""
+    args = [PYTHON, TRAIN, "launch.nproc_per_node=2", "launch.start_method=spawn", "fault_tolerance=survive"]
+    args += ["hydra.run.dir=run", "launch.max_restarts=1", "launch.timeout_s=60", "epochs=3", "batch_size=32"]
+    proc = start(args, cwd=tmp_path)
+    log = tmp_path / "run" / "rank1.log"
+    first = re.compile(r"rank 1/2 \(pid (\d+)\)")
+    try:
+        wait_for(
+            lambda: log.is_file() and first.search(log.read_text()) is not None, proc, what="rank 1 started"
+        )
+        os.kill(int(first.search(log.read_text()).group(1)), signal.SIGKILL)  # type: ignore[union-attr]
+        result = finish(proc, 200)
+    finally:
+        kill_group(proc)
+    result.check()
+    check_every_epoch_once(tmp_path / "run", 3)
+    assert [(e["event"], e["rank"]) for e in membership(tmp_path / "run")] == [
+        ("rank_cut", 1),
+        ("rank_admitted", 1),
+    ]
 
 
 # --- policy=sync: DDP re-wrapped on each group, the rest of a cut epoch planned again -------------------
