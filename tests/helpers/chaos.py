@@ -14,6 +14,9 @@ Fault kinds:
 - freeze: SIGSTOP of a rank under survive past the heartbeat timeout, SIGCONT once it was cut.
 - host-kill: SIGKILL of the launcher under survive (the run's host: its store, coordinator and records);
   its ranks must end on their own, and the job started again (resume=auto).
+- disk-full: the checkpoints' file system (a tmpfs the trial mounts: root only) filled at a rank's step; the
+  next checkpoint fails the job, which must name the last committed one; the space freed, resume=auto.
+- disk-ro: the same file system remounted read-only instead; remounted read-write, resume=auto.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import os
 import random
 import shlex
 import signal
+import subprocess
 from pathlib import Path
 
 from tests.helpers.chaos_job import (
@@ -42,7 +46,7 @@ from tests.helpers.procs import kill_group, wait_for
 from tests.helpers.stops import STOPPED
 from tests.helpers.survive_runs import digests
 
-KINDS = ("stop", "kill", "survive-kill", "freeze", "host-kill")
+KINDS = ("stop", "kill", "survive-kill", "freeze", "host-kill", "disk-full", "disk-ro")
 # Digits on 2 ranks: 22 steps of 32 samples each an epoch per rank. A fault lands within the first half of
 # the run, so the job surely has work left after it.
 RANK_STEPS = 22
@@ -84,28 +88,43 @@ def stop_trial(job: Job, rng: random.Random, seed: int) -> Trial:
 
 def kill_trial(job: Job, rng: random.Random, seed: int, kind: str) -> Trial:
     """kill: a rank SIGKILLed under fault_tolerance=none; host-kill: the launcher, the run's host under
-    survive (its store and records), SIGKILLed, its ranks left to notice. Then the job started again."""
-    host = kind == "host-kill"
+    survive (its store and records), SIGKILLed, its ranks left to notice; disk-full: the file system of the
+    checkpoints (a tmpfs of its own) filled, so the next checkpoint fails. Then the job started again."""
+    host, disk = kind == "host-kill", kind in ("disk-full", "disk-ro")
     policy = rng.choice(("cadence", "async") if host else ("sync", "cadence", "async"))
     victim, at = rng.randint(0, 1), rng.randint(1, 2 * RANK_STEPS)
     schedule = rng.choice((["checkpoint_every=1"], ["checkpoint_every_steps=5"]))
-    killed = "the host" if host else f"rank {victim}"
-    trial = Trial(kind, seed, f"{policy}: {killed} SIGKILLed at rank {victim}'s step {at}, {schedule[0]}")
-    job.configure(f"policy={policy}", *schedule, *(["fault_tolerance=survive"] if host else []))
+    fault = {
+        "host-kill": "the host SIGKILLed",
+        "disk-full": "the checkpoints' disk filled",
+        "disk-ro": "the checkpoints' disk made read-only",
+    }.get(kind, f"rank {victim} SIGKILLed")
+    trial = Trial(kind, seed, f"{policy}: {fault} at rank {victim}'s step {at}, {schedule[0]}")
+    extra = ["fault_tolerance=survive"] if host else [f"save_path={job.small_disk()}"] if disk else []
+    job.configure(f"policy={policy}", *schedule, *extra)
     proc = job.start()
     pid = job.at_step(proc, victim, at)
-    os.kill(proc.pid if host else pid, signal.SIGKILL)
+    if kind == "disk-full":
+        filler = fill(job.checkpoints.parent)
+    elif disk:
+        remount(job.checkpoints.parent, "ro")
+    else:
+        os.kill(proc.pid if host else pid, signal.SIGKILL)
     result = job.finish(proc, trial)
     if result.ok:
-        trial.violated("job-ended", "the job ended well with a rank killed")
+        trial.violated("job-ended", f"the job ended well with {fault}")
         return trial
     if host:
         check_ranks_end(trial, job)
-        latest = job.run_dir / "checkpoints" / "latest"
+        latest = job.checkpoints / "latest"
         named = latest.parent / latest.read_text() if latest.is_file() else None
     else:
         named = check_failure_line(trial, job, result)
     held = parts_steps(named) if named else {}
+    if kind == "disk-full":
+        filler.unlink()  # the space back, as an operator would make it
+    elif disk:
+        remount(job.checkpoints.parent, "rw")
     result = job.finish(job.start(), trial)  # resume=auto
     check_run_end(trial, job, result)
     if result.ok:
@@ -113,6 +132,20 @@ def kill_trial(job: Job, rng: random.Random, seed: int, kind: str) -> Trial:
         retrained = {s for s in samples if s.start == 0 and s.step > held.get(s.rank, 0)}
         check_each_sample_once(trial, job, samples, retrained)
     return trial
+
+
+def remount(disk: Path, mode: str) -> None:
+    subprocess.run(["mount", "-o", f"remount,{mode}", str(disk)], check=True)
+
+
+def fill(disk: Path) -> Path:
+    """Fill the file system at `disk` with one file; that file."""
+    filler = disk / "filler"
+    with filler.open("wb") as file, contextlib.suppress(OSError):  # ENOSPC: full
+        while True:
+            file.write(bytes(1 << 16))
+            file.flush()
+    return filler
 
 
 def survive_trial(job: Job, rng: random.Random, seed: int, kind: str) -> Trial:
@@ -153,8 +186,9 @@ def run_trial(work: Path, kind: str, seed: int) -> Trial:
     try:
         if kind == "stop":
             return stop_trial(job, rng, seed)
-        if kind in ("kill", "host-kill"):
+        if kind in ("kill", "host-kill", "disk-full", "disk-ro"):
             return kill_trial(job, rng, seed, kind)
+        assert kind in ("survive-kill", "freeze"), f"no fault kind {kind!r}"
         return survive_trial(job, rng, seed, kind)
     except Exception as error:  # a bench of many trials reports it and goes on
         trial = Trial(kind, seed)
@@ -165,3 +199,5 @@ def run_trial(work: Path, kind: str, seed: int) -> Trial:
     finally:
         for proc in job.procs:
             kill_group(proc)
+        for disk in job.mounts:
+            subprocess.run(["umount", "--lazy", str(disk)], check=False)

@@ -75,6 +75,19 @@ class Job:
         work.mkdir(parents=True, exist_ok=True)
         self.args: list[str] = []
         self.procs: list[Child] = []
+        self.checkpoints = self.run_dir / "checkpoints"  # save_path's, where a trial sets it
+        self.mounts: list[Path] = []  # the file systems a trial mounted, unmounted at its end
+
+    def small_disk(self) -> Path:
+        """A tmpfs of 4 MiB mounted for the checkpoints (a few of digits'), unmounted at the trial's end."""
+        if os.geteuid() != 0:
+            raise PermissionError("mounting the checkpoints' tmpfs needs root")
+        disk = self.work / "disk"
+        disk.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], check=True)
+        self.mounts.append(disk)
+        self.checkpoints = disk / "checkpoints"
+        return disk
 
     @property
     def starts(self) -> int:
@@ -161,7 +174,7 @@ def check_run_end(trial: Trial, job: Job, result: Result) -> None:
     if epochs != list(range(EPOCHS)):
         trial.violated("epochs-once", f"metrics.jsonl holds epochs {epochs}")
     check_no_partial(trial, job)
-    checkpoints = job.run_dir / "checkpoints"
+    checkpoints = job.checkpoints
     last = checkpoints / (checkpoints / "latest").read_text()
     model, saved = (torch.load(p, weights_only=True) for p in (job.run_dir / "model.pt", last / "model.pt"))
     if set(model) != set(saved) or any(not torch.equal(model[k], saved[k]) for k in model):
@@ -169,7 +182,7 @@ def check_run_end(trial: Trial, job: Job, result: Result) -> None:
 
 
 def check_no_partial(trial: Trial, job: Job) -> None:
-    partial = sorted(p.name for p in (job.run_dir / "checkpoints").glob("*.partial"))
+    partial = sorted(p.name for p in job.checkpoints.glob("*.partial"))
     if partial:
         trial.violated("no-partial", f"left after start {job.starts - 1}: {partial}")
 
@@ -196,10 +209,7 @@ def last_steps(samples: list[Sample], start_tag: int) -> dict[int, int]:
 def check_stopped(trial: Trial, job: Job, checkpoint: Path) -> None:
     """The stop's line names the committed checkpoint `latest` names, which holds every step trained."""
     check_no_partial(trial, job)
-    if (
-        verify(checkpoint) is not None
-        or (job.run_dir / "checkpoints" / "latest").read_text() != checkpoint.name
-    ):
+    if verify(checkpoint) is not None or (job.checkpoints / "latest").read_text() != checkpoint.name:
         trial.violated("stop-line", f"{checkpoint} is not the committed latest checkpoint")
         return
     held, trained = parts_steps(checkpoint), last_steps(read_samples(job.log_dir), job.starts - 1)
@@ -233,7 +243,7 @@ def check_failure_line(trial: Trial, job: Job, result: Result) -> Path | None:
     the one resume=auto goes on from. That checkpoint."""
     lines = result.err.strip().splitlines()
     named = re.search(r"the last checkpoint is ([^;\s]+)", lines[-1]) if lines else None
-    latest = job.run_dir / "checkpoints" / "latest"
+    latest = job.checkpoints / "latest"
     committed = latest.parent / latest.read_text() if latest.is_file() else None
     said = Path(named.group(1)) if named else None
     if said != committed or (committed and verify(committed) is not None):

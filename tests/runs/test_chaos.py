@@ -8,6 +8,7 @@ one trial by hand."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,8 @@ from tests.helpers.chaos import run_trial
 from tests.helpers.procs import leftovers
 
 pytestmark = pytest.mark.multiproc
+# The disk faults mount a tmpfs of their own for the checkpoints.
+ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 
 
 @pytest.mark.parametrize(
@@ -27,6 +30,8 @@ pytestmark = pytest.mark.multiproc
         ("survive-kill", 1),  # async, rank 0 SIGKILLed at its step 21, restarted by its supervisor
         ("freeze", 1),  # cadence, rank 1 SIGSTOPped at its step 4, cut, then SIGCONT
         ("host-kill", 1),  # async, survive: the launcher (the run's host) SIGKILLed, resume=auto
+        pytest.param("disk-full", 0, marks=ROOT),  # sync: the checkpoints' tmpfs filled at rank 1's step 20
+        pytest.param("disk-ro", 1, marks=ROOT),  # sync: remounted read-only in epoch 0, then read-write
     ],
 )
 def test_a_faulted_run_keeps_every_invariant(tmp_path: Path, kind: str, seed: int) -> None:
