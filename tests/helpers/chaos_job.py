@@ -157,12 +157,22 @@ def check_each_sample_once(
             trial.violated(
                 "each-sample-once",
                 f"epoch {epoch}: {trained} distinct ids of {size}, {len(twice)} trained more than once"
-                f" (first {twice[:5]})",
+                f" (first {twice[:5]}{who_trained(samples, window, epoch, set(twice))})",
             )
     if set(kept) - set(records):
         trial.violated(
             "each-sample-once", f"epochs trained past the records: {sorted(set(kept) - set(records))}"
         )
+
+
+def who_trained(samples: list[Sample], window: set[Sample], epoch: int, ids: set[int]) -> str:
+    """Which processes trained `ids` of `epoch` (outside `window`), at which of their steps."""
+    steps: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for sample in samples:
+        if sample.epoch == epoch and sample not in window and ids & set(sample.ids):
+            steps[(sample.rank, sample.pid)].append(sample.step)
+    said = [f"rank {r} pid {p} steps {min(s)}-{max(s)}" for (r, p), s in sorted(steps.items())]
+    return f", by {'; '.join(said)}" if said else ""
 
 
 def check_run_end(trial: Trial, job: Job, result: Result) -> None:
