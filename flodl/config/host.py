@@ -1,7 +1,7 @@
 """What this host and its launcher say: the one reader of the torchrun environment, and the host probe.
 
 Every place that needs torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT, TORCHELASTIC_*, SLURM_JOB_ID; flodl-join's FLODL_INCARNATION) asks `RankEnv.from_environ()`;
+MASTER_PORT, TORCHELASTIC_*, SLURM_JOB_ID; a supervisor's FLODL_INCARNATION) asks `RankEnv.from_environ()`;
 flodl/launcher/cluster_env.py writes them from Slurm's.
 """
 
@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 GIB = 1 << 30
+# Set by a supervisor as it starts a rank (RankEnv.incarnation).
+INCARNATION_ENV = "FLODL_INCARNATION"
 
 
 @dataclass(frozen=True)
@@ -37,8 +39,9 @@ class RankEnv:
     run_id: str = ""
     # SLURM_JOB_ID: the scheduler's job, shared by the ranks it started ("" outside Slurm).
     job_id: str = ""
-    # FLODL_INCARNATION: the number of flodl-join's taking of this rank's seat (flodl/links/seats.py); None:
-    # the rank's starts are counted in the run's store.
+    # FLODL_INCARNATION: how often the rank's seat was started before this process, as its supervisor (the
+    # self-launch's, or flodl-join's: flodl/links/seats.py) counts them; None: ranks started apart count their
+    # starts in the run's store.
     incarnation: int | None = None
 
     @classmethod
@@ -57,7 +60,7 @@ class RankEnv:
             restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
             run_id=env.get("TORCHELASTIC_RUN_ID", ""),
             job_id=env.get("SLURM_JOB_ID", ""),
-            incarnation=int(env["FLODL_INCARNATION"]) if "FLODL_INCARNATION" in env else None,
+            incarnation=int(env[INCARNATION_ENV]) if INCARNATION_ENV in env else None,
         )
 
     @property

@@ -55,6 +55,14 @@ def _import_problem(where: str, target: str, err: BaseException) -> str:
     )
 
 
+def task_target_paths(cfg: FlodlConfig) -> list[str]:
+    """The dotted paths of the task's `_target_`s, which a rank imports as it builds its task."""
+    nodes = [getattr(cfg.task, key) for key in TASK_TARGETS]
+    return [
+        node["_target_"] for node in nodes if isinstance(node, dict) and isinstance(node.get("_target_"), str)
+    ]
+
+
 def task_target_problems(cfg: FlodlConfig) -> list[str]:
     problems = []
     for key in TASK_TARGETS:

@@ -54,10 +54,7 @@ def join(run_dir: Path, store_addr: str | None = None, local_rank: int | None = 
     if is_loopback(addr):
         keep_on_loopback()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    env = {
-        **rank_env(seat, card.world_size, addr, card.store_port, local_rank),
-        "FLODL_INCARNATION": str(incarnation),
-    }
+    env = rank_env(seat, card.world_size, addr, card.store_port, local_rank)
     print(
         f"flodl: rank {seat} joins the run in {run_dir} (its log: {run_dir / f'rank{seat}.log'})",
         file=sys.stderr,

@@ -23,6 +23,7 @@ from torch.distributed import TCPStore
 from flodl.config.policy import hosts_apart, rank_capacity, saves_on_stop
 from flodl.config.rules import START_METHODS
 from flodl.config.schema import FlodlConfig
+from flodl.config.targets import task_target_paths
 from flodl.coordinator.roster import TooFewRanks
 from flodl.job import failures
 from flodl.job.host import RunHost
@@ -172,10 +173,18 @@ def _supervised_launch(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig, 
             Path(info.run_dir),
             ended,
             saving_s=cfg.stop_grace_s if saves_on_stop(cfg) else 0.0,
-            spare=cfg.launch.spare,
+            spare_imports=spare_imports(cfg),
         )
 
     host_run(config, info, cfg, world, gpus, store, "127.0.0.1", supervised)
+
+
+def spare_imports(cfg: FlodlConfig) -> tuple[str, ...]:
+    """What a spare rank imports ahead (`launch.spare`): the ranks' body, torch's compiler (a rank's first
+    optimizer step imports it) and the task's targets."""
+    if not cfg.launch.spare:
+        return ()
+    return (self_launched_rank.__module__, "torch._dynamo", *task_target_paths(cfg))
 
 
 def host_run(

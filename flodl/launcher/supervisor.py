@@ -29,6 +29,7 @@ from typing import Any
 
 from torch.distributed import TCPStore
 
+from flodl.config.host import INCARNATION_ENV
 from flodl.launcher.spare import Spare
 from flodl.links.membership import cut_key, post_exit
 from flodl.links.stop import STOP_SIGNALS, Stopped
@@ -88,7 +89,7 @@ def supervise(
     ended: Callable[[], bool],
     poll_s: float = 0.1,
     saving_s: float = 0.0,
-    spare: bool = False,
+    spare_imports: tuple[str, ...] = (),
 ) -> list[RankExit]:
     """Run `entry(*args)` as each of `ranks` (`host_ranks`: a one-host job's; flodl-join: one rank in a
     seat of a running job) until `ended()` says the run did (its host told the ranks); every exit seen.
@@ -98,15 +99,16 @@ def supervise(
     and SupervisedRankFailure when every rank ended before the run and none has restarts left; no rank
     outlives the call. Call it from the main thread: it handles those signals. `store`: the run's, where
     exits are posted and cuts read. `saving_s`: how long a stop's checkpoint may take (stop_grace_s), the
-    ranks are waited for that much longer on a stop. `spare`: keep a spawned rank's process ready for the
-    next restart while restarts are left (flodl/launcher/spare.py).
+    ranks are waited for that much longer on a stop. `spare_imports`: keep a spawned rank's process that
+    imported these ready for the next restart while restarts are left (flodl/launcher/spare.py; none: no
+    spare).
     """
     context = multiprocessing.get_context(start_method)
     assert isinstance(context, (ForkContext, SpawnContext, ForkServerContext)), (
         start_method
     )  # named, not default
     with _StopSignals() as stop:
-        spare_of = entry.__module__ if spare and not isinstance(context, ForkContext) else None
+        spare_of = spare_imports if spare_imports and not isinstance(context, ForkContext) else None
         watch = _Supervisor(
             context, entry, args, ranks, store, log_dir, poll_s, stop, ended, saving_s, spare_of
         )
@@ -209,8 +211,8 @@ class _Supervisor:
     stop: _StopSignals
     run_ended: Callable[[], bool]
     saving_s: float
-    # The module a spare imports (the ranks' entry's), or None: no spare.
-    spare_of: str | None
+    # What a spare imports, or None: no spare.
+    spare_of: tuple[str, ...] | None
 
     def __post_init__(self) -> None:
         self.exits: list[RankExit] = []
@@ -234,7 +236,10 @@ class _Supervisor:
                 return self.exits
 
     def _start(self, rank: SupervisedRank) -> None:
-        args = (self.entry, self.args, {**rank.env, RANK_STARTED_AT_ENV: repr(time.time())})
+        # The supervisor counts the rank's starts: a process killed before it could count its own in the store
+        # would have its restart take itself for the first.
+        env = {**rank.env, INCARNATION_ENV: str(rank.incarnation), RANK_STARTED_AT_ENV: repr(time.time())}
+        args = (self.entry, self.args, env)
         name = f"flodl-rank{rank.rank}"
         spare, self.spare = self.spare, None
         if spare is not None and spare.alive:

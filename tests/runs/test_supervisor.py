@@ -89,7 +89,7 @@ def run(
         tmp_path / "logs",
         lambda: store.check([ENDED]),
         poll_s=POLL_S,
-        spare=spare,
+        spare_imports=("tests.helpers.supervised",) if spare else (),
     )
 
 
