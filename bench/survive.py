@@ -22,6 +22,7 @@ once, one final state on every rank, and the final eval accuracy of both.
     python bench/survive.py                                  # task=resnet on the GPUs
     python bench/survive.py --cpu --kills 3 -- task=digits   # a smoke run on CPU
     python bench/survive.py --cpu --churn                    # goodput under churn, 3 gloo ranks
+    python bench/survive.py --churn --arm launch.spare=true --arm launch.spare=false -- task=digits  # A/B
     python bench/survive.py --cpu --rank0                    # rank 0 dying, every policy
     python bench/survive.py --rank0 --epochs 20 -- task=digits backend=cpu  # 3 ranks sharing one GPU
 """
@@ -144,6 +145,72 @@ def window_rate(run: Path, since: float = 0.0, until: float = float("inf")) -> f
     return sum(r["samples"] for r in inside) / span
 
 
+def timeline_wall(run: Path) -> float:
+    """The wall time the run's timeline counts from (its last start)."""
+    events = [json.loads(line) for line in (run / TIMELINE_JSONL).read_text().splitlines() if line.strip()]
+    return [event for event in events if event["kind"] == "start"][-1]["wall"]
+
+
+def batch_rate(spans: list[dict], since: float, until: float) -> float:
+    """Batches/s the ranks' spans trained inside [since, until] (timeline seconds), each span's batches
+    spread evenly over it."""
+    batches = 0.0
+    for span in spans:
+        overlap = min(span["end"], until) - max(span["start"], since)
+        if overlap > 0:
+            batches += span["batches"] * overlap / max(span["end"] - span["start"], 1e-9)
+    return batches / (until - since)
+
+
+def phase_lines(run: Path, killed: list[float], calms: list[Path], settle_s: float = 5.0) -> list[str]:
+    """Where the churned run's time went: its batches/s while a rank was out (cut -> admitted), in the first
+    `settle_s` after each admission, and otherwise (every rank in), each against the undisturbed runs'."""
+    record, wall = read_timeline(run), timeline_wall(run)
+    calm = statistics.mean(
+        batch_rate(read_timeline(c)["spans"], 0.0, max(s["end"] for s in read_timeline(c)["spans"]))
+        for c in calms
+    )
+    first, last = killed[0] - wall, killed[-1] - wall
+    # Each moment between the first and last kill is in one phase: the membership changes mark them.
+    marks = sorted(
+        (e["at"] - wall, e["event"]) for e in record["membership"] if not e["why"].startswith("exiting")
+    )
+    out: list[tuple[float, float]] = []
+    settling: list[tuple[float, float]] = []
+    cut_at: float | None = None
+    for at, event in marks:
+        if event == "rank_cut" and cut_at is None:
+            cut_at = at
+        elif event == "rank_admitted" and cut_at is not None:
+            out.append((cut_at, at))
+            settling.append((at, at + settle_s))
+            cut_at = None
+    spans = record["spans"]
+
+    def phase(intervals: list[tuple[float, float]]) -> tuple[float, float]:
+        inside = [(max(a, first), min(b, last)) for a, b in intervals if min(b, last) > max(a, first)]
+        seconds = sum(b - a for a, b in inside)
+        rate = sum(batch_rate(spans, a, b) * (b - a) for a, b in inside) / seconds if seconds else 0.0
+        return seconds, rate
+
+    whole = last - first
+    (out_s, out_rate), (settle_seconds, settle_rate) = phase(out), phase(settling)
+    rest_s = whole - out_s - settle_seconds
+    rest_rate = (
+        batch_rate(spans, first, last) * whole - out_rate * out_s - settle_rate * settle_seconds
+    ) / rest_s
+    rows = [("a rank out (cut -> admitted)", out_s, out_rate)]
+    rows += [(f"the first {settle_s:g} s after an admission", settle_seconds, settle_rate)]
+    rows += [("every rank in, settled", rest_s, rest_rate)]
+    lines = [
+        "",
+        "| phase (first to last kill) | share of the time | batches/s against undisturbed |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {name} | {seconds / whole:.2f} | {rate / calm:.2f} |" for name, seconds, rate in rows]
+    return lines
+
+
 def seconds(events: list[dict], key: str, scale: float = 1.0) -> list[float]:
     """The events' `key` (those that have one: a change the next one overtook has none), in seconds."""
     return [e[key] / scale for e in events if e.get(key) is not None]
@@ -186,6 +253,7 @@ def churn_report(run: Path, killed: list[float], calms: list[Path]) -> list[str]
             if abs(before - after) <= 0.1 * undisturbed
             else " — the undisturbed runs differ by more than 10%: the machine's load changed; run it again"
         ),
+        *phase_lines(run, killed, calms),
     ]
 
 
@@ -275,6 +343,13 @@ def main() -> None:
     parser.add_argument("--duration-s", type=float, default=200.0, help="--churn: how long it kills")
     parser.add_argument("--epochs", type=int, default=40, help="--rank0: epochs of each run")
     parser.add_argument("--cpu", action="store_true")
+    parser.add_argument(
+        "--arm",
+        action="append",
+        default=None,
+        help="--churn: run the churned job once per --arm with these overrides added (space-separated), side "
+        "by side between the same undisturbed runs: --arm launch.spare=true --arm launch.spare=false",
+    )
     parser.add_argument("--work", type=Path, default=Path("/tmp/flodl-bench-survive"))
     parser.add_argument("--results-dir", type=Path, default=REPO / "bench" / "results")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
@@ -360,24 +435,30 @@ def churn(args: argparse.Namespace, common: list[str], ranks: int, stamp: int) -
 
     # Undisturbed before and after the churned run: a change in the machine's load between them shows.
     before = calm("before")
-    run, killed = launch(
-        args.work,
-        f"churn-{stamp}",
-        [*job, f"launch.max_restarts={kills}"],
-        timeout=args.duration_s + 300,
-        kills=kills,
-        every_s=every_s,
-        kill_after_epochs=None,
-        victims=list(range(ranks)),
-    )
+    arms = args.arm or [""]
+    churned = {
+        arm: launch(
+            args.work,
+            f"churn-{number}-{stamp}",
+            [*job, *arm.split(), f"launch.max_restarts={kills}"],
+            timeout=args.duration_s + 300,
+            kills=kills,
+            every_s=every_s,
+            kill_after_epochs=None,
+            victims=list(range(ranks)),
+        )
+        for number, arm in enumerate(arms)
+    }
     after = calm("after")
-    return [
+    lines = [
         "",
         f"## survive ({args.policy}) under churn: {ranks} ranks, a random one killed every {every_s:g} s",
         *environment_lines(args.cpu),
         f"- overrides: `{' '.join(job)}`",
-        *churn_report(run, killed, [before, after]),
     ]
+    for arm, (run, killed) in churned.items():
+        lines += ["", f"### `{arm}`" if arm else "", *churn_report(run, killed, [before, after])]
+    return lines
 
 
 def rank0(args: argparse.Namespace, common: list[str], stamp: int) -> list[str]:
