@@ -8,8 +8,9 @@ trial's seed and plan.
     python bench/chaos.py --trials 40 --kinds stop,kill,survive-kill,freeze,host-kill --seed 0
     python bench/chaos.py --trials 200                       # the issue's count (hours on 2 CPU cores)
 
-Trial i of a kind has seed S + i: `--seed S --trials 1` replays a violation's trial alone (its dirs are kept
-under --work).
+Trial i of a kind has seed S + i: `--seed S --trials 1 --kinds K` runs a violation's plan again (the same
+policy, schedule, rank, step and signal; not the same interleaving of the processes around it); each trial's
+dirs are kept under --work.
 """
 
 from __future__ import annotations
