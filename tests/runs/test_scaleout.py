@@ -199,7 +199,6 @@ def test_slots_launcher_runs_jobs_side_by_side_on_their_own_ports(tmp_path: Path
         "epochs=2",
         "launch.nproc_per_node=2",
         FAST_START,
-        Result,
         "hydra.sweep.dir=sweep",
         cwd=tmp_path,
         timeout=300,

@@ -108,6 +108,7 @@ NESTED_OVERRIDES = [
     ("launch.timeout_s=30", "timeout_s", 30.0, float),
     ("launch.max_restarts=2", "max_restarts", 2, int),
     ("launch.max_ranks=4", "max_ranks", 4, int),
+    ("launch.spare=false", "spare", False, bool),
 ]
 
 
