@@ -256,6 +256,14 @@ class FlodlConfig:
     # (the round's thread; on a GPU too). See docs/policies.md.
     overlap_rounds: bool = False
 
+    # --- sharded groups ---
+    # Ranks per sharded group: the job's ranks form world_size / shard_group groups of consecutive ranks
+    # (whole groups on each host), and inside each group the model, its gradients and optimizer state are
+    # sharded with FSDP2 (each rank holds about 1/shard_group of them). 1: every rank a full replica. Under
+    # policy=sync only yet (HSDP: one process on the global batch), with fault_tolerance=none and checkpoints
+    # off; see docs/sharded-groups.md.
+    shard_group: int = 1
+
     # --- ElChe cadence balancer (cadence / async) ---
     # Batches the slowest rank trains per window at the start (faster ranks proportionally more).
     anchor: int = 10

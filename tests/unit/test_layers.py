@@ -32,6 +32,7 @@ FLOORS = {
     "flodl.metrics": 1,
     "flodl.links": 1,
     "flodl.checkpoints": 1,
+    "flodl.sharding": 1,
     "flodl.logs": 1,
     # The package's public API: record_scalar.
     "flodl": 1,

@@ -5,6 +5,7 @@ hardware. All violations are reported together, each naming key, value and rule.
 - `values`: each key alone (its allowed values, its range);
 - `combinations`: what the keys allow of each other (the policy's knobs, the outer optimizer, the wire);
 - `survive`: what fault_tolerance=survive cannot do (yet, or under this launcher);
+- `sharding`: what shard_group asks of the job's ranks, and what sharded groups cannot do yet;
 - `host_fit`: what this host can run (devices, launcher, precision, disk);
 - `ignored`: keys set to a value the rest of the config would silently ignore, and keys not implemented.
 """
@@ -15,6 +16,7 @@ from flodl.config.host import HostFacts
 from flodl.config.rules.combinations import LOCAL_SGD_KNOBS, combination_problems
 from flodl.config.rules.host_fit import host_problems
 from flodl.config.rules.ignored import NOT_IMPLEMENTED, ignored_problems, not_implemented
+from flodl.config.rules.sharding import sharding_problems
 from flodl.config.rules.survive import survive_problems
 from flodl.config.rules.values import CHOICES, NULL_MEANS, START_METHODS, value_problems
 from flodl.config.schema import FlodlConfig
@@ -47,6 +49,7 @@ def validate(cfg: FlodlConfig, host: HostFacts) -> None:
         *value_problems(cfg),
         *combination_problems(cfg, host.world_size),
         *survive_problems(cfg, host),
+        *sharding_problems(cfg, host),
         *host_problems(cfg, host),
         *ignored_problems(cfg, host),
         *not_implemented(cfg),

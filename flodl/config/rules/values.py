@@ -130,6 +130,7 @@ RANGES: tuple[tuple[str, Callable[[Any], bool], str, bool], ...] = (
     ("launch.max_restarts", _at_least(0), "must be >= 0", False),
     ("launch.max_ranks", _at_least(1), "must be >= 1", True),
     ("min_ranks", _at_least(1), "must be >= 1", False),
+    ("shard_group", _at_least(1), "must be >= 1 ranks per sharded group (1: full replicas)", False),
     ("simulate.nan_at_step", _at_least(1), "must be >= 1 (a 1-based step)", True),
     ("simulate.hang_at_step", _at_least(1), "must be >= 1 (a 1-based step)", True),
     ("simulate.kill_at_step", _at_least(1), "must be >= 1 (a 1-based step)", True),

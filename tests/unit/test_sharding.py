@@ -1,0 +1,93 @@
+"""Sharded groups: the key's rules (before any rank) and who forms each group and holds each shard (pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from flodl.sharding.groups import ShardGroups, shard_numel
+from tests.unit.test_validation import assert_problem, host, make, problems_of
+
+OFF = {"checkpoint_every": None}  # what a sharded run must say yet: its checkpoints are not written
+
+
+def test_four_ranks_as_two_groups_of_two() -> None:
+    groups = ShardGroups(4, 2)
+    assert groups.sharded and groups.count == 2 and groups.mesh_shape == (2, 2)
+    assert [groups.members(g) for g in range(2)] == [[0, 1], [2, 3]]
+    assert [groups.group_of(r) for r in range(4)] == [0, 0, 1, 1]
+    assert [groups.shard_index(r) for r in range(4)] == [0, 1, 0, 1]
+    assert [groups.sharers(i) for i in range(2)] == [[0, 2], [1, 3]]
+    assert groups.words() == "2 group(s) of 2 rank(s): [0, 1] [2, 3]"
+
+
+@pytest.mark.parametrize(("world", "size"), [(1, 1), (4, 1), (4, 4), (6, 3), (12, 2), (8, 8)])
+def test_every_rank_in_one_group_and_one_sharer_set(world: int, size: int) -> None:
+    groups = ShardGroups(world, size)
+    members = [groups.members(g) for g in range(groups.count)]
+    sharers = [groups.sharers(i) for i in range(size)]
+    for rows in (members, sharers):
+        assert sorted(r for row in rows for r in row) == list(range(world))
+    for rank in range(world):
+        # The mesh's row and column of a rank are its group and its shard index.
+        assert members[groups.group_of(rank)][groups.shard_index(rank)] == rank
+        assert sharers[groups.shard_index(rank)][groups.group_of(rank)] == rank
+    assert groups.sharded == (size > 1)
+
+
+def test_many_groups_are_said_in_one_short_line() -> None:
+    assert ShardGroups(16, 2).words() == "8 group(s) of 2 rank(s): [0, 1] [2, 3] [4, 5] [6, 7] ... [14..15]"
+
+
+@pytest.mark.parametrize(("world", "size"), [(4, 3), (4, 0), (2, 4)])
+def test_groups_that_do_not_divide_the_world_are_not_formed(world: int, size: int) -> None:
+    with pytest.raises(ValueError, match="do not divide"):
+        ShardGroups(world, size)
+
+
+def test_a_shard_holds_the_first_dimension_cut_in_ceil_rows() -> None:
+    assert shard_numel((10, 4), 2) == 20
+    assert shard_numel((3, 16), 2) == 32  # 2 rows each, the last rank's second padded
+    assert shard_numel((7,), 4) == 2
+    assert shard_numel((), 4) == 1
+    assert shard_numel((5, 3), 1) == 15
+
+
+def test_the_default_holds_full_replicas_and_passes() -> None:
+    assert make().shard_group == 1
+    assert problems_of(make(), host(world_size=3, ranks_per_node=3)) == []
+
+
+def test_sync_with_checkpoints_off_shards_on_groups_of_the_world() -> None:
+    assert problems_of(make(shard_group=2, **OFF), host(world_size=4, ranks_per_node=4)) == []
+
+
+def test_groups_must_divide_the_world_and_each_host() -> None:
+    four = host(world_size=4, ranks_per_node=4)
+    assert_problem(problems_of(make(shard_group=3, **OFF), four), "shard_group", 3, "must divide the job's 4")
+    assert_problem(problems_of(make(shard_group=0, **OFF), four), "shard_group", 0, "must be >= 1")
+    # 2 hosts of 3 ranks: groups of 2 would straddle them.
+    straddle = problems_of(make(shard_group=2, **OFF), host(world_size=6, ranks_per_node=3))
+    assert_problem(straddle, "shard_group", 2, "each host's 3 ranks must form whole groups")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "rule"),
+    [
+        ({"policy": "cadence"}, "runs under policy=sync only yet (HSDP), not policy=cadence"),
+        ({"policy": "async"}, "set policy=sync, or shard_group=1 for cadence and async"),
+        ({"fault_tolerance": "survive"}, "not with fault_tolerance=survive yet"),
+        ({"checkpoint_every": 1}, "set checkpoint_every=null (checkpoints off"),
+        ({"checkpoint_every_steps": 5}, "set checkpoint_every_steps=null (checkpoints off"),
+        ({"resume": "/some/run"}, "resumes no checkpoint yet"),
+    ],
+)
+def test_what_groups_cannot_do_yet_is_refused_naming_the_key(overrides: dict, rule: str) -> None:
+    cfg = make(shard_group=2, **{**OFF, **overrides})
+    assert_problem(problems_of(cfg, host(world_size=2, ranks_per_node=2)), "shard_group", 2, rule)
+
+
+@pytest.mark.parametrize(("key", "value"), [("bf16_wire", True), ("compile", True), ("precision", "fp8")])
+def test_what_ddp_gives_a_replica_is_refused_with_groups(key: str, value: object) -> None:
+    problems = problems_of(make(shard_group=2, **OFF, **{key: value}), host(world_size=2, ranks_per_node=2))
+    assert_problem(problems, key, value, "not with shard_group=2 yet")
+    assert not any("shard_group" in p for p in problems_of(make(**OFF, **{key: value})))
