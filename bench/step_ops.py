@@ -32,6 +32,7 @@ sys.path.insert(0, str(REPO / "bench"))  # plain_torch
 
 from flodl.averaging.wire import FP32  # noqa: E402
 from flodl.config.host import RankEnv  # noqa: E402
+from flodl.config.layout import Layout  # noqa: E402
 from flodl.config.schema import register_configs, to_config  # noqa: E402
 from flodl.job.settings import stepper_settings, task_settings, worker_settings  # noqa: E402
 from flodl.launcher.run_dir import register_resolvers  # noqa: E402
@@ -87,7 +88,8 @@ def flodl_run(task: str, overrides: list[str], device: torch.device) -> Callable
     parts = build_task(task_settings(cfg), device, 1)
     stepper = Stepper(stepper_settings(cfg, RankEnv(0, 1, 0, 1), device.type), parts, device, parts.model)
     link = RankLink(0, 1, None, None)  # type: ignore[arg-type]
-    worker = SyncWorker(stepper, link, worker_settings(cfg), wire=FP32, checkpointer=None)
+    layout = Layout(1, stepper.step_samples)  # one rank, laid out as it steps
+    worker = SyncWorker(stepper, link, worker_settings(cfg), wire=FP32, checkpointer=None, layout=layout)
     epochs = iter(range(1_000_000))
 
     def run(steps: int) -> None:

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from flodl.checkpoints.disk import COORDINATOR_FILE, Checkpoint, CheckpointDir, Point, atomic_save
+from flodl.config.layout import Layout
 from flodl.coordinator.ledger import EpochLedger
 
 log = logging.getLogger("flodl")
@@ -66,10 +67,9 @@ class CheckpointCommitter:
     kind: dict[str, Any]
     # Who wrote it, for the manifest (flodl/checkpoints/identity.py): resume=auto resumes only its own run.
     run: dict[str, Any]
-    # Samples per rank step, and under keep_global_batch a rank's step in the world the run was laid out
-    # for: a resume on another world keeps the global batch from them (flodl/job/resize.py).
-    step_samples: int = 0
-    layout_step: int | None = None
+    # The world the run is laid out for (flodl/config/layout.py), recorded in each checkpoint as its
+    # members' (a resume with keep_global_batch keeps its global batch; None: not recorded).
+    layout: Layout | None = None
     # Per point, the ranks that saved their part, and how many chunks of the point's epoch each had
     # reported by then (a rank reports its chunks before it says it saved: those are the point's).
     saved: dict[Point, dict[int, int]] = field(default_factory=dict)
@@ -173,8 +173,7 @@ class CheckpointCommitter:
                 continue
             state = {
                 **self.kind,
-                "step_samples": self.step_samples,
-                "layout_step": self.layout_step,
+                "layout": None if self.layout is None else self.layout.at(len(ranks)).state(),
                 "epoch": point.epoch,
                 "into": point.into,
                 # Through the last whole epoch: a point inside the next one holds its epoch's bytes so far.

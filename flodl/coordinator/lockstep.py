@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from flodl.config.layout import Layout
 from flodl.counting import shown_epoch
 from flodl.data.partition import equal_slices
 from flodl.links.messages import EpochSlice
@@ -57,28 +58,18 @@ def opening_segment(
     return Segment(epoch, generation, ordered, 0, steps, shares, dropped, step_samples)
 
 
-def kept_step(global_step: int, members: int, batch_size: int) -> int | None:
-    """A member's step that makes up `global_step` on `members` ranks in whole micro-batches of
-    `batch_size`; None: it does not divide."""
-    per_member, left = divmod(global_step, members)
-    if left or per_member == 0 or per_member % batch_size:
-        return None
-    return per_member
-
-
 @dataclass(frozen=True)
 class KeptBatch:
-    """keep_global_batch: the global step every membership trains, in samples, where it divides."""
+    """keep_global_batch: the run's layout (its global batch) kept by every membership, in whole
+    micro-batches of `batch_size` where it divides."""
 
-    global_step: int
+    layout: Layout
     batch_size: int
-    # A rank's step in the world the run was laid out for (its global steps stay that world's).
-    layout_step: int
 
     def step_for(self, members: int, fallback: int) -> int:
         """Each member's step: its part of the global step, or `fallback` where that does not divide (the
         global batch then follows the world)."""
-        step = kept_step(self.global_step, members, self.batch_size)
+        step = self.layout.member_step(members, self.batch_size)
         return fallback if step is None else step
 
 
@@ -88,16 +79,17 @@ def laid_out(
     members: Iterable[int],
     step_samples: int,
     generation: int,
-    layout_step: int,
+    layout: Layout | None,
 ) -> Segment:
-    """`epoch` opened as `members` train it when each of their steps holds several of a `layout_step`
-    world's (keep_global_batch on fewer ranks than the run was laid out for): the epoch as the saved world
-    of `total step / layout_step` ranks would open it, each of its global steps cut among `members`."""
+    """`epoch` opened as `members` train it when each of their steps holds several of a step of the world
+    the run was laid out for (keep_global_batch on fewer ranks than that world; `layout` None: the global
+    batch follows the world): the epoch as that world would open it, each of its global steps cut among
+    `members`."""
     ordered = tuple(sorted(members))
-    if layout_step == step_samples or len(ordered) * step_samples % layout_step:
+    if layout is None or layout.step == step_samples or len(ordered) * step_samples % layout.step:
         return opening_segment(epoch, total_picks, ordered, step_samples, generation)
-    saved_world = len(ordered) * step_samples // layout_step
-    saved = opening_segment(epoch, total_picks, range(saved_world), layout_step, generation)
+    world = layout.world_of(len(ordered), step_samples)
+    saved = opening_segment(epoch, total_picks, range(world), layout.step, generation)
     return regrouped(saved, 0, ordered, step_samples, generation)
 
 
@@ -239,7 +231,7 @@ class LockstepPlan:
         """Plan `epoch` afresh for `members` (none of it trained yet)."""
         ordered = tuple(sorted(members))
         step = self.step_for(len(ordered))
-        layout = step if self.kept is None else self.kept.layout_step
+        layout = None if self.kept is None else self.kept.layout
         segment = laid_out(epoch, self.total_picks, ordered, step, generation, layout)
         self._epochs[epoch] = _EpochPlan([segment])
         return segment

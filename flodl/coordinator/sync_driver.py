@@ -264,7 +264,7 @@ class SyncDriver:
         kept = self.plan.kept
         if kept is None:
             return
-        if members * step == kept.global_step:
+        if members * step == kept.layout.global_batch:
             log.info(
                 "keep_global_batch: %d members keep the global step of %d, %d samples each",
                 members,
@@ -275,7 +275,7 @@ class SyncDriver:
             log.warning(
                 "keep_global_batch: the global step of %d does not divide into whole micro-batches on %d "
                 "members: it follows them (%d x %d), the learning rate scaled by lr_scale_ratio",
-                kept.global_step,
+                kept.layout.global_batch,
                 members,
                 members,
                 step,

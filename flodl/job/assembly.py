@@ -23,6 +23,7 @@ from flodl.averaging.flat import rank_own_buffers
 from flodl.averaging.outer import OuterSettings
 from flodl.averaging.wire import Wire, wire_for
 from flodl.config.host import RankEnv
+from flodl.config.layout import Layout
 from flodl.config.policy import (
     PolicyFacts,
     checkpoints_on,
@@ -87,10 +88,12 @@ def make_worker(
     outbox: Mailbox,
     run_dir: Path,
     group: RankGroup,
+    layout: Layout,
     keeps_evaluated_models: bool = False,
 ) -> WorkerBase:
-    """`group`: who the rank trains and averages with (`make_group`). `keeps_evaluated_models` (rank 0):
-    write the parameters of each eval for a callback (BestModel)."""
+    """`group`: who the rank trains and averages with (`make_group`). `layout`: the world the run is laid
+    out for, as the run's host built it. `keeps_evaluated_models` (rank 0): write the parameters of each
+    eval for a callback (BestModel)."""
     rank, world_size = env.rank, env.world_size
     policy = PolicyFacts.of(cfg)
     wire = wire_for(cfg.bf16_wire, cfg.quantized_wire)
@@ -122,7 +125,7 @@ def make_worker(
         stepper = Stepper(stepper_for, parts, device, train_module)
         checkpoints = checkpointer(stepper)
         return SyncWorker(
-            stepper, link, settings, wire, checkpoints, cfg.lr_scale_ratio, group, wrap, cfg.keep_global_batch
+            stepper, link, settings, wire, checkpoints, cfg.lr_scale_ratio, group, wrap, layout=layout
         )
     outer = OuterSettings.resolve(cfg.outer, cfg.outer_lr, cfg.outer_momentum, cfg.outer_reset_inner)
     averager: DeviceAverager | HostAverager

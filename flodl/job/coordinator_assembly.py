@@ -19,6 +19,7 @@ from torch import nn
 
 from flodl.checkpoints.disk import Point
 from flodl.checkpoints.identity import run_identity
+from flodl.config.layout import Layout
 from flodl.config.policy import (
     PolicyFacts,
     checkpoint_epochs,
@@ -38,7 +39,6 @@ from flodl.coordinator.roster import Roster, SurvivingRoster
 from flodl.coordinator.survivors import SurviveSettings
 from flodl.coordinator.sync_driver import PLAN_LOOKAHEAD, SyncDriver
 from flodl.data.partition import equal_slices
-from flodl.job.resize import layout_step
 from flodl.job.settings import (
     elche_settings,
     resume_settings,
@@ -72,8 +72,10 @@ class CoordinatorSetup:
     # The coordinator's inbox and its outbox to the ranks.
     reader: InboxReader
     outbox: Mailbox
-    # The coordinator state of the checkpoint this run continues from (None: a fresh run).
+    # The coordinator state of the checkpoint this run continues from (None: a fresh run), and the world the
+    # run is laid out for (built with the choice of that checkpoint: flodl/job/resume.py).
     resumed: dict[str, Any] | None
+    layout: Layout
     # Under sync with the host in rank 0's process: writes rank 0's parameters (the consensus) if a peer
     # hangs (None: nothing worth saving there).
     hang_saver: Callable[[], None] | None = None
@@ -104,13 +106,12 @@ def make_coordinator(cfg: FlodlConfig, setup: CoordinatorSetup) -> Coordinator:
     # Where a resumed run starts: the epoch after its checkpoint, or the one it was taken inside.
     first = Point(resumed["epoch"], resumed.get("into")).next_epoch if resumed else 0
     comm_total = resumed["comm_bytes_total"] if resumed else 0
-    layout = layout_step(cfg.keep_global_batch, resumed, step_size)
     committer = None
     if checkpoints_on(cfg):
         due = {e for e in checkpoint_epochs(cfg) if e >= first}
         settings = resume_settings(cfg, run_dir, run_identity(setup.config, info.uid))
         committer = CheckpointCommitter(
-            settings.checkpoints, world_size, due, settings.kind, settings.run, step_size, layout
+            settings.checkpoints, world_size, due, settings.kind, settings.run, setup.layout
         )
     monitor = HeartbeatMonitor(
         capacity, heartbeat_timeout_of(cfg), 0.0, ignored=set(range(world_size, capacity))
@@ -145,7 +146,7 @@ def make_coordinator(cfg: FlodlConfig, setup: CoordinatorSetup) -> Coordinator:
     if policy.averages_parameters:
         driver = _local_sgd_driver(cfg, policy, schedule, ledger, setup, roster, timeline, committer)
     else:
-        driver = _sync_driver(cfg, schedule, ledger, setup, roster, committer, layout)
+        driver = _sync_driver(cfg, schedule, ledger, setup, roster, committer)
     total_batches = (cfg.epochs - first) * ledger.batches_per_epoch - ledger.reported_batches(first)
     sinks = _sinks(cfg, setup, policy, total_batches, first)
     hooks = Hooks(
@@ -174,9 +175,8 @@ def _sync_driver(
     setup: CoordinatorSetup,
     roster: Roster,
     committer: CheckpointCommitter | None,
-    layout: int | None,
 ) -> SyncDriver:
-    resumed = setup.resumed
+    resumed, layout = setup.resumed, setup.layout
     inside = resumed is not None and resumed.get("ledger") is not None
     return SyncDriver(
         schedule,
@@ -189,7 +189,7 @@ def _sync_driver(
         cfg.checkpoint_every_steps,
         resumed["driver"] if resumed is not None and inside else None,
         cfg.checkpoint_every_s,
-        None if layout is None else KeptBatch(setup.world_size * step_samples(cfg), cfg.batch_size, layout),
+        KeptBatch(layout, cfg.batch_size) if layout.kept else None,
     )
 
 

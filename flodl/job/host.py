@@ -30,6 +30,7 @@ from torch.distributed import PrefixStore
 
 from flodl.checkpoints.disk import MODEL_FILE, Checkpoint, CheckpointDir, atomic_save
 from flodl.checkpoints.identity import run_identity
+from flodl.config.layout import Layout
 from flodl.config.policy import PolicyFacts, checkpoint_keys_set, checkpoints_on, rank_capacity
 from flodl.config.schema import FlodlConfig
 from flodl.coordinator.coordinator import Coordinator
@@ -39,6 +40,7 @@ from flodl.job.coordinator_assembly import CoordinatorSetup, make_coordinator
 from flodl.job.failures import Consequence
 from flodl.job.resume import (
     agreed_config,
+    agreed_layout,
     coordinator_state,
     covers_every_epoch,
     publish_checkpoint_choice,
@@ -113,6 +115,8 @@ class RunHost:
         self.run_dir = Path(info.run_dir)
         self.namespace = uuid.uuid4().hex
         self.checkpoint: Checkpoint | None = None
+        # The world the run is laid out for, built with the choice of checkpoint (None: not chosen yet).
+        self.layout: Layout | None = None
         # The mark left in the checkpoint dir for this start (None: checkpoints off, or not opened yet).
         self.checkpoints: CheckpointDir | None = None
         self.mark: str | None = None
@@ -137,6 +141,7 @@ class RunHost:
             writes = checkpoints_on(self.cfg) and not self.nothing_left
             self.mark = mark_checkpoint_dir(self.exchange, self.checkpoints if writes else None)
         self.cfg = agreed_config(self.cfg, self.exchange)
+        self.layout = agreed_layout(self.exchange)
         if self.checkpoint is not None and self.checkpoint.world_size != self.world_size:
             shares = not PolicyFacts.of(self.cfg).averages_parameters
             log.warning("%s", resize_of(self.checkpoint, self.world_size, shares).words())
@@ -162,6 +167,7 @@ class RunHost:
         `hang_saver` (rank 0's process under sync): what to save when a peer hangs. `in_rank`: this is
         rank 0's process (`rank_done` says when that rank's last parts are said)."""
         resumed = coordinator_state(self.checkpoint) if self.checkpoint is not None else None
+        assert self.layout is not None, "the coordinator started before the host chose its checkpoint"
         reader = InboxReader(self.connect(self.namespace, COORDINATOR))
         setup = CoordinatorSetup(
             self.config,
@@ -173,6 +179,7 @@ class RunHost:
             reader,
             self.connect(self.namespace, COORDINATOR),
             resumed,
+            self.layout,
             hang_saver,
             None if self.checkpoint is None else self.checkpoint.world_size,
         )

@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore
 
-from flodl.checkpoints.disk import Checkpoint, CheckpointError
+from flodl.checkpoints.disk import CheckpointError
 from flodl.config.host import RankEnv
+from flodl.config.layout import Layout
 from flodl.config.policy import (
     checkpoint_keys_set,
     collective_backend,
@@ -43,11 +44,10 @@ from flodl.job import failures
 from flodl.job.assembly import make_group, make_worker
 from flodl.job.coordinator_assembly import hang_saver
 from flodl.job.host import HostFailed, RunHost, TaskFacts, coordinator_started, host_namespace, publish_task
-from flodl.job.resize import lr_world_of
 from flodl.job.resume import (
     agreed_checkpoint,
     agreed_config,
-    coordinator_state,
+    agreed_layout,
     covers_every_epoch,
     load_model,
     restore_worker,
@@ -181,6 +181,7 @@ def serve_rank(
         _agree_on_checkpoint_dir(cfg, env, run_dir, group.exchange, apart)
         checkpoint = agreed_checkpoint(env.rank, group.exchange)
         cfg = agreed_config(cfg, group.exchange)
+        layout = agreed_layout(group.exchange)
         if checkpoint is not None and covers_every_epoch(checkpoint, cfg.epochs):
             return  # the host made the checkpoint's model the run's
         namespace = host_namespace(group.exchange)
@@ -193,7 +194,7 @@ def serve_rank(
         facts = TaskFacts(picks, parts.eval_data is not None)
         publish_task(group.exchange, facts)
         if host is not None:
-            log_plan(cfg, env.world_size, device.type, checkpoint)
+            log_plan(cfg, env.world_size, device.type, layout)
             try:
                 host.start(facts, hang_saver(cfg, parts.model, device, run_dir), in_rank=True)
             except WORDED as err:  # the others hear it before they wait for the host in a collective
@@ -207,7 +208,7 @@ def serve_rank(
             checkpoint = None
         outbox = connect(namespace, env.rank)
         worker = make_worker(
-            cfg, parts, env, device, inbox, outbox, run_dir, rank_group, keeps_evaluated_models
+            cfg, parts, env, device, inbox, outbox, run_dir, rank_group, layout, keeps_evaluated_models
         )
         if checkpoint is not None:
             restore_worker(checkpoint, worker, env.world_size)
@@ -373,18 +374,16 @@ def stopped_line(signum: int, cfg: FlodlConfig, run_dir: Path, info: RunInfo) ->
     return f"stopped by {signal.Signals(signum).name}: {where}; resume with: {resume}"
 
 
-def log_plan(
-    cfg: FlodlConfig, world_size: int, device_type: str, checkpoint: Checkpoint | None = None
-) -> None:
-    """The run's start line, with the learning rate's scale the optimizer has (`lr_world_of`)."""
-    saved = coordinator_state(checkpoint) if checkpoint is not None and cfg.keep_global_batch else None
-    factor = lr_scale_factor(lr_world_of(cfg, saved, world_size), cfg.lr_scale_ratio)
+def log_plan(cfg: FlodlConfig, world_size: int, device_type: str, layout: Layout) -> None:
+    """The run's start line: its global batch and the learning rate's scale the optimizer has, both the
+    world's the run is laid out for (`layout`)."""
+    factor = lr_scale_factor(layout.world, cfg.lr_scale_ratio)
     log.info(
         "policy=%s world=%d batch=%s/rank (global %d) lr x%.3g (lr_scale_ratio=%g) precision=%s compile=%s",
         cfg.policy,
         world_size,
         step_words(cfg),
-        step_samples(cfg) * world_size,
+        layout.global_batch,
         factor,
         cfg.lr_scale_ratio,
         cfg.precision,

@@ -29,10 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from flodl.config.policy import step_samples
-from flodl.config.schema import FlodlConfig
-from flodl.coordinator.lockstep import kept_step
-from flodl.worker.lr_world import layout_world
+from flodl.config.layout import Layout
 
 
 @dataclass(frozen=True)
@@ -81,28 +78,35 @@ def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-def grad_accum_for(saved_global_batch: int, world: int, batch_size: int) -> int | None:
-    """Micro-batches per rank step that keep `saved_global_batch` on `world` ranks; None: it does not
+def grad_accum_for(layout: Layout, world: int, batch_size: int) -> int | None:
+    """Micro-batches per rank step that keep `layout`'s global batch on `world` ranks; None: it does not
     divide."""
-    step = kept_step(saved_global_batch, world, batch_size)
+    step = layout.member_step(world, batch_size)
     return None if step is None else step // batch_size
 
 
-def keep_batch_problem(saved_global_batch: int, saved_ranks: int, world: int, batch_size: int) -> str | None:
-    """Why `keep_global_batch` cannot keep the saved batch on `world` ranks (None: it can)."""
-    if grad_accum_for(saved_global_batch, world, batch_size) is not None:
+def keep_batch_problem(layout: Layout, world: int, batch_size: int) -> str | None:
+    """Why `keep_global_batch` cannot keep the checkpoint's global batch on `world` ranks (None: it can)."""
+    if grad_accum_for(layout, world, batch_size) is not None:
         return None
     fits = [
-        n
-        for n in range(1, saved_global_batch // batch_size + 1)
-        if grad_accum_for(saved_global_batch, n, batch_size)
+        n for n in range(1, layout.global_batch // batch_size + 1) if grad_accum_for(layout, n, batch_size)
     ]
     return (
-        f"keep_global_batch=true: the checkpoint's global batch of {saved_global_batch} "
-        f"({saved_ranks} ranks) does not divide into whole micro-batches of batch_size={batch_size} on "
+        f"keep_global_batch=true: the checkpoint's global batch of {layout.global_batch} "
+        f"({layout.world} ranks) does not divide into whole micro-batches of batch_size={batch_size} on "
         f"{world} ranks; resume on {' or '.join(map(str, fits))} ranks, or let the global batch follow the "
         "world (keep_global_batch=false)"
     )
+
+
+def resumed_layout(fresh: Layout, saved: dict[str, Any] | None, members: int) -> Layout:
+    """The layout of a run that would be laid out `fresh` on its world, resumed from a checkpoint's
+    coordinator state `saved` with the parts of `members` ranks (None: a fresh run): its own, unless it
+    keeps the global batch, which is then the checkpoint's."""
+    if saved is None or not fresh.kept:
+        return fresh
+    return Layout.saved(saved, members, fresh.step, kept=True)
 
 
 def stream_problem(saved_world: int, world: int) -> str | None:
@@ -114,21 +118,3 @@ def stream_problem(saved_world: int, world: int) -> str | None:
         f"shards, and {world} ranks would read them split otherwise (items of the interrupted pass read "
         f"twice or never); resume with {saved_world} ranks, or start fresh with resume=never"
     )
-
-
-def layout_step(keep_global_batch: bool, saved: dict[str, Any] | None, step_samples: int) -> int | None:
-    """keep_global_batch: a rank's step in the world the run was first laid out for (each checkpoint carries
-    it on); None: the global batch follows the world."""
-    if not keep_global_batch:
-        return None
-    if saved is None:
-        return step_samples
-    return int(saved.get("layout_step") or saved.get("step_samples") or step_samples)
-
-
-def lr_world_of(cfg: FlodlConfig, saved: dict[str, Any] | None, world: int) -> int:
-    """The world the learning rate is scaled for on `world` ranks, resumed from `saved` (a checkpoint's
-    coordinator state; None: a fresh run): the world's own, but under keep_global_batch the world of the
-    checkpoint's global batch, which the optimizer's restored learning rate keeps."""
-    step = step_samples(cfg)
-    return layout_world(world, step, layout_step(cfg.keep_global_batch, saved, step) or step)

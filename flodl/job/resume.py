@@ -21,9 +21,10 @@ from flodl.checkpoints.disk import (
     resolve_resume,
 )
 from flodl.checkpoints.identity import check_identity
+from flodl.config.layout import Layout
 from flodl.config.schema import FlodlConfig
 from flodl.counting import shown_epoch
-from flodl.job.resize import Resize, grad_accum_for, keep_batch_problem, stream_problem
+from flodl.job.resize import Resize, grad_accum_for, keep_batch_problem, resumed_layout, stream_problem
 from flodl.links.group import publish_json, read_json
 from flodl.metrics.sinks import read_history, record_line
 from flodl.worker.base import WorkerBase
@@ -60,37 +61,22 @@ def choose_checkpoint(settings: ResumeSettings, world_size: int) -> Checkpoint |
     return _checked_choice(settings, world_size)[0]
 
 
-def _checked_choice(settings: ResumeSettings, world_size: int) -> tuple[Checkpoint | None, int | None]:
-    """The checkpoint, checked, and the grad_accum keep_global_batch needs on `world_size` (None: as
-    configured)."""
+def _checked_choice(settings: ResumeSettings, world_size: int) -> tuple[Checkpoint | None, Layout]:
+    """The checkpoint, checked, and the layout the run resumed from it on `world_size` ranks is laid out for
+    (a fresh run: this world); keep_global_batch is refused where its global batch does not divide."""
     found = resolve_resume(settings.resume, settings.checkpoints)
+    kept = settings.keep_global_batch and not settings.kind["local_sgd"]
+    fresh = Layout(world_size, settings.step_samples, kept)
     if found is None:
-        return None, None
+        return None, fresh
     check_identity(found, settings.run, settings.resume)
     saved = coordinator_state(found)
     check_run_kind(found, saved, settings.kind)
-    return found, grad_accum_on(settings, found, saved, world_size)
-
-
-def saved_step_samples(saved: dict[str, Any], settings: ResumeSettings) -> int:
-    """Samples per rank step of the run that wrote a checkpoint (older checkpoints: as configured now)."""
-    return int(saved.get("step_samples", settings.step_samples))
-
-
-def grad_accum_on(
-    settings: ResumeSettings, checkpoint: Checkpoint, saved: dict[str, Any], world_size: int
-) -> int | None:
-    """keep_global_batch under sync: the grad_accum that keeps the checkpoint's global batch on `world_size`
-    ranks (None: the step stays as configured); refused where it does not divide."""
-    if not settings.keep_global_batch or saved.get("local_sgd"):
-        return None
-    members = len(checkpoint.part_ranks)
-    batch = members * saved_step_samples(saved, settings)
-    accum = grad_accum_for(batch, world_size, settings.batch_size)
-    if accum is None:
-        problem = keep_batch_problem(batch, members, world_size, settings.batch_size)
-        raise CheckpointError(f"checkpoint {checkpoint.path}: {problem}")
-    return accum
+    layout = resumed_layout(fresh, saved, len(found.part_ranks))
+    problem = keep_batch_problem(layout, world_size, settings.batch_size) if kept else None
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {found.path}: {problem}")
+    return found, layout
 
 
 def resize_of(checkpoint: Checkpoint, world_size: int, shares_optimizer: bool) -> Resize:
@@ -105,7 +91,7 @@ def publish_checkpoint_choice(
     for swept in settings.checkpoints.sweep_partial():  # before any rank of this run writes a part
         log.info("removed %s: a checkpoint an earlier start left uncommitted", swept)
     try:
-        found, accum = _checked_choice(settings, world_size)
+        found, layout = _checked_choice(settings, world_size)
         prepare_history(settings.metrics, settings.checkpoints, found)
     except CheckpointError as err:
         publish_json(exchange, "checkpoint", {"error": str(err)})
@@ -115,7 +101,10 @@ def publish_checkpoint_choice(
         if found
         else None
     )
-    publish_json(exchange, "checkpoint", {"checkpoint": saved, "grad_accum": accum})
+    # keep_global_batch: the micro-batches per rank step that make the checkpoint's global batch up here.
+    accum = grad_accum_for(layout, world_size, settings.batch_size) if found and layout.kept else None
+    choice = {"checkpoint": saved, "grad_accum": accum, "layout": layout.state()}
+    publish_json(exchange, "checkpoint", choice)
     return found
 
 
@@ -131,6 +120,11 @@ def agreed_config(cfg: FlodlConfig, exchange: PrefixStore) -> FlodlConfig:
         cfg.grad_accum,
     )
     return replace(cfg, grad_accum=int(accum))
+
+
+def agreed_layout(exchange: PrefixStore) -> Layout:
+    """The layout the run's host built with its choice of checkpoint (flodl/config/layout.py)."""
+    return Layout.from_state(read_json(exchange, "checkpoint")["layout"])
 
 
 def agreed_checkpoint(rank: int, exchange: PrefixStore) -> Checkpoint | None:

@@ -2,8 +2,8 @@
 cut or admission, a resume on another number of ranks).
 
 The learning rate is `lr x (1 + (n - 1) x lr_scale_ratio)` for a global batch of n ranks' steps (as the task
-was built). n counts steps of `layout_step`, a rank's step in the world the run was laid out for: a rank's
-own step, unless keep_global_batch resumed the run on another world (flodl/job/resize.py), where each rank's
+was built). n counts steps of the world the run is laid out for (flodl/config/layout.py, handed down by the
+assembly): a rank's own step, unless keep_global_batch resumed the run on another world, where each rank's
 step holds several of that world's and the learning rate stays the one its global batch had.
 """
 
@@ -12,39 +12,32 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from flodl.config.layout import Layout
 from flodl.worker.stepper import Stepper
 from flodl.worker.task_setup import lr_scale_factor
 
 log = logging.getLogger("flodl")
 
 
-def layout_world(size: int, step_samples: int, layout_step: int) -> int:
-    """The global batch of `size` ranks stepping `step_samples` each, in ranks of `layout_step`: the world the
-    learning rate is scaled for."""
-    return size * step_samples // layout_step
-
-
 class LrWorld:
-    def __init__(self, stepper: Stepper, world_size: int, ratio: float, keep_global_batch: bool) -> None:
+    def __init__(self, stepper: Stepper, world_size: int, ratio: float, layout: Layout) -> None:
         self.stepper = stepper
         self.ratio = ratio
-        self.keep_global_batch = keep_global_batch
-        # The world the learning rate is scaled for now, in ranks of `layout_step`.
+        self.layout = layout
+        # The world the learning rate is scaled for now, in ranks of the layout's step.
         self.world = world_size
-        self.layout_step = stepper.step_samples
 
     def state(self) -> dict[str, Any]:
-        return {"lr_world": self.world, "layout_step": self.layout_step}
+        return {"lr_world": self.world}
 
     def restore(self, state: dict[str, Any], world_size: int) -> None:
-        """As a checkpoint left it (its learning rate scaled for its world), scaled for this one."""
+        """As a checkpoint left it (its learning rate scaled for its world), scaled for this one. (A part of
+        an older flodl holds its `layout_step` too: the run's layout says it now.)"""
         self.world = int(state.get("lr_world", world_size))
-        if self.keep_global_batch:
-            self.layout_step = int(state.get("layout_step", self.layout_step))
 
     def batch_world(self, size: int) -> int:
         """The global batch of `size` ranks, in ranks of the world the run was laid out for."""
-        return layout_world(size, self.stepper.step_samples, self.layout_step)
+        return self.layout.world_of(size, self.stepper.step_samples)
 
     def scale_to(self, size: int, say: bool) -> None:
         """Scale the learning rate from the world it is scaled for to `size` ranks' global batch (`say`: log
@@ -56,7 +49,7 @@ class LrWorld:
                 "world %d -> %d: global batch %d, learning rate x%.4g (lr_scale_ratio=%g)",
                 self.world,
                 world,
-                world * self.layout_step,
+                world * self.layout.step,
                 factor,
                 self.ratio,
             )

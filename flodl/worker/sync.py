@@ -27,6 +27,7 @@ from torch import nn
 from flodl.averaging.flat import state_buffers, state_digest
 from flodl.averaging.wire import Wire
 from flodl.checkpoints.disk import Point
+from flodl.config.layout import Layout
 from flodl.counting import shown_epoch
 from flodl.links.membership import AveragingGroup
 from flodl.links.messages import ChunkReport, FirstStep, Message, Regroup, Regrouped, StartEpoch
@@ -85,14 +86,15 @@ class SyncWorker(WorkerBase):
         lr_scale_ratio: float = 0.0,
         group: RankGroup | None = None,
         wrap: Callable[[dist.ProcessGroup], nn.Module] | None = None,
-        keep_global_batch: bool = False,
+        *,
+        layout: Layout,
     ) -> None:
         """`lr_scale_ratio`: the learning rate follows the world, x (1 + (n - 1) * ratio) for n ranks (as
         the task was built); it matters when the world changes (survive) or differs from a checkpoint's.
         `wrap`: DDP around the model on a group's process group, wrapped again on each group survive forms
         (every member calls it together: it broadcasts the first member's parameters).
-        `keep_global_batch`: a checkpoint's global batch kept on another world (flodl/job/resize.py), and
-        with it the learning rate scaled for the world it was laid out for."""
+        `layout`: the world the run is laid out for (flodl/config/layout.py), in whose steps the learning
+        rate's world counts (keep_global_batch: a checkpoint's global batch kept on another world)."""
         super().__init__(stepper, link, settings, checkpointer, group)
         self.wrap = wrap
         # What DDP all-reduces per optimizer step (once, after the last micro-batch), as `wire` sends it.
@@ -100,7 +102,7 @@ class SyncWorker(WorkerBase):
         # Samples of the global batches trained (every member's, step after step; the eval row's label).
         self.global_samples = 0
         # The world the learning rate is scaled for.
-        self.lr = LrWorld(stepper, self.world_size, lr_scale_ratio, keep_global_batch)
+        self.lr = LrWorld(stepper, self.world_size, lr_scale_ratio, layout)
         self.position = RESTARTED if self.group.joining else UNTRAINED
         # survive: the group's first member says when the first step of a new group went through.
         self._first_step_due = False

@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from flodl.config.layout import Layout
 from flodl.coordinator.lockstep import (
     LockstepPlan,
     Segment,
@@ -122,7 +123,7 @@ def test_keep_global_batch_keeps_every_global_step_whole_on_fewer_or_more_ranks(
         assert rest.steps == saved.steps - 5 and rest.first_step == 5
         assert _steps(rest, step) == _steps(saved, STEP)[5:]
         # An epoch opened so: as the 4 ranks would open it.
-        fresh = laid_out(2, 1000, members, step, generation=0, layout_step=STEP)
+        fresh = laid_out(2, 1000, members, step, generation=0, layout=Layout(4, STEP, kept=True))
         assert _steps(fresh, step) == _steps(saved, STEP) and fresh.dropped == saved.dropped
     # And back to the 4 ranks from 2 of 2 micro-batches: the same steps again.
     two = regrouped(saved, 3, [0, 1], 2 * STEP, generation=1)

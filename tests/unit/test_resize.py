@@ -4,15 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from flodl.config.schema import to_config
-from flodl.job.resize import (
-    Resize,
-    grad_accum_for,
-    keep_batch_problem,
-    layout_step,
-    lr_world_of,
-    stream_problem,
-)
+from flodl.config.layout import Layout
+from flodl.job.resize import Resize, grad_accum_for, keep_batch_problem, resumed_layout, stream_problem
 
 
 def test_each_rank_restores_its_own_part_or_the_one_the_rule_names() -> None:
@@ -45,32 +38,36 @@ def test_the_resize_says_what_each_rank_starts_from_and_what_is_left() -> None:
 def test_keep_global_batch_needs_whole_micro_batches_on_every_rank(
     batch: int, world: int, size: int, accum: int | None
 ) -> None:
-    assert grad_accum_for(batch, world, size) == accum
+    assert grad_accum_for(Layout(1, batch, kept=True), world, size) == accum
 
 
 def test_a_batch_that_does_not_divide_is_refused_naming_the_worlds_that_fit() -> None:
-    assert keep_batch_problem(64, 2, 1, 32) is None
-    problem = keep_batch_problem(96, 3, 2, 32)
-    assert problem is not None and problem.startswith("keep_global_batch=true: the checkpoint's global batch")
+    assert keep_batch_problem(Layout(2, 32, kept=True), 1, 32) is None
+    problem = keep_batch_problem(Layout(3, 32, kept=True), 2, 32)
+    assert problem is not None and problem.startswith(
+        "keep_global_batch=true: the checkpoint's global batch of 96 (3 ranks)"
+    )
     assert "resume on 1 or 3 ranks" in problem and "keep_global_batch=false" in problem
 
 
-def test_the_layout_step_is_the_first_runs_and_travels_with_each_checkpoint() -> None:
-    assert (
-        layout_step(False, {"step_samples": 32, "layout_step": 16}, 32) is None
-    )  # the batch follows the world
-    assert layout_step(True, None, 32) == 32  # a fresh run is laid out as it steps
-    assert layout_step(True, {"step_samples": 32}, 64) == 32  # a checkpoint from before keep_global_batch
-    assert layout_step(True, {"step_samples": 32, "layout_step": 16}, 64) == 16  # resized before: its first
+def test_the_layout_is_the_first_runs_and_travels_with_each_checkpoint() -> None:
+    kept, follows = Layout(1, 64, kept=True), Layout(1, 64)
+    saved = {"layout": Layout(4, 16, kept=True).state()}
+    assert resumed_layout(follows, saved, 2) == follows  # the batch follows the world
+    assert resumed_layout(kept, None, 0) == kept  # a fresh run is laid out as it steps, on its world
+    assert resumed_layout(kept, saved, 2) == Layout(4, 16, kept=True)  # resized before: its first world
+    # A checkpoint of an older flodl: its members' steps (of `step_samples`) in steps of `layout_step`.
+    assert resumed_layout(kept, {"step_samples": 32}, 2) == Layout(2, 32, kept=True)
+    assert resumed_layout(kept, {"step_samples": 32, "layout_step": 16}, 2) == Layout(4, 16, kept=True)
+    assert resumed_layout(kept, {}, 2) == Layout(2, 64, kept=True)  # before step_samples: as configured now
 
 
 @pytest.mark.parametrize(("keep", "lr_world"), [(True, 2), (False, 1)])
 def test_the_learning_rate_keeps_the_world_of_the_global_batch_it_keeps(keep: bool, lr_world: int) -> None:
-    task = {"name": "t", "model": "m", "train_data": "d", "loss": "l", "optimizer": "o"}
     # 2 ranks' checkpoint of steps of 16, resumed on 1 rank of two micro-batches of 16 (keep_global_batch).
-    cfg = to_config({"task": task, "batch_size": 16, "grad_accum": 2, "keep_global_batch": keep})
-    assert lr_world_of(cfg, {"step_samples": 16, "layout_step": 16}, 1) == lr_world
-    assert lr_world_of(cfg, None, 3) == 3  # a fresh run: its own world
+    layout = resumed_layout(Layout(1, 32, keep), {"layout": Layout(2, 16).state()}, 2)
+    assert layout.world_of(1, 32) == lr_world
+    assert Layout(3, 32, keep).world_of(3, 32) == 3  # a fresh run: its own world
 
 
 def test_a_stream_resumes_only_on_its_own_world() -> None:

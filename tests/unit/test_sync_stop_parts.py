@@ -13,6 +13,7 @@ from pathlib import Path
 
 from flodl.averaging.wire import Wire
 from flodl.checkpoints.disk import MODEL_FILE, CheckpointDir, Point, rank_file
+from flodl.config.layout import Layout
 from flodl.coordinator.commit import CheckpointCommitter, run_kind
 from flodl.coordinator.ledger import EpochLedger
 from flodl.links.messages import ChunkReport, EpochSlice, Message, Saved, StartEpoch
@@ -79,7 +80,8 @@ def test_a_sync_stop_writes_every_part_due_before_its_step_and_ends_at_its_own(t
         outbox = _Outbox()
         link = RankLink(0, 1, reader=None, outbox=outbox)  # type: ignore[arg-type]
         settings = WorkerSettings(log_every=0, on_nonfinite="error")
-        worker = SyncWorker(stepper, link, settings, Wire(), _Parts())  # type: ignore[arg-type]
+        layout = Layout(1, SAMPLES)
+        worker = SyncWorker(stepper, link, settings, Wire(), _Parts(), layout=layout)  # type: ignore[arg-type]
         before = stepper.steps_total
         stop, timed, every = rng.randint(1, STEPS), rng.randint(1, STEPS), rng.randint(1, STEPS)
         worker.on_checkpoint_request(lambda _proposal, step=before + timed: step)
