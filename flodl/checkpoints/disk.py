@@ -103,10 +103,6 @@ def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: tensor.detach().to("cpu", copy=True) for name, tensor in model.state_dict().items()}
 
 
-def save_model(model: nn.Module, path: Path) -> None:
-    atomic_save(model_state(model), path)
-
-
 def evaluated_model_path(run_dir: Path, epoch: int) -> Path:
     """Where rank 0 writes the parameters it evaluated for `epoch`, for a callback that keeps them."""
     return run_dir / "evaluated" / f"epoch-{epoch:06d}.pt"

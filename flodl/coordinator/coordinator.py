@@ -62,8 +62,10 @@ class Coordinator(threading.Thread):
         hooks: Hooks,
         roster: Roster,
         save_on_hang: Callable[[], None] | None = None,
+        gathers_model: bool = False,
     ) -> None:
-        """`roster`: who is in (the driver's too); a rank lost ends the run, or is cut (survive)."""
+        """`roster`: who is in (the driver's too); a rank lost ends the run, or is cut (survive).
+        `gathers_model`: the model is sharded (shard_group > 1): every member gathers it for model.pt."""
         super().__init__(name="flodl-coordinator", daemon=True)
         self.roster = roster
         roster.attach(driver, self._stop_at_consensus, self.last_checkpoint)
@@ -76,6 +78,7 @@ class Coordinator(threading.Thread):
         self.monitor = monitor
         # Writes the consensus rank 0 holds when a peer goes silent (None: it holds none worth saving).
         self.save_on_hang = save_on_hang
+        self.gathers_model = gathers_model
         # Commits checkpoints (None: checkpoints are off); a commit done wakes the loop to take it in.
         self.committer = committer
         if committer is not None:
@@ -155,7 +158,8 @@ class Coordinator(threading.Thread):
 
     def _save_model(self) -> None:
         """The run's end: every member holds the final model; the first writes it as model.pt (a member cut
-        meanwhile hands it to the next one)."""
+        meanwhile hands it to the next one). A sharded model: every member is asked, to gather it together
+        for the first."""
         path = self.run_dir / MODEL_FILE
         asked: int | None = None
         while True:
@@ -164,7 +168,8 @@ class Coordinator(threading.Thread):
                 raise CoordinatorError("no member holding the final model is left to write it")
             if asked not in holders:
                 asked = holders[0]
-                self.outbox.send(asked, SaveModel(str(path)))
+                for member in holders if self.gathers_model else [asked]:
+                    self.outbox.send(member, SaveModel(str(path)))
             if self.stop_requested.is_set():
                 raise CoordinatorError("stopped while the final model was written")
             message = self.reader.next_message(INBOX_WAIT_S)

@@ -9,11 +9,13 @@ the schema.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed import PrefixStore
 from torch.nn.parallel import DistributedDataParallel
 
@@ -40,6 +42,8 @@ from flodl.job.settings import (
 )
 from flodl.links.membership import AveragingGroup
 from flodl.links.transport import InboxReader, Mailbox
+from flodl.sharding.fsdp import shard_model
+from flodl.sharding.groups import ShardGroups
 from flodl.worker.base import RankLink, WorkerBase
 from flodl.worker.checkpoint_part import RankCheckpointer
 from flodl.worker.group import FixedGroup, RankGroup, SurvivingGroup
@@ -47,6 +51,8 @@ from flodl.worker.local_sgd import LocalSgdWorker
 from flodl.worker.stepper import Stepper
 from flodl.worker.sync import SyncWorker
 from flodl.worker.task_setup import TaskParts
+
+log = logging.getLogger("flodl")
 
 # --- the rank's parts ---
 
@@ -77,6 +83,37 @@ def _ddp(
     elif (hook := wire.gradient_hook) is not None:  # bf16 buckets
         ddp.register_comm_hook(group or dist.group.WORLD, hook)
     return ddp
+
+
+def _sync_module(
+    cfg: FlodlConfig,
+    parts: TaskParts,
+    device: torch.device,
+    wire: Wire,
+    group: RankGroup,
+    shards: ShardGroups,
+    rank: int,
+) -> nn.Module:
+    """What a sync rank trains through in the fixed world: the model sharded in place inside its group over
+    the groups' mesh (HSDP: FSDP2's reduce-scatter in the group, all-reduce across), or DDP around it."""
+    # On the group's process group: the world's (None) in a process of its own; the in-process harness's
+    # ranks, threads of one process, each have their own.
+    world = group.collective()[0]
+    if shards.sharded:
+        assert world is None, "sharded groups run over the world's process group, one process per rank"
+        whole = sum(p.numel() for p in parts.model.parameters())
+        held = shard_model(parts.model, parts.optimizer, shards, device.type)
+        log.info(
+            "rank %d: shard %d of group %d (HSDP over %s): %s of the model's %s parameter elements",
+            rank,
+            shards.shard_index(rank),
+            shards.group_of(rank),
+            shards.words(),
+            f"{held:,}",
+            f"{whole:,}",
+        )
+        return parts.model
+    return _ddp(cfg, parts, device, wire, world) if shards.world_size > 1 else parts.model
 
 
 def make_worker(
@@ -118,10 +155,8 @@ def make_worker(
             wrap = functools.partial(_ddp, cfg, parts, device, wire, settle=group.settle if gloo else None)
             train_module = parts.model
         else:
-            # On the group's process group: the world's (None) in a process of its own; the in-process
-            # harness's ranks, threads of one process, each have their own.
-            world = group.collective()[0]
-            train_module = _ddp(cfg, parts, device, wire, world) if world_size > 1 else parts.model
+            shards = ShardGroups(world_size, cfg.shard_group)
+            train_module = _sync_module(cfg, parts, device, wire, group, shards, rank)
         stepper = Stepper(stepper_for, parts, device, train_module)
         checkpoints = checkpointer(stepper)
         return SyncWorker(

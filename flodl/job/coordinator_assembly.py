@@ -86,8 +86,9 @@ class CoordinatorSetup:
 def hang_saver(
     cfg: FlodlConfig, model: nn.Module, device: torch.device, run_dir: Path
 ) -> Callable[[], None] | None:
-    """Under sync, rank 0's parameters are the consensus a hung peer leaves: what its host saves then."""
-    if PolicyFacts.of(cfg).averages_parameters:
+    """Under sync, rank 0's parameters are the consensus a hung peer leaves: what its host saves then (a
+    sharded model's are a shard, which the hung peer's group could not gather)."""
+    if PolicyFacts.of(cfg).averages_parameters or cfg.shard_group > 1:
         return None
     return consensus_saver(model, device, run_dir / HANG_MODEL_FILE)
 
@@ -165,6 +166,7 @@ def make_coordinator(cfg: FlodlConfig, setup: CoordinatorSetup) -> Coordinator:
         hooks,
         roster,
         setup.hang_saver,
+        gathers_model=cfg.shard_group > 1,
     )
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from flodl.averaging.flat import state_digest
-from flodl.checkpoints.disk import Point, evaluated_model_path, save_model
+from flodl.checkpoints.disk import Point, atomic_save, evaluated_model_path, model_state
 from flodl.counting import shown_epoch
 from flodl.links.membership import AveragingGroup
 from flodl.links.messages import (
@@ -34,6 +34,7 @@ from flodl.links.messages import (
     Shutdown,
 )
 from flodl.links.transport import COORDINATOR, INBOX_WAIT_S, InboxReader, Mailbox
+from flodl.sharding.fsdp import gathered_state, is_sharded
 from flodl.worker.checkpoint_part import RankCheckpointer
 from flodl.worker.group import FixedGroup, RankGroup
 from flodl.worker.nonfinite import NonFiniteError, nonfinite_message
@@ -190,21 +191,34 @@ class WorkerBase:
                 self.report(receipt)
 
     def _save_model(self, path: Path) -> None:
-        """The run's end: every member holds the final model; the coordinator asked this one to write it."""
-        save_model(self.stepper.parts.model, path)
+        """The run's end: every member holds the final model; the coordinator asked this one to write it (a
+        sharded model: asked every member, which gather it together for the first to write)."""
+        state = self._whole_model()
+        if is_sharded(self.stepper.parts.model) and not self.is_first_member:
+            return
+        atomic_save(state, path)
         log.info("rank %d: the final model is %s", self.rank, path)
         self.report(ModelSaved(self.rank))
+
+    def _whole_model(self) -> dict[str, torch.Tensor]:
+        """The model's parameters and buffers as CPU tensors; a sharded model's gathered once, on the group's
+        first member (the others get nothing: every member calls this together)."""
+        model = self.stepper.parts.model
+        return gathered_state(model) if is_sharded(model) else model_state(model)
 
     def report_evals(self, result: EvalResult, epochs: list[int]) -> None:
         """Report this rank's eval `result` for each epoch it stands for; the group's first member first
         writes the parameters it evaluated when a callback keeps them (they are the consensus: every member
         evaluated the same)."""
-        if self.evaluated_models is not None and self.is_first_member:
-            first = evaluated_model_path(self.evaluated_models, epochs[0])
-            first.parent.mkdir(exist_ok=True)
-            save_model(self.stepper.parts.model, first)
-            for epoch in epochs[1:]:
-                shutil.copyfile(first, evaluated_model_path(self.evaluated_models, epoch))
+        writes = self.is_first_member
+        if self.evaluated_models is not None and (writes or is_sharded(self.stepper.parts.model)):
+            state = self._whole_model()  # a sharded model: gathered by every member
+            if writes:
+                first = evaluated_model_path(self.evaluated_models, epochs[0])
+                first.parent.mkdir(exist_ok=True)
+                atomic_save(state, first)
+                for epoch in epochs[1:]:
+                    shutil.copyfile(first, evaluated_model_path(self.evaluated_models, epoch))
         for epoch in epochs:
             self.report(replace(result, epoch=epoch))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -27,6 +28,7 @@ from flodl.data.sample import check_movable, to_device
 from flodl.links.messages import EpochSlice, EvalResult
 from flodl.metrics.flops import peak_flops, train_flops_per_sample
 from flodl.metrics.scalars import record_scalar
+from flodl.sharding.fsdp import is_sharded
 from flodl.worker.faults import FaultInjection
 from flodl.worker.graph_storage import GRAPH_MODES, CapturedStorage
 from flodl.worker.nonfinite import NonFiniteWatch
@@ -59,6 +61,11 @@ class StepperSettings:
     compile_mode: str | None = None
     # One device's peak TFLOPS for MFU (None: the table in flodl/metrics/flops.py decides, if it knows it).
     peak_tflops: float | None = None
+
+
+def eval_share(size: int, rank: int, world_size: int) -> range:
+    """The contiguous share of an eval set of `size` samples that `rank` of `world_size` evaluates."""
+    return range(size * rank // world_size, size * (rank + 1) // world_size)
 
 
 class Stepper:
@@ -269,18 +276,27 @@ class Stepper:
         data, eval_fn = self.parts.eval_data, self.parts.eval_fn
         assert data is not None
         n = len(data)
-        lo, hi = n * rank // world_size, n * (rank + 1) // world_size
+        shares = [eval_share(n, r, world_size) for r in range(world_size)]
+        lo, hi = shares[rank].start, shares[rank].stop
+        batches = [range(s, min(s + self.batch_size, hi)) for s in range(lo, hi, self.batch_size)]
+        model, own = self.parts.model, len(batches)
+        if is_sharded(model):
+            # Each forward gathers a module's parameters inside the group: every member runs as many as the
+            # largest share has batches, a shorter share the set's first batch again, unreported.
+            most = max(math.ceil(len(share) / self.batch_size) for share in shares)
+            batches += [range(min(self.batch_size, n))] * (most - own)
         sums: dict[str, Tensor] = {}
-        model = self.parts.model
         model.eval()
-        for start in range(lo, hi, self.batch_size):
-            indices = torch.arange(start, min(start + self.batch_size, hi))
+        for i, picked in enumerate(batches):
+            indices = torch.arange(picked.start, picked.stop)
             batch = read_batch(data, indices, self.parts.collate)
-            if start == lo:
+            if i == 0:
                 check_movable(batch, "task.eval_data")
             batch = to_device(batch, self.device, non_blocking=True)
             with self.autocast():
                 measured = eval_fn(model, batch) if eval_fn else self._loss_sums(batch, len(indices))
+            if i >= own:
+                continue  # a padding batch
             for name, value in measured.items():
                 sums[name] = sums.get(name, 0) + value.detach().double()
         model.train()

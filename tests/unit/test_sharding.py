@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from flodl.sharding.groups import ShardGroups, shard_numel
-from tests.unit.test_validation import assert_problem, host, make, problems_of
+from tests.helpers.config_rules import assert_problem, host, make, problems_of
+from tests.helpers.digits_stepper import digits_stepper
 
 OFF = {"checkpoint_every": None}  # what a sharded run must say yet: its checkpoints are not written
 
@@ -91,3 +92,21 @@ def test_what_ddp_gives_a_replica_is_refused_with_groups(key: str, value: object
     problems = problems_of(make(shard_group=2, **OFF, **{key: value}), host(world_size=2, ranks_per_node=2))
     assert_problem(problems, key, value, "not with shard_group=2 yet")
     assert not any("shard_group" in p for p in problems_of(make(**OFF, **{key: value})))
+
+
+def test_a_sharded_models_eval_runs_as_many_forwards_on_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 359 eval samples among 7 ranks: five shares of 51 and two of 52, in batches of 3: 17 and 18 forwards.
+    # A sharded model gathers its parameters inside the group in each forward: every rank must run 18.
+    stepper = digits_stepper("batch_size=3")
+    forwards: list[int] = []
+    stepper.parts.model.register_forward_hook(lambda *_: forwards.append(1))
+    plain = [stepper.evaluate(rank, 7, 0, 0, 0, 0) for rank in range(7)]
+    assert len(forwards) == 5 * 17 + 2 * 18  # unsharded: each share its own batches only
+    monkeypatch.setattr("flodl.worker.stepper.is_sharded", lambda model: True)
+    for rank in range(7):
+        forwards.clear()
+        result = stepper.evaluate(rank, 7, 0, 0, 0, 0)
+        assert len(forwards) == 18
+        # The padding's forwards are not counted: the share's sums and size as unsharded.
+        assert (result.sums, result.count) == (plain[rank].sums, plain[rank].count)
+    assert sum(r.count for r in plain) == 359

@@ -1,0 +1,71 @@
+"""A rank's model sharded inside its group with FSDP2, over the 2-D device mesh of the job's groups.
+
+`fully_shard` over the mesh (ShardGroups.mesh_shape, MESH_DIMS) is HSDP: each step's gradients are
+reduce-scattered inside the group and all-reduced across groups, so every rank steps the mean gradient of the
+global batch on its shard, as DDP's replicas do on the whole model. The parameters become DTensors (the
+rank's shard of each); the optimizer the task built on the full ones is pointed at them before it holds any
+state. Each forward gathers a module's parameters inside the group: every rank of a group must run as many
+forwards (the stepper's eval pads a shorter share).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import cast
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+from flodl.sharding.groups import MESH_DIMS, ShardGroups
+
+
+def shard_model(
+    model: nn.Module, optimizer: torch.optim.Optimizer, groups: ShardGroups, device_type: str
+) -> int:
+    """Shard `model` in place over the job's groups (collective: every rank calls it in step), and point
+    `optimizer`, which holds no state yet, at the shards; the parameters' elements this rank holds.
+
+    Each submodule owning parameters of its own that no other module shares is a unit of its own (gathered
+    for its forward and backward alone, then freed); the root holds the rest (tied weights among them)."""
+    if optimizer.state:
+        raise RuntimeError(
+            "the optimizer holds state already: a sharded model is built before its first step"
+        )
+    mesh = init_device_mesh(device_type, groups.mesh_shape, mesh_dim_names=MESH_DIMS)
+    before = dict(model.named_parameters(remove_duplicate=False))
+    for module in _own_units(model):
+        fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    after = dict(model.named_parameters(remove_duplicate=False))
+    sharded = {id(before[name]): after[name] for name in before}
+    for group in optimizer.param_groups:
+        group["params"] = [sharded[id(p)] for p in group["params"]]
+    return sum(cast(DTensor, p).to_local().numel() for p in model.parameters())
+
+
+def _own_units(model: nn.Module) -> list[nn.Module]:
+    """The submodules (not the root), deepest first, whose own parameters appear in no other module."""
+    owners = Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
+    units = [
+        m
+        for m in model.modules()
+        if m is not model
+        and any(True for _ in m.parameters(recurse=False))
+        and all(owners[id(p)] == 1 for p in m.parameters(recurse=False))
+    ]
+    return units[::-1]
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+def gathered_state(model: nn.Module) -> dict[str, Tensor]:
+    """The whole sharded model as CPU tensors, as an unsharded one's state_dict holds them, on the job's rank
+    0 (an empty dict on the others). Collective: every rank calls it together."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return cast("dict[str, Tensor]", get_model_state_dict(model, options=options))
