@@ -32,6 +32,7 @@ from flodl.config.targets import TASK_TARGETS, list_target_problems, locate, tas
 from flodl.job.resume import choose_checkpoint
 from flodl.job.settings import resume_settings, wandb_settings
 from flodl.metrics.wandb_sink import start_problem
+from flodl.preflight.plan import state_fit_problems
 from flodl.preflight.task_probe import HYDRA_KEYS, given, task_problems
 from flodl.worker.task_setup import lr_scale_factor
 
@@ -68,6 +69,8 @@ def preflight(cfg: DictConfig, run_dir: Path | None = None) -> tuple[FlodlConfig
     # The task node's container: a dict keyed by names (the stubs allow any DictConfig key, or a list). Its
     # parts are built (beyond the model) only on values the rules accept.
     problems += _target_problems(typed, targets, host.world_size, not problems)  # type: ignore[arg-type]
+    if not problems:  # the model's training state fits each rank's device, sharded as shard_group says
+        problems += state_fit_problems(typed, host)
     if run_dir is None and hydra is not None and hydra.run.dir:
         run_dir = Path(hydra.run.dir)
     problems += _path_problems(typed, run_dir)

@@ -28,11 +28,14 @@ from flodl.config.policy import (
     writes_in_a_process,
     writes_in_background,
 )
+from flodl.config.rules.problem import problem
 from flodl.config.schema import FlodlConfig
 from flodl.data.feeder import DataPlaneSettings, staging_budgets
 from flodl.data.memory import RAM_FRACTION_CAP
 from flodl.job.resume import continues_at, resize_of
 from flodl.job.settings import checkpoint_store
+from flodl.sharding.footprint import TensorBytes, rank_bytes
+from flodl.sharding.groups import ShardGroups
 
 
 def human_bytes(n: float) -> str:
@@ -66,6 +69,80 @@ def model_size(cfg: FlodlConfig) -> ModelSize:
     )
 
 
+_STATE = "parameters, gradients and optimizer state"
+
+
+def training_state(cfg: FlodlConfig) -> list[TensorBytes] | None:
+    """The model's trainable tensors with the state the task's optimizer keeps for each, measured on the meta
+    device after one step there; None: the optimizer does not step there (it then holds its state unseen)."""
+    with torch.device("meta"):
+        model = instantiate(cfg.task.model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    try:
+        optimizer = instantiate(cfg.task.optimizer)(params)
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+    except Exception:  # preflight's probe builds the optimizer and says what fails there
+        return None
+
+    def state_bytes(p: torch.Tensor) -> int:  # per element: the optimizer's tensors shaped as `p`
+        kept = optimizer.state.get(p, {}).values()
+        return sum(t.element_size() for t in kept if torch.is_tensor(t) and t.shape == p.shape)
+
+    return [TensorBytes(tuple(p.shape), p.element_size(), state_bytes(p)) for p in params]
+
+
+def device_room(cfg: FlodlConfig, host: HostFacts) -> tuple[int, str]:
+    """The memory one rank's training state must fit in, and its words: its GPU's (the smallest this host's
+    ranks use), or its share of this host's available RAM."""
+    if _uses_gpu(cfg, host):
+        props = [torch.cuda.get_device_properties(i) for i in range(min(host.gpus, host.ranks_per_node))]
+        smallest = min(props, key=lambda p: p.total_memory)
+        return smallest.total_memory, f"the {human_bytes(smallest.total_memory)} of a {smallest.name}"
+    room = host.available_ram // max(host.ranks_per_node, 1)
+    return room, f"its {human_bytes(room)} share of this host's available RAM"
+
+
+def state_fit_problems(cfg: FlodlConfig, host: HostFacts) -> list[str]:
+    """A model whose parameters, gradients and optimizer state alone would not fit one rank's device, sharded
+    as shard_group says; the line names the group size that fits, if one of this host's does."""
+    tensors = training_state(cfg)
+    if tensors is None or host.world_size % cfg.shard_group:  # the rules refused the groups already
+        return []
+    room, where = device_room(cfg, host)
+    held = rank_bytes(tensors, cfg.shard_group)
+    if held <= room:
+        return []
+    sizes = [k for k in range(cfg.shard_group + 1, host.ranks_per_node + 1) if host.ranks_per_node % k == 0]
+    fits = next((k for k in sizes if rank_bytes(tensors, k) <= room), None)
+    advice = f"shard_group={fits} fits" if fits else "no group of this host's ranks makes it fit"
+    rule = f"each rank would hold {human_bytes(held)} of {_STATE}, more than {where}: {advice}"
+    return [problem("shard_group", cfg.shard_group, rule)]
+
+
+def state_line(cfg: FlodlConfig, host: HostFacts) -> str:
+    """What each rank holds of the training state, and across which groups."""
+    tensors = training_state(cfg)
+    groups = ShardGroups(host.world_size, cfg.shard_group)
+    if tensors is None:
+        held = "not measured (the optimizer does not step on the meta device)"
+    elif groups.sharded:
+        held = f"{human_bytes(rank_bytes(tensors, groups.size))} (of {human_bytes(rank_bytes(tensors, 1))})"
+    else:
+        held = human_bytes(rank_bytes(tensors, 1))
+    if not groups.sharded:
+        return f"  rank state      {held} of {_STATE} per rank (full replicas)"
+    return (
+        f"  sharded groups  {groups.words()}; FSDP2 in each, gradients all-reduced across (HSDP); per rank "
+        f"{held} of {_STATE}"
+    )
+
+
+def _uses_gpu(cfg: FlodlConfig, host: HostFacts) -> bool:
+    return cfg.device != "cpu" and host.gpus > 0
+
+
 def compile_words(cfg: FlodlConfig, device_type: str, world: int) -> str:
     """The compile mode the run takes, and why when compile_mode=auto chose it."""
     mode = compile_mode_for(cfg, device_type, world)
@@ -97,7 +174,7 @@ def describe(cfg: FlodlConfig, host: HostFacts, data: DataPlaneSettings, run_dir
     size = model_size(cfg)
     numel, param_bytes, buffer_bytes = size.params, size.param_bytes, size.float32_buffer_bytes
     world = host.world_size
-    uses_gpu = cfg.device != "cpu" and host.gpus > 0
+    uses_gpu = _uses_gpu(cfg, host)
     devices = (
         ", ".join(torch.cuda.get_device_name(i) for i in range(min(host.gpus, host.ranks_per_node)))
         if uses_gpu
@@ -117,6 +194,7 @@ def describe(cfg: FlodlConfig, host: HostFacts, data: DataPlaneSettings, run_dir
         f"(+{human_bytes(buffer_bytes)} float32 buffers)",
         f"  on the wire     {human_bytes(param_bytes + buffer_bytes)} per rank per {unit}, "
         + wire_words(cfg, size),
+        state_line(cfg, host),
         *staging_lines(data, host),
         f"  VRAM budget     {cfg.vram_max_usage:.0%} of each GPU's memory for the data plane, device sample "
         f"pool {'on' if cfg.vram_pool and cfg.debug.data_plane else 'off'}"

@@ -11,7 +11,7 @@ from flodl.config.policy import collective_backend
 from flodl.config.schema import to_config
 from flodl.data.feeder import staging_budgets
 from flodl.job.settings import data_plane_settings
-from flodl.preflight.plan import checkpoints_line, describe, resume_lines
+from flodl.preflight.plan import checkpoints_line, describe, human_bytes, resume_lines, state_fit_problems
 
 DIGITS = {
     "name": "digits",
@@ -135,3 +135,44 @@ def test_plan_says_where_a_resume_continues_and_what_a_resize_does(tmp_path: Pat
     assert resume_lines(cfg, 2, tmp_path)[0].endswith("on the 2 ranks that wrote it")
     assert resume_lines(to_config({"task": DIGITS, "resume": "never"}), 4, tmp_path) == []
     assert resume_lines(cfg, 4, tmp_path / "elsewhere") == []  # a fresh start
+
+
+# DigitsMLP(hidden=128) with Adam: 26,122 float32 parameters, each with its gradient and two moments.
+WHOLE = 26_122 * 16
+# Sharded over 2 ranks, by rows: 64 of each 128-row tensor, 5 of the output layer's 10.
+HALF = (64 * 64 + 64 + 64 * 128 + 64 + 5 * 128 + 5) * 16
+
+
+def test_plan_says_the_groups_and_the_state_each_rank_holds():
+    assert (
+        f"rank state      {human_bytes(WHOLE)} of parameters, gradients and optimizer state per rank"
+        in plan_of()
+    )
+    sharded = plan_of(shard_group=2, checkpoint_every=None)
+    groups = "sharded groups  2 group(s) of 2 rank(s): [0, 1] [2, 3]; FSDP2 in each"
+    assert f"{groups}, gradients all-reduced across (HSDP); per rank {human_bytes(HALF)} (of " in sharded
+    # SGD without momentum keeps no state: parameters and gradients alone.
+    sgd = {**DIGITS, "optimizer": {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1}}
+    plain = describe(to_config({"task": sgd}), HOST, data_plane_settings(to_config({"task": sgd}), 4))
+    assert f"rank state      {human_bytes(26_122 * 8)} of" in plain
+
+
+def test_a_rank_state_past_its_device_is_refused_naming_the_group_that_fits():
+    # 4 ranks on a host whose available RAM gives each one less than a full replica's state, but a half.
+    room = HOST.available_ram // 4
+    tight = dataclasses.replace(HOST, available_ram=4 * (HALF + WHOLE) // 2)
+    cfg = to_config({"task": DIGITS})
+    (line,) = state_fit_problems(cfg, tight)
+    share = human_bytes(tight.available_ram // 4)
+    assert line == (
+        f"shard_group=1: each rank would hold {human_bytes(WHOLE)} of parameters, gradients and optimizer "
+        f"state, more than its {share} share of this host's available RAM: shard_group=2 fits"
+    )
+    assert (
+        state_fit_problems(to_config({"task": DIGITS, "shard_group": 2, "checkpoint_every": None}), tight)
+        == []
+    )
+    assert state_fit_problems(cfg, HOST) == [] and room > WHOLE
+    # No group of this host's ranks makes it fit.
+    (none,) = state_fit_problems(cfg, dataclasses.replace(HOST, available_ram=4 * HALF // 8))
+    assert none.endswith("no group of this host's ranks makes it fit")

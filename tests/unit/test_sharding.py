@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from flodl.sharding.footprint import TensorBytes, rank_bytes
 from flodl.sharding.groups import ShardGroups, shard_numel
 from tests.helpers.config_rules import assert_problem, host, make, problems_of
 from tests.helpers.digits_stepper import digits_stepper
@@ -110,3 +111,14 @@ def test_a_sharded_models_eval_runs_as_many_forwards_on_every_rank(monkeypatch: 
         # The padding's forwards are not counted: the share's sums and size as unsharded.
         assert (result.sums, result.count) == (plain[rank].sums, plain[rank].count)
     assert sum(r.count for r in plain) == 359
+
+
+def test_a_rank_holds_its_shard_of_parameters_gradients_and_optimizer_state() -> None:
+    # float32 with Adam's two moments: 16 bytes an element; a bf16 parameter with SGD's float32 momentum: 8.
+    adam = TensorBytes((1024, 512), 4, 8)
+    momentum = TensorBytes((7, 3), 2, 4)
+    assert rank_bytes([adam, momentum], 1) == 1024 * 512 * 16 + 21 * 8
+    assert rank_bytes([adam], 2) == rank_bytes([adam], 1) // 2
+    assert rank_bytes([adam], 4) == rank_bytes([adam], 1) // 4
+    assert rank_bytes([momentum], 2) == 4 * 3 * 8  # ceil(7 / 2) = 4 rows of 3
+    assert rank_bytes([TensorBytes((5,), 4, 0)], 8) == 8  # one row each (the last 3 ranks' padding)
