@@ -205,10 +205,10 @@ class AveragingGroup:
         for tensor in tensors:
             self.settle(self.group.broadcast([tensor], options))
 
-    def broadcast_state(self, state: Any, source: int, wire: torch.device, to: torch.device) -> Any:
+    def broadcast_state(self, state: Any, source: int, wire: torch.device) -> Any:
         """The member at index `source`'s `state` (plain data and tensors; the others pass None) on every
-        member, its tensors on `to`: serialized, then its size and its bytes broadcast on `wire` (the device
-        the group's backend sends from)."""
+        member, its tensors on the CPU (state_from_bytes): serialized, then its size and its bytes broadcast
+        on `wire` (the device the group's backend sends from)."""
         encoded = state_to_bytes(state) if self.index == source else None
         size = torch.tensor([0 if encoded is None else encoded.numel()], dtype=torch.int64, device=wire)
         self.broadcast([size], source)
@@ -216,7 +216,7 @@ class AveragingGroup:
         if encoded is not None:
             payload.copy_(encoded)
         self.broadcast([payload], source)
-        return state if encoded is not None else state_from_bytes(payload, to)
+        return state if encoded is not None else state_from_bytes(payload)
 
     def all_gather(self, tensor: Tensor) -> list[Tensor]:
         """Every member's `tensor` (same shape on each), in member order."""

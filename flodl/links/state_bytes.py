@@ -18,6 +18,8 @@ def state_to_bytes(state: Any) -> Tensor:
     return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
 
 
-def state_from_bytes(payload: Tensor, device: torch.device) -> Any:
-    """What `state_to_bytes` made of a state, its tensors on `device`; refuses anything but plain data."""
-    return torch.load(io.BytesIO(payload.cpu().numpy().tobytes()), map_location=device, weights_only=True)
+def state_from_bytes(payload: Tensor) -> Any:
+    """What `state_to_bytes` made of a state, its tensors on the CPU (as a checkpoint's are loaded: whoever
+    takes them places them; an optimizer keeps its `step` counts there, and one on a GPU costs a device sync
+    per parameter every step); refuses anything but plain data."""
+    return torch.load(io.BytesIO(payload.cpu().numpy().tobytes()), map_location="cpu", weights_only=True)

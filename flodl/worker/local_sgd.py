@@ -356,7 +356,7 @@ class LocalSgdWorker(WorkerBase):
         stepper = self.stepper
         mine = shared_state(stepper_state(stepper)) if self.rank == sharer else None
         wire = stepper.device if group.backend == "nccl" else torch.device("cpu")
-        state = group.broadcast_state(mine, group.members.index(sharer), wire, stepper.device)
+        state = group.broadcast_state(mine, group.members.index(sharer), wire)
         if self.rank in joining:
             restore_stepper(stepper, state)
             stepper.schedule_to(self.schedule_position())

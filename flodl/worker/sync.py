@@ -365,7 +365,7 @@ class SyncWorker(WorkerBase):
                 "global_samples": self.global_samples,
                 "lr_world": self.lr.world,
             }
-        state = group.broadcast_state(mine, source, device, stepper.device)
+        state = group.broadcast_state(mine, source, device)
         if group.index == source:
             return
         restore_stepper(stepper, state["stepper"])
