@@ -122,7 +122,8 @@ class ChunkReport:
     ended_at: float = 0.0
     # The first step of a compiled model (tracing, code generation), left out of wall_ms.
     compile_s: float = 0.0
-    # Where the chunk's slice starts in its epoch (local SGD: a chunk is one handed-out EpochSlice).
+    # Where the chunk's slice starts in its epoch (local SGD: a chunk is one handed-out EpochSlice, or its
+    # trained start as a round took its snapshot, and then its rest).
     offset: int = 0
     # Sync under fault_tolerance=survive: the generation of the plan the chunk trained.
     generation: int = 0

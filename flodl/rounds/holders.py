@@ -1,10 +1,11 @@
 """Who takes part in local SGD's windows and rounds, and what each holds untrained (pure).
 
 Every rank the run starts with is a member until one is dropped (fault_tolerance=survive); the seats past them
-take ranks that join later. A dropped rank's slices that it
-was handed and had not reported trained return to a pool, in (epoch, offset) order, which the next windows
-hand out before the cursor; its trained slices stay trained. A restarted rank admitted while a window or a
-round is in progress joins when the next window opens.
+take ranks that join later. A dropped rank's slices that it was handed and had not reported trained return to
+a pool, in (epoch, offset) order, which the next windows hand out before the cursor; its trained slices stay
+trained (and the start of a slice it reported as a round took its snapshot midway through it: async rounds
+fire inside slices). A restarted rank admitted while a window or a round is in progress joins when the next
+window opens.
 """
 
 from __future__ import annotations
@@ -44,14 +45,18 @@ class Holders:
         self.handed[rank].extend(slices)
 
     def trained(self, rank: int, part: EpochSlice) -> bool:
-        """The rank trained all of `part`, one slice it was handed. False: the rank is no member (it was
+        """The rank trained all of `part`: a slice it was handed, or the start of one (reported as a round
+        took its snapshot midway through it; the rest stays held). False: the rank is no member (it was
         dropped and `part` returned for another rank to train), so the report must not count."""
         if rank not in self.members:
             return False
-        try:
-            self.handed[rank].remove(part)
-        except ValueError:
-            raise ValueError(f"rank {rank} reported {part} trained, which it does not hold") from None
+        handed = self.handed[rank]
+        at = next((i for i, s in enumerate(handed) if (s.epoch, s.offset) == (part.epoch, part.offset)), None)
+        if at is None or not 0 < part.size <= handed[at].size:
+            raise ValueError(f"rank {rank} reported {part} trained, which it does not hold")
+        held = handed.pop(at)
+        if part.size < held.size:
+            handed.insert(at, EpochSlice(held.epoch, held.offset + part.size, held.size - part.size))
         return True
 
     def admit(self, rank: int, busy: bool) -> None:

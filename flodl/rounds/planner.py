@@ -23,9 +23,9 @@ them (one round in flight at a time). The segment's last round is not overlapped
 
 Membership (fault_tolerance=survive): only members get windows, are waited for and acknowledge rounds
 (who holds what: rounds/holders.py). A rank that dies is dropped: the slices it was handed and had not
-reported trained (`on_chunk`) are handed out again, and a round in flight is redone among the members. Its
-trained slices stay trained: their effect died with it, their batches count in the epoch. A restarted rank
-gets its first window at the next `open_window`.
+reported trained (`on_chunk`: a rank reports a slice's trained start as a round takes its snapshot) are
+handed out again, and a round in flight is redone among the members. Its trained slices stay trained: their
+effect died with it, their batches count in the epoch. A restarted rank gets its first window next time.
 """
 
 from __future__ import annotations
@@ -212,7 +212,7 @@ class LocalSgdPlanner:
         return self._maybe_average()
 
     def on_chunk(self, rank: int, part: EpochSlice) -> bool:
-        """The rank trained all of `part` (see Holders.trained); False: the report must not count."""
+        """The rank trained `part` (Holders.trained); False: the report must not count."""
         return self.holders.trained(rank, part)
 
     def on_epoch_complete(self, epoch: int) -> None:

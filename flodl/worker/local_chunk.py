@@ -1,4 +1,5 @@
-"""A slice of one epoch a local-SGD rank trains, with its running totals, and the report that ends it."""
+"""A slice of one epoch a local-SGD rank trains, with its running totals, and the report that ends it (or
+ends its trained start, where a round's snapshot falls midway through it)."""
 
 from __future__ import annotations
 
@@ -46,3 +47,9 @@ class Chunk:
             offset=self.offset,
             **stepper.throughput(),
         )
+
+    def rest(self, step_samples: int) -> Chunk:
+        """The slice's untrained rest as a chunk of its own (a round's snapshot split it after `done`)."""
+        trained = self.done * step_samples
+        zero = torch.zeros_like(self.loss_sum)
+        return Chunk(self.epoch, self.offset + trained, self.picks[trained:], self.batches - self.done, zero)

@@ -218,6 +218,11 @@ class LocalSgdWorker(WorkerBase):
                 self.averager.discard_own()
                 self.dropped_window = True
                 steps = 0  # no weight in the average
+        chunk = self.chunk
+        if chunk is not None and chunk.done:
+            # The round averages the slice's trained start: reported now, a death hands out only the rest.
+            self.chunk = chunk.rest(self.stepper.step_samples)
+            self.report(chunk.report(self.rank, self.stepper))
         self.stepper.fault.before_round(self.stepper.steps_total)
         overlapped = self.overlap and not order.final and not self.dropped_window
         begun = RoundInFlight(order, self.steps_since_avg, self.window_busy_s, overlapped, overlapped)

@@ -27,11 +27,10 @@ ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root
         ("stop", 0),  # sync, SIGTERM at rank 0's step 17, every 5 steps with keep_global_batch
         ("stop", 1),  # async, SIGINT at step 21, checkpoints every 5 steps, resumed on 1 rank
         ("kill", 4),  # cadence, fault_tolerance=none, rank 1 SIGKILLed at its step 41, resume=auto
-        # cadence, rank 1 SIGKILLed at its step 21, restarted by its supervisor. Not async: there a slice a
-        # round averaged in part before the death is handed out again whole (bench/chaos.py's survive-kill
-        # seeds 4, 6, 10: 320-352 samples trained twice; issue 54), which a lane seed would catch only when
-        # its timing lands past a round.
-        ("survive-kill", 2),
+        # async, rank 0 SIGKILLed at its step 34, restarted by its supervisor: a slice the last round averaged
+        # in part was handed out again whole (320 samples trained twice) until ranks reported a slice's
+        # trained start at each round's snapshot.
+        ("survive-kill", 4),
         ("freeze", 1),  # cadence, rank 1 SIGSTOPped at its step 4, cut, then SIGCONT
         ("host-kill", 1),  # async, survive: the launcher (the run's host) SIGKILLed, resume=auto
         pytest.param("disk-full", 0, marks=ROOT),  # sync: the checkpoints' tmpfs filled at rank 1's step 20

@@ -67,6 +67,38 @@ def test_a_dropped_rank_keeps_what_it_reported_trained_and_its_partial_slice_ret
     assert planner.returned == [EpochSlice(0, 12, 4)]  # a returned slice splits where the allocation ends
 
 
+def test_the_start_of_a_slice_reported_at_a_round_stays_trained_when_its_rank_dies():
+    # Async: rank 1 holds picks [8, 16) as one slice. A round fires with 2 of its 4 batches trained: the rank
+    # reports those as a chunk (they are in the round's snapshot), and its death hands out only the 2 after
+    # them (before: the whole slice, its averaged half trained twice).
+    planner = LocalSgdPlanner(2, 20, 2, 1, True, frozenset())
+    planner.open_window([2, 2], 2)
+    assert planner.on_chunk(0, EpochSlice(0, 0, 8))
+    assert reach(planner, 0, 4) == []
+    assert reach(planner, 1, 2) == [Average(1, (), False)]
+    assert planner.on_chunk(1, EpochSlice(0, 8, 4))
+    assert ack(planner, 1, queued=2) is False
+    assert ack(planner, 0)
+    assert planner.drop(1) == []
+    assert planner.returned == [EpochSlice(0, 12, 4)]
+    # The rest is one slice too: reported whole by the rank that trains it.
+    assert planner.open_window([2, 0], 0) == [Dispatch(0, (EpochSlice(0, 12, 4),), 2)]
+    assert planner.on_chunk(0, EpochSlice(0, 12, 4))
+
+
+def test_a_report_of_a_slice_s_start_or_rest_keeps_the_rest_held_and_nothing_else_is_accepted():
+    planner = LocalSgdPlanner(1, 8, 1, 1, True, frozenset())
+    planner.open_window([6], 0)  # picks [0, 6)
+    assert planner.on_chunk(0, EpochSlice(0, 0, 2))
+    assert planner.on_chunk(0, EpochSlice(0, 2, 1))
+    for wrong in (EpochSlice(0, 4, 2), EpochSlice(0, 3, 4), EpochSlice(1, 3, 1)):
+        with pytest.raises(ValueError, match="does not hold"):
+            planner.on_chunk(0, wrong)
+    assert planner.on_chunk(0, EpochSlice(0, 3, 3))
+    with pytest.raises(ValueError, match="does not hold"):
+        planner.on_chunk(0, EpochSlice(0, 3, 3))
+
+
 def test_a_rank_dropped_while_a_round_is_in_flight_has_it_redone_among_the_members():
     planner = LocalSgdPlanner(3, 4, 1, 2, False, frozenset({0}))
     window = planner.open_window([1, 1, 2], 0)
@@ -272,19 +304,26 @@ class MembershipSim:
     # -- rank side --
 
     def train(self, proc: Process) -> None:
-        head = proc.queue[0]
         proc.head_done += 1
         proc.steps += 1
-        if proc.head_done * self.batch_size == head.size:  # a chunk: one whole slice
-            proc.queue.popleft()
-            proc.head_done = 0
-            assert self.planner.on_chunk(proc.rank, head)
-            self.reported.update(expand(head, self.batch_size))
-            self.reported_in_epoch[head.epoch] += head.size // self.batch_size
-            if self.reported_in_epoch[head.epoch] == self.bpe:
-                self.completed.add(head.epoch)
-                self.planner.on_epoch_complete(head.epoch)
+        if proc.head_done * self.batch_size == proc.queue[0].size:  # a chunk: one whole slice
+            self.report_head(proc)
         self.report_if_reached(proc)
+
+    def report_head(self, proc: Process) -> None:
+        """The rank reports what it trained of its head slice: all of it, or (a round's snapshot midway
+        through it) its start, and keeps the rest."""
+        head, trained = proc.queue.popleft(), proc.head_done * self.batch_size
+        part = EpochSlice(head.epoch, head.offset, trained)
+        if trained < head.size:
+            proc.queue.appendleft(EpochSlice(head.epoch, head.offset + trained, head.size - trained))
+        proc.head_done = 0
+        assert self.planner.on_chunk(proc.rank, part)
+        self.reported.update(expand(part, self.batch_size))
+        self.reported_in_epoch[head.epoch] += trained // self.batch_size
+        if self.reported_in_epoch[head.epoch] == self.bpe:
+            self.completed.add(head.epoch)
+            self.planner.on_epoch_complete(head.epoch)
 
     def report_if_reached(self, proc: Process) -> None:
         if proc.target is not None and proc.steps >= proc.target:
@@ -346,6 +385,8 @@ class MembershipSim:
             self.averages.append(average)
             for proc in self.members():
                 proc.ordered = True
+                if proc.head_done:  # the round's snapshot
+                    self.report_head(proc)
 
     def drop(self, rank: int) -> None:
         proc = self.live.pop(rank)
@@ -353,7 +394,7 @@ class MembershipSim:
         if rank in self.waiting:  # the planner never heard of this process
             self.waiting.discard(rank)
             return
-        for part in proc.queue:  # the slices it had not reported, the partly trained one too
+        for part in proc.queue:  # the slices it had not reported, the part of one trained since a round too
             self.lost.update(expand(part, self.batch_size))
         self.carry(self.planner.drop(rank))
 
