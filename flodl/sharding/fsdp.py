@@ -10,7 +10,6 @@ forwards (the stepper's eval pads a shorter share).
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import cast
 
 import torch
@@ -29,15 +28,16 @@ def shard_model(
     """Shard `model` in place over the job's groups (collective: every rank calls it in step), and point
     `optimizer`, which holds no state yet, at the shards; the parameters' elements this rank holds.
 
-    Each submodule owning parameters of its own that no other module shares is a unit of its own (gathered
-    for its forward and backward alone, then freed); the root holds the rest (tied weights among them)."""
+    Each item of the model's ModuleLists (a transformer's blocks) is a unit of its own, gathered for its
+    forward and backward alone, then freed; the root holds the rest (embeddings, tied weights, a model
+    without a ModuleList whole)."""
     if optimizer.state:
         raise RuntimeError(
             "the optimizer holds state already: a sharded model is built before its first step"
         )
     mesh = init_device_mesh(device_type, groups.mesh_shape, mesh_dim_names=MESH_DIMS)
     before = dict(model.named_parameters(remove_duplicate=False))
-    for module in _own_units(model):
+    for module in units_of(model):
         fully_shard(module, mesh=mesh)
     fully_shard(model, mesh=mesh)
     after = dict(model.named_parameters(remove_duplicate=False))
@@ -47,16 +47,22 @@ def shard_model(
     return sum(cast(DTensor, p).to_local().numel() for p in model.parameters())
 
 
-def _own_units(model: nn.Module) -> list[nn.Module]:
-    """The submodules (not the root), deepest first, whose own parameters appear in no other module."""
-    owners = Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
-    units = [
-        m
-        for m in model.modules()
-        if m is not model
-        and any(True for _ in m.parameters(recurse=False))
-        and all(owners[id(p)] == 1 for p in m.parameters(recurse=False))
-    ]
+def units_of(model: nn.Module) -> list[nn.Module]:
+    """The items of the model's ModuleLists (a transformer's blocks), deepest first, holding parameters
+    that no module outside them holds too (a weight tied across them stays with the root)."""
+    owners: dict[int, list[nn.Module]] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(module)
+    units = []
+    for stack in model.modules():
+        if not isinstance(stack, nn.ModuleList):
+            continue
+        for item in stack:
+            inside = {id(m) for m in item.modules()}
+            params = list(item.parameters())
+            if params and all(id(o) in inside for p in params for o in owners[id(p)]):
+                units.append(item)
     return units[::-1]
 
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 
 from flodl.sharding.footprint import TensorBytes, rank_bytes
+from flodl.sharding.fsdp import units_of
 from flodl.sharding.groups import ShardGroups, shard_numel
+from flodl.tasks.digits import DigitsMLP
+from flodl.tasks.gpt import GPT
 from tests.helpers.config_rules import assert_problem, host, make, problems_of
 from tests.helpers.digits_stepper import digits_stepper
 
@@ -122,3 +125,13 @@ def test_a_rank_holds_its_shard_of_parameters_gradients_and_optimizer_state() ->
     assert rank_bytes([adam], 4) == rank_bytes([adam], 1) // 4
     assert rank_bytes([momentum], 2) == 4 * 3 * 8  # ceil(7 / 2) = 4 rows of 3
     assert rank_bytes([TensorBytes((5,), 4, 0)], 8) == 8  # one row each (the last 3 ranks' padding)
+
+
+def test_a_transformers_blocks_are_units_and_a_tied_weight_stays_with_the_root() -> None:
+    model = GPT(layers=3, dim=16, heads=2, context=8, vocab=32)
+    assert units_of(model) == [model.blocks[2], model.blocks[1], model.blocks[0]]
+    # A block whose weight is tied to a module outside it is gathered with the root, not alone.
+    model.blocks[1].attn.proj.weight = model.blocks[0].attn.proj.weight
+    assert units_of(model) == [model.blocks[2]]
+    # Without a ModuleList the root holds everything.
+    assert units_of(DigitsMLP()) == []
