@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from flodl.tasks.digits import digits_dataset
-from tests.helpers.procs import FAST_START, leftovers, torchrun, train
+from tests.helpers.procs import FAST_START, PYTHON, leftovers, run, torchrun, train
 from tests.helpers.runs import assert_complete_run, epochs_of, only_run_dir
 
 pytestmark = pytest.mark.multiproc
@@ -89,3 +89,14 @@ def test_multirun_sweep_runs_each_job(tmp_path: Path) -> None:
         assert_complete_run(job, world=1, epochs=1)
     seeds = [yaml.safe_load((job / ".hydra" / "config.yaml").read_text())["seed"] for job in jobs]
     assert seeds == [0, 1]
+
+
+@pytest.mark.multiproc
+def test_loading_digits_does_not_import_scikit_learn(tmp_path: Path) -> None:
+    # Every process that loads the default task (the launcher's preflight, each spawned rank) paid its import.
+    code = (
+        "import sys; from flodl.tasks.digits import digits_dataset; digits_dataset('train'); "
+        "print(sorted(m for m in sys.modules if m.startswith('sklearn')))"
+    )
+    result = run([PYTHON, "-c", code], cwd=tmp_path, timeout=120).check()
+    assert result.out.strip() == "[]"

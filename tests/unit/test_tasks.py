@@ -11,6 +11,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from flodl.tasks.digits import SPLIT_SEED, TEST_FRACTION, digits_dataset
 from flodl.tasks.gpt import GPT, next_token_loss, next_token_sums, stdlib_files, stdlib_text, synthetic_tokens
 from flodl.tasks.resnet import ResNet20, synthetic_images
 from tests.helpers.corpus import fake_library
@@ -139,3 +140,15 @@ def test_warmup_cosine_rises_linearly_then_decays_to_its_floor():
     assert all(a >= b for a, b in itertools.pairwise(lrs[3:]))
     with pytest.raises(ValueError, match="warmup_steps"):
         warmup_cosine(optimizer, warmup_steps=5, total_steps=5)
+
+
+def test_digits_are_scikit_learn_s_split_as_before() -> None:
+    from sklearn.datasets import load_digits
+
+    images, labels = load_digits(return_X_y=True)
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(SPLIT_SEED))
+    n_test = int(len(labels) * TEST_FRACTION)
+    for split, chosen in (("test", order[:n_test]), ("train", order[n_test:])):
+        data = digits_dataset(split)
+        assert torch.equal(data.fields[0], torch.as_tensor(images, dtype=torch.float32)[chosen] / 16.0)
+        assert torch.equal(data.fields[1], torch.as_tensor(labels)[chosen])
