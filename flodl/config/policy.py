@@ -133,8 +133,9 @@ def saves_on_stop(cfg: FlodlConfig) -> bool:
 
 
 def writes_in_background(cfg: FlodlConfig) -> bool:
-    """Whether checkpoint parts are written in the background (the fixed world only)."""
-    return cfg.checkpoint_background and cfg.fault_tolerance == "none"
+    """Whether checkpoint parts are written in the background (the fixed world of full replicas only: a
+    sharded model's are written at the boundary by collectives of every rank)."""
+    return cfg.checkpoint_background and cfg.fault_tolerance == "none" and cfg.shard_group == 1
 
 
 def writes_in_a_process(cfg: FlodlConfig, device_type: str) -> bool:

@@ -10,16 +10,27 @@ forwards (the stepper's eval pads a shorter share).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import cast
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from flodl.sharding.groups import MESH_DIMS, ShardGroups
+
+# Where in a checkpoint's dir a sharded run's optimizer state lies, each rank's shard in files of its own
+# (torch.distributed.checkpoint's layout: its `.metadata` and one `.distcp` file per rank).
+SHARDED_DIR = "sharded"
 
 
 def shard_model(
@@ -75,3 +86,17 @@ def gathered_state(model: nn.Module) -> dict[str, Tensor]:
     0 (an empty dict on the others). Collective: every rank calls it together."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return cast("dict[str, Tensor]", get_model_state_dict(model, options=options))
+
+
+def save_optimizer_shards(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """Each rank writes its shard of the optimizer's state under `path`, nothing gathered
+    (torch.distributed.checkpoint; collective: every rank calls it together)."""
+    dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=path)
+
+
+def load_optimizer_shards(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """The optimizer's state saved under `path`, each rank reading its own shard of it however the model
+    was sharded when it was written (another world, other groups: resharded). Collective."""
+    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}  # its shapes, state made if none yet
+    dcp.load(state, checkpoint_id=path)
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])

@@ -21,6 +21,7 @@ from torch import nn
 
 from flodl.checkpoints.disk import MODEL_FILE, CheckpointDir, Point, model_state, rank_file
 from flodl.links.messages import Saved
+from flodl.sharding.fsdp import SHARDED_DIR, gathered_state, is_sharded, save_optimizer_shards
 from flodl.worker.host_snapshot import HostSnapshot, SharedRegionFailed, Taken
 from flodl.worker.part_writer import PartWriterProcess, WriterGone
 from flodl.worker.rank_state import stepper_state
@@ -65,10 +66,13 @@ class RankCheckpointer:
         started = time.perf_counter()
         part = {"stepper": stepper_state(self.stepper), "worker": worker_state}
         names = [*([MODEL_FILE] if first_member else []), rank_file(self.rank)]
-        if self._writer is None:
-            state = [*([model_state(self.model)] if first_member else []), part]
-            for name, obj in zip(names, state, strict=True):
-                self.store.write_part(point, name, obj)
+        if self._writer is None:  # at the boundary (a sharded model's parts always: collectives write them)
+            if is_sharded(self.model):
+                self._save_sharded(point, part, first_member)
+            else:
+                state = [*([model_state(self.model)] if first_member else []), part]
+                for name, obj in zip(names, state, strict=True):
+                    self.store.write_part(point, name, obj)
             self.last_save_s = time.perf_counter() - started
             self._receipts.append(receipt)
             return
@@ -80,6 +84,18 @@ class RankCheckpointer:
             self._write_on_thread(f"{failed}; {more}")
             taken = self._snapshot.take(state)
         self._in_flight = (self._writer.submit(self._write, point, names, taken, started), receipt)
+
+    def _save_sharded(self, point: Point, part: dict[str, Any], first_member: bool) -> None:
+        """A sharded model's part, at the boundary (every rank there together: the gather and the save are
+        collectives): each rank's shard of the optimizer's state in the checkpoint's own files, nothing
+        gathered; the model gathered once for the first member to write whole, as a replica's."""
+        model = gathered_state(self.model)
+        save_optimizer_shards(
+            self.model, self.stepper.parts.optimizer, self.store.partial(point) / SHARDED_DIR
+        )
+        if first_member:
+            self.store.write_part(point, MODEL_FILE, model)
+        self.store.write_part(point, rank_file(self.rank), part)
 
     def _write(self, point: Point, names: list[str], taken: Taken, started: float) -> None:
         for event in taken.ready:  # the device's copies into the host buffers are done

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from flodl.sharding.fsdp import is_sharded
 from flodl.worker.float8 import restore_scaling, scaling_state
 from flodl.worker.stepper import Stepper
 
@@ -52,7 +53,8 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 def stepper_state(stepper: Stepper) -> dict[str, Any]:
     parts = stepper.parts
     return {
-        "optimizer": parts.optimizer.state_dict(),
+        # A sharded model's: each rank's shard, written beside the part (flodl/sharding/fsdp.py).
+        "optimizer": None if is_sharded(parts.model) else parts.optimizer.state_dict(),
         "scheduler": parts.scheduler.state_dict() if parts.scheduler is not None else None,
         "steps_total": stepper.steps_total,
         "schedule_position": stepper.schedule_position,
@@ -74,7 +76,16 @@ def shared_state(state: dict[str, Any]) -> dict[str, Any]:
 
 def restore_stepper(stepper: Stepper, state: dict[str, Any]) -> None:
     parts = stepper.parts
-    parts.optimizer.load_state_dict(state["optimizer"])
+    sharded = is_sharded(parts.model)
+    if (state["optimizer"] is None) != sharded:
+        kinds = ("full replicas", "sharded groups")
+        raise ValueError(
+            f"the checkpoint's optimizer state was written by {kinds[not sharded]}, this run trains "
+            f"{kinds[sharded]}: resume it with shard_group=1 for full replicas, > 1 for sharded groups, or "
+            "start fresh with resume=never"
+        )
+    if state["optimizer"] is not None:  # a sharded one's comes from its own files (load_optimizer_shards)
+        parts.optimizer.load_state_dict(state["optimizer"])
     if parts.scheduler is not None and state["scheduler"] is not None:
         parts.scheduler.load_state_dict(state["scheduler"])
     stepper.steps_total = int(state["steps_total"])

@@ -12,7 +12,8 @@ import torch
 from flodl.checkpoints.export import load_model
 from flodl.tasks.classification import classification_sums
 from flodl.tasks.digits import DigitsMLP, digits_dataset
-from tests.helpers.procs import FAST_START
+from tests.helpers.procs import FAST_START, train
+from tests.helpers.runs import epochs_of
 from tests.helpers.sync_reference import assert_matches_reference
 
 pytestmark = pytest.mark.multiproc
@@ -36,3 +37,24 @@ def test_two_groups_of_two_match_one_process_on_the_global_batch(tmp_path: Path)
         sums = classification_sums(model, data.get_batch(torch.arange(len(data))))
     for name, total in sums.items():
         assert record[f"eval/{name}"] == pytest.approx(float(total) / len(data), rel=1e-4)
+
+
+def test_a_sharded_checkpoint_resumes_on_other_groups_where_the_run_left_off(tmp_path: Path) -> None:
+    # 2 groups of 2 checkpoint after each epoch, each rank writing its shard of SGD's momentum (nothing
+    # gathered but the model); the run stopped after the first epoch goes on as 1 group of 4 (each rank
+    # reads a quarter: resharded) and ends where the whole run does (SGD: within float rounding).
+    common = (FAST_START, "device=cpu", "batch_size=32", "eval_every=0", "checkpoint_every=1")
+    sgd = ("task.optimizer._target_=torch.optim.SGD", "task.optimizer.lr=0.1", "+task.optimizer.momentum=0.9")
+    four = ("launch.nproc_per_node=4", *common, *sgd)
+    train(*four, "shard_group=2", "epochs=2", "hydra.run.dir=whole", cwd=tmp_path).check()
+    train(*four, "shard_group=2", "epochs=1", "hydra.run.dir=split", cwd=tmp_path).check()
+    saved = tmp_path / "split" / "checkpoints" / "epoch-000001" / "sharded"
+    assert sorted(p.name for p in saved.iterdir()) == [".metadata", *(f"__{r}_0.distcp" for r in range(4))]
+    train(*four, "shard_group=4", "epochs=2", "hydra.run.dir=split", cwd=tmp_path).check()
+    assert "resumed from" in (tmp_path / "split" / "rank3.log").read_text()
+    whole, split = epochs_of(tmp_path / "whole"), epochs_of(tmp_path / "split")
+    assert [(r["step"], r["lr"]) for r in split] == [(r["step"], r["lr"]) for r in whole]
+    a = torch.load(tmp_path / "whole" / "model.pt", weights_only=True)
+    b = torch.load(tmp_path / "split" / "model.pt", weights_only=True)
+    for name, want in a.items():
+        assert ((b[name] - want).norm() / want.norm()).item() <= 1e-6, name

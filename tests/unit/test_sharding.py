@@ -9,10 +9,9 @@ from flodl.sharding.fsdp import units_of
 from flodl.sharding.groups import ShardGroups, shard_numel
 from flodl.tasks.digits import DigitsMLP
 from flodl.tasks.gpt import GPT
+from flodl.worker.rank_state import restore_stepper, stepper_state
 from tests.helpers.config_rules import assert_problem, host, make, problems_of
 from tests.helpers.digits_stepper import digits_stepper
-
-OFF = {"checkpoint_every": None}  # what a sharded run must say yet: its checkpoints are not written
 
 
 def test_four_ranks_as_two_groups_of_two() -> None:
@@ -62,16 +61,17 @@ def test_the_default_holds_full_replicas_and_passes() -> None:
     assert problems_of(make(), host(world_size=3, ranks_per_node=3)) == []
 
 
-def test_sync_with_checkpoints_off_shards_on_groups_of_the_world() -> None:
-    assert problems_of(make(shard_group=2, **OFF), host(world_size=4, ranks_per_node=4)) == []
+def test_sync_shards_on_groups_of_the_world_with_checkpoints_and_a_resume_path() -> None:
+    four = host(world_size=4, ranks_per_node=4)
+    assert problems_of(make(shard_group=2, checkpoint_every_steps=5, resume="/some/run"), four) == []
 
 
 def test_groups_must_divide_the_world_and_each_host() -> None:
     four = host(world_size=4, ranks_per_node=4)
-    assert_problem(problems_of(make(shard_group=3, **OFF), four), "shard_group", 3, "must divide the job's 4")
-    assert_problem(problems_of(make(shard_group=0, **OFF), four), "shard_group", 0, "must be >= 1")
+    assert_problem(problems_of(make(shard_group=3), four), "shard_group", 3, "must divide the job's 4")
+    assert_problem(problems_of(make(shard_group=0), four), "shard_group", 0, "must be >= 1")
     # 2 hosts of 3 ranks: groups of 2 would straddle them.
-    straddle = problems_of(make(shard_group=2, **OFF), host(world_size=6, ranks_per_node=3))
+    straddle = problems_of(make(shard_group=2), host(world_size=6, ranks_per_node=3))
     assert_problem(straddle, "shard_group", 2, "each host's 3 ranks must form whole groups")
 
 
@@ -81,21 +81,18 @@ def test_groups_must_divide_the_world_and_each_host() -> None:
         ({"policy": "cadence"}, "runs under policy=sync only yet (HSDP), not policy=cadence"),
         ({"policy": "async"}, "set policy=sync, or shard_group=1 for cadence and async"),
         ({"fault_tolerance": "survive"}, "not with fault_tolerance=survive yet"),
-        ({"checkpoint_every": 1}, "set checkpoint_every=null (checkpoints off"),
-        ({"checkpoint_every_steps": 5}, "set checkpoint_every_steps=null (checkpoints off"),
-        ({"resume": "/some/run"}, "resumes no checkpoint yet"),
     ],
 )
 def test_what_groups_cannot_do_yet_is_refused_naming_the_key(overrides: dict, rule: str) -> None:
-    cfg = make(shard_group=2, **{**OFF, **overrides})
+    cfg = make(shard_group=2, **overrides)
     assert_problem(problems_of(cfg, host(world_size=2, ranks_per_node=2)), "shard_group", 2, rule)
 
 
 @pytest.mark.parametrize(("key", "value"), [("bf16_wire", True), ("compile", True), ("precision", "fp8")])
 def test_what_ddp_gives_a_replica_is_refused_with_groups(key: str, value: object) -> None:
-    problems = problems_of(make(shard_group=2, **OFF, **{key: value}), host(world_size=2, ranks_per_node=2))
+    problems = problems_of(make(shard_group=2, **{key: value}), host(world_size=2, ranks_per_node=2))
     assert_problem(problems, key, value, "not with shard_group=2 yet")
-    assert not any("shard_group" in p for p in problems_of(make(**OFF, **{key: value})))
+    assert not any("shard_group" in p for p in problems_of(make(**{key: value})))
 
 
 def test_a_sharded_models_eval_runs_as_many_forwards_on_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -135,3 +132,13 @@ def test_a_transformers_blocks_are_units_and_a_tied_weight_stays_with_the_root()
     assert units_of(model) == [model.blocks[2]]
     # Without a ModuleList the root holds everything.
     assert units_of(DigitsMLP()) == []
+
+
+def test_a_checkpoint_of_the_other_kind_is_refused_naming_shard_group() -> None:
+    # A sharded run's part holds no optimizer state (its ranks' shards lie in the checkpoint's own files).
+    stepper = digits_stepper()
+    state = {**stepper_state(stepper), "optimizer": None}
+    refusal = "written by sharded groups, this run trains full replicas: resume it with shard_group=1"
+    with pytest.raises(ValueError, match=refusal):
+        restore_stepper(stepper, state)
+    restore_stepper(stepper, stepper_state(stepper))  # its own kind is taken back

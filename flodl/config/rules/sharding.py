@@ -1,11 +1,10 @@
-"""What shard_group asks of the job's ranks, and what sharded groups cannot do yet (docs/sharded-groups.md)."""
+"""What shard_group asks of the job's ranks, and what sharded groups cannot do yet (sharded-groups.md)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 from flodl.config.host import HostFacts
-from flodl.config.policy import checkpoint_keys_set
 from flodl.config.rules.problem import problem
 from flodl.config.schema import FlodlConfig
 
@@ -37,15 +36,6 @@ def sharding_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
             "not with fault_tolerance=survive yet (a group leaving and joining whole is to come): set "
             "fault_tolerance=none, or shard_group=1",
         )
-    if keys := checkpoint_keys_set(cfg):
-        yield problem(
-            "shard_group",
-            k,
-            f"checkpoints of sharded state are not written yet: set {'=null '.join(keys)}=null (checkpoints "
-            "off; model.pt is still written at the end), or shard_group=1",
-        )
-    if cfg.resume not in ("auto", "never"):
-        yield problem("shard_group", k, "resumes no checkpoint yet: set resume=auto, or shard_group=1")
     for key, value, why in _unsharded_only(cfg):
         yield problem(key, value, f"not with shard_group={k} yet ({why}): set shard_group=1 for it")
 
