@@ -27,7 +27,7 @@ from flodl.counting import shown_epoch
 from flodl.job.resize import Resize, grad_accum_for, keep_batch_problem, resumed_layout, stream_problem
 from flodl.links.group import publish_json, read_json
 from flodl.metrics.sinks import read_history, record_line
-from flodl.sharding.fsdp import SHARDED_DIR, is_sharded, load_optimizer_shards
+from flodl.sharding.fsdp import SHARDED_DIR, load_optimizer_shards
 from flodl.worker.base import WorkerBase
 from flodl.worker.rank_state import restore_stepper, shared_state
 
@@ -182,7 +182,7 @@ def restore_worker(checkpoint: Checkpoint, worker: WorkerBase, world_size: int) 
             continues_at(checkpoint),
         )
     parts = worker.stepper.parts
-    if is_sharded(parts.model):  # each rank reads its shard of the optimizer state, resharded to its groups
+    if part["stepper"]["optimizer"] is None:  # a sharded run's: each rank reads what its groups hold now
         load_optimizer_shards(parts.model, parts.optimizer, checkpoint.path / SHARDED_DIR)
     worker.stepper.storage.check(f"resuming from {checkpoint.path}")
 

@@ -96,7 +96,8 @@ def save_optimizer_shards(model: nn.Module, optimizer: torch.optim.Optimizer, pa
 
 def load_optimizer_shards(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
     """The optimizer's state saved under `path`, each rank reading its own shard of it however the model
-    was sharded when it was written (another world, other groups: resharded). Collective."""
+    was sharded when it was written (another world, other groups: resharded; full replicas: whole).
+    Collective."""
     state = {"optimizer": get_optimizer_state_dict(model, optimizer)}  # its shapes, state made if none yet
     dcp.load(state, checkpoint_id=path)
     set_optimizer_state_dict(model, optimizer, state["optimizer"])

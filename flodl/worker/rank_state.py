@@ -76,15 +76,12 @@ def shared_state(state: dict[str, Any]) -> dict[str, Any]:
 
 def restore_stepper(stepper: Stepper, state: dict[str, Any]) -> None:
     parts = stepper.parts
-    sharded = is_sharded(parts.model)
-    if (state["optimizer"] is None) != sharded:
-        kinds = ("full replicas", "sharded groups")
+    if state["optimizer"] is not None and is_sharded(parts.model):
         raise ValueError(
-            f"the checkpoint's optimizer state was written by {kinds[not sharded]}, this run trains "
-            f"{kinds[sharded]}: resume it with shard_group=1 for full replicas, > 1 for sharded groups, or "
-            "start fresh with resume=never"
+            "the checkpoint's optimizer state was written by full replicas, this run trains sharded groups: "
+            "resume it with shard_group=1, or start fresh with resume=never"
         )
-    if state["optimizer"] is not None:  # a sharded one's comes from its own files (load_optimizer_shards)
+    if state["optimizer"] is not None:  # a sharded run's lies in shards of its own (load_optimizer_shards)
         parts.optimizer.load_state_dict(state["optimizer"])
     if parts.scheduler is not None and state["scheduler"] is not None:
         parts.scheduler.load_state_dict(state["scheduler"])

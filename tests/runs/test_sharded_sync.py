@@ -41,16 +41,21 @@ def test_two_groups_of_two_match_one_process_on_the_global_batch(tmp_path: Path)
 
 def test_a_sharded_checkpoint_resumes_on_other_groups_where_the_run_left_off(tmp_path: Path) -> None:
     # 2 groups of 2 checkpoint after each epoch, each rank writing its shard of SGD's momentum (nothing
-    # gathered but the model); the run stopped after the first epoch goes on as 1 group of 4 (each rank
-    # reads a quarter: resharded) and ends where the whole run does (SGD: within float rounding).
+    # gathered but the model); the run stopped after its first epoch goes on as 1 group of 4 (each rank reads
+    # a quarter: resharded), then after its second as 4 full replicas (each reads the whole), and ends where
+    # the uninterrupted run does (SGD: within float rounding).
     common = (FAST_START, "device=cpu", "batch_size=32", "eval_every=0", "checkpoint_every=1")
     sgd = ("task.optimizer._target_=torch.optim.SGD", "task.optimizer.lr=0.1", "+task.optimizer.momentum=0.9")
     four = ("launch.nproc_per_node=4", *common, *sgd)
-    train(*four, "shard_group=2", "epochs=2", "hydra.run.dir=whole", cwd=tmp_path).check()
-    train(*four, "shard_group=2", "epochs=1", "hydra.run.dir=split", cwd=tmp_path).check()
-    saved = tmp_path / "split" / "checkpoints" / "epoch-000001" / "sharded"
-    assert sorted(p.name for p in saved.iterdir()) == [".metadata", *(f"__{r}_0.distcp" for r in range(4))]
-    train(*four, "shard_group=4", "epochs=2", "hydra.run.dir=split", cwd=tmp_path).check()
+    train(*four, "shard_group=2", "epochs=3", "hydra.run.dir=whole", cwd=tmp_path).check()
+    for epochs, groups in ((1, 2), (2, 4), (3, 1)):
+        train(*four, f"shard_group={groups}", f"epochs={epochs}", "hydra.run.dir=split", cwd=tmp_path).check()
+        if epochs == 1:
+            saved = tmp_path / "split" / "checkpoints" / "epoch-000001" / "sharded"
+            assert sorted(p.name for p in saved.iterdir()) == [
+                ".metadata",
+                *(f"__{r}_0.distcp" for r in range(4)),
+            ]
     assert "resumed from" in (tmp_path / "split" / "rank3.log").read_text()
     whole, split = epochs_of(tmp_path / "whole"), epochs_of(tmp_path / "split")
     assert [(r["step"], r["lr"]) for r in split] == [(r["step"], r["lr"]) for r in whole]

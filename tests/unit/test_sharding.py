@@ -134,11 +134,15 @@ def test_a_transformers_blocks_are_units_and_a_tied_weight_stays_with_the_root()
     assert units_of(DigitsMLP()) == []
 
 
-def test_a_checkpoint_of_the_other_kind_is_refused_naming_shard_group() -> None:
-    # A sharded run's part holds no optimizer state (its ranks' shards lie in the checkpoint's own files).
+def test_a_replicas_checkpoint_is_refused_onto_sharded_groups_naming_shard_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     stepper = digits_stepper()
-    state = {**stepper_state(stepper), "optimizer": None}
-    refusal = "written by sharded groups, this run trains full replicas: resume it with shard_group=1"
+    state = stepper_state(stepper)  # a full replica's: the optimizer's whole state in the part
+    monkeypatch.setattr("flodl.worker.rank_state.is_sharded", lambda model: True)
+    refusal = "written by full replicas, this run trains sharded groups: resume it with shard_group=1"
     with pytest.raises(ValueError, match=refusal):
         restore_stepper(stepper, state)
-    restore_stepper(stepper, stepper_state(stepper))  # its own kind is taken back
+    # A sharded run's part holds none (each rank's shard lies in the checkpoint's own files): nothing to
+    # load here, into a sharded run or into full replicas.
+    restore_stepper(stepper, {**state, "optimizer": None})
