@@ -1,0 +1,199 @@
+"""Goodput under mixed faults (issue 54, item 3): one survive job of `--ranks` ranks, a fault every
+`--every-s` seconds for `--duration-s`, each a random kind of `--kinds` on a random rank (rank 0 included):
+
+- kill: SIGKILL; its supervisor starts it again and it is admitted back.
+- freeze: SIGSTOP; the others cut it once `heartbeat_timeout_s` passed without a word from it, then SIGCONT
+  (the woken process learns it was cut and ends; its supervisor starts it again).
+
+The same job undisturbed before it and after it (as long, or `--calm-s`), in the same invocation. Reports
+goodput (samples/s between the first and last fault against the undisturbed runs' mean), whether the loss
+still fell, every epoch recorded once and one final state on every rank, and per fault kind: detection
+(fault -> cut), the survivors' first good round after it, and rejoin (fault -> admitted again), median / p95.
+
+    python bench/mixed_faults.py --ranks 8 --duration-s 600 --every-s 29 -- task=digits   # the issue's run
+    python bench/mixed_faults.py --ranks 4 --duration-s 60 --every-s 10                  # a quick look
+
+A partition of one rank (its traffic dropped) is the fault harness's (tests/helpers/chaos.py): the ranks here
+are self-launched on one host, in one network namespace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import random
+import signal
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+from benchlib import environment_lines, results_path, write_report
+from survive import both, final_states, launch, membership_events, rank_process, window_rate
+
+from tests.helpers.procs import PYTHON, TRAIN, child_env, finish, kill_group, start
+
+
+@dataclass
+class Fault:
+    kind: str
+    rank: int
+    at: float
+
+
+def inject(run: Path, args: argparse.Namespace, overrides: list[str], work: Path) -> list[Fault]:
+    """Run the faulted job; the faults, in order."""
+    proc = start([PYTHON, TRAIN, *overrides, f"hydra.run.dir={run}"], cwd=work, env=child_env())
+    chooser = random.Random(args.seed)
+    kinds = args.kinds.split(",")
+    faults: list[Fault] = []
+    frozen: list[tuple[float, psutil.Process]] = []  # (when to wake it, the process)
+    end = time.time() + args.duration_s
+    next_fault = time.time() + args.every_s
+    try:
+        while proc.poll() is None and time.time() < end:
+            time.sleep(0.1)
+            for wake_at, process in [f for f in frozen if f[0] <= time.time()]:
+                frozen.remove((wake_at, process))
+                wake(process)
+            if time.time() < next_fault:
+                continue
+            kind, rank = chooser.choice(kinds), chooser.randrange(args.ranks)
+            target = rank_process(run, rank)
+            if target is None:  # not a member now (restarting): the next moment
+                continue
+            target.send_signal(signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+            if kind == "freeze":
+                frozen.append((time.time() + args.heartbeat_s + 2.0, target))
+            faults.append(Fault(kind, rank, time.time()))
+            next_fault = time.time() + args.every_s
+        for _, process in frozen:
+            wake(process)
+        time.sleep(args.every_s)  # the last fault's rank back in, then the run stopped where it is
+        proc.send_signal(signal.SIGTERM)
+        result = finish(proc, 300)
+        (work / f"{run.name}.out").write_text(result.out)
+    finally:
+        if proc.poll() is None:
+            kill_group(proc)
+    return faults
+
+
+def wake(process: psutil.Process) -> None:
+    """SIGCONT, unless its supervisor ended it already (it is ended once cut, to be started again)."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        process.send_signal(signal.SIGCONT)
+
+
+def per_kind(run: Path, faults: list[Fault]) -> list[str]:
+    """Per fault kind: detection, the survivors' first good round, rejoin (median / p95 over its faults)."""
+    events = membership_events(run)
+    rows = [
+        "| fault | count | fault -> cut | cut -> first good round | fault -> admitted again |",
+        "|---|---|---|---|---|",
+    ]
+    for kind in sorted({f.kind for f in faults}):
+        detect, first, rejoin = [], [], []
+        for fault in (f for f in faults if f.kind == kind):
+            mine = [e for e in events if e["rank"] == fault.rank and e["at"] >= fault.at]
+            cut = next((e for e in mine if e["event"] == "rank_cut"), None)
+            back = next((e for e in mine if e["event"] == "rank_admitted"), None)
+            if cut is not None:
+                detect.append(cut["at"] - fault.at)
+                if cut["first_round_s"] is not None:
+                    first.append(cut["first_round_s"])
+            if back is not None:
+                rejoin.append(back["at"] - fault.at)
+        count = sum(f.kind == kind for f in faults)
+        rows.append(f"| {kind} | {count} | {both(detect)} | {both(first)} | {both(rejoin)} |")
+    return rows
+
+
+def loss_fell(run: Path, since: float, until: float) -> str:
+    """The train loss of the first and last tenth of the epochs inside the faulted window."""
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    inside = [r["loss"] for r in records if since <= r["window_start"] and r["window_end"] <= until]
+    tenth = max(1, len(inside) // 10)
+    head, tail = statistics.mean(inside[:tenth]), statistics.mean(inside[-tenth:])
+    return f"{head:.4f} -> {tail:.4f} ({'falling' if tail < head else '**not falling**'})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--ranks", type=int, default=8)
+    parser.add_argument("--duration-s", type=float, default=600.0)
+    parser.add_argument("--every-s", type=float, default=29.0)
+    parser.add_argument(
+        "--calm-s", type=float, default=None, help="each undisturbed run's length (default: --duration-s)"
+    )
+    parser.add_argument("--kinds", default="kill,freeze")
+    parser.add_argument("--heartbeat-s", type=float, default=3.0, help="heartbeat_timeout_s")
+    parser.add_argument("--policy", default="cadence", choices=["cadence", "async"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/flodl-bench-mixed"))
+    parser.add_argument("--results-dir", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
+    args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    stamp = int(time.time())
+    common = [
+        f"launch.nproc_per_node={args.ranks}",
+        "launch.start_method=fork",
+        "device=cpu",
+        "fault_tolerance=survive",
+        f"heartbeat_timeout_s={args.heartbeat_s}",
+        f"policy={args.policy}",
+        "eval_every=0",
+        "epochs=100000",
+        *args.overrides,
+    ]
+
+    def calm(when: str) -> Path:
+        calm_s = args.calm_s or args.duration_s
+        overrides = [*common, "launch.max_restarts=0"]
+        return launch(args.work, f"calm-{when}-{stamp}", overrides, calm_s + 300, 0, calm_s, None)[0]
+
+    before = calm("before")
+    faulted = args.work / f"faulted-{stamp}"
+    restarts = int(args.duration_s // args.every_s) + 1  # every fault on one rank, at worst
+    faults = inject(faulted, args, [*common, f"launch.max_restarts={restarts}"], args.work)
+    after = calm("after")
+    lines = report(args, common, faulted, faults, [before, after])
+    write_report(results_path(args.results_dir, "mixed-faults", cpu=True), "\n".join(lines))
+
+
+def report(
+    args: argparse.Namespace, common: list[str], run: Path, faults: list[Fault], calms: list[Path]
+) -> list[str]:
+    first, last = faults[0].at, faults[-1].at
+    churned = window_rate(run, first, last)
+    before, after = (window_rate(c) for c in calms)
+    undisturbed = (before + after) / 2
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    once = [r["epoch"] for r in records] == list(range(len(records)))
+    states = final_states((args.work / f"{run.name}.out").read_text(), args.policy)
+    counts = ", ".join(f"{k} {sum(f.kind == k for f in faults)}" for k in sorted({f.kind for f in faults}))
+    return [
+        "",
+        f"## survive ({args.policy}), {args.ranks} ranks: a fault every {args.every_s:g} s for "
+        f"{args.duration_s:g} s ({args.kinds})",
+        *environment_lines(cpu=True),
+        f"- overrides: `{' '.join(common)}`",
+        f"- faults: {len(faults)} ({counts})",
+        "",
+        *per_kind(run, faults),
+        "",
+        f"- goodput: {churned:,.0f} samples/s between the first and last fault against {undisturbed:,.0f} "
+        f"undisturbed ({before:,.0f} before, {after:,.0f} after): **{churned / undisturbed:.3f}**",
+        f"- train loss in the faulted window (first tenth -> last): {loss_fell(run, first, last)}",
+        f"- every epoch recorded once: {'yes' if once else '**no**'}; one final state on every rank: "
+        f"{'yes' if len(states) > 1 and len(set(states.values())) == 1 else '**no**'} ({len(states)} ranks)",
+    ]
+
+
+if __name__ == "__main__":
+    main()
