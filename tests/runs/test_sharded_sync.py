@@ -14,7 +14,7 @@ from flodl.tasks.classification import classification_sums
 from flodl.tasks.digits import DigitsMLP, digits_dataset
 from tests.helpers.procs import FAST_START, train
 from tests.helpers.runs import epochs_of
-from tests.helpers.sync_reference import assert_matches_reference
+from tests.helpers.sync_reference import BATCH, assert_matches_reference
 
 pytestmark = pytest.mark.multiproc
 
@@ -37,6 +37,14 @@ def test_two_groups_of_two_match_one_process_on_the_global_batch(tmp_path: Path)
         sums = classification_sums(model, data.get_batch(torch.arange(len(data))))
     for name, total in sums.items():
         assert record[f"eval/{name}"] == pytest.approx(float(total) / len(data), rel=1e-4)
+
+
+def test_micro_batches_in_sharded_groups_are_one_step_on_their_union(tmp_path: Path) -> None:
+    # grad_accum=4: every micro-batch's backward reduce-scatters its gradients into the shards (FSDP2 has no
+    # DDP no_sync here); their sum is the step on the global batch all the same.
+    accum = ("device=cpu", FAST_START, "shard_group=2", f"batch_size={BATCH // 4}", "grad_accum=4")
+    (record,) = assert_matches_reference(tmp_path, 1e-5, *accum, world=4, sgd=True)
+    assert record["samples"] == record["step"] * 4 * BATCH
 
 
 def test_a_sharded_checkpoint_resumes_on_other_groups_where_the_run_left_off(tmp_path: Path) -> None:
