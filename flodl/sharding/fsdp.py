@@ -6,27 +6,25 @@ global batch on its shard, as DDP's replicas do on the whole model. The paramete
 rank's shard of each); the optimizer the task built on the full ones is pointed at them before it holds any
 state. Each forward gathers a module's parameters inside the group: every rank of a group must run as many
 forwards (the stepper's eval pads a shorter share).
+
+torch's FSDP2, DTensor and checkpoint modules are imported where a model is sharded, not with this module:
+their import takes about a second, and every process of a run imports this one (the launcher, each rank, a
+restart), sharded or not.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
 
 from flodl.sharding.groups import MESH_DIMS, ShardGroups
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 # Where in a checkpoint's dir a sharded run's optimizer state lies, each rank's shard in files of its own
 # (torch.distributed.checkpoint's layout: its `.metadata` and one `.distcp` file per rank).
@@ -42,6 +40,9 @@ def shard_model(
     Each item of the model's ModuleLists (a transformer's blocks) is a unit of its own, gathered for its
     forward and backward alone, then freed; the root holds the rest (embeddings, tied weights, a model
     without a ModuleList whole)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
     if optimizer.state:
         raise RuntimeError(
             "the optimizer holds state already: a sharded model is built before its first step"
@@ -55,7 +56,7 @@ def shard_model(
     sharded = {id(before[name]): after[name] for name in before}
     for group in optimizer.param_groups:
         group["params"] = [sharded[id(p)] for p in group["params"]]
-    return sum(cast(DTensor, p).to_local().numel() for p in model.parameters())
+    return sum(cast("DTensor", p).to_local().numel() for p in model.parameters())
 
 
 def units_of(model: nn.Module) -> list[nn.Module]:
@@ -78,12 +79,16 @@ def units_of(model: nn.Module) -> list[nn.Module]:
 
 
 def is_sharded(model: nn.Module) -> bool:
-    return isinstance(model, FSDPModule)
+    """Whether `model` was sharded (FSDP2's class exists once a model was: shard_model imported it)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
 
 
 def gathered_state(model: nn.Module) -> dict[str, Tensor]:
     """The whole sharded model as CPU tensors, as an unsharded one's state_dict holds them, on the job's rank
     0 (an empty dict on the others). Collective: every rank calls it together."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return cast("dict[str, Tensor]", get_model_state_dict(model, options=options))
 
@@ -91,6 +96,9 @@ def gathered_state(model: nn.Module) -> dict[str, Tensor]:
 def save_optimizer_shards(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
     """Each rank writes its shard of the optimizer's state under `path`, nothing gathered
     (torch.distributed.checkpoint; collective: every rank calls it together)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
     dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=path)
 
 
@@ -98,6 +106,9 @@ def load_optimizer_shards(model: nn.Module, optimizer: torch.optim.Optimizer, pa
     """The optimizer's state saved under `path`, each rank reading its own shard of it however the model
     was sharded when it was written (another world, other groups: resharded; full replicas: whole).
     Collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
     state = {"optimizer": get_optimizer_state_dict(model, optimizer)}  # its shapes, state made if none yet
     dcp.load(state, checkpoint_id=path)
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
