@@ -152,8 +152,11 @@ class LocalSgdDriver:
         raise RuntimeError(f"an unplanned checkpoint part under local SGD: {point}")
 
     def stop(self) -> int:
+        # The last epoch gets its eval as a run's last epoch does: where the run has one (eval data, and
+        # eval_every > 0). A run without asked it of the ranks, which have none to run, and waited for good.
+        evaluates = self.planner.epochs - 1 in self.planner.eval_epochs
         last = self.planner.stop()
-        if last not in self._decided_evals:  # the last epoch gets its eval, as a run's last epoch does
+        if evaluates and last not in self._decided_evals:
             self.planner.want_eval(last)
         return last
 

@@ -205,17 +205,19 @@ def test_a_job_hosted_by_flodl_coordinator_takes_a_joiner_the_several_hosts_way(
     assert set(final) == {0, 1, 2} and len(set(final.values())) == 1, final
 
 
-def test_a_joiner_started_anywhere_imports_the_users_task_as_the_job_s_ranks_do(tmp_path: Path) -> None:
+def test_a_joiner_started_anywhere_imports_the_users_task_and_the_grown_job_ends(tmp_path: Path) -> None:
     """A job of a user's own project (its package and conf/, run from its dir with the installed command); a
     joiner started in / imports the user's package as the job's ranks did (the card's sys.path and working
-    dir) and is admitted. Where the package does not import (a host without the project), the joiner says so
-    in one line naming the module, before it takes a seat."""
+    dir), is admitted, and the grown job ends cleanly (its task has no eval data: the stop's last epoch asks
+    no eval of it). Where the package does not import (a host without the project), the joiner says so in one
+    line naming the module, before it takes a seat."""
     project = write_project(tmp_path)
     command = [str(Path(PYTHON).parent / "flodl-train"), "--config-dir", "conf", "task=blobs"]
     survive = ["fault_tolerance=survive", "launch.nproc_per_node=2", "launch.max_ranks=3", FAST_START]
-    job = start([*command, *survive, "policy=cadence", f"epochs={EPOCHS_AT_MOST}", RUN], project)
+    grown = GROWN.replace("world:4", "world:3")
+    job = start([*command, *survive, "policy=cadence", f"epochs={EPOCHS_AT_MOST}", grown, RUN], project)
     run = project / "run"
-    trained, joined_log = run / "metrics.jsonl", run / "rank2.log"
+    trained = run / "metrics.jsonl"
     joined: Child | None = None
     try:
         # An epoch recorded: the job's ranks imported mypkg.
@@ -224,15 +226,17 @@ def test_a_joiner_started_anywhere_imports_the_users_task_as_the_job_s_ranks_do(
         refused = finish(joiner(tmp_path, Path("/")), 60)
         (project / "away").rename(project / "mypkg")
         joined = joiner(tmp_path, Path("/"))  # the job's one seat past its start: the refused one took none
-        wait_for(
-            lambda: joined_log.is_file() and "rank 2: state after admitting [2]" in joined_log.read_text(),
-            job,
-            what="the joiner built the user's task and was admitted",
-        )
+        result = finish(job, 240)
+        code = finish(joined, 60).code
     finally:
         for proc in [job, joined]:
-            if proc is not None:
+            if proc is not None and proc.poll() is None:
                 kill_group(proc)
+    result.check()
+    assert code == 0, code
+    assert "rank 2: state after admitting [2]" in (run / "rank2.log").read_text()
+    assert [(e["event"], e["rank"]) for e in membership(run)] == [("rank_admitted", 2)]
+    assert check_every_epoch_once(run)[-1]["world"] == 3
     (line,) = refused.out.strip().splitlines()
     assert refused.code == 2 and line.startswith(f"flodl: no rank joins the job in {run} from here: "), line
     assert "task.model._target_='mypkg.parts.Net': does not import" in line, line
