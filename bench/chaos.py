@@ -6,6 +6,7 @@ invariant, the steps the run dropped by design (trained again, or lost with a su
 trial's seed and plan.
 
     python bench/chaos.py --trials 40 --kinds stop,kill,survive-kill,freeze,host-kill --seed 0
+    python bench/chaos.py --trials 10 --kinds partition --seed 0   # root: a network namespace a trial
     python bench/chaos.py --trials 200                       # the count (hours on 2 CPU cores)
 
 Trial i of a kind has seed S + i: `--seed S --trials 1 --kinds K` runs a violation's plan again (the same
@@ -32,7 +33,9 @@ def report(trials: list[Trial], kinds: list[str], args: argparse.Namespace, took
         f"## chaos: {len(trials)} trials, seeds {args.seed}..{args.seed + args.trials - 1} per kind",
         "",
         *environment_lines(cpu=True),
-        f"- 2 gloo ranks, digits, {EPOCHS} epochs, forked ranks; {took_s / 60:.1f} min in all",
+        f"- 2 gloo ranks, digits, {EPOCHS} epochs, forked ranks (partition: ranks started apart beside"
+        " flodl-coordinator, the run stopped once the restarted rank is admitted);"
+        f" {took_s / 60:.1f} min in all",
         "",
         "| fault kind | trials | violations | invariants violated | steps trained again | steps lost |",
         "|---|---|---|---|---|---|",

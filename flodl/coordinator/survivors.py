@@ -110,3 +110,10 @@ def post_cut(store: Store, rank: int, incarnation: int) -> None:
     root_store(store).set(cut_key(rank), str(incarnation))
     seat_left(root_store(store), rank, incarnation)
     store.delete_key(inbox(rank))
+
+
+def was_cut(store: Store, rank: int, incarnation: int) -> bool:
+    """Whether post_cut cut the process `incarnation` of `rank`: a rank no supervisor ends (started apart)
+    asks, as it waits for work, once it can reach the store again (a partition healed, a freeze over)."""
+    key = cut_key(rank)
+    return root_store(store).check([key]) and root_store(store).get(key).decode() == str(incarnation)

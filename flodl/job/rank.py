@@ -39,6 +39,7 @@ from flodl.config.rules import ConfigError
 from flodl.config.schema import FlodlConfig, to_config
 from flodl.coordinator.hooks import CallbackError
 from flodl.coordinator.roster import RankHung, TooFewRanks
+from flodl.coordinator.survivors import was_cut
 from flodl.data.stream import epoch_picks
 from flodl.job import failures
 from flodl.job.assembly import make_group, make_worker
@@ -76,7 +77,7 @@ from flodl.logs import FILE_ONLY, setup_rank_logging, stderr_to
 from flodl.metrics.run_info import RunInfo
 from flodl.metrics.wandb_sink import WandbStartError
 from flodl.worker.base import WorkerBase
-from flodl.worker.group import RankGroup
+from flodl.worker.group import RankGroup, SurvivingGroup
 from flodl.worker.nonfinite import NonFiniteError
 from flodl.worker.task_setup import TaskParts, TaskSettings, build_task, lr_scale_factor
 
@@ -293,7 +294,7 @@ def _train(
         host_watch = Rank0Watch(quick, heartbeat_timeout_of(cfg), interval, on_hang)
         host_watch.start()
     try:
-        worker.run(alive=lambda: _raise_if_failed(host))
+        worker.run(alive=lambda: _raise_if_failed(host, worker))
     finally:
         if host is not None:
             host.rank_done()
@@ -348,11 +349,14 @@ def _stop_watch(cfg: FlodlConfig, rank: int, mailbox: Mailbox, worker: WorkerBas
     return StopWatch(mailbox, save_on_stop(), announce, on_request, cfg.stop_grace_s, checkpoints, save_s)
 
 
-def _raise_if_failed(host: RunHost | None) -> None:
-    """While this rank waits for work: the coordinator in its process failed (rank 0 as the host)."""
+def _raise_if_failed(host: RunHost | None, worker: WorkerBase) -> None:
+    """While this rank waits for work: the coordinator in its process failed, or the run's host cut it."""
     coordinator = host.coordinator if host is not None else None
     if coordinator is not None and coordinator.error is not None:
         raise RuntimeError(f"the coordinator failed: {coordinator.error}") from coordinator.error
+    group = worker.group
+    if isinstance(group, SurvivingGroup) and was_cut(worker.outbox.store, group.rank, group.incarnation):
+        raise RuntimeError(f"rank {group.rank} was cut out of the run (its host heard nothing of it)")
 
 
 def _stop_on_hang(run_dir: Path, uid: str, env: RankEnv, why: str) -> None:

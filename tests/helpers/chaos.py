@@ -17,6 +17,9 @@ Fault kinds:
 - disk-full: the checkpoints' file system (a tmpfs the trial mounts: root only) filled at a rank's step; the
   next checkpoint fails the job, which must name the last committed one; the space freed, resume=auto.
 - disk-ro: the same file system remounted read-only instead; remounted read-write, resume=auto.
+- partition: the link of a rank's network namespace taken down under survive (ranks started apart beside
+  flodl-coordinator, as on several hosts), back up once it was cut; the rank's process must end changing
+  nothing, and is started again in its namespace (root only).
 """
 
 from __future__ import annotations
@@ -42,11 +45,16 @@ from tests.helpers.chaos_job import (
     read_samples,
     window_of_the_dead,
 )
-from tests.helpers.procs import kill_group, wait_for
+from tests.helpers.procs import PYTHON, Child, finish, free_port, kill_group, wait_for
 from tests.helpers.stops import STOPPED
 from tests.helpers.survive_runs import digests
 
-KINDS = ("stop", "kill", "survive-kill", "freeze", "host-kill", "disk-full", "disk-ro")
+KINDS = ("stop", "kill", "survive-kill", "freeze", "host-kill", "disk-full", "disk-ro", "partition")
+COORDINATOR = str(Path(PYTHON).parent / "flodl-coordinator")
+# A rank cut while alive (its link down) ends once it reaches the store again and reads its cut, as it waits
+# for work (job/rank.py), or when a group's word it waits for is 2 heartbeat timeouts + 10 s late: well
+# within this.
+CUT_ENDS_S = 60
 # Digits on 2 ranks: 22 steps of 32 samples each an epoch per rank. A fault lands within the first half of
 # the run, so the job surely has work left after it.
 RANK_STEPS = 22
@@ -169,13 +177,73 @@ def survive_trial(job: Job, rng: random.Random, seed: int, kind: str) -> Trial:
     check_run_end(trial, job, result)
     if not result.ok:
         return trial
-    final = digests(result.out + result.err, "final round")  # a restart not admitted by the end says none
-    if 1 - victim not in final or len(set(final.values())) != 1:
-        trial.violated("ranks-equal", f"final states {final}")
+    check_members_equal(trial, digests(result.out + result.err, "final round"), victim)
     samples = read_samples(job.log_dir)
     window = window_of_the_dead(trial, job, samples, victim, pid)
     check_each_sample_once(trial, job, samples, window, may_lose=True)
     return trial
+
+
+def partition_trial(job: Job, rng: random.Random, seed: int) -> Trial:
+    """A rank cut off the network: the run's host (flodl-coordinator) and the ranks started apart, as on
+    several hosts, meeting at the host end of a veth pair whose other end is in the victim's network
+    namespace (tests/helpers/netns); the link taken down at the victim's step, back up once the coordinator
+    cut it. The victim's process, which never stopped, must end changing nothing; the trial, as its host's
+    restart loop, starts it again in its namespace, and the run stops once it was admitted back."""
+    policy, victim, at = rng.choice(("cadence", "async")), rng.randint(0, 1), rng.randint(1, 2 * RANK_STEPS)
+    trial = Trial(
+        "partition", seed, f"{policy}, survive: rank {victim}'s link down at its step {at}, up once cut"
+    )
+    link = job.link()
+    heartbeat = ["fault_tolerance=survive", "heartbeat_timeout_s=2"]
+    job.configure(f"policy={policy}", *heartbeat, apart=True, until_admitted=True)
+    meet = {"WORLD_SIZE": "2", "MASTER_ADDR": link.host_addr, "MASTER_PORT": str(free_port())}
+    host = job.start([COORDINATOR, *job.args[2:]], env={"GLOO_SOCKET_IFNAME": link.host_if, **meet})
+
+    def rank(r: int) -> Child:
+        own = {"RANK": str(r), "GLOO_SOCKET_IFNAME": link.ns_if if r == victim else link.host_if}
+        return job.start(job.args, more=True, inside=link if r == victim else None, env={**meet, **own})
+
+    ranks = {r: rank(r) for r in (0, 1)}
+    pid = job.at_step(host, victim, at)
+    link.down()
+    timeline = job.run_dir / "timeline.jsonl"
+    wait_for(lambda: '"rank_cut"' in timeline.read_text(), host, START_TIMEOUT_S, f"rank {victim} cut")
+    link.up()
+    try:
+        ranks[victim].wait(CUT_ENDS_S)
+    except subprocess.TimeoutExpired:  # SIGKILLed: a stop signal to a rank is the run's stop
+        trial.violated(
+            "cut-rank-ends", f"rank {victim}'s process, cut, ran on {CUT_ENDS_S} s after its link was back"
+        )
+        os.killpg(ranks[victim].pid, signal.SIGKILL)
+    if ranks[victim].returncode == 0:
+        trial.violated(
+            "cut-rank-ends", f"rank {victim}'s process, cut, exited 0: a restart loop takes it as done"
+        )
+    ranks[victim] = rank(victim)
+    result = job.finish(host, trial)
+    check_run_end(trial, job, result)
+    codes = {r: finish(proc, START_TIMEOUT_S).code for r, proc in ranks.items()}
+    if any(codes.values()):
+        trial.violated("ranks-end", f"the ranks' processes exited {codes}")
+    if not result.ok:
+        return trial
+    logs = "".join((job.run_dir / f"rank{r}.log").read_text() for r in (0, 1))
+    final = digests(logs, "final round")
+    check_members_equal(trial, final, victim)
+    if victim not in final:
+        trial.violated("ranks-equal", f"rank {victim}, started again, has no final state: {final}")
+    samples = read_samples(job.log_dir)
+    window = window_of_the_dead(trial, job, samples, victim, pid)
+    check_each_sample_once(trial, job, samples, window, may_lose=True)
+    return trial
+
+
+def check_members_equal(trial: Trial, final: dict[int, str], victim: int) -> None:
+    """The members' states after the final round (a restart not admitted by the end says none) are one."""
+    if 1 - victim not in final or len(set(final.values())) != 1:
+        trial.violated("ranks-equal", f"final states {final}")
 
 
 def run_trial(work: Path, kind: str, seed: int) -> Trial:
@@ -188,6 +256,8 @@ def run_trial(work: Path, kind: str, seed: int) -> Trial:
             return stop_trial(job, rng, seed)
         if kind in ("kill", "host-kill", "disk-full", "disk-ro"):
             return kill_trial(job, rng, seed, kind)
+        if kind == "partition":
+            return partition_trial(job, rng, seed)
         assert kind in ("survive-kill", "freeze"), f"no fault kind {kind!r}"
         return survive_trial(job, rng, seed, kind)
     except Exception as error:  # a bench of many trials reports it and goes on
@@ -201,3 +271,5 @@ def run_trial(work: Path, kind: str, seed: int) -> Trial:
             kill_group(proc)
         for disk in job.mounts:
             subprocess.run(["umount", "--lazy", str(disk)], check=False)
+        for link in job.links:
+            link.remove()

@@ -18,8 +18,10 @@ import torch
 
 from flodl.checkpoints.disk import rank_file, verify
 from flodl.metrics.timeline import read_timeline
+from tests.helpers.netns import Link, make_link
 from tests.helpers.procs import PYTHON, REPO, TRAIN, Child, Result, child_env, finish, start, wait_for
 from tests.helpers.runs import epochs_of
+from tests.helpers.survive_runs import EPOCHS_AT_MOST, STOP_ONCE_ADMITTED
 
 EPOCHS = 4
 # Each step first waits this long (tests/helpers/held_steps): a ceiling on the pace on any machine.
@@ -77,6 +79,9 @@ class Job:
         self.procs: list[Child] = []
         self.checkpoints = self.run_dir / "checkpoints"  # save_path's, where a trial sets it
         self.mounts: list[Path] = []  # the file systems a trial mounted, unmounted at its end
+        self.links: list[Link] = []  # the network namespaces a trial made, removed at its end
+        self.starts = 0
+        self.epochs: int | None = EPOCHS  # None: the run stops once a rank was admitted back
 
     def small_disk(self) -> Path:
         """A tmpfs of 4 MiB mounted for the checkpoints (a few of digits'), unmounted at the trial's end."""
@@ -89,24 +94,41 @@ class Job:
         self.checkpoints = disk / "checkpoints"
         return disk
 
-    @property
-    def starts(self) -> int:
-        return len(self.procs)
+    def link(self) -> Link:
+        """A network namespace linked to this one (tests/helpers/netns), removed at the trial's end."""
+        self.links.append(make_link())
+        return self.links[-1]
 
-    def configure(self, *overrides: str) -> None:
-        """The first start's command: 2 ranks of digits under `overrides`."""
-        self.args = [PYTHON, TRAIN, "launch.start_method=fork", "launch.nproc_per_node=2", "task=digits"]
-        self.args += [f"epochs={EPOCHS}", *overrides, f"hydra.run.dir={self.run_dir}"]
+    def configure(self, *overrides: str, apart: bool = False, until_admitted: bool = False) -> None:
+        """The first start's command: 2 ranks of digits under `overrides` for EPOCHS epochs, launched by
+        flodl; `apart`: the command of each rank started on its own (and, with COORDINATOR first, of the
+        run's host); `until_admitted`: as many epochs as it takes, up to the one after a rank's admission."""
+        launch = [] if apart else ["launch.start_method=fork", "launch.nproc_per_node=2"]
+        self.epochs = None if until_admitted else EPOCHS
+        epochs = [f"epochs={EPOCHS_AT_MOST}", STOP_ONCE_ADMITTED] if until_admitted else [f"epochs={EPOCHS}"]
+        self.args = [PYTHON, TRAIN, *launch, "task=digits", *epochs, *overrides]
+        self.args.append(f"hydra.run.dir={self.run_dir}")
 
-    def start(self, args: list[str] | None = None) -> Child:
+    def start(
+        self,
+        args: list[str] | None = None,
+        more: bool = False,
+        inside: Link | None = None,
+        env: dict[str, str] | None = None,
+    ) -> Child:
+        """Start the job again (`args`: its command, this trial's first by default), or with `more` one more
+        process of the current start (a rank started apart, `inside` a network namespace) with `env`."""
+        self.starts += not more
         hook = os.pathsep.join([str(REPO / "tests" / "helpers" / "sample_log"), str(REPO)])
-        env = child_env(
+        environ = child_env(
             PYTHONPATH=hook,
             FLODL_TEST_SAMPLE_LOG=str(self.log_dir),
-            FLODL_TEST_SAMPLE_START=str(self.starts),
+            FLODL_TEST_SAMPLE_START=str(self.starts - 1),
             FLODL_TEST_STEP_S=str(STEP_S),
+            **(env or {}),
         )
-        self.procs.append(start(args or self.args, self.work, env=env, errors=subprocess.PIPE))
+        command = [*(inside.inside() if inside else []), *(args or self.args)]
+        self.procs.append(start(command, self.work, env=environ, errors=subprocess.PIPE))
         return self.procs[-1]
 
     def files(self, rank: int) -> list[Path]:
@@ -181,7 +203,7 @@ def check_run_end(trial: Trial, job: Job, result: Result) -> None:
         trial.violated("job-ended", f"exit {result.code}: {(result.err or result.out)[-1500:]}")
         return
     epochs = [r["epoch"] for r in epochs_of(job.run_dir)]
-    if epochs != list(range(EPOCHS)):
+    if epochs != list(range(len(epochs) if job.epochs is None else job.epochs)):
         trial.violated("epochs-once", f"metrics.jsonl holds epochs {epochs}")
     check_no_partial(trial, job)
     checkpoints = job.checkpoints

@@ -17,8 +17,8 @@ from tests.helpers.chaos import run_trial
 from tests.helpers.procs import leftovers
 
 pytestmark = pytest.mark.multiproc
-# The disk faults mount a tmpfs of their own for the checkpoints.
-ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+# The disk faults mount a tmpfs of their own for the checkpoints; a partition makes a network namespace.
+ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="a tmpfs or a network namespace needs root")
 
 
 @pytest.mark.parametrize(
@@ -35,6 +35,9 @@ ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root
         ("host-kill", 1),  # async, survive: the launcher (the run's host) SIGKILLed, resume=auto
         pytest.param("disk-full", 0, marks=ROOT),  # sync: the checkpoints' tmpfs filled at rank 1's step 20
         pytest.param("disk-ro", 1, marks=ROOT),  # sync: remounted read-only in epoch 0, then read-write
+        # async, ranks started apart beside flodl-coordinator: rank 1's link down at its step 42, back once it
+        # was cut; its process, which waited on for a word that never came, must end for its restart.
+        pytest.param("partition", 1, marks=ROOT),
     ],
 )
 def test_a_faulted_run_keeps_every_invariant(tmp_path: Path, kind: str, seed: int) -> None:

@@ -5,12 +5,12 @@ are left."""
 from __future__ import annotations
 
 import pytest
-from torch.distributed import HashStore
+from torch.distributed import HashStore, PrefixStore
 
 from flodl.coordinator.driver import CoordinatorError
 from flodl.coordinator.ledger import EpochLedger
 from flodl.coordinator.roster import RankHung, Roster, SurvivingRoster
-from flodl.coordinator.survivors import SurviveSettings
+from flodl.coordinator.survivors import SurviveSettings, was_cut
 from flodl.links.heartbeat import HeartbeatMonitor
 from flodl.links.membership import cut_key
 from flodl.links.messages import Exiting, Joined, Regrouped
@@ -132,3 +132,14 @@ def test_a_rank_new_in_a_seat_past_the_start_waits_and_is_admitted_and_its_cut_f
     assert take_seat(store, 3, 5) == (3, 1), "the cut freed seat 3: its next taking is numbered 1"
     assert take_seat(store, 3, 5) == (4, 0)
     assert take_seat(store, 3, 5) is None, "every seat taken"
+
+
+def test_a_rank_cut_while_it_lived_learns_it_from_the_store_and_its_restart_does_not() -> None:
+    """A rank no supervisor ends (started apart) asks was_cut as it waits for work, through its mailbox's
+    prefix: its own process is cut once its silence cut it; its restart, the next incarnation, is not."""
+    roster, _, store = surviving()
+    mailbox = PrefixStore("flodl/run/", store)
+    assert not was_cut(mailbox, 1, 0)
+    roster.on_silent([1], now=5.0)
+    assert was_cut(mailbox, 1, 0)
+    assert not was_cut(mailbox, 1, 1) and not was_cut(mailbox, 0, 0)
