@@ -50,6 +50,7 @@ from flodl.metrics.run_info import RunInfo
 from flodl.metrics.sinks import METRICS_FILE, ConsoleSink, JsonlSink, Sink
 from flodl.metrics.timeline import Timeline
 from flodl.rounds.elche import ElChe
+from flodl.rounds.group_pace import whole_groups
 from flodl.rounds.guard import guard_from_state, make_guard
 from flodl.rounds.planner import LocalSgdPlanner
 
@@ -117,8 +118,8 @@ def make_coordinator(cfg: FlodlConfig, setup: CoordinatorSetup) -> Coordinator:
     monitor = HeartbeatMonitor(
         capacity, heartbeat_timeout_of(cfg), 0.0, ignored=set(range(world_size, capacity))
     )
-    if policy.averages_parameters:
-        batches_per_epoch = setup.total_picks // step_size
+    if policy.averages_parameters:  # a sharded group's ranks train as many batches (rounds/group_pace.py)
+        batches_per_epoch = whole_groups(setup.total_picks // step_size, cfg.shard_group)
     else:  # DDP's steps: whole global steps of the world
         batches_per_epoch = (
             equal_slices(setup.total_picks, world_size, step_size)[0].size // step_size * world_size

@@ -139,4 +139,5 @@ def elche_settings(cfg: FlodlConfig, world_size: int, policy: PolicyFacts) -> El
         max_batch_diff=cfg.max_batch_diff,
         max_overshoot=cfg.max_overshoot,
         is_async=policy.crosses_epochs,
+        group_size=cfg.shard_group,
     )

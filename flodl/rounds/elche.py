@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
+from flodl.rounds.group_pace import even_in_groups
 from flodl.rounds.verdict import Verdict
 
 TRUST_WINDOW = 5  # ms/batch samples kept per rank; also the zero-report streak that clears a window
@@ -57,9 +58,10 @@ class ElCheSettings:
     max_batch_diff: int | None = None  # None: unlimited; 0: lockstep
     max_overshoot: int | None = None  # async only; None: auto 3 -> 15
     is_async: bool = False
+    group_size: int = 1  # shard_group: a group's ranks get its slowest member's count (rounds/group_pace.py)
 
     def __post_init__(self) -> None:
-        lows = {"world_size": 1, "anchor": 1, "max_anchor": 1, "min_anchor": 1}
+        lows = {"world_size": 1, "anchor": 1, "max_anchor": 1, "min_anchor": 1, "group_size": 1}
         for name, low in {**lows, "max_batch_diff": 0, "max_overshoot": 0}.items():
             value = getattr(self, name)
             if value is not None and value < low:
@@ -152,7 +154,7 @@ class ElChe:
 
     def counts(self) -> list[int]:
         """Per-rank batches for the next window, scaled to fit the epoch (floor, >= 1, remainder to the
-        largest); 0 for a rank that is no member. The planner splits an epoch's tail itself."""
+        largest), even in a sharded group; 0 for a rank that is no member (the planner splits epoch tails)."""
         members = sorted(self._members)
         counts = [self._counts[r] for r in members]
         cap, total = self.epoch_batches, sum(counts)
@@ -166,7 +168,7 @@ class ElChe:
         full = [0] * self.settings.world_size
         for rank, count in zip(members, counts, strict=True):
             full[rank] = count
-        return full
+        return even_in_groups(full, self.settings.group_size)
 
     # --- membership ----------------------------------------------------------------------------
 
@@ -296,9 +298,8 @@ class ElChe:
             moved = abs(target - cur) > DEAD_ZONE * cur or self.calibration_count == 0
             new = target if moved else cur
             if limit is not None:
-                # max_batch_diff bounds each rank's per-update change beyond the anchor's own move, from
-                # the first calibration: 0 keeps every rank at exactly `anchor` (lockstep) while growth
-                # and nudges still reach the schedule.
+                # max_batch_diff bounds each rank's per-update change beyond the anchor's own move, from the
+                # first calibration: 0 keeps every rank at `anchor` (lockstep); growth and nudges still act.
                 base = max(1, cur + shift)
                 new = min(max(new, base - limit), base + limit)
             self._counts[r] = max(1, new)
