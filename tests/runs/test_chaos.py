@@ -3,8 +3,8 @@ bench/chaos.py runs at length (tests/helpers/chaos.py), each a 2-rank digits job
 draws and checked against every invariant: each sample of every epoch trained once (a dead process's window
 the run drops by design apart), a stop's checkpoint holding every step trained and named by its last line,
 no `.partial` dir left, each epoch once in metrics.jsonl, the members' final states equal, model.pt the last
-checkpoint's. About 3 minutes on 2 busy cores; `python bench/chaos.py --seed S --trials 1 --kinds K` replays
-one trial by hand."""
+checkpoint's, a rank cut off the network ending by itself once its link is back. About 4 minutes on 2 busy
+cores; `python bench/chaos.py --seed S --trials 1 --kinds K` replays one trial by hand."""
 
 from __future__ import annotations
 
