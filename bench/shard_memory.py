@@ -25,7 +25,7 @@ from benchlib import environment_lines, results_path, write_report
 from torch import Tensor
 
 from flodl.sharding.footprint import TensorBytes, rank_bytes
-from flodl.sharding.fsdp import shard_model
+from flodl.sharding.fsdp import group_mesh, shard_model
 from flodl.sharding.groups import ShardGroups
 from flodl.tasks.gpt import GPT
 
@@ -46,7 +46,7 @@ def rank_main(rank: int, world: int, size: int, port: int, out: str) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     groups = ShardGroups(world, size)
     if groups.sharded:
-        shard_model(model, optimizer, groups, "cpu")
+        shard_model(model, optimizer, group_mesh(groups, "cpu"))
     tokens = torch.randint(0, GPT_SHAPE["vocab"], (2, GPT_SHAPE["context"] + 1))
     logits = model(tokens[:, :-1])
     F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)).backward()

@@ -15,6 +15,7 @@ from flodl.averaging.flat import flatten_float32_buffers, flatten_parameters, st
 from flodl.averaging.outer import OuterOptimizer, OuterSettings
 from flodl.averaging.reduce_group import ReduceGroup
 from flodl.averaging.reducer import Reducer
+from flodl.averaging.shards import ShardCopies
 from flodl.averaging.wire import Wire
 
 
@@ -37,9 +38,20 @@ class RoundOutcome:
 
 class AveragerBase:
     def __init__(
-        self, model: nn.Module, gamma: float, wire: Wire, outer: OuterSettings | None, group: ReduceGroup
+        self,
+        model: nn.Module,
+        gamma: float,
+        wire: Wire,
+        outer: OuterSettings | None,
+        group: ReduceGroup,
+        shard_group: int = 1,
     ) -> None:
-        self.params = flatten_parameters(model)
+        """`shard_group` > 1: the model's parameters are the rank's shards of its group's (shards.py) and
+        `group` the ranks holding the same shard, each standing for its group's `shard_group` ranks, which
+        took as many steps (the step clock counts every rank's)."""
+        self.shards = ShardCopies(model) if shard_group > 1 else None
+        self.shard_group = shard_group
+        self.params = self.shards.groups if self.shards is not None else flatten_parameters(model)
         self.buffers = flatten_float32_buffers(model)
         self.group = group
         # The backends make these once the shared start is in place (their global starts from it).
@@ -75,6 +87,7 @@ class AveragerBase:
         a NaN times a zero weight would still poison the sum."""
         for group in self.params:
             group.buffer.zero_()
+        self._push()
 
     @property
     def resets_inner(self) -> bool:
@@ -106,12 +119,15 @@ class AveragerBase:
         """Make every rank hold the same state through `send` (a broadcast from one rank), and what the rounds
         keep alike (a wire's feedback is each rank's own). Local SGD never runs DDP's initial broadcast; a
         rank joining a survive run receives the consensus and the outer optimizer's state this way."""
+        self._pull()
         send(self._state_tensors() + self._replicated_tensors())
+        self._push()
 
     @torch.no_grad()
     def restore_pre_round(self) -> None:
         """A round this rank finished was cut elsewhere: back to the state it began from."""
         self.group.back_to_round_start(self._averaging_tensors() + self._state_tensors())
+        self._push()
 
     @torch.no_grad()
     def restore_averaging(self) -> None:
@@ -125,11 +141,22 @@ class AveragerBase:
     @torch.no_grad()
     def state_digest(self) -> str:
         """The fingerprint of the rank's state (see flat.state_digest)."""
+        self._pull()
         return state_digest(self._state_tensors())
 
     def regroup(self) -> None:
         """Average over the group's newly formed members from the next round on."""
         self.reducer.set_group(*self.group.collective())
+
+    def _pull(self) -> None:
+        """A sharded model's shards into the flat buffers, before a round reads them."""
+        if self.shards is not None:
+            self.shards.pull()
+
+    def _push(self) -> None:
+        """The flat buffers into a sharded model's shards, after a round wrote them."""
+        if self.shards is not None:
+            self.shards.push()
 
     def _flat_params(self) -> list[Tensor]:
         return [g.buffer for g in self.params]

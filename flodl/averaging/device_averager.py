@@ -27,10 +27,12 @@ class DeviceAverager(AveragerBase):
         outer: OuterSettings | None = None,
         keeps_own: bool = True,
         group: ReduceGroup = WORLD,
+        shard_group: int = 1,
     ) -> None:
         """`keeps_own`: keep a pre-reduce copy of the rank's parameters, which the divergence and the
-        EASGD blend need; without it a round is the two all-reduces and nothing else."""
-        super().__init__(model, gamma, wire, outer, group)
+        EASGD blend need; without it a round is the two all-reduces and nothing else. `shard_group`: see
+        AveragerBase."""
+        super().__init__(model, gamma, wire, outer, group, shard_group)
         # The rank's own parameters before the reduce, turned into `own - consensus` after it (the
         # divergence is measured in place, sparing a parameter-sized temporary and a pass over memory).
         self.drift = [torch.empty_like(t) for t in self._flat_params()] if keeps_own else None
@@ -45,6 +47,7 @@ class DeviceAverager(AveragerBase):
         """Queue the round, in place; `exact` and `kept` as in `Reducer.reduce`. What it measured (the
         totals, the divergence) is read from the device in `finish`."""
         start = time.perf_counter()
+        self._pull()
         self._keep_round_start()
         flat = self._flat_params()
         buffers = self.buffers.buffer if self.buffers is not None else None
@@ -58,6 +61,7 @@ class DeviceAverager(AveragerBase):
             after_reduce(self.outer, self.refs, flat)
             if self.sums is not None and stages is None:
                 self._for_each_whole(self.after)
+            self._push()
         self.queued = (steps, result, (time.perf_counter() - start) * 1000)
 
     def before(self, index: int, span: slice) -> None:
@@ -95,7 +99,7 @@ class DeviceAverager(AveragerBase):
         measured = 0.0
         if self.sums is not None and not result.skipped:
             measured = self.sums.read()
-        total_steps = result.total_steps
+        total_steps = result.total_steps * self.shard_group
         blocked = begin_ms + (time.perf_counter() - start) * 1000
         self.outcome = RoundOutcome(
             steps, total_steps, result.skipped, measured, blocked, result.payload_bytes, blocked
@@ -115,4 +119,5 @@ class DeviceAverager(AveragerBase):
         if alpha is not None and self.outcome is not None and not self.outcome.skipped:
             assert self.drift is not None, "the EASGD blend needs keeps_own=True"
             torch._foreach_add_(self._flat_params(), self.drift, alpha=1.0 - alpha)
+            self._push()
         self.outcome = None

@@ -42,6 +42,18 @@ def _flatten(tensors: list[Tensor], repoint: Callable[[Tensor, Tensor], None]) -
 
 
 @torch.no_grad()
+def flat_copies(tensors: Iterable[Tensor]) -> list[FlatGroup]:
+    """Copies of `tensors` in one flat buffer per dtype (`by_dtype`'s order); the tensors stay where they
+    are."""
+    return [_flatten(group, lambda tensor, view: None) for group in by_dtype(tensors)]
+
+
+def by_dtype(tensors: Iterable[Tensor]) -> list[list[Tensor]]:
+    """`tensors` by dtype, in the order each dtype first comes, each in its own order."""
+    return list(_group_by_dtype(tensors).values())
+
+
+@torch.no_grad()
 def flatten_parameters(model: nn.Module) -> list[FlatGroup]:
     """Re-point every trainable parameter into a flat buffer per dtype."""
     params = [p for p in model.parameters() if p.requires_grad]

@@ -12,6 +12,7 @@ import functools
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -19,10 +20,11 @@ from torch import nn
 from torch.distributed import PrefixStore
 from torch.nn.parallel import DistributedDataParallel
 
-from flodl.averaging.consensus import DeviceAverager, HostAverager
+from flodl.averaging.consensus import DeviceAverager, HostAverager, ReduceGroup
 from flodl.averaging.ddp_hooks import SettledBuckets, settled_gradient_hook
 from flodl.averaging.flat import rank_own_buffers
 from flodl.averaging.outer import OuterSettings
+from flodl.averaging.shards import ShardSharers
 from flodl.averaging.wire import Wire, wire_for
 from flodl.config.host import RankEnv
 from flodl.config.layout import Layout
@@ -42,7 +44,7 @@ from flodl.job.settings import (
 )
 from flodl.links.membership import AveragingGroup
 from flodl.links.transport import InboxReader, Mailbox
-from flodl.sharding.fsdp import shard_model
+from flodl.sharding.fsdp import group_mesh, shard_model
 from flodl.sharding.groups import ShardGroups
 from flodl.worker.base import RankLink, WorkerBase
 from flodl.worker.checkpoint_part import RankCheckpointer
@@ -51,6 +53,9 @@ from flodl.worker.local_sgd import LocalSgdWorker
 from flodl.worker.stepper import Stepper
 from flodl.worker.sync import SyncWorker
 from flodl.worker.task_setup import TaskParts
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 log = logging.getLogger("flodl")
 
@@ -101,19 +106,37 @@ def _sync_module(
     world = group.collective()[0]
     if shards.sharded:
         assert world is None, "sharded groups run over the world's process group, one process per rank"
-        whole = sum(p.numel() for p in parts.model.parameters())
-        held = shard_model(parts.model, parts.optimizer, shards, device.type)
-        log.info(
-            "rank %d: shard %d of group %d (HSDP over %s): %s of the model's %s parameter elements",
-            rank,
-            shards.shard_index(rank),
-            shards.group_of(rank),
-            shards.words(),
-            f"{held:,}",
-            f"{whole:,}",
-        )
+        _shard(parts, shards, rank, group_mesh(shards, device.type), "HSDP")
         return parts.model
     return _ddp(cfg, parts, device, wire, world) if shards.world_size > 1 else parts.model
+
+
+def _shard(parts: TaskParts, shards: ShardGroups, rank: int, mesh: DeviceMesh, how: str) -> None:
+    """The model sharded in place over `mesh` (collective), and the rank's log line saying what it holds."""
+    whole = sum(p.numel() for p in parts.model.parameters())
+    held = shard_model(parts.model, parts.optimizer, mesh)
+    log.info(
+        "rank %d: shard %d of group %d (%s over %s): %s of the model's %s parameter elements",
+        rank,
+        shards.shard_index(rank),
+        shards.group_of(rank),
+        how,
+        shards.words(),
+        f"{held:,}",
+        f"{whole:,}",
+    )
+
+
+def _shard_averaging(
+    parts: TaskParts, shards: ShardGroups, rank: int, device: torch.device, timeout_s: float
+) -> ShardSharers:
+    """Local SGD over sharded groups: the model sharded inside the rank's group (FSDP2 over the mesh's
+    "shard" dimension: the groups train apart), and who its rounds average its shard with: the ranks of
+    the other groups holding the same one (the mesh's "replicate" dimension)."""
+    mesh = group_mesh(shards, device.type)
+    _shard(parts, shards, rank, mesh["shard"], "FSDP2 in the group, rounds per shard index")
+    sharers = mesh.get_group("replicate")
+    return ShardSharers(sharers, shards.sharers(shards.shard_index(rank))[0], timeout_s)
 
 
 def make_worker(
@@ -164,11 +187,15 @@ def make_worker(
         )
     outer = OuterSettings.resolve(cfg.outer, cfg.outer_lr, cfg.outer_momentum, cfg.outer_reset_inner)
     averager: DeviceAverager | HostAverager
+    shards = ShardGroups(world_size, cfg.shard_group)
     if cfg.backend == "cpu":
         averager = HostAverager(parts.model, cfg.gamma, device, group, wire, outer)
     else:
         keeps_own = policy.guarded or policy.blends
-        averager = DeviceAverager(parts.model, cfg.gamma, device, wire, outer, keeps_own, group)
+        rounds: ReduceGroup = group
+        if shards.sharded:  # the rules refuse the host backend, survive, the outer optimizers and wires
+            rounds = _shard_averaging(parts, shards, rank, device, group.timeout_s)
+        averager = DeviceAverager(parts.model, cfg.gamma, device, wire, outer, keeps_own, rounds, shards.size)
     # Built (and compiled) after the averager re-pointed the parameters into its flat buffers: compiled
     # graphs read them there, so each round's in-place update is what the next step sees.
     stepper = Stepper(stepper_for, parts, device, parts.model)

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from flodl.sharding.groups import MESH_DIMS, ShardGroups
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
 
 # Where in a checkpoint's dir a sharded run's optimizer state lies, each rank's shard in files of its own
@@ -31,23 +32,30 @@ if TYPE_CHECKING:
 SHARDED_DIR = "sharded"
 
 
-def shard_model(
-    model: nn.Module, optimizer: torch.optim.Optimizer, groups: ShardGroups, device_type: str
-) -> int:
-    """Shard `model` in place over the job's groups (collective: every rank calls it in step), and point
-    `optimizer`, which holds no state yet, at the shards; the parameters' elements this rank holds.
+def group_mesh(groups: ShardGroups, device_type: str) -> DeviceMesh:
+    """The job's groups as a 2-D device mesh (MESH_DIMS: across groups, inside one; collective: every rank
+    builds it in step). Its "shard" dimension is the rank's group; its "replicate" dimension the ranks that
+    hold the rank's shard (`mesh.get_group("replicate")`: the process group local SGD averages it over)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, groups.mesh_shape, mesh_dim_names=MESH_DIMS)
+
+
+def shard_model(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: DeviceMesh) -> int:
+    """Shard `model` in place over `mesh` (collective: every rank calls it in step), and point `optimizer`,
+    which holds no state yet, at the shards; the parameters' elements this rank holds. The job's whole mesh
+    (`group_mesh`) is HSDP: gradients reduce-scattered in the group and all-reduced across groups; its
+    "shard" dimension alone is FSDP inside the group, the groups apart (local SGD averages them).
 
     Each item of the model's ModuleLists (a transformer's blocks) is a unit of its own, gathered for its
     forward and backward alone, then freed; the root holds the rest (embeddings, tied weights, a model
     without a ModuleList whole)."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     if optimizer.state:
         raise RuntimeError(
             "the optimizer holds state already: a sharded model is built before its first step"
         )
-    mesh = init_device_mesh(device_type, groups.mesh_shape, mesh_dim_names=MESH_DIMS)
     before = dict(model.named_parameters(remove_duplicate=False))
     for module in units_of(model):
         fully_shard(module, mesh=mesh)

@@ -78,14 +78,43 @@ def test_groups_must_divide_the_world_and_each_host() -> None:
 @pytest.mark.parametrize(
     ("overrides", "rule"),
     [
-        ({"policy": "cadence"}, "runs under policy=sync only yet (HSDP), not policy=cadence"),
-        ({"policy": "async"}, "set policy=sync, or shard_group=1 for cadence and async"),
+        ({"policy": "async"}, "runs under policy=sync (HSDP) and cadence only yet, not policy=async"),
         ({"fault_tolerance": "survive"}, "not with fault_tolerance=survive yet"),
     ],
 )
 def test_what_groups_cannot_do_yet_is_refused_naming_the_key(overrides: dict, rule: str) -> None:
     cfg = make(shard_group=2, **overrides)
     assert_problem(problems_of(cfg, host(world_size=2, ranks_per_node=2)), "shard_group", 2, rule)
+
+
+def test_cadence_across_groups_runs_exact_rounds_on_the_device_without_checkpoints() -> None:
+    four = host(world_size=4, ranks_per_node=4)
+    assert problems_of(make(shard_group=2, policy="cadence", checkpoint_every=None), four) == []
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "rule"),
+    [
+        ("backend", "cpu", "a round runs on the device: set backend=nccl"),
+        ("outer", "diloco", "no outer optimizer per shard"),
+        ("quantized_wire", "int8", "shards travel as float32"),
+        (
+            "checkpoint_every",
+            1,
+            "no checkpoint of the groups' own optimizer states: set checkpoint_every=null",
+        ),
+        ("checkpoint_every_steps", 5, "set checkpoint_every_steps=null"),
+        ("resume", "/some/run", "a checkpoint is not resumed onto its rounds: set resume=never"),
+    ],
+)
+def test_what_cadence_across_groups_does_not_do_yet_is_refused_naming_the_key(
+    key: str, value: object, rule: str
+) -> None:
+    cfg = make(shard_group=2, policy="cadence", **{"checkpoint_every": None, key: value})
+    problems = problems_of(cfg, host(world_size=2, ranks_per_node=2))
+    said = assert_problem(problems, key, value, "not with policy=cadence and shard_group=2 yet (")
+    assert rule in said
+    assert problems_of(make(policy="cadence", **{"checkpoint_every": None, key: value})) == []
 
 
 @pytest.mark.parametrize(("key", "value"), [("bf16_wire", True), ("compile", True), ("precision", "fp8")])

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from flodl.config.host import HostFacts
+from flodl.config.policy import checkpoint_keys_set
 from flodl.config.rules.problem import problem
 from flodl.config.schema import FlodlConfig
 
@@ -22,13 +23,16 @@ def sharding_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
             f"each host's {host.ranks_per_node} ranks must form whole groups (a group is {k} consecutive "
             "ranks of one host)",
         )
-    if cfg.policy != "sync":
+    if cfg.policy == "async":
         yield problem(
             "shard_group",
             k,
-            f"runs under policy=sync only yet (HSDP), not policy={cfg.policy}: set policy=sync, or "
-            "shard_group=1 for cadence and async",
+            "runs under policy=sync (HSDP) and cadence only yet, not policy=async: set policy=cadence, or "
+            "shard_group=1 for async",
         )
+    if cfg.policy == "cadence":
+        for key, value, why in _cadence_across_groups(cfg):
+            yield problem(key, value, f"not with policy=cadence and shard_group={k} yet ({why})")
     if cfg.fault_tolerance == "survive":
         yield problem(
             "shard_group",
@@ -43,8 +47,32 @@ def sharding_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
 def _unsharded_only(cfg: FlodlConfig) -> Iterator[tuple[str, object, str]]:
     """Keys a sharded group does not run with yet: what DDP gives a full replica and FSDP2 is not told."""
     if cfg.bf16_wire:
-        yield "bf16_wire", True, "DDP's bf16 buckets; a group's gradients travel as float32"
+        yield (
+            "bf16_wire",
+            True,
+            "DDP's bf16 buckets, a round's bf16 deltas; a group's gradients and shards travel as float32",
+        )
     if cfg.precision == "fp8":
         yield "precision", "fp8", "its scales are kept per rank beside DDP"
     if cfg.compile:
         yield "compile", True, "not measured around FSDP2"
+
+
+def _cadence_across_groups(cfg: FlodlConfig) -> Iterator[tuple[str, object, str]]:
+    """What cadence's rounds per shard index do not do yet: they average each shard exactly, over float32,
+    on the device, and write no checkpoint (each group's optimizer state is its own)."""
+    if cfg.backend == "cpu":
+        yield "backend", "cpu", "a round runs on the device: set backend=nccl (gloo without a GPU)"
+    if cfg.outer != "avg":
+        yield "outer", cfg.outer, "no outer optimizer per shard: set outer=avg, or shard_group=1"
+    if cfg.quantized_wire is not None:
+        yield "quantized_wire", cfg.quantized_wire, "shards travel as float32: set quantized_wire=null"
+    for key in checkpoint_keys_set(cfg):
+        value = getattr(cfg, key)
+        yield (
+            key,
+            value,
+            f"no checkpoint of the groups' own optimizer states: set {key}=null, or shard_group=1",
+        )
+    if cfg.resume not in ("auto", "never"):
+        yield "resume", cfg.resume, "a checkpoint is not resumed onto its rounds: set resume=never"

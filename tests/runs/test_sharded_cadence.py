@@ -1,0 +1,103 @@
+"""Cadence across sharded groups (docs/sharded-groups.md): 4 gloo ranks as 2 groups of 2, each group one
+data-parallel replica sharded in two (FSDP2 inside it), each rank averaging its shard with the same shard of
+the other group every window, end where plain torch's periodic averaging of the full model does."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flodl.data.partition import epoch_permutation
+from flodl.rounds.split import proportional_split
+from flodl.tasks.digits import DigitsMLP, digits_dataset
+from tests.helpers.procs import FAST_START, train
+from tests.helpers.runs import epochs_of
+
+pytestmark = pytest.mark.multiproc
+
+WORLD, K, BATCH, WINDOW, EPOCHS, LR, SEED = 4, 2, 8, 5, 2, 0.1, 42
+
+
+def periodic_averaging() -> dict[str, torch.Tensor]:
+    """Plain torch: one replica per group, each step SGD on the union of its members' micro-batches (the
+    mean of their gradients, as the group's reduce-scatter makes it), the replicas' parameters averaged
+    after every window, weighted by their steps (gamma=1). Each rank is handed WINDOW batches a window, in
+    rank order from one cursor over the epoch (whole groups of batches), the epoch's tail split in proportion
+    to the counts."""
+    data = digits_dataset("train")
+    torch.manual_seed(SEED)
+    start = DigitsMLP(hidden=128)
+    replicas = [copy.deepcopy(start) for _ in range(WORLD // K)]
+    optimizers = [torch.optim.SGD(r.parameters(), lr=LR) for r in replicas]
+    batches = len(data) // BATCH // K * K
+    for epoch in range(EPOCHS):
+        perm = epoch_permutation(len(data), SEED, epoch)
+        cursor = 0
+        while cursor < batches:
+            counts = [WINDOW] * WORLD
+            if sum(counts) >= batches - cursor:
+                counts = proportional_split(batches - cursor, counts)
+            firsts = [cursor + sum(counts[:r]) for r in range(WORLD)]
+            steps = [counts[g * K] for g in range(len(replicas))]
+            for g, (model, optimizer) in enumerate(zip(replicas, optimizers, strict=True)):
+                members = range(g * K, (g + 1) * K)
+                assert {counts[r] for r in members} == {steps[g]}  # a group's members step together
+                for j in range(steps[g]):
+                    batch = [perm[(firsts[r] + j) * BATCH : (firsts[r] + j + 1) * BATCH] for r in members]
+                    inputs, labels = data.get_batch(torch.cat(batch))
+                    optimizer.zero_grad()
+                    F.cross_entropy(model(inputs), labels).backward()
+                    optimizer.step()
+            with torch.no_grad():
+                for params in zip(*(r.parameters() for r in replicas), strict=True):
+                    mean = sum(p * (n / sum(steps)) for p, n in zip(params, steps, strict=True))
+                    for p in params:
+                        p.copy_(mean)
+            cursor += sum(counts)
+    return {k: v.detach() for k, v in replicas[0].state_dict().items()}
+
+
+def test_two_groups_of_two_average_their_shards_as_torch_averages_replicas(tmp_path: Path) -> None:
+    pinned = (f"anchor={WINDOW}", f"min_anchor={WINDOW}", f"max_anchor={WINDOW}", "max_batch_diff=0")
+    train(
+        f"launch.nproc_per_node={WORLD}",
+        FAST_START,
+        "device=cpu",
+        "policy=cadence",
+        f"shard_group={K}",
+        *pinned,
+        "divergence_guard=none",
+        f"batch_size={BATCH}",
+        f"epochs={EPOCHS}",
+        "eval_every=1",
+        f"seed={SEED}",
+        "lr_scale_ratio=0",
+        "task.optimizer._target_=torch.optim.SGD",
+        f"task.optimizer.lr={LR}",
+        "checkpoint_every=null",
+        "hydra.run.dir=run",
+        cwd=tmp_path,
+        timeout=300,
+    ).check()
+    run = tmp_path / "run"
+    whole = sum(p.numel() for p in DigitsMLP(hidden=128).parameters())
+    for rank in range(WORLD):
+        line = (
+            f"rank {rank}: shard {rank % K} of group {rank // K} (FSDP2 in the group, rounds per shard index "
+            f"over 2 group(s) of 2 rank(s): [0, 1] [2, 3]): {whole // K:,} of the model's {whole:,}"
+        )
+        assert line in (run / f"rank{rank}.log").read_text()
+    per_epoch = 1438 // BATCH // K * K
+    for epoch, record in enumerate(epochs_of(run)):  # every batch of the epoch's whole groups once
+        batches = {p["rank"]: p["batches"] for p in record["per_rank"]}
+        assert sum(batches.values()) == per_epoch
+        assert batches[0] == batches[1] and batches[2] == batches[3]  # a group's members alike
+        # Each epoch's eval counts every rank's steps (a shard's round stands for its group's ranks).
+        assert record["eval_step"] == per_epoch * (epoch + 1)
+    saved = torch.load(run / "model.pt", weights_only=True)
+    for name, want in periodic_averaging().items():
+        assert ((saved[name] - want).norm() / want.norm()).item() <= 1e-5, name
