@@ -133,10 +133,11 @@ def state_line(cfg: FlodlConfig, host: HostFacts) -> str:
         held = human_bytes(rank_bytes(tensors, 1))
     if not groups.sharded:
         return f"  rank state      {held} of {_STATE} per rank (full replicas)"
-    return (
-        f"  sharded groups  {groups.words()}; FSDP2 in each, gradients all-reduced across (HSDP); per rank "
-        f"{held} of {_STATE}"
-    )
+    if PolicyFacts.of(cfg).averages_parameters:
+        across = "each shard averaged across in a round per shard index"
+    else:
+        across = "gradients all-reduced across (HSDP)"
+    return f"  sharded groups  {groups.words()}; FSDP2 in each, {across}; per rank {held} of {_STATE}"
 
 
 def _uses_gpu(cfg: FlodlConfig, host: HostFacts) -> bool:

@@ -151,6 +151,11 @@ def test_plan_says_the_groups_and_the_state_each_rank_holds():
     sharded = plan_of(shard_group=2, checkpoint_every=None)
     groups = "sharded groups  2 group(s) of 2 rank(s): [0, 1] [2, 3]; FSDP2 in each"
     assert f"{groups}, gradients all-reduced across (HSDP); per rank {human_bytes(HALF)} (of " in sharded
+    cadence = plan_of(shard_group=2, checkpoint_every=None, policy="cadence")
+    assert (
+        f"{groups}, each shard averaged across in a round per shard index; per rank {human_bytes(HALF)}"
+        in cadence
+    )
     # SGD without momentum keeps no state: parameters and gradients alone.
     sgd = {**DIGITS, "optimizer": {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1}}
     plain = describe(to_config({"task": sgd}), HOST, data_plane_settings(to_config({"task": sgd}), 4))
