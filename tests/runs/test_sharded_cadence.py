@@ -101,3 +101,34 @@ def test_two_groups_of_two_average_their_shards_as_torch_averages_replicas(tmp_p
     saved = torch.load(run / "model.pt", weights_only=True)
     for name, want in periodic_averaging().items():
         assert ((saved[name] - want).norm() / want.norm()).item() <= 1e-5, name
+
+
+def test_elche_paces_each_group_at_its_slowest_member_with_every_batch_once(tmp_path: Path) -> None:
+    # ElChe free (its default anchor and growth, the divergence guard on), rank 1 slowed 3x: its group marches
+    # at its pace, the other group's members at theirs, a group's members always handed as many batches (a
+    # member short of its peers would hang the group's collectives: the run would not end).
+    train(
+        f"launch.nproc_per_node={WORLD}",
+        FAST_START,
+        "device=cpu",
+        "policy=cadence",
+        f"shard_group={K}",
+        "simulate.slow_rank=1",
+        "simulate.factor=3",
+        f"batch_size={BATCH}",
+        "epochs=4",
+        "eval_every=0",
+        "checkpoint_every=null",
+        "hydra.run.dir=run",
+        cwd=tmp_path,
+        timeout=300,
+    ).check()
+    records = epochs_of(tmp_path / "run")
+    assert [r["epoch"] for r in records] == list(range(4))
+    shares = [0, 0]
+    for record in records:
+        batches = {p["rank"]: p["batches"] for p in record["per_rank"]}
+        assert sum(batches.values()) == 1438 // BATCH // K * K
+        assert batches[0] == batches[1] and batches[2] == batches[3]
+        shares = [shares[0] + batches[0], shares[1] + batches[2]]
+    assert shares[0] < shares[1]  # the slowed member's group trained less
