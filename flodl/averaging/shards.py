@@ -20,17 +20,25 @@ from flodl.averaging.flat import by_dtype, flat_copies
 from flodl.averaging.reduce_group import WorldGroup
 
 
-class _Sharded(Protocol):
+class Sharded(Protocol):
+    """A sharded parameter (FSDP2's DTensor): the rank's shard of it."""
+
     def to_local(self) -> Tensor: ...
 
 
-class ShardCopies:
-    """The rank's local shards of the trainable parameters, copied into one flat buffer per dtype."""
+def sharded_parameters(model: nn.Module) -> list[Sharded]:
+    """The trainable parameters of a model sharded with FSDP2 (DTensors)."""
+    params = [cast("Sharded", p) for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the model has no trainable parameters")
+    return params
 
-    def __init__(self, model: nn.Module) -> None:
-        self.sharded = [cast("_Sharded", p) for p in model.parameters() if p.requires_grad]
-        if not self.sharded:
-            raise ValueError("the model has no trainable parameters")
+
+class ShardCopies:
+    """The rank's local shards of `sharded`, copied into one flat buffer per dtype."""
+
+    def __init__(self, sharded: list[Sharded]) -> None:
+        self.sharded = sharded
         self.groups = flat_copies(self._local())
 
     def _local(self) -> list[Tensor]:

@@ -159,6 +159,7 @@ def make_worker(
     wire = wire_for(cfg.bf16_wire, cfg.quantized_wire)
     link = RankLink(rank, world_size, reader, outbox)
     settings = worker_settings(cfg, run_dir if keeps_evaluated_models else None)
+    shards = ShardGroups(world_size, cfg.shard_group)
 
     def checkpointer(stepper: Stepper) -> RankCheckpointer | None:
         if not checkpoints_on(cfg):
@@ -178,7 +179,6 @@ def make_worker(
             wrap = functools.partial(_ddp, cfg, parts, device, wire, settle=group.settle if gloo else None)
             train_module = parts.model
         else:
-            shards = ShardGroups(world_size, cfg.shard_group)
             train_module = _sync_module(cfg, parts, device, wire, group, shards, rank)
         stepper = Stepper(stepper_for, parts, device, train_module)
         checkpoints = checkpointer(stepper)
@@ -187,7 +187,6 @@ def make_worker(
         )
     outer = OuterSettings.resolve(cfg.outer, cfg.outer_lr, cfg.outer_momentum, cfg.outer_reset_inner)
     averager: DeviceAverager | HostAverager
-    shards = ShardGroups(world_size, cfg.shard_group)
     if cfg.backend == "cpu":
         averager = HostAverager(parts.model, cfg.gamma, device, group, wire, outer)
     else:
