@@ -261,7 +261,7 @@ class FlodlConfig:
     # (whole groups on each host), and inside each group the model, its gradients and optimizer state are
     # sharded with FSDP2 (each rank holds about 1/shard_group of them). 1: every rank a full replica. Under
     # policy=sync (HSDP: one process on the global batch; checkpoints hold each rank's shard of the optimizer
-    # state) or cadence (a round per shard index, exact, no checkpoints yet), with fault_tolerance=none; see
+    # state) or cadence (a round per shard index, no checkpoints yet), with fault_tolerance=none; see
     # docs/sharded-groups.md.
     shard_group: int = 1
 

@@ -22,17 +22,22 @@ pytestmark = pytest.mark.multiproc
 WORLD, K, BATCH, WINDOW, EPOCHS, LR, SEED = 4, 2, 8, 5, 2, 0.1, 42
 
 
-def periodic_averaging() -> dict[str, torch.Tensor]:
+def periodic_averaging(outer: str) -> dict[str, torch.Tensor]:
     """Plain torch: one replica per group, each step SGD on the union of its members' micro-batches (the
     mean of their gradients, as the group's reduce-scatter makes it), the replicas' parameters averaged
-    after every window, weighted by their steps (gamma=1). Each rank is handed WINDOW batches a window, in
-    rank order from one cursor over the epoch (whole groups of batches), the epoch's tail split in proportion
-    to the counts."""
+    after every window, weighted by their steps (gamma=1); an `outer` optimizer steps the global model on
+    the pseudo-gradient `global - average` (SGD, momentum 0.9: DiLoCo's Nesterov at lr 0.7, SlowMo's heavy
+    ball at lr 1), and every replica takes the new global. Each rank is handed WINDOW batches a window, in
+    rank order from one cursor over the epoch (whole groups of batches), the epoch's tail split in
+    proportion to the counts."""
     data = digits_dataset("train")
     torch.manual_seed(SEED)
     start = DigitsMLP(hidden=128)
     replicas = [copy.deepcopy(start) for _ in range(WORLD // K)]
     optimizers = [torch.optim.SGD(r.parameters(), lr=LR) for r in replicas]
+    global_model = copy.deepcopy(start)
+    lr, nesterov = {"diloco": (0.7, True), "slowmo": (1.0, False)}.get(outer, (0.0, False))
+    outer_step = torch.optim.SGD(global_model.parameters(), lr=lr, momentum=0.9, nesterov=nesterov)
     batches = len(data) // BATCH // K * K
     for epoch in range(EPOCHS):
         perm = epoch_permutation(len(data), SEED, epoch)
@@ -53,15 +58,26 @@ def periodic_averaging() -> dict[str, torch.Tensor]:
                     F.cross_entropy(model(inputs), labels).backward()
                     optimizer.step()
             with torch.no_grad():
-                for params in zip(*(r.parameters() for r in replicas), strict=True):
-                    mean = sum(p * (n / sum(steps)) for p, n in zip(params, steps, strict=True))
-                    for p in params:
+                replica_params = zip(*(r.parameters() for r in replicas), strict=True)
+                means = [
+                    sum(p * (n / sum(steps)) for p, n in zip(ps, steps, strict=True)) for ps in replica_params
+                ]
+                if outer != "avg":
+                    for gp, mean in zip(global_model.parameters(), means, strict=True):
+                        gp.grad = gp - mean
+                    outer_step.step()
+                    means = [gp.detach() for gp in global_model.parameters()]
+                for replica in replicas:
+                    for p, mean in zip(replica.parameters(), means, strict=True):
                         p.copy_(mean)
             cursor += sum(counts)
     return {k: v.detach() for k, v in replicas[0].state_dict().items()}
 
 
-def test_two_groups_of_two_average_their_shards_as_torch_averages_replicas(tmp_path: Path) -> None:
+@pytest.mark.parametrize("outer", ["avg", "diloco", "slowmo"])
+def test_two_groups_of_two_average_their_shards_as_torch_averages_replicas(
+    tmp_path: Path, outer: str
+) -> None:
     pinned = (f"anchor={WINDOW}", f"min_anchor={WINDOW}", f"max_anchor={WINDOW}", "max_batch_diff=0")
     train(
         f"launch.nproc_per_node={WORLD}",
@@ -71,6 +87,7 @@ def test_two_groups_of_two_average_their_shards_as_torch_averages_replicas(tmp_p
         f"shard_group={K}",
         *pinned,
         "divergence_guard=none",
+        f"outer={outer}",
         f"batch_size={BATCH}",
         f"epochs={EPOCHS}",
         "eval_every=1",
@@ -99,7 +116,7 @@ def test_two_groups_of_two_average_their_shards_as_torch_averages_replicas(tmp_p
         # Each epoch's eval counts every rank's steps (a shard's round stands for its group's ranks).
         assert record["eval_step"] == per_epoch * (epoch + 1)
     saved = torch.load(run / "model.pt", weights_only=True)
-    for name, want in periodic_averaging().items():
+    for name, want in periodic_averaging(outer).items():
         assert ((saved[name] - want).norm() / want.norm()).item() <= 1e-5, name
 
 

@@ -90,13 +90,14 @@ def test_what_groups_cannot_do_yet_is_refused_naming_the_key(overrides: dict, ru
 def test_cadence_across_groups_runs_exact_rounds_on_the_device_without_checkpoints() -> None:
     four = host(world_size=4, ranks_per_node=4)
     assert problems_of(make(shard_group=2, policy="cadence", checkpoint_every=None), four) == []
+    diloco = make(shard_group=2, policy="cadence", checkpoint_every=None, outer="diloco")
+    assert problems_of(diloco, four) == []  # each rank's outer step on its shard
 
 
 @pytest.mark.parametrize(
     ("key", "value", "rule"),
     [
         ("backend", "cpu", "a round runs on the device: set backend=nccl"),
-        ("outer", "diloco", "no outer optimizer per shard"),
         ("quantized_wire", "int8", "shards travel as float32"),
         (
             "checkpoint_every",

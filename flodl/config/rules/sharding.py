@@ -59,12 +59,11 @@ def _unsharded_only(cfg: FlodlConfig) -> Iterator[tuple[str, object, str]]:
 
 
 def _cadence_across_groups(cfg: FlodlConfig) -> Iterator[tuple[str, object, str]]:
-    """What cadence's rounds per shard index do not do yet: they average each shard exactly, over float32,
-    on the device, and write no checkpoint (each group's optimizer state is its own)."""
+    """What cadence's rounds per shard index do not do yet: they average each shard over float32 (an outer
+    optimizer steps each shard), on the device, and write no checkpoint (each group's optimizer state is its
+    own)."""
     if cfg.backend == "cpu":
         yield "backend", "cpu", "a round runs on the device: set backend=nccl (gloo without a GPU)"
-    if cfg.outer != "avg":
-        yield "outer", cfg.outer, "no outer optimizer per shard: set outer=avg, or shard_group=1"
     if cfg.quantized_wire is not None:
         yield "quantized_wire", cfg.quantized_wire, "shards travel as float32: set quantized_wire=null"
     for key in checkpoint_keys_set(cfg):
