@@ -51,6 +51,7 @@ OVERRIDES = [
     ("max_grad_norm=1.0", "max_grad_norm", 1.0, float),
     ("lr_scale_ratio=0.25", "lr_scale_ratio", 0.25, float),
     ("keep_global_batch=true", "keep_global_batch", True, bool),
+    ("shard_group=2", "shard_group", 2, int),
     ("eval_every=2", "eval_every", 2, int),
     ("gamma=0.5", "gamma", 0.5, float),
     ("bf16_wire=true", "bf16_wire", True, bool),
