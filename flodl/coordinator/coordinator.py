@@ -201,6 +201,10 @@ class Coordinator(threading.Thread):
         """A rank got a stop signal: the ranks save a checkpoint at the next boundary, then stop."""
         if self.stop_signal is not None or self.committer is None:
             return  # asked already (every rank may get the signal); without checkpoints ranks stop at once
+        if not self.roster.takes_stop_from(message.rank):
+            name = signal.Signals(message.signum).name
+            log.info("rank %d got %s but is no member of the run (cut): the run goes on", message.rank, name)
+            return
         self.stop_signal = message.signum
         self.committer.stop_requested()
         self.driver.stop_saving()

@@ -66,6 +66,11 @@ class Roster:
     ) -> None:
         self.driver, self.stop_at_consensus, self.last_checkpoint = driver, stop_at_consensus, last_checkpoint
 
+    def takes_stop_from(self, rank: int) -> bool:
+        """Whether a stop signal `rank` got stops the run: a member's does; a process the run cut (left
+        running past its cut, a network partition's) or one not admitted yet is no part of the run."""
+        return rank in self.members
+
     @property
     def holders(self) -> set[int]:
         """The members that hold the run's latest model (not one admitted and still waiting for it)."""

@@ -84,6 +84,19 @@ def test_a_cut_is_posted_for_the_supervisor_and_the_driver_hears_it_after_the_ro
     assert driver.stops == []
 
 
+def test_a_stop_signal_stops_the_run_only_from_a_member() -> None:
+    # A rank the run cut while it lived (a partition) and that got SIGTERM afterwards stopped the whole run.
+    roster, _, _ = surviving()
+    assert all(roster.takes_stop_from(rank) for rank in (0, 1, 2))
+    roster.on_silent([1], now=5.0)
+    assert not roster.takes_stop_from(1) and roster.takes_stop_from(0)
+    roster.on_joined(Joined(1, incarnation=1, startup_s=2.0))  # its restart, waiting for a boundary
+    assert not roster.takes_stop_from(1)
+    roster.admit_joiners()
+    assert roster.takes_stop_from(1)
+    assert all(fixed().takes_stop_from(rank) for rank in range(3))
+
+
 def test_too_few_members_stop_the_run_at_its_next_consensus() -> None:
     roster, driver, _ = surviving(min_ranks=3)
     roster.on_silent([0], now=5.0)
