@@ -74,17 +74,23 @@ def periodic_averaging(outer: str) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in replicas[0].state_dict().items()}
 
 
+# 4 CPU ranks as 2 groups of 2 under cadence, started fast: what both runs here share.
+GROUPS_OF_TWO = (
+    f"launch.nproc_per_node={WORLD}",
+    FAST_START,
+    "device=cpu",
+    "policy=cadence",
+    f"shard_group={K}",
+)
+
+
 @pytest.mark.parametrize("outer", ["avg", "diloco", "slowmo"])
 def test_two_groups_of_two_average_their_shards_as_torch_averages_replicas(
     tmp_path: Path, outer: str
 ) -> None:
     pinned = (f"anchor={WINDOW}", f"min_anchor={WINDOW}", f"max_anchor={WINDOW}", "max_batch_diff=0")
     train(
-        f"launch.nproc_per_node={WORLD}",
-        FAST_START,
-        "device=cpu",
-        "policy=cadence",
-        f"shard_group={K}",
+        *GROUPS_OF_TWO,
         *pinned,
         "divergence_guard=none",
         f"outer={outer}",
@@ -125,11 +131,7 @@ def test_elche_paces_each_group_at_its_slowest_member_with_every_batch_once(tmp_
     # at its pace, the other group's members at theirs, a group's members always handed as many batches (a
     # member short of its peers would hang the group's collectives: the run would not end).
     train(
-        f"launch.nproc_per_node={WORLD}",
-        FAST_START,
-        "device=cpu",
-        "policy=cadence",
-        f"shard_group={K}",
+        *GROUPS_OF_TWO,
         "simulate.slow_rank=1",
         "simulate.factor=3",
         f"batch_size={BATCH}",
