@@ -35,6 +35,7 @@ from flodl.rounds.elche import ElChe, round_overhead_ms
 from flodl.rounds.epochs_done import EpochsDone
 from flodl.rounds.guard import ConvergenceGuard, DivergenceReport
 from flodl.rounds.planner import Average, Dispatch, Instruction, LocalSgdPlanner, WindowReport
+from flodl.rounds.supply import SUSPECT_BEATS, Supplied, top_up
 
 log = logging.getLogger("flodl")
 
@@ -51,10 +52,13 @@ class LocalSgdDriver:
         roster: Roster,
         committer: CheckpointCommitter | None = None,
         checkpoint_every_s: float | None = None,
+        supplied: Supplied | None = None,
     ) -> None:
         """`roster`: who is in (the planner's and ElChe's members follow its changes).
         `checkpoint_every_s`: a checkpoint at the first round boundary this long after the last one (or the
-        run's start)."""
+        run's start). `supplied`: async under survive, the members kept training while a silent one holds
+        up a round (rounds/supply.py)."""
+        self.supplied = supplied
         self.timeline = timeline
         self.roster = roster
         self.committer = committer
@@ -137,7 +141,28 @@ class LocalSgdDriver:
         pass
 
     def tick(self) -> None:
-        pass  # checkpoints by time are taken at round boundaries (_checkpoint_due)
+        # Checkpoints by time are taken at round boundaries (_checkpoint_due).
+        if self.supplied is not None:
+            self.keep_supplied(self.supplied, time.perf_counter())
+
+    def keep_supplied(self, supplied: Supplied, now: float) -> None:
+        """While the window waits on a member not heard from for a few heartbeats (frozen, cut off: it is cut
+        at the timeout), the members that reached their count are handed more and train on."""
+        planner, monitor = self.planner, self.roster.monitor
+        waiting = planner.members - planner.reached.keys()
+        silent = any(monitor.silence_of(r, now) > SUSPECT_BEATS * supplied.beat_s for r in waiting)
+        if not (silent and planner.window_open and not planner.averaging):
+            supplied.clear()
+            return
+        for rank in sorted(planner.reached):
+            ms = self.elche.smoothed_ms(rank)
+            if ms is None or not supplied.due(rank, now):
+                continue
+            dispatch = top_up(planner, rank, supplied.batches(ms))
+            if dispatch is None:
+                return  # the segment has no more to spare
+            supplied.handed(rank, now, sum(s.size for s in dispatch.slices) // planner.batch_size, ms)
+            self._carry([dispatch])
 
     boundary = "round (the window in flight, or the next, ends with it)"
 

@@ -44,7 +44,7 @@ from flodl.job.settings import (
     resume_settings,
     wandb_settings,
 )
-from flodl.links.heartbeat import HeartbeatMonitor
+from flodl.links.heartbeat import HeartbeatMonitor, beat_interval
 from flodl.links.transport import InboxReader, Mailbox
 from flodl.metrics.run_info import RunInfo
 from flodl.metrics.sinks import METRICS_FILE, ConsoleSink, JsonlSink, Sink
@@ -53,6 +53,7 @@ from flodl.rounds.elche import ElChe
 from flodl.rounds.group_pace import whole_groups
 from flodl.rounds.guard import guard_from_state, make_guard
 from flodl.rounds.planner import LocalSgdPlanner
+from flodl.rounds.supply import Supplied
 
 log = logging.getLogger("flodl")
 
@@ -259,8 +260,20 @@ def _local_sgd_driver(
         elche = ElChe.from_state(settings, state["elche"], ledger.batches_per_epoch, first_members)
         guard = guard_from_state(state["guard"])
         log.info("ElChe resumed at anchor %d (round %d)", elche.anchor, planner.round)
+    # Async under survive trains on while a silent member holds up a round; a sharded group steps whole.
+    keeps_supplied = policy.crosses_epochs and cfg.fault_tolerance == "survive" and cfg.shard_group == 1
+    supplied = Supplied(beat_interval(roster.monitor.timeout_s)) if keeps_supplied else None
     return LocalSgdDriver(
-        planner, elche, guard, ledger, setup.outbox, timeline, roster, committer, cfg.checkpoint_every_s
+        planner,
+        elche,
+        guard,
+        ledger,
+        setup.outbox,
+        timeline,
+        roster,
+        committer,
+        cfg.checkpoint_every_s,
+        supplied,
     )
 
 

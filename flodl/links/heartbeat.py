@@ -19,8 +19,9 @@ from flodl.links.transport import COORDINATOR, Mailbox
 
 
 def beat_interval(timeout_s: float) -> float:
-    """A quarter of the timeout, so one late beat never trips it; between 0.2 s and 1 s."""
-    return min(max(timeout_s / 4, 0.2), 1.0)
+    """An eighth of the timeout, so a late beat never trips it and a silence is suspected well before it
+    (rounds/supply.py); between 0.1 s and 1 s."""
+    return min(max(timeout_s / 8, 0.1), 1.0)
 
 
 @dataclass

@@ -57,8 +57,9 @@ class ExtendPartition:
     """Local SGD: append these slices to the rank's queue."""
 
     slices: list[EpochSlice]
-    # Report Reached once this many steps were taken since the last reduce.
-    target: int
+    # Report Reached once this many steps were taken since the last reduce (None: slices only, past a
+    # count already reached).
+    target: int | None
 
     def __post_init__(self) -> None:
         self.slices = [_as_slice(s) for s in self.slices]

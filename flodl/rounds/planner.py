@@ -45,8 +45,8 @@ from flodl.rounds.split import balanced_split, proportional_split
 class Dispatch:
     rank: int
     slices: tuple[EpochSlice, ...]
-    # The rank reports Reached once it has taken this many steps since the last reduce.
-    target: int
+    # The rank reports Reached once it has taken this many steps since the last reduce (None: rounds/supply).
+    target: int | None
 
 
 @dataclass(frozen=True)

@@ -130,8 +130,9 @@ class LocalSgdWorker(WorkerBase):
             self.pending.extend(message.slices)
             for part in message.slices:
                 self.stepper.advise(part)
-            self.target = message.target
-            self._report_if_reached()
+            if message.target is not None:
+                self.target = message.target
+                self._report_if_reached()
         elif isinstance(message, AverageNow):
             if message.generation == self.group.generation:  # else meant for a group never formed
                 self._begin_round(message)
