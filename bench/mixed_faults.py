@@ -5,12 +5,14 @@
 - freeze: SIGSTOP; the others cut it once `heartbeat_timeout_s` passed without a word from it, then SIGCONT
   (the woken process learns it was cut and ends; its supervisor starts it again).
 
-The same job undisturbed before it and after it (as long, or `--calm-s`), in the same invocation. Reports
-goodput (samples/s between the first and last fault against the undisturbed runs' mean), whether the loss
+The same job undisturbed before it and after it (as long, or `--calm-s`), in the same invocation; or, with
+`--side-by-side`, at the same time, each job (its ranks, restarts and host) on its own half of the CPUs, so
+both see the same machine for the same minutes (a run slows as it goes on: compare equal lengths). Reports
+goodput (samples/s between the first and last fault against the undisturbed run's), whether the loss
 still fell, every epoch recorded once and one final state on every rank, and per fault kind: detection
 (fault -> cut), the survivors' first good round after it, and rejoin (fault -> admitted again), median / p95.
 
-    python bench/mixed_faults.py --ranks 8 --duration-s 600 --every-s 29 -- task=digits   # the issue's run
+    python bench/mixed_faults.py --ranks 8 --duration-s 600 --every-s 29 --side-by-side   # the issue's run
     python bench/mixed_faults.py --ranks 4 --duration-s 60 --every-s 10                  # a quick look
 
 A partition of one rank (its traffic dropped) is the fault harness's (tests/helpers/chaos.py): the ranks here
@@ -22,9 +24,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import random
 import signal
 import statistics
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,27 +91,32 @@ def wake(process: psutil.Process) -> None:
         process.send_signal(signal.SIGCONT)
 
 
-def per_kind(run: Path, faults: list[Fault]) -> list[str]:
-    """Per fault kind: detection, the survivors' first good round, rejoin (median / p95 over its faults)."""
+def per_kind(run: Path, faults: list[Fault], undisturbed: float) -> list[str]:
+    """Per fault kind: detection, the survivors' first good round, rejoin (median / p95 over its faults), and
+    the job's rate while the fault was being detected, as a share of the undisturbed rate."""
     events = membership_events(run)
     rows = [
-        "| fault | count | fault -> cut | cut -> first good round | fault -> admitted again |",
-        "|---|---|---|---|---|",
+        "| fault | count | fault -> cut | cut -> first good round | fault -> admitted again | rate while "
+        "detecting |",
+        "|---|---|---|---|---|---|",
     ]
     for kind in sorted({f.kind for f in faults}):
-        detect, first, rejoin = [], [], []
+        detect, first, rejoin, detecting = [], [], [], []
         for fault in (f for f in faults if f.kind == kind):
             mine = [e for e in events if e["rank"] == fault.rank and e["at"] >= fault.at]
             cut = next((e for e in mine if e["event"] == "rank_cut"), None)
             back = next((e for e in mine if e["event"] == "rank_admitted"), None)
             if cut is not None:
                 detect.append(cut["at"] - fault.at)
+                detecting.append(window_rate(run, fault.at - 0.5, cut["at"] + 0.5) / undisturbed)
                 if cut["first_round_s"] is not None:
                     first.append(cut["first_round_s"])
             if back is not None:
                 rejoin.append(back["at"] - fault.at)
         count = sum(f.kind == kind for f in faults)
-        rows.append(f"| {kind} | {count} | {both(detect)} | {both(first)} | {both(rejoin)} |")
+        rows.append(
+            f"| {kind} | {count} | {both(detect)} | {both(first)} | {both(rejoin)} | {both(detecting)} |"
+        )
     return rows
 
 
@@ -132,7 +141,10 @@ def main() -> None:
     )
     parser.add_argument("--kinds", default="kill,freeze")
     parser.add_argument("--heartbeat-s", type=float, default=3.0, help="heartbeat_timeout_s")
-    parser.add_argument("--policy", default="cadence", choices=["cadence", "async"])
+    parser.add_argument("--policy", default="async", choices=["cadence", "async"])
+    parser.add_argument(
+        "--side-by-side", action="store_true", help="the undisturbed job at the same time, on half the CPUs"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work", type=Path, default=Path("/tmp/flodl-bench-mixed"))
     parser.add_argument("--results-dir", type=Path, default=Path(__file__).parent / "results")
@@ -157,13 +169,37 @@ def main() -> None:
         overrides = [*common, "launch.max_restarts=0"]
         return launch(args.work, f"calm-{when}-{stamp}", overrides, calm_s + 300, 0, calm_s, None)[0]
 
-    before = calm("before")
     faulted = args.work / f"faulted-{stamp}"
     restarts = int(args.duration_s // args.every_s) + 1  # every fault on one rank, at worst
-    faults = inject(faulted, args, [*common, f"launch.max_restarts={restarts}"], args.work)
-    after = calm("after")
-    lines = report(args, common, faulted, faults, [before, after])
+    overrides = [*common, f"launch.max_restarts={restarts}"]
+    if args.side_by_side:
+        calms = side_by_side(lambda: calm("beside"), lambda: inject(faulted, args, overrides, args.work))
+        faults = calms.pop()
+    else:
+        before = calm("before")
+        faults = inject(faulted, args, overrides, args.work)
+        calms = [before, calm("after")]
+    lines = report(args, common, faulted, faults, calms)
     write_report(results_path(args.results_dir, "mixed-faults", cpu=True), "\n".join(lines))
+
+
+def side_by_side(calm, faulted) -> list:
+    """Both jobs at once, each started from a thread pinned to its half of this process's CPUs (a process
+    inherits the affinity of the thread that starts it, and so do its ranks and restarts): [calm, faulted]."""
+    cpus = sorted(os.sched_getaffinity(0))
+    halves = cpus[: len(cpus) // 2], cpus[len(cpus) // 2 :]
+    out: list = [None, None]
+
+    def pinned(i: int, job) -> None:
+        os.sched_setaffinity(0, halves[i])  # this thread only
+        out[i] = job()
+
+    threads = [threading.Thread(target=pinned, args=(i, job)) for i, job in enumerate((calm, faulted))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return out
 
 
 def report(
@@ -171,8 +207,10 @@ def report(
 ) -> list[str]:
     first, last = faults[0].at, faults[-1].at
     churned = window_rate(run, first, last)
-    before, after = (window_rate(c) for c in calms)
-    undisturbed = (before + after) / 2
+    # Beside it: the undisturbed job over the same minutes.
+    rates = [window_rate(c, first, last) if args.side_by_side else window_rate(c) for c in calms]
+    where = "beside it" if args.side_by_side else "before and after it"
+    undisturbed = statistics.mean(rates)
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     once = [r["epoch"] for r in records] == list(range(len(records)))
     states = final_states((args.work / f"{run.name}.out").read_text(), args.policy)
@@ -185,10 +223,11 @@ def report(
         f"- overrides: `{' '.join(common)}`",
         f"- faults: {len(faults)} ({counts})",
         "",
-        *per_kind(run, faults),
+        *per_kind(run, faults, undisturbed),
         "",
         f"- goodput: {churned:,.0f} samples/s between the first and last fault against {undisturbed:,.0f} "
-        f"undisturbed ({before:,.0f} before, {after:,.0f} after): **{churned / undisturbed:.3f}**",
+        f"undisturbed ({' and '.join(f'{r:,.0f}' for r in rates)}"
+        f", {where}): **{churned / undisturbed:.3f}**",
         f"- train loss in the faulted window (first tenth -> last): {loss_fell(run, first, last)}",
         f"- every epoch recorded once: {'yes' if once else '**no**'}; one final state on every rank: "
         f"{'yes' if len(states) > 1 and len(set(states.values())) == 1 else '**no**'} ({len(states)} ranks)",

@@ -86,9 +86,9 @@ class Driver(Protocol):
         waits for and the driver's state there."""
         ...
 
-    def on_cut(self, rank: int) -> None:
-        """survive: `rank` is out (the roster's new generation is without it): hand its work to the members
-        left and send them the Regroup."""
+    def on_cut(self, ranks: list[int]) -> None:
+        """survive: `ranks` are out, together (a rank, or a sharded group; the roster's new generation is
+        without them): hand their work to the members left and send them the Regroup."""
         ...
 
     def on_regrouped(self, message: Regrouped) -> None:

@@ -103,11 +103,14 @@ class LocalSgdDriver:
 
     # --- the roster's changes ----------------------------------------------------------------------------
 
-    def on_cut(self, rank: int) -> None:
-        """The others form a group without `rank`, a round it cut is run again among them, and its untrained
-        batches go to them."""
-        instructions = self.planner.drop(rank)
-        self.elche.retire(rank)
+    def on_cut(self, ranks: list[int]) -> None:
+        """The others form a group without `ranks`, a round they cut is run again among them, and their
+        untrained batches go to them. A sharded group leaves whole: each drop's instructions supersede the
+        last's (a round redone once more is the same round), so the members hear of one change."""
+        instructions: list[Instruction] = []
+        for rank in ranks:
+            instructions = self.planner.drop(rank) or instructions
+            self.elche.retire(rank)
         redo = next((a for a in instructions if isinstance(a, Average) and a.redo), None)
         if redo is not None:
             self._round_costs = {}

@@ -22,6 +22,7 @@ from flodl.links.membership import ExitReader
 from flodl.links.messages import Exiting, Joined, Regroup, Regrouped
 from flodl.links.transport import Mailbox
 from flodl.metrics.timeline import Timeline
+from flodl.sharding.groups import ShardGroups
 
 log = logging.getLogger("flodl")
 
@@ -161,6 +162,8 @@ class SurvivingRoster(Roster):
         self.ledger = ledger
         self.timeline = timeline
         self.min_ranks = settings.min_ranks
+        # Sharded groups (shard_group > 1): a rank's group leaves with it (its others hold no whole model).
+        self.groups = ShardGroups(settings.capacity, settings.shard_group)
         # Each rank's current process (0: the first).
         self.incarnations: dict[int, int] = {}
         # The exits the self-launch supervisor posts (each one cut at once).
@@ -171,20 +174,28 @@ class SurvivingRoster(Roster):
         self.changes: list[MembershipChange] = []
 
     def cut(self, rank: int, why: str, exited_at: float | None = None) -> None:
-        """`rank` is gone: the others go on without it, or the run ends if too few are left. `exited_at`: when
-        its supervisor saw its process end (unix seconds), if that is how it is known."""
-        post_cut(self.outbox.store, rank, self.incarnations.get(rank, 0))
-        timings = {"silent_s": self.monitor.silence_of(rank, time.perf_counter())}
-        if exited_at is not None:  # how long after the death the cut came
-            timings["after_exit_s"] = time.time() - exited_at
-        self.ledger.membership_event("rank_cut", rank, timings)
-        self.monitor.forget(rank)
+        """`rank` is gone: the others go on without it, or the run ends if too few are left. With sharded
+        groups the other members of its group leave with it, in the same change: they cannot step without
+        its shard (their processes are cut too, for the supervisor to end). `exited_at`: when its supervisor
+        saw its process end (unix seconds), if that is how it is known."""
+        group = self.groups.members(self.groups.group_of(rank))
+        leaving = [rank] + [mate for mate in group if mate != rank and mate in self.members]
+        now = time.perf_counter()
+        for gone in leaving:
+            post_cut(self.outbox.store, gone, self.incarnations.get(gone, 0))
+            timings = {"silent_s": self.monitor.silence_of(gone, now)}
+            if exited_at is not None and gone == rank:  # how long after the death the cut came
+                timings["after_exit_s"] = time.time() - exited_at
+            self.ledger.membership_event("rank_cut", gone, timings)
+            self.monitor.forget(gone)
+            self.members.discard(gone)
+            self.joiners.discard(gone)
+            self.unformed.discard(gone)
         self.generation += 1
-        self.members.discard(rank)
-        self.joiners.discard(rank)
-        self.unformed.discard(rank)
-        self.driver.on_cut(rank)
+        self.driver.on_cut(leaving)
         members = sorted(self.members)
+        if len(leaving) > 1:
+            why = f"{why}; its group {sorted(leaving)} leaves with it"
         log.warning("rank %d is out (%s); the run goes on with ranks %s", rank, why, members)
         self.changes.append(MembershipChange("cut", rank, self.generation, members, why))
         if len(members) < self.min_ranks and self.too_few is None:
@@ -197,7 +208,8 @@ class SurvivingRoster(Roster):
     def on_silent(self, ranks: list[int], now: float) -> None:
         """The host's process trains nothing: any rank may be cut."""
         for rank in ranks:
-            self.cut(rank, f"no heartbeat for {self.monitor.silence_of(rank, now):.1f} s")
+            if rank in self.members:  # else its group's cut took it out already
+                self.cut(rank, f"no heartbeat for {self.monitor.silence_of(rank, now):.1f} s")
 
     def on_exiting(self, message: Exiting) -> None:
         if message.rank in self.members:

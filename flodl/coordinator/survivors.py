@@ -28,6 +28,8 @@ class SurviveSettings:
     min_ranks: int
     # The most ranks the run holds at once: seats past the ones it started with take ranks that join later.
     capacity: int
+    # Ranks per sharded group (shard_group): a rank's death takes its group out.
+    shard_group: int = 1
 
 
 @dataclass

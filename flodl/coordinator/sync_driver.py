@@ -245,8 +245,8 @@ class SyncDriver:
 
     # --- the roster's changes ----------------------------------------------------------------------------
 
-    def on_cut(self, rank: int) -> None:
-        """The others abort the step in flight and form a group without `rank`; once they agreed where they
+    def on_cut(self, ranks: list[int]) -> None:
+        """The others abort the step in flight and form a group without `ranks`; once they agreed where they
         are (their Regrouped), the rest is planned for them. A restarted rank admitted but not yet in a group
         joins this one (its own admission is overtaken)."""
         self._replan = self.roster.generation

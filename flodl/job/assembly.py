@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from datetime import timedelta
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -128,15 +129,22 @@ def _shard(parts: TaskParts, shards: ShardGroups, rank: int, mesh: DeviceMesh, h
 
 
 def _shard_averaging(
-    parts: TaskParts, shards: ShardGroups, rank: int, device: torch.device, timeout_s: float
-) -> ShardSharers:
+    parts: TaskParts, shards: ShardGroups, rank: int, device: torch.device, group: RankGroup
+) -> ReduceGroup:
     """Local SGD over sharded groups: the model sharded inside the rank's group (FSDP2 over the mesh's
     "shard" dimension: the groups train apart), and who its rounds average its shard with: the ranks of
-    the other groups holding the same one (the mesh's "replicate" dimension)."""
+    the other groups holding the same one (the mesh's "replicate" dimension). Under survive the process's
+    world is its group alone (`make_group`) and the surviving group averages per shard index."""
+    how = "FSDP2 in the group, rounds per shard index"
+    if isinstance(group, SurvivingGroup):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        _shard(parts, shards, rank, init_device_mesh(device.type, (shards.size,)), how)
+        return group
     mesh = group_mesh(shards, device.type)
-    _shard(parts, shards, rank, mesh["shard"], "FSDP2 in the group, rounds per shard index")
+    _shard(parts, shards, rank, mesh["shard"], how)
     sharers = mesh.get_group("replicate")
-    return ShardSharers(sharers, shards.sharers(shards.shard_index(rank))[0], timeout_s)
+    return ShardSharers(sharers, shards.sharers(shards.shard_index(rank))[0], group.timeout_s)
 
 
 def make_worker(
@@ -192,8 +200,8 @@ def make_worker(
     else:
         keeps_own = policy.guarded or policy.blends
         rounds: ReduceGroup = group
-        if shards.sharded:  # the rules refuse the host backend, survive, the outer optimizers and wires
-            rounds = _shard_averaging(parts, shards, rank, device, group.timeout_s)
+        if shards.sharded:  # the rules refuse the host backend and the wires
+            rounds = _shard_averaging(parts, shards, rank, device, group)
         averager = DeviceAverager(parts.model, cfg.gamma, device, wire, outer, keeps_own, rounds, shards.size)
     # Built (and compiled) after the averager re-pointed the parameters into its flat buffers: compiled
     # graphs read them there, so each round's in-place update is what the next step sees.
@@ -233,9 +241,36 @@ def make_group(
     # gloo has no abort: its timeout bounds a collective (or a group's forming) that a member left without
     # closing its sockets. NCCL's is aborted instead, and its watchdog must not fire on a slow first round.
     timeout_s = cfg.launch.timeout_s if backend == "nccl" else max(3 * heartbeat_timeout_of(cfg), 10.0)
-    membership = AveragingGroup(exchange, backend, env.rank, device, timeout_s)
+    shards = ShardGroups(env.world_size, cfg.shard_group)
+    rounds = exchange
+    # Sharded groups: the rank's group is its process's world (FSDP2's collectives), its rounds its shard's.
+    if shards.sharded:
+        _form_shard_group(shards, env.rank, backend, exchange, device, timeout_s)
+        rounds = PrefixStore(f"shard/{shards.shard_index(env.rank)}/", exchange)
+    membership = AveragingGroup(rounds, backend, env.rank, device, timeout_s)
     # A rank whose round failed hears who is still in once the coordinator has seen the silence.
     wait_s = 2 * heartbeat_timeout_of(cfg) + 10
     # A restart, or a rank in a seat past the ones the job started with (flodl-join), joins a running group.
     joining = incarnation > 0 or env.rank >= env.world_size
-    return SurvivingGroup(membership, reader, env.world_size, incarnation, joining, wait_s)
+    return SurvivingGroup(membership, reader, env.world_size, incarnation, joining, wait_s, shards.size)
+
+
+def _form_shard_group(
+    shards: ShardGroups,
+    rank: int,
+    backend: str,
+    exchange: PrefixStore,
+    device: torch.device,
+    timeout_s: float,
+) -> None:
+    """Under survive: this process's world is its sharded group (survive never forms the job's), on a store
+    prefix of its own. A rank's death takes the group out whole (the roster cuts its others), so no member
+    of it ever waits on a world with a dead rank in it for longer than `timeout_s`."""
+    dist.init_process_group(
+        backend,
+        store=PrefixStore(f"sharded/{shards.group_of(rank)}/", exchange),
+        rank=shards.shard_index(rank),
+        world_size=shards.size,
+        timeout=timedelta(seconds=timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )

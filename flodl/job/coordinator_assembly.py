@@ -141,7 +141,12 @@ def make_coordinator(cfg: FlodlConfig, setup: CoordinatorSetup) -> Coordinator:
     roster: Roster
     if cfg.fault_tolerance == "survive":
         roster = SurvivingRoster(
-            world_size, setup.outbox, monitor, ledger, timeline, SurviveSettings(cfg.min_ranks, capacity)
+            world_size,
+            setup.outbox,
+            monitor,
+            ledger,
+            timeline,
+            SurviveSettings(cfg.min_ranks, capacity, cfg.shard_group),
         )
     else:
         roster = Roster(world_size, setup.outbox, monitor)

@@ -10,6 +10,7 @@ group changed), SaveModel (the run's end: one member writes model.pt), Shutdown.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -249,7 +250,12 @@ class Regroup:
     def sharer(self) -> int:
         """The member whose state the others receive when it `shares_state`: the first one that is not
         joining (a joiner holds nothing yet; rank 0 restarted is one)."""
-        return min(set(self.members) - set(self.joining))
+        return self.sharer_in(self.members)
+
+    def sharer_in(self, ranks: Sequence[int]) -> int:
+        """The sharer among `ranks`, members all: with sharded groups, the ranks holding one shard index (a
+        rank's shard comes from the first of them not joining)."""
+        return min(set(ranks) - set(self.joining))
 
 
 @dataclass

@@ -162,10 +162,14 @@ class WorkerBase:
         """Free what this worker holds on the device for the process group (it is destroyed next)."""
 
     def optimizer_words(self) -> str:
-        """The optimizer's state fingerprinted, and its learning rate (a joiner's equal its sharer's)."""
+        """The optimizer's state fingerprinted, and its learning rate (a joiner's equal its sharer's); a
+        sharded model's, this rank's shard of it (the local part of each DTensor)."""
         optimizer = self.stepper.parts.optimizer
         moments = [
-            t.reshape(-1) for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)
+            getattr(t, "to_local", lambda t=t: t)().reshape(-1)
+            for s in optimizer.state.values()
+            for t in s.values()
+            if isinstance(t, torch.Tensor)
         ]
         return f"optimizer {state_digest(moments)}, lr {self.stepper.lr:.9g}"
 

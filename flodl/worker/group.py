@@ -135,7 +135,11 @@ class FixedGroup(WorldGroup):
 
 class SurvivingGroup:
     """fault_tolerance=survive: the members' `AveragingGroup`, formed by the workers (generation 0 with every
-    rank the job starts with; a restart or a new rank waits for its admission) and again at each `Regroup`."""
+    rank the job starts with; a restart or a new rank waits for its admission) and again at each `Regroup`.
+
+    With sharded groups (`shard_group` > 1) a rank averages its shard with the members holding the same
+    shard index: its `AveragingGroup` is theirs (on a store prefix of that index), while its place and the
+    group's size (an eval's shares, the first member) count every member."""
 
     # A captured round could not follow the group to its next communicator.
     capture_after: int | None = None
@@ -148,11 +152,15 @@ class SurvivingGroup:
         incarnation: int,
         joining: bool,
         wait_s: float,
+        shard_group: int = 1,
     ) -> None:
         """`world_size`: the ranks that form generation 0; `incarnation`: how often this rank's seat was
         taken before; `joining`: a restart, or a rank in a seat past the start's, which joins a running
-        group."""
+        group; `shard_group`: ranks per sharded group (1: full replicas)."""
         self.membership = membership
+        self.shard_group = shard_group
+        # Every member of the group formed last (with sharded groups, more than `membership` holds).
+        self.members: list[int] = []
         self.reader = reader
         self.rank = membership.rank
         self.world_size = world_size
@@ -173,11 +181,11 @@ class SurvivingGroup:
 
     @property
     def size(self) -> int:
-        return self.membership.size
+        return len(self.members)
 
     @property
     def index(self) -> int:
-        return self.membership.index
+        return self.members.index(self.rank)
 
     @property
     def joining(self) -> bool:
@@ -227,7 +235,7 @@ class SurvivingGroup:
             return
         try:
             before_start()
-            self.membership.form(0, list(range(self.world_size)))
+            self._form(0, list(range(self.world_size)))
             member.settle(self.membership, None)
         except Exception as err:
             self.failed("the first averaging group failed", err, member)
@@ -252,7 +260,7 @@ class SurvivingGroup:
             member.let_go(message)
             release_ms = (time.perf_counter() - started) * 1000
             try:
-                form_s = self.membership.form(message.generation, message.members, patient=message.in_order)
+                form_s = self._form(message.generation, message.members, patient=message.in_order)
                 member.settle(self.membership, message)
             except Exception as err:  # a member died while the group formed: the coordinator cuts it next
                 retry = self.await_regroup(f"averaging group {message.generation} could not be formed", err)
@@ -270,6 +278,13 @@ class SurvivingGroup:
             )
             member.regrouped(message, Regrouped(self.rank, message.generation, release_ms, form_s * 1000))
             return
+
+    def _form(self, generation: int, members: list[int], patient: bool = False) -> float:
+        """Form group `generation` of `members`: this rank's averaging group is those holding its shard."""
+        k = self.shard_group
+        form_s = self.membership.form(generation, [m for m in members if m % k == self.rank % k], patient)
+        self.members = sorted(members)
+        return form_s
 
     def _release_if_cut(self, message: Message) -> None:
         """On the inbox's thread: a Regroup frees any collective the loop is blocked in (a round the change

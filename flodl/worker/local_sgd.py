@@ -349,7 +349,7 @@ class LocalSgdWorker(WorkerBase):
         start's broadcast; a joiner, rank 0 restarted among them, receives a member's); the averager reduces
         over the new group from the next round on."""
         if change is None or change.shares_state:
-            sharer = group.members[0] if change is None else change.sharer
+            sharer = group.members[0] if change is None else change.sharer_in(group.members)
             self._share(functools.partial(group.broadcast_from, member=sharer))
             if change is not None and change.joining:
                 self._share_optimizer(group, sharer, change.joining)

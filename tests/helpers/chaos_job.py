@@ -283,13 +283,18 @@ def check_failure_line(trial: Trial, job: Job, result: Result) -> Path | None:
     return committed
 
 
-def window_of_the_dead(trial: Trial, job: Job, samples: list[Sample], victim: int, pid: int) -> set[Sample]:
+def window_of_the_dead(
+    trial: Trial, job: Job, samples: list[Sample], victim: int, pid: int, cut_with: int | None = None
+) -> set[Sample]:
     """The steps of the dead (or frozen) process `pid` of rank `victim` past the last round that averaged
     them, as the run's timeline counts its steps in the rounds before its cut: by design lost with it, or
     handed to the others again (either way each of their ids may be trained once more). Its steps before must
-    all be its own."""
+    all be its own. `cut_with`: the rank whose cut took `victim` out too (its sharded group's)."""
     timeline = read_timeline(job.run_dir)
-    cut = next(e["time"] for e in timeline["membership"] if e["event"] == "rank_cut" and e["rank"] == victim)
+    cut_rank = victim if cut_with is None else cut_with
+    cut = next(
+        e["time"] for e in timeline["membership"] if e["event"] == "rank_cut" and e["rank"] == cut_rank
+    )
     averaged = sum(r["steps"].get(str(victim), 0) for r in timeline["rounds"] if r["end"] <= cut)
     own = [s for s in samples if s.pid == pid]
     if averaged > len(own):

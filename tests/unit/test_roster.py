@@ -25,11 +25,14 @@ class Driver:
     def __init__(self, roster: Roster) -> None:
         self.roster = roster
         self.cuts: list[tuple[int, int, set[int]]] = []
+        # The ranks each cut took out together (a sharded group leaves whole).
+        self.together: list[list[int]] = []
         self.done = False
         self.stops: list[str] = []
 
-    def on_cut(self, rank: int) -> None:  # the roster's change is made before the driver hears of it
-        self.cuts.append((rank, self.roster.generation, set(self.roster.members)))
+    def on_cut(self, ranks: list[int]) -> None:  # the roster's change is made before the driver hears of it
+        self.together.append(ranks)
+        self.cuts.extend((rank, self.roster.generation, set(self.roster.members)) for rank in ranks)
 
     def stop(self, reason: str) -> int:
         self.stops.append(reason)
@@ -44,12 +47,16 @@ def fixed() -> Roster:
     return roster
 
 
-def surviving(min_ranks: int = 1, capacity: int = 3) -> tuple[SurvivingRoster, Driver, HashStore]:
+def surviving(
+    min_ranks: int = 1, capacity: int = 3, world: int = 3, shard_group: int = 1
+) -> tuple[SurvivingRoster, Driver, HashStore]:
     store = HashStore()
-    monitor = HeartbeatMonitor(capacity, timeout_s=2.0, started=0.0, ignored=set(range(3, capacity)))
-    ledger = EpochLedger(epochs=2, world_size=3, batches_per_epoch=4)
-    settings = SurviveSettings(min_ranks, capacity)
-    roster = SurvivingRoster(3, Mailbox(store, "coordinator"), monitor, ledger, Timeline(capacity), settings)
+    monitor = HeartbeatMonitor(capacity, timeout_s=2.0, started=0.0, ignored=set(range(world, capacity)))
+    ledger = EpochLedger(epochs=2, world_size=world, batches_per_epoch=4)
+    settings = SurviveSettings(min_ranks, capacity, shard_group)
+    roster = SurvivingRoster(
+        world, Mailbox(store, "coordinator"), monitor, ledger, Timeline(capacity), settings
+    )
     driver = Driver(roster)
     roster.attach(driver, driver.stop, lambda: "none")  # type: ignore[arg-type]
     return roster, driver, store
@@ -82,6 +89,17 @@ def test_a_cut_is_posted_for_the_supervisor_and_the_driver_hears_it_after_the_ro
     roster.on_silent([2], now=5.0)
     assert driver.cuts[-1] == (2, 2, {0})
     assert driver.stops == []
+
+
+def test_with_sharded_groups_a_ranks_group_leaves_with_it_in_one_change() -> None:
+    roster, driver, store = surviving(capacity=6, world=6, shard_group=2)
+    roster.on_exiting(Exiting(3, "OOM"))  # groups [0, 1] [2, 3] [4, 5]
+    assert driver.together == [[3, 2]] and roster.generation == 1
+    assert driver.cuts == [(3, 1, {0, 1, 4, 5}), (2, 1, {0, 1, 4, 5})]
+    assert store.get(cut_key(3)) == b"0" and store.get(cut_key(2)) == b"0"  # the supervisor ends both
+    assert "its group [2, 3] leaves with it" in roster.changes[-1].why
+    roster.on_silent([4, 5], now=5.0)  # both silent: the first's cut takes the group, the second is out
+    assert driver.together[-1] == [4, 5] and roster.generation == 2 and roster.members == {0, 1}
 
 
 def test_a_stop_signal_stops_the_run_only_from_a_member() -> None:

@@ -79,12 +79,33 @@ def test_groups_must_divide_the_world_and_each_host() -> None:
     ("overrides", "rule"),
     [
         ({"policy": "async"}, "runs under policy=sync (HSDP) and cadence only yet, not policy=async"),
-        ({"fault_tolerance": "survive"}, "not with fault_tolerance=survive yet"),
     ],
 )
 def test_what_groups_cannot_do_yet_is_refused_naming_the_key(overrides: dict, rule: str) -> None:
     cfg = make(shard_group=2, **overrides)
     assert_problem(problems_of(cfg, host(world_size=2, ranks_per_node=2)), "shard_group", 2, rule)
+
+
+def test_survive_by_groups_runs_under_cadence_and_what_it_does_not_do_yet_is_refused_naming_the_key() -> None:
+    four = host(world_size=4, ranks_per_node=4)
+    surviving = {
+        "shard_group": 2,
+        "policy": "cadence",
+        "checkpoint_every": None,
+        "fault_tolerance": "survive",
+    }
+    assert problems_of(make(**surviving), four) == []
+    for key, value, rule in [
+        ("policy", "sync", "a group leaves and the others train on under policy=cadence only"),
+        ("policy", "async", "a group leaves and the others train on under policy=cadence only"),
+        ("launch.max_restarts", 2, "a group cut out does not come back whole yet"),
+        ("launch.max_ranks", 6, "a job grows by whole groups, not built yet"),
+    ]:
+        problems = problems_of(make(**{**surviving, key: value}), four)
+        said = assert_problem(
+            problems, key, value, "not with fault_tolerance=survive and shard_group=2 yet ("
+        )
+        assert rule in said
 
 
 def test_cadence_across_groups_runs_exact_rounds_on_the_device_without_checkpoints() -> None:

@@ -1,0 +1,93 @@
+"""Survive by groups (docs/survive.md, docs/sharded-groups.md): 4 CPU ranks as 2 groups of 2 under cadence
+with fault_tolerance=survive, a rank SIGKILLed at a step drawn from a seed. Its group leaves whole (its other
+rank is cut with it and its process ended), the other group trains on to the end, every sample of every
+epoch trained once (what the dead group trained since the last round lost with it), and the members left
+end with one state per shard index."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from flodl.tasks.digits import DigitsMLP
+from tests.helpers.chaos_job import (
+    EPOCHS,
+    Job,
+    Trial,
+    check_each_sample_once,
+    check_no_partial,
+    read_samples,
+    window_of_the_dead,
+)
+from tests.helpers.runs import epochs_of
+from tests.helpers.survive_runs import digests, membership
+
+pytestmark = pytest.mark.multiproc
+
+WORLD, K = 4, 2
+# Digits on 4 ranks: 11 steps of 32 samples each an epoch per rank; a kill within the first half of the run.
+RANK_STEPS = 11
+
+
+def groups_of_two(job: Job) -> None:
+    job.configure(
+        "policy=cadence",
+        "fault_tolerance=survive",
+        f"shard_group={K}",
+        "device=cpu",
+        "checkpoint_every=null",
+    )
+    job.args = [f"launch.nproc_per_node={WORLD}" if a == "launch.nproc_per_node=2" else a for a in job.args]
+
+
+@pytest.mark.parametrize(("group", "seed"), [(1, 0), (0, 0)])
+def test_a_ranks_death_takes_its_group_out_and_the_other_group_trains_on(
+    tmp_path: Path, group: int, seed: int
+) -> None:
+    rng = random.Random(f"sharded-survive-{group}-{seed}")
+    # Group 0's victim is rank 0 (the run's host lives apart under survive: rank 0 dies as any rank does).
+    victim = rng.choice([1, 3]) - 1 if group == 0 else rng.choice([2, 3])
+    at = rng.randint(1, 2 * RANK_STEPS)
+    mate = victim + 1 if victim % K == 0 else victim - 1
+    job = Job(tmp_path)
+    groups_of_two(job)
+    proc = job.start()
+    pid = job.at_step(proc, victim, at)
+    mate_pid = int(job.files(mate)[-1].stem.rsplit("-", 1)[1])
+    os.kill(pid, signal.SIGKILL)
+    trial = Trial("sharded-survive", seed, f"rank {victim} SIGKILLed at its step {at}")
+    result = job.finish(proc, trial)
+    assert result.ok, (result.out + result.err)[-3000:]
+    assert [r["epoch"] for r in epochs_of(job.run_dir)] == list(range(EPOCHS))
+    check_no_partial(trial, job)
+
+    # The group left in one change: the dead rank cut (its supervisor said it died), or its other rank,
+    # whose collective with the dead one failed first, and the group with it.
+    cuts = [e for e in membership(job.run_dir) if e["event"] == "rank_cut"]
+    others = sorted({0, 1, 2, 3} - {victim, mate})
+    assert [(e["rank"] in (victim, mate), e["members"]) for e in cuts] == [(True, others)], cuts
+    assert f"its group {sorted([victim, mate])} leaves with it" in cuts[0]["why"]
+
+    # The members left end with one state per shard index; the group that left says none.
+    final = digests(_logs(job), "final round")
+    assert sorted(final) == others, final
+    # The whole model, gathered by the group left, written by its first member.
+    model = torch.load(job.run_dir / "model.pt", weights_only=True)
+    whole = DigitsMLP(hidden=128).state_dict()
+    assert {k: v.shape for k, v in model.items()} == {k: v.shape for k, v in whole.items()}
+
+    samples = read_samples(job.log_dir)
+    cut = cuts[0]["rank"]
+    window = window_of_the_dead(trial, job, samples, victim, pid, cut_with=cut)
+    window |= window_of_the_dead(trial, job, samples, mate, mate_pid, cut_with=cut)
+    check_each_sample_once(trial, job, samples, window, may_lose=True)
+    assert trial.violations == [], trial.violations
+
+
+def _logs(job: Job) -> str:
+    return "".join((job.run_dir / f"rank{r}.log").read_text() for r in range(WORLD))
