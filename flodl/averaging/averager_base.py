@@ -65,12 +65,29 @@ class AveragerBase:
         self.outcome: RoundOutcome | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        """The outer optimizer's momentum (its global parameters are the consensus a checkpoint holds) and
-        a quantized wire's error feedback."""
+        """The outer optimizer's momentum (its global parameters are the consensus a checkpoint holds; a
+        sharded model's momentum is written in shards: `outer_momentum`) and a quantized wire's error
+        feedback."""
         state: dict[str, Any] = {"wire_feedback": self.reducer.feedback_state()}
-        if self.outer is not None:
+        if self.outer is not None and self.shards is None:
             state["outer"] = self.outer.optimizer.state_dict()
         return state
+
+    def outer_momentum(self) -> list[Tensor]:
+        """The outer optimizer's momentum as a tensor per trainable parameter, shaped as the rank holds it
+        (its shard, sharded), in the flat buffers' order (flat.by_dtype): views into the momentum, which a
+        checkpoint of shards writes and its resume fills in place. None without an outer optimizer's
+        momentum."""
+        if self.outer is None:
+            return []
+        momenta = self.outer.state_tensors()[len(self.outer.global_params) :]
+        views = []
+        for momentum, group in zip(momenta, self.params, strict=False):  # momentum=0: none
+            offset = 0
+            for view in group.views:
+                views.append(momentum[offset : offset + view.numel()].view_as(view))
+                offset += view.numel()
+        return views
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.outer is not None and "outer" in state:

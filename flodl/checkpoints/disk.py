@@ -3,14 +3,15 @@
 A checkpoint is a dir `checkpoints/epoch-NNNNNN/` (NNNNNN: the epochs it holds, so the checkpoint after epoch
 3 as lines count, metrics.jsonl's epoch 2, is `epoch-000003`), or, taken inside an epoch (by steps or time),
 `checkpoints/epoch-NNNNNN-sample-SSSSSSSSS/` (SSSSSSSSS samples into epoch NNNNNN as lines count), holding
-`model.pt` (the consensus, float32), one `rank{r}.pt` per rank (optimizer, scheduler, RNG, counters) that was
-a member at the checkpoint round (every rank unless one was cut), `coordinator.pt` (epoch, ElChe, guard,
-planner; inside an epoch, what its record holds so far) and, written last, `manifest.json` with every file's
-size and CRC32 and the ranks whose parts it holds. Ranks write their parts into `<dir>.partial/`; rank 0
-commits by writing the manifest and renaming the dir, then points `latest` at it. A `.partial` dir a run
+`model.pt` (the consensus, float32; a run of sharded groups writes it in shards instead, with the rest of its
+sharded state: flodl/checkpoints/sharded.py), one `rank{r}.pt` per rank (optimizer, scheduler, RNG, counters)
+that was a member at the checkpoint round (every rank unless one was cut), `coordinator.pt` (epoch, ElChe,
+guard, planner; inside an epoch, what its record holds so far) and, written last, `manifest.json` with every
+file's size and CRC32 and the ranks whose parts it holds. Ranks write their parts into `<dir>.partial/`; rank
+0 commits by writing the manifest and renaming the dir, then points `latest` at it. A `.partial` dir a run
 left (a stop past its budget, a crash) is swept by the next run in the dir, fresh or resumed. The manifest
-also records the run that wrote it (flodl/checkpoints/identity.py) and its place: the 0-based epoch, and
-the samples into it (null: after it). A dir without a valid manifest (a crash mid-write, a truncated file) is
+also records the run that wrote it (flodl/checkpoints/identity.py) and its place: the 0-based epoch, and the
+samples into it (null: after it). A dir without a valid manifest (a crash mid-write, a truncated file) is
 never loaded. Everything is loaded with `weights_only=True`."""
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any, BinaryIO
 import torch
 from torch import nn
 
+from flodl.checkpoints.sharded import SHARDED_DIR, holds_sharded_model, sharded_files, whole_model
 from flodl.counting import shown_epoch
 
 MODEL_FILE = "model.pt"
@@ -187,6 +189,17 @@ class Checkpoint:
     def load(self, name: str) -> Any:
         return torch.load(self.path / name, map_location="cpu", weights_only=True)
 
+    @property
+    def sharded(self) -> bool:
+        """Whether a run of sharded groups wrote it (its model and optimizer state in shards)."""
+        return (self.path / SHARDED_DIR).is_dir()
+
+    def model(self) -> dict[str, torch.Tensor]:
+        """The consensus model, whole, as CPU tensors (read from its shards where it was written so)."""
+        if (self.path / MODEL_FILE).is_file():
+            return self.load(MODEL_FILE)
+        return whole_model(self.path / SHARDED_DIR)
+
 
 class CheckpointDir:
     """The checkpoints of one run, under `<root>/checkpoints`."""
@@ -215,11 +228,13 @@ class CheckpointDir:
         it `latest`, drop the oldest."""
         partial = self.partial(point)
         members = tuple(sorted(range(world_size) if ranks is None else ranks))
-        expected = [MODEL_FILE, COORDINATOR_FILE, *(rank_file(r) for r in members)]
+        sharded = sharded_files(partial)  # a sharded run's model lies there, not in model.pt
+        model = [] if holds_sharded_model(sharded) else [MODEL_FILE]
+        expected = [*model, COORDINATOR_FILE, *(rank_file(r) for r in members)]
         missing = [name for name in expected if not (partial / name).is_file()]
         if missing:
             raise CheckpointError(f"checkpoint {partial}: parts missing: {', '.join(missing)}")
-        files = {name: _fingerprint(partial / name) for name in expected}
+        files = {name: _fingerprint(partial / name) for name in [*expected, *sharded]}
         manifest = {
             "epoch": point.epoch,
             "into": point.into,
@@ -312,7 +327,8 @@ def verify(path: Path) -> str | None:
         return f"no readable {MANIFEST_FILE} ({err})"
     listed = manifest.get("files") or {}
     # A manifest vouches only for what it lists: every part a resume loads must be there.
-    for name in (MODEL_FILE, COORDINATOR_FILE, *(rank_file(r) for r in members)):
+    model = [] if holds_sharded_model(listed) else [MODEL_FILE]
+    for name in (*model, COORDINATOR_FILE, *(rank_file(r) for r in members)):
         if name not in listed:
             return f"{MANIFEST_FILE} does not list {name} (an incomplete checkpoint)"
     for name, expected in listed.items():

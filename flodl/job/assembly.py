@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from datetime import timedelta
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -51,6 +51,7 @@ from flodl.worker.base import RankLink, WorkerBase
 from flodl.worker.checkpoint_part import RankCheckpointer
 from flodl.worker.group import FixedGroup, RankGroup, SurvivingGroup
 from flodl.worker.local_sgd import LocalSgdWorker
+from flodl.worker.sharded_state import ShardedState
 from flodl.worker.stepper import Stepper
 from flodl.worker.sync import SyncWorker
 from flodl.worker.task_setup import TaskParts
@@ -169,12 +170,14 @@ def make_worker(
     settings = worker_settings(cfg, run_dir if keeps_evaluated_models else None)
     shards = ShardGroups(world_size, cfg.shard_group)
 
-    def checkpointer(stepper: Stepper) -> RankCheckpointer | None:
+    def checkpointer(stepper: Stepper, state: ShardedState) -> RankCheckpointer | None:
         if not checkpoints_on(cfg):
             return None
         store = checkpoint_store(cfg, run_dir)
         process = writes_in_a_process(cfg, device.type)
-        return RankCheckpointer(store, rank, parts.model, stepper, writes_in_background(cfg), process)
+        sharded = state if shards.sharded else None
+        background = writes_in_background(cfg)
+        return RankCheckpointer(store, rank, parts.model, stepper, background, process, sharded)
 
     stepper_for = stepper_settings(
         cfg, env, device.type, first_start=not group.joining and env.restart_count == 0
@@ -189,10 +192,10 @@ def make_worker(
         else:
             train_module = _sync_module(cfg, parts, device, wire, group, shards, rank)
         stepper = Stepper(stepper_for, parts, device, train_module)
-        checkpoints = checkpointer(stepper)
-        return SyncWorker(
-            stepper, link, settings, wire, checkpoints, cfg.lr_scale_ratio, group, wrap, layout=layout
-        )
+        state = ShardedState(parts.model, parts.optimizer, rank)  # HSDP: every group steps one state
+        checkpoints, ratio = checkpointer(stepper, state), cfg.lr_scale_ratio
+        synced = SyncWorker(stepper, link, settings, wire, checkpoints, ratio, group, wrap, layout=layout)
+        return _reading(synced, state)
     outer = OuterSettings.resolve(cfg.outer, cfg.outer_lr, cfg.outer_momentum, cfg.outer_reset_inner)
     averager: DeviceAverager | HostAverager
     if cfg.backend == "cpu":
@@ -206,17 +209,26 @@ def make_worker(
     # Built (and compiled) after the averager re-pointed the parameters into its flat buffers: compiled
     # graphs read them there, so each round's in-place update is what the next step sees.
     stepper = Stepper(stepper_for, parts, device, parts.model)
-    return LocalSgdWorker(
+    own = (shards.group_of(rank), shards.count, averager.outer_momentum)  # the groups train apart
+    state = ShardedState(parts.model, parts.optimizer, rank, *own)
+    worker = LocalSgdWorker(
         stepper,
         link,
         settings,
         averager,
         policy.easgd_alpha,
         policy.trains_during_round,
-        checkpointer(stepper),
+        checkpointer(stepper, state),
         group,
         cfg.overlap_rounds,
     )
+    return _reading(worker, state)
+
+
+def _reading(worker: WorkerBase, state: ShardedState) -> WorkerBase:
+    """`worker`, given what it reads of a checkpoint of sharded groups (any run may resume one)."""
+    worker.sharded_state = state
+    return worker
 
 
 def make_group(

@@ -152,7 +152,7 @@ class RunHost:
                 self.checkpoint.path,
                 self.cfg.epochs,
             )
-            atomic_save(self.checkpoint.load(MODEL_FILE), self.run_dir / MODEL_FILE)
+            atomic_save(self.checkpoint.model(), self.run_dir / MODEL_FILE)
         return self.checkpoint
 
     @property

@@ -12,7 +12,6 @@ from torch.distributed import PrefixStore
 
 from flodl.checkpoints.disk import (
     COORDINATOR_FILE,
-    MODEL_FILE,
     Checkpoint,
     CheckpointDir,
     CheckpointError,
@@ -21,13 +20,13 @@ from flodl.checkpoints.disk import (
     resolve_resume,
 )
 from flodl.checkpoints.identity import check_identity
+from flodl.checkpoints.sharded import SHARDED_DIR
 from flodl.config.layout import Layout
 from flodl.config.schema import FlodlConfig
 from flodl.counting import shown_epoch
 from flodl.job.resize import Resize, grad_accum_for, keep_batch_problem, resumed_layout, stream_problem
 from flodl.links.group import publish_json, read_json
 from flodl.metrics.sinks import read_history, record_line
-from flodl.sharding.fsdp import SHARDED_DIR, load_optimizer_shards
 from flodl.worker.base import WorkerBase
 from flodl.worker.rank_state import restore_stepper, shared_state
 
@@ -152,8 +151,10 @@ def covers_every_epoch(checkpoint: Checkpoint, epochs: int) -> bool:
 
 
 def load_model(checkpoint: Checkpoint, model: nn.Module) -> None:
-    """Before the worker is built: DDP and the averagers start every rank from rank 0's parameters."""
-    model.load_state_dict(checkpoint.load(MODEL_FILE))
+    """Before the worker is built: DDP and the averagers start every rank from rank 0's parameters. A
+    sharded checkpoint's model is read whole (from its shards), before the model is sharded, as the task
+    built it whole."""
+    model.load_state_dict(checkpoint.model())
 
 
 def restore_worker(checkpoint: Checkpoint, worker: WorkerBase, world_size: int) -> None:
@@ -181,9 +182,9 @@ def restore_worker(checkpoint: Checkpoint, worker: WorkerBase, world_size: int) 
             source,
             continues_at(checkpoint),
         )
-    parts = worker.stepper.parts
-    if part["stepper"]["optimizer"] is None:  # a sharded run's: each rank reads what its groups hold now
-        load_optimizer_shards(parts.model, parts.optimizer, checkpoint.path / SHARDED_DIR)
+    if checkpoint.sharded:  # each rank reads its shard of the optimizer's state (and outer momentum) now
+        assert worker.sharded_state is not None, "the assembly gives every worker its sharded state"
+        worker.sharded_state.load(checkpoint.path / SHARDED_DIR)
     worker.stepper.storage.check(f"resuming from {checkpoint.path}")
 
 

@@ -15,7 +15,6 @@ restart), sharded or not.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -26,10 +25,6 @@ from flodl.sharding.groups import MESH_DIMS, ShardGroups
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
-
-# Where in a checkpoint's dir a sharded run's optimizer state lies, each rank's shard in files of its own
-# (torch.distributed.checkpoint's layout: its `.metadata` and one `.distcp` file per rank).
-SHARDED_DIR = "sharded"
 
 
 def group_mesh(groups: ShardGroups, device_type: str) -> DeviceMesh:
@@ -101,22 +96,14 @@ def gathered_state(model: nn.Module) -> dict[str, Tensor]:
     return cast("dict[str, Tensor]", get_model_state_dict(model, options=options))
 
 
-def save_optimizer_shards(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
-    """Each rank writes its shard of the optimizer's state under `path`, nothing gathered
-    (torch.distributed.checkpoint; collective: every rank calls it together)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+def laid_out_as(param: Tensor, local: Tensor) -> Tensor:
+    """`local`, a tensor shaped as this rank holds `param` (its shard, sharded), as the whole tensor it is a
+    piece of, laid out as `param` is: a DTensor over `param`'s mesh (sharing `local`'s storage), or `local`
+    itself beside a replica's parameter. A checkpoint writes each rank's piece and reads it back in place."""
+    from torch.distributed.tensor import DTensor
 
-    dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=path)
-
-
-def load_optimizer_shards(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
-    """The optimizer's state saved under `path`, each rank reading its own shard of it however the model
-    was sharded when it was written (another world, other groups: resharded; full replicas: whole).
-    Collective."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
-    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}  # its shapes, state made if none yet
-    dcp.load(state, checkpoint_id=path)
-    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    if not isinstance(param, DTensor):
+        return local
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )

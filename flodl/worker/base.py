@@ -38,6 +38,7 @@ from flodl.sharding.fsdp import gathered_state, is_sharded
 from flodl.worker.checkpoint_part import RankCheckpointer
 from flodl.worker.group import FixedGroup, RankGroup
 from flodl.worker.nonfinite import NonFiniteError, nonfinite_message
+from flodl.worker.sharded_state import ShardedState
 from flodl.worker.stepper import Stepper
 
 log = logging.getLogger("flodl")
@@ -85,6 +86,8 @@ class WorkerBase:
         self.on_nonfinite = settings.on_nonfinite
         # Writes this rank's checkpoint parts (None: checkpoints are off).
         self.checkpointer = checkpointer
+        # What it reads of a checkpoint of sharded groups (any rank may resume one), given by the assembly.
+        self.sharded_state: ShardedState | None = None
         # A stop that saves was asked of this rank (set from the stop watch's thread; its parts say so); under
         # sync, set as the rank writes the agreed step's part, the stop's own.
         self.stop_asked = False

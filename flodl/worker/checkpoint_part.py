@@ -1,7 +1,9 @@
 """A rank's own part of a checkpoint: written at the boundary (or in the background, from a copy taken
 there), said `Saved` once it is on disk, loaded back on resume.
 
-The group's first member also writes the model (every member holds the same consensus at a checkpoint).
+The group's first member also writes the model (every member holds the same consensus at a checkpoint); a
+sharded model's ranks write theirs in shards instead, with the rest of their sharded state
+(flodl/worker/sharded_state.py), at the boundary.
 In the background (`background=True`), the rank's state is copied into host buffers kept from one save to
 the next (flodl/worker/host_snapshot.py: the copies queued on the device's stream, so the training thread
 does not wait for them); a thread of its own waits for the copies and writes the part, or on a GPU has the
@@ -20,11 +22,12 @@ from typing import Any
 from torch import nn
 
 from flodl.checkpoints.disk import MODEL_FILE, CheckpointDir, Point, model_state, rank_file
+from flodl.checkpoints.sharded import SHARDED_DIR
 from flodl.links.messages import Saved
-from flodl.sharding.fsdp import SHARDED_DIR, gathered_state, is_sharded, save_optimizer_shards
 from flodl.worker.host_snapshot import HostSnapshot, SharedRegionFailed, Taken
 from flodl.worker.part_writer import PartWriterProcess, WriterGone
 from flodl.worker.rank_state import stepper_state
+from flodl.worker.sharded_state import ShardedState
 from flodl.worker.stepper import Stepper
 
 log = logging.getLogger("flodl")
@@ -41,10 +44,13 @@ class RankCheckpointer:
         stepper: Stepper,
         background: bool = False,
         writer_process: bool = False,
+        sharded: ShardedState | None = None,
     ) -> None:
         """`writer_process` (in the background): parts written by a process of the rank's own (what a GPU
-        rank does, see flodl/worker/part_writer.py), not by a thread."""
+        rank does, see flodl/worker/part_writer.py), not by a thread. `sharded`: a sharded model's state,
+        written in shards at the boundary."""
         self.store = store
+        self.sharded = sharded
         self.rank = rank
         self.model = model
         self.stepper = stepper
@@ -67,8 +73,9 @@ class RankCheckpointer:
         part = {"stepper": stepper_state(self.stepper), "worker": worker_state}
         names = [*([MODEL_FILE] if first_member else []), rank_file(self.rank)]
         if self._writer is None:  # at the boundary (a sharded model's parts always: collectives write them)
-            if is_sharded(self.model):
-                self._save_sharded(point, part, first_member)
+            if self.sharded is not None:
+                self.sharded.save(self.store.partial(point) / SHARDED_DIR)
+                self.store.write_part(point, rank_file(self.rank), part)
             else:
                 state = [*([model_state(self.model)] if first_member else []), part]
                 for name, obj in zip(names, state, strict=True):
@@ -84,18 +91,6 @@ class RankCheckpointer:
             self._write_on_thread(f"{failed}; {more}")
             taken = self._snapshot.take(state)
         self._in_flight = (self._writer.submit(self._write, point, names, taken, started), receipt)
-
-    def _save_sharded(self, point: Point, part: dict[str, Any], first_member: bool) -> None:
-        """A sharded model's part, at the boundary (every rank there together: the gather and the save are
-        collectives): each rank's shard of the optimizer's state in the checkpoint's own files, nothing
-        gathered; the model gathered once for the first member to write whole, as a replica's."""
-        model = gathered_state(self.model)
-        save_optimizer_shards(
-            self.model, self.stepper.parts.optimizer, self.store.partial(point) / SHARDED_DIR
-        )
-        if first_member:
-            self.store.write_part(point, MODEL_FILE, model)
-        self.store.write_part(point, rank_file(self.rank), part)
 
     def _write(self, point: Point, names: list[str], taken: Taken, started: float) -> None:
         for event in taken.ready:  # the device's copies into the host buffers are done

@@ -108,11 +108,17 @@ def test_survive_by_groups_runs_under_cadence_and_what_it_does_not_do_yet_is_ref
         assert rule in said
 
 
-def test_cadence_across_groups_runs_exact_rounds_on_the_device_without_checkpoints() -> None:
+def test_cadence_across_groups_runs_exact_rounds_on_the_device_with_checkpoints() -> None:
     four = host(world_size=4, ranks_per_node=4)
     assert problems_of(make(shard_group=2, policy="cadence", checkpoint_every=None), four) == []
     diloco = make(shard_group=2, policy="cadence", checkpoint_every=None, outer="diloco")
     assert problems_of(diloco, four) == []  # each rank's outer step on its shard
+    # Each group's optimizer state written in shards, and resumed (tests/runs/test_sharded_checkpoints.py).
+    saved = make(shard_group=2, policy="cadence", checkpoint_every=1, checkpoint_every_steps=5, resume="/x")
+    assert problems_of(saved, four) == []
+    surviving = make(shard_group=2, policy="cadence", checkpoint_every=1, fault_tolerance="survive")
+    said = assert_problem(problems_of(surviving, four), "checkpoint_every", 1, "not with policy=cadence")
+    assert "no checkpoint of groups that leave yet: set checkpoint_every=null, or fault_tolerance" in said
 
 
 @pytest.mark.parametrize(
@@ -120,13 +126,6 @@ def test_cadence_across_groups_runs_exact_rounds_on_the_device_without_checkpoin
     [
         ("backend", "cpu", "a round runs on the device: set backend=nccl"),
         ("quantized_wire", "int8", "shards travel as float32"),
-        (
-            "checkpoint_every",
-            1,
-            "no checkpoint of the groups' own optimizer states: set checkpoint_every=null",
-        ),
-        ("checkpoint_every_steps", 5, "set checkpoint_every_steps=null"),
-        ("resume", "/some/run", "a checkpoint is not resumed onto its rounds: set resume=never"),
     ],
 )
 def test_what_cadence_across_groups_does_not_do_yet_is_refused_naming_the_key(

@@ -56,21 +56,16 @@ def _unsharded_only(cfg: FlodlConfig) -> Iterator[tuple[str, object, str]]:
 
 def _cadence_across_groups(cfg: FlodlConfig) -> Iterator[tuple[str, object, str]]:
     """What cadence's rounds per shard index do not do yet: they average each shard over float32 (an outer
-    optimizer steps each shard), on the device, and write no checkpoint (each group's optimizer state is its
-    own)."""
+    optimizer steps each shard), on the device; their checkpoints (each group's own optimizer state) are
+    written by a fixed world."""
     if cfg.backend == "cpu":
         yield "backend", "cpu", "a round runs on the device: set backend=nccl (gloo without a GPU)"
     if cfg.quantized_wire is not None:
         yield "quantized_wire", cfg.quantized_wire, "shards travel as float32: set quantized_wire=null"
-    for key in checkpoint_keys_set(cfg):
-        value = getattr(cfg, key)
-        yield (
-            key,
-            value,
-            f"no checkpoint of the groups' own optimizer states: set {key}=null, or shard_group=1",
-        )
-    if cfg.resume not in ("auto", "never"):
-        yield "resume", cfg.resume, "a checkpoint is not resumed onto its rounds: set resume=never"
+    if cfg.fault_tolerance == "survive":
+        for key in checkpoint_keys_set(cfg):
+            why = f"no checkpoint of groups that leave yet: set {key}=null, or fault_tolerance=none"
+            yield key, getattr(cfg, key), why
 
 
 def _surviving_groups(cfg: FlodlConfig) -> Iterator[tuple[str, object, str]]:

@@ -1,0 +1,90 @@
+"""A checkpoint's sharded state on disk (a run of sharded groups, docs/sharded-groups.md): its dir
+SHARDED_DIR, written with torch.distributed.checkpoint (DCP: a `.metadata` file and one `.distcp` file a
+rank), each rank its shard of what it holds, nothing gathered. DCP writes a piece several ranks hold alike
+(the same key, the same place in the tensor) once: the groups' shards of the consensus are written once per
+shard index.
+
+Its keys (flodl/worker/sharded_state.py writes and reads them):
+
+- `model`: the consensus model (every group holds it at a checkpoint's round);
+- the optimizer's state: `optimizer` under sync (every group steps the one state), each group's own under
+  local SGD (`optimizer_of_group_G`; `optimizer_groups`: how many groups there were); a group whose state
+  was empty (DiLoCo resets it after each round) has none;
+- `outer_momentum`: an outer optimizer's momentum, a tensor per parameter (its global parameters are the
+  consensus).
+
+Reading is each rank's own (no collective): a rank reads its shard of each tensor as it is laid out now, on
+any world and any `shard_group` (full replicas read them whole).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+SHARDED_DIR = "sharded"
+MODEL_KEY = "model"
+OUTER_KEY = "outer_momentum"
+GROUPS_KEY = "optimizer_groups"
+_METADATA = ".metadata"
+
+
+def optimizer_key(group: int | None) -> str:
+    """Where the optimizer's state of `group` lies (None: the one every group steps, under sync)."""
+    return "optimizer" if group is None else f"optimizer_of_group_{group}"
+
+
+def sharded_files(checkpoint_dir: Path) -> list[str]:
+    """The sharded dir's files, as a manifest names them (relative to the checkpoint's dir); none in a
+    checkpoint of full replicas."""
+    sharded = checkpoint_dir / SHARDED_DIR
+    if not sharded.is_dir():
+        return []
+    return sorted(f"{SHARDED_DIR}/{p.name}" for p in sharded.iterdir() if p.is_file())
+
+
+def holds_sharded_model(files: list[str] | dict[str, Any]) -> bool:
+    """Whether a checkpoint of these files holds its model in shards (not whole, as `model.pt`)."""
+    return f"{SHARDED_DIR}/{_METADATA}" in files
+
+
+def saved_keys(path: Path) -> set[str]:
+    """The top-level keys the sharded dir at `path` holds."""
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    return {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
+
+
+def write(state: dict[str, Any], path: Path) -> None:
+    """Each rank's shard of `state` under `path` (collective: every rank of the job calls it together)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, checkpoint_id=path)
+
+
+def read(state: dict[str, Any], path: Path) -> None:
+    """Fill `state`'s tensors in place from `path`, each with the piece of it this rank holds (this rank's
+    own read: the ranks may read different keys)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+
+
+def whole_model(path: Path) -> dict[str, Tensor]:
+    """The consensus model under `path`, whole, as CPU tensors (a replica's state_dict)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    prefix = f"{MODEL_KEY}."
+    state = {
+        key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        for key, meta in metadata.items()
+        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+    }
+    read(state, path)
+    return {key.removeprefix(prefix): tensor for key, tensor in state.items()}

@@ -1,0 +1,105 @@
+"""Checkpoints of sharded groups (docs/sharded-groups.md): 4 gloo ranks as 2 groups of 2 write each rank's
+shard of the model, of its group's optimizer state and of the outer momentum (torch.distributed.checkpoint,
+nothing gathered); a checkpoint inside an epoch resumes where the run left off, and on other layouts (one
+group of 2, 2 groups of 1, 3 full replicas) with every sample of every epoch trained once, counted from the
+reads of a Dataset that logs them. One 2x2 run per policy, its checkpoints shared by every resume."""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.procs import train
+from tests.helpers.resize_counts import (
+    PINNED,
+    POINTS,
+    SAMPLES,
+    read,
+    resumable,
+    resumed_trains_each_sample_once_an_epoch,
+)
+
+pytestmark = pytest.mark.multiproc
+
+EPOCHS = 3
+# SGD with momentum: under cadence each group's optimizer state is its own, which a resume must take back.
+MOMENTUM = ("+task.optimizer.momentum=0.9",)
+# A fixed window of 2 batches a rank; a checkpoint inside each epoch.
+CADENCE = ("policy=cadence", *PINNED, "divergence_guard=none", "checkpoint_every_steps=4")
+RUNS = {
+    "sync": ("policy=sync", "checkpoint_every_steps=5"),
+    # SlowMo keeps the inner optimizer's state and has an outer momentum; DiLoCo resets the inner state.
+    "slowmo": (*CADENCE, "outer=slowmo"),
+    "diloco": (*CADENCE, "outer=diloco"),
+}
+
+
+class Runs:
+    """The module's runs, one log of reads for all (the task's config is the checkpoint's), moved aside as
+    each run ends."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def run(self, name: str, kind: str, ranks: int, groups: int, *more: str) -> tuple[Path, str]:
+        """The run dir and output of a run of `kind` on `ranks` ranks, `groups` ranks a group."""
+        common = (
+            *POINTS,
+            f"epochs={EPOCHS}",
+            *MOMENTUM,
+            *RUNS[kind],
+            f"task.train_data.log={self.root / 'reads'}",
+        )
+        layout = (
+            f"launch.nproc_per_node={ranks}",
+            f"shard_group={groups}",
+            f"hydra.run.dir={self.root / name}",
+        )
+        result = train(*common, *layout, *more, cwd=self.root, timeout=300).check()
+        (self.root / "reads").rename(self.reads(name))
+        return self.root / name, result.out
+
+    def reads(self, name: str) -> Path:
+        return self.root / f"reads-{name}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("sharded-checkpoints"))
+
+
+@pytest.fixture(scope="module")
+def whole(runs: Runs) -> Callable[[str], Path]:
+    """Each kind's uninterrupted 2x2 run (a checkpoint inside every epoch), run once, when a test asks."""
+
+    @functools.cache
+    def of(kind: str) -> Path:
+        run_dir, _ = runs.run(f"whole-{kind}", kind, 4, 2)
+        assert read(runs.reads(f"whole-{kind}")) == Counter({i: EPOCHS for i in range(SAMPLES)})
+        return run_dir
+
+    return of
+
+
+@pytest.mark.parametrize("kind", ["slowmo", "diloco"])
+def test_a_sharded_cadence_checkpoint_resumes_where_the_run_left_off(
+    runs: Runs, whole: Callable[[str], Path], kind: str
+) -> None:
+    # Stopped at its checkpoint inside the second epoch and resumed on the same groups, the run ends where
+    # the uninterrupted one does, bit for bit: each group's optimizer state, the outer momentum, the random
+    # streams and the data position are what they were.
+    checkpoint = resumable(whole(kind), 2)
+    saved = sorted(p.name for p in (checkpoint / "sharded").iterdir())
+    assert saved == [".metadata", *(f"__{r}_0.distcp" for r in range(4))]
+    assert not (checkpoint / "model.pt").exists()  # the model lies in shards, nothing gathered
+    name = f"again-{kind}"
+    resumed, _ = runs.run(name, kind, 4, 2, f"resume={checkpoint}")
+    resumed_trains_each_sample_once_an_epoch(checkpoint, runs.reads(name), EPOCHS)
+    a = torch.load(whole(kind) / "model.pt", weights_only=True)
+    b = torch.load(resumed / "model.pt", weights_only=True)
+    assert all(torch.equal(a[key], b[key]) for key in a), {key: (a[key] - b[key]).abs().max() for key in a}
