@@ -179,6 +179,9 @@ def main() -> None:
         before = calm("before")
         faults = inject(faulted, args, overrides, args.work)
         calms = [before, calm("after")]
+    if not faults:
+        out = (args.work / f"{faulted.name}.out").read_text()
+        raise SystemExit(f"no fault was injected: the faulted job's output ends\n{out[-3000:]}")
     lines = report(args, common, faulted, faults, calms)
     write_report(results_path(args.results_dir, "mixed-faults", cpu=True), "\n".join(lines))
 
