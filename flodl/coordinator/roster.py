@@ -162,8 +162,10 @@ class SurvivingRoster(Roster):
         self.ledger = ledger
         self.timeline = timeline
         self.min_ranks = settings.min_ranks
-        # Sharded groups (shard_group > 1): a rank's group leaves with it (its others hold no whole model).
+        # Sharded groups (shard_group > 1): a rank's group leaves with it (its others hold no whole model),
+        # and comes back whole: its restarts wait here until every one of them is ready (then joiners).
         self.groups = ShardGroups(settings.capacity, settings.shard_group)
+        self.waiting: set[int] = set()
         # Each rank's current process (0: the first).
         self.incarnations: dict[int, int] = {}
         # The exits the self-launch supervisor posts (each one cut at once).
@@ -178,8 +180,7 @@ class SurvivingRoster(Roster):
         groups the other members of its group leave with it, in the same change: they cannot step without
         its shard (their processes are cut too, for the supervisor to end). `exited_at`: when its supervisor
         saw its process end (unix seconds), if that is how it is known."""
-        group = self.groups.members(self.groups.group_of(rank))
-        leaving = [rank] + [mate for mate in group if mate != rank and mate in self.members]
+        leaving = [rank] + [mate for mate in self._group(rank) if mate != rank and mate in self.members]
         now = time.perf_counter()
         for gone in leaving:
             post_cut(self.outbox.store, gone, self.incarnations.get(gone, 0))
@@ -190,6 +191,7 @@ class SurvivingRoster(Roster):
             self.monitor.forget(gone)
             self.members.discard(gone)
             self.joiners.discard(gone)
+            self.waiting.discard(gone)
             self.unformed.discard(gone)
         self.generation += 1
         self.driver.on_cut(leaving)
@@ -229,7 +231,15 @@ class SurvivingRoster(Roster):
         self.joined[message.rank] = (time.perf_counter(), message.startup_s)
         if self.too_few is None and not self.driver.done:
             log.info("rank %d (%s) waits to be admitted", message.rank, self._arrival(message))
-            self.joiners.add(message.rank)
+            self.waiting.add(message.rank)
+            group = set(self._group(message.rank))
+            if group <= self.waiting:  # a sharded group is admitted whole, once every rank of it is ready
+                self.joiners |= group
+                self.waiting -= group
+
+    def _group(self, rank: int) -> list[int]:
+        """The ranks of `rank`'s sharded group (itself alone with full replicas)."""
+        return self.groups.members(self.groups.group_of(rank))
 
     @staticmethod
     def _arrival(message: Joined) -> str:
@@ -241,8 +251,25 @@ class SurvivingRoster(Roster):
         exit is old news: its restart is here already)."""
         for ended in self._exits.new():
             rank = ended["rank"]
-            if rank in self.members and ended["incarnation"] == self.incarnations.get(rank, 0):
+            if ended["incarnation"] != self.incarnations.get(rank, 0):
+                continue
+            if rank in self.members:
                 self.cut(rank, f"its process ended: {ended['cause']}", exited_at=ended["at"])
+            elif self.groups.sharded and rank in self.waiting | self.joiners:
+                self._restart_group(rank, ended["cause"])
+
+    def _restart_group(self, rank: int, cause: str) -> None:
+        """A restart of a sharded group ended before the group was admitted: its others, waiting, are cut too
+        (their supervisor starts them again, in step with its own restart: a group's processes meet by their
+        incarnation, flodl/job/assembly.py)."""
+        for mate in self._group(rank):
+            if mate in self.waiting | self.joiners:
+                self.waiting.discard(mate)
+                self.joiners.discard(mate)
+                self.joined.pop(mate, None)
+                if mate != rank:
+                    post_cut(self.outbox.store, mate, self.incarnations.get(mate, 0))
+        log.warning("rank %d ended before its group was admitted (%s): the group starts again", rank, cause)
 
     def on_regrouped(self, message: Regrouped) -> None:
         for change in self.changes:
@@ -254,23 +281,26 @@ class SurvivingRoster(Roster):
         """Admissions the driver made, first good rounds after a change, and each finished change's line
         (`run_ended`: every change's, finished or not)."""
         while self.admitted:
-            rank = self.admitted.pop(0)
-            self.monitor.watch(rank, time.perf_counter())
-            members = sorted(self.members)
-            joined_at, startup_s = self.joined.pop(rank)
+            rank = self.admitted[0]
+            group = [r for r in self.admitted if r in self._group(rank)]  # a sharded group: one change
+            self.admitted = [r for r in self.admitted if r not in group]
+            joined = {r: self.joined.pop(r) for r in group}
+            why = f"incarnation {self.incarnations[rank]}"
+            if len(group) > 1:
+                why = f"{why}; its group {group} with it"
+            # A group is ready once its last rank is.
+            startup_s = max(s for _, s in joined.values())
             change = MembershipChange(
-                "admitted",
-                rank,
-                self.generation,
-                members,
-                f"incarnation {self.incarnations[rank]}",
-                startup_s=startup_s,
+                "admitted", rank, self.generation, sorted(self.members), why, startup_s=startup_s
             )
-            change.waited_s = change.started - joined_at
+            change.waited_s = change.started - max(at for at, _ in joined.values())
             self.changes.append(change)
-            self.ledger.membership_event(
-                "rank_admitted", rank, {"startup_s": startup_s, "waited_s": change.waited_s}
-            )
+            for r, (joined_at, startup_s) in joined.items():
+                self.monitor.watch(r, time.perf_counter())
+                waited_s = change.started - joined_at
+                self.ledger.membership_event(
+                    "rank_admitted", r, {"startup_s": startup_s, "waited_s": waited_s}
+                )
         for change in self.changes:
             change.on_good_round(self.good_round_generation)
         # In order; a change the next one overtook (its group never formed, or no round closed in it) too.

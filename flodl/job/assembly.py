@@ -257,7 +257,7 @@ def make_group(
     rounds = exchange
     # Sharded groups: the rank's group is its process's world (FSDP2's collectives), its rounds its shard's.
     if shards.sharded:
-        _form_shard_group(shards, env.rank, backend, exchange, device, timeout_s)
+        _form_shard_group(shards, env.rank, incarnation, backend, exchange, device, timeout_s)
         rounds = PrefixStore(f"shard/{shards.shard_index(env.rank)}/", exchange)
     membership = AveragingGroup(rounds, backend, env.rank, device, timeout_s)
     # A rank whose round failed hears who is still in once the coordinator has seen the silence.
@@ -270,6 +270,7 @@ def make_group(
 def _form_shard_group(
     shards: ShardGroups,
     rank: int,
+    incarnation: int,
     backend: str,
     exchange: PrefixStore,
     device: torch.device,
@@ -277,10 +278,12 @@ def _form_shard_group(
 ) -> None:
     """Under survive: this process's world is its sharded group (survive never forms the job's), on a store
     prefix of its own. A rank's death takes the group out whole (the roster cuts its others), so no member
-    of it ever waits on a world with a dead rank in it for longer than `timeout_s`."""
+    of it ever waits on a world with a dead rank in it for longer than `timeout_s`; and every process of the
+    group starts again once (the dead one's restart, its others' after their cut), so a group's processes
+    meet by their incarnation: its restarted ones form a world of their own."""
     dist.init_process_group(
         backend,
-        store=PrefixStore(f"sharded/{shards.group_of(rank)}/", exchange),
+        store=PrefixStore(f"sharded/{shards.group_of(rank)}/{incarnation}/", exchange),
         rank=shards.shard_index(rank),
         world_size=shards.size,
         timeout=timedelta(seconds=timeout_s),

@@ -43,10 +43,10 @@ from flodl.links.messages import (
 from flodl.worker.base import RankLink, WorkerBase, WorkerSettings
 from flodl.worker.checkpoint_part import RankCheckpointer
 from flodl.worker.group import RankGroup
+from flodl.worker.joiner_state import joiners_state, restore_joiner
 from flodl.worker.local_chunk import Chunk
 from flodl.worker.local_round import FinishedRound, RoundInFlight
 from flodl.worker.nonfinite import NonFiniteError
-from flodl.worker.rank_state import restore_stepper, shared_state, stepper_state
 from flodl.worker.stepper import Stepper
 
 log = logging.getLogger("flodl")
@@ -360,11 +360,11 @@ class LocalSgdWorker(WorkerBase):
         (as a rank without a checkpoint part does): its moments and learning rate, not a fresh optimizer's.
         The other members keep their own."""
         stepper = self.stepper
-        mine = shared_state(stepper_state(stepper)) if self.rank == sharer else None
+        mine = joiners_state(stepper) if self.rank == sharer else None
         wire = stepper.device if group.backend == "nccl" else torch.device("cpu")
         state = group.broadcast_state(mine, group.members.index(sharer), wire)
         if self.rank in joining:
-            restore_stepper(stepper, state)
+            restore_joiner(stepper, state)
             stepper.schedule_to(self.schedule_position())
 
     def regrouped(self, change: Regroup, formed: Regrouped) -> None:

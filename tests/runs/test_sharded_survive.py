@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 from pathlib import Path
 
@@ -34,28 +35,31 @@ WORLD, K = 4, 2
 RANK_STEPS = 11
 
 
-def groups_of_two(job: Job) -> None:
+def groups_of_two(job: Job, *overrides: str, until_admitted: bool = False) -> None:
     job.configure(
         "policy=cadence",
         "fault_tolerance=survive",
         f"shard_group={K}",
         "device=cpu",
         "checkpoint_every=null",
+        *overrides,
+        until_admitted=until_admitted,
     )
     job.args = [f"launch.nproc_per_node={WORLD}" if a == "launch.nproc_per_node=2" else a for a in job.args]
 
 
+@pytest.mark.parametrize("restarts", [0, 1])
 @pytest.mark.parametrize(("group", "seed"), [(1, 0), (0, 0)])
-def test_a_ranks_death_takes_its_group_out_and_the_other_group_trains_on(
-    tmp_path: Path, group: int, seed: int
+def test_a_ranks_death_takes_its_group_out_the_other_trains_on_and_it_rejoins_whole(
+    tmp_path: Path, group: int, seed: int, restarts: int
 ) -> None:
     rng = random.Random(f"sharded-survive-{group}-{seed}")
     # Group 0's victim is rank 0 (the run's host lives apart under survive: rank 0 dies as any rank does).
-    victim = rng.choice([1, 3]) - 1 if group == 0 else rng.choice([2, 3])
+    victim = 0 if group == 0 else rng.choice([2, 3])
     at = rng.randint(1, 2 * RANK_STEPS)
     mate = victim + 1 if victim % K == 0 else victim - 1
     job = Job(tmp_path)
-    groups_of_two(job)
+    groups_of_two(job, f"launch.max_restarts={restarts}", until_admitted=restarts > 0)
     proc = job.start()
     pid = job.at_step(proc, victim, at)
     mate_pid = int(job.files(mate)[-1].stem.rsplit("-", 1)[1])
@@ -63,20 +67,36 @@ def test_a_ranks_death_takes_its_group_out_and_the_other_group_trains_on(
     trial = Trial("sharded-survive", seed, f"rank {victim} SIGKILLed at its step {at}")
     result = job.finish(proc, trial)
     assert result.ok, (result.out + result.err)[-3000:]
-    assert [r["epoch"] for r in epochs_of(job.run_dir)] == list(range(EPOCHS))
+    epochs = [r["epoch"] for r in epochs_of(job.run_dir)]
+    assert epochs == list(range(len(epochs) if restarts else EPOCHS))
     check_no_partial(trial, job)
 
     # The group left in one change: the dead rank cut (its supervisor said it died), or its other rank,
     # whose collective with the dead one failed first, and the group with it.
-    cuts = [e for e in membership(job.run_dir) if e["event"] == "rank_cut"]
+    changes = membership(job.run_dir)
+    cuts = [e for e in changes if e["event"] == "rank_cut"]
     others = sorted({0, 1, 2, 3} - {victim, mate})
     assert [(e["rank"] in (victim, mate), e["members"]) for e in cuts] == [(True, others)], cuts
     assert f"its group {sorted([victim, mate])} leaves with it" in cuts[0]["why"]
 
-    # The members left end with one state per shard index; the group that left says none.
-    final = digests(_logs(job), "final round")
-    assert sorted(final) == others, final
-    # The whole model, gathered by the group left, written by its first member.
+    logs = _logs(job)
+    final = digests(logs, "final round")
+    if restarts:
+        # Back whole, in one admission: each restarted rank took its shard (parameters and the optimizer's
+        # moments) from the member holding its shard index, and every group ends with one state.
+        admitted = [e for e in changes if e["event"] == "rank_admitted"]
+        assert [(e["rank"] in (victim, mate), e["members"]) for e in admitted] == [(True, [0, 1, 2, 3])]
+        assert f"its group {sorted([victim, mate])} with it" in admitted[0]["why"]
+        assert admitted[0]["first_round_s"] is not None, admitted  # done, not overtaken
+        shared = dict(re.findall(r"rank (\d+): state after admitting \[\d+, \d+\]: (.+)", logs))
+        assert sorted(shared) == ["0", "1", "2", "3"], shared
+        for rank in range(K):  # its shard index's two ranks, one per group
+            assert shared[str(rank)] == shared[str(rank + K)], shared
+        assert sorted(final) == [0, 1, 2, 3], final
+        assert final[0] == final[2] and final[1] == final[3], final
+    else:  # the group that left says no final state
+        assert sorted(final) == others, final
+    # The whole model, gathered by a group, written by the first member.
     model = torch.load(job.run_dir / "model.pt", weights_only=True)
     whole = DigitsMLP(hidden=128).state_dict()
     assert {k: v.shape for k, v in model.items()} == {k: v.shape for k, v in whole.items()}

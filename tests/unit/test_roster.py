@@ -12,7 +12,7 @@ from flodl.coordinator.ledger import EpochLedger
 from flodl.coordinator.roster import RankHung, Roster, SurvivingRoster
 from flodl.coordinator.survivors import SurviveSettings, was_cut
 from flodl.links.heartbeat import HeartbeatMonitor
-from flodl.links.membership import cut_key
+from flodl.links.membership import cut_key, post_exit
 from flodl.links.messages import Exiting, Joined, Regrouped
 from flodl.links.seats import take_seat
 from flodl.links.transport import Mailbox
@@ -100,6 +100,31 @@ def test_with_sharded_groups_a_ranks_group_leaves_with_it_in_one_change() -> Non
     assert "its group [2, 3] leaves with it" in roster.changes[-1].why
     roster.on_silent([4, 5], now=5.0)  # both silent: the first's cut takes the group, the second is out
     assert driver.together[-1] == [4, 5] and roster.generation == 2 and roster.members == {0, 1}
+
+
+def test_with_sharded_groups_a_group_is_admitted_whole_once_every_restart_of_it_waits() -> None:
+    roster, _, _ = surviving(capacity=4, world=4, shard_group=2)
+    roster.on_exiting(Exiting(2, "OOM"))  # [2, 3] leave
+    roster.on_joined(Joined(2, incarnation=1, startup_s=1.0))
+    assert (roster.joiners, roster.waiting) == (set(), {2})  # nothing to admit at a boundary yet
+    roster.on_joined(Joined(3, incarnation=1, startup_s=3.0))
+    assert (roster.joiners, roster.waiting) == ({2, 3}, set())
+    assert roster.admit_joiners() == [2, 3]
+    roster.follow_changes()
+    admitted = [(c.rank, c.why, c.startup_s) for c in roster.changes if c.kind == "admitted"]
+    assert admitted == [(2, "incarnation 1; its group [2, 3] with it", 3.0)]  # one change: the group's
+
+
+def test_with_sharded_groups_a_restart_ending_before_its_admission_starts_its_group_again() -> None:
+    roster, _, store = surviving(capacity=4, world=4, shard_group=2)
+    roster.on_exiting(Exiting(3, "OOM"))
+    roster.on_joined(Joined(2, incarnation=1, startup_s=1.0))
+    roster.on_joined(Joined(3, incarnation=1, startup_s=1.0))
+    post_exit(store, 3, 1, "signal SIGKILL")  # its supervisor saw restart 1 of rank 3 end
+    roster.check_exits()
+    assert (roster.joiners, roster.waiting, roster.members) == (set(), set(), {0, 1})
+    assert store.get(cut_key(2)) == b"1"  # the other restart ends too: both start again, in step
+    assert store.get(cut_key(3)) == b"0"  # rank 3's own was its old cut (its restart ended by itself)
 
 
 def test_a_stop_signal_stops_the_run_only_from_a_member() -> None:

@@ -69,20 +69,15 @@ def _cadence_across_groups(cfg: FlodlConfig) -> Iterator[tuple[str, object, str]
 
 
 def _surviving_groups(cfg: FlodlConfig) -> Iterator[tuple[str, object, str]]:
-    """What survive by groups does not do yet: a rank's death takes its group out and the other groups
-    train on under cadence (docs/survive.md); the group does not come back, and no group joins."""
+    """What survive by groups does not do yet: under cadence a rank's death takes its group out, the other
+    groups train on, and the group comes back whole once its ranks are restarted (docs/survive.md); no group
+    joins a running job."""
     if cfg.policy != "cadence":
         yield (
             "policy",
             cfg.policy,
             "a group leaves and the others train on under policy=cadence only: set policy=cadence, or "
             "fault_tolerance=none",
-        )
-    if cfg.launch.max_restarts:
-        yield (
-            "launch.max_restarts",
-            cfg.launch.max_restarts,
-            "a group cut out does not come back whole yet: set launch.max_restarts=0",
         )
     if cfg.launch.max_ranks is not None:
         yield (
