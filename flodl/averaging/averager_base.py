@@ -15,7 +15,7 @@ from flodl.averaging.flat import flatten_float32_buffers, flatten_parameters, st
 from flodl.averaging.outer import OuterOptimizer, OuterSettings
 from flodl.averaging.reduce_group import ReduceGroup
 from flodl.averaging.reducer import Reducer
-from flodl.averaging.shards import ShardCopies, sharded_parameters
+from flodl.averaging.shards import ShardCopies, gathered_units, sharded_parameters
 from flodl.averaging.wire import Wire
 
 
@@ -49,7 +49,9 @@ class AveragerBase:
         """`shard_group` > 1: the model's parameters are the rank's shards of its group's (shards.py) and
         `group` the ranks holding the same shard, each standing for its group's `shard_group` ranks, which
         took as many steps (the step clock counts every rank's)."""
-        self.shards = ShardCopies(sharded_parameters(model)) if shard_group > 1 else None
+        self.shards = (
+            ShardCopies(sharded_parameters(model), gathered_units(model)) if shard_group > 1 else None
+        )
         self.shard_group = shard_group
         self.params = self.shards.groups if self.shards is not None else flatten_parameters(model)
         self.buffers = flatten_float32_buffers(model)

@@ -5,7 +5,10 @@ averager's group, one per shard index).
 FSDP2 keeps each shard in storage of its own (padded for its all-gather), which a flat buffer cannot take the
 place of, as it does a replica's parameters (flat.py): the flat buffers here hold copies of the shards, taken
 before what a round reads (`pull`) and put back after what it writes (`push`). A round's copy out and in is
-the shard's size once each way, 1/k of the model.
+the shard's size once each way, 1/k of the model. A forward without a backward (an eval) leaves a unit
+gathered (FSDP2 keeps the root's parameters gathered after its forward), and a gathered unit computes with
+its gathered copy, not its shards: `push` lets go of it, so the next forward gathers what the round wrote
+(an async rank's blend, written after the eval of the consensus).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Protocol, cast
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 
 from flodl.averaging.flat import by_dtype, flat_copies
 from flodl.averaging.reduce_group import WorldGroup
@@ -34,11 +38,18 @@ def sharded_parameters(model: nn.Module) -> list[Sharded]:
     return params
 
 
-class ShardCopies:
-    """The rank's local shards of `sharded`, copied into one flat buffer per dtype."""
+def gathered_units(model: nn.Module) -> list[FSDPModule]:
+    """The units FSDP2 gathers for a forward (the model's sharded modules, the root among them)."""
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
-    def __init__(self, sharded: list[Sharded]) -> None:
+
+class ShardCopies:
+    """The rank's local shards of `sharded`, copied into one flat buffer per dtype; `units`: the modules
+    that gather them (let go of after a push)."""
+
+    def __init__(self, sharded: list[Sharded], units: list[FSDPModule] | None = None) -> None:
         self.sharded = sharded
+        self.units = units or []
         self.groups = flat_copies(self._local())
 
     def _local(self) -> list[Tensor]:
@@ -54,9 +65,12 @@ class ShardCopies:
 
     @torch.no_grad()
     def push(self) -> None:
-        """The flat buffers back into the shards (after a round wrote them)."""
+        """The flat buffers back into the shards (after a round wrote them); a unit still gathered lets go
+        of its gathered copy, so its next forward computes with them."""
         for group, tensors in zip(self.groups, by_dtype(self._local()), strict=True):
             torch._foreach_copy_(tensors, group.views)
+        for unit in self.units:
+            unit.reshard()
 
 
 class ShardSharers(WorldGroup):

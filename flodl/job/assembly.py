@@ -50,6 +50,7 @@ from flodl.sharding.groups import ShardGroups
 from flodl.worker.base import RankLink, WorkerBase
 from flodl.worker.checkpoint_part import RankCheckpointer
 from flodl.worker.group import FixedGroup, RankGroup, SurvivingGroup
+from flodl.worker.group_steps import GroupSteps
 from flodl.worker.local_sgd import LocalSgdWorker
 from flodl.worker.sharded_state import ShardedState
 from flodl.worker.stepper import Stepper
@@ -148,6 +149,15 @@ def _shard_averaging(
     return ShardSharers(sharers, shards.sharers(shards.shard_index(rank))[0], group.timeout_s)
 
 
+def _group_steps(shards: ShardGroups) -> GroupSteps:
+    """Async over sharded groups: the vote of the rank's group before each step, on a gloo group of its
+    ranks (collective: every rank makes every group's, in step)."""
+    mine, _ = dist.new_subgroups_by_enumeration(
+        [shards.members(g) for g in range(shards.count)], backend="gloo"
+    )
+    return GroupSteps(mine)
+
+
 def make_worker(
     cfg: FlodlConfig,
     parts: TaskParts,
@@ -198,6 +208,7 @@ def make_worker(
         return _reading(synced, state)
     outer = OuterSettings.resolve(cfg.outer, cfg.outer_lr, cfg.outer_momentum, cfg.outer_reset_inner)
     averager: DeviceAverager | HostAverager
+    group_steps = None
     if cfg.backend == "cpu":
         averager = HostAverager(parts.model, cfg.gamma, device, group, wire, outer)
     else:
@@ -205,6 +216,7 @@ def make_worker(
         rounds: ReduceGroup = group
         if shards.sharded:  # the rules refuse the host backend and the wires
             rounds = _shard_averaging(parts, shards, rank, device, group)
+            group_steps = _group_steps(shards) if policy.crosses_epochs else None
         averager = DeviceAverager(parts.model, cfg.gamma, device, wire, outer, keeps_own, rounds, shards.size)
     # Built (and compiled) after the averager re-pointed the parameters into its flat buffers: compiled
     # graphs read them there, so each round's in-place update is what the next step sees.
@@ -221,6 +233,7 @@ def make_worker(
         checkpointer(stepper, state),
         group,
         cfg.overlap_rounds,
+        group_steps,
     )
     return _reading(worker, state)
 

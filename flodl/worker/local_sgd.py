@@ -43,6 +43,7 @@ from flodl.links.messages import (
 from flodl.worker.base import RankLink, WorkerBase, WorkerSettings
 from flodl.worker.checkpoint_part import RankCheckpointer
 from flodl.worker.group import RankGroup
+from flodl.worker.group_steps import GroupSteps
 from flodl.worker.joiner_state import joiners_state, restore_joiner
 from flodl.worker.local_chunk import Chunk
 from flodl.worker.local_round import FinishedRound, RoundInFlight
@@ -64,8 +65,11 @@ class LocalSgdWorker(WorkerBase):
         checkpointer: RankCheckpointer | None = None,
         group: RankGroup | None = None,
         overlap: bool = False,
+        group_steps: GroupSteps | None = None,
     ) -> None:
+        """`group_steps`: async over sharded groups, the members' vote before each step (group_steps.py)."""
         super().__init__(stepper, link, settings, checkpointer, group)
+        self.group_steps = group_steps
         self.averager = averager
         self.easgd_alpha = easgd_alpha
         # Train on while a (cpu-backend) round is in flight, instead of waiting for its consensus.
@@ -111,7 +115,10 @@ class LocalSgdWorker(WorkerBase):
         # skip: the window boundary handles it
 
     def has_work(self) -> bool:
-        return (self.round is not None and not self.round.awaiting_window) or self._has_batches()
+        held = self.group_steps is not None and self.group_steps.held  # waits for its AverageNow
+        return (self.round is not None and not self.round.awaiting_window) or (
+            self._has_batches() and not held
+        )
 
     def on_done(self) -> None:
         """The state every member holds after the run's last, exact round (a fingerprint)."""
@@ -147,6 +154,8 @@ class LocalSgdWorker(WorkerBase):
     def work(self) -> None:
         if self.round is not None and (self.averager.ready() or not self._has_batches()):
             self._finish_round(self.round)
+            return
+        if self.group_steps is not None and not self.group_steps.may_step():
             return
         stepper = self.stepper
         step_samples = stepper.step_samples
@@ -209,6 +218,8 @@ class LocalSgdWorker(WorkerBase):
         return self.chunk is not None or bool(self.pending)
 
     def _begin_round(self, order: AverageNow) -> None:
+        if self.group_steps is not None:
+            self.group_steps.before_round(self._has_batches())
         steps = self.steps_since_avg
         if self.on_nonfinite == "error":
             self.raise_if_nonfinite()

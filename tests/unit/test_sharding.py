@@ -75,15 +75,19 @@ def test_groups_must_divide_the_world_and_each_host() -> None:
     assert_problem(straddle, "shard_group", 2, "each host's 3 ranks must form whole groups")
 
 
-@pytest.mark.parametrize(
-    ("overrides", "rule"),
-    [
-        ({"policy": "async"}, "runs under policy=sync (HSDP) and cadence only yet, not policy=async"),
-    ],
-)
-def test_what_groups_cannot_do_yet_is_refused_naming_the_key(overrides: dict, rule: str) -> None:
-    cfg = make(shard_group=2, **overrides)
-    assert_problem(problems_of(cfg, host(world_size=2, ranks_per_node=2)), "shard_group", 2, rule)
+def test_async_across_groups_runs_on_the_device_without_checkpoints() -> None:
+    four = host(world_size=4, ranks_per_node=4)
+    assert problems_of(make(shard_group=2, policy="async", checkpoint_every=None), four) == []
+    for key, value, rule in [
+        ("checkpoint_every", 1, "its checkpoints of groups are not built: set checkpoint_every=null"),
+        ("checkpoint_every_steps", 5, "set checkpoint_every_steps=null"),
+        ("resume", "/some/run", "a checkpoint is not resumed onto its rounds: set resume=never"),
+    ]:
+        cfg = make(shard_group=2, policy="async", **{"checkpoint_every": None, key: value})
+        said = assert_problem(
+            problems_of(cfg, four), key, value, "not with policy=async and shard_group=2 yet ("
+        )
+        assert rule in said
 
 
 def test_survive_by_groups_runs_under_cadence_and_what_it_does_not_do_yet_is_refused_naming_the_key() -> None:
@@ -128,14 +132,15 @@ def test_cadence_across_groups_runs_exact_rounds_on_the_device_with_checkpoints(
         ("quantized_wire", "int8", "shards travel as float32"),
     ],
 )
-def test_what_cadence_across_groups_does_not_do_yet_is_refused_naming_the_key(
-    key: str, value: object, rule: str
+@pytest.mark.parametrize("policy", ["cadence", "async"])
+def test_what_local_sgd_across_groups_does_not_do_yet_is_refused_naming_the_key(
+    key: str, value: object, rule: str, policy: str
 ) -> None:
-    cfg = make(shard_group=2, policy="cadence", **{"checkpoint_every": None, key: value})
+    cfg = make(shard_group=2, policy=policy, **{"checkpoint_every": None, key: value})
     problems = problems_of(cfg, host(world_size=2, ranks_per_node=2))
-    said = assert_problem(problems, key, value, "not with policy=cadence and shard_group=2 yet (")
+    said = assert_problem(problems, key, value, f"not with policy={policy} and shard_group=2 yet (")
     assert rule in said
-    assert problems_of(make(policy="cadence", **{"checkpoint_every": None, key: value})) == []
+    assert problems_of(make(policy=policy, **{"checkpoint_every": None, key: value})) == []
 
 
 @pytest.mark.parametrize(("key", "value"), [("bf16_wire", True), ("compile", True), ("precision", "fp8")])

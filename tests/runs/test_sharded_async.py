@@ -1,0 +1,141 @@
+"""Async across sharded groups (docs/sharded-groups.md): 4 gloo ranks as 2 groups of 2, each group one
+data-parallel replica sharded in two (FSDP2 inside it), each rank averaging its shard with the same shard of
+the other group and blending the consensus in (EASGD), end where plain torch's blended averaging of the full
+model does; with ElChe free and the overshoot on, a group's members step together and every batch is
+trained once."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flodl.data.partition import epoch_permutation
+from flodl.rounds.split import balanced_split
+from flodl.tasks.digits import DigitsMLP, digits_dataset
+from tests.helpers.procs import FAST_START, train
+from tests.helpers.runs import epochs_of
+
+pytestmark = pytest.mark.multiproc
+
+WORLD, K, BATCH, WINDOW, EPOCHS, LR, ALPHA, SEED = 4, 2, 8, 5, 2, 0.1, 0.5, 42
+PER_EPOCH = 1438 // BATCH // K * K  # the digits' batches an epoch, whole groups of them
+
+GROUPS_OF_TWO = (
+    f"launch.nproc_per_node={WORLD}",
+    FAST_START,
+    "device=cpu",
+    "policy=async",
+    f"shard_group={K}",
+    f"batch_size={BATCH}",
+    "checkpoint_every=null",
+    "hydra.run.dir=run",
+)
+
+
+def blended_averaging(alpha: float | None) -> dict[str, torch.Tensor]:
+    """Plain torch: one replica per group, each step SGD on the union of its members' micro-batches; after
+    every window of WINDOW batches a rank, handed from one cursor across the epochs in rank order (the run's
+    tail split so that every rank holds its share), the replicas' mean weighted by their steps, which each
+    replica blends in, `θ += alpha (mean - θ)` (`alpha` None: adopts it); the last round adopts it."""
+    data = digits_dataset("train")
+    torch.manual_seed(SEED)
+    start = DigitsMLP(hidden=128)
+    replicas = [copy.deepcopy(start) for _ in range(WORLD // K)]
+    optimizers = [torch.optim.SGD(r.parameters(), lr=LR) for r in replicas]
+    perms = [epoch_permutation(len(data), SEED, epoch) for epoch in range(EPOCHS)]
+    cursor, total = 0, EPOCHS * PER_EPOCH
+    while cursor < total:
+        counts = [WINDOW] * WORLD
+        if sum(counts) > total - cursor:
+            counts = balanced_split(total - cursor, counts, [0] * WORLD)
+        firsts = [cursor + sum(counts[:r]) for r in range(WORLD)]
+        cursor += sum(counts)
+        steps = [counts[g * K] for g in range(len(replicas))]
+        for g, (model, optimizer) in enumerate(zip(replicas, optimizers, strict=True)):
+            members = range(g * K, (g + 1) * K)
+            assert {counts[r] for r in members} == {steps[g]}  # a group's members step together
+            for j in range(steps[g]):
+                picks = []
+                for r in members:  # batch b of the run: batch b % PER_EPOCH of epoch b // PER_EPOCH
+                    epoch, b = divmod(firsts[r] + j, PER_EPOCH)
+                    picks.append(perms[epoch][b * BATCH : (b + 1) * BATCH])
+                inputs, labels = data.get_batch(torch.cat(picks))
+                optimizer.zero_grad()
+                F.cross_entropy(model(inputs), labels).backward()
+                optimizer.step()
+        blend = alpha if cursor < total else None
+        with torch.no_grad():
+            for ps in zip(*(r.parameters() for r in replicas), strict=True):
+                mean = sum(p * (n / sum(steps)) for p, n in zip(ps, steps, strict=True))
+                for p in ps:
+                    p.copy_(mean if blend is None else p + blend * (mean - p))
+    return {k: v.detach() for k, v in replicas[0].state_dict().items()}
+
+
+def test_two_groups_of_two_blend_their_shards_as_torch_blends_replicas(tmp_path: Path) -> None:
+    pinned = (f"anchor={WINDOW}", f"min_anchor={WINDOW}", f"max_anchor={WINDOW}", "max_batch_diff=0")
+    train(
+        *GROUPS_OF_TWO,
+        *pinned,
+        "max_overshoot=0",  # a window is its count: the rounds fall where the reference's do
+        f"easgd_alpha={ALPHA}",
+        "divergence_guard=none",
+        f"epochs={EPOCHS}",
+        "eval_every=1",
+        f"seed={SEED}",
+        "lr_scale_ratio=0",
+        "task.optimizer._target_=torch.optim.SGD",
+        f"task.optimizer.lr={LR}",
+        cwd=tmp_path,
+        timeout=300,
+    ).check()
+    run = tmp_path / "run"
+    records = epochs_of(run)
+    assert [r["epoch"] for r in records] == list(range(EPOCHS))
+    for record in records:  # every batch of the epoch's whole groups once
+        assert sum(p["batches"] for p in record["per_rank"]) == PER_EPOCH
+    saved = torch.load(run / "model.pt", weights_only=True)
+    want = blended_averaging(ALPHA)
+    for name, value in want.items():
+        assert ((saved[name] - value).norm() / value.norm()).item() <= 1e-5, name
+
+
+def test_a_group_steps_together_past_its_count_with_every_batch_once(tmp_path: Path) -> None:
+    # ElChe free (its default anchor, growth and auto overshoot), rank 1 slowed 3x: each rank trains on past
+    # its count until the round's order reaches it, and a group's members read it at their own moments; they
+    # must stop at the same step. A member a step ahead of its peer (without the group's vote) gathers the
+    # peer's shard from after its round, and the round weighs the two members' shards by different steps.
+    train(
+        *GROUPS_OF_TWO,
+        "simulate.slow_rank=1",
+        "simulate.factor=3",
+        "epochs=4",
+        "eval_every=0",
+        cwd=tmp_path,
+        timeout=300,
+    ).check()
+    records = epochs_of(tmp_path / "run")
+    assert [r["epoch"] for r in records] == list(range(4))
+    totals = [0] * WORLD
+    for record in records:
+        assert sum(p["batches"] for p in record["per_rank"]) == PER_EPOCH
+        for p in record["per_rank"]:
+            totals[p["rank"]] += p["batches"]
+    # A group's members trained alike over the run (a window's slices may straddle epochs differently).
+    assert totals[0] == totals[1] and totals[2] == totals[3]
+    assert totals[0] < totals[2]  # the slowed member's group trained less
+    for steps in round_steps(tmp_path / "run"):  # a round averages a group's members at one step
+        assert steps[0] == steps[1] and steps[2] == steps[3], steps
+
+
+def round_steps(run: Path) -> list[dict[int, int]]:
+    """Each round's steps per rank, as the run's timeline recorded them."""
+    entries = [json.loads(line) for line in (run / "timeline.jsonl").read_text().splitlines()]
+    rounds = [{int(r): n for r, n in e["steps"].items()} for e in entries if e["kind"] == "round"]
+    assert rounds
+    return rounds
