@@ -67,9 +67,8 @@ class LocalSgdWorker(WorkerBase):
         overlap: bool = False,
         group_steps: GroupSteps | None = None,
     ) -> None:
-        """`group_steps`: async over sharded groups, the members' vote before each step (group_steps.py)."""
         super().__init__(stepper, link, settings, checkpointer, group)
-        self.group_steps = group_steps
+        self.group_steps = group_steps  # async over sharded groups: the members' vote before each step
         self.averager = averager
         self.easgd_alpha = easgd_alpha
         # Train on while a (cpu-backend) round is in flight, instead of waiting for its consensus.
@@ -115,10 +114,7 @@ class LocalSgdWorker(WorkerBase):
         # skip: the window boundary handles it
 
     def has_work(self) -> bool:
-        held = self.group_steps is not None and self.group_steps.held  # waits for its AverageNow
-        return (self.round is not None and not self.round.awaiting_window) or (
-            self._has_batches() and not held
-        )
+        return (self.round is not None and not self.round.awaiting_window) or self._has_batches()
 
     def on_done(self) -> None:
         """The state every member holds after the run's last, exact round (a fingerprint)."""
@@ -215,7 +211,9 @@ class LocalSgdWorker(WorkerBase):
         self.target = None
 
     def _has_batches(self) -> bool:
-        return self.chunk is not None or bool(self.pending)
+        """Batches to train now (none while its sharded group stopped for a round it has no order of yet)."""
+        held = self.group_steps is not None and self.group_steps.held
+        return (self.chunk is not None or bool(self.pending)) and not held
 
     def _begin_round(self, order: AverageNow) -> None:
         if self.group_steps is not None:
