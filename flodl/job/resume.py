@@ -53,6 +53,9 @@ class ResumeSettings:
     step_samples: int = 1
     # Sync on another world: keep the checkpoint's global batch by gradient accumulation (job/resize.py).
     keep_global_batch: bool = False
+    # The run shards its model (shard_group > 1): it resumes only a checkpoint of sharded groups, of any
+    # layout (flodl/worker/sharded_state.py).
+    sharded: bool = False
 
 
 def choose_checkpoint(settings: ResumeSettings, world_size: int) -> Checkpoint | None:
@@ -72,6 +75,12 @@ def _checked_choice(settings: ResumeSettings, world_size: int) -> tuple[Checkpoi
     check_identity(found, settings.run, settings.resume)
     saved = coordinator_state(found)
     check_run_kind(found, saved, settings.kind)
+    if settings.sharded and not found.sharded:
+        raise CheckpointError(
+            f"checkpoint {found.path} was written by full replicas (its optimizer state one rank's whole), "
+            "and shard_group > 1 resumes only a checkpoint of sharded groups yet: resume it with "
+            "shard_group=1, or start fresh with resume=never"
+        )
     layout = resumed_layout(fresh, saved, len(found.part_ranks))
     problem = keep_batch_problem(layout, world_size, settings.batch_size) if kept else None
     if problem is not None:

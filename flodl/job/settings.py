@@ -111,6 +111,7 @@ def resume_settings(cfg: FlodlConfig, run_dir: Path, run: dict[str, Any]) -> Res
         cfg.batch_size,
         step_samples(cfg),
         cfg.keep_global_batch,
+        cfg.shard_group > 1,
     )
 
 

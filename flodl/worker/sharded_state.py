@@ -85,8 +85,9 @@ class ShardedState:
         read({GROUPS_KEY: saved}, path)
         source = self.group % int(saved)
         if int(saved) != self.groups:
-            more = int(saved) > self.groups
-            left = f"; saved groups {self.groups}-{int(saved) - 1} are left" if more else ""
+            gone = range(self.groups, int(saved))  # a smaller world's: their states are left
+            left = f"; saved group {gone[0]}'s is left" if len(gone) == 1 else ""
+            left = f"; saved groups {gone[0]}-{gone[-1]}'s are left" if len(gone) > 1 else left
             log.info(
                 "rank %d: a checkpoint of %d groups resumed as %d: group %d takes saved group %d's optimizer "
                 "state (each group's is its own: group g takes saved group g mod %d's)%s",

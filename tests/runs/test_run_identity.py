@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from flodl.checkpoints.disk import CheckpointDir
-from tests.helpers.procs import PYTHON, TRAIN, Result, finish, kill_group, start, train
+from tests.helpers.procs import FAST_START, PYTHON, TRAIN, Result, finish, kill_group, start, train
 from tests.helpers.runs import epochs_of
 
 pytestmark = pytest.mark.multiproc
@@ -160,6 +160,7 @@ def test_a_single_host_job_listens_on_loopback_only(tmp_path: Path, nproc: int) 
     last = f"rank{nproc - 1}.log"
     proc = launch(
         f"launch.nproc_per_node={nproc}",
+        FAST_START,  # the ranks' sockets are theirs however they were started
         "policy=cadence",
         "epochs=4",
         f"hydra.run.dir={run_dir}",

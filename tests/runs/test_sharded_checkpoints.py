@@ -32,7 +32,9 @@ MOMENTUM = ("+task.optimizer.momentum=0.9",)
 # A fixed window of 2 batches a rank; a checkpoint inside each epoch.
 CADENCE = ("policy=cadence", *PINNED, "divergence_guard=none", "checkpoint_every_steps=4")
 RUNS = {
-    "sync": ("policy=sync", "checkpoint_every_steps=5"),
+    # Steps of 32 samples (4 ranks), a checkpoint 96 into the second epoch: the rest is whole steps of 2 and
+    # of 3 ranks too (sync drops a remainder short of a global step, as a fresh epoch's).
+    "sync": ("policy=sync", "batch_size=8", "checkpoint_every_steps=3"),
     # SlowMo keeps the inner optimizer's state and has an outer momentum; DiLoCo resets the inner state.
     "slowmo": (*CADENCE, "outer=slowmo"),
     "diloco": (*CADENCE, "outer=diloco"),
@@ -103,3 +105,29 @@ def test_a_sharded_cadence_checkpoint_resumes_where_the_run_left_off(
     a = torch.load(whole(kind) / "model.pt", weights_only=True)
     b = torch.load(resumed / "model.pt", weights_only=True)
     assert all(torch.equal(a[key], b[key]) for key in a), {key: (a[key] - b[key]).abs().max() for key in a}
+
+
+@pytest.mark.parametrize("kind", ["sync", "slowmo"])
+@pytest.mark.parametrize(("ranks", "size"), [(2, 2), (2, 1), (3, 1)], ids=["1x2", "2x1", "3x1"])
+def test_a_two_by_two_checkpoint_resumes_on_other_groups_every_sample_once(
+    runs: Runs, whole: Callable[[str], Path], kind: str, ranks: int, size: int
+) -> None:
+    # The 2x2 run's checkpoint inside the second epoch, resumed as one group of 2, as 2 groups of 1 (full
+    # replicas) and on 3 full replicas: each rank reads its shard of the model and of the optimizer state as
+    # it is laid out now, the rest of the epoch is planned over the new world, every sample once an epoch.
+    checkpoint = resumable(whole(kind), 2)
+    name = f"{kind}-{ranks}x{size}"
+    run_dir, out = runs.run(name, kind, ranks, size, f"resume={checkpoint}")
+    assert f"resumed 4 ranks' checkpoint on {ranks}" in out
+    resumed_trains_each_sample_once_an_epoch(checkpoint, runs.reads(name), EPOCHS)
+    logs = [(run_dir / f"rank{rank}.log").read_text() for rank in range(ranks)]
+    groups = ranks // size
+    if kind == "sync" or groups == 2:  # one optimizer state (sync), or each group its own as saved
+        assert not any("groups resumed as" in log for log in logs)
+        return
+    # Under cadence each group takes one saved group's state, g mod 2's: the third replica group 0's; one
+    # group leaves group 1's.
+    last = groups - 1
+    said = f"a checkpoint of 2 groups resumed as {groups}: group {last} takes saved group {last % 2}'s"
+    assert said in logs[-1]
+    assert ("saved group 1's is left" in logs[0]) == (groups == 1)
