@@ -19,6 +19,7 @@ any world and any `shard_group` (full replicas read them whole).
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +72,11 @@ def read(state: dict[str, Any], path: Path) -> None:
     own read: the ranks may read different keys)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.load(state, checkpoint_id=path, no_dist=True)
+    with (
+        warnings.catch_warnings()
+    ):  # a process without a process group (the run's host) reads alone, as meant
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(state, checkpoint_id=path, no_dist=True)
 
 
 def whole_model(path: Path) -> dict[str, Tensor]:

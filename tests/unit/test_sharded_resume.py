@@ -13,6 +13,7 @@ import torch
 from flodl.checkpoints.disk import (
     COORDINATOR_FILE,
     MODEL_FILE,
+    Checkpoint,
     CheckpointDir,
     CheckpointError,
     Point,
@@ -67,3 +68,18 @@ def test_a_checkpoint_of_sharded_groups_resumes_on_any_layout(tmp_path: Path, sh
     # The manifest fingerprints the shards: a damaged one is found, and the checkpoint skipped.
     (found.path / SHARDED_DIR / "__1_0.distcp").write_bytes(b"torn")
     assert store.latest() is None
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # its save, in one process
+def test_a_sharded_checkpoints_model_is_read_whole_without_a_process_group(tmp_path: Path) -> None:
+    # What the run's host writes as model.pt when the checkpoint covers every epoch, and what each rank loads
+    # before sharding its model: the "model" entries of the sharded dir, whole (the optimizer's are not).
+    import torch.distributed.checkpoint as dcp
+
+    model = {"net.0.weight": torch.randn(4, 3), "net.0.bias": torch.randn(4)}
+    state = {"model": model, "optimizer_of_group_0": {"state": {"net.0.weight": torch.ones(4, 3)}}}
+    path = tmp_path / "checkpoints" / "epoch-000001" / SHARDED_DIR
+    dcp.save(state, checkpoint_id=path, no_dist=True)
+    read = Checkpoint(path.parent, 0, 2).model()
+    assert read.keys() == model.keys()
+    assert all(torch.equal(read[key], model[key]) for key in model)
