@@ -93,3 +93,25 @@ def whole_model(path: Path) -> dict[str, Tensor]:
     }
     read(state, path)
     return {key.removeprefix(prefix): tensor for key, tensor in state.items()}
+
+
+def saved_groups(path: Path) -> int | None:
+    """How many groups' own optimizer states the sharded dir at `path` holds (local SGD); None: the one
+    every group steps (sync)."""
+    if GROUPS_KEY not in saved_keys(path):
+        return None
+    count = torch.zeros((), dtype=torch.int64)
+    read({GROUPS_KEY: count}, path)
+    return int(count)
+
+
+def regrouped(saved: int, groups: int) -> str:
+    """What a checkpoint of `saved` groups' own optimizer states does resumed on `groups` groups, in words
+    (flodl/worker/sharded_state.py's rule)."""
+    gone = range(groups, saved)  # a smaller world's: their states are left
+    left = f"; saved group {gone[0]}'s is left" if len(gone) == 1 else ""
+    left = f"; saved groups {gone[0]}-{gone[-1]}'s are left" if len(gone) > 1 else left
+    return (
+        f"a checkpoint of {saved} groups resumed as {groups}: group g takes saved group g mod {saved}'s "
+        f"optimizer state (each group's is its own){left}"
+    )

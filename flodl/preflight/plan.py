@@ -14,7 +14,8 @@ import torch
 from hydra.utils import instantiate
 
 from flodl.averaging.wire import BF16, WIRES, wire_for
-from flodl.checkpoints.disk import CheckpointError, resolve_resume
+from flodl.checkpoints.disk import Checkpoint, CheckpointError, resolve_resume
+from flodl.checkpoints.sharded import SHARDED_DIR, regrouped, saved_groups
 from flodl.config.host import GIB, HostFacts
 from flodl.config.policy import (
     PolicyFacts,
@@ -233,7 +234,18 @@ def resume_lines(cfg: FlodlConfig, world: int, run_dir: Path | None) -> list[str
         return []
     resized = resize_of(found, world, not PolicyFacts.of(cfg).averages_parameters)
     how = resized.words() if resized.changed else f"on the {world} ranks that wrote it"
+    how += regroup_words(cfg, world, found)
     return [f"  resume          {found.path}: training continues {continues_at(found)}; {how}"]
+
+
+def regroup_words(cfg: FlodlConfig, world: int, found: Checkpoint) -> str:
+    """Under local SGD, a checkpoint of groups' own optimizer states resumed on other groups: which state
+    each group takes (flodl/worker/sharded_state.py); empty otherwise."""
+    if not found.sharded or world % cfg.shard_group:  # the world's own problem, said already
+        return ""
+    saved = saved_groups(found.path / SHARDED_DIR)
+    groups = ShardGroups(world, cfg.shard_group).count
+    return "" if saved is None or saved == groups else f"; {regrouped(saved, groups)}"
 
 
 def crowding_lines(host: HostFacts, uses_gpu: bool) -> list[str]:

@@ -20,7 +20,17 @@ import torch
 from torch import Tensor, nn
 
 from flodl.averaging.flat import by_dtype
-from flodl.checkpoints.sharded import GROUPS_KEY, MODEL_KEY, OUTER_KEY, optimizer_key, read, saved_keys, write
+from flodl.checkpoints.sharded import (
+    GROUPS_KEY,
+    MODEL_KEY,
+    OUTER_KEY,
+    optimizer_key,
+    read,
+    regrouped,
+    saved_groups,
+    saved_keys,
+    write,
+)
 from flodl.sharding.fsdp import laid_out_as
 
 log = logging.getLogger("flodl")
@@ -79,25 +89,17 @@ class ShardedState:
 
     def _source(self, path: Path) -> int | None:
         """The saved group whose optimizer state this rank's group takes (None: the one of sync)."""
-        if self.group is None:
+        saved = saved_groups(path)
+        if self.group is None or saved is None:
             return None
-        saved = torch.zeros((), dtype=torch.int64)
-        read({GROUPS_KEY: saved}, path)
-        source = self.group % int(saved)
-        if int(saved) != self.groups:
-            gone = range(self.groups, int(saved))  # a smaller world's: their states are left
-            left = f"; saved group {gone[0]}'s is left" if len(gone) == 1 else ""
-            left = f"; saved groups {gone[0]}-{gone[-1]}'s are left" if len(gone) > 1 else left
+        source = self.group % saved
+        if saved != self.groups:
             log.info(
-                "rank %d: a checkpoint of %d groups resumed as %d: group %d takes saved group %d's optimizer "
-                "state (each group's is its own: group g takes saved group g mod %d's)%s",
+                "rank %d: group %d takes saved group %d's: %s",
                 self.rank,
-                int(saved),
-                self.groups,
                 self.group,
                 source,
-                int(saved),
-                left,
+                regrouped(saved, self.groups),
             )
         return source
 

@@ -128,6 +128,8 @@ def test_a_two_by_two_checkpoint_resumes_on_other_groups_every_sample_once(
     # Under cadence each group takes one saved group's state, g mod 2's: the third replica group 0's; one
     # group leaves group 1's.
     last = groups - 1
-    said = f"a checkpoint of 2 groups resumed as {groups}: group {last} takes saved group {last % 2}'s"
-    assert said in logs[-1]
-    assert ("saved group 1's is left" in logs[0]) == (groups == 1)
+    rule = (
+        f"a checkpoint of 2 groups resumed as {groups}: group g takes saved group g mod 2's optimizer state"
+    )
+    assert f"rank {ranks - 1}: group {last} takes saved group {last % 2}'s: {rule}" in logs[-1]
+    assert ("(each group's is its own); saved group 1's is left" in logs[0]) == (groups == 1)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import pytest
+import torch
+
 from flodl.checkpoints.disk import COORDINATOR_FILE, MODEL_FILE, CheckpointDir, Point, rank_file
 from flodl.config.host import GIB, HostFacts
 from flodl.config.policy import collective_backend
@@ -135,6 +138,30 @@ def test_plan_says_where_a_resume_continues_and_what_a_resize_does(tmp_path: Pat
     assert resume_lines(cfg, 2, tmp_path)[0].endswith("on the 2 ranks that wrote it")
     assert resume_lines(to_config({"task": DIGITS, "resume": "never"}), 4, tmp_path) == []
     assert resume_lines(cfg, 4, tmp_path / "elsewhere") == []  # a fresh start
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the checkpoint's save, in one process
+def test_plan_says_which_saved_groups_state_each_group_of_a_regrouped_cadence_run_takes(
+    tmp_path: Path,
+) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    store = CheckpointDir(tmp_path, keep=2)  # 2 groups' own optimizer states, in shards
+    dcp.save(
+        {"optimizer_groups": torch.tensor(2)}, checkpoint_id=store.partial(Point(1)) / "sharded", no_dist=True
+    )
+    for name in (COORDINATOR_FILE, *(rank_file(r) for r in range(4))):
+        store.write_part(Point(1), name, {})
+    store.commit(Point(1), world_size=4)
+
+    def line(world: int, shard_group: int) -> str:
+        cfg = to_config({"task": DIGITS, "policy": "cadence", "shard_group": shard_group})
+        return resume_lines(cfg, world, tmp_path)[0]
+
+    rule = "a checkpoint of 2 groups resumed as {}: group g takes saved group g mod 2's optimizer state"
+    assert line(3, 1).endswith(f"; {rule.format(3)} (each group's is its own)")
+    assert line(2, 2).endswith(f"; {rule.format(1)} (each group's is its own); saved group 1's is left")
+    assert line(4, 2).endswith("on the 4 ranks that wrote it")  # its own groups
 
 
 # DigitsMLP(hidden=128) with Adam: 26,122 float32 parameters, each with its gradient and two moments.
