@@ -151,6 +151,14 @@ class EpochLedger:
         entry.batches = batches
         self._check_complete(epoch, entry)
 
+    def lose_batches(self, epoch: int, batches: int) -> bool:
+        """`batches` of the epoch were trained by a rank of a sharded group that died before reporting them
+        (lost with the group; its others reported theirs): the epoch is complete without them, and its
+        record leaves them out. True when that completes it."""
+        entry = self._epoch(epoch)
+        entry.batches = (self.batches_per_epoch if entry.batches is None else entry.batches) - batches
+        return self._check_complete(epoch, entry)
+
     def _check_complete(self, epoch: int, entry: _Epoch) -> bool:
         planned = self.batches_per_epoch if entry.batches is None else entry.batches
         done = sum(c.batches for c in entry.chunks)

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 from flodl.checkpoints.disk import Point
 from flodl.coordinator.commit import CheckpointCommitter
 from flodl.coordinator.ledger import EpochLedger
 from flodl.coordinator.roster import Roster
+from flodl.counting import shown_epoch
 from flodl.links.messages import (
     AverageNow,
     ChunkReport,
@@ -106,11 +108,17 @@ class LocalSgdDriver:
     def on_cut(self, ranks: list[int]) -> None:
         """The others form a group without `ranks`, a round they cut is run again among them, and their
         untrained batches go to them. A sharded group leaves whole: each drop's instructions supersede the
-        last's (a round redone once more is the same round), so the members hear of one change."""
+        last's (a round redone once more is the same round; one the change itself fires is no redo), so the
+        members hear of one change."""
         instructions: list[Instruction] = []
+        in_flight = self.planner.averaging
+        if len(ranks) > 1:
+            self._lose_in_step(ranks)
         for rank in ranks:
             instructions = self.planner.drop(rank) or instructions
             self.elche.retire(rank)
+        if not in_flight:
+            instructions = [replace(i, redo=False) if isinstance(i, Average) else i for i in instructions]
         redo = next((a for a in instructions if isinstance(a, Average) and a.redo), None)
         if redo is not None:
             self._round_costs = {}
@@ -122,6 +130,22 @@ class LocalSgdDriver:
         cut_round = redo.round if redo is not None else None
         self.roster.send_regroup([], cut_round, shares_state=self.rounds_closed == 0)
         self._carry(instructions)
+
+    def _lose_in_step(self, ranks: list[int]) -> None:
+        """A sharded group leaving: what a member trained in step with the others and died before reporting
+        is not handed out again (its others' reports of those steps stand); lost with the group, as their
+        reported steps since the last round are, and left out of its epoch's record."""
+        for part in self.planner.holders.trained_in_step(ranks):
+            batches = part.size // self.planner.batch_size
+            log.warning(
+                "ranks %s: %d batch(es) of epoch %d trained and not reported before their group left: lost "
+                "with it, not in the epoch's samples",
+                ranks,
+                batches,
+                shown_epoch(part.epoch),
+            )
+            if self.ledger.lose_batches(part.epoch, batches):
+                self.on_epoch_complete(part.epoch)
 
     def on_regrouped(self, message: Regrouped) -> None:
         """A member formed the group (the roster times the change; the rounds need nothing of it)."""

@@ -30,10 +30,13 @@ class Holders:
     handed: dict[int, list[EpochSlice]] = field(init=False)
     # Slices a dropped rank held untrained, in (epoch, offset) order: handed out before the cursor.
     returned: list[EpochSlice] = field(default_factory=list)
+    # Per member: the batches it reported trained since it became one (a sharded group's step together).
+    reported: dict[int, int] = field(init=False)
 
     def __post_init__(self) -> None:
         self.members = set(range(self.world_size if self.first_members is None else self.first_members))
         self.handed = {r: [] for r in range(self.world_size)}
+        self.reported = dict.fromkeys(range(self.world_size), 0)
 
     def open_window(self) -> list[int]:
         """The members of the window that opens now (those admitted since join it), in order."""
@@ -57,7 +60,27 @@ class Holders:
         held = handed.pop(at)
         if part.size < held.size:
             handed.insert(at, EpochSlice(held.epoch, held.offset + part.size, held.size - part.size))
+        self.reported[rank] += part.size // self.batch_size
         return True
+
+    def trained_in_step(self, ranks: list[int]) -> list[EpochSlice]:
+        """A sharded group leaving together: its members stepped together (each step a collective of the
+        group), so each trained as many batches as the one that reported most; the batches a member trained
+        and had not reported (it died between its step and its report) are taken out of what it holds, so
+        that they are not handed out again. They, in the order it trained them."""
+        most = max(self.reported[r] for r in ranks)
+        taken = []
+        for rank in ranks:
+            handed, n = self.handed[rank], most - self.reported[rank]
+            while n > 0 and handed:
+                head = handed.pop(0)
+                size = min(n * self.batch_size, head.size)
+                taken.append(EpochSlice(head.epoch, head.offset, size))
+                if size < head.size:
+                    handed.insert(0, EpochSlice(head.epoch, head.offset + size, head.size - size))
+                n -= size // self.batch_size
+            self.reported[rank] = most
+        return taken
 
     def admit(self, rank: int, busy: bool) -> None:
         """A restarted rank (nothing queued): a member at once, or when the next window opens if a window or
@@ -67,6 +90,7 @@ class Holders:
         if rank in self.members or rank in self.joining:
             raise ValueError(f"rank {rank} is already a member")
         (self.joining if busy else self.members).add(rank)
+        self.reported[rank] = 0
 
     def drop(self, rank: int) -> bool:
         """The rank is gone: what it held untrained returns to the pool. False: it was admitted and gone

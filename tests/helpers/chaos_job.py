@@ -154,12 +154,20 @@ class Job:
 
 
 def check_each_sample_once(
-    trial: Trial, job: Job, samples: list[Sample], window: set[Sample], may_lose: bool = False
+    trial: Trial,
+    job: Job,
+    samples: list[Sample],
+    window: set[Sample],
+    may_lose: bool = False,
+    unreported: dict[int, int] | None = None,
 ) -> None:
     """Every epoch's samples (as many as its record says) trained exactly once, the steps in `window` (a
     dead process's, whose training the run dropped by design) left out: each of their ids trained again
-    once by the others, or (`may_lose`: lost with a survive rank) not at all, and then counted as trained."""
-    records = {r["epoch"]: r["samples"] for r in epochs_of(job.run_dir)}
+    once by the others, or (`may_lose`: lost with a survive rank) not at all, and then counted as trained.
+    `unreported`: samples per epoch a dead rank trained that its record leaves out (a sharded group's)."""
+    records = {
+        r["epoch"]: r["samples"] + (unreported or {}).get(r["epoch"], 0) for r in epochs_of(job.run_dir)
+    }
     kept: dict[int, Counter[int]] = defaultdict(Counter)
     for sample in samples:
         if sample not in window:

@@ -55,6 +55,22 @@ def test_a_rank_dropped_mid_window_returns_what_it_had_not_reported_and_the_roun
     ]
 
 
+def test_a_sharded_group_leaving_keeps_what_a_member_trained_in_step_and_did_not_report():
+    # 4 ranks as 2 groups of 2, batches of 1, windows of 2 batches a rank, each handed as one slice.
+    planner = LocalSgdPlanner(4, 40, 1, 1, False, frozenset())
+    window = planner.open_window([2, 2, 2, 2], 0)
+    for dispatch in window:  # the first window, trained and reported by every rank
+        train(planner, dispatch)
+    planner.open_window([2, 2, 2, 2], 0)  # a second: ranks 8-15, as slices of 2
+    # Rank 3 reported its slice, rank 2 died after the same steps, before its report: it trained them too.
+    assert planner.on_chunk(3, EpochSlice(0, 14, 2))
+    assert planner.holders.trained_in_step([2, 3]) == [EpochSlice(0, 12, 2)]
+    for rank in (2, 3):
+        planner.drop(rank)
+    assert planner.returned == []  # nothing the group trained is handed out again, nothing uneven left
+    assert planner.holders.trained_in_step([0, 1]) == []  # in step already: nothing taken
+
+
 def test_a_dropped_rank_keeps_what_it_reported_trained_and_its_partial_slice_returns_whole():
     planner = LocalSgdPlanner(2, 20, 2, 1, True, frozenset())
     planner.open_window([2, 2], 2)  # rank 1: picks [8, 16) as one slice
