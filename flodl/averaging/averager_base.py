@@ -94,7 +94,11 @@ class AveragerBase:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.outer is not None and "outer" in state:
             self.outer.load_state_dict(state["outer"])
-        self.reducer.load_feedback_state(state.get("wire_feedback", {}), self._reduced_tensors())
+        tensors = self._reduced_tensors()
+        feedback = state.get("wire_feedback", {})
+        if self.shards is not None:  # a part of other groups holds another shard's: this one starts at zero
+            feedback = {i: f for i, f in feedback.items() if i < len(tensors) and f.shape == tensors[i].shape}
+        self.reducer.load_feedback_state(feedback, tensors)
 
     def _reduced_tensors(self) -> list[Tensor]:
         """The tensors the reducer is handed, in its order (the device's flat buffers, or their host copy)."""

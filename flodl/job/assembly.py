@@ -214,7 +214,7 @@ def make_worker(
     else:
         keeps_own = policy.guarded or policy.blends
         rounds: ReduceGroup = group
-        if shards.sharded:  # the rules refuse the host backend and the wires
+        if shards.sharded:  # the rules refuse the host backend (a round per shard index runs on the device)
             rounds = _shard_averaging(parts, shards, rank, device, group)
             group_steps = _group_steps(shards) if policy.crosses_epochs else None
         averager = DeviceAverager(parts.model, cfg.gamma, device, wire, outer, keeps_own, rounds, shards.size)

@@ -129,7 +129,6 @@ def test_cadence_across_groups_runs_exact_rounds_on_the_device_with_checkpoints(
     ("key", "value", "rule"),
     [
         ("backend", "cpu", "a round runs on the device: set backend=nccl"),
-        ("quantized_wire", "int8", "shards travel as float32"),
     ],
 )
 @pytest.mark.parametrize("policy", ["cadence", "async"])
@@ -141,6 +140,15 @@ def test_what_local_sgd_across_groups_does_not_do_yet_is_refused_naming_the_key(
     said = assert_problem(problems, key, value, f"not with policy={policy} and shard_group=2 yet (")
     assert rule in said
     assert problems_of(make(policy=policy, **{"checkpoint_every": None, key: value})) == []
+
+
+@pytest.mark.parametrize("policy", ["cadence", "async"])
+@pytest.mark.parametrize(
+    ("key", "value"), [("quantized_wire", "int8"), ("quantized_wire", "int4"), ("bf16_wire", True)]
+)
+def test_local_sgd_across_groups_sends_each_shard_over_any_wire(policy: str, key: str, value: object) -> None:
+    cfg = make(shard_group=2, policy=policy, checkpoint_every=None, **{key: value})
+    assert problems_of(cfg, host(world_size=4, ranks_per_node=4)) == []
 
 
 @pytest.mark.parametrize(("key", "value"), [("bf16_wire", True), ("compile", True), ("precision", "fp8")])

@@ -38,11 +38,12 @@ def sharding_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
 
 def _unsharded_only(cfg: FlodlConfig) -> Iterator[tuple[str, object, str]]:
     """Keys a sharded group does not run with yet: what DDP gives a full replica and FSDP2 is not told."""
-    if cfg.bf16_wire:
+    if cfg.bf16_wire and cfg.policy == "sync":
         yield (
             "bf16_wire",
             True,
-            "DDP's bf16 buckets, a round's bf16 deltas; a group's gradients and shards travel as float32",
+            "under policy=sync: DDP's bf16 buckets; HSDP's gradients travel as float32 (under cadence and "
+            "async a round's deltas travel as bf16, shard by shard)",
         )
     if cfg.precision == "fp8":
         yield "precision", "fp8", "its scales are kept per rank beside DDP"
@@ -51,13 +52,11 @@ def _unsharded_only(cfg: FlodlConfig) -> Iterator[tuple[str, object, str]]:
 
 
 def _cadence_across_groups(cfg: FlodlConfig) -> Iterator[tuple[str, object, str]]:
-    """What cadence's rounds per shard index do not do yet: they average each shard over float32 (an outer
-    optimizer steps each shard), on the device; their checkpoints (each group's own optimizer state) are
-    written by a fixed world."""
+    """What cadence's (and async's) rounds per shard index do not do yet: they average each shard (an outer
+    optimizer steps each shard, a delta wire sends it) on the device; their checkpoints (each group's own
+    optimizer state) are written by a fixed world."""
     if cfg.backend == "cpu":
         yield "backend", "cpu", "a round runs on the device: set backend=nccl (gloo without a GPU)"
-    if cfg.quantized_wire is not None:
-        yield "quantized_wire", cfg.quantized_wire, "shards travel as float32: set quantized_wire=null"
     if cfg.fault_tolerance == "survive":
         for key in checkpoint_keys_set(cfg):
             why = f"no checkpoint of groups that leave yet: set {key}=null, or fault_tolerance=none"
