@@ -8,12 +8,7 @@ and numbers per scenario with torch.save. The parent does every hand computation
 
 from __future__ import annotations
 
-import faulthandler
-import os
-import sys
 from dataclasses import dataclass
-from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,14 +18,12 @@ from torch import nn
 from flodl.averaging.consensus import DeviceAverager, HostAverager, RoundOutcome
 from flodl.averaging.outer import OuterSettings
 from flodl.averaging.wire import BF16, FP32, INT4, INT8, Wire
+from tests.helpers.spawned import join_group, leave
 
 WORLD = 2
 CPU = torch.device("cpu")
 # The rank's device: the CPU over gloo, cuda:<rank> over nccl (set once by `worker`).
 DEVICE = CPU
-COLLECTIVE_TIMEOUT = timedelta(seconds=60)
-# Under the parent's join timeout, so that a stuck rank's stacks reach the report.
-STUCK_AFTER_S = 100
 # make_model's 47 parameters (188 bytes) reduce as 3 chunks of at least this size.
 CHUNK_BYTES = 48
 # What rank r adds to its parameters, times r + 1, while a host round is in flight (async and overlapped
@@ -247,25 +240,7 @@ def run_all(rank: int) -> dict[str, Any]:
 def worker(rank: int, port: int, out_dir: str, backend: str = "gloo") -> None:
     """One spawned rank (torch.multiprocessing.start_processes passes the index first)."""
     global DEVICE
-    # Own process group, so the parent can kill this rank and anything it started in one go.
-    os.setpgrp()
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, WORLD, False, timeout=COLLECTIVE_TIMEOUT)
     if backend == "nccl":
         DEVICE = torch.device("cuda", rank)
-        torch.cuda.set_device(DEVICE)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=WORLD, timeout=COLLECTIVE_TIMEOUT)
-    # A rank stuck past its budget leaves its threads' stacks for the parent's report, then exits.
-    stacks = open(Path(out_dir) / f"rank{rank}.stacks", "w")  # noqa: SIM115 (open until the process ends)
-    faulthandler.dump_traceback_later(STUCK_AFTER_S, exit=True, file=stacks)
-    try:
-        results = run_all(rank)
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-    # The results are on disk; skip the interpreter teardown (seconds, after torch and the optimizer
-    # pulled in torch._dynamo). On an error the exception above propagates to the parent instead.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    join_group(rank, port, WORLD, out_dir, backend)
+    leave(run_all(rank), rank, out_dir)

@@ -9,41 +9,20 @@ bf16 wire and the outer optimizers by hand from those recorded values.
 
 from __future__ import annotations
 
-import os
-import signal
-import time
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as tmp
 
 from flodl.averaging.outer import OuterSettings
 from flodl.averaging.wire import BLOCK, WIRES, QuantizedWire
 from tests.helpers.collective_ranks import SCENARIOS, TRAIN_DURING_ROUND, VIEW_STEPS, WORLD, worker
+from tests.helpers.spawned import run_ranks
 
 pytestmark = pytest.mark.multiproc
 
-JOIN_TIMEOUT_S = 120.0
 REL = 1e-6
 F32_BUFFERS = ("1.running_mean", "1.running_var")
 COUNTER = "1.num_batches_tracked"
 BACKENDS = ("device", "chunked", "host")
-
-
-def _kill(proc) -> None:
-    """Terminate, then kill, a rank's process group (each rank leads its own; see worker)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        if not proc.is_alive():
-            return
-        try:
-            if os.getpgid(proc.pid) == proc.pid:
-                os.killpg(proc.pid, sig)
-            else:  # killed before it could call setpgrp: never signal the parent's group
-                os.kill(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        proc.join(timeout=5)
 
 
 @pytest.fixture(
@@ -61,34 +40,7 @@ def _kill(proc) -> None:
 )
 def ranks(request, tmp_path_factory) -> list[dict]:
     out_dir = tmp_path_factory.mktemp(f"consensus-{request.param}")
-    # The parent hosts the rendezvous store on a port the OS picks: no free-port race.
-    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMP_NUM_THREADS", "1")  # inherited by the spawned ranks
-        ctx = tmp.start_processes(
-            worker,
-            args=(store.port, str(out_dir), request.param),
-            nprocs=WORLD,
-            join=False,
-            start_method="spawn",
-        )
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
-
-    def stacks() -> str:
-        return "\n".join(p.read_text() for p in sorted(out_dir.glob("rank*.stacks")))
-
-    try:
-        # join() raises with the rank's traceback if one fails (and stops the others); a rank stuck for
-        # STUCK_AFTER_S writes its stacks and exits.
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                pytest.fail(f"ranks still running after {JOIN_TIMEOUT_S}s; their stacks:\n{stacks()}")
-    except tmp.ProcessExitedException as err:
-        pytest.fail(f"{err}; the ranks' stacks:\n{stacks()}")
-    finally:
-        for proc in ctx.processes:
-            _kill(proc)
-        del store
+    run_ranks(worker, WORLD, out_dir, request.param)
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
 
 
