@@ -81,7 +81,7 @@ def restore_stepper(stepper: Stepper, state: dict[str, Any]) -> None:
             "the checkpoint's optimizer state was written by full replicas, this run trains sharded groups: "
             "resume it with shard_group=1, or start fresh with resume=never"
         )
-    if state["optimizer"] is not None:  # a sharded run's lies in shards of its own (load_optimizer_shards)
+    if state["optimizer"] is not None:  # a sharded run's lies in shards of its own (sharded_state.py)
         parts.optimizer.load_state_dict(state["optimizer"])
     if parts.scheduler is not None and state["scheduler"] is not None:
         parts.scheduler.load_state_dict(state["scheduler"])
