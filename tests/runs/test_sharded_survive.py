@@ -2,7 +2,9 @@
 with fault_tolerance=survive, a rank SIGKILLed at a step drawn from a seed. Its group leaves whole (its other
 rank is cut with it and its process ended), the other group trains on to the end, every sample of every
 epoch trained once (what the dead group trained since the last round lost with it), and the members left
-end with one state per shard index."""
+end with one state per shard index. With a restart the group comes back whole, in one admission, each of its
+ranks taking its shard (parameters and optimizer moments) from the member holding its shard index, and every
+group ends with the same state per shard index, bit for bit. About 15 s a run on 2 busy cores."""
 
 from __future__ import annotations
 
