@@ -38,16 +38,20 @@ GROUPS_OF_TWO = (
 )
 
 
-def blended_averaging(alpha: float | None) -> dict[str, torch.Tensor]:
+def blended_averaging(alpha: float, outer: str = "avg") -> dict[str, torch.Tensor]:
     """Plain torch: one replica per group, each step SGD on the union of its members' micro-batches; after
     every window of WINDOW batches a rank, handed from one cursor across the epochs in rank order (the run's
     tail split so that every rank holds its share), the replicas' mean weighted by their steps, which each
-    replica blends in, `θ += alpha (mean - θ)` (`alpha` None: adopts it); the last round adopts it."""
+    replica blends in, `θ += alpha (mean - θ)`; the last round adopts it. An `outer` optimizer first steps
+    the global model on `global - mean` (DiLoCo: SGD with Nesterov momentum 0.9 at lr 0.7), and the replicas
+    blend in (or adopt) the new global."""
     data = digits_dataset("train")
     torch.manual_seed(SEED)
     start = DigitsMLP(hidden=128)
     replicas = [copy.deepcopy(start) for _ in range(WORLD // K)]
     optimizers = [torch.optim.SGD(r.parameters(), lr=LR) for r in replicas]
+    global_model = copy.deepcopy(start)
+    outer_step = torch.optim.SGD(global_model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
     perms = [epoch_permutation(len(data), SEED, epoch) for epoch in range(EPOCHS)]
     cursor, total = 0, EPOCHS * PER_EPOCH
     while cursor < total:
@@ -71,20 +75,28 @@ def blended_averaging(alpha: float | None) -> dict[str, torch.Tensor]:
                 optimizer.step()
         blend = alpha if cursor < total else None
         with torch.no_grad():
-            for ps in zip(*(r.parameters() for r in replicas), strict=True):
-                mean = sum(p * (n / sum(steps)) for p, n in zip(ps, steps, strict=True))
+            pieces = list(zip(*(r.parameters() for r in replicas), strict=True))
+            means = [sum(p * (n / sum(steps)) for p, n in zip(ps, steps, strict=True)) for ps in pieces]
+            if outer != "avg":
+                for gp, mean in zip(global_model.parameters(), means, strict=True):
+                    gp.grad = gp - mean
+                outer_step.step()
+                means = [gp.detach() for gp in global_model.parameters()]
+            for ps, mean in zip(pieces, means, strict=True):
                 for p in ps:
                     p.copy_(mean if blend is None else p + blend * (mean - p))
     return {k: v.detach() for k, v in replicas[0].state_dict().items()}
 
 
-def test_two_groups_of_two_blend_their_shards_as_torch_blends_replicas(tmp_path: Path) -> None:
+@pytest.mark.parametrize("outer", ["avg", "diloco"])
+def test_two_groups_of_two_blend_their_shards_as_torch_blends_replicas(tmp_path: Path, outer: str) -> None:
     pinned = (f"anchor={WINDOW}", f"min_anchor={WINDOW}", f"max_anchor={WINDOW}", "max_batch_diff=0")
     train(
         *GROUPS_OF_TWO,
         *pinned,
         "max_overshoot=0",  # a window is its count: the rounds fall where the reference's do
         f"easgd_alpha={ALPHA}",
+        f"outer={outer}",
         "divergence_guard=none",
         f"epochs={EPOCHS}",
         "eval_every=1",
@@ -101,7 +113,7 @@ def test_two_groups_of_two_blend_their_shards_as_torch_blends_replicas(tmp_path:
     for record in records:  # every batch of the epoch's whole groups once
         assert sum(p["batches"] for p in record["per_rank"]) == PER_EPOCH
     saved = torch.load(run / "model.pt", weights_only=True)
-    want = blended_averaging(ALPHA)
+    want = blended_averaging(ALPHA, outer)
     for name, value in want.items():
         assert ((saved[name] - value).norm() / value.norm()).item() <= 1e-5, name
 
