@@ -52,24 +52,37 @@ def groups_of_two(job: Job, *overrides: str, until_admitted: bool = False) -> No
     job.args = [f"launch.nproc_per_node={WORLD}" if a == "launch.nproc_per_node=2" else a for a in job.args]
 
 
-@pytest.mark.parametrize("restarts", [0, 1])
-@pytest.mark.parametrize(("group", "seed"), [(1, 0), (0, 0)])
+@pytest.mark.parametrize(
+    ("group", "seed", "restarts", "unreported"),
+    [
+        (1, 0, 0, False),
+        (1, 0, 1, False),
+        (0, 0, 0, False),  # rank 0
+        (0, 0, 1, False),
+        # SIGKILLed by itself after a chunk's steps, before its report (its group's other reported them).
+        (1, 0, 1, True),
+    ],
+)
 def test_a_ranks_death_takes_its_group_out_the_other_trains_on_and_it_rejoins_whole(
-    tmp_path: Path, group: int, seed: int, restarts: int
+    tmp_path: Path, group: int, seed: int, restarts: int, unreported: bool
 ) -> None:
-    rng = random.Random(f"sharded-survive-{group}-{seed}")
+    rng = random.Random(f"sharded-survive-{group}-{seed}-{unreported}")
     # Group 0's victim is rank 0 (the run's host lives apart under survive: rank 0 dies as any rank does).
     victim = 0 if group == 0 else rng.choice([2, 3])
-    at = rng.randint(1, 2 * RANK_STEPS)
+    at = rng.randint(1, 2 * RANK_STEPS) if not unreported else rng.randint(1, 4)
     mate = victim + 1 if victim % K == 0 else victim - 1
     job = Job(tmp_path)
     groups_of_two(job, f"launch.max_restarts={restarts}", until_admitted=restarts > 0)
-    proc = job.start()
-    pid = job.at_step(proc, victim, at)
-    mate_pid = int(job.files(mate)[-1].stem.rsplit("-", 1)[1])
-    os.kill(pid, signal.SIGKILL)
-    trial = Trial("sharded-survive", seed, f"rank {victim} SIGKILLed at its step {at}")
+    if unreported:
+        proc = job.start(env={"FLODL_TEST_KILL_BEFORE_REPORT": f"{victim}:{at}"})
+        plan = f"rank {victim} SIGKILLed before its chunk report {at}"
+    else:
+        proc = job.start()
+        os.kill(job.at_step(proc, victim, at), signal.SIGKILL)
+        plan = f"rank {victim} SIGKILLed at its step {at}"
+    trial = Trial("sharded-survive", seed, plan)
     result = job.finish(proc, trial)
+    pid, mate_pid = (int(job.files(r)[0].stem.rsplit("-", 1)[1]) for r in (victim, mate))
     assert result.ok, (result.out + result.err)[-3000:]
     epochs = [r["epoch"] for r in epochs_of(job.run_dir)]
     assert epochs == list(range(len(epochs) if restarts else EPOCHS))
@@ -110,11 +123,15 @@ def test_a_ranks_death_takes_its_group_out_the_other_trains_on_and_it_rejoins_wh
     window = window_of_the_dead(trial, job, samples, victim, pid, cut_with=cut)
     window |= window_of_the_dead(trial, job, samples, mate, mate_pid, cut_with=cut)
     # Steps the dead rank trained with its group and died before reporting: lost, not in the record.
-    unreported: Counter[int] = Counter()
+    lost: Counter[int] = Counter()
     for batches, shown in re.findall(r"(\d+) batch\(es\) of epoch (\d+) trained and not reported", logs):
-        unreported[int(shown) - 1] += int(batches) * BATCH
-    check_each_sample_once(trial, job, samples, window, may_lose=True, unreported=unreported)
+        lost[int(shown) - 1] += int(batches) * BATCH
+    check_each_sample_once(trial, job, samples, window, may_lose=True, unreported=lost)
     assert trial.violations == [], trial.violations
+    if unreported:
+        # It died at a chunk's end: nothing of its window is trained again (its chunks since the last round
+        # lost with the group, the last one too, which its group's other reported), and a line says so.
+        assert lost and trial.retrained == 0, (lost, trial.retrained)
 
 
 def _logs(job: Job) -> str:

@@ -4,7 +4,10 @@ to), every training step a rank takes appends one JSON line to `<start>-rank<R>-
 the epoch, the rank's step count after it (`steps_total`, as its checkpoint part holds it) and the sample ids
 it trained (the step's picks; with augment=1 a pick is its sample's id). The line is written once the
 optimizer stepped, unbuffered: a process killed after it still leaves it. tests/helpers/chaos.py reads these
-files back. It loads tests/helpers/held_steps' hook too ($FLODL_TEST_STEP_S paces the steps)."""
+files back. It loads tests/helpers/held_steps' hook too ($FLODL_TEST_STEP_S paces the steps). With
+$FLODL_TEST_KILL_BEFORE_REPORT=R:N the first process of rank R SIGKILLs itself as it is about to send its N-th
+chunk report: after the chunk's steps, before the coordinator hears of them (tests/runs/
+test_sharded_survive.py)."""
 
 from __future__ import annotations
 
@@ -49,3 +52,23 @@ if _DIR:
 
     Stepper.load_step = _logged_load_step  # type: ignore[method-assign]
     Stepper.step = _logged_step  # type: ignore[method-assign]
+
+_KILL_BEFORE_REPORT = os.environ.get("FLODL_TEST_KILL_BEFORE_REPORT")
+
+if _KILL_BEFORE_REPORT and os.environ.get("FLODL_INCARNATION", "0") == "0":
+    import signal
+
+    from flodl.links.messages import ChunkReport, Message
+    from flodl.worker.base import WorkerBase
+
+    _report = WorkerBase.report
+    _reports = [0]
+
+    def _report_or_die(self: WorkerBase, message: Message) -> None:
+        if isinstance(message, ChunkReport):
+            _reports[0] += 1
+            if f"{self.rank}:{_reports[0]}" == _KILL_BEFORE_REPORT:
+                os.kill(os.getpid(), signal.SIGKILL)
+        _report(self, message)
+
+    WorkerBase.report = _report_or_die  # type: ignore[method-assign]
