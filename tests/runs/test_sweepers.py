@@ -95,18 +95,16 @@ def test_joblib_workers_start_each_jobs_ranks(tmp_path: Path) -> None:
         "hydra/launcher=joblib",
         "hydra.launcher.n_jobs=2",
         "launch.nproc_per_node=2",
-        "seed=0,1",
+        "seed=0",  # one job: two side by side are the slots and submitit launchers' tests
         *SMALL,
         cwd=tmp_path,
         timeout=300,
     )
     result.check()
-    jobs = _job_dirs(tmp_path / "multirun")
-    assert len(jobs) == 2
-    for job in jobs:
-        records = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
-        assert records[-1]["epoch"] == 0 and math.isfinite(records[-1]["eval/loss"])
-        assert (job / "rank1.log").is_file()
+    (job,) = _job_dirs(tmp_path / "multirun")
+    records = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["epoch"] == 0 and math.isfinite(records[-1]["eval/loss"])
+    assert (job / "rank1.log").is_file()
 
 
 @pytest.mark.multiproc
