@@ -161,6 +161,11 @@ def main() -> None:
         f"policy={args.policy}",
         "eval_every=0",
         "epochs=100000",
+        # Checkpoints by time, as a long run of short epochs takes them: a checkpoint every epoch would end
+        # a segment every tenth of a second on digits, and a segment's last window has nothing left to hand
+        # the members that a silent one holds up (rounds/supply.py).
+        "checkpoint_every=null",
+        "checkpoint_every_s=30",
         *args.overrides,
     ]
 
