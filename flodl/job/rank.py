@@ -29,22 +29,20 @@ from flodl.config.policy import (
     checkpoint_keys_set,
     collective_backend,
     compile_mode_for,
-    heartbeat_timeout_of,
     hosts_apart,
-    saves_on_stop,
     step_samples,
     step_words,
 )
 from flodl.config.rules import ConfigError
 from flodl.config.schema import FlodlConfig, to_config
 from flodl.coordinator.hooks import CallbackError
-from flodl.coordinator.roster import RankHung, TooFewRanks
-from flodl.coordinator.survivors import was_cut
+from flodl.coordinator.roster import TooFewRanks
 from flodl.data.stream import epoch_picks
 from flodl.job import failures
 from flodl.job.assembly import make_group, make_worker
 from flodl.job.coordinator_assembly import hang_saver
 from flodl.job.host import HostFailed, RunHost, TaskFacts, coordinator_started, host_namespace, publish_task
+from flodl.job.rank_threads import train
 from flodl.job.resume import (
     agreed_checkpoint,
     agreed_config,
@@ -56,28 +54,22 @@ from flodl.job.resume import (
 from flodl.job.settings import checkpoint_store, task_settings
 from flodl.job.shared_dir import agree_on_checkpoint_dir
 from flodl.links.group import GroupHandle, agree_on_config, init_group, pick_device
-from flodl.links.heartbeat import HeartbeatSender, Rank0Watch, beat_interval
-from flodl.links.messages import Exiting, StopRequested
+from flodl.links.messages import Exiting
 from flodl.links.stop import (
     Stopped,
-    StopWatch,
-    agree_step,
     catch_stop_signals,
-    end_process,
     leave_now,
     part_done,
     post,
     posted,
     received,
-    save_on_stop,
     watch_signals,
 )
 from flodl.links.transport import COORDINATOR, InboxReader, Mailbox
 from flodl.logs import FILE_ONLY, setup_rank_logging, stderr_to
 from flodl.metrics.run_info import RunInfo
 from flodl.metrics.wandb_sink import WandbStartError
-from flodl.worker.base import WorkerBase
-from flodl.worker.group import RankGroup, SurvivingGroup
+from flodl.worker.group import RankGroup
 from flodl.worker.nonfinite import NonFiniteError
 from flodl.worker.task_setup import TaskParts, TaskSettings, build_task, lr_scale_factor
 
@@ -213,7 +205,7 @@ def serve_rank(
         )
         if checkpoint is not None:
             restore_worker(checkpoint, worker, env.world_size)
-        _train(cfg, env, info, worker, group, namespace, connect, host, apart)
+        train(cfg, env, info, worker, group, namespace, connect, host, apart)
         if worker.stopped_by is not None:  # a stop that saved: its checkpoint is committed
             raise Stopped(worker.stopped_by)
         if host is not None:
@@ -266,44 +258,6 @@ def _agree_on_checkpoint_dir(
     agree_on_checkpoint_dir(exchange, env.rank, checked, mine, checkpoint_keys_set(cfg), together)
 
 
-def _train(
-    cfg: FlodlConfig,
-    env: RankEnv,
-    info: RunInfo,
-    worker: WorkerBase,
-    group: GroupHandle,
-    namespace: str,
-    connect: Callable[[str, int | str], Mailbox],
-    host: RunHost | None,
-    apart: bool,
-) -> None:
-    """The worker's run, with its heartbeat, its stop watch and (the host in rank 0's process) a watch on
-    rank 0 beside it."""
-    interval = beat_interval(heartbeat_timeout_of(cfg))
-    heartbeat = HeartbeatSender(
-        env.rank, connect(namespace, env.rank), interval, lambda: worker.stepper.steps_total
-    )
-    heartbeat.start()
-    watch = _stop_watch(cfg, env.rank, connect(namespace, env.rank), worker)
-    watch.start()
-    host_watch = None
-    if not apart and env.rank != 0:  # the store, and the coordinator, live in rank 0: it may freeze
-        # Its store client gives up within a beat.
-        quick = Mailbox.connect(group.store_host, group.store_port, namespace, env.rank, interval)
-        on_hang = functools.partial(_stop_on_hang, Path(info.run_dir), info.uid, env)
-        host_watch = Rank0Watch(quick, heartbeat_timeout_of(cfg), interval, on_hang)
-        host_watch.start()
-    try:
-        worker.run(alive=lambda: _raise_if_failed(host, worker))
-    finally:
-        if host is not None:
-            host.rank_done()
-        if host_watch is not None:
-            host_watch.stop()
-        watch.stop()
-        heartbeat.stop()
-
-
 def _wind_down(
     err: BaseException, env: RankEnv, info: RunInfo, host: RunHost | None, outbox: Mailbox | None
 ) -> int | None:
@@ -323,48 +277,6 @@ def _wind_down(
         with contextlib.suppress(Exception):
             outbox.send(COORDINATOR, Exiting(env.rank, f"{type(err).__name__}: {err}"))
     return signum
-
-
-def _stop_watch(cfg: FlodlConfig, rank: int, mailbox: Mailbox, worker: WorkerBase) -> StopWatch:
-    """The rank's stop watch: a peer's stop raised here; with a stop that saves, this rank's signal carried
-    out (the request posted and sent to the coordinator, sync's step agreed), within stop_grace_s; sync's
-    checkpoints by time handed to the worker."""
-
-    def on_checkpoint(request: int) -> None:
-        worker.on_checkpoint_request(functools.partial(agree_step, mailbox, request=request))
-
-    checkpoints = on_checkpoint if cfg.checkpoint_every_s is not None else None
-    if not saves_on_stop(cfg):
-        return StopWatch(mailbox, on_checkpoint=checkpoints)
-
-    def announce(signum: int) -> None:
-        mailbox.send(COORDINATOR, StopRequested(rank, signum))
-
-    def on_request() -> bool:
-        return worker.on_stop_request(functools.partial(agree_step, mailbox))
-
-    def save_s() -> float | None:
-        return worker.checkpointer.last_save_s if worker.checkpointer is not None else None
-
-    return StopWatch(mailbox, save_on_stop(), announce, on_request, cfg.stop_grace_s, checkpoints, save_s)
-
-
-def _raise_if_failed(host: RunHost | None, worker: WorkerBase) -> None:
-    """While this rank waits for work: the coordinator in its process failed, or the run's host cut it."""
-    coordinator = host.coordinator if host is not None else None
-    if coordinator is not None and coordinator.error is not None:
-        raise RuntimeError(f"the coordinator failed: {coordinator.error}") from coordinator.error
-    group = worker.group
-    if isinstance(group, SurvivingGroup) and was_cut(worker.outbox.store, group.rank, group.incarnation):
-        raise RuntimeError(f"rank {group.rank} was cut out of the run (its host heard nothing of it)")
-
-
-def _stop_on_hang(run_dir: Path, uid: str, env: RankEnv, why: str) -> None:
-    """Rank 0 went silent: this rank's training thread waits in a collective with it, so end the process now
-    (the launcher stops the others), naming rank 0."""
-    log.error("%s; stopping rank %d", why, env.rank)
-    failures.record(run_dir, uid, env.restart_count, env.rank, RankHung(why))
-    end_process(1)
 
 
 def stopped_line(signum: int, cfg: FlodlConfig, run_dir: Path, info: RunInfo) -> str:

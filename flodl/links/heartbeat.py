@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from torch.distributed import Store
+
 from flodl.links.messages import Heartbeat
 from flodl.links.threads import wait_ended
 from flodl.links.transport import COORDINATOR, Mailbox
@@ -79,12 +81,24 @@ RANK0_BEATS = "beats/0"
 class HeartbeatSender(threading.Thread):
     """Sends this rank's beats on its own store connection until stopped."""
 
-    def __init__(self, rank: int, mailbox: Mailbox, interval_s: float, step: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        rank: int,
+        mailbox: Mailbox,
+        interval_s: float,
+        step: Callable[[], int],
+        cut: Callable[[Store], bool] | None = None,
+        on_cut: Callable[[], None] | None = None,
+    ) -> None:
+        """`cut`, read after each beat: whether the run's host cut this process out (a rank with no supervisor
+        to end it, heard again after a partition or a freeze); then `on_cut`, at once, even while the
+        training thread waits in a collective with peers that went on without it."""
         super().__init__(name=f"flodl-heartbeat-{rank}", daemon=True)
         self.rank = rank
         self.mailbox = mailbox
         self.interval_s = interval_s
         self.step = step
+        self.cut, self.on_cut = cut, on_cut
         self.stopped = threading.Event()
 
     def run(self) -> None:
@@ -95,6 +109,9 @@ class HeartbeatSender(threading.Thread):
                 self.mailbox.send(COORDINATOR, Heartbeat(self.rank, self.step()))
                 if self.rank == 0:
                     self._beat_count()
+                if self.cut is not None and self.on_cut is not None and self.cut(self.mailbox.store):
+                    self.on_cut()
+                    return
             except Exception:  # the store is gone: the run is over or failing, and says so elsewhere
                 return
 

@@ -51,7 +51,7 @@ from flodl.config.policy import PolicyFacts, collective_backend
 from flodl.config.schema import FlodlConfig, register_configs, to_config
 from flodl.coordinator import coordinator as coordinator_module
 from flodl.job import failures
-from flodl.job import rank as rank_module
+from flodl.job import rank_threads as rank_module
 from flodl.job.rank import Joined, RankMaking, serve_rank
 from flodl.launcher.run_dir import register_resolvers
 from flodl.links.group import GroupHandle, agree_on_config, loopback_store

@@ -17,7 +17,7 @@ import torch
 from flodl.checkpoints.disk import Point, dir_name
 from flodl.coordinator import coordinator as coordinator_module
 from flodl.data.partition import equal_slices
-from flodl.job import rank as rank_module
+from flodl.job import rank_threads as rank_module
 from flodl.links import stop
 from flodl.tasks.digits import digits_dataset
 from flodl.worker.checkpoint_part import RankCheckpointer
