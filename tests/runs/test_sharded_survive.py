@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from flodl.launcher.join_card import CARD
 from flodl.tasks.digits import DigitsMLP
 from tests.helpers.chaos_job import (
     EPOCHS,
@@ -28,14 +29,26 @@ from tests.helpers.chaos_job import (
     read_samples,
     window_of_the_dead,
 )
+from tests.helpers.procs import (
+    FAST_START,
+    PYTHON,
+    TRAIN,
+    Child,
+    child_env,
+    finish,
+    kill_group,
+    start,
+    wait_for,
+)
 from tests.helpers.runs import epochs_of
-from tests.helpers.survive_runs import digests, membership
+from tests.helpers.survive_runs import EPOCHS_AT_MOST, check_every_epoch_once, digests, membership
 
 pytestmark = pytest.mark.multiproc
 
 WORLD, K = 4, 2
 # Digits on 4 ranks: 11 steps of 32 samples each an epoch per rank; a kill within the first half of the run.
 RANK_STEPS = 11
+JOIN = str(Path(PYTHON).parent / "flodl-join")
 BATCH = 32  # digits' batch_size
 
 
@@ -96,7 +109,7 @@ def test_a_ranks_death_takes_its_group_out_the_other_trains_on_and_it_rejoins_wh
     assert [(e["rank"] in (victim, mate), e["members"]) for e in cuts] == [(True, others)], cuts
     assert f"its group {sorted([victim, mate])} leaves with it" in cuts[0]["why"]
 
-    logs = _logs(job) + (job.run_dir / "coordinator.log").read_text()
+    logs = _logs_of(job.run_dir) + (job.run_dir / "coordinator.log").read_text()
     final = digests(logs, "final round")
     if restarts:
         # Back whole, in one admission: each restarted rank took its shard (parameters and the optimizer's
@@ -134,5 +147,56 @@ def test_a_ranks_death_takes_its_group_out_the_other_trains_on_and_it_rejoins_wh
         assert lost and trial.retrained == 0, (lost, trial.retrained)
 
 
-def _logs(job: Job) -> str:
-    return "".join((job.run_dir / f"rank{r}.log").read_text() for r in range(WORLD))
+def test_a_job_grows_by_a_whole_group_of_joiners(tmp_path: Path) -> None:
+    """One group of 2 with launch.max_ranks=4: two `flodl-join` started at once take seats 2 and 3, a group of
+    its own; it is admitted whole once both wait, each joiner taking its shard from the member holding its
+    shard index, and the run ends with one state per shard index."""
+    grown = "callbacks=[{_target_:tests.helpers.callback_log.StopOnceGrown,world:4}]"
+    job = start(
+        [
+            PYTHON,
+            TRAIN,
+            "launch.nproc_per_node=2",
+            "launch.max_ranks=4",
+            FAST_START,
+            "fault_tolerance=survive",
+            "policy=cadence",
+            f"shard_group={K}",
+            "device=cpu",
+            "checkpoint_every=null",
+            f"epochs={EPOCHS_AT_MOST}",
+            "batch_size=8",
+            "eval_every=0",
+            grown,
+            "hydra.run.dir=run",
+        ],
+        tmp_path,
+    )
+    run = tmp_path / "run"
+    joiners: list[Child] = []
+    try:
+        wait_for((run / CARD).is_file, job, what="the job wrote its join card")
+        joiners = [start([JOIN, str(run)], tmp_path, child_env()) for _ in range(K)]
+        result = finish(job, 240)
+        codes = [finish(j, 60).code for j in joiners]
+    finally:
+        for proc in [job, *joiners]:
+            if proc.poll() is None:
+                kill_group(proc)
+    result.check()
+    assert codes == [0, 0], codes
+    admitted = [e for e in membership(run) if e["event"] == "rank_admitted"]
+    assert [(e["rank"] in (2, 3), e["members"]) for e in admitted] == [(True, [0, 1, 2, 3])], admitted
+    assert "its group [2, 3] with it" in admitted[0]["why"]
+    logs = _logs_of(run)
+    shared = dict(re.findall(r"rank (\d+): state after admitting \[2, 3\]: (.+)", logs))
+    final = digests(logs, "final round")
+    for index in range(K):  # parameters and optimizer moments as the member of its shard index holds them
+        assert shared[str(index)] == shared[str(index + K)], shared
+        assert final[index] == final[index + K], final
+    records = check_every_epoch_once(run)
+    assert records[0]["world"] == 2 and records[-1]["world"] == 4, [r["world"] for r in records]
+
+
+def _logs_of(run: Path) -> str:
+    return "".join((run / f"rank{r}.log").read_text() for r in range(WORLD))

@@ -98,12 +98,12 @@ def test_survive_by_groups_runs_under_cadence_and_what_it_does_not_do_yet_is_ref
         "checkpoint_every": None,
         "fault_tolerance": "survive",
     }
-    restarts = {"launch.nproc_per_node": 4, "launch.max_restarts": 2}
-    assert problems_of(make(**surviving, **restarts), four) == []  # a group cut out comes back
+    restarts = {"launch.nproc_per_node": 4, "launch.max_restarts": 2, "launch.max_ranks": 6}
+    assert problems_of(make(**surviving, **restarts), four) == []  # a group comes back, one more joins
     for key, value, rule in [
         ("policy", "sync", "a group leaves and the others train on under policy=cadence only"),
         ("policy", "async", "a group leaves and the others train on under policy=cadence only"),
-        ("launch.max_ranks", 6, "a job grows by whole groups, not built yet"),
+        ("launch.max_ranks", 5, "a job grows by whole groups: make it a multiple of shard_group=2"),
     ]:
         problems = problems_of(make(**{**surviving, key: value}), four)
         said = assert_problem(

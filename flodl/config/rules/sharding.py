@@ -73,8 +73,8 @@ def _async_across_groups(cfg: FlodlConfig) -> Iterator[tuple[str, object, str]]:
 
 def _surviving_groups(cfg: FlodlConfig) -> Iterator[tuple[str, object, str]]:
     """What survive by groups does not do yet: under cadence a rank's death takes its group out, the other
-    groups train on, and the group comes back whole once its ranks are restarted (docs/survive.md); no group
-    joins a running job."""
+    groups train on, and the group comes back whole once its ranks are restarted (docs/survive.md); a job
+    grows by whole groups."""
     if cfg.policy != "cadence":
         yield (
             "policy",
@@ -82,9 +82,9 @@ def _surviving_groups(cfg: FlodlConfig) -> Iterator[tuple[str, object, str]]:
             "a group leaves and the others train on under policy=cadence only: set policy=cadence, or "
             "fault_tolerance=none",
         )
-    if cfg.launch.max_ranks is not None:
+    if cfg.launch.max_ranks is not None and cfg.launch.max_ranks % cfg.shard_group:
         yield (
             "launch.max_ranks",
             cfg.launch.max_ranks,
-            "a job grows by whole groups, not built yet: set launch.max_ranks=null",
+            f"a job grows by whole groups: make it a multiple of shard_group={cfg.shard_group}",
         )
