@@ -52,16 +52,20 @@ def collective_backend(backend: str, device_type: str) -> str:
     return "nccl" if backend == "nccl" and device_type == "cuda" else "gloo"
 
 
+# torch.compile modes that capture CUDA graphs (torch._inductor.list_mode_options(): "triton.cudagraphs").
+GRAPH_MODES = frozenset({"reduce-overhead", "max-autotune"})
+
+
 def compile_mode_for(cfg: FlodlConfig, device_type: str, world_size: int) -> str | None:
     """torch.compile's mode for the run (None: compile=false). compile_mode=auto takes the fastest mode that
     is safe here: CUDA graphs (reduce-overhead) on a GPU, never slower than default there
-    (bench/results/2026-12-01-compile-modes-1x-NVIDIA-H200.md), but not sync over NCCL with several ranks,
-    not measured there yet."""
+    (bench/results/2026-12-01-compile-modes-1x-NVIDIA-H200.md), but not sync over NCCL with several ranks
+    nor a model sharded in groups (FSDP2's gathers), not measured there yet."""
     if not cfg.compile:
         return None
     if cfg.compile_mode != "auto":
         return cfg.compile_mode
-    if device_type != "cuda":
+    if device_type != "cuda" or cfg.shard_group > 1:
         return "default"
     if cfg.policy == "sync" and collective_backend(cfg.backend, device_type) == "nccl" and world_size > 1:
         return "default"

@@ -205,7 +205,8 @@ class FlodlConfig:
     precision: str = "fp32"
     # torch.compile the training module (DDP under sync); compile_mode is torch.compile's `mode`, or auto:
     # reduce-overhead (CUDA graphs) on a GPU, where it measured fastest (never slower than default), except
-    # sync over NCCL with several ranks (not measured there yet: default); default on the CPU.
+    # sync over NCCL with several ranks and a model sharded in groups (not measured there yet: default);
+    # default on the CPU.
     compile: bool = False
     # torch.compile's mode when compile=true (auto: as above).
     compile_mode: str = "auto"

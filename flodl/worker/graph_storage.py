@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 
-# torch.compile modes that capture CUDA graphs (torch._inductor.list_mode_options(): "triton.cudagraphs").
-GRAPH_MODES = frozenset({"reduce-overhead", "max-autotune"})
+from flodl.config.policy import GRAPH_MODES
 
 
 class StorageMoved(RuntimeError):

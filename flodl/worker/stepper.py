@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from flodl.config.policy import GRAPH_MODES
 from flodl.data.dataset import read_batch
 from flodl.data.feeder import DataPlaneSettings
 from flodl.data.feeders import Feeder, feeder_for
@@ -30,7 +31,7 @@ from flodl.metrics.flops import peak_flops, train_flops_per_sample
 from flodl.metrics.scalars import record_scalar
 from flodl.sharding.fsdp import is_sharded
 from flodl.worker.faults import FaultInjection
-from flodl.worker.graph_storage import GRAPH_MODES, CapturedStorage
+from flodl.worker.graph_storage import CapturedStorage
 from flodl.worker.nonfinite import NonFiniteWatch
 from flodl.worker.task_setup import TaskParts
 

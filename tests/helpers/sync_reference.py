@@ -23,10 +23,11 @@ STEP_SIZE, LR_GAMMA = 20, 0.5
 
 
 def reference_run(
-    steps_expected: int, sgd: bool, world: int = WORLD
+    steps_expected: int, sgd: bool, world: int = WORLD, bf16: bool = False
 ) -> tuple[dict[str, torch.Tensor], float]:
     """One process, plain torch Adam (or SGD) and StepLR, on the union of what `world` ranks see at each
-    step."""
+    step (`bf16`: each rank's forward and backward under bf16 autocast, the parameters and the step
+    float32)."""
     data = digits_dataset("train")
     torch.manual_seed(SEED)
     model = DigitsMLP(hidden=128)
@@ -38,11 +39,15 @@ def reference_run(
     steps = slices[0].size // BATCH
     assert steps == steps_expected
     for b in range(steps):
-        picks = torch.cat([perm[s.offset + b * BATCH : s.offset + (b + 1) * BATCH] for s in slices])
-        inputs, labels = data.get_batch(picks)
-        loss = F.cross_entropy(model(inputs), labels)
+        picks = [perm[s.offset + b * BATCH : s.offset + (b + 1) * BATCH] for s in slices]
         optimizer.zero_grad()
-        loss.backward()
+        # Under bf16 each rank's micro-batch apart, as its rank computes it (autocast rounds a matmul's
+        # output, a micro-batch's weight gradient among them, to bf16), their mean taken in float32.
+        for micro in picks if bf16 else [torch.cat(picks)]:
+            inputs, labels = data.get_batch(micro)
+            with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+                loss = F.cross_entropy(model(inputs), labels)
+            (loss * (len(micro) / (world * BATCH))).backward()
         optimizer.step()
         scheduler.step()
     return {k: v.detach() for k, v in model.state_dict().items()}, float(scheduler.get_last_lr()[0])
@@ -55,10 +60,13 @@ def assert_matches_reference(
     sgd: bool = False,
     world: int = WORLD,
     evals: bool = False,
+    bf16: bool = False,
+    **env: str,
 ) -> list[dict]:
     """A `world`-rank epoch under `overrides` ends where plain torch on the global batches of BATCH does
     (model and LR; model.pt holds the model's every tensor, as the task's model names them); its metrics
-    records (`evals`: it evaluates after the epoch)."""
+    records (`evals`: it evaluates after the epoch; `bf16`: the run and the reference under bf16 autocast;
+    `env`: the ranks' environment, added)."""
     optimizer = ("task.optimizer._target_=torch.optim.SGD",) if sgd else ()
     train(
         f"launch.nproc_per_node={world}",
@@ -74,14 +82,16 @@ def assert_matches_reference(
         f"+task.scheduler.gamma={LR_GAMMA}",
         "hydra.run.dir=run",
         *optimizer,
+        f"precision={'bf16' if bf16 else 'fp32'}",
         *overrides,
         cwd=tmp_path,
         timeout=400,
+        **env,
     ).check()
     steps = len(digits_dataset("train")) // (world * BATCH)
     assert steps >= 20
     trained = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
-    expected, expected_lr = reference_run(steps, sgd, world)
+    expected, expected_lr = reference_run(steps, sgd, world, bf16)
     assert {k: v.shape for k, v in trained.items()} == {k: v.shape for k, v in expected.items()}
     records = epochs_of(tmp_path / "run")
     assert records[-1]["lr"] == pytest.approx(expected_lr, rel=1e-9)

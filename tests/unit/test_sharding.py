@@ -151,11 +151,25 @@ def test_local_sgd_across_groups_sends_each_shard_over_any_wire(policy: str, key
     assert problems_of(cfg, host(world_size=4, ranks_per_node=4)) == []
 
 
-@pytest.mark.parametrize(("key", "value"), [("bf16_wire", True), ("compile", True), ("precision", "fp8")])
-def test_what_ddp_gives_a_replica_is_refused_with_groups(key: str, value: object) -> None:
-    problems = problems_of(make(shard_group=2, **{key: value}), host(world_size=2, ranks_per_node=2))
-    assert_problem(problems, key, value, "not with shard_group=2 yet")
-    assert not any("shard_group" in p for p in problems_of(make(**{key: value})))
+@pytest.mark.parametrize(
+    ("key", "value", "why"),
+    [
+        ("bf16_wire", True, "HSDP's gradients travel as float32"),
+        ("precision", "fp8", "float8 matmuls need a GPU"),
+        ("compile_mode", "reduce-overhead", "CUDA graphs around FSDP2's gathers are not measured"),
+        ("compile_mode", "max-autotune", "CUDA graphs around FSDP2's gathers are not measured"),
+    ],
+)
+def test_what_ddp_gives_a_replica_is_refused_with_groups(key: str, value: object, why: str) -> None:
+    cfg = make(shard_group=2, compile=True, **{key: value})
+    assert why in assert_problem(problems_of(cfg, host(world_size=2, ranks_per_node=2)), key, value, "yet (")
+    assert not any("shard_group" in p for p in problems_of(make(compile=True, **{key: value})))
+
+
+@pytest.mark.parametrize("mode", ["auto", "default", "max-autotune-no-cudagraphs"])
+def test_a_sharded_model_compiles_without_cuda_graphs(mode: str) -> None:
+    cfg = make(shard_group=2, compile=True, compile_mode=mode, precision="bf16")
+    assert problems_of(cfg, host(world_size=2, ranks_per_node=2)) == []
 
 
 def test_a_sharded_models_eval_runs_as_many_forwards_on_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:

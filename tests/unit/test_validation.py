@@ -683,6 +683,7 @@ def test_survive_refuses_torchrun_s_agent():
         ({"compile": True, "policy": "cadence"}, "cuda", 4, "reduce-overhead"),
         ({"compile": True, "policy": "sync", "backend": "cpu"}, "cuda", 2, "reduce-overhead"),
         ({"compile": True, "policy": "sync"}, "cuda", 2, "default"),  # over NCCL: not measured yet
+        ({"compile": True, "policy": "cadence", "shard_group": 2}, "cuda", 4, "default"),  # FSDP2: neither
         ({"compile": True, "compile_mode": "max-autotune"}, "cpu", 1, "max-autotune"),  # asked for: kept
     ],
 )
