@@ -53,6 +53,10 @@ class Mailbox:
             return None
 
 
+# The reason of the Shutdown a reader sends itself to end its wait (InboxReader.stop).
+STOPPED_LOCALLY = "stopped locally"
+
+
 class InboxReader(threading.Thread):
     """Moves this rank's messages from the store into a local queue, so a training loop can check for
     control messages between steps without a network round trip."""
@@ -67,11 +71,14 @@ class InboxReader(threading.Thread):
         self.on_arrival: Callable[[Message], None] | None = None
         # Messages the training loop took early and gave back (they come before the queue's).
         self._held: deque[Message] = deque()
+        self._stopping = threading.Event()
 
     def run(self) -> None:
         try:
             while True:
                 message = self.mailbox.wait(_READER_WAIT_S)
+                if _stale_wake(message) and not self._stopping.is_set():
+                    continue  # an earlier process of this rank's own (see stop), left in the store
                 if message is not None:
                     if self.on_arrival is not None:  # first: the loop must not act on it before this did
                         self.on_arrival(message)
@@ -105,5 +112,12 @@ class InboxReader(threading.Thread):
     def stop(self, waker: Mailbox) -> None:
         """End the reader early (an error path): wake its blocking pop with a Shutdown from `waker`."""
         if self.is_alive():
-            waker.send(self.mailbox.owner, Shutdown(reason="stopped locally"))
+            self._stopping.set()
+            waker.send(self.mailbox.owner, Shutdown(reason=STOPPED_LOCALLY))
             wait_ended(self, timeout=10)
+
+
+def _stale_wake(message: Message | None) -> bool:
+    """A reader's own wake that its process ended before reading (the process left it in the rank's inbox,
+    e.g. cut and ended at once after a partition): no message to the process that reads the inbox now."""
+    return isinstance(message, Shutdown) and message.reason == STOPPED_LOCALLY
