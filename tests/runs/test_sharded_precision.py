@@ -14,7 +14,8 @@ import torch
 
 from flodl.tasks.digits import digits_dataset
 from tests.helpers.chaos_job import read_samples
-from tests.helpers.procs import FAST_START, REPO
+from tests.helpers.procs import FAST_START, REPO, train
+from tests.helpers.runs import epochs_of
 from tests.helpers.sync_reference import BATCH, assert_matches_reference, reference_run
 
 pytestmark = pytest.mark.multiproc
@@ -50,16 +51,48 @@ def test_bf16_groups_step_the_bf16_math_of_one_process(tmp_path: Path, compiled:
     # and all-reduce against one process's accumulation, a few ulps a step: ~1e-7 relative, SGD adding
     # them up over the epoch's 44 steps), so 1e-5, test_sharded_sync's bound (measured: 0, bit for bit,
     # eager and compiled). The float32 math ends 6e-4 to 2.6e-3 off, the bf16 math on the global batch at
-    # once (its gradients rounded to bf16 over 32 samples, not 8) 3e-4 to 2e-3.
-    compile_on = ("compile=true",) if compiled else ()
+    # once (its gradients rounded to bf16 over 32 samples, not 8) 3e-4 to 2e-3. A run that trained other
+    # samples would end as far off: the compiled run logs no sample ids (the hook's imports in every Python
+    # process inductor starts make compiling 6x slower), its records count them.
     log = tmp_path / "samples"
+    more, env = (("compile=true",), {}) if compiled else ((), sample_log(log))
     (record,) = assert_matches_reference(
-        tmp_path, 1e-5, *GROUPS, *compile_on, world=WORLD, sgd=True, bf16=True, **sample_log(log)
+        tmp_path, 1e-5, *GROUPS, *more, world=WORLD, sgd=True, bf16=True, **env
     )
     steps = len(digits_dataset("train")) // (WORLD * BATCH)
-    assert trained_once(log, 1, steps * WORLD * BATCH) == {r: steps for r in range(WORLD)}
+    assert record["samples"] == steps * WORLD * BATCH
+    if not compiled:
+        assert trained_once(log, 1, steps * WORLD * BATCH) == {r: steps for r in range(WORLD)}
     trained = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
     assert {t.dtype for t in trained.values()} == {torch.float32}  # the parameters stay float32
     # The teeth: bf16 is in effect (the float32 math ends far from the run).
     assert min(relative(trained, reference_run(steps, True, WORLD)[0]).values()) > 1e-4
     assert (record["compile_s"] > 0) == compiled
+
+
+def test_compiled_bf16_groups_under_cadence_end_where_eager_ones_do(tmp_path: Path) -> None:
+    # Cadence at a fixed window of 5 (the plan and the rounds the same in both runs), bf16 in both; the
+    # compiled run differs by what inductor fuses (the same ops, float32 inside a fused kernel: measured
+    # bit for bit under sync), its rounds by nothing. The eager run logs its samples' ids; the compiled
+    # one, ending where it does, trained the same ones.
+    pinned = ("anchor=5", "min_anchor=5", "max_anchor=5", "max_batch_diff=0", "divergence_guard=none")
+    sgd = ("task.optimizer._target_=torch.optim.SGD", "task.optimizer.lr=0.1", "lr_scale_ratio=0")
+    common = (*GROUPS, *pinned, *sgd, "policy=cadence", f"launch.nproc_per_node={WORLD}", "precision=bf16")
+    log, runs = tmp_path / "samples", {}
+    for compiled in (False, True):
+        more = (
+            f"batch_size={BATCH}",
+            "epochs=1",
+            "eval_every=0",
+            f"compile={compiled}",
+            f"hydra.run.dir={compiled}",
+        )
+        train(*common, *more, cwd=tmp_path, timeout=400, **({} if compiled else sample_log(log))).check()
+        (record,) = epochs_of(tmp_path / str(compiled))
+        assert (record["compile_s"] > 0) == compiled
+        model = torch.load(tmp_path / str(compiled) / "model.pt", weights_only=True)
+        runs[compiled] = ({p["rank"]: p["batches"] for p in record["per_rank"]}, model)
+    steps = trained_once(log, 1, len(digits_dataset("train")) // BATCH // K * K * BATCH)  # whole groups
+    assert steps[0] == steps[1] and steps[2] == steps[3]  # a group's members step together
+    assert runs[True][0] == runs[False][0] == steps
+    assert max(relative(runs[True][1], runs[False][1]).values()) <= 1e-5
