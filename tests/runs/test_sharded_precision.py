@@ -70,20 +70,26 @@ def test_bf16_groups_step_the_bf16_math_of_one_process(tmp_path: Path, compiled:
     assert (record["compile_s"] > 0) == compiled
 
 
-def test_compiled_bf16_groups_under_cadence_end_where_eager_ones_do(tmp_path: Path) -> None:
-    # Cadence at a fixed window of 5 (the plan and the rounds the same in both runs), bf16 in both; the
-    # compiled run differs by what inductor fuses (the same ops, float32 inside a fused kernel: measured
-    # bit for bit under sync), its rounds by nothing. The eager run logs its samples' ids; the compiled
-    # one, ending where it does, trained the same ones.
+@pytest.mark.parametrize(
+    ("policy", "extra"), [("cadence", ("eval_every=0",)), ("async", ("eval_every=1", "max_overshoot=0"))]
+)
+def test_compiled_bf16_groups_under_local_sgd_end_where_eager_ones_do(
+    tmp_path: Path, policy: str, extra: tuple[str, ...]
+) -> None:
+    # A fixed window of 5 (the plan and the rounds the same in both runs; async without overshoot, an eval
+    # leaving FSDP2's root gathered before a round), bf16 in both; the compiled run differs by what inductor
+    # fuses (the same ops, float32 inside a fused kernel: measured bit for bit under sync), its rounds by
+    # nothing. The eager run logs its samples' ids; the compiled one, ending where it does, trained the
+    # same ones.
     pinned = ("anchor=5", "min_anchor=5", "max_anchor=5", "max_batch_diff=0", "divergence_guard=none")
     sgd = ("task.optimizer._target_=torch.optim.SGD", "task.optimizer.lr=0.1", "lr_scale_ratio=0")
-    common = (*GROUPS, *pinned, *sgd, "policy=cadence", f"launch.nproc_per_node={WORLD}", "precision=bf16")
+    common = (*GROUPS, *pinned, *sgd, *extra, f"policy={policy}", f"launch.nproc_per_node={WORLD}")
     log, runs = tmp_path / "samples", {}
     for compiled in (False, True):
         more = (
+            "precision=bf16",
             f"batch_size={BATCH}",
             "epochs=1",
-            "eval_every=0",
             f"compile={compiled}",
             f"hydra.run.dir={compiled}",
         )
