@@ -44,7 +44,8 @@ def shard_model(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Device
 
     Each item of the model's ModuleLists (a transformer's blocks) is a unit of its own, gathered for its
     forward and backward alone, then freed; the root holds the rest (embeddings, tied weights, a model
-    without a ModuleList whole)."""
+    without a ModuleList whole). No MixedPrecisionPolicy: the parameters are gathered and the gradients
+    reduced in float32, and precision=bf16 is the stepper's autocast, as around a replica (the same math)."""
     from torch.distributed.fsdp import fully_shard
 
     if optimizer.state:
