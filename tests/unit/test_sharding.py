@@ -156,6 +156,7 @@ def test_local_sgd_across_groups_sends_each_shard_over_any_wire(policy: str, key
     [
         ("bf16_wire", True, "HSDP's gradients travel as float32"),
         ("precision", "fp8", "float8 matmuls need a GPU"),
+        ("precision", "fp16", "its GradScaler is a full replica's"),
         ("compile_mode", "reduce-overhead", "CUDA graphs around FSDP2's gathers are not measured"),
         ("compile_mode", "max-autotune", "CUDA graphs around FSDP2's gathers are not measured"),
     ],

@@ -48,6 +48,9 @@ def _unsharded_only(cfg: FlodlConfig) -> Iterator[tuple[str, object, str]]:
     if cfg.precision == "fp8":
         why = "float8 matmuls need a GPU (compute capability 8.9+), and none has run them around FSDP2 yet"
         yield "precision", "fp8", why
+    if cfg.precision == "fp16":
+        why = "its GradScaler is a full replica's, and fp16 needs a GPU none has run it on with FSDP2 yet"
+        yield "precision", "fp16", why
     if cfg.compile and cfg.compile_mode in GRAPH_MODES:
         why = "CUDA graphs around FSDP2's gathers are not measured; compile_mode=default compiles it"
         yield "compile_mode", cfg.compile_mode, why
