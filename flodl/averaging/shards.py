@@ -13,12 +13,14 @@ its gathered copy, not its shards: `push` lets go of it, so the next forward gat
 
 from __future__ import annotations
 
-from typing import Protocol, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.fsdp import FSDPModule
+
+if TYPE_CHECKING:  # imported where a model is sharded: it takes about a second (sharding/fsdp.py)
+    from torch.distributed.fsdp import FSDPModule
 
 from flodl.averaging.flat import by_dtype, flat_copies
 from flodl.averaging.reduce_group import WorldGroup
@@ -40,6 +42,8 @@ def sharded_parameters(model: nn.Module) -> list[Sharded]:
 
 def gathered_units(model: nn.Module) -> list[FSDPModule]:
     """The units FSDP2 gathers for a forward (the model's sharded modules, the root among them)."""
+    from torch.distributed.fsdp import FSDPModule
+
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
