@@ -8,7 +8,12 @@ import json
 import re
 from pathlib import Path
 
+from flodl.launcher.join_card import CARD
 from flodl.metrics.timeline import read_timeline
+from tests.helpers.procs import PYTHON, Child, Result, child_env, finish, kill_group, start, wait_for
+
+# The launcher a joiner runs (flodl-join), beside the Python the tests run.
+JOIN = str(Path(PYTHON).parent / "flodl-join")
 
 # A bound, not a length: a restart test stops its run (StopOnceAdmitted) once the restarted rank is in,
 # however long the restarted process takes to start on a loaded machine.
@@ -57,3 +62,20 @@ def check_sync_epochs(run: Path, epochs: int | None = None) -> tuple[list[dict],
     for record, taken in zip(records, steps, strict=True):
         record["steps_taken"] = taken
     return records, whole
+
+
+def finish_with_joiners(job: Child, run: Path, cwd: Path, count: int) -> tuple[Result, list[int]]:
+    """`count` `flodl-join` processes for the job writing `run`, started at once (each takes a seat of its
+    own) once the job wrote its join card; the job's result and the joiners' exit codes. A process that
+    outlives them (a failure) has its group killed."""
+    joiners: list[Child] = []
+    try:
+        wait_for((run / CARD).is_file, job, what="the job wrote its join card")
+        joiners = [start([JOIN, str(run)], cwd, child_env()) for _ in range(count)]
+        result = finish(job, 240)
+        codes = [finish(j, 60).code for j in joiners]
+    finally:
+        for proc in [job, *joiners]:
+            if proc.poll() is None:
+                kill_group(proc)
+    return result, codes

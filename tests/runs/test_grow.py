@@ -30,16 +30,17 @@ from tests.helpers.procs import (
 )
 from tests.helpers.survive_runs import (
     EPOCHS_AT_MOST,
+    JOIN,
     check_every_epoch_once,
     check_sync_epochs,
     digests,
+    finish_with_joiners,
     membership,
 )
 from tests.helpers.user_project import write_project
 
 pytestmark = pytest.mark.multiproc
 
-JOIN = str(Path(PYTHON).parent / "flodl-join")
 RUN = "hydra.run.dir=run"
 GROWN = "callbacks=[{_target_:tests.helpers.callback_log.StopOnceGrown,world:4}]"
 
@@ -92,16 +93,7 @@ def test_a_running_job_grows_past_its_start_and_joiners_take_the_members_state(
 ) -> None:
     job = grow_job(tmp_path, policy, GROWN)
     run = tmp_path / "run"
-    joiners: list[Child] = []
-    try:
-        wait_for((run / CARD).is_file, job, what="the job wrote its join card")
-        joiners = [joiner(tmp_path), joiner(tmp_path)]  # at once: each takes a seat of its own
-        result = finish(job, 240)
-        codes = [finish(j, 60).code for j in joiners]
-    finally:
-        for proc in [job, *joiners]:
-            if proc.poll() is None:
-                kill_group(proc)
+    result, codes = finish_with_joiners(job, run, tmp_path, 2)
     result.check()
     assert codes == [0, 0], codes
     assert not (run / CARD).exists(), "the card goes with the run"

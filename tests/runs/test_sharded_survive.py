@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from flodl.launcher.join_card import CARD
 from flodl.tasks.digits import DigitsMLP
 from tests.helpers.chaos_job import (
     EPOCHS,
@@ -33,22 +32,22 @@ from tests.helpers.procs import (
     FAST_START,
     PYTHON,
     TRAIN,
-    Child,
-    child_env,
-    finish,
-    kill_group,
     start,
-    wait_for,
 )
 from tests.helpers.runs import epochs_of
-from tests.helpers.survive_runs import EPOCHS_AT_MOST, check_every_epoch_once, digests, membership
+from tests.helpers.survive_runs import (
+    EPOCHS_AT_MOST,
+    check_every_epoch_once,
+    digests,
+    finish_with_joiners,
+    membership,
+)
 
 pytestmark = pytest.mark.multiproc
 
 WORLD, K = 4, 2
 # Digits on 4 ranks: 11 steps of 32 samples each an epoch per rank; a kill within the first half of the run.
 RANK_STEPS = 11
-JOIN = str(Path(PYTHON).parent / "flodl-join")
 BATCH = 32  # digits' batch_size
 
 
@@ -173,16 +172,7 @@ def test_a_job_grows_by_a_whole_group_of_joiners(tmp_path: Path) -> None:
         tmp_path,
     )
     run = tmp_path / "run"
-    joiners: list[Child] = []
-    try:
-        wait_for((run / CARD).is_file, job, what="the job wrote its join card")
-        joiners = [start([JOIN, str(run)], tmp_path, child_env()) for _ in range(K)]
-        result = finish(job, 240)
-        codes = [finish(j, 60).code for j in joiners]
-    finally:
-        for proc in [job, *joiners]:
-            if proc.poll() is None:
-                kill_group(proc)
+    result, codes = finish_with_joiners(job, run, tmp_path, K)
     result.check()
     assert codes == [0, 0], codes
     admitted = [e for e in membership(run) if e["event"] == "rank_admitted"]
