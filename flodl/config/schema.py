@@ -344,9 +344,9 @@ class FlodlConfig:
     resume: str = "auto"
 
     # --- faults ---
-    # A rank not heard from for this long is hung (ranks beat every second): the job stops, or under survive
-    # it is cut. null: 60 s, or 10 s under survive (a rank that exits is cut at once there: its supervisor
-    # says so; only a frozen one waits out the timeout).
+    # A rank not heard from for this long is hung (ranks beat every eighth of it, 0.1 s to 1 s): the job
+    # stops, or under survive it is cut. null: 60 s, or 10 s under survive (a rank that exits is cut at once
+    # there: its supervisor says so; only a frozen one waits out the timeout).
     heartbeat_timeout_s: float | None = None
     # A non-finite loss: error (stop, naming rank and step) or skip (cadence/async: the rank's window
     # gets no weight in the next average and it restarts from the consensus).
