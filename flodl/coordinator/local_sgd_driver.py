@@ -36,7 +36,8 @@ from flodl.metrics.timeline import Timeline
 from flodl.rounds.elche import ElChe, round_overhead_ms
 from flodl.rounds.epochs_done import EpochsDone
 from flodl.rounds.guard import ConvergenceGuard, DivergenceReport
-from flodl.rounds.planner import Average, Dispatch, Instruction, LocalSgdPlanner, WindowReport
+from flodl.rounds.orders import Average, Dispatch, Instruction, WindowReport
+from flodl.rounds.planner import LocalSgdPlanner
 from flodl.rounds.supply import SUSPECT_BEATS, Supplied, top_up
 
 log = logging.getLogger("flodl")
@@ -173,15 +174,23 @@ class LocalSgdDriver:
             self.keep_supplied(self.supplied, time.perf_counter())
 
     def keep_supplied(self, supplied: Supplied, now: float) -> None:
-        """While the window waits on a member not heard from for a few heartbeats (frozen, cut off: it is cut
-        at the timeout), the members that reached their count are handed more and train on."""
+        """While a member has not been heard from for a few heartbeats (frozen, cut off: it is cut at the
+        timeout), the window's round waits for it (fired, the others would wait inside its collective), and
+        the members that reached their count are handed more and train on. Heard again, the round fires."""
         planner, monitor = self.planner, self.roster.monitor
-        waiting = planner.members - planner.reached.keys()
-        silent = any(monitor.silence_of(r, now) > SUSPECT_BEATS * supplied.beat_s for r in waiting)
+        silent = frozenset(
+            r for r in planner.members if monitor.silence_of(r, now) > SUSPECT_BEATS * supplied.beat_s
+        )
+        # Nobody heard: this host is behind on its reading, not every member gone.
+        if silent == planner.members:
+            silent = frozenset()
+        held, planner.suspects = planner.suspects, silent
         if not (silent and planner.window_open and not planner.averaging):
             supplied.clear()
+            if held and not silent:
+                self._carry(planner.average_if_reached())
             return
-        for rank in sorted(planner.reached):
+        for rank in sorted(planner.reached.keys() - silent):
             ms = self.elche.smoothed_ms(rank)
             if ms is None or not supplied.due(rank, now):
                 continue
@@ -214,6 +223,7 @@ class LocalSgdDriver:
 
     def on_message(self, message: Message) -> None:
         if isinstance(message, Reached):
+            self.planner.suspects -= {message.rank}  # heard from
             self._carry(self.planner.on_reached(WindowReport(message.rank, message.steps, message.busy_ms)))
         elif isinstance(message, RoundAck):
             if message.generation != self.roster.generation:

@@ -38,41 +38,8 @@ from flodl.links.messages import EpochSlice, RoundAck
 from flodl.rounds.cursor import Cursor
 from flodl.rounds.epochs_done import EpochsDone
 from flodl.rounds.holders import Holders
+from flodl.rounds.orders import Average, Dispatch, Instruction, WindowReport
 from flodl.rounds.split import balanced_split, proportional_split
-
-
-@dataclass(frozen=True)
-class Dispatch:
-    rank: int
-    slices: tuple[EpochSlice, ...]
-    # The rank reports Reached once it has taken this many steps since the last reduce (None: rounds/supply).
-    target: int | None
-
-
-@dataclass(frozen=True)
-class Average:
-    round: int
-    # Epochs whose eval is this round's consensus (one eval, reported for each: every wanted epoch gets one).
-    evaluate_epochs: tuple[int, ...]
-    # The last reduce of a segment (or of the run): every rank adopts the consensus exactly (no EASGD blend).
-    final: bool
-    # Take a checkpoint once the round is done, at (epoch, batches of it handed out: None, the epoch whole);
-    # None: no checkpoint.
-    checkpoint_at: tuple[int, int | None] | None = None
-    # The round of the same number redone among the members left after a rank died during it.
-    redo: bool = False
-
-
-# What the planner hands the coordinator to carry out (a guard's advice is another thing: rounds/guard.py).
-Instruction = Dispatch | Average
-
-
-@dataclass(frozen=True)
-class WindowReport:
-    rank: int
-    steps: int
-    # Time spent training this window (data + compute), excluding waits for control messages.
-    busy_ms: float
 
 
 @dataclass
@@ -124,6 +91,9 @@ class LocalSgdPlanner:
     # barrier_epochs in order, for the next one after a segment's start.
     _barrier_order: tuple[int, ...] = field(init=False, repr=False)
     cut_requested: bool = False
+    # Async under survive: members gone silent (rounds/supply.py); the round waits for them to speak or be
+    # cut rather than fire into a collective they would hold up.
+    suspects: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         if self.overlap and self.is_async:
@@ -252,7 +222,9 @@ class LocalSgdPlanner:
         self.queued[rank] = self.targets[rank] = self.carried[rank] = 0
         if self.averaging:
             assert self.in_flight is not None
-            return [self._average(self.in_flight.evaluate_epochs, redo=True)]
+            # Overlapped acks leave what a rank holds as it was (see on_ack).
+            acked = frozenset() if self.overlap else frozenset(self.acks)
+            return [self._average(self.in_flight.evaluate_epochs, redo=True, acked=acked)]
         return self._maybe_average()
 
     def admit(self, rank: int) -> None:
@@ -349,8 +321,8 @@ class LocalSgdPlanner:
         return self.overlap and self.averaging and not self.final_round
 
     def average_if_reached(self) -> list[Instruction]:
-        """Overlapped: once a round is acknowledged, the window open since may have been reached already;
-        its round starts now."""
+        """The round of a window reached already starts now: overlapped, once the round before is
+        acknowledged; async, once the suspects it waited on spoke again."""
         return self._maybe_average()
 
     def _take_evals_before(self, end: int) -> tuple[int, ...]:
@@ -372,6 +344,8 @@ class LocalSgdPlanner:
     def _maybe_average(self) -> list[Instruction]:
         if self.averaging or not self.window_open or not self.members <= self.reached.keys():
             return []
+        if self.suspects & self.members:
+            return []
         self.averaging, self.window_open = True, False
         self.averaged = self.reached
         if self.overlap:  # cadence: every member trained all it was handed (its target is its window)
@@ -380,13 +354,15 @@ class LocalSgdPlanner:
         self.round += 1
         return [self._average((), redo=False)]
 
-    def _average(self, carried: tuple[int, ...], redo: bool) -> Average:
+    def _average(self, carried: tuple[int, ...], redo: bool, acked: frozenset[int] = frozenset()) -> Average:
         """The order for the round `self.round` among the members: `carried` (a redo's evals, already
         decided) and the wanted epochs due now; final when nothing is left to hand out and every member
-        trains all it holds before it."""
+        trains all it holds before it. `acked`: the members whose ack of the round a redo repeats counted
+        what each holds after it (queued): final only if that is nothing."""
         self.acks = {}
         self.final_round = self.exhausted and all(
-            self.queued[r] + self.carried[r] <= self.targets[r] for r in self.members
+            self.queued[r] == 0 if r in acked else self.queued[r] + self.carried[r] <= self.targets[r]
+            for r in self.members
         )
         # The final round evaluates every wanted epoch left; another, those settled. A redo keeps the evals
         # of its round (the driver decided them then), and adds only those left if it became the final.

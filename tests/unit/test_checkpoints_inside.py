@@ -22,7 +22,8 @@ from flodl.coordinator.lockstep import (
     segment_state,
 )
 from flodl.links.messages import ChunkReport, EpochSlice, EvalResult, RoundAck
-from flodl.rounds.planner import Average, Dispatch, LocalSgdPlanner, WindowReport
+from flodl.rounds.orders import Average, Dispatch, WindowReport
+from flodl.rounds.planner import LocalSgdPlanner
 
 # --- names and order ------------------------------------------------------------------------------------
 

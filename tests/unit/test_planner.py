@@ -12,12 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flodl.links.messages import EpochSlice, RoundAck
-from flodl.rounds.planner import (
-    Average,
-    Dispatch,
-    LocalSgdPlanner,
-    WindowReport,
-)
+from flodl.rounds.orders import Average, Dispatch, WindowReport
+from flodl.rounds.planner import LocalSgdPlanner
 from flodl.rounds.split import balanced_split, proportional_split
 from tests.helpers.planner_batches import Batch, all_batches, expand, settled
 

@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flodl.links.messages import EpochSlice, RoundAck
-from flodl.rounds.planner import Average, Dispatch, LocalSgdPlanner, WindowReport
+from flodl.rounds.orders import Average, Dispatch, WindowReport
+from flodl.rounds.planner import LocalSgdPlanner
 from flodl.rounds.supply import top_up
 from tests.helpers.planner_batches import Batch, all_batches, expand, settled
 
@@ -145,6 +146,26 @@ def test_a_redo_is_final_once_nobody_holds_anything_and_keeps_its_checkpoint():
     assert reach(planner, 1, 2) == [Average(1, (0,), True, checkpoint_at=(0, None))]
     assert planner.drop(1) == [Average(1, (0,), True, checkpoint_at=(0, None), redo=True)]
     assert ack(planner, 0) and planner.finished
+
+
+def test_a_redo_is_not_final_while_a_member_that_acked_the_round_still_holds_batches():
+    """Async: rank 0 acked the round holding its overshoot batch, then rank 1 (which trained the segment's
+    last batches) died. The redo must not be final: rank 0 would end the run holding a batch no one trains
+    (found by the simulated members below: batch 22 of 27 never trained)."""
+    planner = LocalSgdPlanner(2, 10, 1, 1, True, frozenset())
+    first = planner.open_window([4, 1], 1)
+    assert [d.target for d in first] == [4, 1] and sum(planner.queued) == 7
+    assert reach(planner, 1, 1) == []
+    rest = top_up(planner, 1, 5)  # the segment's last 3 batches
+    assert rest is not None and planner.exhausted
+    for part in first[1].slices + rest.slices:
+        assert planner.on_chunk(1, part)
+    assert reach(planner, 0, 4) == [Average(1, (), False)]  # rank 0 still holds one batch
+    assert not ack(planner, 0, queued=1)
+    assert planner.drop(1) == [Average(1, (), False, redo=True)]
+    assert ack(planner, 0, queued=1)
+    # The next window holds rank 0 to the batch it holds: that round is the exact last.
+    assert [(d.slices, d.target) for d in planner.open_window([4, 4], 1)] == [((), 1)]
 
 
 def test_a_drop_while_others_train_returns_nothing_and_the_last_member_cannot_go():

@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flodl.links.messages import EpochSlice, RoundAck
-from flodl.rounds.planner import Average, Dispatch, Instruction, LocalSgdPlanner, WindowReport
+from flodl.rounds.orders import Average, Dispatch, Instruction, WindowReport
+from flodl.rounds.planner import LocalSgdPlanner
 from tests.helpers.planner_batches import Batch, all_batches, expand, settled
 
 

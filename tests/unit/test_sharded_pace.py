@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from flodl.links.messages import RoundAck
 from flodl.rounds.elche import ElChe, ElCheSettings
 from flodl.rounds.group_pace import even_in_groups, whole_groups
-from flodl.rounds.planner import Average, Dispatch, LocalSgdPlanner, WindowReport
+from flodl.rounds.orders import Average, Dispatch, WindowReport
+from flodl.rounds.planner import LocalSgdPlanner
 from flodl.rounds.verdict import Verdict
 from tests.helpers.planner_batches import Batch, all_batches, expand
 

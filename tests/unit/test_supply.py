@@ -15,7 +15,8 @@ from flodl.links.transport import Mailbox, inbox
 from flodl.metrics.timeline import Timeline
 from flodl.rounds.elche import ElChe, ElCheSettings
 from flodl.rounds.guard import make_guard
-from flodl.rounds.planner import Average, Dispatch, LocalSgdPlanner, WindowReport
+from flodl.rounds.orders import Average, Dispatch, WindowReport
+from flodl.rounds.planner import LocalSgdPlanner
 from flodl.rounds.supply import SUSPECT_BEATS, Supplied, top_up
 
 
@@ -96,7 +97,10 @@ class Coordinator:
             messages.append(decode(self.store.queue_pop(inbox(rank), block=False)))
         return messages
 
-    def tick(self, now: float) -> None:
+    def tick(self, now: float, silent: tuple[int, ...] = ()) -> None:
+        """The driver's tick at `now`, every member but `silent` heard just before it."""
+        for rank in set(range(3)) - set(silent):
+            self.monitor.heard(rank, now)
         self.driver.keep_supplied(self.supplied, now)
 
 
@@ -109,16 +113,18 @@ def test_the_driver_tops_up_the_members_that_reached_only_while_one_it_waits_on_
         c.driver.on_message(Reached(rank, counts[rank], 1.0))
     for rank in range(3):
         c.monitor.heard(rank, 1.0)
-    c.tick(1.0 + SUSPECT_BEATS * 0.25 - 0.01)  # rank 2 is late, not silent yet: they wait
+    c.tick(1.0 + SUSPECT_BEATS * 0.25 - 0.01, silent=(2,))  # rank 2 is late, not silent yet: they wait
     assert [c.read(r) for r in range(3)] == [[], [], []]
-    c.tick(1.0 + SUSPECT_BEATS * 0.25 + 0.01)
+    c.tick(1.0 + SUSPECT_BEATS * 0.25 + 0.01, silent=(2,))
     topped = {r: c.read(r) for r in range(3)}
     assert topped[2] == []
     for rank in (0, 1):
         (message,) = topped[rank]
         assert message.target is None  # slices only: their counts are reached
         assert sum(s.size for s in message.slices) == c.supplied.batches(2.0)
-    c.tick(1.0 + SUSPECT_BEATS * 0.25 + 0.05)  # a heartbeat's work is still left: nothing more yet
+    c.tick(
+        1.0 + SUSPECT_BEATS * 0.25 + 0.05, silent=(2,)
+    )  # a heartbeat's work is still left: nothing more yet
     assert [c.read(r) for r in range(3)] == [[], [], []]
     # Rank 2 speaks again (it was slow, not gone) and reaches: the round fires, the top-ups stop.
     c.monitor.heard(2, 1.6)
@@ -126,3 +132,48 @@ def test_the_driver_tops_up_the_members_that_reached_only_while_one_it_waits_on_
     assert all(isinstance(c.read(r)[-1], AverageNow) for r in range(3))
     c.tick(5.0)
     assert [c.read(r) for r in range(3)] == [[], [], []] and c.supplied.until == {}
+
+
+def test_a_round_waits_for_a_member_that_reached_and_went_silent_and_the_others_train_on():
+    """A member that reached its count and then froze: firing the round would hold every other member inside
+    its collective until the cut. The round waits instead, the others are topped up, and it fires once the
+    silent one speaks again or is cut."""
+    for ending in ("heard again", "cut"):
+        c = Coordinator()
+        c.elche.report_timing([8.0, 8.0, 8.0], [4, 4, 4])  # 2 ms a batch each
+        c.driver.begin()
+        counts = {r: c.read(r)[0].target for r in range(3)}
+        c.driver.on_message(Reached(2, counts[2], 1.0))  # rank 2 reaches first, then goes silent
+        for rank in range(3):
+            c.monitor.heard(rank, 1.0)
+        late = 1.0 + SUSPECT_BEATS * 0.25 + 0.01
+        c.tick(late, silent=(2,))
+        for rank in (0, 1):
+            c.driver.on_message(Reached(rank, counts[rank], 1.0))
+        assert [c.read(r) for r in range(3)] == [[], [], []]  # every count reached, no round yet
+        c.tick(late + 0.5, silent=(2,))
+        topped = {r: c.read(r) for r in range(3)}
+        assert topped[2] == [] and all(len(topped[r]) == 1 and topped[r][0].target is None for r in (0, 1))
+        if ending == "heard again":
+            c.tick(late + 0.6)
+            assert all(isinstance(c.read(r)[-1], AverageNow) for r in range(3))
+        else:
+            c.driver.on_cut([2])
+            orders = {r: c.read(r) for r in (0, 1)}
+            assert all(any(isinstance(m, AverageNow) for m in orders[r]) for r in (0, 1))
+        assert c.planner.averaging
+
+
+def test_a_host_that_hears_nobody_holds_no_round():
+    """Every member silent at once is this host behind on its reading (a busy box), not every member frozen:
+    the round fires as it would."""
+    c = Coordinator()
+    c.elche.report_timing([8.0, 8.0, 8.0], [4, 4, 4])
+    c.driver.begin()
+    counts = {r: c.read(r)[0].target for r in range(3)}
+    for rank in range(3):
+        c.monitor.heard(rank, 1.0)
+    c.driver.keep_supplied(c.supplied, 5.0)
+    for rank in range(3):
+        c.driver.on_message(Reached(rank, counts[rank], 1.0))
+    assert all(isinstance(c.read(r)[-1], AverageNow) for r in range(3))
