@@ -19,8 +19,12 @@ class PolicyFacts:
     averages_parameters: bool
     # EASGD's blend of each rank toward the consensus (async only); None: a rank adopts the consensus.
     easgd_alpha: float | None
-    # A rank trains on while its round is in flight and adopts the consensus later (async on the cpu backend,
-    # whose rounds run on the host).
+    # Rounds run on backend=cpu's host averager (a pinned host snapshot reduced over gloo on a background
+    # thread): full replicas only. A sharded group's rounds per shard index run inline on the training
+    # thread on every backend (backend=cpu: over gloo process groups, also for a model on a GPU).
+    rounds_on_host: bool
+    # A rank trains on while its round is in flight and adopts the consensus later (async with its rounds on
+    # the host).
     trains_during_round: bool
     # Windows and rounds run across epoch boundaries, with no barrier between epochs, and a rank may overshoot
     # its count while a round is in flight (async).
@@ -32,11 +36,13 @@ class PolicyFacts:
     def of(cls, cfg: FlodlConfig) -> PolicyFacts:
         is_async = cfg.policy == "async"
         averages = cfg.policy != "sync"
+        on_host = averages and cfg.backend == "cpu" and cfg.shard_group <= 1
         return cls(
             name=cfg.policy,
             averages_parameters=averages,
             easgd_alpha=cfg.easgd_alpha if is_async else None,
-            trains_during_round=is_async and cfg.backend == "cpu",
+            rounds_on_host=on_host,
+            trains_during_round=is_async and on_host,
             crosses_epochs=is_async,
             guarded=averages and cfg.divergence_guard != "none",
         )

@@ -209,12 +209,12 @@ def make_worker(
     outer = OuterSettings.resolve(cfg.outer, cfg.outer_lr, cfg.outer_momentum, cfg.outer_reset_inner)
     averager: DeviceAverager | HostAverager
     group_steps = None
-    if cfg.backend == "cpu":
+    if policy.rounds_on_host:
         averager = HostAverager(parts.model, cfg.gamma, device, group, wire, outer)
     else:
         keeps_own = policy.guarded or policy.blends
         rounds: ReduceGroup = group
-        if shards.sharded:  # the rules refuse the host backend (a round per shard index runs on the device)
+        if shards.sharded:  # inline, on any backend: over gloo groups with backend=cpu, also on a GPU
             rounds = _shard_averaging(parts, shards, rank, device, group)
             group_steps = _group_steps(shards) if policy.crosses_epochs else None
         averager = DeviceAverager(parts.model, cfg.gamma, device, wire, outer, keeps_own, rounds, shards.size)
@@ -253,12 +253,12 @@ def make_group(
     reader: InboxReader,
 ) -> RankGroup:
     """The group this rank trains and averages with, chosen here once. fault_tolerance=none: the world (the
-    cpu backend's host rounds over a gloo group of its own: collective, every rank makes it in step).
-    survive: the members' averaging group, formed by the worker with every rank, unless this process is a
-    restart (the store counts each rank's starts), which joins the running group when admitted."""
+    cpu backend's host rounds over a gloo group of its own, full replicas only: collective, every rank makes
+    it in step). survive: the members' averaging group, formed by the worker with every rank, unless this
+    process is a restart (the store counts each rank's starts), which joins the running group when
+    admitted."""
     if cfg.fault_tolerance != "survive":
-        host_rounds = PolicyFacts.of(cfg).averages_parameters and cfg.backend == "cpu"
-        gloo = dist.new_group(backend="gloo") if host_rounds else None
+        gloo = dist.new_group(backend="gloo") if PolicyFacts.of(cfg).rounds_on_host else None
         return FixedGroup(env.rank, env.world_size, gloo, cfg.launch.timeout_s)
     incarnation = env.incarnation
     if incarnation is None:  # a seat flodl-join took comes numbered; the others count their starts here

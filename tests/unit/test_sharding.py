@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from flodl.config.policy import PolicyFacts
 from flodl.sharding.footprint import TensorBytes, rank_bytes
 from flodl.sharding.fsdp import units_of
 from flodl.sharding.groups import ShardGroups, shard_numel
@@ -125,21 +126,27 @@ def test_cadence_across_groups_runs_exact_rounds_on_the_device_with_checkpoints(
     assert "no checkpoint of groups that leave yet: set checkpoint_every=null, or fault_tolerance" in said
 
 
-@pytest.mark.parametrize(
-    ("key", "value", "rule"),
-    [
-        ("backend", "cpu", "a round runs on the device: set backend=nccl"),
-    ],
-)
 @pytest.mark.parametrize("policy", ["cadence", "async"])
-def test_what_local_sgd_across_groups_does_not_do_yet_is_refused_naming_the_key(
-    key: str, value: object, rule: str, policy: str
-) -> None:
-    cfg = make(shard_group=2, policy=policy, **{"checkpoint_every": None, key: value})
-    problems = problems_of(cfg, host(world_size=2, ranks_per_node=2))
-    said = assert_problem(problems, key, value, f"not with policy={policy} and shard_group=2 yet (")
-    assert rule in said
-    assert problems_of(make(policy=policy, **{"checkpoint_every": None, key: value})) == []
+def test_local_sgd_across_groups_rounds_inline_on_the_cpu_backend_too(policy: str) -> None:
+    # backend=cpu: 4 ranks sharing one GPU round-robin over gloo (NCCL takes one GPU a rank). A sharded
+    # group's rounds per shard index run inline over gloo, not on the cpu backend's host averager's thread,
+    # so an async rank does not train on while its round is in flight; full replicas' rounds stay there.
+    one_gpu = host(world_size=4, ranks_per_node=4, gpus=1)
+    sharded = make(shard_group=2, policy=policy, backend="cpu", checkpoint_every=None)
+    assert problems_of(sharded, one_gpu) == []
+    facts = PolicyFacts.of(sharded)
+    assert (facts.rounds_on_host, facts.trains_during_round) == (False, False)
+    replicas = PolicyFacts.of(make(policy=policy, backend="cpu"))
+    assert (replicas.rounds_on_host, replicas.trains_during_round) == (True, policy == "async")
+    assert not PolicyFacts.of(make(shard_group=2, backend="cpu")).rounds_on_host  # sync: no rounds
+
+
+def test_overlapped_rounds_are_refused_with_groups_naming_the_key() -> None:
+    overlapped = {"policy": "cadence", "backend": "cpu", "overlap_rounds": True, "checkpoint_every": None}
+    problems = problems_of(make(shard_group=2, **overlapped), host(world_size=2, ranks_per_node=2))
+    said = assert_problem(problems, "overlap_rounds", True, "not with policy=cadence and shard_group=2 yet (")
+    assert "a round per shard index runs inline, on either backend: set overlap_rounds=false" in said
+    assert problems_of(make(**overlapped)) == []
 
 
 @pytest.mark.parametrize("policy", ["cadence", "async"])

@@ -58,10 +58,12 @@ def _unsharded_only(cfg: FlodlConfig) -> Iterator[tuple[str, object, str]]:
 
 def _cadence_across_groups(cfg: FlodlConfig) -> Iterator[tuple[str, object, str]]:
     """What cadence's (and async's) rounds per shard index do not do yet: they average each shard (an outer
-    optimizer steps each shard, a delta wire sends it) on the device; their checkpoints (each group's own
+    optimizer steps each shard, a delta wire sends it) inline on the training thread, on either backend
+    (backend=cpu: over gloo, not on its host averager's thread); their checkpoints (each group's own
     optimizer state) are written by a fixed world."""
-    if cfg.backend == "cpu":
-        yield "backend", "cpu", "a round runs on the device: set backend=nccl (gloo without a GPU)"
+    if cfg.overlap_rounds:
+        why = "a round per shard index runs inline, on either backend: set overlap_rounds=false"
+        yield "overlap_rounds", True, why
     if cfg.fault_tolerance == "survive":
         for key in checkpoint_keys_set(cfg):
             why = f"no checkpoint of groups that leave yet: set {key}=null, or fault_tolerance=none"
