@@ -18,13 +18,15 @@ from flodl.config.policy import (
 )
 from flodl.config.schema import FlodlConfig
 from flodl.coordinator.roster import RankHung
-from flodl.coordinator.survivors import was_cut
+from flodl.coordinator.survivors import root_store, was_cut
 from flodl.job import failures
 from flodl.job.host import RunHost
 from flodl.links.group import GroupHandle
 from flodl.links.heartbeat import HeartbeatSender, Rank0Watch, beat_interval
+from flodl.links.liveness import Liveness
 from flodl.links.messages import StopRequested
 from flodl.links.stop import (
+    Stopped,
     StopWatch,
     agree_step,
     end_process,
@@ -72,9 +74,22 @@ def train(
         on_hang = functools.partial(_stop_on_hang, Path(info.run_dir), info.uid, env)
         host_watch = Rank0Watch(quick, heartbeat_timeout_of(cfg), interval, on_hang)
         host_watch.start()
+    # Its host learns of this process's end the moment it happens (no supervisor posts it).
+    liveness = None
+    if surviving is not None:
+        store = root_store(worker.outbox.store)
+        liveness = Liveness.to_host(store, group.store_host, env.rank, surviving.incarnation)
     try:
         worker.run(alive=lambda: _raise_if_failed(host, worker))
+        if liveness is not None:
+            liveness.bye()
+    except Stopped:
+        if liveness is not None:
+            liveness.bye()
+        raise
     finally:
+        if liveness is not None:
+            liveness.close()
         if host is not None:
             host.rank_done()
         if host_watch is not None:

@@ -40,6 +40,7 @@ from flodl.launcher.cluster_env import adopt_scheduler_environ
 from flodl.launcher.run_dir import RunDirTaken, claim_run_dir, release_claimed, run_uid
 from flodl.launcher.self_launch import RankFailure, failure_line, host_run, keep_on_loopback, say, self_launch
 from flodl.links.group import is_loopback, loopback_store
+from flodl.links.liveness import LivenessListener
 from flodl.links.stop import Stopped, catch_stop_signals
 from flodl.logs import one_line, stderr_kept_in
 from flodl.metrics import run_clock
@@ -262,12 +263,17 @@ def host_apart(cfg: DictConfig, info: RunInfo) -> None:
         store = TCPStore(
             address, env.master_port, None, is_master=True, timeout=timeout, wait_for_workers=False
         )
+    # A rank's death is known the moment its process ends, as a supervisor would know it.
+    liveness = LivenessListener(store, address)
+    liveness.start()
     try:
         reachable = address if address not in ("0.0.0.0", "::") else socket.getfqdn()
         host_run(config, info, typed, env.world_size, facts.gpus, store, reachable)
     except Stopped as stop:
         say(stopped_line(stop.signum, typed, Path(info.run_dir), info))
         raise
+    finally:
+        liveness.stop()
 
 
 def _single_rank(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig) -> None:

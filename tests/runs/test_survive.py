@@ -232,11 +232,13 @@ def test_too_few_ranks_left_stops_with_the_consensus_saved(tmp_path: Path, polic
 def test_ranks_started_one_by_one_beside_flodl_coordinator_survive_rank_0_dying(tmp_path: Path) -> None:
     """The several-hosts way: flodl-coordinator started first (it hosts the store and the run), then each
     rank its own process with RANK / WORLD_SIZE / MASTER_* (no torchrun, no supervisor). Rank 0 dies like any
-    rank: the others train on, and the test, as rank 0's restart loop, starts it again."""
+    rank: the others train on, and the test, as rank 0's restart loop, starts it again. No supervisor reaps
+    it, yet it is cut for its death, not for its silence (a minute's heartbeat timeout) nor for its restart:
+    its connection to the run's host closed with it (flodl/links/liveness.py)."""
     port = free_port()
     overrides = [
         *COMMON[2:],
-        QUICK_HEARTBEAT,
+        "heartbeat_timeout_s=60",
         "policy=cadence",
         f"epochs={EPOCHS_AT_MOST}",
         "batch_size=8",
@@ -275,6 +277,7 @@ def test_ranks_started_one_by_one_beside_flodl_coordinator_survive_rank_0_dying(
     check_every_epoch_once(run)
     events = membership(run)
     assert [(e["event"], e["rank"]) for e in events] == [("rank_cut", 0), ("rank_admitted", 0)], events
+    assert events[0]["why"] == "its process ended: its connection to the run's host closed", events[0]
     assert "[coordinator] rank 0 is out" in hosted.out
     log = "".join((run / f"rank{r}.log").read_text() for r in range(3))
     final = digests(log, "final round")
