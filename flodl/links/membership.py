@@ -205,14 +205,21 @@ class AveragingGroup:
         for tensor in tensors:
             self.settle(self.group.broadcast([tensor], options))
 
-    def broadcast_state(self, state: Any, source: int, wire: torch.device) -> Any:
+    @property
+    def wire(self) -> torch.device:
+        """Where the tensors a member sends of its own making live (its state's bytes, its position): the
+        rank's GPU over NCCL, the host over gloo (backend=cpu), also for a rank on a GPU. A round's CUDA
+        tensors go over gloo as they are (gloo copies them through the host)."""
+        return self.device if self.backend == "nccl" else torch.device("cpu")
+
+    def broadcast_state(self, state: Any, source: int) -> Any:
         """The member at index `source`'s `state` (plain data and tensors; the others pass None) on every
         member, its tensors on the CPU (state_from_bytes): serialized, then its size and its bytes broadcast
-        on `wire` (the device the group's backend sends from)."""
+        from `wire`."""
         encoded = state_to_bytes(state) if self.index == source else None
-        size = torch.tensor([0 if encoded is None else encoded.numel()], dtype=torch.int64, device=wire)
+        size = torch.tensor([0 if encoded is None else encoded.numel()], dtype=torch.int64, device=self.wire)
         self.broadcast([size], source)
-        payload = torch.zeros(int(size.item()), dtype=torch.uint8, device=wire)
+        payload = torch.zeros(int(size.item()), dtype=torch.uint8, device=self.wire)
         if encoded is not None:
             payload.copy_(encoded)
         self.broadcast([payload], source)

@@ -370,8 +370,7 @@ class LocalSgdWorker(WorkerBase):
         The other members keep their own."""
         stepper = self.stepper
         mine = joiners_state(stepper) if self.rank == sharer else None
-        wire = stepper.device if group.backend == "nccl" else torch.device("cpu")
-        state = group.broadcast_state(mine, group.members.index(sharer), wire)
+        state = group.broadcast_state(mine, group.members.index(sharer))
         if self.rank in joining:
             restore_joiner(stepper, state)
             stepper.schedule_to(self.schedule_position())

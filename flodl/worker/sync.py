@@ -339,7 +339,7 @@ class SyncWorker(WorkerBase):
         self.group.say_state(state)
 
     def _agree(self, group: AveragingGroup) -> tuple[int, int]:
-        device = self.stepper.device if group.backend == "nccl" else torch.device("cpu")
+        device = group.wire
         mine = torch.tensor(list(self.position), dtype=torch.int64, device=device)
         every = [(int(p[0]), int(p[1])) for p in group.all_gather(mine)]
         furthest = max(every)
@@ -365,7 +365,7 @@ class SyncWorker(WorkerBase):
                 "global_samples": self.global_samples,
                 "lr_world": self.lr.world,
             }
-        state = group.broadcast_state(mine, source, device)
+        state = group.broadcast_state(mine, source)
         if group.index == source:
             return
         restore_stepper(stepper, state["stepper"])
