@@ -103,6 +103,8 @@ def make_bridged(n: int) -> Bridged:
     """`n` fresh namespaces on one bridge (Bridged), all on a /24 of 10.0.0.0/8 no interface of the root
     namespace has: the bridge holds its first address, member i the (i + 2)th; the caller removes them
     (Bridged.remove), which this does itself if it fails halfway."""
+    if not 1 <= n <= 253:
+        raise ValueError(f"make_bridged: {n} namespaces, a /24 holds 1 to 253 beside the host")
     net = _free_net()
     addresses = [str(address) for address in itertools.islice(net.hosts(), n + 1)]
     members = []
