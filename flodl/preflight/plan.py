@@ -96,11 +96,17 @@ def training_state(cfg: FlodlConfig) -> list[TensorBytes] | None:
 
 def device_room(cfg: FlodlConfig, host: HostFacts) -> tuple[int, str]:
     """The memory one rank's training state must fit in, and its words: its GPU's (the smallest this host's
-    ranks use), or its share of this host's available RAM."""
+    ranks use), its share of it where ranks share the GPUs round-robin (backend=cpu), or its share of this
+    host's available RAM."""
     if _uses_gpu(cfg, host):
-        props = [torch.cuda.get_device_properties(i) for i in range(min(host.gpus, host.ranks_per_node))]
-        smallest = min(props, key=lambda p: p.total_memory)
-        return smallest.total_memory, f"the {human_bytes(smallest.total_memory)} of a {smallest.name}"
+        gpus = min(host.gpus, host.ranks_per_node)
+        sharing = [len(range(i, host.ranks_per_node, gpus)) for i in range(gpus)]  # ranks on each GPU
+        props = [torch.cuda.get_device_properties(i) for i in range(gpus)]
+        room, i = min((p.total_memory // n, i) for i, (p, n) in enumerate(zip(props, sharing, strict=True)))
+        total, name = human_bytes(props[i].total_memory), props[i].name
+        if sharing[i] == 1:
+            return room, f"the {total} of a {name}"
+        return room, f"its {human_bytes(room)} share of a {name} ({total}, {sharing[i]} ranks on it)"
     room = host.available_ram // max(host.ranks_per_node, 1)
     return room, f"its {human_bytes(room)} share of this host's available RAM"
 

@@ -208,3 +208,17 @@ def test_a_rank_state_past_its_device_is_refused_naming_the_group_that_fits():
     # No group of this host's ranks makes it fit.
     (none,) = state_fit_problems(cfg, dataclasses.replace(HOST, available_ram=4 * HALF // 8))
     assert none.endswith("no group of this host's ranks makes it fit")
+
+
+def test_ranks_sharing_a_gpu_each_fit_their_share_of_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    # backend=cpu: 4 ranks round-robin on 1 GPU (2 on each of 2 GPUs alike) hold a quarter of its memory each.
+    total = 2 * (HALF + WHOLE)  # a full replica's state fits the whole GPU, not a quarter; a half does
+    card = type("Props", (), {"total_memory": total, "name": "Tiny GPU"})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: card)
+    one_gpu = dataclasses.replace(HOST, gpus=1, world_size=4, ranks_per_node=4)
+    cfg = to_config({"task": DIGITS, "device": "cuda", "backend": "cpu"})
+    (line,) = state_fit_problems(cfg, one_gpu)
+    quarter, whole = human_bytes(total // 4), human_bytes(total)
+    assert line.endswith(f"its {quarter} share of a Tiny GPU ({whole}, 4 ranks on it): shard_group=2 fits")
+    for gpus in (2, 4):  # 2 ranks on a GPU hold half of it each (a full replica fits); 1, all of it
+        assert state_fit_problems(cfg, dataclasses.replace(one_gpu, gpus=gpus)) == []
