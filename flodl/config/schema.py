@@ -172,7 +172,8 @@ class FlodlConfig:
     # (local SGD, no epoch barrier, EASGD blend); the group also sets that policy's defaults.
     policy: str = "sync"
     # How a local-SGD round runs: nccl (on the device; gloo without a GPU) or cpu (a host snapshot, gloo on a
-    # background thread). Sync is DDP on either.
+    # background thread). Sync is DDP on either. cpu's process groups are gloo, so ranks may share a GPU; with
+    # shard_group > 1 a round per shard index runs inline over gloo (not on the background thread).
     backend: str = "nccl"
     # auto: one CUDA device per rank when CUDA is available, else CPU.
     device: str = "auto"

@@ -1,0 +1,97 @@
+"""Sharded groups sharing one GPU (docs/sharded-groups.md, "Sharing GPUs"; skipped without a CUDA device):
+4 ranks on one GPU as 2 groups of 2 with backend=cpu, the job's process groups gloo (NCCL takes one GPU a
+rank). FSDP2 gathers and reduce-scatters CUDA tensors over gloo; a round per shard index reduces the CUDA
+shards inline over gloo. The same code paths on CPU: tests/runs/test_sharded_backend_cpu.py."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.procs import FAST_START, train
+from tests.helpers.runs import epochs_of
+from tests.helpers.sync_reference import assert_matches_reference
+
+GPUS = torch.cuda.device_count()
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.multiproc,
+    pytest.mark.skipif(GPUS < 1, reason="needs a CUDA device"),
+]
+
+WORLD, K, BATCH = 4, 2, 8
+# Every rank on the first GPU (round-robin over one), 2 groups of 2, gloo.
+SHARED = (
+    FAST_START,
+    "backend=cpu",
+    f"shard_group={K}",
+    "checkpoint_every=null",
+)
+PINNED = ("anchor=5", "min_anchor=5", "max_anchor=5", "max_batch_diff=0", "divergence_guard=none")
+SGD = ("task.optimizer._target_=torch.optim.SGD", "task.optimizer.lr=0.1", "lr_scale_ratio=0")
+POLICIES = {"cadence": ("eval_every=0",), "async": ("eval_every=1", "max_overshoot=0", "easgd_alpha=0.5")}
+# CUDA's float32 kernels sum in other orders than the CPU's (no TF32: flodl leaves matmuls at full float32).
+CUDA_TOLERANCE = 1e-4
+
+
+def assert_ranks_share_the_gpu(run: Path) -> None:
+    for rank in range(WORLD):
+        log = (run / f"rank{rank}.log").read_text()
+        assert re.search(rf"rank {rank}/{WORLD} \(pid \d+\) on cuda:0 \(gloo\)", log), rank
+
+
+def test_sync_groups_on_one_gpu_match_one_process_on_the_global_batch(tmp_path: Path) -> None:
+    # HSDP over gloo with CUDA tensors; the reference is one CPU process on the global batch.
+    assert_matches_reference(tmp_path, CUDA_TOLERANCE, *SHARED, "device=cuda", world=WORLD)
+    assert_ranks_share_the_gpu(tmp_path / "run")
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_local_sgd_groups_on_one_gpu_end_where_the_cpu_run_does(tmp_path: Path, policy: str) -> None:
+    # The same run on the GPU and on CPU processes: the same plan (a fixed window), the same rounds, every
+    # batch once, a group's members alike; the two end within CUDA's rounding of each other.
+    shape = (f"launch.nproc_per_node={WORLD}", f"batch_size={BATCH}", "epochs=2")
+    common = (*SHARED, *shape, f"policy={policy}", *PINNED, *SGD, *POLICIES[policy])
+    runs = {}
+    for device in ("cuda", "cpu"):
+        train(*common, f"device={device}", f"hydra.run.dir={device}", cwd=tmp_path, timeout=400).check()
+        records = epochs_of(tmp_path / device)
+        assert [r["epoch"] for r in records] == [0, 1]
+        batches = [{p["rank"]: p["batches"] for p in r["per_rank"]} for r in records]
+        runs[device] = (batches, torch.load(tmp_path / device / "model.pt", weights_only=True))
+    assert_ranks_share_the_gpu(tmp_path / "cuda")
+    batches, model = runs["cuda"]
+    for epoch in batches:
+        assert sum(epoch.values()) == 1438 // BATCH // K * K  # every batch of the epoch's whole groups once
+        assert epoch[0] == epoch[1] and epoch[2] == epoch[3]  # a group's members alike
+    assert batches == runs["cpu"][0]
+    for name, want in runs["cpu"][1].items():
+        assert ((model[name].cpu() - want).norm() / want.norm()).item() <= CUDA_TOLERANCE, name
+
+
+@pytest.mark.parametrize("policy", ["sync", "cadence", "async"])
+def test_compiled_bf16_groups_on_one_gpu_learn(tmp_path: Path, policy: str) -> None:
+    # torch.compile around the sharded model (FSDP2's hooks eager around it) under bf16 autocast.
+    train(
+        *SHARED,
+        f"launch.nproc_per_node={WORLD}",
+        "device=cuda",
+        f"policy={policy}",
+        "compile=true",
+        "precision=bf16",
+        f"batch_size={BATCH}",
+        "epochs=2",
+        "eval_every=1",
+        "hydra.run.dir=run",
+        cwd=tmp_path,
+        timeout=600,
+    ).check()
+    records = epochs_of(tmp_path / "run")
+    assert [r["epoch"] for r in records] == [0, 1]
+    assert records[-1]["loss"] < records[0]["loss"]
+    assert records[-1]["eval/loss"] < records[0]["eval/loss"]
+    assert records[0]["compile_s"] > 0
+    assert_ranks_share_the_gpu(tmp_path / "run")
