@@ -1,9 +1,15 @@
 """Goodput under mixed faults (issue 54, item 3): one survive job of `--ranks` ranks, a fault every
 `--every-s` seconds for `--duration-s`, each a random kind of `--kinds` on a random rank (rank 0 included):
 
-- kill: SIGKILL; its supervisor starts it again and it is admitted back.
+- kill: SIGKILL; it is started again and admitted back.
 - freeze: SIGSTOP; the others cut it once `heartbeat_timeout_s` passed without a word from it, then SIGCONT
-  (the woken process learns it was cut and ends; its supervisor starts it again).
+  (the woken process learns it was cut and ends, and is started again).
+- partition: the rank's network link down (its process runs on, its traffic is dropped), up again once the
+  others cut it; the process learns it was cut and ends, and is started again.
+
+The ranks are self-launched (their supervisor starts them again), or with `--apart` (implied by partition,
+root only) started apart as on several hosts: the run's host (flodl-coordinator) here, each rank in a network
+namespace of its own on one bridge, started again by this bench as a cluster would (bench/ranks_apart.py).
 
 The same job undisturbed before it and after it (as long, or `--calm-s`), in the same invocation; or, with
 `--side-by-side`, at the same time, each job (its ranks, restarts and host) on its own half of the CPUs, so
@@ -12,17 +18,16 @@ goodput (samples/s between the first and last fault against the undisturbed run'
 still fell, every epoch recorded once and one final state on every rank, and per fault kind: detection
 (fault -> cut), the survivors' first good round after it, and rejoin (fault -> admitted again), median / p95.
 
-    python bench/mixed_faults.py --ranks 8 --duration-s 600 --every-s 29 --side-by-side   # the issue's run
+    python bench/mixed_faults.py --ranks 8 --duration-s 600 --every-s 29 --side-by-side \
+        --kinds kill,freeze,partition                                                    # the issue's run
     python bench/mixed_faults.py --ranks 4 --duration-s 60 --every-s 10                  # a quick look
-
-A partition of one rank (its traffic dropped) is the fault harness's (tests/helpers/chaos.py): the ranks here
-are self-launched on one host, in one network namespace.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import random
@@ -30,12 +35,14 @@ import signal
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 from benchlib import environment_lines, results_path, write_report
-from survive import both, final_states, launch, membership_events, rank_process, window_rate
+from ranks_apart import RanksApart
+from survive import both, final_states, membership_events, rank_process, window_rate
 
 from tests.helpers.procs import PYTHON, TRAIN, child_env, finish, kill_group, start
 
@@ -47,41 +54,74 @@ class Fault:
     at: float
 
 
-def inject(run: Path, args: argparse.Namespace, overrides: list[str], work: Path) -> list[Fault]:
+class Launched:
+    """The job self-launched: one command, its supervisor starting the ranks and starting them again."""
+
+    def __init__(self, run: Path, work: Path, overrides: list[str]) -> None:
+        self.args, self.work = [PYTHON, TRAIN, *overrides, f"hydra.run.dir={run}"], work
+
+    def __enter__(self) -> Launched:
+        self.proc = start(self.args, cwd=self.work, env=child_env())
+        return self
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> str:
+        self.proc.send_signal(signal.SIGTERM)
+        return finish(self.proc, 300).out
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            kill_group(self.proc)
+
+
+def undisturbed(job: Launched | RanksApart, run: Path, seconds: float) -> Path:
+    """The job run for `seconds`, then stopped where it is; its run dir."""
+    with job:
+        deadline = time.time() + seconds
+        while job.running() and time.time() < deadline:
+            time.sleep(0.5)
+        (job.work / f"{run.name}.out").write_text(job.stop())
+    return run
+
+
+def inject(job: Launched | RanksApart, run: Path, args: argparse.Namespace) -> list[Fault]:
     """Run the faulted job; the faults, in order."""
-    proc = start([PYTHON, TRAIN, *overrides, f"hydra.run.dir={run}"], cwd=work, env=child_env())
     chooser = random.Random(args.seed)
     kinds = args.kinds.split(",")
     faults: list[Fault] = []
-    frozen: list[tuple[float, psutil.Process]] = []  # (when to wake it, the process)
-    end = time.time() + args.duration_s
-    next_fault = time.time() + args.every_s
-    try:
-        while proc.poll() is None and time.time() < end:
+    undo: list[tuple[float, Callable[[], None]]] = []  # (when: a freeze's wake, a partition's end)
+    with job:
+        end = time.time() + args.duration_s
+        next_fault = time.time() + args.every_s
+        while job.running() and time.time() < end:
             time.sleep(0.1)
-            for wake_at, process in [f for f in frozen if f[0] <= time.time()]:
-                frozen.remove((wake_at, process))
-                wake(process)
+            for due in [u for u in undo if u[0] <= time.time()]:
+                undo.remove(due)
+                due[1]()
             if time.time() < next_fault:
                 continue
             kind, rank = chooser.choice(kinds), chooser.randrange(args.ranks)
             target = rank_process(run, rank)
             if target is None:  # not a member now (restarting): the next moment
                 continue
-            target.send_signal(signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
-            if kind == "freeze":
-                frozen.append((time.time() + args.heartbeat_s + 2.0, target))
+            # Ended once the others cut it (heartbeat_timeout_s), and a little after.
+            ends = time.time() + args.heartbeat_s + 2.0
+            if kind == "partition":
+                assert isinstance(job, RanksApart)
+                job.cut_off(rank)
+                undo.append((ends, functools.partial(job.reconnect, rank)))
+            else:
+                target.send_signal(signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+                if kind == "freeze":
+                    undo.append((ends, functools.partial(wake, target)))
             faults.append(Fault(kind, rank, time.time()))
             next_fault = time.time() + args.every_s
-        for _, process in frozen:
-            wake(process)
+        for _, then in undo:
+            then()
         time.sleep(args.every_s)  # the last fault's rank back in, then the run stopped where it is
-        proc.send_signal(signal.SIGTERM)
-        result = finish(proc, 300)
-        (work / f"{run.name}.out").write_text(result.out)
-    finally:
-        if proc.poll() is None:
-            kill_group(proc)
+        (job.work / f"{run.name}.out").write_text(job.stop())
     return faults
 
 
@@ -139,7 +179,12 @@ def main() -> None:
     parser.add_argument(
         "--calm-s", type=float, default=None, help="each undisturbed run's length (default: --duration-s)"
     )
-    parser.add_argument("--kinds", default="kill,freeze")
+    parser.add_argument("--kinds", default="kill,freeze", help="of kill, freeze, partition")
+    parser.add_argument(
+        "--apart",
+        action="store_true",
+        help="ranks started apart, each in a network namespace (root; implied by partition)",
+    )
     parser.add_argument("--heartbeat-s", type=float, default=3.0, help="heartbeat_timeout_s")
     parser.add_argument("--policy", default="async", choices=["cadence", "async"])
     parser.add_argument(
@@ -153,8 +198,6 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     stamp = int(time.time())
     common = [
-        f"launch.nproc_per_node={args.ranks}",
-        "launch.start_method=fork",
         "device=cpu",
         "fault_tolerance=survive",
         f"heartbeat_timeout_s={args.heartbeat_s}",
@@ -168,21 +211,26 @@ def main() -> None:
         "checkpoint_every_s=30",
         *args.overrides,
     ]
+    apart = args.apart or "partition" in args.kinds.split(",")
+
+    def job(run: Path, restarts: int) -> Launched | RanksApart:
+        if apart:
+            return RanksApart(run, args.work, common, args.ranks)
+        launch = [f"launch.nproc_per_node={args.ranks}", "launch.start_method=fork"]
+        return Launched(run, args.work, [*common, *launch, f"launch.max_restarts={restarts}"])
 
     def calm(when: str) -> Path:
-        calm_s = args.calm_s or args.duration_s
-        overrides = [*common, "launch.max_restarts=0"]
-        return launch(args.work, f"calm-{when}-{stamp}", overrides, calm_s + 300, 0, calm_s, None)[0]
+        run = args.work / f"calm-{when}-{stamp}"
+        return undisturbed(job(run, 0), run, args.calm_s or args.duration_s)
 
     faulted = args.work / f"faulted-{stamp}"
     restarts = int(args.duration_s // args.every_s) + 1  # every fault on one rank, at worst
-    overrides = [*common, f"launch.max_restarts={restarts}"]
     if args.side_by_side:
-        calms = side_by_side(lambda: calm("beside"), lambda: inject(faulted, args, overrides, args.work))
+        calms = side_by_side(lambda: calm("beside"), lambda: inject(job(faulted, restarts), faulted, args))
         faults = calms.pop()
     else:
         before = calm("before")
-        faults = inject(faulted, args, overrides, args.work)
+        faults = inject(job(faulted, restarts), faulted, args)
         calms = [before, calm("after")]
     if not faults:
         out = (args.work / f"{faulted.name}.out").read_text()
@@ -221,7 +269,8 @@ def report(
     undisturbed = statistics.mean(rates)
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     once = [r["epoch"] for r in records] == list(range(len(records)))
-    states = final_states((args.work / f"{run.name}.out").read_text(), args.policy)
+    logs = "".join(log.read_text() for log in sorted(run.glob("rank*.log")))
+    states = final_states(logs, args.policy)
     counts = ", ".join(f"{k} {sum(f.kind == k for f in faults)}" for k in sorted({f.kind for f in faults}))
     return [
         "",

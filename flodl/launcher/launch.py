@@ -273,6 +273,7 @@ def host_apart(cfg: DictConfig, info: RunInfo) -> None:
         say(stopped_line(stop.signum, typed, Path(info.run_dir), info))
         raise
     finally:
+        liveness.wait_quiet(typed.stop_grace_s)
         liveness.stop()
 
 

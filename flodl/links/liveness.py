@@ -10,6 +10,7 @@ from __future__ import annotations
 import selectors
 import socket
 import threading
+import time
 
 from torch.distributed import Store
 
@@ -60,6 +61,17 @@ class LivenessListener(threading.Thread):
             return
         rank, incarnation = (int(word) for word in hello.split())
         post_exit(self.store, rank, incarnation, "its connection to the run's host closed")
+
+    def wait_quiet(self, timeout_s: float) -> None:
+        """Until every rank connected has ended (its connection closed), at most `timeout_s`: the run's host
+        outlives its ranks, whose last reads of the store would fail once it is gone."""
+        deadline = time.monotonic() + timeout_s
+        while self.connected() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def connected(self) -> int:
+        """How many ranks hold a connection (said who they are, not ended yet)."""
+        return sum(1 for said in list(self._said.values()) if said)
 
     def stop(self) -> None:
         self._ending.set()

@@ -4,6 +4,7 @@ is the rank's death, posted as a supervisor posts it (a SIGKILLed rank apart: te
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 from torch.distributed import HashStore
@@ -50,3 +51,26 @@ def test_a_connection_closed_without_a_bye_is_posted_as_its_rank_s_exit_and_a_by
 def test_a_host_that_does_not_listen_gets_no_connection():
     """A self-launch supervisor reaps its ranks itself: no listener, and the rank does not wait for one."""
     assert Liveness.to_host(HashStore(), "127.0.0.1", 0, 0) is None
+
+
+def test_the_host_outlives_the_ranks_still_connected():
+    """The run's host waits for its ranks' ends before it goes (their last reads of its store would fail)."""
+    store = HashStore()
+    listener = LivenessListener(store, "127.0.0.1")
+    listener.start()
+    try:
+        rank = Liveness.to_host(store, "127.0.0.1", 0, 0)
+        assert rank is not None
+        deadline = time.monotonic() + WAIT_S
+        while not listener.connected() and time.monotonic() < deadline:  # its hello read
+            time.sleep(0.01)
+        waiting = threading.Thread(target=listener.wait_quiet, args=(WAIT_S,))
+        waiting.start()
+        waiting.join(0.5)
+        assert waiting.is_alive()  # the rank is still there
+        rank.bye()
+        rank.close()
+        waiting.join(WAIT_S)
+        assert not waiting.is_alive()
+    finally:
+        listener.stop()
