@@ -27,6 +27,13 @@ STOPPED = re.compile(
 PACED = {"FLODL_TEST_STEP_S": "0.1"}
 
 
+def paced(**extra: str) -> dict[str, str]:
+    """A job's environment additions (`child_env`'s extra): tests/helpers/held_steps' hook, every step PACED
+    (the same pace on an idle machine and a busy one); its hold too, with FLODL_TEST_HOLD_* in `extra`."""
+    hook = os.pathsep.join([str(REPO / "tests" / "helpers" / "held_steps"), str(REPO)])
+    return {"PYTHONPATH": hook, **PACED, **extra}
+
+
 def hooks_env(tmp_path: Path, hold_at_step: int, **extra: str) -> dict[str, str]:
     """tests/helpers/held_commit's hook (and held_steps' with it): the ranks held at `hold_at_step` until
     tmp_path/release appears; with FLODL_TEST_HOLD_COMMIT_DIR in `extra`, the first commit too."""

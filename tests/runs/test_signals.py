@@ -26,7 +26,6 @@ from flodl.metrics.timeline import read_timeline
 from tests.helpers.procs import (
     FAST_START,
     PYTHON,
-    REPO,
     TRAIN,
     Result,
     child_env,
@@ -44,6 +43,7 @@ from tests.helpers.stops import (
     check_stop_kept_every_step,
     hooks_env,
     log_says,
+    paced,
     sigterm_once_held,
     stopped_by_sigterm,
 )
@@ -229,8 +229,8 @@ def test_a_forked_child_such_as_a_dataloader_worker_keeps_the_default_signal_beh
 
 
 def _stop_after_first_checkpoint(args: list[str], tmp_path: Path, signum: int = signal.SIGTERM) -> Result:
-    """Start a digits job (checkpoint_every=1); signal its launcher once its first checkpoint is in."""
-    proc = start(args, tmp_path, errors=subprocess.PIPE)
+    """Start SYNC_STOP's job, its steps paced; signal its launcher once its first checkpoint is in."""
+    proc = start(args, tmp_path, env=child_env(**paced()), errors=subprocess.PIPE)
     try:
         wait_for_path(tmp_path / "run" / "checkpoints" / "epoch-000001", proc)
         os.kill(proc.pid, signum)
@@ -242,8 +242,10 @@ def _stop_after_first_checkpoint(args: list[str], tmp_path: Path, signum: int = 
 
 # Digits under sync on 2 ranks: 22 steps of 32 samples an epoch on each.
 SYNC_DIGITS = ["launch.nproc_per_node=2", FAST_START, "policy=sync", "epochs=3"]
-# One rank slowed so that an epoch lasts a second or so: a stop lands inside the run.
-SYNC_STOP = [*SYNC_DIGITS, "checkpoint_every=1", "simulate.slow_rank=0", "simulate.factor=40"]
+# Run with its steps paced (paced(): 0.1 s a step, an epoch 2.2 s or so on any machine): a stop sent after
+# the first epoch lands inside the run. (simulate.factor=40 had slowed a rank by 40 times whatever its step
+# took: 5 to 8 s an epoch on 2 busy cores, and the resumed run too.)
+SYNC_STOP = [*SYNC_DIGITS, "checkpoint_every=1"]
 
 
 def test_a_sync_run_stopped_at_a_step_saves_there_and_resumed_ends_bitwise_equal_to_the_uninterrupted_run(
@@ -252,7 +254,9 @@ def test_a_sync_run_stopped_at_a_step_saves_there_and_resumed_ends_bitwise_equal
     """With checkpoints by time (every second, at steps the ranks agree on): they change nothing trained."""
     timed = [*SYNC_STOP, "checkpoint_every_s=1", "checkpoint_keep=50"]
     whole = tmp_path / "whole"
-    first = run([PYTHON, TRAIN, *timed, f"hydra.run.dir={whole}"], cwd=tmp_path, timeout=240).check()
+    first = run(
+        [PYTHON, TRAIN, *timed, f"hydra.run.dir={whole}"], cwd=tmp_path, timeout=240, **paced()
+    ).check()
     inside = list((whole / "checkpoints").glob("*-sample-*"))
     assert inside and all(verify(path) is None for path in inside), first.out[-4000:]
     result = _stop_after_first_checkpoint(
@@ -296,9 +300,8 @@ def test_under_survive_a_stop_saves_at_the_next_boundary_and_the_printed_command
         "fault_tolerance=survive",
         f"hydra.run.dir={run_dir}",
     ]
-    hook = os.pathsep.join([str(REPO / "tests" / "helpers" / "held_steps"), str(REPO)])
     # Digits: 22 steps of 32 samples an epoch on each of 2 ranks (sync), about as many under cadence.
-    env = child_env(PYTHONPATH=hook, FLODL_TEST_HOLD_AT_STEP="30", FLODL_TEST_HOLD_DIR=str(tmp_path), **PACED)
+    env = child_env(**paced(FLODL_TEST_HOLD_AT_STEP="30", FLODL_TEST_HOLD_DIR=str(tmp_path)))
     result = sigterm_once_held(args, tmp_path, env, stop_log=run_dir / "coordinator.log")
     stopped_at, resume = stopped_by_sigterm(result)
     # The stop's own, past where the ranks were held: in the second epoch (or at its end; sync's agreed step
