@@ -15,8 +15,10 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 import hydra
 from omegaconf import DictConfig
@@ -52,22 +54,39 @@ def _coordinator_main(cfg: DictConfig) -> None:
     coordinator_from_hydra(cfg)
 
 
-def main() -> None:
-    """`flodl-train`."""
+def main() -> NoReturn:
+    """`flodl-train`: the process ends with the command."""
     _run(_hydra_main)
 
 
-def coordinator() -> None:
+def coordinator() -> NoReturn:
     """`flodl-coordinator`: the host of a fault_tolerance=survive run whose ranks are started apart (several
     hosts): WORLD_SIZE and MASTER_PORT set, the same overrides as the ranks; start it before them."""
     _run(_coordinator_main)
 
 
-def _run(entry: Callable[[], None]) -> None:
+def _run(entry: Callable[[], None]) -> NoReturn:
     # The user's project is importable from where they run, as under `python -m flodl`; a console script's
     # sys.path starts at the venv's bin/ instead. Spawned ranks inherit sys.path.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     from flodl.launcher.launch import report_config_errors
 
-    report_config_errors(entry)  # Hydra's rejections too: one line, exit code 2
+    try:
+        report_config_errors(entry)  # Hydra's rejections too: one line, exit code 2
+    except SystemExit as done:
+        _leave(done.code)
+    _leave(0)
+
+
+def _leave(code: str | int | None) -> NoReturn:
+    """The command's end as the interpreter's own exit makes it (threads waited for, exit handlers run,
+    output flushed, SystemExit's code), less its teardown of every module: a second of each command's end
+    once torch and its compiler's modules are in. An error raised past the command ends it as usual."""
+    from flodl.links.stop import leave_now
+
+    threading._shutdown()  # type: ignore[attr-defined]  # what the interpreter's exit does first
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)  # as the interpreter says a SystemExit's message
+        code = 1
+    leave_now(code or 0)
