@@ -387,6 +387,23 @@ def test_a_part_written_in_the_background_is_the_state_at_the_boundary_and_said_
     assert part["stepper"]["steps_total"] == 3 and part["worker"] == {"global_steps": 3}
 
 
+def test_a_part_written_in_the_background_wakes_its_worker(tmp_path: Path) -> None:
+    """An idle worker waits for its next message: the writer wakes it once the part is on disk, so its Saved
+    goes out then (the run's last checkpoint had waited out the worker's whole wait, half a second)."""
+    stepper = digits_stepper()
+    train_steps(stepper, 1)
+    checkpointer = RankCheckpointer(
+        CheckpointDir(tmp_path, keep=1), 0, stepper.parts.model, stepper, background=True
+    )
+    woken = threading.Event()
+    checkpointer.on_written = woken.set
+    receipt = Saved(0, 0, into=32, chunks=1)
+    checkpointer.save(Point(0, 32), {}, receipt)
+    assert woken.wait(60), "the writer did not wake the worker"
+    assert checkpointer.written() == [receipt]
+    checkpointer.close()
+
+
 @pytest.mark.parametrize("shared", [False, True], ids=["private", "shared"])
 def test_a_snapshot_copies_into_buffers_it_keeps_and_saves_a_view_without_its_storage(shared: bool) -> None:
     flat = torch.arange(12.0)

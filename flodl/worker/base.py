@@ -95,6 +95,8 @@ class WorkerBase:
         self.world_size = link.world_size
         self.reader = link.reader
         self.outbox = link.outbox
+        if checkpointer is not None:  # a part written in the background: its Saved goes out at once
+            checkpointer.on_written = self.reader.wake
         self.log_every = settings.log_every
         self.evaluated_models = settings.evaluated_models
         self.group: RankGroup = group if group is not None else FixedGroup(link.rank, link.world_size)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -62,6 +63,8 @@ class RankCheckpointer:
         # Seconds the last part took from the boundary until it was on disk (a stop's budget is checked
         # against it); None until one was written.
         self.last_save_s: float | None = None
+        # Called on the writer's thread once a part is on disk (the worker wakes to say Saved at once).
+        self.on_written: Callable[[], None] | None = None
 
     def save(
         self, point: Point, worker_state: dict[str, Any], receipt: Saved, first_member: bool = True
@@ -90,7 +93,11 @@ class RankCheckpointer:
             more = "give the job more shared memory (docker run --shm-size) for a process to write them"
             self._write_on_thread(f"{failed}; {more}")
             taken = self._snapshot.take(state)
-        self._in_flight = (self._writer.submit(self._write, point, names, taken, started), receipt)
+        future = self._writer.submit(self._write, point, names, taken, started)
+        wake = self.on_written
+        if wake is not None:
+            future.add_done_callback(lambda _: wake())
+        self._in_flight = (future, receipt)
 
     def _write(self, point: Point, names: list[str], taken: Taken, started: float) -> None:
         for event in taken.ready:  # the device's copies into the host buffers are done
