@@ -2,9 +2,10 @@
 
 A frozen member, or one cut off the network, is cut only once `heartbeat_timeout_s` has passed; until then
 the round cannot fire (it waits for every member's count), and the members that reached theirs train their
-overshoot and wait. A member that reached its count and then went silent would hold every other inside the
-round's collective: the round waits for it too (the planner's `suspects`, set by the driver). Local SGD needs no such wait: a member that reached is handed more of the segment, a
-couple of heartbeats' worth of its steps at a time, and trains on. The round then averages what each did
+overshoot and wait. Local SGD needs no such wait: a member that reached is handed more of the segment, a
+couple of heartbeats' worth of its steps at a time, and trains on. A member that reached its count and then
+went silent would hold every other inside the round's collective: the round waits for it too (the planner's
+`suspects`, set by the driver). The round then averages what each did
 (weighted by its steps), once the silent member is cut or heard from again. The batches come from the same
 cursor, each handed out once; where a top-up takes the segment's last, the next window holds every member to
 all it holds, and its round is the segment's exact last (planner.py).
