@@ -11,12 +11,15 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from torch.distributed import HashStore
+
 from flodl.averaging.wire import Wire
 from flodl.checkpoints.disk import MODEL_FILE, CheckpointDir, Point, rank_file
 from flodl.config.layout import Layout
 from flodl.coordinator.commit import CheckpointCommitter, run_kind
 from flodl.coordinator.ledger import EpochLedger
 from flodl.links.messages import ChunkReport, EpochSlice, Message, Saved, StartEpoch
+from flodl.links.transport import InboxReader, Mailbox
 from flodl.worker.base import RankLink, WorkerSettings
 from flodl.worker.sync import SyncWorker
 from tests.helpers.digits_stepper import digits_stepper
@@ -78,7 +81,8 @@ def test_a_sync_stop_writes_every_part_due_before_its_step_and_ends_at_its_own(t
     assert stepper.step_samples == SAMPLES
     for moment_no in range(MOMENTS):
         outbox = _Outbox()
-        link = RankLink(0, 1, reader=None, outbox=outbox)  # type: ignore[arg-type]
+        # A reader never started: the worker only wakes it (a part written in the background).
+        link = RankLink(0, 1, reader=InboxReader(Mailbox(HashStore(), 0)), outbox=outbox)  # type: ignore[arg-type]
         settings = WorkerSettings(log_every=0, on_nonfinite="error")
         layout = Layout(1, SAMPLES)
         worker = SyncWorker(stepper, link, settings, Wire(), _Parts(), layout=layout)  # type: ignore[arg-type]
