@@ -43,6 +43,7 @@ from flodl.job.settings import (
     stepper_settings,
     worker_settings,
 )
+from flodl.links.group import bound_device
 from flodl.links.membership import AveragingGroup
 from flodl.links.transport import InboxReader, Mailbox
 from flodl.sharding.fsdp import group_mesh, shard_model
@@ -300,5 +301,5 @@ def _form_shard_group(
         rank=shards.shard_index(rank),
         world_size=shards.size,
         timeout=timedelta(seconds=timeout_s),
-        device_id=device if device.type == "cuda" else None,
+        device_id=bound_device(backend, device),
     )

@@ -72,6 +72,14 @@ def hosted_exchange(store: Store) -> PrefixStore:
     return PrefixStore(f"{HOSTED_RUN}exchange/", store)
 
 
+def bound_device(backend: str, device: torch.device) -> torch.device | None:
+    """The GPU a world binds at its start (init_process_group's device_id): NCCL's, which starts its
+    communicator at once and lets a device mesh split it. Not gloo's: a device mesh splits a bound gloo world
+    by copying its options, which torch cannot (ranks sharing one GPU with sharded groups failed so: "cannot
+    pickle '_Options' object")."""
+    return device if backend == "nccl" and device.type == "cuda" else None
+
+
 def init_group(
     env: RankEnv, backend: str, device: torch.device, timeout_s: float, hosted_apart: bool = False
 ) -> GroupHandle:
@@ -85,7 +93,7 @@ def init_group(
     """
     global _groups_started
     timeout = timedelta(seconds=timeout_s)
-    device_id = device if device.type == "cuda" else None
+    device_id = bound_device(backend, device)
     if env.launched:
         if env.master_addr is None or env.master_port is None:
             raise RuntimeError(
