@@ -58,6 +58,7 @@ def groups_of_two(job: Job, *overrides: str, until_admitted: bool = False) -> No
         f"shard_group={K}",
         "device=cpu",
         "checkpoint_every=null",
+        "eval_every=0",  # refused under survive by groups (config/rules/sharding.py)
         *overrides,
         until_admitted=until_admitted,
     )

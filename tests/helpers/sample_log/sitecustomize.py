@@ -55,7 +55,7 @@ if _DIR:
 
 _KILL_BEFORE_REPORT = os.environ.get("FLODL_TEST_KILL_BEFORE_REPORT")
 
-if _KILL_BEFORE_REPORT and os.environ.get("FLODL_INCARNATION", "0") == "0":
+if _KILL_BEFORE_REPORT:
     import signal
 
     from flodl.links.messages import ChunkReport, Message
@@ -65,7 +65,9 @@ if _KILL_BEFORE_REPORT and os.environ.get("FLODL_INCARNATION", "0") == "0":
     _reports = [0]
 
     def _report_or_die(self: WorkerBase, message: Message) -> None:
-        if isinstance(message, ChunkReport):
+        # Its incarnation as the run knows it: a spare, started before the death, took over as a restart
+        # with the environment of a first process.
+        if isinstance(message, ChunkReport) and getattr(self.group, "incarnation", 0) == 0:
             _reports[0] += 1
             if f"{self.rank}:{_reports[0]}" == _KILL_BEFORE_REPORT:
                 os.kill(os.getpid(), signal.SIGKILL)
