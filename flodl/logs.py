@@ -30,6 +30,12 @@ def setup_host_logging(run_dir: Path) -> logging.Logger:
     return _setup_logging("coordinator", run_dir / "coordinator.log")
 
 
+def setup_supervisor_logging(rank: int, run_dir: Path) -> logging.Logger:
+    """The supervisor of a rank started apart (flodl/launcher/apart.py): `[rN supervisor]`, in the rank's
+    log beside the rank's own lines."""
+    return _setup_logging(f"{rank_tag(rank)} supervisor", run_dir / f"rank{rank}.log")
+
+
 def _setup_logging(tag: str, path: Path) -> logging.Logger:
     logger = logging.getLogger(LOGGER)
     logger.setLevel(logging.INFO)

@@ -45,12 +45,14 @@ from flodl.job.settings import (
 )
 from flodl.links.group import bound_device
 from flodl.links.membership import AveragingGroup
+from flodl.links.seats import count_start
 from flodl.links.transport import InboxReader, Mailbox
 from flodl.sharding.fsdp import group_mesh, shard_model
 from flodl.sharding.groups import ShardGroups
 from flodl.worker.base import RankLink, WorkerBase
 from flodl.worker.checkpoint_part import RankCheckpointer
 from flodl.worker.group import FixedGroup, RankGroup, SurvivingGroup
+from flodl.worker.group_evals import GroupEvals
 from flodl.worker.group_steps import GroupSteps
 from flodl.worker.local_sgd import LocalSgdWorker
 from flodl.worker.sharded_state import ShardedState
@@ -262,23 +264,27 @@ def make_group(
         gloo = dist.new_group(backend="gloo") if PolicyFacts.of(cfg).rounds_on_host else None
         return FixedGroup(env.rank, env.world_size, gloo, cfg.launch.timeout_s)
     incarnation = env.incarnation
-    if incarnation is None:  # a seat flodl-join took comes numbered; the others count their starts here
-        incarnation = exchange.add(f"incarnation/{env.rank}", 1) - 1
+    if incarnation is None:  # a supervisor numbers its starts; a rank started apart without one, here
+        incarnation = count_start(exchange, env.rank)
     # gloo has no abort: its timeout bounds a collective (or a group's forming) that a member left without
     # closing its sockets. NCCL's is aborted instead, and its watchdog must not fire on a slow first round.
     timeout_s = cfg.launch.timeout_s if backend == "nccl" else max(3 * heartbeat_timeout_of(cfg), 10.0)
     shards = ShardGroups(env.world_size, cfg.shard_group)
-    rounds = exchange
-    # Sharded groups: the rank's group is its process's world (FSDP2's collectives), its rounds its shard's.
+    rounds, evals = exchange, None
+    # Sharded groups: the rank's group is its process's world (FSDP2's collectives), its rounds its shard's;
+    # its members vote before an eval on a gloo group of theirs (collective: each forms it in step).
     if shards.sharded:
         _form_shard_group(shards, env.rank, incarnation, backend, exchange, device, timeout_s)
         rounds = PrefixStore(f"shard/{shards.shard_index(env.rank)}/", exchange)
+        evals = GroupEvals(dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)))
     membership = AveragingGroup(rounds, backend, env.rank, device, timeout_s)
     # A rank whose round failed hears who is still in once the coordinator has seen the silence.
     wait_s = 2 * heartbeat_timeout_of(cfg) + 10
     # A restart, or a rank in a seat past the ones the job started with (flodl-join), joins a running group.
     joining = incarnation > 0 or env.rank >= env.world_size
-    return SurvivingGroup(membership, reader, env.world_size, incarnation, joining, wait_s, shards.size)
+    return SurvivingGroup(
+        membership, reader, env.world_size, incarnation, joining, wait_s, shards.size, evals
+    )
 
 
 def _form_shard_group(

@@ -27,8 +27,9 @@ from flodl.config.targets import list_target_problems, task_target_problems
 from flodl.job import failures
 from flodl.job.rank import self_launched_rank
 from flodl.launcher.join_card import JoinCard, JoinError, read_card
+from flodl.launcher.rank_exit import SupervisedRankFailure
 from flodl.launcher.self_launch import keep_on_loopback
-from flodl.launcher.supervisor import SupervisedRank, SupervisedRankFailure, rank_env, supervise
+from flodl.launcher.supervisor import SupervisedRank, rank_env, supervise
 from flodl.links.group import is_loopback
 from flodl.links.seats import seat_left, take_seat
 from flodl.links.stop import Stopped

@@ -36,6 +36,7 @@ from flodl.job.host import HostFailed
 from flodl.job.rank import run_rank, stopped_line
 from flodl.job.settings import data_plane_settings
 from flodl.launcher import sweep_job
+from flodl.launcher.apart import supervise_apart, supervised_apart
 from flodl.launcher.cluster_env import adopt_scheduler_environ
 from flodl.launcher.run_dir import RunDirTaken, claim_run_dir, release_claimed, run_uid
 from flodl.launcher.self_launch import RankFailure, failure_line, host_run, keep_on_loopback, say, self_launch
@@ -196,7 +197,9 @@ def launch(cfg: DictConfig, info: RunInfo) -> None:
         raise ConfigError([str(err)]) from None
     # torchrun's ranks: rank 0 records the run's end.
     with _exit_recorded(Path(info.run_dir), launched_at, records=env.rank == 0):
-        if env.launched:
+        if supervised_apart(typed, env):
+            supervise_apart(config, info, typed, env)
+        elif env.launched:
             run_rank(config, info.as_dict())
         else:
             keep_on_loopback()

@@ -30,8 +30,9 @@ from flodl.job.host import RunHost
 from flodl.job.rank import EXIT_WORDED, device_type_of, log_plan, self_launched_rank, stopped_line
 from flodl.job.settings import checkpoint_store
 from flodl.launcher.join_card import JoinCard, write_card
+from flodl.launcher.rank_exit import SupervisedRankFailure, signal_name
 from flodl.launcher.signal_deaths import SignalDeaths
-from flodl.launcher.supervisor import SupervisedRankFailure, host_ranks, signal_name, supervise
+from flodl.launcher.supervisor import host_ranks, supervise
 from flodl.links.group import hosted_exchange, loopback_store
 from flodl.links.stop import STOP_EXIT_CODES, Stopped, catch_stop_signals
 from flodl.links.transport import Mailbox

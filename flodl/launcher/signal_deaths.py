@@ -26,7 +26,7 @@ from pathlib import Path
 from types import TracebackType
 
 from flodl.job import failures
-from flodl.launcher.supervisor import signal_name
+from flodl.launcher.rank_exit import signal_name
 
 # How often the ranks' process id records are read again (a rank records its own once it starts).
 _RECORDS_EVERY_S = 0.2

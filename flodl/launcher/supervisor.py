@@ -30,6 +30,7 @@ from typing import Any
 from torch.distributed import TCPStore
 
 from flodl.config.host import INCARNATION_ENV
+from flodl.launcher.rank_exit import RankExit, SupervisedRankFailure, signal_name
 from flodl.launcher.spare import Spare
 from flodl.links.membership import cut_key, post_exit
 from flodl.links.stop import STOP_SIGNALS, Stopped
@@ -44,39 +45,6 @@ _TERM_S = 5.0
 # How long the ranks may take to stop on a forwarded stop signal before they are killed (beyond the time a
 # stop's checkpoint may take).
 _STOP_S = 10.0
-
-
-@dataclass(frozen=True)
-class RankExit:
-    """How one incarnation of a rank ended: an exit code, or the signal that killed it."""
-
-    rank: int
-    incarnation: int
-    exitcode: int | None
-    signal_name: str | None
-    # The coordinator cut it (the supervisor killed it on the coordinator's word).
-    cut: bool = False
-
-    @property
-    def cause(self) -> str:
-        return f"exit code {self.exitcode}" if self.signal_name is None else f"signal {self.signal_name}"
-
-    @property
-    def stop_signal(self) -> int | None:
-        """The stop signal this exit answers (exit code 128 + a stop signal, or killed by one), if any."""
-        for signum in STOP_SIGNALS:  # a stopped rank exits 128 + the signal (flodl/links/stop.py)
-            if self.exitcode == 128 + signum or self.signal_name == signal.Signals(signum).name:
-                return signum
-        return None
-
-
-class SupervisedRankFailure(RuntimeError):
-    """Every rank ended before the run did, and none can be started again."""
-
-    def __init__(self, message: str, exits: list[RankExit]) -> None:
-        super().__init__(message)
-        # Every exit seen, as `supervise` returns them.
-        self.exits = exits
 
 
 def supervise(
@@ -151,13 +119,6 @@ def _rank_main(entry: Callable[..., None], args: tuple[Any, ...], env: dict[str,
     entry(*args)
 
 
-def signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
-
-
 @dataclass
 class SupervisedRank:
     rank: int
@@ -168,6 +129,12 @@ class SupervisedRank:
     process: BaseProcess | None = None
     # The live incarnation was killed on the coordinator's word; its exit is still to be reaped.
     cut: bool = False
+    # Numbers its next start (a rank apart: in the run's store, flodl/launcher/apart.py); None: one more.
+    numbered: Callable[[], int] | None = None
+
+    def restarted(self) -> None:
+        self.restarts_left -= 1
+        self.incarnation = self.numbered() if self.numbered is not None else self.incarnation + 1
 
     @property
     def live_process(self) -> BaseProcess:
@@ -217,6 +184,7 @@ class _Supervisor:
     def __post_init__(self) -> None:
         self.exits: list[RankExit] = []
         self.spare: Spare | None = None
+        self.host_gone = False
 
     def run(self) -> list[RankExit]:
         for rank in self.ranks:
@@ -300,12 +268,10 @@ class _Supervisor:
         who = f"rank {rank.rank} (pid {pid}, incarnation {rank.incarnation})"
         how = f"was cut by the coordinator ({ended.cause})" if ended.cut else f"died ({ended.cause})"
         if not ended.cut and stop is None:  # the coordinator cuts it now, not after a heartbeat timeout
-            post_exit(self.store, rank.rank, ended.incarnation, ended.cause)
+            self._at_host(lambda: post_exit(self.store, rank.rank, ended.incarnation, ended.cause))
         if stop is not None and not ended.cut:
             log.warning("%s stopped on %s; it is not started again", who, signal_name(stop))
-        elif rank.restarts_left > 0:
-            rank.restarts_left -= 1
-            rank.incarnation += 1
+        elif rank.restarts_left > 0 and self._at_host(rank.restarted):
             log.warning(
                 "%s %s; starting it again as incarnation %d (%d restart(s) left)",
                 who,
@@ -315,6 +281,8 @@ class _Supervisor:
             )
             self._start(rank)
             self._keep_spare()
+        elif self.host_gone:
+            log.warning("%s %s; the run's host no longer answers: it is not started again", who, how)
         else:
             log.warning(
                 "%s %s; no restarts left (launch.max_restarts): the others go on without it; see %s",
@@ -341,7 +309,22 @@ class _Supervisor:
             self.exits,
         )
 
+    def _at_host(self, action: Callable[[], object]) -> bool:
+        """`action` on the run's store; False, and no store action from then on, once it does not answer: a
+        host apart (flodl-coordinator) that ended or cannot be reached. Its ranks learn the run's fate
+        themselves."""
+        if self.host_gone:
+            return False
+        try:
+            action()
+        except (RuntimeError, OSError):  # torch's DistNetworkError is a RuntimeError
+            self.host_gone = True
+        return not self.host_gone
+
     def _take_cuts(self) -> None:
+        self._at_host(self._kill_cut)
+
+    def _kill_cut(self) -> None:
         """Kill each rank the coordinator cut: a hung rank (SIGSTOPped, stuck) must really end, so that its
         peers' collectives with it fail and they go on. A cut of an earlier incarnation is stale."""
         for rank in self._live():

@@ -46,3 +46,10 @@ def seat_left(store: Store, seat: int, incarnation: int) -> None:
     """The rank that took `seat` as `incarnation` is gone: the seat is free (a no-op for a seat of the ranks
     the job started with, which no joiner takes)."""
     store.set(_left_key(seat), str(incarnation))
+
+
+def count_start(exchange: Store, rank: int) -> int:
+    """Number one more start of `rank` (0: its first) in the run's exchange: how a rank started apart, or the
+    supervisor that starts it there (flodl/launcher/apart.py), learns its incarnation, so that a scheduler
+    starting it again continues the count."""
+    return exchange.add(f"incarnation/{rank}", 1) - 1

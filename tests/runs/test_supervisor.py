@@ -22,7 +22,8 @@ import pytest
 from torch.distributed import TCPStore
 
 from flodl.launcher import supervisor
-from flodl.launcher.supervisor import RankExit, SupervisedRankFailure, host_ranks, supervise
+from flodl.launcher.rank_exit import RankExit, SupervisedRankFailure
+from flodl.launcher.supervisor import host_ranks, supervise
 from flodl.links.group import loopback_store
 from flodl.links.membership import ExitReader, cut_key
 from flodl.links.stop import Stopped

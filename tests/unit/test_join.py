@@ -8,7 +8,7 @@ from pathlib import Path
 
 from flodl.job import failures
 from flodl.launcher.join import why_left
-from flodl.launcher.supervisor import RankExit, SupervisedRankFailure
+from flodl.launcher.rank_exit import RankExit, SupervisedRankFailure
 
 UID = "0123abcd"
 

@@ -554,6 +554,13 @@ def test_restarts_under_torchrun_are_torchruns_to_count():
     assert (
         problems_of(make(**{"launch.max_restarts": 2, "launch.nproc_per_node": 2}), host(world_size=2)) == []
     )
+    # A rank started apart (RANK set, no torchrun agent) under survive is restarted by its own command, and
+    # flodl-coordinator (WORLD_SIZE ranks apart, no RANK) takes the ranks' overrides.
+    survive = make(**{"launch.max_restarts": 2, "fault_tolerance": "survive"})
+    assert problems_of(survive, host(under_torchrun=True, world_size=3, ranks_per_node=1)) == []
+    assert problems_of(survive, host(world_size=3, ranks_per_node=1)) == []
+    agent = host(under_torchrun=True, elastic_agent=True, world_size=3, ranks_per_node=1)
+    assert_problem(problems_of(survive, agent), "launch.max_restarts", 2, "--max-restarts")
 
 
 def test_fp16_needs_cuda_and_says_to_use_bf16():

@@ -64,9 +64,13 @@ def _launcher_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
             f"torchrun already started {host.ranks_per_node} rank(s) on this node; leave it at 1 and use "
             "torchrun's --nproc_per_node",
         )
-    if cfg.launch.max_restarts:
+    # A rank started apart under survive is restarted by its own command (flodl/launcher/apart.py).
+    if cfg.launch.max_restarts and (host.elastic_agent or cfg.fault_tolerance != "survive"):
         yield problem(
-            "launch.max_restarts", cfg.launch.max_restarts, "under torchrun use its own --max-restarts"
+            "launch.max_restarts",
+            cfg.launch.max_restarts,
+            "under torchrun use its own --max-restarts (flodl restarts a rank started apart, without "
+            "torchrun, under fault_tolerance=survive)",
         )
 
 

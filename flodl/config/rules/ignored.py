@@ -25,12 +25,12 @@ def ignored_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
         yield problem(
             "compile_mode", cfg.compile_mode, "applies to compile=true; set compile=true or drop it"
         )
-    if cfg.launch.max_restarts and not host.under_torchrun and cfg.launch.nproc_per_node == 1:
+    if cfg.launch.max_restarts and not host.under_torchrun and host.world_size == 1:
         yield problem(
             "launch.max_restarts",
             cfg.launch.max_restarts,
-            "restarts apply to ranks flodl starts itself (launch.nproc_per_node > 1); one in-process rank is "
-            "never restarted",
+            "restarts apply to ranks flodl starts (launch.nproc_per_node > 1, or ranks started apart under "
+            "fault_tolerance=survive); one in-process rank is never restarted",
         )
     yield from _checkpoint_problems(cfg, defaults)
     if cfg.keep_global_batch and cfg.policy != "sync":
