@@ -25,6 +25,7 @@ from flodl.links.messages import Joined, Message, Regroup, Regrouped, Shutdown
 from flodl.links.transport import INBOX_WAIT_S, InboxReader
 from flodl.logs import one_line
 from flodl.metrics import run_clock
+from flodl.worker.group_evals import GroupEvals
 
 log = logging.getLogger("flodl")
 
@@ -93,6 +94,11 @@ class RankGroup(ReduceGroup, Protocol):
         """Log `state()`, this rank's state fingerprinted where the members must hold the same."""
         ...
 
+    def round_stands(self, finished: bool) -> bool:
+        """Before a round's eval, which a sharded group's members run together, and as such a round is cut:
+        whether the round, `finished` here or not, stands for every member this rank evaluates with."""
+        ...
+
 
 class FixedGroup(WorldGroup):
     """The world, fixed for the whole run (fault_tolerance=none): DDP, or the averager as it is built, starts
@@ -132,6 +138,10 @@ class FixedGroup(WorldGroup):
     def say_state(self, state: Callable[[], str]) -> None:
         """Nothing: DDP and the exact rounds keep the world equal, and nothing changes it."""
 
+    def round_stands(self, finished: bool) -> bool:
+        """As it went here: a round that failed anywhere failed the run."""
+        return finished
+
 
 class SurvivingGroup:
     """fault_tolerance=survive: the members' `AveragingGroup`, formed by the workers (generation 0 with every
@@ -153,12 +163,15 @@ class SurvivingGroup:
         joining: bool,
         wait_s: float,
         shard_group: int = 1,
+        evals: GroupEvals | None = None,
     ) -> None:
         """`world_size`: the ranks that form generation 0; `incarnation`: how often this rank's seat was
         taken before; `joining`: a restart, or a rank in a seat past the start's, which joins a running
-        group; `shard_group`: ranks per sharded group (1: full replicas)."""
+        group; `shard_group`: ranks per sharded group (1: full replicas), whose members vote before an eval
+        (`evals`)."""
         self.membership = membership
         self.shard_group = shard_group
+        self.evals = evals
         # Every member of the group formed last (with sharded groups, more than `membership` holds).
         self.members: list[int] = []
         self.reader = reader
@@ -219,6 +232,10 @@ class SurvivingGroup:
         for bit). A restart the run ended before admitting holds a fresh model, no member's: it says none."""
         if self.membership.generation >= 0:
             log.info("rank %d: state after %s", self.rank, state())
+
+    def round_stands(self, finished: bool) -> bool:
+        """Full replicas evaluate apart; a sharded group's members agree (flodl/worker/group_evals.py)."""
+        return finished if self.evals is None else self.evals.stands(finished, self.generation)
 
     # --- the changes -------------------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from flodl.links.membership import AveragingGroup
 from flodl.sharding.fsdp import is_sharded
 from flodl.sharding.optimizer_shard import load_local_optimizer_state, local_optimizer_state
 from flodl.worker.rank_state import restore_stepper, shared_state, stepper_state
@@ -25,3 +26,14 @@ def restore_joiner(stepper: Stepper, state: dict[str, Any]) -> None:
     restore_stepper(stepper, state)
     if state["optimizer_shard"] is not None:
         load_local_optimizer_state(stepper.parts.optimizer, state["optimizer_shard"])
+
+
+def share_with_joiners(
+    stepper: Stepper, group: AveragingGroup, sharer: int, rank: int, joining: list[int]
+) -> None:
+    """Every member of `group` (this one: `rank`): the joiners (`joining`) take the `sharer`'s state; the
+    other members keep their own."""
+    mine = joiners_state(stepper) if rank == sharer else None
+    state = group.broadcast_state(mine, group.members.index(sharer))
+    if rank in joining:
+        restore_joiner(stepper, state)

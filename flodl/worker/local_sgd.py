@@ -44,7 +44,7 @@ from flodl.worker.base import RankLink, WorkerBase, WorkerSettings
 from flodl.worker.checkpoint_part import RankCheckpointer
 from flodl.worker.group import RankGroup
 from flodl.worker.group_steps import GroupSteps
-from flodl.worker.joiner_state import joiners_state, restore_joiner
+from flodl.worker.joiner_state import share_with_joiners
 from flodl.worker.local_chunk import Chunk
 from flodl.worker.local_round import FinishedRound, RoundInFlight
 from flodl.worker.nonfinite import NonFiniteError
@@ -256,10 +256,15 @@ class LocalSgdWorker(WorkerBase):
         if self.group.aborted:
             self._cut(begun, None)  # an aborted NCCL round returns what it had: not a consensus
             return
+        if self._evaluates(order) and not self.group.round_stands(True):
+            self._cut(
+                begun, None, told=True
+            )  # cut for a member it evaluates with: left as that one leaves it
+            return
         evaluate = None
         # Evals and checkpoints ride on some rounds; they are not the round's own cost (idle_ms).
         epoch_work_s = 0.0
-        if order.evaluate_epochs and self.stepper.parts.eval_data is not None:
+        if self._evaluates(order):
             # The consensus holds every rank's steps up to this round, and only those.
             step = self.global_steps + outcome.total_steps
             samples = step * self.stepper.step_samples
@@ -319,9 +324,15 @@ class LocalSgdWorker(WorkerBase):
         self.window_started = now - self.window_busy_s  # the carried steps belong to the next window
         self.round = None
 
-    def _cut(self, begun: RoundInFlight, cause: BaseException | None) -> None:
+    def _evaluates(self, order: AverageNow) -> bool:
+        return bool(order.evaluate_epochs) and self.stepper.parts.eval_data is not None
+
+    def _cut(self, begun: RoundInFlight, cause: BaseException | None, told: bool = False) -> None:
         """The round's collective failed: the group raises `cause` (fault_tolerance=none) or carries out the
-        change that follows, whose Regroup names who is still in (the coordinator sends the round again)."""
+        change that follows, whose Regroup names who is still in (the coordinator sends the round again).
+        The members it evaluates with hear of it first, unless they `told` it (RankGroup.round_stands)."""
+        if not told and self._evaluates(begun.order):
+            self.group.round_stands(False)
         self.round = begun
         self.group.failed(f"round {begun.order.round} was cut", cause, self)
 
@@ -361,19 +372,9 @@ class LocalSgdWorker(WorkerBase):
             sharer = group.members[0] if change is None else change.sharer_in(group.members)
             self._share(functools.partial(group.broadcast_from, member=sharer))
             if change is not None and change.joining:
-                self._share_optimizer(group, sharer, change.joining)
+                share_with_joiners(self.stepper, group, sharer, self.rank, change.joining)
+                self.stepper.schedule_to(self.schedule_position())  # a joiner's schedule, from the sharer's
         self.averager.regroup()
-
-    def _share_optimizer(self, group: AveragingGroup, sharer: int, joining: list[int]) -> None:
-        """A joiner (a restart, or a rank new to the run) takes the sharer's optimizer and scheduler state
-        (as a rank without a checkpoint part does): its moments and learning rate, not a fresh optimizer's.
-        The other members keep their own."""
-        stepper = self.stepper
-        mine = joiners_state(stepper) if self.rank == sharer else None
-        state = group.broadcast_state(mine, group.members.index(sharer))
-        if self.rank in joining:
-            restore_joiner(stepper, state)
-            stepper.schedule_to(self.schedule_position())
 
     def regrouped(self, change: Regroup, formed: Regrouped) -> None:
         self.report(formed)
