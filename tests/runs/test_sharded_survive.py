@@ -4,7 +4,9 @@ rank is cut with it and its process ended), the other group trains on to the end
 epoch trained once (what the dead group trained since the last round lost with it), and the members left
 end with one state per shard index. With a restart the group comes back whole, in one admission, each of its
 ranks taking its shard (parameters and optimizer moments) from the member holding its shard index, and every
-group ends with the same state per shard index, bit for bit. About 15 s a run on 2 busy cores."""
+group ends with the same state per shard index, bit for bit. Every epoch is evaluated: a group's members
+evaluate each round together, and each epoch's eval is in its record once. About 15 s a run on 2 busy
+cores."""
 
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from tests.helpers.procs import (
     FAST_START,
     PYTHON,
     TRAIN,
+    Result,
     start,
 )
 from tests.helpers.runs import epochs_of
@@ -58,7 +61,6 @@ def groups_of_two(job: Job, *overrides: str, until_admitted: bool = False) -> No
         f"shard_group={K}",
         "device=cpu",
         "checkpoint_every=null",
-        "eval_every=0",  # refused under survive by groups (config/rules/sharding.py)
         *overrides,
         until_admitted=until_admitted,
     )
@@ -83,7 +85,6 @@ def test_a_ranks_death_takes_its_group_out_the_other_trains_on_and_it_rejoins_wh
     # Group 0's victim is rank 0 (the run's host lives apart under survive: rank 0 dies as any rank does).
     victim = 0 if group == 0 else rng.choice([2, 3])
     at = rng.randint(1, 2 * RANK_STEPS) if not unreported else rng.randint(1, 4)
-    mate = victim + 1 if victim % K == 0 else victim - 1
     job = Job(tmp_path)
     groups_of_two(job, f"launch.max_restarts={restarts}", until_admitted=restarts > 0)
     if unreported:
@@ -94,7 +95,85 @@ def test_a_ranks_death_takes_its_group_out_the_other_trains_on_and_it_rejoins_wh
         os.kill(job.at_step(proc, victim, at), signal.SIGKILL)
         plan = f"rank {victim} SIGKILLed at its step {at}"
     trial = Trial("sharded-survive", seed, plan)
-    result = job.finish(proc, trial)
+    lost = _check_left_and_back_whole(job, trial, job.finish(proc, trial), victim, restarts)
+    if unreported:
+        # It died at a chunk's end: nothing of its window is trained again (its chunks since the last round
+        # lost with the group, the last one too, which its group's other reported), and a line says so.
+        assert lost and trial.retrained == 0, (lost, trial.retrained)
+
+
+# Digits on 4 ranks: every epoch's last round evaluates it. A rank killed as it enters a round cuts the
+# round for its shard index's members, while the other shard index's may finish it.
+@pytest.mark.parametrize("seed", range(8))
+def test_a_group_cut_at_any_moment_evaluates_each_epoch_once_with_its_members_together(
+    tmp_path: Path, seed: int
+) -> None:
+    """A rank killed at a moment drawn from the seed, at a step of its window or, every other seed, as it
+    enters the round that ends the first or second epoch (or the one before): the surviving group's
+    members evaluate each round at the same round, and every epoch's eval is in its record once."""
+    rng = random.Random(f"sharded-survive-evals-{seed}")
+    victim, restarts, kill_in = rng.randrange(WORLD), rng.randint(0, 1), ("window", "round")[seed % 2]
+    ends = RANK_STEPS * rng.randint(1, 2) - rng.randint(0, 1)  # the first round at or past this step
+    at = rng.randint(1, 2 * RANK_STEPS) if kill_in == "window" else ends
+    job = Job(tmp_path)
+    kill = [f"simulate.kill_rank={victim}", f"simulate.kill_at_step={at}", f"simulate.kill_in={kill_in}"]
+    groups_of_two(job, "eval_every=1", f"launch.max_restarts={restarts}", *kill, until_admitted=restarts > 0)
+    proc = job.start()
+    trial = Trial("sharded-survive-evals", seed, f"rank {victim} SIGKILLed at its step {at} ({kill_in})")
+    _check_left_and_back_whole(job, trial, job.finish(proc, trial), victim, restarts)
+    records = epochs_of(job.run_dir)
+    evaluated = [r["epoch"] for r in records if "eval/accuracy" in r]
+    assert evaluated == [r["epoch"] for r in records], (trial.plan, records)
+
+
+def test_a_job_grows_by_a_whole_group_of_joiners(tmp_path: Path) -> None:
+    """One group of 2 with launch.max_ranks=4: two `flodl-join` started at once take seats 2 and 3, a group of
+    its own; it is admitted whole once both wait, each joiner taking its shard from the member holding its
+    shard index, and the run ends with one state per shard index."""
+    grown = "callbacks=[{_target_:tests.helpers.callback_log.StopOnceGrown,world:4}]"
+    job = start(
+        [
+            PYTHON,
+            TRAIN,
+            "launch.nproc_per_node=2",
+            "launch.max_ranks=4",
+            FAST_START,
+            "fault_tolerance=survive",
+            "policy=cadence",
+            f"shard_group={K}",
+            "device=cpu",
+            "checkpoint_every=null",
+            f"epochs={EPOCHS_AT_MOST}",
+            "batch_size=8",
+            grown,
+            "hydra.run.dir=run",
+        ],
+        tmp_path,
+    )
+    run = tmp_path / "run"
+    result, codes = finish_with_joiners(job, run, tmp_path, K)
+    result.check()
+    assert codes == [0, 0], codes
+    admitted = [e for e in membership(run) if e["event"] == "rank_admitted"]
+    assert [(e["rank"] in (2, 3), e["members"]) for e in admitted] == [(True, [0, 1, 2, 3])], admitted
+    assert "its group [2, 3] with it" in admitted[0]["why"]
+    logs = _logs_of(run)
+    shared = dict(re.findall(r"rank (\d+): state after admitting \[2, 3\]: (.+)", logs))
+    final = digests(logs, "final round")
+    for index in range(K):  # parameters and optimizer moments as the member of its shard index holds them
+        assert shared[str(index)] == shared[str(index + K)], shared
+        assert final[index] == final[index + K], final
+    records = check_every_epoch_once(run)
+    assert records[0]["world"] == 2 and records[-1]["world"] == 4, [r["world"] for r in records]
+
+
+def _check_left_and_back_whole(
+    job: Job, trial: Trial, result: Result, victim: int, restarts: int
+) -> Counter[int]:
+    """The run ended, its group left in one change (and came back whole, with `restarts`), every sample of
+    every epoch trained once, the members ending with one state per shard index; the samples per epoch the
+    dead group trained and never reported (lost with it)."""
+    mate = victim + 1 if victim % K == 0 else victim - 1
     pid, mate_pid = (int(job.files(r)[0].stem.rsplit("-", 1)[1]) for r in (victim, mate))
     assert result.ok, (result.out + result.err)[-3000:]
     epochs = [r["epoch"] for r in epochs_of(job.run_dir)]
@@ -140,53 +219,8 @@ def test_a_ranks_death_takes_its_group_out_the_other_trains_on_and_it_rejoins_wh
     for batches, shown in re.findall(r"(\d+) batch\(es\) of epoch (\d+) trained and not reported", logs):
         lost[int(shown) - 1] += int(batches) * BATCH
     check_each_sample_once(trial, job, samples, window, may_lose=True, unreported=lost)
-    assert trial.violations == [], trial.violations
-    if unreported:
-        # It died at a chunk's end: nothing of its window is trained again (its chunks since the last round
-        # lost with the group, the last one too, which its group's other reported), and a line says so.
-        assert lost and trial.retrained == 0, (lost, trial.retrained)
-
-
-def test_a_job_grows_by_a_whole_group_of_joiners(tmp_path: Path) -> None:
-    """One group of 2 with launch.max_ranks=4: two `flodl-join` started at once take seats 2 and 3, a group of
-    its own; it is admitted whole once both wait, each joiner taking its shard from the member holding its
-    shard index, and the run ends with one state per shard index."""
-    grown = "callbacks=[{_target_:tests.helpers.callback_log.StopOnceGrown,world:4}]"
-    job = start(
-        [
-            PYTHON,
-            TRAIN,
-            "launch.nproc_per_node=2",
-            "launch.max_ranks=4",
-            FAST_START,
-            "fault_tolerance=survive",
-            "policy=cadence",
-            f"shard_group={K}",
-            "device=cpu",
-            "checkpoint_every=null",
-            f"epochs={EPOCHS_AT_MOST}",
-            "batch_size=8",
-            "eval_every=0",
-            grown,
-            "hydra.run.dir=run",
-        ],
-        tmp_path,
-    )
-    run = tmp_path / "run"
-    result, codes = finish_with_joiners(job, run, tmp_path, K)
-    result.check()
-    assert codes == [0, 0], codes
-    admitted = [e for e in membership(run) if e["event"] == "rank_admitted"]
-    assert [(e["rank"] in (2, 3), e["members"]) for e in admitted] == [(True, [0, 1, 2, 3])], admitted
-    assert "its group [2, 3] with it" in admitted[0]["why"]
-    logs = _logs_of(run)
-    shared = dict(re.findall(r"rank (\d+): state after admitting \[2, 3\]: (.+)", logs))
-    final = digests(logs, "final round")
-    for index in range(K):  # parameters and optimizer moments as the member of its shard index holds them
-        assert shared[str(index)] == shared[str(index + K)], shared
-        assert final[index] == final[index + K], final
-    records = check_every_epoch_once(run)
-    assert records[0]["world"] == 2 and records[-1]["world"] == 4, [r["world"] for r in records]
+    assert trial.violations == [], (trial.plan, trial.violations)
+    return lost
 
 
 def _logs_of(run: Path) -> str:

@@ -97,18 +97,15 @@ def test_survive_by_groups_runs_under_cadence_and_what_it_does_not_do_yet_is_ref
         "shard_group": 2,
         "policy": "cadence",
         "checkpoint_every": None,
-        "eval_every": 0,
         "fault_tolerance": "survive",
     }
     restarts = {"launch.nproc_per_node": 4, "launch.max_restarts": 2, "launch.max_ranks": 6}
-    assert problems_of(make(**surviving, **restarts), four) == []  # a group comes back, one more joins
+    # A group comes back, one more joins; each epoch evaluated (a group's members agree on its round first).
+    assert problems_of(make(**surviving, **restarts, eval_every=1), four) == []
     for key, value, rule in [
         ("policy", "sync", "a group leaves and the others train on under policy=cadence only"),
         ("policy", "async", "a group leaves and the others train on under policy=cadence only"),
         ("launch.max_ranks", 5, "a job grows by whole groups: make it a multiple of shard_group=2"),
-        # A group whose ranks disagree on a cut round met in the round's eval at different rounds and waited
-        # there on each other (tests/runs/test_sharded_survive.py, about one run in three).
-        ("eval_every", 1, "sends the two into its eval at different rounds"),
     ]:
         problems = problems_of(make(**{**surviving, key: value}), four)
         said = assert_problem(
@@ -125,9 +122,7 @@ def test_cadence_across_groups_runs_exact_rounds_on_the_device_with_checkpoints(
     # Each group's optimizer state written in shards, and resumed (tests/runs/test_sharded_checkpoints.py).
     saved = make(shard_group=2, policy="cadence", checkpoint_every=1, checkpoint_every_steps=5, resume="/x")
     assert problems_of(saved, four) == []
-    surviving = make(
-        shard_group=2, policy="cadence", checkpoint_every=1, eval_every=0, fault_tolerance="survive"
-    )
+    surviving = make(shard_group=2, policy="cadence", checkpoint_every=1, fault_tolerance="survive")
     said = assert_problem(problems_of(surviving, four), "checkpoint_every", 1, "not with policy=cadence")
     assert "no checkpoint of groups that leave yet: set checkpoint_every=null, or fault_tolerance" in said
 

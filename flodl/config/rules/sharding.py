@@ -89,14 +89,6 @@ def _surviving_groups(cfg: FlodlConfig) -> Iterator[tuple[str, object, str]]:
             "a group leaves and the others train on under policy=cadence only: set policy=cadence, or "
             "fault_tolerance=none",
         )
-    if cfg.eval_every > 0:
-        yield (
-            "eval_every",
-            cfg.eval_every,
-            "a round cut for one rank of a group but completed by the other sends the two into its eval at "
-            "different rounds, where each waits on the other's gathers: set eval_every=0, or "
-            "fault_tolerance=none",
-        )
     if cfg.launch.max_ranks is not None and cfg.launch.max_ranks % cfg.shard_group:
         yield (
             "launch.max_ranks",
