@@ -263,8 +263,8 @@ class FlodlConfig:
     # (whole groups on each host), and inside each group the model, its gradients and optimizer state are
     # sharded with FSDP2 (each rank holds about 1/shard_group of them). 1: every rank a full replica. Under
     # policy=sync (HSDP: one process on the global batch), cadence or async (a round per shard index), with
-    # fault_tolerance=none; checkpoints (sync, cadence) hold each rank's shard of the model and of the
-    # optimizer state (each group's own under cadence), resumed on any world and shard_group; see
+    # fault_tolerance=none; checkpoints (every policy) hold each rank's shard of the model and of the
+    # optimizer state (each group's own under cadence and async), resumed on any world and shard_group; see
     # docs/sharded-groups.md.
     shard_group: int = 1
 

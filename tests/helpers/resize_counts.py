@@ -36,8 +36,11 @@ def read(log: Path) -> Counter[int]:
 
 def trained_before(checkpoint: Path) -> tuple[int, Counter[int]]:
     """The checkpoint's epoch, and the samples of it trained before the checkpoint: under sync every pick
-    but the rest its driver recorded, under local SGD the slices its record's chunks trained."""
+    but the rest its driver recorded, under local SGD the slices its record's chunks trained. A checkpoint
+    after an epoch: the next one, none of it trained."""
     state = torch.load(checkpoint / "coordinator.pt", weights_only=True)
+    if state["into"] is None:
+        return state["epoch"] + 1, Counter()
     order = epoch_permutation(SAMPLES, 42, state["epoch"])  # the default seed
     rest = state["driver"].get("rest")
     if rest is not None:

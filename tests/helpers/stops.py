@@ -93,12 +93,12 @@ def stops_after(log: Path) -> list[int]:
 
 
 def check_stop_kept_every_step(run_dir: Path, stopped_at: Checkpoint, stops: int) -> None:
-    """After the `stops`-th stop that saved in `run_dir` (2 ranks): no `.partial` dir is left, `latest` is
-    the checkpoint the stop named, and each rank's part in it holds the last step the rank trained."""
+    """After the `stops`-th stop that saved in `run_dir`: no `.partial` dir is left, `latest` is the
+    checkpoint the stop named, and each rank's part in it holds the last step the rank trained."""
     checkpoints = run_dir / "checkpoints"
     assert not list(checkpoints.glob("*.partial")), sorted(p.name for p in checkpoints.iterdir())
     assert (checkpoints / "latest").read_text() == stopped_at.path.name
-    for rank in (0, 1):
+    for rank in stopped_at.part_ranks:
         trained = stops_after(run_dir / f"rank{rank}.log")
         assert len(trained) == stops, trained
         part = torch.load(stopped_at.path / rank_file(rank), weights_only=True)

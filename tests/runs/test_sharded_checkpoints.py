@@ -7,6 +7,8 @@ reads of a Dataset that logs them. One 2x2 run per policy, its checkpoints share
 from __future__ import annotations
 
 import functools
+import random
+import shlex
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -14,7 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.procs import train
+from flodl.checkpoints.disk import Point
+from flodl.job.resume import continues_at
+from tests.helpers.procs import PYTHON, TRAIN, run, train
 from tests.helpers.resize_counts import (
     PINNED,
     POINTS,
@@ -23,6 +27,7 @@ from tests.helpers.resize_counts import (
     resumable,
     resumed_trains_each_sample_once_an_epoch,
 )
+from tests.helpers.stops import check_stop_kept_every_step, hooks_env, sigterm_once_held, stopped_by_sigterm
 
 pytestmark = pytest.mark.multiproc
 
@@ -38,6 +43,9 @@ RUNS = {
     # SlowMo keeps the inner optimizer's state and has an outer momentum; DiLoCo resets the inner state.
     "slowmo": (*CADENCE, "outer=slowmo"),
     "diloco": (*CADENCE, "outer=diloco"),
+    # Async at the same fixed window, its overshoot off (the rounds fall where they fell: bit for bit), each
+    # round blended in but a checkpoint's, which is exact; SlowMo's outer momentum per shard too.
+    "async": (*CADENCE[1:], "policy=async", "max_overshoot=0", "easgd_alpha=0.5", "outer=slowmo"),
 }
 
 
@@ -88,8 +96,8 @@ def whole(runs: Runs) -> Callable[[str], Path]:
     return of
 
 
-@pytest.mark.parametrize("kind", ["slowmo", "diloco"])
-def test_a_sharded_cadence_checkpoint_resumes_where_the_run_left_off(
+@pytest.mark.parametrize("kind", ["slowmo", "diloco", "async"])
+def test_a_sharded_local_sgd_checkpoint_resumes_where_the_run_left_off(
     runs: Runs, whole: Callable[[str], Path], kind: str
 ) -> None:
     # Stopped at its checkpoint inside the second epoch and resumed on the same groups, the run ends where
@@ -107,7 +115,7 @@ def test_a_sharded_cadence_checkpoint_resumes_where_the_run_left_off(
     assert all(torch.equal(a[key], b[key]) for key in a), {key: (a[key] - b[key]).abs().max() for key in a}
 
 
-@pytest.mark.parametrize("kind", ["sync", "slowmo"])
+@pytest.mark.parametrize("kind", ["sync", "slowmo", "async"])
 @pytest.mark.parametrize(("ranks", "size"), [(2, 2), (2, 1), (3, 1)], ids=["1x2", "2x1", "3x1"])
 def test_a_two_by_two_checkpoint_resumes_on_other_groups_every_sample_once(
     runs: Runs, whole: Callable[[str], Path], kind: str, ranks: int, size: int
@@ -125,7 +133,7 @@ def test_a_two_by_two_checkpoint_resumes_on_other_groups_every_sample_once(
     if kind == "sync" or groups == 2:  # one optimizer state (sync), or each group its own as saved
         assert not any("groups resumed as" in log for log in logs)
         return
-    # Under cadence each group takes one saved group's state, g mod 2's: the third replica group 0's; one
+    # Under local SGD each group takes one saved group's state, g mod 2's: the third replica group 0's; one
     # group leaves group 1's.
     last = groups - 1
     rule = (
@@ -133,3 +141,55 @@ def test_a_two_by_two_checkpoint_resumes_on_other_groups_every_sample_once(
     )
     assert f"rank {ranks - 1}: group {last} takes saved group {last % 2}'s: {rule}" in logs[-1]
     assert ("(each group's is its own); saved group 1's is left" in logs[0]) == (groups == 1)
+
+
+# A stop's draws: the checkpoints it runs with, and the layout its checkpoint is resumed on (ranks, a group).
+STOP_SCHEDULES = (("checkpoint_every=2",), ("checkpoint_every_steps=5",), ("checkpoint_every_s=0.000001",))
+STOP_RESUMES = ((4, 2), (2, 2), (2, 1), (3, 1))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_sigterm_under_async_with_groups_commits_every_step_trained_and_resumes_every_sample_once(
+    tmp_path: Path, seed: int
+) -> None:
+    # ElChe free below a small anchor, an overshoot of 1 (windows shorter than a segment), a rank slowed:
+    # each rank trains on past its count until a round's order reaches it, its group's members at one step,
+    # and a stop ends the window in flight while ranks hold more than their count. Every rank is held at a
+    # step drawn past the first epoch (24 batches of 8: a group trains 12 steps of it at most) until the
+    # coordinator took the stop; the checkpoint after the window's exact round must hold every rank's part,
+    # each with every step the rank trained (the count its stop line says). Resumed on a drawn layout, every
+    # sample of every epoch is trained once.
+    rng = random.Random(seed)
+    schedule, (ranks, size) = rng.choice(STOP_SCHEDULES), rng.choice(STOP_RESUMES)
+    hold, slow, factor = rng.randint(13, 28), rng.randrange(4), rng.choice([2, 3])
+    run_dir = tmp_path / "run"
+    args = [
+        PYTHON,
+        TRAIN,
+        *POINTS,
+        "epochs=4",
+        *MOMENTUM,
+        "policy=async",
+        "batch_size=8",
+        "anchor=1",
+        "max_anchor=2",
+        "max_overshoot=1",
+        *schedule,
+        f"simulate.slow_rank={slow}",
+        f"simulate.factor={factor}",
+        "launch.nproc_per_node=4",
+        "shard_group=2",
+        f"task.train_data.log={tmp_path / 'reads'}",
+        f"hydra.run.dir={run_dir}",
+    ]
+    result = sigterm_once_held(args, tmp_path, hooks_env(tmp_path, hold), stop_log=run_dir / "rank0.log")
+    stopped_at, resume = stopped_by_sigterm(result)
+    assert stopped_at.point.order > Point(0).order and stopped_at.part_ranks == (0, 1, 2, 3), stopped_at.path
+    check_stop_kept_every_step(run_dir, stopped_at, stops=1)
+    (tmp_path / "reads").rename(tmp_path / "reads-stopped")
+    layout = (f"launch.nproc_per_node={ranks}", f"shard_group={size}")
+    drawn = ("launch.nproc_per_node=", "shard_group=", "simulate.")  # the slowed rank may be gone
+    again = [a for a in shlex.split(resume) if not a.startswith(drawn)]
+    resumed = run([*again, *layout], cwd=tmp_path, timeout=300).check()
+    assert f"training continues {continues_at(stopped_at)}" in resumed.out, resumed.out[-4000:]
+    resumed_trains_each_sample_once_an_epoch(stopped_at.path, tmp_path / "reads", 4)

@@ -76,19 +76,11 @@ def test_groups_must_divide_the_world_and_each_host() -> None:
     assert_problem(straddle, "shard_group", 2, "each host's 3 ranks must form whole groups")
 
 
-def test_async_across_groups_runs_on_the_device_without_checkpoints() -> None:
+def test_async_across_groups_checkpoints_and_resumes() -> None:
     four = host(world_size=4, ranks_per_node=4)
-    assert problems_of(make(shard_group=2, policy="async", checkpoint_every=None), four) == []
-    for key, value, rule in [
-        ("checkpoint_every", 1, "its checkpoints of groups are not built: set checkpoint_every=null"),
-        ("checkpoint_every_steps", 5, "set checkpoint_every_steps=null"),
-        ("resume", "/some/run", "a checkpoint is not resumed onto its rounds: set resume=never"),
-    ]:
-        cfg = make(shard_group=2, policy="async", **{"checkpoint_every": None, key: value})
-        said = assert_problem(
-            problems_of(cfg, four), key, value, "not with policy=async and shard_group=2 yet ("
-        )
-        assert rule in said
+    for checkpoints in ({"checkpoint_every": 1}, {"checkpoint_every_steps": 5}, {"checkpoint_every_s": 60.0}):
+        cfg = make(shard_group=2, policy="async", resume="/some/run", **checkpoints)
+        assert problems_of(cfg, four) == [], checkpoints
 
 
 def test_survive_by_groups_runs_under_cadence_and_what_it_does_not_do_yet_is_refused_naming_the_key() -> None:

@@ -26,9 +26,6 @@ def sharding_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
     if cfg.policy != "sync":  # cadence and async: rounds per shard index
         for key, value, why in _cadence_across_groups(cfg):
             yield problem(key, value, f"not with policy={cfg.policy} and shard_group={k} yet ({why})")
-    if cfg.policy == "async":
-        for key, value, why in _async_across_groups(cfg):
-            yield problem(key, value, f"not with policy=async and shard_group={k} yet ({why})")
     if cfg.fault_tolerance == "survive":
         for key, value, why in _surviving_groups(cfg):
             yield problem(key, value, f"not with fault_tolerance=survive and shard_group={k} yet ({why})")
@@ -68,14 +65,6 @@ def _cadence_across_groups(cfg: FlodlConfig) -> Iterator[tuple[str, object, str]
         for key in checkpoint_keys_set(cfg):
             why = f"no checkpoint of groups that leave yet: set {key}=null, or fault_tolerance=none"
             yield key, getattr(cfg, key), why
-
-
-def _async_across_groups(cfg: FlodlConfig) -> Iterator[tuple[str, object, str]]:
-    """What async's rounds per shard index do not do yet: checkpoints (cadence's are built, not async's)."""
-    for key in checkpoint_keys_set(cfg):
-        yield key, getattr(cfg, key), f"its checkpoints of groups are not built: set {key}=null, or cadence"
-    if cfg.resume not in ("auto", "never"):
-        yield "resume", cfg.resume, "a checkpoint is not resumed onto its rounds: set resume=never"
 
 
 def _surviving_groups(cfg: FlodlConfig) -> Iterator[tuple[str, object, str]]:
