@@ -2,14 +2,15 @@
 `--every-s` seconds for `--duration-s`, each a random kind of `--kinds` on a random rank (rank 0 included):
 
 - kill: SIGKILL; it is started again and admitted back.
-- freeze: SIGSTOP; the others cut it once `heartbeat_timeout_s` passed without a word from it, then SIGCONT
-  (the woken process learns it was cut and ends, and is started again).
+- freeze: SIGSTOP; the others cut it once `heartbeat_timeout_s` passed without a word from it, and its
+  supervisor ends it and starts it again (a SIGCONT follows, for a process still there).
 - partition: the rank's network link down (its process runs on, its traffic is dropped), up again once the
-  others cut it; the process learns it was cut and ends, and is started again.
+  others cut it; its supervisor (or the process itself) reads the cut and ends it, and it is started again.
 
 The ranks are self-launched (their supervisor starts them again), or with `--apart` (implied by partition,
-root only) started apart as on several hosts: the run's host (flodl-coordinator) here, each rank in a network
-namespace of its own on one bridge, started again by this bench as a cluster would (bench/ranks_apart.py).
+root only) started apart as on several hosts: the run's host (flodl-coordinator) here, each rank's command in
+a network namespace of its own on one bridge (bench/ranks_apart.py), which starts its rank again itself
+(launch.max_restarts: flodl/launcher/apart.py).
 
 The same job undisturbed before it and after it (as long, or `--calm-s`), in the same invocation; or, with
 `--side-by-side`, at the same time, each job (its ranks, restarts and host) on its own half of the CPUs, so
@@ -93,6 +94,10 @@ def inject(job: Launched | RanksApart, run: Path, args: argparse.Namespace) -> l
     faults: list[Fault] = []
     undo: list[tuple[float, Callable[[], None]]] = []  # (when: a freeze's wake, a partition's end)
     with job:
+        # The faults' clock starts once the job trains (its first epoch recorded): a fault among ranks still
+        # importing measures a start-up, not a run.
+        while job.running() and not (run / "metrics.jsonl").is_file():
+            time.sleep(0.1)
         end = time.time() + args.duration_s
         next_fault = time.time() + args.every_s
         while job.running() and time.time() < end:
@@ -213,24 +218,27 @@ def main() -> None:
     ]
     apart = args.apart or "partition" in args.kinds.split(",")
 
-    def job(run: Path, restarts: int) -> Launched | RanksApart:
+    # Every fault on one rank, at worst. The undisturbed job is started the same way (a rank apart with
+    # restarts is its command's child, a spare beside it), so that only the faults differ.
+    restarts = f"launch.max_restarts={int(args.duration_s // args.every_s) + 1}"
+
+    def job(run: Path) -> Launched | RanksApart:
         if apart:
-            return RanksApart(run, args.work, common, args.ranks)
+            return RanksApart(run, args.work, [*common, restarts], args.ranks)
         launch = [f"launch.nproc_per_node={args.ranks}", "launch.start_method=fork"]
-        return Launched(run, args.work, [*common, *launch, f"launch.max_restarts={restarts}"])
+        return Launched(run, args.work, [*common, *launch, restarts])
 
     def calm(when: str) -> Path:
         run = args.work / f"calm-{when}-{stamp}"
-        return undisturbed(job(run, 0), run, args.calm_s or args.duration_s)
+        return undisturbed(job(run), run, args.calm_s or args.duration_s)
 
     faulted = args.work / f"faulted-{stamp}"
-    restarts = int(args.duration_s // args.every_s) + 1  # every fault on one rank, at worst
     if args.side_by_side:
-        calms = side_by_side(lambda: calm("beside"), lambda: inject(job(faulted, restarts), faulted, args))
+        calms = side_by_side(lambda: calm("beside"), lambda: inject(job(faulted), faulted, args))
         faults = calms.pop()
     else:
         before = calm("before")
-        faults = inject(job(faulted, restarts), faulted, args)
+        faults = inject(job(faulted), faulted, args)
         calms = [before, calm("after")]
     if not faults:
         out = (args.work / f"{faulted.name}.out").read_text()

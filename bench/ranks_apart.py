@@ -1,7 +1,8 @@
 """A survive job as it runs on several hosts, on this one: the run's host (`flodl-coordinator`) in this
-network namespace, each rank started apart in a network namespace of its own, all on one bridge
-(tests/helpers/netns), and started again whenever it ends, as a cluster's restart policy would. A rank's
-link taken down is a network partition of that rank alone: its process runs on, its traffic is dropped
+network namespace, each rank's command started apart in a network namespace of its own, all on one bridge
+(tests/helpers/netns), and started again whenever it ends, as a cluster's restart policy would (with
+launch.max_restarts in the overrides, the command starts its rank again itself first). A rank's link taken
+down is a network partition of that rank alone: its processes run on, their traffic is dropped
 (bench/mixed_faults.py). Root only.
 """
 

@@ -47,6 +47,18 @@ def test_a_forgotten_rank_is_never_silent_until_watched_again() -> None:
     assert monitor.silence_of(2, 12.5) == pytest.approx(2.5)
 
 
+def test_a_rank_never_heard_from_has_the_start_s_bound_then_the_heartbeat_s() -> None:
+    """A rank still building its task when the coordinator starts (started apart, seconds after the others)
+    is no silent rank until launch.timeout_s; once heard, the heartbeat timeout holds."""
+    monitor = HeartbeatMonitor(3, timeout_s=2.0, started=0.0, startup_s=60.0)
+    monitor.heard(0, 1.0)
+    assert monitor.silent(10.0) == [0]
+    monitor.heard(1, 30.0)
+    assert monitor.silent(33.0) == [0, 1]
+    assert monitor.silent(61.0) == [0, 1, 2]
+    assert HeartbeatMonitor(3, timeout_s=2.0, started=0.0).silent(2.5) == [0, 1, 2]
+
+
 def test_a_change_is_done_once_every_member_formed_and_a_round_closed() -> None:
     change = MembershipChange("cut", 2, generation=1, members=[0, 1], why="no heartbeat", started=10.0)
     change.on_formed(0, release_ms=3.0, form_ms=20.0)

@@ -117,7 +117,11 @@ def make_coordinator(cfg: FlodlConfig, setup: CoordinatorSetup) -> Coordinator:
             settings.checkpoints, world_size, due, settings.kind, settings.run, setup.layout
         )
     monitor = HeartbeatMonitor(
-        capacity, heartbeat_timeout_of(cfg), 0.0, ignored=set(range(world_size, capacity))
+        capacity,
+        heartbeat_timeout_of(cfg),
+        0.0,
+        ignored=set(range(world_size, capacity)),
+        startup_s=cfg.launch.timeout_s,
     )
     if policy.averages_parameters:  # a sharded group's ranks train as many batches (rounds/group_pace.py)
         batches_per_epoch = whole_groups(setup.total_picks // step_size, cfg.shard_group)

@@ -37,6 +37,10 @@ class HeartbeatMonitor:
     last_step: dict[int, int] = field(default_factory=dict)
     # Ranks not watched (survive: cut out, until admitted again).
     ignored: set[int] = field(default_factory=set)
+    # How long a rank not heard from yet may take from the start (its task built, its first beat: ranks
+    # started apart by hand start seconds apart); None: timeout_s. A rank that dies meanwhile is known by
+    # its exit.
+    startup_s: float | None = None
 
     def heard(self, rank: int, now: float, step: int | None = None) -> None:
         if rank in self.ignored:
@@ -46,12 +50,18 @@ class HeartbeatMonitor:
             self.last_step[rank] = step
 
     def silent(self, now: float) -> list[int]:
-        """Ranks not heard from for longer than the timeout (from the start, for one never heard)."""
+        """Ranks not heard from for longer than the timeout (from the start, for one never heard, longer
+        than `startup_s`)."""
         return [
             rank
             for rank in range(self.world_size)
-            if rank not in self.ignored and now - self.last_seen.get(rank, self.started) > self.timeout_s
+            if rank not in self.ignored and now - self.last_seen.get(rank, self.started) > self._limit(rank)
         ]
+
+    def _limit(self, rank: int) -> float:
+        if rank in self.last_seen or self.startup_s is None:
+            return self.timeout_s
+        return max(self.startup_s, self.timeout_s)
 
     def forget(self, rank: int) -> None:
         """Stop watching `rank` (it was cut out of the run)."""
