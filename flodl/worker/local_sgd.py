@@ -257,9 +257,8 @@ class LocalSgdWorker(WorkerBase):
             self._cut(begun, None)  # an aborted NCCL round returns what it had: not a consensus
             return
         if self._evaluates(order) and not self.group.round_stands(True):
-            self._cut(
-                begun, None, told=True
-            )  # cut for a member it evaluates with: left as that one leaves it
+            # Cut for a member it evaluates with (its sharded group's): left as that one leaves it.
+            self._cut(begun, None, told=True)
             return
         evaluate = None
         # Evals and checkpoints ride on some rounds; they are not the round's own cost (idle_ms).
