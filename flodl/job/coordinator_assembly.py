@@ -95,6 +95,17 @@ def hang_saver(
     return consensus_saver(model, device, run_dir / HANG_MODEL_FILE)
 
 
+def _heartbeat_monitor(cfg: FlodlConfig, world_size: int, capacity: int) -> HeartbeatMonitor:
+    """The seats past the start's unwatched until taken; a rank not heard from yet has the start's bound."""
+    return HeartbeatMonitor(
+        capacity,
+        heartbeat_timeout_of(cfg),
+        0.0,
+        ignored=set(range(world_size, capacity)),
+        startup_s=cfg.launch.timeout_s,
+    )
+
+
 def make_coordinator(cfg: FlodlConfig, setup: CoordinatorSetup) -> Coordinator:
     """The run's coordinator: every structure sized for the job's seats, its members the ranks it starts
     with (the seats past them wait for ranks that join)."""
@@ -116,13 +127,7 @@ def make_coordinator(cfg: FlodlConfig, setup: CoordinatorSetup) -> Coordinator:
         committer = CheckpointCommitter(
             settings.checkpoints, world_size, due, settings.kind, settings.run, setup.layout
         )
-    monitor = HeartbeatMonitor(
-        capacity,
-        heartbeat_timeout_of(cfg),
-        0.0,
-        ignored=set(range(world_size, capacity)),
-        startup_s=cfg.launch.timeout_s,
-    )
+    monitor = _heartbeat_monitor(cfg, world_size, capacity)
     if policy.averages_parameters:  # a sharded group's ranks train as many batches (rounds/group_pace.py)
         batches_per_epoch = whole_groups(setup.total_picks // step_size, cfg.shard_group)
     else:  # DDP's steps: whole global steps of the world
