@@ -25,11 +25,11 @@ from flodl.config.schema import FlodlConfig
 from flodl.job.rank import self_launched_rank
 from flodl.launcher.join import why_left
 from flodl.launcher.rank_exit import SupervisedRankFailure
-from flodl.launcher.self_launch import RankFailure, spare_imports
+from flodl.launcher.self_launch import RankFailure, launcher_log, spare_imports
 from flodl.launcher.supervisor import SupervisedRank, supervise
 from flodl.links.group import hosted_exchange
 from flodl.links.seats import count_start
-from flodl.logs import setup_supervisor_logging
+from flodl.logs import setup_supervisor_logging, stderr_kept_in
 from flodl.metrics.run_info import RunInfo
 
 
@@ -45,7 +45,8 @@ def supervise_apart(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig, env
     no restarts left; Stopped on a stop signal (forwarded to the rank first)."""
     run_dir = Path(info.run_dir)
     setup_supervisor_logging(env.rank, run_dir)
-    store = _run_store(env, cfg.launch.timeout_s)
+    with stderr_kept_in(launcher_log(run_dir)):  # torch's retries and their C++ frames, for the log
+        store = _run_store(env, cfg.launch.timeout_s)
     exchange = hosted_exchange(store)
 
     def numbered() -> int:
