@@ -152,9 +152,12 @@ def _shard_averaging(
     return ShardSharers(sharers, shards.sharers(shards.shard_index(rank))[0], group.timeout_s)
 
 
-def _group_steps(shards: ShardGroups) -> GroupSteps:
+def _group_steps(shards: ShardGroups, group: RankGroup) -> GroupSteps:
     """Async over sharded groups: the vote of the rank's group before each step, on a gloo group of its
-    ranks (collective: every rank makes every group's, in step)."""
+    ranks (collective: every rank makes every group's, in step). Under survive the process's world is its
+    group alone: the vote is over that world, bounded as its collectives are (a dead member fails it)."""
+    if isinstance(group, SurvivingGroup):
+        return GroupSteps(dist.new_group(backend="gloo", timeout=timedelta(seconds=group.timeout_s)))
     mine, _ = dist.new_subgroups_by_enumeration(
         [shards.members(g) for g in range(shards.count)], backend="gloo"
     )
@@ -219,7 +222,7 @@ def make_worker(
         rounds: ReduceGroup = group
         if shards.sharded:  # inline, on any backend: over gloo groups with backend=cpu, also on a GPU
             rounds = _shard_averaging(parts, shards, rank, device, group)
-            group_steps = _group_steps(shards) if policy.crosses_epochs else None
+            group_steps = _group_steps(shards, group) if policy.crosses_epochs else None
         averager = DeviceAverager(parts.model, cfg.gamma, device, wire, outer, keeps_own, rounds, shards.size)
     # Built (and compiled) after the averager re-pointed the parameters into its flat buffers: compiled
     # graphs read them there, so each round's in-place update is what the next step sees.

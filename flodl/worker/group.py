@@ -95,8 +95,9 @@ class RankGroup(ReduceGroup, Protocol):
         ...
 
     def round_stands(self, finished: bool) -> bool:
-        """Before a round's eval, which a sharded group's members run together, and as such a round is cut:
-        whether the round, `finished` here or not, stands for every member this rank evaluates with."""
+        """Before a round's eval, which a sharded group's members run together (and under async before every
+        blend), and as such a round is cut: whether the round, `finished` here or not, stands for every
+        member of the rank's sharded group."""
         ...
 
 

@@ -1,5 +1,5 @@
-"""A sharded group's members under fault_tolerance=survive (shard_group=k > 1, cadence): they agree that a
-round stands for every one of them before its eval.
+"""A sharded group's members under fault_tolerance=survive (shard_group=k > 1): they agree that a round stands
+for every one of them before its eval, and under async before every blend.
 
 A round averages each shard among the ranks holding its shard index, one collective per index; an eval of
 the consensus is a collective of the group (each forward gathers the parameters inside it). A death in
@@ -11,6 +11,11 @@ round finished for it, and the generation it ran the round in. The round stands 
 every member in one generation; a member behind the others (a change it has not formed yet overtook its
 round) leaves it as cut and catches up with the change, while those ahead vote again once it runs the round
 in their generation (`verdict`).
+
+Under async the same cut leaves a blend round finished for one member and cut for the other, eval or not: a
+member keeping the blend would run the round's redo with no steps of its window while the other runs it with
+all of them (the group's shards averaged at two weights, its learning-rate clock split). So its members vote
+on every round: one that stood for every member is kept by each, one that did not goes back on each.
 """
 
 from __future__ import annotations

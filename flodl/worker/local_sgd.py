@@ -108,10 +108,9 @@ class LocalSgdWorker(WorkerBase):
     def release(self) -> None:
         self.averager.release()
 
-    def on_nonfinite_progress(self) -> None:
+    def on_nonfinite_progress(self) -> None:  # skip: the window boundary handles it
         if self.on_nonfinite == "error":
             self.raise_if_nonfinite()
-        # skip: the window boundary handles it
 
     def has_work(self) -> bool:
         return (self.round is not None and not self.round.awaiting_window) or self._has_batches()
@@ -236,8 +235,7 @@ class LocalSgdWorker(WorkerBase):
         self.stepper.fault.before_round(self.stepper.steps_total)
         overlapped = self.overlap and not order.final and not self.dropped_window
         begun = RoundInFlight(order, self.steps_since_avg, self.window_busy_s, overlapped, overlapped)
-        # The last round of a run or segment must leave every rank with the same state, even if nobody moved.
-        try:
+        try:  # a run's or segment's last round leaves every rank with one state, even if nobody moved
             self.averager.begin(steps, exact=order.final, kept=not self.dropped_window)
         except Exception as err:
             self._cut(begun, err)
@@ -256,8 +254,8 @@ class LocalSgdWorker(WorkerBase):
         if self.group.aborted:
             self._cut(begun, None)  # an aborted NCCL round returns what it had: not a consensus
             return
-        if self._evaluates(order) and not self.group.round_stands(True):
-            # Cut for a member it evaluates with (its sharded group's): left as that one leaves it.
+        if self._agreed(order) and not self.group.round_stands(True):
+            # Cut for a member of its sharded group: left as that one leaves it.
             self._cut(begun, None, told=True)
             return
         evaluate = None
@@ -326,11 +324,15 @@ class LocalSgdWorker(WorkerBase):
     def _evaluates(self, order: AverageNow) -> bool:
         return bool(order.evaluate_epochs) and self.stepper.parts.eval_data is not None
 
+    def _agreed(self, order: AverageNow) -> bool:
+        """Its sharded group's members agree the round stands: before its eval, and every blend (async)."""
+        return self._evaluates(order) or self.group_steps is not None
+
     def _cut(self, begun: RoundInFlight, cause: BaseException | None, told: bool = False) -> None:
         """The round's collective failed: the group raises `cause` (fault_tolerance=none) or carries out the
         change that follows, whose Regroup names who is still in (the coordinator sends the round again).
         The members it evaluates with hear of it first, unless they `told` it (RankGroup.round_stands)."""
-        if not told and self._evaluates(begun.order):
+        if not told and self._agreed(begun.order):
             self.group.round_stands(False)
         self.round = begun
         self.group.failed(f"round {begun.order.round} was cut", cause, self)
@@ -356,8 +358,8 @@ class LocalSgdWorker(WorkerBase):
                 self.window_busy_s += finished.busy_s
                 self.finished = None
             else:
-                # A blend round is kept (the consensus it blended in was whole), but what every member holds
-                # alike (the outer optimizer, a wire's reference) goes back as theirs does for its second run.
+                # A blend round is kept (the consensus it blended in was whole; a sharded group's, as it stood
+                # for each member), but what every member holds alike goes back as theirs does for its redo.
                 self.averager.restore_averaging()
         if self.finished is not None:  # the change is past it: it stands
             self.finished = replace(self.finished, cuttable=False)

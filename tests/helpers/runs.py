@@ -86,3 +86,11 @@ def rank0_line(job: Path) -> tuple[str, str, str]:
     port = first.split("master port ")[1].split(",")[0]
     visible = first.split("CUDA_VISIBLE_DEVICES=")[1].split(",")[0]
     return first[:23], port, visible
+
+
+def round_steps(run: Path) -> list[dict[int, int]]:
+    """Each round's steps per rank, as the run's timeline recorded them."""
+    entries = [json.loads(line) for line in (run / "timeline.jsonl").read_text().splitlines()]
+    rounds = [{int(r): n for r, n in e["steps"].items()} for e in entries if e["kind"] == "round"]
+    assert rounds
+    return rounds

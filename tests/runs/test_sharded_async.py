@@ -7,7 +7,6 @@ trained once."""
 from __future__ import annotations
 
 import copy
-import json
 import random
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from flodl.data.partition import epoch_permutation
 from flodl.rounds.split import balanced_split
 from flodl.tasks.digits import DigitsMLP, digits_dataset
 from tests.helpers.procs import FAST_START, train
-from tests.helpers.runs import epochs_of
+from tests.helpers.runs import epochs_of, round_steps
 
 pytestmark = pytest.mark.multiproc
 
@@ -148,11 +147,3 @@ def test_a_group_steps_together_past_its_count_with_every_batch_once(tmp_path: P
     assert totals[slow] < totals[(slow + K) % WORLD]  # the slowed member's group trained less
     for steps in round_steps(tmp_path / "run"):  # a round averages a group's members at one step
         assert steps[0] == steps[1] and steps[2] == steps[3], steps
-
-
-def round_steps(run: Path) -> list[dict[int, int]]:
-    """Each round's steps per rank, as the run's timeline recorded them."""
-    entries = [json.loads(line) for line in (run / "timeline.jsonl").read_text().splitlines()]
-    rounds = [{int(r): n for r, n in e["steps"].items()} for e in entries if e["kind"] == "round"]
-    assert rounds
-    return rounds

@@ -68,15 +68,15 @@ def _cadence_across_groups(cfg: FlodlConfig) -> Iterator[tuple[str, object, str]
 
 
 def _surviving_groups(cfg: FlodlConfig) -> Iterator[tuple[str, object, str]]:
-    """What survive by groups does not do yet: under cadence a rank's death takes its group out, the other
-    groups train on, and the group comes back whole once its ranks are restarted (docs/survive.md); a job
-    grows by whole groups."""
-    if cfg.policy != "cadence":
+    """What survive by groups does not do yet: under cadence and async a rank's death takes its group out, the
+    other groups train on, and the group comes back whole once its ranks are restarted (docs/survive.md); a
+    job grows by whole groups."""
+    if cfg.policy == "sync":
         yield (
             "policy",
             cfg.policy,
-            "a group leaves and the others train on under policy=cadence only: set policy=cadence, or "
-            "fault_tolerance=none",
+            "a group leaves and the others train on under policy=cadence or async only (HSDP's step spans "
+            "every group): set policy=cadence or async, or fault_tolerance=none",
         )
     if cfg.launch.max_ranks is not None and cfg.launch.max_ranks % cfg.shard_group:
         yield (
