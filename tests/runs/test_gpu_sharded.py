@@ -1,7 +1,8 @@
 """Sharded groups sharing one GPU (docs/sharded-groups.md, "Sharing GPUs"; skipped without a CUDA device):
 4 ranks on one GPU as 2 groups of 2 with backend=cpu, the job's process groups gloo (NCCL takes one GPU a
 rank). FSDP2 gathers and reduce-scatters CUDA tensors over gloo; a round per shard index reduces the CUDA
-shards inline over gloo. The same code paths on CPU: tests/runs/test_sharded_backend_cpu.py."""
+shards inline over gloo; a checkpoint's CUDA shards are written with DCP. The same code paths on CPU:
+tests/runs/test_sharded_backend_cpu.py and tests/runs/test_sharded_checkpoints.py."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from tests.helpers.procs import FAST_START, train
+from tests.helpers.resize_counts import resumable
 from tests.helpers.runs import epochs_of
 from tests.helpers.sync_reference import assert_matches_reference
 
@@ -70,6 +72,37 @@ def test_local_sgd_groups_on_one_gpu_end_where_the_cpu_run_does(tmp_path: Path, 
     assert batches == runs["cpu"][0]
     for name, want in runs["cpu"][1].items():
         assert ((model[name].cpu() - want).norm() / want.norm()).item() <= CUDA_TOLERANCE, name
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_local_sgd_groups_on_one_gpu_resume_a_checkpoint_inside_an_epoch_where_the_run_left_off(
+    tmp_path: Path, policy: str
+) -> None:
+    # Each rank writes its CUDA shard with DCP at the checkpoint's exact round (under async too); resumed on
+    # the same groups from the first checkpoint inside the second epoch, the run ends where the uninterrupted
+    # one does (the same kernels on the same device: within float32's last bits).
+    common = (
+        *SHARED,
+        f"launch.nproc_per_node={WORLD}",
+        f"batch_size={BATCH}",
+        "epochs=2",
+        "device=cuda",
+        f"policy={policy}",
+        *PINNED,
+        *SGD,
+        *POLICIES[policy],
+        "checkpoint_every_steps=20",
+        "checkpoint_keep=50",
+    )
+    train(*common, "hydra.run.dir=whole", cwd=tmp_path, timeout=400).check()
+    checkpoint = resumable(tmp_path / "whole", 2)
+    assert (checkpoint / "sharded" / ".metadata").is_file() and not (checkpoint / "model.pt").exists()
+    train(*common, f"resume={checkpoint}", "hydra.run.dir=again", cwd=tmp_path, timeout=400).check()
+    assert_ranks_share_the_gpu(tmp_path / "again")
+    whole = torch.load(tmp_path / "whole" / "model.pt", weights_only=True)
+    again = torch.load(tmp_path / "again" / "model.pt", weights_only=True)
+    for name, want in whole.items():
+        assert ((again[name] - want).norm() / want.norm()).item() <= 1e-6, name
 
 
 @pytest.mark.parametrize("policy", ["sync", "cadence", "async"])

@@ -143,38 +143,45 @@ def test_a_two_by_two_checkpoint_resumes_on_other_groups_every_sample_once(
     assert ("(each group's is its own); saved group 1's is left" in logs[0]) == (groups == 1)
 
 
-# A stop's draws: the checkpoints it runs with, and the layout its checkpoint is resumed on (ranks, a group).
-STOP_SCHEDULES = (("checkpoint_every=2",), ("checkpoint_every_steps=5",), ("checkpoint_every_s=0.000001",))
-STOP_RESUMES = ((4, 2), (2, 2), (2, 1), (3, 1))
+# A stop's checkpoints, segments of several windows (by epochs; by steps, 44 batches, across epochs) so that
+# the stop ends a window that is not its segment's last, and the layout its checkpoint is resumed on (ranks,
+# a group), one of each a seed.
+STOP_SCHEDULES = ("checkpoint_every=2", "checkpoint_every_steps=11", "checkpoint_every=3")
+STOP_RESUMES = ((2, 2), (3, 1), (4, 2))
+# 144 batches of 8: a rank held at its step 20 at the latest, at most 80 are trained by then (its group's
+# 40, and the other's no more), and the stop ends a window of a few batches a rank (the slowest rank's count
+# at most 2, an overshoot of 3) well before the run's end.
+STOP_EPOCHS = 6
 
 
 @pytest.mark.parametrize("seed", range(3))
 def test_a_sigterm_under_async_with_groups_commits_every_step_trained_and_resumes_every_sample_once(
     tmp_path: Path, seed: int
 ) -> None:
-    # ElChe free below a small anchor, an overshoot of 1 (windows shorter than a segment), a rank slowed:
+    # ElChe free with an anchor of 1 or 2, an overshoot of 3 (windows shorter than a segment), a rank slowed:
     # each rank trains on past its count until a round's order reaches it, its group's members at one step,
-    # and a stop ends the window in flight while ranks hold more than their count. Every rank is held at a
-    # step drawn past the first epoch (24 batches of 8: a group trains 12 steps of it at most) until the
-    # coordinator took the stop; the checkpoint after the window's exact round must hold every rank's part,
-    # each with every step the rank trained (the count its stop line says). Resumed on a drawn layout, every
-    # sample of every epoch is trained once.
+    # and the stop ends the window in flight, in which ranks hold more than their count (the round after it
+    # must not be the segment's final one: a checkpoint there would miss the overshoot, trained after it).
+    # Every rank is held at a step drawn past the first epoch (24 batches of 8: a group trains 12 steps of it
+    # at most) until the coordinator took the stop; the checkpoint at the segment's final, exact round must
+    # hold every rank's part, each with every step the rank trained (the count its stop line says). Resumed on
+    # the seed's layout, every sample of every epoch is trained once.
+    schedule, (ranks, size) = STOP_SCHEDULES[seed], STOP_RESUMES[seed]
     rng = random.Random(seed)
-    schedule, (ranks, size) = rng.choice(STOP_SCHEDULES), rng.choice(STOP_RESUMES)
-    hold, slow, factor = rng.randint(13, 28), rng.randrange(4), rng.choice([2, 3])
+    hold, slow, factor = rng.randint(13, 20), rng.randrange(4), rng.choice([2, 3])
     run_dir = tmp_path / "run"
     args = [
         PYTHON,
         TRAIN,
         *POINTS,
-        "epochs=4",
+        f"epochs={STOP_EPOCHS}",
         *MOMENTUM,
         "policy=async",
         "batch_size=8",
         "anchor=1",
         "max_anchor=2",
-        "max_overshoot=1",
-        *schedule,
+        "max_overshoot=3",
+        schedule,
         f"simulate.slow_rank={slow}",
         f"simulate.factor={factor}",
         "launch.nproc_per_node=4",
@@ -192,4 +199,4 @@ def test_a_sigterm_under_async_with_groups_commits_every_step_trained_and_resume
     again = [a for a in shlex.split(resume) if not a.startswith(drawn)]
     resumed = run([*again, *layout], cwd=tmp_path, timeout=300).check()
     assert f"training continues {continues_at(stopped_at)}" in resumed.out, resumed.out[-4000:]
-    resumed_trains_each_sample_once_an_epoch(stopped_at.path, tmp_path / "reads", 4)
+    resumed_trains_each_sample_once_an_epoch(stopped_at.path, tmp_path / "reads", STOP_EPOCHS)
