@@ -112,10 +112,8 @@ class LaunchConfig:
     start_method: str = "spawn"
     # Seconds a rank waits for the rendezvous and for control messages before it reports a stall.
     timeout_s: float = 300.0
-    # Self-launched ranks: restart the whole group this many times after a rank dies (each restart
-    # resumes from the last checkpoint); under fault_tolerance=survive each rank alone, this many times,
-    # and a rank started apart (RANK set, beside flodl-coordinator) by its own command. Under torchrun use
-    # its own --max-restarts.
+    # Restarts of self-launched ranks after a death: the whole group, from the last checkpoint; under survive
+    # each rank alone, and a rank started apart by its own command. Under torchrun: its --max-restarts.
     max_restarts: int = 0
     # fault_tolerance=survive with restarts left: keep a rank's process started ahead, its imports done, so
     # that a restarted rank starts in a fraction of a second (spawn, forkserver; a forked one needs none).

@@ -112,9 +112,9 @@ class HeartbeatSender(threading.Thread):
         self.stopped = threading.Event()
 
     def run(self) -> None:
-        if self.rank == 0:  # a first beat at once: the peers' watch starts from their own start
-            self._beat_count()
-        while not self.stopped.wait(self.interval_s):
+        # A first beat at once: the coordinator holds a rank it has not heard from yet to the start's bound
+        # (HeartbeatMonitor.startup_s), and the peers' watch on rank 0 starts from their own start.
+        while True:
             try:
                 self.mailbox.send(COORDINATOR, Heartbeat(self.rank, self.step()))
                 if self.rank == 0:
@@ -123,6 +123,8 @@ class HeartbeatSender(threading.Thread):
                     self.on_cut()
                     return
             except Exception:  # the store is gone: the run is over or failing, and says so elsewhere
+                return
+            if self.stopped.wait(self.interval_s):
                 return
 
     def _beat_count(self) -> None:
