@@ -155,9 +155,11 @@ def _shard_averaging(
 def _group_steps(shards: ShardGroups, group: RankGroup) -> GroupSteps:
     """Async over sharded groups: the vote of the rank's group before each step, on a gloo group of its
     ranks (collective: every rank makes every group's, in step). Under survive the process's world is its
-    group alone: the vote is over that world, bounded as its collectives are (a dead member fails it)."""
+    group alone: the vote is over that world, bounded as its collectives are (a dead member fails it), and
+    carries the generation the member formed."""
     if isinstance(group, SurvivingGroup):
-        return GroupSteps(dist.new_group(backend="gloo", timeout=timedelta(seconds=group.timeout_s)))
+        vote = dist.new_group(backend="gloo", timeout=timedelta(seconds=group.timeout_s))
+        return GroupSteps(vote, lambda: group.generation)
     mine, _ = dist.new_subgroups_by_enumeration(
         [shards.members(g) for g in range(shards.count)], backend="gloo"
     )

@@ -14,37 +14,50 @@ A member votes whenever it holds batches, under its count too: its peers may not
 target yet (each reads its ExtendPartition at its own moment), so "past the count" is not a moment the
 members agree on, and every vote of one member meets the same vote of the others: the members hold as many
 batches at every vote (the planner hands a group's members alike, and they trained alike).
+
+Under fault_tolerance=survive each member also reads a membership change (a Regroup) at its own moment, and
+an admission's joiners take their shards from the members holding them as each forms the change: a member
+that formed it while its other stepped on would leave the group admitted with shards a step apart. So the
+vote carries the generation each member formed, and the members step only in one: one behind forms the
+change it was sent (no vote while it does), and they vote again.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 
 class GroupSteps:
-    """The votes of one sharded group's members, over `process_group` (gloo, the group's ranks)."""
+    """The votes of one sharded group's members, over `process_group` (gloo, the group's ranks); `generation`:
+    the group generation this member formed (survive; 0 for good in a fixed world)."""
 
-    def __init__(self, process_group: dist.ProcessGroup) -> None:
+    def __init__(self, process_group: dist.ProcessGroup, generation: Callable[[], int] = lambda: 0) -> None:
         self.process_group = process_group
-        self._vote = torch.zeros(1, dtype=torch.int32)
+        self.generation = generation
+        self._vote = torch.zeros(3, dtype=torch.int64)
         # The group stopped for a round whose AverageNow has not reached this member yet.
         self.held = False
 
     def may_step(self) -> bool:
-        """Before a step: whether every member takes it (False: one holds an AverageNow; this member is
-        held until its own arrives)."""
-        self.held = self._stop_asked(False)
-        return not self.held
+        """Before a step: whether every member takes it (False: one holds an AverageNow, and this member is
+        held until its own arrives; or one formed a change another has not, and they vote again)."""
+        self.held, oldest, newest = self._vote_for(False)
+        return not self.held and oldest == newest
 
     def before_round(self, has_batches: bool) -> None:
         """Before beginning a round: a member with batches left stops its peers' next step (unless the group
         already stopped for this round)."""
         if has_batches and not self.held:
-            self._stop_asked(True)
+            self._vote_for(True)
         self.held = False
 
-    def _stop_asked(self, mine: bool) -> bool:
-        self._vote.fill_(int(mine))
+    def _vote_for(self, stop: bool) -> tuple[bool, int, int]:
+        """All-reduced (MAX): whether any member stops, and the oldest and the newest generation formed."""
+        generation = self.generation()
+        self._vote.copy_(torch.tensor([int(stop), -generation, generation]))
         dist.all_reduce(self._vote, op=dist.ReduceOp.MAX, group=self.process_group)
-        return bool(self._vote.item())
+        stopped, oldest, newest = self._vote.tolist()
+        return bool(stopped), -oldest, newest

@@ -383,11 +383,9 @@ class LocalSgdWorker(WorkerBase):
         if change.shares_state:
             what = f"admitting {change.joining}" if change.joining else "a member's state was shared"
             digest, optimizer = self.averager.state_digest, self.optimizer_words
-
-            def state() -> str:
-                return f"{what}: {digest()}, global steps {self.global_steps}, {optimizer()}"
-
-            self.group.say_state(state)
+            # The round clock, and the rank's own steps (a sharded group's members share at one step).
+            steps = f"global steps {self.global_steps}, step {self.stepper.steps_total}"
+            self.group.say_state(lambda: f"{what}: {digest()}, {steps}, {optimizer()}")
 
     def _share(self, send: Callable[[list[torch.Tensor]], None]) -> None:
         """One member's state to every member: parameters and f32 buffers, and its LR schedule's clock

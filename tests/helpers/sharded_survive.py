@@ -75,6 +75,9 @@ def check_left_and_back_whole(
         assert admitted[0]["first_round_s"] is not None, admitted  # done, not overtaken
         shared = dict(re.findall(r"rank (\d+): state after admitting \[\d+, \d+\]: (.+)", logs))
         assert sorted(shared) == ["0", "1", "2", "3"], shared
+        # The members of the group left shared at one step (a joiner takes its sharer's): the group admitted
+        # holds one model, its shards of one moment.
+        assert len({re.findall(r", step (\d+),", line)[0] for line in shared.values()}) == 1, shared
         for rank in range(K):  # its shard index's two ranks, one per group
             assert shared[str(rank)] == shared[str(rank + K)], shared
         assert sorted(final) == [0, 1, 2, 3], final

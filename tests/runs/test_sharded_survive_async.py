@@ -1,11 +1,12 @@
 """Survive by groups under async (docs/sharded-groups.md): 4 CPU ranks as 2 groups of 2, ElChe free with its
 overshoot, a rank SIGKILLed at a moment drawn from a seed: at a step of its window (a round fires midway
-through a rank's slice, a member may hold its overshoot), or as it enters a round that ends an epoch (the
-round cut for one shard index while the other's may finish it, then redone). The invariants are cadence's
-(tests/runs/test_sharded_survive.py): the run ends, the dead rank's group leaves in one change and, restarted,
-comes back whole, every sample of every epoch is trained once (what the dead group trained since the last
-round lost with it), the members of each shard index end with one state, and every round averages a group's
-members at one step. About 15 s a run on 2 busy cores."""
+through a rank's slice, a member may hold its overshoot), or as it enters the first round after a drawn step
+(the round cut for one shard index while the other's may finish it, then redone). The invariants are
+cadence's (tests/runs/test_sharded_survive.py): the run ends, the dead rank's group leaves in one change and,
+restarted, comes back whole, every sample of every epoch is trained once (what the dead group trained since
+the last round lost with it), the members of each shard index end with one state, every round averages a
+group's members at one step, and the group left shares its shards with the one admitted at one step. About
+16 s a run on 2 busy cores."""
 
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ from tests.helpers.sharded_survive import RANK_STEPS, WORLD, K, check_left_and_b
 pytestmark = pytest.mark.multiproc
 
 
-# Drawn from 16 seeds: a window's kill restarted, a round's restarted, and two round kills that cut the round
-# for one shard index only (the other's finished it).
-@pytest.mark.parametrize("seed", [0, 7, 11, 13])
+# 4 of 16 seeds: a window's kill restarted (its group left shared at steps 21 and 22 before the step vote
+# carried the generation), a round's restarted, and two round kills that cut the round for one shard index
+# only (the other's finished it).
+@pytest.mark.parametrize("seed", [2, 7, 11, 13])
 def test_a_group_cut_at_any_moment_under_async_leaves_and_comes_back_whole(tmp_path: Path, seed: int) -> None:
     rng = random.Random(f"sharded-survive-async-{seed}")
     victim, restarts, kill_in = rng.randrange(WORLD), rng.randint(0, 1), ("window", "round")[seed % 2]
