@@ -3,14 +3,16 @@ with FSDP2 in each group, rounds of the device averager over a delta wire per sh
 
 Each round, each group's model moves by a change drawn from (group, round, parameter), the same on the
 group's two ranks (each adds its rows, laid out by torch's `distribute_tensor`); then one round, and every
-rank saves the full model (gathered in its group). The parent computes the same rounds on the full models;
-nothing here asserts.
+rank saves the full model (gathered in its group). One spawn runs every wire in turn, each on a fresh model
+and averager (4 spawned ranks' start is most of the test's time). The parent computes the same rounds on
+the full models; nothing here asserts.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import distribute_tensor
 
 from flodl.averaging.consensus import DeviceAverager
@@ -38,15 +40,21 @@ def change(group: int, round_: int, index: int, shape: torch.Size) -> torch.Tens
     return torch.randn(shape, generator=generator) * 0.01 * (index + 1)
 
 
-def worker(rank: int, port: int, out_dir: str, wire: str) -> None:
-    """One spawned rank (torch.multiprocessing.start_processes passes the index first)."""
+def worker(rank: int, port: int, out_dir: str, wires: tuple[str, ...]) -> None:
+    """One spawned rank (torch.multiprocessing.start_processes passes the index first): each of `wires`'
+    rounds, saved by the wire's name."""
     join_group(rank, port, WORLD, out_dir)
     shards = ShardGroups(WORLD, K)
-    group, index = shards.group_of(rank), shards.shard_index(rank)
-    model = make_model()
     mesh = group_mesh(shards, "cpu")
+    sharers = ShardSharers(mesh.get_group("replicate"), shards.sharers(shards.shard_index(rank))[0])
+    leave({wire: wire_rounds(shards.group_of(rank), mesh, sharers, wire) for wire in wires}, rank, out_dir)
+
+
+def wire_rounds(group: int, mesh: DeviceMesh, sharers: ShardSharers, wire: str) -> dict:
+    """A fresh model's ROUNDS rounds over `wire`: each round's full model, the feedback, what a checkpoint's
+    feedback resumes to."""
+    model = make_model()
     shard_model(model, torch.optim.SGD(model.parameters(), lr=0.1), mesh["shard"])
-    sharers = ShardSharers(mesh.get_group("replicate"), shards.sharers(index)[0])
     averager = DeviceAverager(
         model, GAMMA, torch.device("cpu"), WIRES[wire], keeps_own=False, group=sharers, shard_group=K
     )
@@ -61,11 +69,7 @@ def worker(rank: int, port: int, out_dir: str, wire: str) -> None:
         averager.adopt(None, None)
         rounds.append([p.full_tensor() for p in model.parameters()])
     feedback = averager.state_dict()["wire_feedback"]
-    leave(
-        {"rounds": rounds, "feedback": feedback, "reloaded": reloaded(model, wire, sharers, feedback)},
-        rank,
-        out_dir,
-    )
+    return {"rounds": rounds, "feedback": feedback, "reloaded": reloaded(model, wire, sharers, feedback)}
 
 
 def reloaded(model: nn.Module, wire: str, sharers: ShardSharers, feedback: dict) -> dict[str, dict]:

@@ -79,12 +79,22 @@ def full_model_rounds(wire: Wire, pieces: int) -> list[list[list[Tensor]]]:
     return rounds
 
 
-@pytest.mark.parametrize("wire", ["int8", "int4", "bf16"])
+WIRE_NAMES = ("int8", "int4", "bf16")
+
+
+@pytest.fixture(scope="module")
+def wire_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """Every rank's rounds over each wire, from one spawn of the 4 ranks."""
+    out = tmp_path_factory.mktemp("wires")
+    run_ranks(worker, WORLD, out, WIRE_NAMES)
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("wire", WIRE_NAMES)
 def test_each_shard_crosses_the_wire_as_the_full_models_wire_applied_shard_by_shard(
-    tmp_path: Path, wire: str
+    wire_ranks: list[dict], wire: str
 ) -> None:
-    run_ranks(worker, WORLD, tmp_path, wire)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+    ranks = [saved[wire] for saved in wire_ranks]
     by_shard = full_model_rounds(WIRES[wire], K)
     whole = full_model_rounds(WIRES[wire], 1)
     for round_ in range(ROUNDS):
