@@ -68,15 +68,26 @@ def test_a_checkpoint_resumes_on_more_ranks_and_then_on_fewer_every_sample_once_
         assert [round(r["lr"], 6) for r in grown + records] == [0.3, 0.3, 0.2]
 
 
+KEEP_GLOBAL = (*POINTS, "task.train_data.noise=0", "keep_global_batch=true")
+CHECKPOINTED = (*KEEP_GLOBAL, "checkpoint_every_steps=5")
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted 2-rank run with keep_global_batch, a checkpoint every 5 steps: what a resume on 1
+    rank and a death under survive (the same run, undisturbed) end within float tolerance of."""
+    run_dir = tmp_path_factory.mktemp("keep-global") / "whole"
+    ran = (*CHECKPOINTED, "launch.nproc_per_node=2", f"hydra.run.dir={run_dir}")
+    train(*ran, cwd=run_dir.parent, timeout=240).check()
+    return run_dir
+
+
 def test_keep_global_batch_resumes_two_ranks_checkpoint_on_one_within_float_tolerance_of_the_whole_run(
-    tmp_path: Path,
+    tmp_path: Path, whole: Path
 ) -> None:
-    common = [*POINTS, "task.train_data.noise=0", "checkpoint_every_steps=5", "keep_global_batch=true"]
-    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    train(*common, "launch.nproc_per_node=2", f"hydra.run.dir={whole}", cwd=tmp_path, timeout=240).check()
-    checkpoint = resumable(whole, 2)
-    again = (f"resume={checkpoint}", f"hydra.run.dir={resumed}")
-    out = train(*common, "launch.nproc_per_node=1", *again, cwd=tmp_path, timeout=240).check().out
+    resumed = tmp_path / "resumed"
+    again = (f"resume={resumable(whole, 2)}", f"hydra.run.dir={resumed}")
+    out = train(*CHECKPOINTED, "launch.nproc_per_node=1", *again, cwd=tmp_path, timeout=240).check().out
     assert "grad_accum 2 (configured 1) keeps the checkpoint's global batch" in out
     # The start line says the learning rate the optimizer has: the 2 ranks' global batch's, not 1 rank's.
     assert "world=1 batch=16 x grad_accum 2/rank (global 32) lr x2 (lr_scale_ratio=1)" in out
@@ -91,22 +102,19 @@ def test_keep_global_batch_resumes_two_ranks_checkpoint_on_one_within_float_tole
 
 
 def test_keep_global_batch_under_survive_a_death_leaves_the_trajectory_of_the_undisturbed_run(
-    tmp_path: Path,
+    tmp_path: Path, whole: Path
 ) -> None:
     """sync, 2 ranks, survive: rank 1 dies inside the third epoch and is not restarted; rank 0 takes its
     share of each step by gradient accumulation (two micro-batches), so the global batch and the learning
     rate stay, and the run ends within float tolerance of the same run without a death."""
     common = [
-        *POINTS,
-        "task.train_data.noise=0",
+        *KEEP_GLOBAL,
         "launch.nproc_per_node=2",
         "fault_tolerance=survive",
         "min_ranks=1",
         "launch.max_restarts=0",
-        "keep_global_batch=true",
     ]
-    whole, survived = tmp_path / "whole", tmp_path / "survived"
-    train(*common, f"hydra.run.dir={whole}", cwd=tmp_path, timeout=240).check()
+    survived = tmp_path / "survived"
     death = ("simulate.kill_rank=1", "simulate.kill_at_step=15", f"hydra.run.dir={survived}")
     out = train(*common, *death, cwd=tmp_path, timeout=240).check().out
     assert "keep_global_batch: 1 members keep the global step of 32, 32 samples each" in out
