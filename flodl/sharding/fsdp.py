@@ -90,11 +90,41 @@ def is_sharded(model: nn.Module) -> bool:
 
 def gathered_state(model: nn.Module) -> dict[str, Tensor]:
     """The whole sharded model as CPU tensors, as an unsharded one's state_dict holds them, on the job's rank
-    0 (an empty dict on the others). Collective: every rank calls it together."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    0 (an empty dict on the others). Collective: every rank calls it together.
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return cast("dict[str, Tensor]", get_model_state_dict(model, options=options))
+    Over gloo (backend=cpu: ranks on the CPU, or sharing a GPU) each shard is gathered from the CPU: DTensor's
+    gather is a functional collective, which gloo runs on CPU tensors only (on CUDA ones it crashed the rank
+    with SIGSEGV on an H100, torch 2.11). Over NCCL, torch's full state dict."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    state = model.state_dict()
+    meshes = {id(t.device_mesh): t.device_mesh for t in state.values() if isinstance(t, DTensor)}
+    if not any(dist.get_backend(mesh.get_group(0)) == "gloo" for mesh in meshes.values()):
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return cast("dict[str, Tensor]", get_model_state_dict(model, options=options))
+    on_cpu = {key: _on_the_cpu(mesh) for key, mesh in meshes.items()}
+    whole = {}
+    for name, tensor in state.items():
+        if isinstance(tensor, DTensor):
+            local = tensor.to_local().detach().cpu()
+            mesh = on_cpu[id(tensor.device_mesh)]
+            placed = DTensor.from_local(
+                local, mesh, tensor.placements, run_check=False, shape=tensor.shape, stride=tensor.stride()
+            )
+            whole[name] = placed.full_tensor()
+        else:
+            whole[name] = tensor.detach().cpu()
+    return whole if dist.get_rank() == 0 else {}
+
+
+def _on_the_cpu(mesh: DeviceMesh) -> DeviceMesh:
+    """`mesh`'s ranks and process groups, for CPU tensors."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    groups = [mesh.get_group(dim) for dim in range(mesh.ndim)]
+    return DeviceMesh.from_group(groups, "cpu", mesh=mesh.mesh, mesh_dim_names=mesh.mesh_dim_names)
 
 
 def laid_out_as(param: Tensor, local: Tensor) -> Tensor:
