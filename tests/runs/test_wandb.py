@@ -146,7 +146,8 @@ def test_wandb_failing_to_start_is_an_error_unless_not_required(tmp_path: Path) 
     # A key, and a server that does not answer: W&B fails in rank 0, and the others stop with it. One line
     # says why, naming rank 0; no rank's or launcher's traceback.
     unreachable = {"WANDB_API_KEY": "a" * 40, "WANDB_BASE_URL": "http://127.0.0.1:9"}
-    unreachable["WANDB_INIT_TIMEOUT"] = "5"
+    # W&B's wait for it: whatever fails wandb.init (refused, timed out) is the one WandbStartError.
+    unreachable["WANDB_INIT_TIMEOUT"] = "1"
     ranks = train(
         *args,
         "launch.nproc_per_node=2",
