@@ -68,7 +68,12 @@ def test_local_sgd_groups_on_one_gpu_end_where_the_cpu_run_does(tmp_path: Path, 
     batches, model = runs["cuda"]
     for epoch in batches:
         assert sum(epoch.values()) == 1438 // BATCH // K * K  # every batch of the epoch's whole groups once
-        assert epoch[0] == epoch[1] and epoch[2] == epoch[3]  # a group's members alike
+    # A group's members step together: alike over the run. Under async an epoch's record counts what each
+    # rank reported of its picks, and a member's slice may come from the epoch's tail while its mate's comes
+    # from the next one's head (on the H100 and on CPU processes alike: ranks 2 and 3 trained 45 + 44 and
+    # 43 + 46).
+    totals = {rank: sum(epoch[rank] for epoch in batches) for rank in range(WORLD)}
+    assert totals[0] == totals[1] and totals[2] == totals[3], batches
     assert batches == runs["cpu"][0]
     for name, want in runs["cpu"][1].items():
         assert ((model[name].cpu() - want).norm() / want.norm()).item() <= CUDA_TOLERANCE, name
