@@ -124,7 +124,9 @@ def _on_the_cpu(mesh: DeviceMesh) -> DeviceMesh:
     from torch.distributed.device_mesh import DeviceMesh
 
     groups = [mesh.get_group(dim) for dim in range(mesh.ndim)]
-    return DeviceMesh.from_group(groups, "cpu", mesh=mesh.mesh, mesh_dim_names=mesh.mesh_dim_names)
+    # A 1-D mesh (survive by groups: the process's world) has no dimension names, which a list of groups asks.
+    group = groups[0] if mesh.ndim == 1 else groups
+    return DeviceMesh.from_group(group, "cpu", mesh=mesh.mesh, mesh_dim_names=mesh.mesh_dim_names)
 
 
 def laid_out_as(param: Tensor, local: Tensor) -> Tensor:
