@@ -101,6 +101,8 @@ class Coordinator(threading.Thread):
         # committer knows which one that is: one taken before the request may commit after it).
         self.stop_signal: int | None = None
         self._stop_saved = False
+        # A stop signal the run's host apart got (flodl-coordinator), for the loop to act on.
+        self._host_signal: int | None = None
         # Set by the rank in this process that hosts the run (rank 0 under fault_tolerance=none) once it said
         # Saved for its last parts: a failed run waits for it before it commits them. None: a host apart.
         self.hosting_rank_done: threading.Event | None = None
@@ -123,6 +125,8 @@ class Coordinator(threading.Thread):
                     self._handle(message)
                 else:
                     self._take_checkpoints()
+                if self._host_signal is not None:
+                    self._on_host_stop(self._host_signal)
                 self.driver.tick()
                 self._check_heartbeats(time.perf_counter())
                 self.roster.check_exits()
@@ -197,6 +201,12 @@ class Coordinator(threading.Thread):
         for rank in self.roster.seats:
             self.outbox.send(rank, Shutdown(reason, signum))
 
+    def stop_from_host(self, signum: int) -> None:
+        """The run's host apart (flodl-coordinator) got a stop signal: the run stops as on a member's, whether
+        the ranks got it too or not. Any thread."""
+        self._host_signal = signum
+        self.reader.wake()
+
     def _on_stop_requested(self, message: StopRequested) -> None:
         """A rank got a stop signal: the ranks save a checkpoint at the next boundary, then stop."""
         if self.stop_signal is not None or self.committer is None:
@@ -205,13 +215,26 @@ class Coordinator(threading.Thread):
             name = signal.Signals(message.signum).name
             log.info("rank %d got %s but is no member of the run (cut): the run goes on", message.rank, name)
             return
-        self.stop_signal = message.signum
+        self._stop_saving(message.signum, f"rank {message.rank}")
+
+    def _on_host_stop(self, signum: int) -> None:
+        self._host_signal = None
+        if self.stop_signal is not None:
+            return
+        if self.committer is None:  # nothing to save: the ranks are told to stop now (they may not know)
+            self.stop_signal, self._stop_saved = signum, True
+            return
+        self._stop_saving(signum, "the run's host")
+
+    def _stop_saving(self, signum: int, who: str) -> None:
+        assert self.committer is not None
+        self.stop_signal = signum
         self.committer.stop_requested()
         self.driver.stop_saving()
         log.info(
-            "rank %d got %s: the ranks save a checkpoint at the next %s, then stop",
-            message.rank,
-            signal.Signals(message.signum).name,
+            "%s got %s: the ranks save a checkpoint at the next %s, then stop",
+            who,
+            signal.Signals(signum).name,
             self.driver.boundary,
         )
 

@@ -243,6 +243,15 @@ class RunHost:
         if self.coordinator is not None and self.coordinator.hosting_rank_done is not None:
             self.coordinator.hosting_rank_done.set()
 
+    def stop_on_signal(self, signum: int) -> bool:
+        """A stop signal to the run's host apart (flodl-coordinator): the run stops as on a member's, the
+        ranks saving a checkpoint first (told, if the signal reached this process alone); False when its
+        coordinator has not started yet (nothing to save: stop now)."""
+        if self.coordinator is None:
+            return False
+        self.coordinator.stop_from_host(signum)
+        return True
+
     def stop(self) -> None:
         """The run stops (a signal, a failure): let the coordinator end (it keeps the timeline so far)."""
         self._unmark()

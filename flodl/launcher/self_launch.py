@@ -12,6 +12,7 @@ import os
 import socket
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -32,7 +33,7 @@ from flodl.job.settings import checkpoint_store
 from flodl.launcher.join_card import JoinCard, write_card
 from flodl.launcher.rank_exit import SupervisedRankFailure, signal_name
 from flodl.launcher.signal_deaths import SignalDeaths
-from flodl.launcher.supervisor import host_ranks, supervise
+from flodl.launcher.supervisor import StopSignals, host_ranks, supervise
 from flodl.links.group import hosted_exchange, loopback_store
 from flodl.links.stop import STOP_EXIT_CODES, Stopped, catch_stop_signals
 from flodl.links.transport import Mailbox
@@ -40,6 +41,9 @@ from flodl.logs import setup_host_logging, stderr_kept_in
 from flodl.metrics.run_info import RunInfo
 
 log = logging.getLogger("flodl")
+
+# How long past stop_grace_s flodl-coordinator waits for its ranks to carry out a stop before it ends the run.
+_STOP_MARGIN_S = 30.0
 
 
 class RankFailure(RuntimeError):
@@ -220,7 +224,9 @@ def host_run(
     serving = threading.Thread(target=host.serve, name="flodl-run-host", daemon=True)
     serving.start()
     try:
-        if ranks is not None:
+        if ranks is None:
+            _until_the_run_ends(host, cfg.stop_grace_s)
+        else:
             ranks(host.ended.is_set)
         while not host.ended.wait(0.5):  # a stop signal can land between the waits
             pass
@@ -237,6 +243,27 @@ def host_run(
     finally:
         if card is not None:  # no rank joins a run that ended
             card.unlink(missing_ok=True)
+
+
+def _until_the_run_ends(host: RunHost, grace_s: float) -> None:
+    """The run's host apart (flodl-coordinator): wait for the run. A stop signal to it stops the run as a
+    member's does (the ranks save a checkpoint at the next boundary, then stop, told by the run if the signal
+    reached this process alone), then raises Stopped; past `grace_s` (stop_grace_s) and a margin, it stops
+    the run where it is."""
+    with StopSignals() as stop:
+        deadline = None
+        while not host.ended.wait(0.1):
+            if stop.signum is None:
+                continue
+            if deadline is None:
+                if not host.stop_on_signal(stop.signum):
+                    break
+                deadline = time.monotonic() + grace_s + _STOP_MARGIN_S
+            elif time.monotonic() > deadline:
+                log.warning("the ranks did not stop within stop_grace_s=%g s: stopping the run", grace_s)
+                break
+    if stop.signum is not None:
+        raise Stopped(stop.signum)
 
 
 def _join_card(

@@ -75,7 +75,7 @@ def supervise(
     assert isinstance(context, (ForkContext, SpawnContext, ForkServerContext)), (
         start_method
     )  # named, not default
-    with _StopSignals() as stop:
+    with StopSignals() as stop:
         spare_of = spare_imports if spare_imports and not isinstance(context, ForkContext) else None
         watch = _Supervisor(
             context, entry, args, ranks, store, log_dir, poll_s, stop, ended, saving_s, spare_of
@@ -143,7 +143,7 @@ class SupervisedRank:
         return self.process
 
 
-class _StopSignals:
+class StopSignals:
     """While supervising, the first SIGINT / SIGTERM is noted for the loop to act on (a handler that raises
     could leave a rank started and not yet recorded); the previous handlers come back afterwards."""
 
@@ -151,7 +151,7 @@ class _StopSignals:
         self.signum: int | None = None
         self._previous: dict[int, Any] = {}
 
-    def __enter__(self) -> _StopSignals:
+    def __enter__(self) -> StopSignals:
         for signum in STOP_SIGNALS:
             self._previous[signum] = signal.signal(signum, self._note)
         return self
@@ -175,7 +175,7 @@ class _Supervisor:
     store: TCPStore
     log_dir: Path
     poll_s: float
-    stop: _StopSignals
+    stop: StopSignals
     run_ended: Callable[[], bool]
     saving_s: float
     # What a spare imports, or None: no spare.

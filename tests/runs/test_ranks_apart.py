@@ -11,11 +11,22 @@ import os
 import random
 import re
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.procs import PYTHON, TRAIN, child_env, finish, free_port, kill_group, start, wait_for
+from tests.helpers.procs import (
+    PYTHON,
+    TRAIN,
+    child_env,
+    finish,
+    free_port,
+    kill_group,
+    start,
+    wait_for,
+)
+from tests.helpers.stops import check_stop_kept_every_step, stopped_by_sigterm
 from tests.helpers.survive_runs import (
     EPOCHS_AT_MOST,
     STOP_ONCE_ADMITTED,
@@ -47,6 +58,15 @@ def recorded_epochs(run: Path) -> int:
     return len(metrics.read_text().splitlines()) if metrics.is_file() else 0
 
 
+def start_job(tmp_path: Path, overrides: list[str], **coordinator_io: int) -> list[subprocess.Popen]:
+    """flodl-coordinator, then each rank's command apart: [coordinator, rank 0, rank 1, ...]."""
+    job = {"WORLD_SIZE": str(RANKS), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    procs = [start([COORDINATOR, *overrides], tmp_path, child_env(**job), **coordinator_io)]
+    for r in range(RANKS):
+        procs.append(start([PYTHON, TRAIN, *overrides], tmp_path, child_env(RANK=str(r), **job)))
+    return procs
+
+
 def rank_pid(run: Path, rank: int) -> int:
     """The pid of the last process that started as `rank` (each start names it in the rank's log)."""
     return int(re.findall(rf"rank {rank}/\d+ \(pid (\d+)\)", (run / f"rank{rank}.log").read_text())[-1])
@@ -67,11 +87,7 @@ def test_a_rank_apart_is_started_again_by_its_own_command(tmp_path: Path, seed: 
         "checkpoint_every=null",
         STOP_ONCE_ADMITTED,
     ]
-    job = {"WORLD_SIZE": str(RANKS), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    coordinator = start([COORDINATOR, *overrides], tmp_path, child_env(**job))
-    ranks = [
-        start([PYTHON, TRAIN, *overrides], tmp_path, child_env(RANK=str(r), **job)) for r in range(RANKS)
-    ]
+    coordinator, *ranks = start_job(tmp_path, overrides)
     run = tmp_path / "run"
     try:
         wait_for(lambda: recorded_epochs(run) >= after, coordinator, what=f"{after} epochs recorded")
@@ -96,3 +112,40 @@ def test_a_rank_apart_is_started_again_by_its_own_command(tmp_path: Path, seed: 
         assert "was cut by the coordinator (signal SIGKILL)" in log, log[-2000:]
     final = digests("".join((run / f"rank{r}.log").read_text() for r in range(RANKS)), "final round")
     assert set(final) == set(range(RANKS)) and len(set(final.values())) == 1, final
+
+
+@pytest.mark.parametrize(("signalled", "seed"), [("host", 5), ("every process", 8)])
+def test_a_stop_signal_to_the_run_s_host_saves_every_step_then_stops(
+    tmp_path: Path, signalled: str, seed: int
+) -> None:
+    """SIGTERM to flodl-coordinator alone (a scheduler that signals the job's first process), or to every
+    process of the job, at a moment drawn from a seed: the run stops as on a member's signal, the ranks saving
+    a checkpoint at the next boundary, which holds every step each rank trained, and every command exits 143.
+    The host's own signal once ended the run where it was: no checkpoint since the last periodic one."""
+    after = random.Random(seed).randrange(1, 6)
+    overrides = [
+        "fault_tolerance=survive",
+        "hydra.run.dir=run",
+        "policy=async",
+        f"epochs={EPOCHS_AT_MOST}",
+        "batch_size=8",
+        "eval_every=0",
+        "checkpoint_every=null",
+        "checkpoint_every_s=3600",  # none due: only the stop's
+    ]
+    coordinator, *ranks = start_job(tmp_path, overrides, errors=subprocess.PIPE)
+    run = tmp_path / "run"
+    try:
+        wait_for(lambda: recorded_epochs(run) >= after, coordinator, what=f"{after} epochs recorded")
+        for proc in [coordinator] if signalled == "host" else [coordinator, *ranks]:
+            proc.send_signal(signal.SIGTERM)
+        hosted = finish(coordinator, 120)
+        codes = [finish(r, 60).code for r in ranks]
+    finally:
+        for proc in [coordinator, *ranks]:
+            if proc.poll() is None:
+                kill_group(proc)
+    stopped_at, _ = stopped_by_sigterm(hosted)
+    assert codes == [143] * RANKS, codes
+    check_stop_kept_every_step(run, stopped_at, stops=1)
+    assert sorted(stopped_at.part_ranks) == list(range(RANKS))
