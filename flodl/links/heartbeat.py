@@ -111,21 +111,30 @@ class HeartbeatSender(threading.Thread):
         self.cut, self.on_cut = cut, on_cut
         self.stopped = threading.Event()
 
+    def start(self) -> None:
+        """The first beat from the caller's thread, before it trains a step (a thread of a busy process may
+        run later than a rank frozen at its first steps): the coordinator holds a rank it has not heard from
+        yet to the start's bound (HeartbeatMonitor.startup_s), and the peers' watch on rank 0 starts from
+        their own start. Then a beat every interval from the thread."""
+        if self._beat():
+            super().start()
+
     def run(self) -> None:
-        # A first beat at once: the coordinator holds a rank it has not heard from yet to the start's bound
-        # (HeartbeatMonitor.startup_s), and the peers' watch on rank 0 starts from their own start.
-        while True:
-            try:
-                self.mailbox.send(COORDINATOR, Heartbeat(self.rank, self.step()))
-                if self.rank == 0:
-                    self._beat_count()
-                if self.cut is not None and self.on_cut is not None and self.cut(self.mailbox.store):
-                    self.on_cut()
-                    return
-            except Exception:  # the store is gone: the run is over or failing, and says so elsewhere
-                return
-            if self.stopped.wait(self.interval_s):
-                return
+        while not self.stopped.wait(self.interval_s) and self._beat():
+            pass
+
+    def _beat(self) -> bool:
+        """One beat, and the cut read after it; False once the beats end (cut, or the store gone)."""
+        try:
+            self.mailbox.send(COORDINATOR, Heartbeat(self.rank, self.step()))
+            if self.rank == 0:
+                self._beat_count()
+            if self.cut is not None and self.on_cut is not None and self.cut(self.mailbox.store):
+                self.on_cut()
+                return False
+        except Exception:  # the store is gone: the run is over or failing, and says so elsewhere
+            return False
+        return True
 
     def _beat_count(self) -> None:
         with contextlib.suppress(Exception):
