@@ -230,7 +230,8 @@ def make_worker(
     # graphs read them there, so each round's in-place update is what the next step sees.
     stepper = Stepper(stepper_for, parts, device, parts.model)
     own = (shards.group_of(rank), shards.count, averager.outer_momentum)  # the groups train apart
-    state = ShardedState(parts.model, parts.optimizer, rank, *own)
+    apart = cfg.fault_tolerance == "survive"  # a process's world is its group: each group saves its own
+    state = ShardedState(parts.model, parts.optimizer, rank, *own, apart=apart)
     worker = LocalSgdWorker(
         stepper,
         link,

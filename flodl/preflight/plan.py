@@ -15,7 +15,7 @@ from hydra.utils import instantiate
 
 from flodl.averaging.wire import BF16, WIRES, wire_for
 from flodl.checkpoints.disk import Checkpoint, CheckpointError, resolve_resume
-from flodl.checkpoints.sharded import SHARDED_DIR, regrouped, saved_groups
+from flodl.checkpoints.sharded import SHARDED_DIR, regrouped, saved_apart, saved_groups
 from flodl.config.host import GIB, HostFacts
 from flodl.config.policy import (
     PolicyFacts,
@@ -249,9 +249,12 @@ def regroup_words(cfg: FlodlConfig, world: int, found: Checkpoint) -> str:
     each group takes (flodl/worker/sharded_state.py); empty otherwise."""
     if not found.sharded or world % cfg.shard_group:  # the world's own problem, said already
         return ""
-    saved = saved_groups(found.path / SHARDED_DIR)
+    path = found.path / SHARDED_DIR
+    saved = saved_groups(path)
     groups = ShardGroups(world, cfg.shard_group).count
-    return "" if saved is None or saved == groups else f"; {regrouped(saved, groups)}"
+    if saved is None or saved == tuple(range(groups)):
+        return ""
+    return f"; {regrouped(saved, groups, saved_apart(path))}"
 
 
 def crowding_lines(host: HostFacts, uses_gpu: bool) -> list[str]:

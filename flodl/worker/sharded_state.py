@@ -5,7 +5,9 @@ Under local SGD the groups train apart, so each group's optimizer state is its o
 gives group g saved group g mod G's (G: the groups saved), as a rank without a part of its own takes saved
 rank r mod n's (flodl/job/resize.py): a state a real optimizer reached at this consensus, never an average
 of several (an average of second moments is no optimizer's state), as a new replica group of torchft takes
-a peer's. The groups past a smaller world's are left.
+a peer's. The groups past a smaller world's are left. Under survive each group saves on its own (its
+process's world is the group): a checkpoint holds the states of the groups in at its round, and a group out
+then takes one of theirs.
 """
 
 from __future__ import annotations
@@ -24,11 +26,15 @@ from flodl.checkpoints.sharded import (
     GROUPS_KEY,
     MODEL_KEY,
     OUTER_KEY,
+    group_dir,
     optimizer_key,
     read,
     regrouped,
+    save_of,
+    saved_apart,
     saved_groups,
     saved_keys,
+    source_group,
     write,
 )
 from flodl.sharding.fsdp import laid_out_as
@@ -54,10 +60,13 @@ class ShardedState:
     # The outer optimizer's momentum (DiLoCo, SlowMo), a tensor per trainable parameter in flat order
     # (averaging/flat.by_dtype), shaped as the rank holds it: views a resume fills in place.
     outer_momentum: Callable[[], list[Tensor]] = _no_momentum
+    # Each group saves on its own, under its group dir (survive: the groups share no process group).
+    apart: bool = False
 
     def save(self, path: Path) -> None:
         """Each rank's shard of the model, its group's optimizer state and the outer momentum under `path`
-        (collective: every rank of the job together; a sharded model's parameters are its shards)."""
+        (collective: every rank of the job together, or `apart` of its group; a sharded model's parameters are
+        its shards)."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         state: dict[str, Any] = {MODEL_KEY: get_model_state_dict(self.model)}
@@ -68,15 +77,17 @@ class ShardedState:
         momentum = self._momentum()
         if momentum:
             state[OUTER_KEY] = momentum
-        write(state, path)
+        write(state, group_dir(path, self.group) if self.apart and self.group is not None else path)
 
     def load(self, path: Path) -> None:
         """This rank's shard of the optimizer's state and of the outer momentum from `path`, however the run
         is grouped now (the model was read whole before it was sharded)."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
+        source = self._source(path)
+        path = save_of(path, source)
         keys = saved_keys(path)
-        key = optimizer_key(self._source(path))
+        key = optimizer_key(source)
         if key in keys:
             state = {key: get_optimizer_state_dict(self.model, self.optimizer)}  # its shapes now
             read(state, path)
@@ -92,14 +103,14 @@ class ShardedState:
         saved = saved_groups(path)
         if self.group is None or saved is None:
             return None
-        source = self.group % saved
-        if saved != self.groups:
+        source = source_group(self.group, saved)
+        if saved != tuple(range(self.groups)):
             log.info(
                 "rank %d: group %d takes saved group %d's: %s",
                 self.rank,
                 self.group,
                 source,
-                regrouped(saved, self.groups),
+                regrouped(saved, self.groups, saved_apart(path)),
             )
         return source
 

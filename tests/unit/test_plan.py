@@ -164,6 +164,24 @@ def test_plan_says_which_saved_groups_state_each_group_of_a_regrouped_cadence_ru
     assert line(4, 2).endswith("on the 4 ranks that wrote it")  # its own groups
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_plan_says_a_group_out_at_a_survive_checkpoint_takes_a_group_ins_state(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    # Under survive each group in saves its own (sharded/group-G/): here group 1 was out, ranks 0 and 1 in.
+    store = CheckpointDir(tmp_path, keep=2)
+    sharded = store.partial(Point(1)) / "sharded" / "group-0"
+    dcp.save({"optimizer_groups": torch.tensor(2)}, checkpoint_id=sharded, no_dist=True)
+    for name in (COORDINATOR_FILE, rank_file(0), rank_file(1)):
+        store.write_part(Point(1), name, {})
+    store.commit(Point(1), world_size=4, ranks=[0, 1])
+    cfg = to_config({"task": DIGITS, "policy": "cadence", "shard_group": 2, "fault_tolerance": "survive"})
+    assert resume_lines(cfg, 4, tmp_path)[0].endswith(
+        "; a checkpoint of groups [0]'s optimizer states (those in) resumed as 2: group 0 takes saved group "
+        "0's, group 1 takes saved group 0's"
+    )
+
+
 # DigitsMLP(hidden=128) with Adam: 26,122 float32 parameters, each with its gradient and two moments.
 WHOLE = 26_122 * 16
 # Sharded over 2 ranks, by rows: 64 of each 128-row tensor, 5 of the output layer's 10.

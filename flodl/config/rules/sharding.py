@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from flodl.config.host import HostFacts
-from flodl.config.policy import GRAPH_MODES, checkpoint_keys_set
+from flodl.config.policy import GRAPH_MODES
 from flodl.config.rules.problem import problem
 from flodl.config.schema import FlodlConfig
 
@@ -56,15 +56,10 @@ def _unsharded_only(cfg: FlodlConfig) -> Iterator[tuple[str, object, str]]:
 def _cadence_across_groups(cfg: FlodlConfig) -> Iterator[tuple[str, object, str]]:
     """What cadence's (and async's) rounds per shard index do not do yet: they average each shard (an outer
     optimizer steps each shard, a delta wire sends it) inline on the training thread, on either backend
-    (backend=cpu: over gloo, not on its host averager's thread); their checkpoints (each group's own
-    optimizer state) are written by a fixed world."""
+    (backend=cpu: over gloo, not on its host averager's thread)."""
     if cfg.overlap_rounds:
         why = "a round per shard index runs inline, on either backend: set overlap_rounds=false"
         yield "overlap_rounds", True, why
-    if cfg.fault_tolerance == "survive":
-        for key in checkpoint_keys_set(cfg):
-            why = f"no checkpoint of groups that leave yet: set {key}=null, or fault_tolerance=none"
-            yield key, getattr(cfg, key), why
 
 
 def _surviving_groups(cfg: FlodlConfig) -> Iterator[tuple[str, object, str]]:
