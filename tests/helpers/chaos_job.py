@@ -115,13 +115,16 @@ class Job:
         more: bool = False,
         inside: Link | None = None,
         env: dict[str, str] | None = None,
+        hook: str = "sample_log",
     ) -> Child:
         """Start the job again (`args`: its command, this trial's first by default), or with `more` one more
-        process of the current start (a rank started apart, `inside` a network namespace) with `env`."""
+        process of the current start (a rank started apart, `inside` a network namespace) with `env`.
+        `hook`: the folder of tests/helpers whose sitecustomize the processes load (one that loads
+        sample_log's)."""
         self.starts += not more
-        hook = os.pathsep.join([str(REPO / "tests" / "helpers" / "sample_log"), str(REPO)])
+        hooks = os.pathsep.join([str(REPO / "tests" / "helpers" / hook), str(REPO)])
         environ = child_env(
-            PYTHONPATH=hook,
+            PYTHONPATH=hooks,
             FLODL_TEST_SAMPLE_LOG=str(self.log_dir),
             FLODL_TEST_SAMPLE_START=str(self.starts - 1),
             FLODL_TEST_STEP_S=str(STEP_S),
