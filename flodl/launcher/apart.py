@@ -55,17 +55,20 @@ def supervise_apart(config: dict[str, Any], info: RunInfo, cfg: FlodlConfig, env
     rank = SupervisedRank(env.rank, {}, cfg.launch.max_restarts, numbered(), numbered=numbered)
     since = time.time()
     try:
-        supervise(
-            self_launched_rank,
-            (config, info.as_dict()),
-            [rank],
-            cfg.launch.start_method,
-            store,
-            run_dir,
-            ended=lambda: False,  # its rank ends well only when the run told it
-            saving_s=cfg.stop_grace_s if saves_on_stop(cfg) else 0.0,
-            spare_imports=spare_imports(cfg),
-        )
+        # torch's reports on a store that went (the run's end: its host leaves first) go to the log, not the
+        # console; the supervisor's own lines go to stdout.
+        with stderr_kept_in(launcher_log(run_dir)):
+            supervise(
+                self_launched_rank,
+                (config, info.as_dict()),
+                [rank],
+                cfg.launch.start_method,
+                store,
+                run_dir,
+                ended=lambda: False,  # its rank ends well only when the run told it
+                saving_s=cfg.stop_grace_s if saves_on_stop(cfg) else 0.0,
+                spare_imports=spare_imports(cfg),
+            )
     except SupervisedRankFailure as err:
         cause = why_left(err, run_dir, info.uid, env.rank, since)
         raise RankFailure(
