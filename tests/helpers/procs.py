@@ -148,6 +148,13 @@ def kill_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
     proc.wait()
 
 
+def kill_left(procs: list[subprocess.Popen]) -> None:
+    """A test's cleanup: the process group of each of `procs` still running, killed."""
+    for proc in procs:
+        if proc.poll() is None:
+            kill_group(proc)
+
+
 def finish(proc: subprocess.Popen, timeout: float) -> Result:
     """Wait for `proc` and its output; past `timeout`, kill its group and return what it wrote, timed out."""
     try:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from flodl.launcher.join_card import CARD
 from flodl.metrics.timeline import read_timeline
-from tests.helpers.procs import PYTHON, Child, Result, child_env, finish, kill_group, start, wait_for
+from tests.helpers.procs import PYTHON, Child, Result, child_env, finish, kill_left, start, wait_for
 
 # The launcher a joiner runs (flodl-join), beside the Python the tests run.
 JOIN = str(Path(PYTHON).parent / "flodl-join")
@@ -75,7 +75,5 @@ def finish_with_joiners(job: Child, run: Path, cwd: Path, count: int) -> tuple[R
         result = finish(job, 240)
         codes = [finish(j, 60).code for j in joiners]
     finally:
-        for proc in [job, *joiners]:
-            if proc.poll() is None:
-                kill_group(proc)
+        kill_left([job, *joiners])
     return result, codes

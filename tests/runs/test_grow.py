@@ -25,6 +25,7 @@ from tests.helpers.procs import (
     finish,
     free_port,
     kill_group,
+    kill_left,
     start,
     wait_for,
 )
@@ -145,9 +146,7 @@ def test_a_joiner_that_dies_frees_its_seat_and_the_next_takes_it(tmp_path: Path)
         result = finish(job, 240)
         assert finish(joiners[1], 60).code == 0
     finally:
-        for proc in [job, *joiners]:
-            if proc.poll() is None:
-                kill_group(proc)
+        kill_left([job, *joiners])
     result.check()
     events = [(e["event"], e["rank"]) for e in membership(run)]
     assert events == [("rank_admitted", 2), ("rank_cut", 2), ("rank_admitted", 2)], events
@@ -187,9 +186,7 @@ def test_a_job_hosted_by_flodl_coordinator_takes_a_joiner_the_several_hosts_way(
         hosted = finish(host, 240)
         codes = [p.wait(timeout=60) for p in [*ranks, *joiners]]
     finally:
-        for proc in [host, *ranks, *joiners]:
-            if proc.poll() is None:
-                kill_group(proc)
+        kill_left([host, *ranks, *joiners])
     assert hosted.code == 0 and codes == [0, 0, 0], (codes, hosted.out[-3000:])
     assert [(e["event"], e["rank"]) for e in membership(run)] == [("rank_admitted", 2)]
     check_every_epoch_once(run)

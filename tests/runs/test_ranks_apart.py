@@ -22,7 +22,7 @@ from tests.helpers.procs import (
     child_env,
     finish,
     free_port,
-    kill_group,
+    kill_left,
     start,
     wait_for,
 )
@@ -96,9 +96,7 @@ def test_a_rank_apart_is_started_again_by_its_own_command(tmp_path: Path, seed: 
         hosted = finish(coordinator, 180)
         ended = [finish(r, 60) for r in ranks]
     finally:
-        for proc in [coordinator, *ranks]:
-            if proc.poll() is None:
-                kill_group(proc)
+        kill_left([coordinator, *ranks])
     codes = [r.code for r in ended]
     assert hosted.code == 0 and codes == [0] * RANKS, (kind, victim, codes, [r.out[-2000:] for r in ended])
     check_every_epoch_once(run)
@@ -142,9 +140,7 @@ def test_a_stop_signal_to_the_run_s_host_saves_every_step_then_stops(
         hosted = finish(coordinator, 120)
         codes = [finish(r, 60).code for r in ranks]
     finally:
-        for proc in [coordinator, *ranks]:
-            if proc.poll() is None:
-                kill_group(proc)
+        kill_left([coordinator, *ranks])
     stopped_at, _ = stopped_by_sigterm(hosted)
     assert codes == [143] * RANKS, codes
     check_stop_kept_every_step(run, stopped_at, stops=1)

@@ -28,6 +28,7 @@ from tests.helpers.procs import (
     finish,
     free_port,
     kill_group,
+    kill_left,
     start,
     train,
     wait_for,
@@ -269,9 +270,7 @@ def test_ranks_started_one_by_one_beside_flodl_coordinator_survive_rank_0_dying(
         assert restarted is not None, "rank 0 was never killed"
         assert restarted.wait(timeout=60) == 0
     finally:
-        for p in [coordinator, *procs, *([restarted] if restarted else [])]:
-            if p.poll() is None:
-                kill_group(p)
+        kill_left([coordinator, *procs, *([restarted] if restarted else [])])
     assert hosted.code == 0 and codes == [0, 0], (codes, hosted.out[-3000:])
     run = tmp_path / "run"
     check_every_epoch_once(run)
