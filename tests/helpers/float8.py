@@ -28,3 +28,21 @@ GPU_FLOAT8 = pytest.mark.skipif(
     not torch.cuda.is_available() or not float8_matmul() or (gpu_capability() or (0, 0)) < FP8_CAPABILITY,
     reason="needs a GPU with float8 matmuls (compute capability 8.9+)",
 )
+
+# A small GPT on the stdlib's bytes (widths multiples of 16 for the float8 matmuls), short enough for a
+# test: 2 epochs of 2 MB in windows of 256 bytes, 64 windows a step.
+SMALL_GPT = (
+    "task=gpt2_small",
+    "task.model.layers=2",
+    "task.model.dim=256",
+    "task.model.heads=4",
+    "task.model.context=256",
+    "task.model.amp=false",
+    "task.train_data.max_bytes=2000000",
+    "task.eval_data.max_bytes=200000",
+    "task.scheduler.warmup_steps=10",
+    "task.scheduler.total_steps=500",
+    "batch_size=32",
+    "epochs=2",
+    "eval_every=1",
+)

@@ -9,27 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.float8 import GPU_FLOAT8
+from tests.helpers.float8 import GPU_FLOAT8, SMALL_GPT
 from tests.helpers.procs import train
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multiproc, GPU_FLOAT8]
-# A small GPT on the stdlib's bytes (widths multiples of 16 for the float8 matmuls), short enough for a
-# test: 2 epochs of 2 MB in windows of 256 bytes, 64 windows a step.
-SMALL = (
-    "task=gpt2_small",
-    "task.model.layers=2",
-    "task.model.dim=256",
-    "task.model.heads=4",
-    "task.model.context=256",
-    "task.model.amp=false",
-    "task.train_data.max_bytes=2000000",
-    "task.eval_data.max_bytes=200000",
-    "task.scheduler.warmup_steps=10",
-    "task.scheduler.total_steps=500",
-    "batch_size=32",
-    "epochs=2",
-    "eval_every=1",
-)
 # Per-tensor scaled e4m3 against bf16 after two short epochs: the same curve within this much. Under
 # cadence ElChe's windows follow the ranks' timing, so two runs differ by more than their precision does
 # (measured on one H200: 3.0% apart, fp8 the lower). Compiled with CUDA graphs, one H100 measured 0.27%
@@ -59,7 +42,7 @@ def test_fp8_trains_to_the_loss_bf16_reaches(
     for precision in ("bf16", "fp8"):
         run_dir = tmp_path / precision
         train(
-            *SMALL, *how, f"precision={precision}", f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=600
+            *SMALL_GPT, *how, f"precision={precision}", f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=600
         ).check()
         losses[precision] = _last_loss(run_dir)
     assert abs(losses["fp8"] / losses["bf16"] - 1) < LOSS_TOLERANCE[request.node.callspec.id], losses

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.float8 import GPU_FLOAT8, SMALL_GPT
 from tests.helpers.procs import FAST_START, train
 from tests.helpers.resize_counts import resumable
 from tests.helpers.runs import epochs_of
@@ -133,3 +134,56 @@ def test_compiled_bf16_groups_on_one_gpu_learn(tmp_path: Path, policy: str) -> N
     assert records[-1]["eval/loss"] < records[0]["eval/loss"]
     assert records[0]["compile_s"] > 0
     assert_ranks_share_the_gpu(tmp_path / "run")
+
+
+# fp8 against bf16 across groups after two short epochs of the small GPT: the same curve within this much
+# (for full replicas on one GPU: 3% under sync, 6% under cadence, tests/runs/test_gpu_fp8.py).
+FP8_TOLERANCE = {"sync": 0.03, "cadence": 0.06}
+
+
+@GPU_FLOAT8
+@pytest.mark.parametrize("policy", sorted(FP8_TOLERANCE))
+def test_fp8_groups_on_one_gpu_train_to_the_loss_bf16_reaches(tmp_path: Path, policy: str) -> None:
+    # Each rank's float8 linears multiply FSDP2's gathered weights with its own micro-batch (the same math
+    # as a replica's on that micro-batch: tests/runs/test_sharded_precision.py on CPU float8 kernels).
+    common = (*SHARED, *SMALL_GPT, f"launch.nproc_per_node={WORLD}", "device=cuda", f"policy={policy}")
+    pinned = PINNED if policy == "cadence" else ()
+    losses = {}
+    for precision in ("bf16", "fp8"):
+        run = tmp_path / precision
+        train(
+            *common, *pinned, f"precision={precision}", f"hydra.run.dir={run}", cwd=tmp_path, timeout=600
+        ).check()
+        records = epochs_of(run)
+        assert [r["epoch"] for r in records] == [0, 1]
+        losses[precision] = records[-1]["eval/loss"]
+    assert_ranks_share_the_gpu(tmp_path / "fp8")
+    print(f"fp8 groups {policy}: eval/loss {losses}")
+    assert abs(losses["fp8"] / losses["bf16"] - 1) < FP8_TOLERANCE[policy], losses
+
+
+@pytest.mark.parametrize("policy", ["sync", "cadence"])
+def test_fp16_groups_on_one_gpu_train_as_float32_does_with_one_scale_a_group(
+    tmp_path: Path, policy: str
+) -> None:
+    # fp16 autocast with its GradScaler around the sharded model: the inf found on any member's shard is the
+    # group's (DTensor reduces it over the group; tests/runs/test_sharded_precision.py on CPU), so a group's
+    # members hold one scale; under sync (HSDP) every rank does.
+    shape = (f"launch.nproc_per_node={WORLD}", f"batch_size={BATCH}", "epochs=2", "checkpoint_every=1")
+    common = (*SHARED, *shape, "device=cuda", f"policy={policy}", *(PINNED if policy == "cadence" else ()))
+    losses = {}
+    for precision in ("fp32", "fp16"):
+        run = tmp_path / precision
+        train(*common, f"precision={precision}", f"hydra.run.dir={run}", cwd=tmp_path, timeout=400).check()
+        records = epochs_of(run)
+        assert records[-1]["loss"] < records[0]["loss"]
+        losses[precision] = records[-1]["eval/loss"]
+    print(f"fp16 groups {policy}: eval/loss {losses}")
+    assert abs(losses["fp16"] / losses["fp32"] - 1) < 0.1, losses
+    checkpoint = tmp_path / "fp16" / "checkpoints" / "epoch-000002"  # after the 2nd, as lines count
+    scalers = [
+        torch.load(checkpoint / f"rank{r}.pt", weights_only=True)["stepper"]["scaler"] for r in range(WORLD)
+    ]
+    assert scalers[0]["scale"] > 0 and scalers[0] == scalers[1] and scalers[2] == scalers[3], scalers
+    if policy == "sync":
+        assert scalers[0] == scalers[2]

@@ -12,10 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from flodl.metrics.scalars import drain_scalars
+from flodl.tasks.classification import cross_entropy_loss
 from flodl.tasks.digits import digits_dataset
+from flodl.worker.stepper import SCALER_SKIPPED
 from tests.helpers.chaos_job import read_samples
+from tests.helpers.digits_stepper import digits_stepper, train_steps
+from tests.helpers.float8 import CPU_FLOAT8
 from tests.helpers.procs import FAST_START, REPO, train
 from tests.helpers.runs import epochs_of
+from tests.helpers.spawned import join_group, leave, run_ranks
 from tests.helpers.sync_reference import BATCH, assert_matches_reference, reference_run
 
 pytestmark = pytest.mark.multiproc
@@ -102,3 +108,129 @@ def test_compiled_bf16_groups_under_local_sgd_end_where_eager_ones_do(
     assert steps[0] == steps[1] and steps[2] == steps[3]  # a group's members step together
     assert runs[True][0] == runs[False][0] == steps
     assert max(relative(runs[True][1], runs[False][1]).values()) <= 1e-5
+
+
+# fp16's scaler multiplies the loss by 65536 at first: this gradient, cast to float16 on the way back, is inf
+# until the scale is at most 65504 / LOUD (10 skipped steps from 65536, down to 64).
+LOUD = 1000.0
+
+
+def loud_on_rank_1(model: torch.nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
+    """Cross-entropy, and on rank 1 a term whose gradient overflows float16 in the output layer's first row
+    only: after the group's reduce-scatter, only rank 0's shard (rows 0-4 of 10) holds the inf."""
+    loss = cross_entropy_loss(model, batch)
+    if torch.distributed.get_rank() == 1:
+        loss = loss + LOUD * model.net[-1].weight[0].to(torch.float16).sum()
+    return loss
+
+
+def _fp16_group_member(rank: int, port: int, out_dir: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    join_group(rank, port, 2, out_dir)
+    stepper = digits_stepper(
+        "precision=fp16",
+        f"task.loss._target_={__name__}.loud_on_rank_1",
+        shard_over=init_device_mesh("cpu", (2,)),
+    )
+    drain_scalars()
+    train_steps(stepper, 16)
+    skipped, _ = drain_scalars()[SCALER_SKIPPED]
+    finite = all(p.full_tensor().isfinite().all().item() for p in stepper.parts.model.parameters())
+    leave({"scaler": stepper.scaler.state_dict(), "skipped": skipped, "finite": finite}, rank, out_dir)
+
+
+def test_fp16s_scaler_skips_a_step_on_every_member_of_a_group_when_one_shard_overflows(
+    tmp_path: Path,
+) -> None:
+    # 2 ranks as one group; rank 1's gradient overflows into rank 0's shard alone. Every member must skip the
+    # step and lower its scale (the inf found on any shard is the group's), or the members' scales part and
+    # the next reduce-scatter sums gradients scaled apart (and rank 1 steps on a gradient rank 0 discarded).
+    run_ranks(_fp16_group_member, 2, tmp_path)
+    said = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in range(2)]
+    assert said[0]["scaler"] == said[1]["scaler"]
+    assert said[0]["skipped"] == said[1]["skipped"] == 10  # down to a scale of 64 (LOUD x 64 < 65504)
+    assert said[0]["scaler"]["scale"] == 65536.0 / 2**10
+    assert said[0]["finite"] and said[1]["finite"]
+
+
+class _Float8Blocks(torch.nn.Module):
+    """Two blocks (FSDP2 units of their own) of a layer norm, a linear, a GELU and a linear: float8 casts
+    their linears' inputs with the maxima seen the step before, as in a transformer's MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        nn = torch.nn
+        blocks = (
+            nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)) for _ in "ab"
+        )
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def _float8_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor) -> None:
+    optimizer.zero_grad()
+    with torch.autocast("cpu", torch.bfloat16):
+        model(inputs).float().square().mean().backward()
+    optimizer.step()
+
+
+def _fp8_group_member(rank: int, port: int, out_dir: str) -> None:
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from flodl.sharding.fsdp import shard_model
+    from flodl.worker.float8 import SEEN, convert_to_float8
+
+    join_group(rank, port, 2, out_dir)
+    torch.manual_seed(0)
+    model = _Float8Blocks()
+    convert_to_float8(model)
+    replicas = [copy.deepcopy(model) for _ in range(2)]  # the reference: 2 replicas, their gradients averaged
+    inputs = [torch.randn(3, 16, 64, generator=torch.Generator().manual_seed(r)) * (r + 1) for r in range(2)]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    shard_model(model, optimizer, init_device_mesh("cpu", (2,)))
+    for step in range(3):
+        _float8_steps(model, optimizer, inputs[rank][step])
+        grads = []
+        for r, replica in enumerate(replicas):
+            replica.zero_grad()
+            with torch.autocast("cpu", torch.bfloat16):
+                replica(inputs[r][step]).float().square().mean().backward()
+            grads.append([p.grad for p in replica.parameters()])
+        with torch.no_grad():
+            for replica in replicas:
+                for p, *each in zip(replica.parameters(), *grads, strict=True):
+                    p -= 0.5 * sum(each) / 2
+    seen = {name: float(b) for name, b in model.named_buffers() if name.rsplit(".", 1)[-1] in dict(SEEN)}
+    leave(
+        {
+            "model": {name: p.full_tensor() for name, p in model.named_parameters()},
+            "seen": seen,
+            "replica": dict(replicas[rank].named_parameters()),
+            "replica_seen": {name: float(b) for name, b in replicas[rank].named_buffers() if name in seen},
+        },
+        rank,
+        out_dir,
+    )
+
+
+@CPU_FLOAT8
+def test_fp8_groups_step_as_replicas_whose_gradients_are_averaged(tmp_path: Path) -> None:
+    # precision=fp8 in a group of 2: each rank's float8 linears multiply FSDP2's gathered weight (scaled by
+    # its own maximum) with the rank's micro-batch (scaled by the maxima the rank saw the step before, its
+    # own), as a full replica's do on that micro-batch; the group reduce-scatters the gradients. 3 steps end
+    # where 2 replicas stepping their averaged gradients do (float32 sums in another order), and each rank's
+    # maxima are its replica's.
+    run_ranks(_fp8_group_member, 2, tmp_path)
+    for rank in range(2):
+        said = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        assert max(relative(said["model"], said["replica"]).values()) <= 1e-5
+        assert said["seen"] == pytest.approx(said["replica_seen"]) and len(said["seen"]) == 8  # 4 linears
+    seen = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True)["seen"] for r in range(2)]
+    assert seen[0] != seen[1]  # each rank's own: its micro-batch's

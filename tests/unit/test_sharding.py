@@ -156,8 +156,6 @@ def test_local_sgd_across_groups_sends_each_shard_over_any_wire(policy: str, key
     ("key", "value", "why"),
     [
         ("bf16_wire", True, "HSDP's gradients travel as float32"),
-        ("precision", "fp8", "float8 matmuls need a GPU"),
-        ("precision", "fp16", "its GradScaler is a full replica's"),
         ("compile_mode", "reduce-overhead", "CUDA graphs around FSDP2's gathers are not measured"),
         ("compile_mode", "max-autotune", "CUDA graphs around FSDP2's gathers are not measured"),
     ],
@@ -166,6 +164,14 @@ def test_what_ddp_gives_a_replica_is_refused_with_groups(key: str, value: object
     cfg = make(shard_group=2, compile=True, **{key: value})
     assert why in assert_problem(problems_of(cfg, host(world_size=2, ranks_per_node=2)), key, value, "yet (")
     assert not any("shard_group" in p for p in problems_of(make(compile=True, **{key: value})))
+
+
+@pytest.mark.parametrize("precision", ["fp16", "fp8"])
+def test_groups_take_every_precision(precision: str) -> None:
+    # fp16's GradScaler agrees across a group (tests/runs/test_sharded_precision.py), fp8's linears multiply
+    # FSDP2's gathered weights (tests/runs/test_gpu_sharded.py).
+    cfg = make(shard_group=2, precision=precision)
+    assert not any("shard_group" in p for p in problems_of(cfg, host(world_size=2, ranks_per_node=2)))
 
 
 @pytest.mark.parametrize("mode", ["auto", "default", "max-autotune-no-cudagraphs"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from flodl.config.host import HostFacts
-from flodl.config.policy import GRAPH_MODES
+from flodl.config.policy import GRAPH_MODES, checkpoint_keys_set
 from flodl.config.rules.problem import problem
 from flodl.config.schema import FlodlConfig
 
@@ -23,9 +23,6 @@ def sharding_problems(cfg: FlodlConfig, host: HostFacts) -> Iterator[str]:
             f"each host's {host.ranks_per_node} ranks must form whole groups (a group is {k} consecutive "
             "ranks of one host)",
         )
-    if cfg.policy != "sync":  # cadence and async: rounds per shard index
-        for key, value, why in _cadence_across_groups(cfg):
-            yield problem(key, value, f"not with policy={cfg.policy} and shard_group={k} yet ({why})")
     if cfg.fault_tolerance == "survive":
         for key, value, why in _surviving_groups(cfg):
             yield problem(key, value, f"not with fault_tolerance=survive and shard_group={k} yet ({why})")
@@ -42,40 +39,38 @@ def _unsharded_only(cfg: FlodlConfig) -> Iterator[tuple[str, object, str]]:
             "under policy=sync: DDP's bf16 buckets; HSDP's gradients travel as float32 (under cadence and "
             "async a round's deltas travel as bf16, shard by shard)",
         )
-    if cfg.precision == "fp8":
-        why = "float8 matmuls need a GPU (compute capability 8.9+), and none has run them around FSDP2 yet"
-        yield "precision", "fp8", why
-    if cfg.precision == "fp16":
-        why = "its GradScaler is a full replica's, and fp16 needs a GPU none has run it on with FSDP2 yet"
-        yield "precision", "fp16", why
     if cfg.compile and cfg.compile_mode in GRAPH_MODES:
         why = "CUDA graphs around FSDP2's gathers are not measured; compile_mode=default compiles it"
         yield "compile_mode", cfg.compile_mode, why
 
 
-def _cadence_across_groups(cfg: FlodlConfig) -> Iterator[tuple[str, object, str]]:
-    """What cadence's (and async's) rounds per shard index do not do yet: they average each shard (an outer
-    optimizer steps each shard, a delta wire sends it) inline on the training thread, on either backend
-    (backend=cpu: over gloo, not on its host averager's thread)."""
-    if cfg.overlap_rounds:
-        why = "a round per shard index runs inline, on either backend: set overlap_rounds=false"
-        yield "overlap_rounds", True, why
-
-
 def _surviving_groups(cfg: FlodlConfig) -> Iterator[tuple[str, object, str]]:
-    """What survive by groups does not do yet: under cadence and async a rank's death takes its group out, the
-    other groups train on, and the group comes back whole once its ranks are restarted (docs/survive.md); a
-    job grows by whole groups."""
+    """What survive by groups does not do yet: a rank's death takes its group out, the other groups train on,
+    and the group comes back whole once its ranks are restarted (docs/survive.md); under sync each step's
+    gradient shards are averaged across the groups in (FSDP2 inside a group, torchft's FT-HSDP); a job grows
+    by whole groups."""
     if cfg.policy == "sync":
-        yield (
-            "policy",
-            cfg.policy,
-            "a group leaves and the others train on under policy=cadence or async only (HSDP's step spans "
-            "every group): set policy=cadence or async, or fault_tolerance=none",
-        )
+        yield from _sync_by_groups(cfg)
     if cfg.launch.max_ranks is not None and cfg.launch.max_ranks % cfg.shard_group:
         yield (
             "launch.max_ranks",
             cfg.launch.max_ranks,
             f"a job grows by whole groups: make it a multiple of shard_group={cfg.shard_group}",
         )
+
+
+def _sync_by_groups(cfg: FlodlConfig) -> Iterator[tuple[str, object, str]]:
+    """Sync by groups under survive runs with a fixed seat count, without checkpoints, each member's step of
+    the job's batch (docs/sharded-groups.md#survive-by-groups)."""
+    if cfg.keep_global_batch:
+        why = "under policy=sync the groups left step their own micro-batches: set keep_global_batch=false"
+        yield "keep_global_batch", True, why
+    if cfg.precision == "fp16":
+        why = "under policy=sync its GradScaler may skip one member's step, which the group steps together"
+        yield "precision", "fp16", why
+    for key in checkpoint_keys_set(cfg):
+        why = "under policy=sync each group's checkpoint is not built yet: set it to null, or policy=cadence"
+        yield key, getattr(cfg, key), why
+    if cfg.launch.max_ranks is not None:
+        why = "under policy=sync a job does not grow by groups yet: leave it unset, or set policy=cadence"
+        yield "launch.max_ranks", cfg.launch.max_ranks, why
