@@ -6,16 +6,21 @@ tests/runs/test_sharded_backend_cpu.py and tests/runs/test_sharded_checkpoints.p
 
 from __future__ import annotations
 
+import os
+import random
 import re
+import signal
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.helpers.chaos_job import Job, Trial
 from tests.helpers.float8 import GPU_FLOAT8, SMALL_GPT
 from tests.helpers.procs import FAST_START, train
 from tests.helpers.resize_counts import resumable
 from tests.helpers.runs import epochs_of
+from tests.helpers.sharded_survive import RANK_STEPS, check_left_and_back_whole, groups_of_two
 from tests.helpers.sync_reference import assert_matches_reference
 
 GPUS = torch.cuda.device_count()
@@ -187,3 +192,22 @@ def test_fp16_groups_on_one_gpu_train_as_float32_does_with_one_scale_a_group(
     assert scalers[0]["scale"] > 0 and scalers[0] == scalers[1] and scalers[2] == scalers[3], scalers
     if policy == "sync":
         assert scalers[0] == scalers[2]
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_survive_by_groups_on_one_gpu_leaves_and_comes_back_whole(tmp_path: Path, seed: int) -> None:
+    # The CPU test's run (tests/runs/test_sharded_survive.py) with its 4 ranks on cuda:0 over gloo: a rank
+    # SIGKILLed at a drawn step, its group leaves in one change, the other trains on, the group restarts
+    # and takes its shards from the member with its shard index; every sample of every epoch once, and
+    # every group ends with one state per shard index, bit for bit.
+    rng = random.Random(f"gpu-sharded-survive-{seed}")
+    victim, at = rng.choice([1, 2, 3]), rng.randint(1, 2 * RANK_STEPS)
+    job = Job(tmp_path)
+    groups_of_two(job, "launch.max_restarts=1", "backend=cpu", until_admitted=True)
+    on_the_gpu = {"device=cpu": "device=cuda", "launch.start_method=fork": FAST_START}
+    job.args = [on_the_gpu.get(a, a) for a in job.args]
+    proc = job.start()
+    os.kill(job.at_step(proc, victim, at), signal.SIGKILL)
+    trial = Trial("gpu-sharded-survive", seed, f"rank {victim} SIGKILLed at its step {at}")
+    check_left_and_back_whole(job, trial, job.finish(proc, trial), victim, 1)
+    assert_ranks_share_the_gpu(job.run_dir)
