@@ -53,6 +53,7 @@ from flodl.worker.base import RankLink, WorkerBase
 from flodl.worker.checkpoint_part import RankCheckpointer
 from flodl.worker.group import FixedGroup, RankGroup, SurvivingGroup
 from flodl.worker.group_evals import GroupEvals
+from flodl.worker.group_grads import GroupGradients
 from flodl.worker.group_steps import GroupSteps
 from flodl.worker.local_sgd import LocalSgdWorker
 from flodl.worker.sharded_state import ShardedState
@@ -117,6 +118,27 @@ def _sync_module(
     return _ddp(cfg, parts, device, wire, world) if shards.world_size > 1 else parts.model
 
 
+def _surviving_wrap(
+    cfg: FlodlConfig,
+    parts: TaskParts,
+    device: torch.device,
+    wire: Wire,
+    group: RankGroup,
+    shards: ShardGroups,
+    rank: int,
+) -> Callable[[dist.ProcessGroup], nn.Module] | None:
+    """What a sync rank trains through on each group survive forms (None: the fixed world's, `_sync_module`):
+    DDP, wrapped again on each; sharded groups: the model sharded in its group once, its gradient shards
+    averaged over each group of its shard index."""
+    if not isinstance(group, SurvivingGroup):
+        return None
+    if shards.sharded:
+        return _sync_by_groups(parts, shards, rank, device, group)
+    # Over gloo DDP's buckets are waited for the way the group's collectives are (a cut frees them).
+    gloo = collective_backend(cfg.backend, device.type) == "gloo"
+    return functools.partial(_ddp, cfg, parts, device, wire, settle=group.settle if gloo else None)
+
+
 def _shard(parts: TaskParts, shards: ShardGroups, rank: int, mesh: DeviceMesh, how: str) -> None:
     """The model sharded in place over `mesh` (collective), and the rank's log line saying what it holds."""
     whole = sum(p.numel() for p in parts.model.parameters())
@@ -142,14 +164,31 @@ def _shard_averaging(
     world is its group alone (`make_group`) and the surviving group averages per shard index."""
     how = "FSDP2 in the group, rounds per shard index"
     if isinstance(group, SurvivingGroup):
-        from torch.distributed.device_mesh import init_device_mesh
-
-        _shard(parts, shards, rank, init_device_mesh(device.type, (shards.size,)), how)
+        _shard_in_group(parts, shards, rank, device, how)
         return group
     mesh = group_mesh(shards, device.type)
     _shard(parts, shards, rank, mesh["shard"], how)
     sharers = mesh.get_group("replicate")
     return ShardSharers(sharers, shards.sharers(shards.shard_index(rank))[0], group.timeout_s)
+
+
+def _shard_in_group(parts: TaskParts, shards: ShardGroups, rank: int, device: torch.device, how: str) -> None:
+    """Under survive: the model sharded over the rank's group, its process's world (a 1-D mesh)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _shard(parts, shards, rank, init_device_mesh(device.type, (shards.size,)), how)
+
+
+def _sync_by_groups(
+    parts: TaskParts, shards: ShardGroups, rank: int, device: torch.device, group: SurvivingGroup
+) -> Callable[[dist.ProcessGroup], nn.Module]:
+    """Sync over sharded groups under survive: the model sharded inside the rank's group, each step's gradient
+    shards averaged across the groups over the members of its shard index (`GroupGradients`; its `on`, the
+    sync worker's wrap, takes each group survive forms), the group's members voting before each step on a
+    gloo group of theirs (collective: each forms it in step)."""
+    _shard_in_group(parts, shards, rank, device, "FSDP2 in the group, gradients averaged per shard index")
+    vote = dist.new_group(backend="gloo", timeout=timedelta(seconds=group.timeout_s))
+    return GroupGradients(parts.model, parts.optimizer, vote, group.settle).on
 
 
 def _group_steps(shards: ShardGroups, group: RankGroup) -> GroupSteps:
@@ -201,14 +240,9 @@ def make_worker(
         cfg, env, device.type, first_start=not group.joining and env.restart_count == 0
     )
     if not policy.averages_parameters:
-        wrap = None
-        if cfg.fault_tolerance == "survive":  # DDP is wrapped on each group the members form
-            # Over gloo its buckets are waited for the way the group's collectives are (a cut frees them).
-            gloo = collective_backend(cfg.backend, device.type) == "gloo"
-            wrap = functools.partial(_ddp, cfg, parts, device, wire, settle=group.settle if gloo else None)
-            train_module = parts.model
-        else:
-            train_module = _sync_module(cfg, parts, device, wire, group, shards, rank)
+        wrap = _surviving_wrap(cfg, parts, device, wire, group, shards, rank)
+        # Under survive the model itself, wrapped on each group; else DDP or HSDP over the fixed world.
+        train_module = parts.model if wrap else _sync_module(cfg, parts, device, wire, group, shards, rank)
         stepper = Stepper(stepper_for, parts, device, train_module)
         state = ShardedState(parts.model, parts.optimizer, rank)  # HSDP: every group steps one state
         checkpoints, ratio = checkpointer(stepper, state), cfg.lr_scale_ratio

@@ -35,8 +35,9 @@ from flodl.metrics.scalars import drain_scalars
 from flodl.worker.base import RankLink, WorkerBase, WorkerSettings
 from flodl.worker.checkpoint_part import RankCheckpointer
 from flodl.worker.group import RankGroup
+from flodl.worker.group_grads import held
+from flodl.worker.joiner_state import joiners_state, restore_joiner
 from flodl.worker.lr_world import LrWorld
-from flodl.worker.rank_state import restore_stepper, shared_state, stepper_state
 from flodl.worker.stepper import Stepper
 
 log = logging.getLogger("flodl")
@@ -301,8 +302,10 @@ class SyncWorker(WorkerBase):
         assert self.wrap is not None, "a group formed for a sync worker without a DDP wrap"
         self.position = self._agree(group)
         self.stepper.set_train_module(self.wrap(group.process_group()))
-        self.lr.scale_to(group.size, say=group.index == 0)
-        self._first_step_due = group.index == 0
+        # Every member (with sharded groups, more than `group`: those of the rank's shard index).
+        members = self.group
+        self.lr.scale_to(members.size, say=members.index == 0)
+        self._first_step_due = members.index == 0
         if change is not None:
             what = f"admitting {change.joining}" if change.joining else "regrouping"
             self._log_state(f"{what} at epoch {shown_epoch(self.position[0])} step {self.position[1]}")
@@ -333,7 +336,7 @@ class SyncWorker(WorkerBase):
         model = self.stepper.parts.model
 
         def state() -> str:
-            digest = state_digest([*model.parameters(), *(buf for *_, buf in state_buffers(model))])
+            digest = state_digest(held(model, (buf for *_, buf in state_buffers(model))))
             return f"{what}: {digest}, global steps {self.stepper.steps_total}, {self.optimizer_words()}"
 
         self.group.say_state(state)
@@ -349,9 +352,10 @@ class SyncWorker(WorkerBase):
 
     def _adopt(self, group: AveragingGroup, source: int, device: torch.device) -> None:
         """Every member takes the state of the member at index `source`: parameters, buffers, optimizer,
-        schedule, step and sample counts, and the world its learning rate is scaled for."""
+        schedule, step and sample counts, and the world its learning rate is scaled for (sharded groups: the
+        group is the members of the rank's shard index, and what travels is that shard)."""
         model, stepper = self.stepper.parts.model, self.stepper
-        tensors = [t.detach() for t in [*model.parameters(), *model.buffers()]]
+        tensors = held(model, model.buffers())
         moved = [t.to(device) for t in tensors]
         group.broadcast(moved, source)
         with torch.no_grad():
@@ -361,14 +365,14 @@ class SyncWorker(WorkerBase):
         mine = None
         if group.index == source:
             mine = {
-                "stepper": shared_state(stepper_state(stepper)),
+                "stepper": joiners_state(stepper),
                 "global_samples": self.global_samples,
                 "lr_world": self.lr.world,
             }
         state = group.broadcast_state(mine, source)
         if group.index == source:
             return
-        restore_stepper(stepper, state["stepper"])
+        restore_joiner(stepper, state["stepper"])
         self.global_samples = int(state["global_samples"])
         self.lr.world = int(state["lr_world"])
 

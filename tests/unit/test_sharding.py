@@ -96,7 +96,6 @@ def test_survive_by_groups_runs_under_local_sgd_and_the_rest_is_refused_naming_t
     assert problems_of(make(**surviving, **restarts, eval_every=1), four) == []
     assert problems_of(make(**{**surviving, "policy": "async"}, **restarts, eval_every=1), four) == []
     for key, value, rule in [
-        ("policy", "sync", "a group leaves and the others train on under policy=cadence or async only"),
         ("launch.max_ranks", 5, "a job grows by whole groups: make it a multiple of shard_group=2"),
     ]:
         problems = problems_of(make(**{**surviving, key: value}), four)

@@ -66,7 +66,7 @@ def _sync_by_groups(cfg: FlodlConfig) -> Iterator[tuple[str, object, str]]:
         why = "under policy=sync the groups left step their own micro-batches: set keep_global_batch=false"
         yield "keep_global_batch", True, why
     if cfg.precision == "fp16":
-        why = "under policy=sync its GradScaler may skip one member's step, which the group steps together"
+        why = "under policy=sync its GradScaler skips a step without the vote on its averaging across groups"
         yield "precision", "fp16", why
     for key in checkpoint_keys_set(cfg):
         why = "under policy=sync each group's checkpoint is not built yet: set it to null, or policy=cadence"
