@@ -106,19 +106,24 @@ def read(state: dict[str, Any], path: Path) -> None:
 
 def whole_model(path: Path) -> dict[str, Tensor]:
     """The consensus model under `path`, whole, as CPU tensors (a replica's state_dict)."""
+    return whole(min(_saves(path).values()), MODEL_KEY)  # every save holds the consensus
+
+
+def whole(save: Path, key: str) -> dict[str, Tensor]:
+    """The tensors under `key` (the model, the outer momentum) of the save at `save` (`save_of`), whole, as
+    CPU tensors by name."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    path = min(_saves(path).values())  # every save holds the consensus
-    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    prefix = f"{MODEL_KEY}."
+    metadata = dcp.FileSystemReader(save).read_metadata().state_dict_metadata
+    prefix = f"{key}."
     state = {
-        key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-        for key, meta in metadata.items()
-        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+        name: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        for name, meta in metadata.items()
+        if name.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
     }
-    read(state, path)
-    return {key.removeprefix(prefix): tensor for key, tensor in state.items()}
+    read(state, save)
+    return {name.removeprefix(prefix): tensor for name, tensor in state.items()}
 
 
 def saved_groups(path: Path) -> tuple[int, ...] | None:

@@ -4,12 +4,15 @@ one change and comes back whole, every sample of every epoch once, one state per
 
 from __future__ import annotations
 
+import json
 import re
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from flodl.checkpoints.sharded import SHARDED_DIR, optimizer_key, save_of, saved_groups, saved_keys
 from flodl.tasks.digits import DigitsMLP
 from tests.helpers.chaos_job import (
     EPOCHS,
@@ -28,6 +31,7 @@ WORLD, K = 4, 2
 # Digits on 4 ranks: 11 steps of 32 samples each an epoch per rank; a kill within the first half of the run.
 RANK_STEPS = 11
 BATCH = 32  # digits' batch_size
+EVERY_EPOCH = ("checkpoint_every=1", "checkpoint_keep=100")  # every checkpoint kept, each checked
 
 
 def groups_of_two(job: Job, *overrides: str, until_admitted: bool = False, policy: str = "cadence") -> None:
@@ -104,3 +108,19 @@ def check_left_and_back_whole(
 
 def logs_of(run: Path) -> str:
     return "".join((run / f"rank{r}.log").read_text() for r in range(WORLD))
+
+
+def groups_in(checkpoints: Path, key: Callable[[int], str] = optimizer_key) -> dict[str, tuple[int, ...]]:
+    """Each committed checkpoint's groups in (of its manifest's ranks), checked to have their own optimizer
+    states in its shards, each under its key (`key`: what a group's own save holds; DiLoCo's inner state is
+    empty at a round, its outer momentum not) (a group that died once its save was written, before its
+    parts, leaves its save too: its state at that round)."""
+    found = {}
+    for manifest in sorted(checkpoints.glob("*/manifest.json")):
+        inside = tuple(sorted({r // K for r in json.loads(manifest.read_text())["ranks"]}))
+        sharded = manifest.parent / SHARDED_DIR
+        for group in inside:
+            assert key(group) in saved_keys(save_of(sharded, group)), (manifest.parent, group)
+        assert set(inside) <= set(saved_groups(sharded) or ()), (manifest.parent, inside)
+        found[manifest.parent.name] = inside
+    return found

@@ -8,7 +8,6 @@ groups'. About 30 s a case (two runs) on 2 busy cores."""
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -17,37 +16,21 @@ from pathlib import Path
 
 import pytest
 
-from flodl.checkpoints.sharded import SHARDED_DIR, optimizer_key, save_of, saved_groups, saved_keys
 from tests.helpers.chaos_job import Job, Trial, read_samples
 from tests.helpers.runs import epochs_of
 from tests.helpers.sharded_survive import (
+    EVERY_EPOCH,
     RANK_STEPS,
     WORLD,
     K,
     check_left_and_back_whole,
+    groups_in,
     groups_of_two,
     logs_of,
 )
 from tests.helpers.survive_runs import STOP_ONCE_ADMITTED
 
 pytestmark = pytest.mark.multiproc
-
-EVERY_EPOCH = ("checkpoint_every=1", "checkpoint_keep=100")  # every checkpoint kept, each checked
-
-
-def groups_in(checkpoints: Path) -> dict[str, tuple[int, ...]]:
-    """Each committed checkpoint's groups in (of its manifest's ranks), checked to have their own optimizer
-    states in its shards, each under its key (a group that died once its save was written, before its parts,
-    leaves its save too: its state at that round)."""
-    found = {}
-    for manifest in sorted(checkpoints.glob("*/manifest.json")):
-        inside = tuple(sorted({r // K for r in json.loads(manifest.read_text())["ranks"]}))
-        sharded = manifest.parent / SHARDED_DIR
-        for group in inside:
-            assert optimizer_key(group) in saved_keys(save_of(sharded, group)), (manifest.parent, group)
-        assert set(inside) <= set(saved_groups(sharded) or ()), (manifest.parent, inside)
-        found[manifest.parent.name] = inside
-    return found
 
 
 @pytest.mark.parametrize(
