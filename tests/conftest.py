@@ -10,6 +10,18 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
+from tests.helpers.drawn import BASE, draw_base
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The run's base for seed sweeps (tests/helpers/drawn.py), drawn before pytest-xdist starts its workers:
+    they inherit it and collect the same seeds."""
+    draw_base()
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    terminalreporter.write_line(f"seed sweeps drawn from {BASE}={draw_base()} (set it to draw them again)")
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """tests/unit holds no test that starts a process, tests/runs only such tests (marked multiproc)."""

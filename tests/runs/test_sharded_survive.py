@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.chaos_job import Job, Trial
+from tests.helpers.drawn import drawn_seeds
 from tests.helpers.procs import FAST_START, PYTHON, TRAIN, start
 from tests.helpers.runs import epochs_of
 from tests.helpers.sharded_survive import (
@@ -76,8 +77,9 @@ def test_a_ranks_death_takes_its_group_out_the_other_trains_on_and_it_rejoins_wh
 
 
 # Digits on 4 ranks: every epoch's last round evaluates it. A rank killed as it enters a round cuts the
-# round for its shard index's members, while the other shard index's may finish it.
-@pytest.mark.parametrize("seed", range(8))
+# round for its shard index's members, while the other shard index's may finish it. Seeds drawn anew each
+# run (tests/helpers/drawn.py), 3 in a row: both kinds of kill, one of them twice.
+@pytest.mark.parametrize("seed", drawn_seeds("sharded-survive-evals", 3))
 def test_a_group_cut_at_any_moment_evaluates_each_epoch_once_with_its_members_together(
     tmp_path: Path, seed: int
 ) -> None:
