@@ -64,6 +64,17 @@ def check_sync_epochs(run: Path, epochs: int | None = None) -> tuple[list[dict],
     return records, whole
 
 
+def rest_lines(out: str) -> list[tuple[int, int, list[int], int, int]]:
+    """Each re-planned epoch: (epoch, counted from 1 as lines count; steps the members had trained, the ranks
+    that share its rest, their steps each, picks dropped)."""
+    found = re.findall(
+        r"epoch (\d+): the members trained (\d+) steps of it; its rest goes to ranks \[([\d, ]+)\], "
+        r"(\d+) steps of \d+ each \((\d+) picks",
+        out,
+    )
+    return [(int(e), int(k), [int(r) for r in m.split(",")], int(s), int(d)) for e, k, m, s, d in found]
+
+
 def finish_with_joiners(job: Child, run: Path, cwd: Path, count: int) -> tuple[Result, list[int]]:
     """`count` `flodl-join` processes for the job writing `run`, started at once (each takes a seat of its
     own) once the job wrote its join card; the job's result and the joiners' exit codes. A process that

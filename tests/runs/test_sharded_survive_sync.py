@@ -5,14 +5,32 @@ HSDP does: one process on the global batch."""
 
 from __future__ import annotations
 
+import os
+import random
+import signal
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.chaos_job import (
+    EPOCHS,
+    Job,
+    Sample,
+    Trial,
+    check_each_sample_once,
+    check_no_partial,
+    read_samples,
+)
 from tests.helpers.procs import FAST_START
+from tests.helpers.runs import epochs_of
+from tests.helpers.sharded_survive import RANK_STEPS, WORLD, K, groups_of_two, logs_of
+from tests.helpers.survive_runs import digests, membership, rest_lines
 from tests.helpers.sync_reference import assert_matches_reference
 
 pytestmark = pytest.mark.multiproc
+
+LR = 1e-3  # digits' learning rate for one rank
 
 SURVIVE_BY_GROUPS = (
     "device=cpu",
@@ -31,3 +49,84 @@ def test_without_a_death_it_ends_where_hsdp_does(tmp_path: Path) -> None:
     for rank in range(4):
         log = (tmp_path / "run" / f"rank{rank}.log").read_text()
         assert f"rank {rank}: shard {rank % 2} of group {rank // 2} (FSDP2 in the group, gradients" in log
+
+
+def dead_group_samples(
+    job: Job, samples: list[Sample], dead: list[int], out: str
+) -> tuple[set[Sample], dict[int, int]]:
+    """The dead group's steps its members did not agree to (of its cut epoch, past the steps the coordinator
+    says the members trained: handed out again, so trained once more), and per epoch the samples of its steps
+    before that which no record counts (trained in the groups' step, never reported: it died first)."""
+    pids = {int(job.files(rank)[0].stem.rsplit("-", 1)[1]) for rank in dead}  # each one's first process
+    agreed = {shown - 1: trained for shown, trained, *_ in rest_lines(out)}
+    window: set[Sample] = set()
+    unreported: Counter[int] = Counter()
+    for pid in pids:
+        steps = sorted((s for s in samples if s.pid == pid), key=lambda s: s.step)
+        for epoch in {s.epoch for s in steps}:
+            of_epoch = [s for s in steps if s.epoch == epoch]
+            cut_at = agreed.get(epoch, len(of_epoch))
+            window |= set(of_epoch[cut_at:])
+            unreported[epoch] += sum(len(s.ids) for s in of_epoch[:cut_at])
+    for record in epochs_of(job.run_dir):  # what a dead rank reported before it died counts already
+        for part in record["per_rank"]:
+            if part["rank"] in dead and record["epoch"] in unreported:
+                unreported[record["epoch"]] -= part["samples"]
+    return window, unreported
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_ranks_death_takes_its_group_out_the_other_trains_its_rest_and_it_rejoins_whole(
+    tmp_path: Path, seed: int
+) -> None:
+    """A rank SIGKILLed at a moment drawn from the seed (after a number of its steps: within a step, the
+    step's averaging, the epoch's eval), with a restart every other seed: the coordinator cuts its group in
+    one change; the group left agrees where it is and trains the rest of the cut epoch (the dead group's
+    untrained picks with its own, in whole steps), every sample of every epoch once, its learning rate
+    following the world; restarted, the group is admitted whole at the next epoch, each of its ranks taking
+    its shard (parameters, optimizer moments, schedule) from the member of its shard index, bit for bit."""
+    rng = random.Random(f"sharded-survive-sync-{seed}")
+    victim, restarts, at = rng.randrange(WORLD), seed % 2, rng.randint(1, 2 * RANK_STEPS)
+    mate = victim ^ 1
+    dead, others = sorted([victim, mate]), sorted({0, 1, 2, 3} - {victim, mate})
+    job = Job(tmp_path)
+    groups_of_two(job, f"launch.max_restarts={restarts}", until_admitted=restarts > 0, policy="sync")
+    proc = job.start()
+    os.kill(job.at_step(proc, victim, at), signal.SIGKILL)
+    trial = Trial(
+        "sharded-survive-sync", seed, f"rank {victim} SIGKILLed after its step {at}, {restarts} restart"
+    )
+    result = job.finish(proc, trial)
+    assert result.ok, (trial.plan, (result.out + result.err)[-3000:])
+    check_no_partial(trial, job)
+
+    changes = membership(job.run_dir)
+    cuts = [e for e in changes if e["event"] == "rank_cut"]
+    assert [(e["rank"] in dead, e["members"]) for e in cuts] == [(True, others)], (trial.plan, cuts)
+    assert f"its group {dead} leaves with it" in cuts[0]["why"]
+    records = epochs_of(job.run_dir)
+    assert [r["epoch"] for r in records] == list(range(len(records) if restarts else EPOCHS))
+    # The learning rate follows the world (lr_scale_ratio=1: x n for n ranks): halved with a group out.
+    for record in records:
+        assert record["lr"] == pytest.approx(LR * record["world"]), (trial.plan, record)
+    assert {r["world"] for r in records} >= {2}, (trial.plan, [r["world"] for r in records])
+
+    # Every sample of every epoch once: the groups left trained what the dead group had not.
+    samples = read_samples(job.log_dir)
+    window, unreported = dead_group_samples(job, samples, dead, result.out)
+    check_each_sample_once(trial, job, samples, window, unreported=unreported)
+    assert trial.violations == [], (trial.plan, trial.violations)
+
+    logs = logs_of(job.run_dir)
+    final = digests(logs, "the last epoch")
+    if restarts:  # back whole, in one admission, each rank's shard its shard index's member's
+        admitted = [e for e in changes if e["event"] == "rank_admitted"]
+        assert [(e["rank"] in dead, e["members"]) for e in admitted] == [(True, [0, 1, 2, 3])], admitted
+        shared = digests(logs, rf"admitting \[{dead[0]}, {dead[1]}\]")
+        assert sorted(shared) == [0, 1, 2, 3], (trial.plan, shared)
+        assert records[-1]["world"] == WORLD
+        for index in range(K):
+            assert shared[index] == shared[index + K], (trial.plan, shared)
+            assert final[index] == final[index + K], (trial.plan, final)
+    else:  # the group that left says no final state
+        assert sorted(final) == others, (trial.plan, final)

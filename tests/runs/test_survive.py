@@ -41,6 +41,7 @@ from tests.helpers.survive_runs import (
     digests,
     epoch_records,
     membership,
+    rest_lines,
 )
 
 pytestmark = pytest.mark.multiproc
@@ -328,17 +329,6 @@ def test_a_rank_killed_before_its_first_word_to_the_host_is_started_again(tmp_pa
 
 
 # --- policy=sync: DDP re-wrapped on each group, the rest of a cut epoch planned again -------------------
-
-
-def rest_lines(out: str) -> list[tuple[int, int, list[int], int, int]]:
-    """Each re-planned epoch: (epoch, counted from 1 as lines count; steps the members had trained, the ranks
-    that share its rest, their steps each, picks dropped)."""
-    found = re.findall(
-        r"epoch (\d+): the members trained (\d+) steps of it; its rest goes to ranks \[([\d, ]+)\], "
-        r"(\d+) steps of \d+ each \((\d+) picks",
-        out,
-    )
-    return [(int(e), int(k), [int(r) for r in m.split(",")], int(s), int(d)) for e, k, m, s, d in found]
 
 
 # bf16_wire: each new group's DDP sends its buckets as bf16 through survive's own waiting hook.
