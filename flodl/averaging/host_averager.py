@@ -1,5 +1,6 @@
 """The host backend (backend=cpu): a round reduces a pinned host snapshot of the parameters over a gloo
-group on a background thread while training goes on (see `consensus.py`)."""
+group on a background thread while training goes on (see `consensus.py`). A sharded model's (shard_group
+> 1): a snapshot of the rank's shard (shards.py), reduced over the gloo group of its shard index."""
 
 from __future__ import annotations
 
@@ -27,12 +28,13 @@ class HostAverager(AveragerBase):
         group: ReduceGroup | dist.ProcessGroup | None,
         wire: Wire = FP32,
         outer: OuterSettings | None = None,
+        shard_group: int = 1,
     ) -> None:
         """`group`: who the round's thread reduces with; a bare gloo process group (None: the world's) stands
-        for the fixed world over it."""
+        for the fixed world over it. `shard_group`: see AveragerBase."""
         if group is None or isinstance(group, dist.ProcessGroup):
             group = WorldGroup(group)
-        super().__init__(model, gamma, wire, outer, group)
+        super().__init__(model, gamma, wire, outer, group, shard_group)
         self.device = device
         pin = device.type == "cuda"
         flat = self._flat_params()
@@ -62,6 +64,7 @@ class HostAverager(AveragerBase):
     def begin(self, steps: int, exact: bool = False, kept: bool = True) -> None:
         """Snapshot and start the round on a thread; `exact` and `kept` as in `Reducer.reduce`."""
         start = self._began_at = time.perf_counter()
+        self._pull()
         self._keep_round_start()
         snapshot_done = self._to_host()
         self.thread = threading.Thread(
@@ -115,10 +118,12 @@ class HostAverager(AveragerBase):
     ) -> None:
         """Overwrite (or blend) the rank's current parameters with the staged consensus; `keep_progress`
         (overlapped rounds, `alpha` None): keep what the rank trained since its snapshot instead,
-        `params += consensus - snapshot`.
+        `params += consensus - snapshot`. The blend is the device backend's, `avg + (1 - alpha) (own - avg)`:
+        with no step since the snapshot, the same numbers.
 
         An eval asked for runs on the consensus (buffers included), then the rank's own parameters
-        come back for the blend; on a skipped round it runs on the rank's unchanged state.
+        come back for the blend; on a skipped round it runs on the rank's unchanged state. A sharded model's
+        shards, trained on since the snapshot, are read here and written back after.
         """
         assert self.outcome is not None
         skipped, self.outcome = self.outcome.skipped, None
@@ -128,10 +133,12 @@ class HostAverager(AveragerBase):
             return
         if self.buffers is not None and self.host_buffers is not None:
             self.buffers.buffer.copy_(self.host_buffers, non_blocking=True)
+        self._pull()
         flat = self._flat_params()
         if evaluate is not None:
             kept = [t.clone() for t in flat]
             torch._foreach_copy_(flat, self.landing)
+            self._push()
             evaluate()
             torch._foreach_copy_(flat, kept)
         if keep_progress:
@@ -142,8 +149,10 @@ class HostAverager(AveragerBase):
         elif alpha is None:
             torch._foreach_copy_(flat, self.landing)
         else:
-            for tensor, landing in zip(flat, self.landing, strict=True):
-                tensor.lerp_(landing, alpha)
+            torch._foreach_sub_(flat, self.landing)
+            torch._foreach_add_(self.landing, flat, alpha=1.0 - alpha)
+            torch._foreach_copy_(flat, self.landing)
+        self._push()
 
     def _to_host(self) -> torch.cuda.Event | None:
         """Copy parameters and buffers into the host buffers without blocking the training thread."""
@@ -181,9 +190,8 @@ class HostAverager(AveragerBase):
                 after_reduce(self.outer, self.refs, self.host)
                 # host_pre becomes snapshot - consensus: what an overlapped round's adopt subtracts.
                 measured = divergence(self.host_pre, self.host, in_place=True)
-            self.outcome = RoundOutcome(
-                steps, result.total_steps, result.skipped, measured, 0.0, result.payload_bytes
-            )
+            total = result.total_steps * self.shard_group
+            self.outcome = RoundOutcome(steps, total, result.skipped, measured, 0.0, result.payload_bytes)
             self._reduced_at = time.perf_counter()
         except BaseException as err:  # surfaced by finish()
             self.error = err

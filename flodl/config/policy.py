@@ -20,8 +20,8 @@ class PolicyFacts:
     # EASGD's blend of each rank toward the consensus (async only); None: a rank adopts the consensus.
     easgd_alpha: float | None
     # Rounds run on backend=cpu's host averager (a pinned host snapshot reduced over gloo on a background
-    # thread): full replicas only. A sharded group's rounds per shard index run inline on the training
-    # thread on every backend (backend=cpu: over gloo process groups, also for a model on a GPU).
+    # thread; a sharded group's: a snapshot of the rank's shard, over its shard index's gloo group). Under
+    # fault_tolerance=survive a sharded group's rounds run inline on the training thread on every backend.
     rounds_on_host: bool
     # A rank trains on while its round is in flight and adopts the consensus later (async with its rounds on
     # the host).
@@ -36,7 +36,8 @@ class PolicyFacts:
     def of(cls, cfg: FlodlConfig) -> PolicyFacts:
         is_async = cfg.policy == "async"
         averages = cfg.policy != "sync"
-        on_host = averages and cfg.backend == "cpu" and cfg.shard_group <= 1
+        surviving_groups = cfg.shard_group > 1 and cfg.fault_tolerance == "survive"
+        on_host = averages and cfg.backend == "cpu" and not surviving_groups
         return cls(
             name=cfg.policy,
             averages_parameters=averages,

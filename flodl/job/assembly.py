@@ -251,14 +251,14 @@ def make_worker(
     outer = OuterSettings.resolve(cfg.outer, cfg.outer_lr, cfg.outer_momentum, cfg.outer_reset_inner)
     averager: DeviceAverager | HostAverager
     group_steps = None
+    rounds: ReduceGroup = group
+    if shards.sharded:  # over gloo groups with backend=cpu, also on a GPU
+        rounds = _shard_averaging(parts, shards, rank, device, group)
+        group_steps = _group_steps(shards, group) if policy.crosses_epochs else None
     if policy.rounds_on_host:
-        averager = HostAverager(parts.model, cfg.gamma, device, group, wire, outer)
+        averager = HostAverager(parts.model, cfg.gamma, device, rounds, wire, outer, shards.size)
     else:
         keeps_own = policy.guarded or policy.blends
-        rounds: ReduceGroup = group
-        if shards.sharded:  # inline, on any backend: over gloo groups with backend=cpu, also on a GPU
-            rounds = _shard_averaging(parts, shards, rank, device, group)
-            group_steps = _group_steps(shards, group) if policy.crosses_epochs else None
         averager = DeviceAverager(parts.model, cfg.gamma, device, wire, outer, keeps_own, rounds, shards.size)
     # Built (and compiled) after the averager re-pointed the parameters into its flat buffers: compiled
     # graphs read them there, so each round's in-place update is what the next step sees.
@@ -296,12 +296,13 @@ def make_group(
     reader: InboxReader,
 ) -> RankGroup:
     """The group this rank trains and averages with, chosen here once. fault_tolerance=none: the world (the
-    cpu backend's host rounds over a gloo group of its own, full replicas only: collective, every rank makes
-    it in step). survive: the members' averaging group, formed by the worker with every rank, unless this
-    process is a restart (the store counts each rank's starts), which joins the running group when
-    admitted."""
+    cpu backend's host rounds over a gloo group of its own, full replicas only, a sharded group's over its
+    shard index's: collective, every rank makes it in step). survive: the members' averaging group, formed
+    by the worker with every rank, unless this process is a restart (the store counts each rank's starts),
+    which joins the running group when admitted."""
     if cfg.fault_tolerance != "survive":
-        gloo = dist.new_group(backend="gloo") if PolicyFacts.of(cfg).rounds_on_host else None
+        host_rounds = PolicyFacts.of(cfg).rounds_on_host and cfg.shard_group <= 1
+        gloo = dist.new_group(backend="gloo") if host_rounds else None
         return FixedGroup(env.rank, env.world_size, gloo, cfg.launch.timeout_s)
     incarnation = env.incarnation
     if incarnation is None:  # a supervisor numbers its starts; a rank started apart without one, here

@@ -20,6 +20,13 @@ an admission's joiners take their shards from the members holding them as each f
 that formed it while its other stepped on would leave the group admitted with shards a step apart. So the
 vote carries the generation each member formed, and the members step only in one: one behind forms the
 change it was sent (no vote while it does), and they vote again.
+
+With backend=cpu a round runs on the host averager's thread while the members train on, and each member's
+thread ends at its own moment (each shard index's round is its own). A member adopting the consensus a step
+before its other would leave the group's model half blended for that step. So the vote also carries whether
+a member's round is done (or none is in flight: it adopted its round when it had nothing to train), and
+once one member's is, every member adopts its round before the step the vote was for, waiting for its thread
+if need be: every member adopts at the same step.
 """
 
 from __future__ import annotations
@@ -37,14 +44,17 @@ class GroupSteps:
     def __init__(self, process_group: dist.ProcessGroup, generation: Callable[[], int] = lambda: 0) -> None:
         self.process_group = process_group
         self.generation = generation
-        self._vote = torch.zeros(3, dtype=torch.int64)
+        self._vote = torch.zeros(4, dtype=torch.int64)
         # The group stopped for a round whose AverageNow has not reached this member yet.
         self.held = False
+        # After a vote: a member's round on the host averager's thread is done, so each adopts its own now.
+        self.adopts = False
 
-    def may_step(self) -> bool:
+    def may_step(self, round_done: bool = True) -> bool:
         """Before a step: whether every member takes it (False: one holds an AverageNow, and this member is
-        held until its own arrives; or one formed a change another has not, and they vote again)."""
-        self.held, oldest, newest = self._vote_for(False)
+        held until its own arrives; or one formed a change another has not, and they vote again).
+        `round_done`: this member's round in flight is done, or none is (then `adopts`)."""
+        self.held, oldest, newest, self.adopts = self._vote_for(False, round_done)
         return not self.held and oldest == newest
 
     def before_round(self, has_batches: bool) -> None:
@@ -54,10 +64,11 @@ class GroupSteps:
             self._vote_for(True)
         self.held = False
 
-    def _vote_for(self, stop: bool) -> tuple[bool, int, int]:
-        """All-reduced (MAX): whether any member stops, and the oldest and the newest generation formed."""
+    def _vote_for(self, stop: bool, round_done: bool = True) -> tuple[bool, int, int, bool]:
+        """All-reduced (MAX): whether any member stops, the oldest and the newest generation formed, and
+        whether any member's round is done."""
         generation = self.generation()
-        self._vote.copy_(torch.tensor([int(stop), -generation, generation]))
+        self._vote.copy_(torch.tensor([int(stop), -generation, generation, int(round_done)]))
         dist.all_reduce(self._vote, op=dist.ReduceOp.MAX, group=self.process_group)
-        stopped, oldest, newest = self._vote.tolist()
-        return bool(stopped), -oldest, newest
+        stopped, oldest, newest, done = self._vote.tolist()
+        return bool(stopped), -oldest, newest, bool(done)

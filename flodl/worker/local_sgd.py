@@ -2,13 +2,14 @@
 
 Policy-agnostic: the coordinator's messages carry the policy. `ExtendPartition` appends batches to the
 rank's queue and says at how many steps since the last reduce to report `Reached`; `AverageNow` starts a
-consensus round on the averaging backend. The device backend finishes it at once; the cpu backend runs
-it on a background thread, and when `keep_training` (async) the rank trains on and adopts the consensus
-at a later step boundary, so steps taken meanwhile count toward the next round. With `overlap` (cadence,
-cpu backend) the coordinator sends the next window with the round, the rank trains it meanwhile and, once
-the round is done (at that window's end at the latest), keeps what it trained since its snapshot on top
-of the consensus; the last round of a segment is waited for, exact. Between steps the worker only checks
-a local queue for control messages; the device is read once per chunk (the loss) and once per window.
+consensus round on the averaging backend. The device backend finishes it at once; the cpu backend runs it
+on a background thread, and when `keep_training` (async) the rank trains on and adopts the consensus at a
+later step boundary (a sharded group's members at one: group_steps.py), so steps taken meanwhile count
+toward the next round. With `overlap` (cadence, cpu backend) the rank trains the next window, sent with the
+round, meanwhile and, once the round is done (a full replica) or at that window's end (a sharded group's
+members), keeps what it trained since its snapshot on top of the consensus; a segment's last round is waited
+for, exact. Between steps the worker only checks a local queue for control messages; the device is read
+once per chunk (the loss) and once per window.
 
 Under fault_tolerance=survive the rank's group (flodl/worker/group.py) carries each membership change out:
 the worker lets go of a round the change cut (back to its state before it, when that round must be redone),
@@ -73,9 +74,7 @@ class LocalSgdWorker(WorkerBase):
         self.easgd_alpha = easgd_alpha
         # Train on while a (cpu-backend) round is in flight, instead of waiting for its consensus.
         self.keep_training = keep_training
-        # Overlapped rounds: the next window trains while a round (not a segment's last) is in flight, and
-        # the round's result keeps what the rank trained since its snapshot.
-        self.overlap = overlap
+        self.overlap = overlap  # the next window trains while a round (not a segment's last) is in flight
         # The round begun and not adopted yet, and the last one finished (a change may still cut it).
         self.round: RoundInFlight | None = None
         self.finished: FinishedRound | None = None
@@ -142,16 +141,20 @@ class LocalSgdWorker(WorkerBase):
             raise RuntimeError(f"rank {self.rank}: unexpected message under local SGD: {message!r}")
 
     def queued_batches(self) -> int:
-        step_samples = self.stepper.step_samples
         in_chunk = self.chunk.batches - self.chunk.done if self.chunk else 0
-        return in_chunk + sum(part.size // step_samples for part in self.pending)
+        return in_chunk + sum(part.size // self.stepper.step_samples for part in self.pending)
 
     def work(self) -> None:
-        if self.round is not None and (self.averager.ready() or not self._has_batches()):
+        done = self.averager.ready()  # a sharded group's members adopt together (see the module's doc)
+        if self.round is not None and ((done and self.averager.shards is None) or not self._has_batches()):
             self._finish_round(self.round)
             return
-        if self.group_steps is not None and not self.group_steps.may_step():
-            return
+        if self.group_steps is not None:
+            step = self.group_steps.may_step(self.round is None or done)
+            if self.group_steps.adopts and self.round is not None:
+                self._finish_round(self.round)
+            if not step:
+                return
         stepper = self.stepper
         step_samples = stepper.step_samples
         if self.chunk is None:
@@ -193,8 +196,7 @@ class LocalSgdWorker(WorkerBase):
         return self.global_steps + self.steps_since_avg
 
     def _report_if_reached(self) -> None:
-        # An overlapped round in flight averages the steps (and their time) before its snapshot: the window
-        # open since counts from there.
+        # A round in flight averages the steps (and their time) before its snapshot: the open window after.
         in_flight = self.round
         steps = self.steps_since_avg - (in_flight.steps if in_flight else 0)
         if self.target is None or steps < self.target:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from flodl.data.partition import epoch_permutation
 from flodl.rounds.split import balanced_split
 from flodl.tasks.digits import DigitsMLP, digits_dataset
-from tests.helpers.procs import FAST_START, train
+from tests.helpers.procs import FAST_START, held_rounds_env, train
 from tests.helpers.runs import epochs_of, round_steps
 
 pytestmark = pytest.mark.multiproc
@@ -145,5 +145,43 @@ def test_a_group_steps_together_past_its_count_with_every_batch_once(tmp_path: P
     # A group's members trained alike over the run (a window's slices may straddle epochs differently).
     assert totals[0] == totals[1] and totals[2] == totals[3]
     assert totals[slow] < totals[(slow + K) % WORLD]  # the slowed member's group trained less
+    for steps in round_steps(tmp_path / "run"):  # a round averages a group's members at one step
+        assert steps[0] == steps[1] and steps[2] == steps[3], steps
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_group_trains_on_while_its_rounds_run_on_the_host_thread_and_adopts_at_one_step(
+    tmp_path: Path, seed: int
+) -> None:
+    # backend=cpu: each round per shard index runs on the host averager's thread over its shard index's gloo
+    # group, held back 0.2 s there (tests/helpers/slow_round) so that the ranks surely train on while it is in
+    # flight; ElChe free with its overshoot, a rank slowed (which and how much drawn from the seed), an eval
+    # every epoch. Each member's thread ends at its own moment: the members adopt at one step (their vote
+    # before each step), so each trains as many steps while its rounds are in flight as its other does.
+    # Before, the rounds ran inline: no step was trained during one.
+    rng = random.Random(seed)
+    slow, factor = rng.randrange(WORLD), rng.choice([2, 3])
+    train(
+        *GROUPS_OF_TWO,
+        "backend=cpu",
+        f"simulate.slow_rank={slow}",
+        f"simulate.factor={factor}",
+        "epochs=3",
+        "eval_every=1",
+        cwd=tmp_path,
+        timeout=300,
+        **held_rounds_env(0.2),
+    ).check()
+    records = epochs_of(tmp_path / "run")
+    assert [r["epoch"] for r in records] == list(range(3))
+    totals, during = [0] * WORLD, [0] * WORLD
+    for record in records:
+        assert sum(p["batches"] for p in record["per_rank"]) == PER_EPOCH  # every batch once
+        assert "eval/accuracy" in record
+        for p in record["per_rank"]:
+            totals[p["rank"]] += p["batches"]
+            during[p["rank"]] += p["steps_during_averaging"]
+    assert totals[0] == totals[1] and totals[2] == totals[3], totals  # a group's members alike
+    assert sum(during) > 0 and during[0] == during[1] and during[2] == during[3], during
     for steps in round_steps(tmp_path / "run"):  # a round averages a group's members at one step
         assert steps[0] == steps[1] and steps[2] == steps[3], steps

@@ -1,8 +1,9 @@
 """Sharded groups with backend=cpu (docs/sharded-groups.md, "Sharing GPUs"): the job's process groups are
-gloo, so several ranks can share one GPU round-robin, and a round per shard index runs inline over gloo,
-as backend=nccl's does (gloo without a GPU), not on backend=cpu's host averager. On CPU the two backends
-are the same math: 4 gloo ranks as 2 groups of 2 end where backend=nccl's run does, bit for bit. The same
-runs on one shared GPU: tests/runs/test_gpu_sharded.py."""
+gloo, so several ranks can share one GPU round-robin, and a round per shard index runs over gloo on
+backend=cpu's host averager's thread. With nothing to train while it is in flight (no overshoot, no
+overlap) a rank waits for it, and the two backends are the same math: 4 gloo ranks as 2 groups of 2 end
+where backend=nccl's inline run does (gloo without a GPU), bit for bit. The same runs on one shared GPU:
+tests/runs/test_gpu_sharded.py."""
 
 from __future__ import annotations
 
@@ -36,8 +37,8 @@ def test_sync_groups_on_the_cpu_backend_match_one_process_on_the_global_batch(tm
 def test_local_sgd_groups_on_the_cpu_backend_end_where_the_device_backends_do(
     tmp_path: Path, policy: str
 ) -> None:
-    # Refused before (exit 2: "a round runs on the device: set backend=nccl"). The async run would end
-    # elsewhere on backend=cpu's host averager: its ranks train on while a round is in flight.
+    # Refused before (exit 2: "a round runs on the device: set backend=nccl"). Under async with no overshoot
+    # a rank has nothing to train while its round is on the thread: it blends where the inline round does.
     common = (
         f"launch.nproc_per_node={WORLD}",
         FAST_START,

@@ -22,14 +22,16 @@ pytestmark = pytest.mark.multiproc
 WORLD, K, BATCH, WINDOW, EPOCHS, LR, SEED = 4, 2, 8, 5, 2, 0.1, 42
 
 
-def periodic_averaging(outer: str) -> dict[str, torch.Tensor]:
+def periodic_averaging(outer: str, overlap: bool = False) -> dict[str, torch.Tensor]:
     """Plain torch: one replica per group, each step SGD on the union of its members' micro-batches (the
     mean of their gradients, as the group's reduce-scatter makes it), the replicas' parameters averaged
     after every window, weighted by their steps (gamma=1); an `outer` optimizer steps the global model on
     the pseudo-gradient `global - average` (SGD, momentum 0.9: DiLoCo's Nesterov at lr 0.7, SlowMo's heavy
     ball at lr 1), and every replica takes the new global. Each rank is handed WINDOW batches a window, in
     rank order from one cursor over the epoch (whole groups of batches), the epoch's tail split in
-    proportion to the counts."""
+    proportion to the counts. `overlap`: each round but the run's last lands one window late, at the end of
+    the window trained while it was in flight, keeping what each replica trained since its snapshot
+    (`θ += consensus - snapshot`), before the next round's snapshot."""
     data = digits_dataset("train")
     torch.manual_seed(SEED)
     start = DigitsMLP(hidden=128)
@@ -39,6 +41,7 @@ def periodic_averaging(outer: str) -> dict[str, torch.Tensor]:
     lr, nesterov = {"diloco": (0.7, True), "slowmo": (1.0, False)}.get(outer, (0.0, False))
     outer_step = torch.optim.SGD(global_model.parameters(), lr=lr, momentum=0.9, nesterov=nesterov)
     batches = len(data) // BATCH // K * K
+    in_flight: tuple[list[list[torch.Tensor]], list[torch.Tensor]] | None = None  # snapshots, consensus
     for epoch in range(EPOCHS):
         perm = epoch_permutation(len(data), SEED, epoch)
         cursor = 0
@@ -58,6 +61,11 @@ def periodic_averaging(outer: str) -> dict[str, torch.Tensor]:
                     F.cross_entropy(model(inputs), labels).backward()
                     optimizer.step()
             with torch.no_grad():
+                if in_flight is not None:  # the round in flight lands now, keeping what came since it
+                    snapshots, consensus = in_flight
+                    for replica, snapshot in zip(replicas, snapshots, strict=True):
+                        for p, s, c in zip(replica.parameters(), snapshot, consensus, strict=True):
+                            p.add_(c - s)
                 replica_params = zip(*(r.parameters() for r in replicas), strict=True)
                 means = [
                     sum(p * (n / sum(steps)) for p, n in zip(ps, steps, strict=True)) for ps in replica_params
@@ -67,10 +75,13 @@ def periodic_averaging(outer: str) -> dict[str, torch.Tensor]:
                         gp.grad = gp - mean
                     outer_step.step()
                     means = [gp.detach() for gp in global_model.parameters()]
+                cursor += sum(counts)
+                if overlap and (epoch, cursor) != (EPOCHS - 1, batches):
+                    in_flight = ([[p.clone() for p in r.parameters()] for r in replicas], means)
+                    continue
                 for replica in replicas:
                     for p, mean in zip(replica.parameters(), means, strict=True):
                         p.copy_(mean)
-            cursor += sum(counts)
     return {k: v.detach() for k, v in replicas[0].state_dict().items()}
 
 
@@ -151,3 +162,46 @@ def test_elche_paces_each_group_at_its_slowest_member_with_every_batch_once(tmp_
         assert batches[0] == batches[1] and batches[2] == batches[3]
         shares = [shares[0] + batches[0], shares[1] + batches[2]]
     assert shares[0] < shares[1]  # the slowed member's group trained less
+
+
+def test_overlapped_rounds_land_each_shard_one_window_late_as_torch_lands_replicas(tmp_path: Path) -> None:
+    # backend=cpu: each round per shard index runs on the host averager's thread over the gloo group of its
+    # shard index while the next window trains, and lands at that window's end (a group's members alike).
+    # Refused before ("a round per shard index runs inline"): exit 2.
+    pinned = (f"anchor={WINDOW}", f"min_anchor={WINDOW}", f"max_anchor={WINDOW}", "max_batch_diff=0")
+    train(
+        *GROUPS_OF_TWO,
+        *pinned,
+        "backend=cpu",
+        "overlap_rounds=true",
+        "divergence_guard=none",
+        f"batch_size={BATCH}",
+        f"epochs={EPOCHS}",
+        "eval_every=1",
+        f"seed={SEED}",
+        "lr_scale_ratio=0",
+        "task.optimizer._target_=torch.optim.SGD",
+        f"task.optimizer.lr={LR}",
+        "checkpoint_every=null",
+        "hydra.run.dir=run",
+        cwd=tmp_path,
+        timeout=300,
+    ).check()
+    run = tmp_path / "run"
+    records = epochs_of(run)
+    assert [r["epoch"] for r in records] == list(range(EPOCHS))
+    during = [0] * WORLD
+    for record in records:
+        batches = {p["rank"]: p["batches"] for p in record["per_rank"]}
+        assert sum(batches.values()) == 1438 // BATCH // K * K  # every batch of the epoch's whole groups once
+        assert batches[0] == batches[1] and batches[2] == batches[3]  # a group's members alike
+        assert "eval/accuracy" in record  # on the consensus of a round after the epoch's last batch
+        for p in record["per_rank"]:
+            during[p["rank"]] += p["steps_during_averaging"]
+    assert all(n > 0 for n in during), during  # each trained the next window while a round was in flight
+    assert during[0] == during[1] and during[2] == during[3], during  # and adopted it at the window's end
+    saved = torch.load(run / "model.pt", weights_only=True)
+    inline = periodic_averaging("avg")
+    for name, want in periodic_averaging("avg", overlap=True).items():
+        assert ((saved[name] - want).norm() / want.norm()).item() <= 1e-5, name
+        assert ((saved[name] - inline[name]).norm() / want.norm()).item() > 1e-4, name  # not the inline math

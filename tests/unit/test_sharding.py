@@ -120,26 +120,29 @@ def test_cadence_across_groups_runs_exact_rounds_on_the_device_with_checkpoints(
 
 
 @pytest.mark.parametrize("policy", ["cadence", "async"])
-def test_local_sgd_across_groups_rounds_inline_on_the_cpu_backend_too(policy: str) -> None:
+def test_local_sgd_across_groups_rounds_on_the_host_thread_on_the_cpu_backend(policy: str) -> None:
     # backend=cpu: 4 ranks sharing one GPU round-robin over gloo (NCCL takes one GPU a rank). A sharded
-    # group's rounds per shard index run inline over gloo, not on the cpu backend's host averager's thread,
-    # so an async rank does not train on while its round is in flight; full replicas' rounds stay there.
+    # group's rounds per shard index run on the host averager's thread, as full replicas' do, so an async
+    # rank trains on while its round is in flight; under survive they run inline on the training thread.
     one_gpu = host(world_size=4, ranks_per_node=4, gpus=1)
     sharded = make(shard_group=2, policy=policy, backend="cpu", checkpoint_every=None)
     assert problems_of(sharded, one_gpu) == []
     facts = PolicyFacts.of(sharded)
-    assert (facts.rounds_on_host, facts.trains_during_round) == (False, False)
+    assert (facts.rounds_on_host, facts.trains_during_round) == (True, policy == "async")
     replicas = PolicyFacts.of(make(policy=policy, backend="cpu"))
     assert (replicas.rounds_on_host, replicas.trains_during_round) == (True, policy == "async")
+    surviving = PolicyFacts.of(make(shard_group=2, policy=policy, backend="cpu", fault_tolerance="survive"))
+    assert (surviving.rounds_on_host, surviving.trains_during_round) == (False, False)
     assert not PolicyFacts.of(make(shard_group=2, backend="cpu")).rounds_on_host  # sync: no rounds
 
 
-def test_overlapped_rounds_are_refused_with_groups_naming_the_key() -> None:
+def test_overlapped_rounds_take_groups_on_the_cpu_backend() -> None:
+    # Refused before ("a round per shard index runs inline"); backend=nccl's in-place rounds still are.
     overlapped = {"policy": "cadence", "backend": "cpu", "overlap_rounds": True, "checkpoint_every": None}
-    problems = problems_of(make(shard_group=2, **overlapped), host(world_size=2, ranks_per_node=2))
-    said = assert_problem(problems, "overlap_rounds", True, "not with policy=cadence and shard_group=2 yet (")
-    assert "a round per shard index runs inline, on either backend: set overlap_rounds=false" in said
-    assert problems_of(make(**overlapped)) == []
+    two = host(world_size=2, ranks_per_node=2)
+    assert problems_of(make(shard_group=2, **overlapped), two) == []
+    on_device = problems_of(make(shard_group=2, **{**overlapped, "backend": "nccl"}), two)
+    assert_problem(on_device, "overlap_rounds", True, "needs backend=cpu")
 
 
 @pytest.mark.parametrize("policy", ["cadence", "async"])
