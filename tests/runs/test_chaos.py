@@ -1,10 +1,11 @@
-"""The fault harness's CI lane (issue 54): a fixed set of seeds per fault kind through the trial runner
-bench/chaos.py runs at length (tests/helpers/chaos.py), each a 2-rank digits job faulted at a moment its seed
-draws and checked against every invariant: each sample of every epoch trained once (a dead process's window
-the run drops by design apart), a stop's checkpoint holding every step trained and named by its last line,
-no `.partial` dir left, each epoch once in metrics.jsonl, the members' final states equal, model.pt the last
-checkpoint's, a rank cut off the network ending by itself once its link is back. About 4 minutes on 2 busy
-cores; `python bench/chaos.py --seed S --trials 1 --kinds K` replays one trial by hand."""
+"""The fault harness's CI lane (issue 54): a fixed seed per fault kind (a stop's drawn anew each run,
+tests/helpers/drawn.py) through the trial runner bench/chaos.py runs at length (tests/helpers/chaos.py), each
+a 2-rank digits job faulted at a moment its seed draws and checked against every invariant: each sample of
+every epoch trained once (a dead process's window the run drops by design apart), a stop's checkpoint
+holding every step trained and named by its last line, no `.partial` dir left, each epoch once in
+metrics.jsonl, the members' final states equal, model.pt the last checkpoint's, a rank cut off the network
+ending by itself once its link is back. About 4 minutes on 2 busy cores; `python bench/chaos.py --seed S
+--trials 1 --kinds K` replays one trial by hand."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.chaos import run_trial
+from tests.helpers.drawn import drawn_seeds
 from tests.helpers.procs import leftovers
 
 pytestmark = pytest.mark.multiproc
@@ -24,8 +26,10 @@ ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="a tmpfs or a network namesp
 @pytest.mark.parametrize(
     ("kind", "seed"),
     [
-        ("stop", 0),  # sync, SIGTERM at rank 0's step 17, every 5 steps with keep_global_batch
-        ("stop", 1),  # async, SIGINT at step 21, checkpoints every 5 steps, resumed on 1 rank
+        # A stop drawn anew each run (tests/helpers/drawn.py): its policy, signal, schedule, step and the
+        # world it resumes on (seed 0 was sync, SIGTERM at rank 0's step 17, every 5 steps with
+        # keep_global_batch; seed 1 async, SIGINT at step 21, every 5 steps, resumed on 1 rank).
+        *(("stop", seed) for seed in drawn_seeds("chaos-stop", 1)),
         ("kill", 4),  # cadence, fault_tolerance=none, rank 1 SIGKILLed at its step 41, resume=auto
         # async, rank 0 SIGKILLed at its step 34, restarted by its supervisor: a slice the last round averaged
         # in part was handed out again whole (320 samples trained twice) until ranks reported a slice's
