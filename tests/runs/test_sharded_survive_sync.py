@@ -12,6 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers.chaos_job import (
     EPOCHS,
@@ -130,3 +131,45 @@ def test_a_ranks_death_takes_its_group_out_the_other_trains_its_rest_and_it_rejo
             assert final[index] == final[index + K], (trial.plan, final)
     else:  # the group that left says no final state
         assert sorted(final) == others, (trial.plan, final)
+
+
+# --- on one GPU, its 4 ranks sharing it over gloo (backend=cpu); not run on a GPU yet -----------------------
+
+
+NEEDS_A_GPU = pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a CUDA device")
+ON_THE_GPU = ("backend=cpu", "device=cuda")
+
+
+@pytest.mark.gpu
+@NEEDS_A_GPU
+def test_on_one_gpu_it_ends_where_hsdp_does(tmp_path: Path) -> None:
+    # CUDA tensors averaged over gloo (FSDP2's hook on its all-reduce stream), within 1e-4 of one CPU process
+    # on the global batch (CUDA's float32 sums in other orders).
+    run = [a for a in SURVIVE_BY_GROUPS if a != "device=cpu"]
+    assert_matches_reference(tmp_path, 1e-4, *run, *ON_THE_GPU, world=WORLD)
+
+
+@pytest.mark.gpu
+@NEEDS_A_GPU
+def test_on_one_gpu_a_group_leaves_and_comes_back_whole(tmp_path: Path) -> None:
+    # A rank SIGKILLed after a drawn step, with a restart: its group leaves and comes back whole, each of its
+    # ranks with its shard index's member's state, one state per shard index at the end.
+    rng = random.Random("gpu-sharded-survive-sync")
+    victim, at = rng.randrange(WORLD), rng.randint(1, 2 * RANK_STEPS)
+    dead = sorted([victim, victim ^ 1])
+    job = Job(tmp_path)
+    groups_of_two(job, "launch.max_restarts=1", *ON_THE_GPU, until_admitted=True, policy="sync")
+    job.args = [FAST_START if a == "launch.start_method=fork" else a for a in job.args if a != "device=cpu"]
+    proc = job.start()
+    os.kill(job.at_step(proc, victim, at), signal.SIGKILL)
+    result = job.finish(
+        proc, Trial("gpu-sharded-survive-sync", 0, f"rank {victim} SIGKILLed after step {at}")
+    )
+    assert result.ok, (result.out + result.err)[-3000:]
+    admitted = [e for e in membership(job.run_dir) if e["event"] == "rank_admitted"]
+    assert [(e["rank"] in dead, e["members"]) for e in admitted] == [(True, [0, 1, 2, 3])], admitted
+    logs = logs_of(job.run_dir)
+    shared = digests(logs, rf"admitting \[{dead[0]}, {dead[1]}\]")
+    final = digests(logs, "the last epoch")
+    for index in range(K):
+        assert shared[index] == shared[index + K] and final[index] == final[index + K], (shared, final)
