@@ -29,6 +29,7 @@ from tests.helpers.procs import (
     TRAIN,
     Result,
     child_env,
+    finish,
     kill_group,
     leftovers,
     run,
@@ -254,14 +255,17 @@ def test_a_sync_run_stopped_at_a_step_saves_there_and_resumed_ends_bitwise_equal
     """With checkpoints by time (every second, at steps the ranks agree on): they change nothing trained."""
     timed = [*SYNC_STOP, "checkpoint_every_s=1", "checkpoint_keep=50"]
     whole = tmp_path / "whole"
-    first = run(
-        [PYTHON, TRAIN, *timed, f"hydra.run.dir={whole}"], cwd=tmp_path, timeout=240, **paced()
-    ).check()
+    # The uninterrupted run trains beside the stopped one: both paced, mostly waiting.
+    uninterrupted = start([PYTHON, TRAIN, *timed, f"hydra.run.dir={whole}"], tmp_path, child_env(**paced()))
+    try:
+        result = _stop_after_first_checkpoint(
+            [PYTHON, TRAIN, *timed, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, signal.SIGUSR1
+        )
+        first = finish(uninterrupted, 240).check()
+    finally:
+        kill_group(uninterrupted)
     inside = list((whole / "checkpoints").glob("*-sample-*"))
     assert inside and all(verify(path) is None for path in inside), first.out[-4000:]
-    result = _stop_after_first_checkpoint(
-        [PYTHON, TRAIN, *timed, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, signal.SIGUSR1
-    )
     assert result.code == 138, result.out[-4000:] + result.err[-4000:]
     (line,) = result.err.strip().splitlines()
     name, checkpoint, _, resume = STOPPED.match(line).groups()  # type: ignore[union-attr]
