@@ -61,11 +61,16 @@ def held_rounds_env(delay_s: float, **extra: str) -> dict[str, str]:
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    """This environment, the repo on PYTHONPATH, one OpenMP thread, Hydra's full tracebacks; then `extra`."""
+    """This environment, the repo on PYTHONPATH, one OpenMP thread, Hydra's full tracebacks; then `extra`. A
+    PYTHONPATH in `extra` (a test hook's folder) comes before this environment's, which stays: where the
+    dependencies are installed apart (the GPU machines' wheels), the children find them too."""
     env = dict(os.environ)
-    path = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    inherited = env.get("PYTHONPATH", "")
+    path = os.pathsep.join(p for p in (str(REPO), inherited) if p)
     env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": path, "HYDRA_FULL_ERROR": "1"})
     env.update(extra)
+    if "PYTHONPATH" in extra and inherited:
+        env["PYTHONPATH"] = os.pathsep.join([extra["PYTHONPATH"], inherited])
     return env
 
 
