@@ -145,13 +145,13 @@ class CheckpointCommitter:
 
     def on_checkpoint_round(self, point: Point, driver_state: dict[str, Any], ledger: EpochLedger) -> None:
         """Local SGD: the checkpoint round is acknowledged (and no window after it is open): the driver's
-        state then, and the epoch's record (every chunk before the point is in, no later one)."""
+        state then, and the epoch's record (every chunk before the point is in, no later one; a sharded
+        group's that left inside the epoch too, and the batches lost with it)."""
         self.driver_state[point] = driver_state
         if self.stop_point is None:  # the first checkpoint round after a stop's request ends its segment
             self._stop_takes(point)
-        if point.into is not None:
-            counts = {rank: ledger.chunk_count(point.epoch, rank) for rank in self._parts(point)}
-            self.ledger_state[point] = ledger.partial(point.epoch, counts)
+        if point.into is not None:  # the members' chunks, and a rank's cut before the point (they stand)
+            self.ledger_state[point] = ledger.partial(point.epoch)
 
     def _abandon(self, point: Point, why: str) -> None:
         """The checkpoint at `point` will not be committed (a later one will be)."""

@@ -41,6 +41,8 @@ class _Epoch:
     membership: list[dict[str, Any]] = field(default_factory=list)
     # The batches it waits for when they differ from batches_per_epoch (see EpochLedger.expect_batches).
     batches: int | None = None
+    # Batches trained by a sharded group that left before reporting them (see EpochLedger.lose_batches).
+    lost: int = 0
 
 
 class EpochLedger:
@@ -85,11 +87,6 @@ class EpochLedger:
             raise LedgerError(f"a report for epoch {shown_epoch(epoch)}, outside the open epochs")
         return self._open.setdefault(epoch, _Epoch())
 
-    def chunk_count(self, epoch: int, rank: int) -> int:
-        """How many chunks of `epoch` the rank has reported so far."""
-        entry = self._open.get(epoch)
-        return 0 if entry is None else sum(1 for c in entry.chunks if c.rank == rank)
-
     def comm_bytes_after(self, epoch: int) -> int:
         """Bytes on the wire through the end of `epoch` (emitted), from the run's start."""
         return self._comm_bytes_after[epoch]
@@ -109,16 +106,17 @@ class EpochLedger:
         entry = self._open.get(epoch)
         return 0 if entry is None else sum(c.samples for c in entry.chunks)
 
-    def partial(self, epoch: int, chunks: Mapping[int, int]) -> dict[str, Any]:
+    def partial(self, epoch: int, chunks: Mapping[int, int] | None = None) -> dict[str, Any]:
         """What `epoch`'s record holds so far, as plain data for a checkpoint inside it: of each rank in
-        `chunks`, its first `chunks[rank]` chunks (those it reported before its part), and the rounds and
-        membership changes recorded against the epoch."""
+        `chunks`, its first `chunks[rank]` chunks (those it reported before its part; None: every chunk
+        reported so far), the rounds and membership changes recorded against the epoch, and the batches lost
+        in it with a sharded group (before the checkpoint: never handed out again, on any world)."""
         entry = self._open.get(epoch, _Epoch())
         seen: dict[int, int] = {}
         kept = []
         for chunk in entry.chunks:
             seen[chunk.rank] = seen.get(chunk.rank, 0) + 1
-            if seen[chunk.rank] <= chunks.get(chunk.rank, 0):
+            if chunks is None or seen[chunk.rank] <= chunks.get(chunk.rank, 0):
                 kept.append(asdict(chunk))
         return {
             "chunks": kept,
@@ -126,6 +124,7 @@ class EpochLedger:
             "rounds": {rank: asdict(cost) for rank, cost in entry.rounds.items()},
             "membership": list(entry.membership),
             "step": self.step,
+            "lost": entry.lost,
         }
 
     def resume_partial(self, epoch: int, state: Mapping[str, Any]) -> None:
@@ -137,6 +136,7 @@ class EpochLedger:
         entry.rounds = {int(rank): RoundCost(**cost) for rank, cost in state["rounds"].items()}
         entry.membership = list(state["membership"])
         self.step = int(state["step"])
+        entry.lost = int(state.get("lost", 0))  # a checkpoint of an older flodl: none
 
     def add_chunk(self, chunk: ChunkReport) -> bool:
         """Record a chunk; True when it completes its epoch."""
@@ -156,11 +156,11 @@ class EpochLedger:
         (lost with the group; its others reported theirs): the epoch is complete without them, and its
         record leaves them out. True when that completes it."""
         entry = self._epoch(epoch)
-        entry.batches = (self.batches_per_epoch if entry.batches is None else entry.batches) - batches
+        entry.lost += batches
         return self._check_complete(epoch, entry)
 
     def _check_complete(self, epoch: int, entry: _Epoch) -> bool:
-        planned = self.batches_per_epoch if entry.batches is None else entry.batches
+        planned = (self.batches_per_epoch if entry.batches is None else entry.batches) - entry.lost
         done = sum(c.batches for c in entry.chunks)
         if done > planned:
             raise LedgerError(f"epoch {shown_epoch(epoch)}: {done} batches reported, {planned} planned")

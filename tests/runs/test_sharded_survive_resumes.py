@@ -7,11 +7,14 @@ checkpoint's saves hold one consensus and one outer momentum. Each resume takes 
 more, on another layout (1 group of 2, 2 and 3 full replicas, under survive) or without survive on the same
 groups: every sample of its epochs trained once; each rank's state once read (tests/helpers/resumed_state),
 its group's shards put together, is the checkpoint's consensus and the outer momentum of the saved group it
-took, alike in every group. A first run is shared by the resumes of it."""
+took, alike in every group. A first run is shared by the resumes of it. A rank SIGKILLed before its first
+chunk report (a batch its group trained lost with it), a checkpoint inside that epoch resumed on a layout
+drawn from a seed: every sample of the epoch trained once, before the checkpoint or after it."""
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import random
 import signal
@@ -24,6 +27,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from flodl.checkpoints.disk import rank_file
 from flodl.checkpoints.sharded import (
     MODEL_KEY,
     OUTER_KEY,
@@ -34,7 +38,9 @@ from flodl.checkpoints.sharded import (
     whole,
     whole_model,
 )
-from tests.helpers.chaos_job import Job, Trial, read_samples
+from tests.helpers.chaos_job import START_TIMEOUT_S, Job, Trial, read_samples
+from tests.helpers.procs import Result, finish
+from tests.helpers.resize_counts import PINNED, resumable
 from tests.helpers.runs import epochs_of
 from tests.helpers.sharded_survive import (
     EVERY_EPOCH,
@@ -116,21 +122,8 @@ def test_a_survive_by_groups_checkpoint_resumes_on_another_layout(
     checkpoint, trial = first_run.checkpoints[which], first_run.trial
     assert "sample" not in checkpoint.name, checkpoint  # epoch-E: after E epochs, the next one E (from 0)
     first = int(checkpoint.name.split("-")[1])
-    job = Job(tmp_path)
-    replaced = ("launch.nproc_per_node=", "shard_group=", "epochs=", "fault_tolerance=", "launch.max_")
-    kept = [a for a in first_run.job.args[:-1] if a != STOP_ONCE_ADMITTED]  # hydra.run.dir last
-    job.args = [a for a in kept if not a.startswith(replaced)]
-    job.args += [
-        f"launch.nproc_per_node={ranks}",
-        f"shard_group={size}",
-        f"fault_tolerance={tolerance}",
-        f"epochs={first + 2}",
-        f"resume={checkpoint}",
-        f"hydra.run.dir={job.run_dir}",
-    ]
     dumps = tmp_path / "resumed"
-    proc = job.start(env={"FLODL_TEST_RESUMED_STATE": str(dumps)}, hook="resumed_state")
-    result = job.finish(proc, trial)
+    job, result = _resumed(first_run.job, tmp_path, (ranks, size, tolerance), first + 2, checkpoint, dumps)
     assert result.ok, (trial.plan, layout, (result.out + result.err)[-3000:])
 
     # Every sample of the resumed epochs once.
@@ -165,6 +158,28 @@ def test_a_survive_by_groups_checkpoint_resumes_on_another_layout(
     assert all(_alike(momenta[0], m) for m in momenta[1:]), (trial.plan, layout)
 
 
+def _resumed(
+    first: Job, work: Path, layout: tuple[int, int, str], epochs: int, checkpoint: Path, dumps: Path
+) -> tuple[Job, Result]:
+    """`first`'s job resumed from `checkpoint` on `layout` (ranks, shard_group, fault_tolerance) for `epochs`
+    in all, in a run dir of its own under `work`, each rank writing its state once read under `dumps`."""
+    ranks, size, tolerance = layout
+    job = Job(work)
+    replaced = ("launch.nproc_per_node=", "shard_group=", "epochs=", "fault_tolerance=", "launch.max_")
+    kept = [a for a in first.args[:-1] if a != STOP_ONCE_ADMITTED]  # hydra.run.dir last
+    job.args = [a for a in kept if not a.startswith(replaced)]
+    job.args += [
+        f"launch.nproc_per_node={ranks}",
+        f"shard_group={size}",
+        f"fault_tolerance={tolerance}",
+        f"epochs={epochs}",
+        f"resume={checkpoint}",
+        f"hydra.run.dir={job.run_dir}",
+    ]
+    proc = job.start(env={"FLODL_TEST_RESUMED_STATE": str(dumps)}, hook="resumed_state")
+    return job, finish(proc, START_TIMEOUT_S)
+
+
 def _put_together(shards: list[dict[str, Tensor]]) -> dict[str, Tensor]:
     """A group's members' local rows of each tensor, in member order: the whole tensor (each cut along its
     first dimension)."""
@@ -173,3 +188,44 @@ def _put_together(shards: list[dict[str, Tensor]]) -> dict[str, Tensor]:
 
 def _alike(a: dict[str, Tensor], b: dict[str, Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+
+
+# Windows of 2 batches a rank and a checkpoint every 6 global steps (one step of every rank: 11 an epoch),
+# the first inside the first epoch, after the victim's group left at its first chunk report.
+INSIDE = ("checkpoint_every_steps=6", "checkpoint_keep=100", *PINNED)
+RESUMED_ON = ((2, 2, "survive"), (3, 1, "survive"), (4, 2, "none"))
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_checkpoint_inside_an_epoch_a_group_left_unreported_resumes_every_sample_once(
+    tmp_path: Path, seed: int
+) -> None:
+    rng = random.Random(f"sharded-survive-resumes-inside-{seed}")
+    victim, layout = rng.randrange(WORLD), rng.choice(RESUMED_ON)
+    first = Job(tmp_path / "first")
+    groups_of_two(first, "launch.max_restarts=0", *INSIDE)
+    proc = first.start(env={"FLODL_TEST_KILL_BEFORE_REPORT": f"{victim}:1"})
+    trial = Trial("sharded-survive-resumes-inside", seed, f"rank {victim} SIGKILLed before its report 1")
+    lost = check_left_and_back_whole(first, trial, first.finish(proc, trial), victim, 0)
+    checkpoint = resumable(first.run_dir, 1)
+    survivors = tuple(r for r in range(WORLD) if r // K != victim // K)
+    parts = json.loads((checkpoint / "manifest.json").read_text())["ranks"]
+    assert lost[0] and tuple(parts) == survivors, (trial.plan, lost, parts)
+    held = {r: torch.load(checkpoint / rank_file(r), weights_only=True) for r in parts}
+    steps = {r: part["stepper"]["steps_total"] for r, part in held.items()}
+
+    job, result = _resumed(first, tmp_path / "resumed", layout, 2, checkpoint, tmp_path / "dumps")
+    assert result.ok, (trial.plan, layout, (result.out + result.err)[-3000:])
+    assert [r["epoch"] for r in epochs_of(job.run_dir)] == [0, 1], trial.plan
+    # The first epoch's samples: those trained before the checkpoint (the group out's, lost or reported,
+    # and each survivor's steps its part holds) and the resumed run's, each once; the second's once.
+    trained: dict[int, Counter[int]] = defaultdict(Counter)
+    for sample in read_samples(first.log_dir):
+        if sample.epoch == 0 and (sample.rank not in parts or sample.step <= steps[sample.rank]):
+            trained[0].update(sample.ids)
+    for sample in read_samples(job.log_dir):
+        trained[sample.epoch].update(sample.ids)
+    assert sorted(trained) == [0, 1], (trial.plan, sorted(trained))
+    for epoch, ids in trained.items():
+        twice = sorted(i for i, n in ids.items() if n > 1)
+        assert not twice and len(ids) == len(trained[1]), (trial.plan, layout, epoch, len(ids), twice[:5])
