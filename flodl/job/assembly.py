@@ -244,7 +244,10 @@ def make_worker(
         # Under survive the model itself, wrapped on each group; else DDP or HSDP over the fixed world.
         train_module = parts.model if wrap else _sync_module(cfg, parts, device, wire, group, shards, rank)
         stepper = Stepper(stepper_for, parts, device, train_module)
-        state = ShardedState(parts.model, parts.optimizer, rank)  # HSDP: every group steps one state
+        # HSDP: every group steps one state; under survive each group saves its own (they share no world).
+        apart = wrap is not None and shards.sharded
+        saver = shards.group_of(rank) if apart else None
+        state = ShardedState(parts.model, parts.optimizer, rank, saver, shards.count, apart=apart)
         checkpoints, ratio = checkpointer(stepper, state), cfg.lr_scale_ratio
         synced = SyncWorker(stepper, link, settings, wire, checkpoints, ratio, group, wrap, layout=layout)
         return _reading(synced, state)

@@ -176,13 +176,20 @@ def restore_worker(checkpoint: Checkpoint, worker: WorkerBase, world_size: int) 
     problem = stream_problem(checkpoint.world_size, world_size)
     if part["stepper"].get("data") is not None and problem is not None:  # readers at the saved world's split
         raise CheckpointError(f"checkpoint {checkpoint.path}: {problem}")
-    if resize.owns(worker.rank):
-        restore_stepper(worker.stepper, part["stepper"])
-        worker.restore(part["worker"])
+    owns = resize.owns(worker.rank)
+    restore_stepper(worker.stepper, part["stepper"] if owns else shared_state(part["stepper"]))
+    # Each rank reads its shard of the optimizer's state (and outer momentum): under sync before the worker
+    # scales the learning rate to this world (the shards' param groups hold the saved world's); under local
+    # SGD after its outer optimizer's state, whose momentum the shards hold.
+    sharded = worker.sharded_state if checkpoint.sharded else None
+    if sharded is not None and worker.shares_optimizer:
+        sharded.load(checkpoint.path / SHARDED_DIR)
+    worker.restore(part["worker"] if owns else worker.shared_state(part["worker"]))
+    if sharded is not None and not worker.shares_optimizer:
+        sharded.load(checkpoint.path / SHARDED_DIR)
+    if owns:
         log.info("resumed from %s: training continues %s", checkpoint.path, continues_at(checkpoint))
     else:
-        restore_stepper(worker.stepper, shared_state(part["stepper"]))
-        worker.restore(worker.shared_state(part["worker"]))
         log.info(
             "rank %d has no part in %s: it resumes from the consensus with rank %d's optimizer state; "
             "training continues %s",
@@ -191,9 +198,6 @@ def restore_worker(checkpoint: Checkpoint, worker: WorkerBase, world_size: int) 
             source,
             continues_at(checkpoint),
         )
-    if checkpoint.sharded:  # each rank reads its shard of the optimizer's state (and outer momentum) now
-        assert worker.sharded_state is not None, "the assembly gives every worker its sharded state"
-        worker.sharded_state.load(checkpoint.path / SHARDED_DIR)
     worker.stepper.storage.check(f"resuming from {checkpoint.path}")
 
 

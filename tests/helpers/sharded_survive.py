@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,7 +25,7 @@ from tests.helpers.chaos_job import (
 )
 from tests.helpers.procs import Result
 from tests.helpers.runs import epochs_of
-from tests.helpers.survive_runs import digests, membership
+from tests.helpers.survive_runs import STOP_ONCE_ADMITTED, digests, membership
 
 WORLD, K = 4, 2
 # Digits on 4 ranks: 11 steps of 32 samples each an epoch per rank; a kill within the first half of the run.
@@ -124,3 +124,30 @@ def groups_in(checkpoints: Path, key: Callable[[int], str] = optimizer_key) -> d
         assert set(inside) <= set(saved_groups(sharded) or ()), (manifest.parent, inside)
         found[manifest.parent.name] = inside
     return found
+
+
+def resume_and_check(job: Job, trial: Trial, victim: int, restarts: int) -> None:
+    """Every checkpoint held the groups in at it, the last one those left at the end; resumed on the same
+    layout for 2 epochs more, every sample of them trained once, on both groups."""
+    held = groups_in(job.run_dir / "checkpoints")
+    last = held[max(held)]
+    assert last == ((0, 1) if restarts else (1 - victim // K,)), (trial.plan, held)
+
+    first = len(epochs_of(job.run_dir))
+    args = [a for a in job.args if a != STOP_ONCE_ADMITTED and not a.startswith("epochs=")]
+    result = job.finish(job.start([*args, f"epochs={first + 2}", "resume=auto"]), trial)
+    assert result.ok, (trial.plan, (result.out + result.err)[-3000:])
+    records = epochs_of(job.run_dir)
+    assert [r["epoch"] for r in records] == list(range(first + 2)), (trial.plan, records)
+    trained: dict[int, Counter[int]] = defaultdict(Counter)
+    for sample in read_samples(job.log_dir):
+        if sample.start == 1:
+            trained[sample.epoch].update(sample.ids)
+    assert sorted(trained) == [first, first + 1], (trial.plan, sorted(trained))
+    for epoch, ids in trained.items():
+        assert set(ids.values()) == {1} and len(ids) == records[epoch]["samples"], (trial.plan, epoch)
+    if last != (0, 1):  # the group out at the checkpoint took the state of the group in
+        out = victim // K
+        assert f"group {out} takes saved group {1 - out}'s" in logs_of(job.run_dir), trial.plan
+    resumed = groups_in(job.run_dir / "checkpoints")
+    assert resumed[max(resumed)] == (0, 1), (trial.plan, resumed)

@@ -11,24 +11,19 @@ from __future__ import annotations
 import os
 import random
 import signal
-from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.chaos_job import Job, Trial, read_samples
-from tests.helpers.runs import epochs_of
+from tests.helpers.chaos_job import Job, Trial
 from tests.helpers.sharded_survive import (
     EVERY_EPOCH,
     RANK_STEPS,
     WORLD,
-    K,
     check_left_and_back_whole,
-    groups_in,
     groups_of_two,
-    logs_of,
+    resume_and_check,
 )
-from tests.helpers.survive_runs import STOP_ONCE_ADMITTED
 
 pytestmark = pytest.mark.multiproc
 
@@ -66,30 +61,3 @@ def test_a_member_killed_at_its_groups_save_leaves_a_checkpoint_of_the_groups_in
     trial = Trial("sharded-survive-killed-save", seed, f"rank {victim} SIGKILLed {when} its save of {epoch}")
     check_left_and_back_whole(job, trial, job.finish(proc, trial), victim, 0)
     resume_and_check(job, trial, victim, 0)
-
-
-def resume_and_check(job: Job, trial: Trial, victim: int, restarts: int) -> None:
-    """Every checkpoint held the groups in at it, the last one those left at the end; resumed on the same
-    layout for 2 epochs more, every sample of them trained once, on both groups."""
-    held = groups_in(job.run_dir / "checkpoints")
-    last = held[max(held)]
-    assert last == ((0, 1) if restarts else (1 - victim // K,)), (trial.plan, held)
-
-    first = len(epochs_of(job.run_dir))
-    args = [a for a in job.args if a != STOP_ONCE_ADMITTED and not a.startswith("epochs=")]
-    result = job.finish(job.start([*args, f"epochs={first + 2}", "resume=auto"]), trial)
-    assert result.ok, (trial.plan, (result.out + result.err)[-3000:])
-    records = epochs_of(job.run_dir)
-    assert [r["epoch"] for r in records] == list(range(first + 2)), (trial.plan, records)
-    trained: dict[int, Counter[int]] = defaultdict(Counter)
-    for sample in read_samples(job.log_dir):
-        if sample.start == 1:
-            trained[sample.epoch].update(sample.ids)
-    assert sorted(trained) == [first, first + 1], (trial.plan, sorted(trained))
-    for epoch, ids in trained.items():
-        assert set(ids.values()) == {1} and len(ids) == records[epoch]["samples"], (trial.plan, epoch)
-    if last != (0, 1):  # the group out at the checkpoint took the state of the group in
-        out = victim // K
-        assert f"group {out} takes saved group {1 - out}'s" in logs_of(job.run_dir), trial.plan
-    resumed = groups_in(job.run_dir / "checkpoints")
-    assert resumed[max(resumed)] == (0, 1), (trial.plan, resumed)

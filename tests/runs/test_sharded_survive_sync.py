@@ -23,9 +23,17 @@ from tests.helpers.chaos_job import (
     check_no_partial,
     read_samples,
 )
-from tests.helpers.procs import FAST_START
+from tests.helpers.procs import FAST_START, Result
 from tests.helpers.runs import epochs_of
-from tests.helpers.sharded_survive import RANK_STEPS, WORLD, K, groups_of_two, logs_of
+from tests.helpers.sharded_survive import (
+    EVERY_EPOCH,
+    RANK_STEPS,
+    WORLD,
+    K,
+    groups_of_two,
+    logs_of,
+    resume_and_check,
+)
 from tests.helpers.survive_runs import digests, membership, rest_lines
 from tests.helpers.sync_reference import assert_matches_reference
 
@@ -76,31 +84,14 @@ def dead_group_samples(
     return window, unreported
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_a_ranks_death_takes_its_group_out_the_other_trains_its_rest_and_it_rejoins_whole(
-    tmp_path: Path, seed: int
-) -> None:
-    """A rank SIGKILLed at a moment drawn from the seed (after a number of its steps: within a step, the
-    step's averaging, the epoch's eval), with a restart every other seed: the coordinator cuts its group in
-    one change; the group left agrees where it is and trains the rest of the cut epoch (the dead group's
-    untrained picks with its own, in whole steps), every sample of every epoch once, its learning rate
-    following the world; restarted, the group is admitted whole at the next epoch, each of its ranks taking
-    its shard (parameters, optimizer moments, schedule) from the member of its shard index, bit for bit."""
-    rng = random.Random(f"sharded-survive-sync-{seed}")
-    victim, restarts, at = rng.randrange(WORLD), seed % 2, rng.randint(1, 2 * RANK_STEPS)
-    mate = victim ^ 1
-    dead, others = sorted([victim, mate]), sorted({0, 1, 2, 3} - {victim, mate})
-    job = Job(tmp_path)
-    groups_of_two(job, f"launch.max_restarts={restarts}", until_admitted=restarts > 0, policy="sync")
-    proc = job.start()
-    os.kill(job.at_step(proc, victim, at), signal.SIGKILL)
-    trial = Trial(
-        "sharded-survive-sync", seed, f"rank {victim} SIGKILLed after its step {at}, {restarts} restart"
-    )
-    result = job.finish(proc, trial)
+def check_left_and_back_whole(job: Job, trial: Trial, result: Result, victim: int, restarts: int) -> None:
+    """The run ended, its group left in one change (and came back whole, with `restarts`): the group left
+    trained the rest of the cut epoch, every sample of every epoch once, the learning rate x the world in
+    every record; restarted, each rank of the group holds its shard index's member's state, bit for bit."""
+    dead = sorted([victim, victim ^ 1])
+    others = sorted({0, 1, 2, 3} - set(dead))
     assert result.ok, (trial.plan, (result.out + result.err)[-3000:])
     check_no_partial(trial, job)
-
     changes = membership(job.run_dir)
     cuts = [e for e in changes if e["event"] == "rank_cut"]
     assert [(e["rank"] in dead, e["members"]) for e in cuts] == [(True, others)], (trial.plan, cuts)
@@ -131,6 +122,49 @@ def test_a_ranks_death_takes_its_group_out_the_other_trains_its_rest_and_it_rejo
             assert final[index] == final[index + K], (trial.plan, final)
     else:  # the group that left says no final state
         assert sorted(final) == others, (trial.plan, final)
+
+
+def killed_run(tmp_path: Path, kind: str, seed: int, *overrides: str) -> tuple[Job, Trial, int, int]:
+    """A run of 2 groups of 2 under sync and survive, a rank SIGKILLed after a number of its steps drawn
+    from the seed (within a step, the step's averaging or the epoch's eval, as it falls), with a restart
+    every other seed; its job, trial, victim and restarts, checked."""
+    rng = random.Random(f"{kind}-{seed}")
+    victim, restarts, at = rng.randrange(WORLD), seed % 2, rng.randint(1, 2 * RANK_STEPS)
+    job = Job(tmp_path)
+    restart = f"launch.max_restarts={restarts}"
+    groups_of_two(job, restart, *overrides, until_admitted=restarts > 0, policy="sync")
+    proc = job.start()
+    os.kill(job.at_step(proc, victim, at), signal.SIGKILL)
+    trial = Trial(kind, seed, f"rank {victim} SIGKILLed after its step {at}, {restarts} restart")
+    check_left_and_back_whole(job, trial, job.finish(proc, trial), victim, restarts)
+    return job, trial, victim, restarts
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_ranks_death_takes_its_group_out_the_other_trains_its_rest_and_it_rejoins_whole(
+    tmp_path: Path, seed: int
+) -> None:
+    """The coordinator cuts the dead rank's group in one change; the group left agrees where it is and
+    trains the rest of the cut epoch (the dead group's untrained picks with its own, in whole steps), every
+    sample of every epoch once, its learning rate following the world; restarted, the group is admitted whole
+    at the next epoch, each of its ranks taking its shard (parameters, optimizer moments, schedule) from the
+    member of its shard index, bit for bit."""
+    killed_run(tmp_path, "sharded-survive-sync", seed)
+
+
+@pytest.mark.parametrize(("seed", "inside"), [(0, ()), (1, ("checkpoint_every_steps=20",))])
+def test_each_checkpoint_holds_the_groups_in_and_resumes_every_sample_once(
+    tmp_path: Path, seed: int, inside: tuple[str, ...]
+) -> None:
+    """A checkpoint every epoch (and with `inside` every 20 steps too): each holds the saves of the groups in
+    at it (each group its own: they share no world), and the run resumed on the same layout for 2 epochs
+    more trains every sample of them once, a group out at the checkpoint taking a group in's optimizer
+    state, its learning rate that of 4 ranks."""
+    overrides = (*EVERY_EPOCH, *inside)
+    job, trial, victim, restarts = killed_run(tmp_path, "survive-sync-checkpoints", seed, *overrides)
+    resume_and_check(job, trial, victim, restarts)
+    for record in epochs_of(job.run_dir):
+        assert record["lr"] == pytest.approx(LR * record["world"]), (trial.plan, record)
 
 
 # --- on one GPU, its 4 ranks sharing it over gloo (backend=cpu); not run on a GPU yet -----------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from flodl.config.host import HostFacts
-from flodl.config.policy import GRAPH_MODES, checkpoint_keys_set
+from flodl.config.policy import GRAPH_MODES
 from flodl.config.rules.problem import problem
 from flodl.config.schema import FlodlConfig
 
@@ -60,17 +60,14 @@ def _surviving_groups(cfg: FlodlConfig) -> Iterator[tuple[str, object, str]]:
 
 
 def _sync_by_groups(cfg: FlodlConfig) -> Iterator[tuple[str, object, str]]:
-    """Sync by groups under survive runs with a fixed seat count, without checkpoints, each member's step of
-    the job's batch (docs/sharded-groups.md#survive-by-groups)."""
+    """Sync by groups under survive runs with a fixed seat count, each member's step of the job's batch, at a
+    precision whose every step the members vote on (docs/sharded-groups.md#under-sync-torchfts-ft-hsdp)."""
     if cfg.keep_global_batch:
         why = "under policy=sync the groups left step their own micro-batches: set keep_global_batch=false"
         yield "keep_global_batch", True, why
     if cfg.precision == "fp16":
         why = "under policy=sync its GradScaler skips a step without the vote on its averaging across groups"
         yield "precision", "fp16", why
-    for key in checkpoint_keys_set(cfg):
-        why = "under policy=sync each group's checkpoint is not built yet: set it to null, or policy=cadence"
-        yield key, getattr(cfg, key), why
     if cfg.launch.max_ranks is not None:
         why = "under policy=sync a job does not grow by groups yet: leave it unset, or set policy=cadence"
         yield "launch.max_ranks", cfg.launch.max_ranks, why
