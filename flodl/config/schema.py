@@ -173,7 +173,7 @@ class FlodlConfig:
     policy: str = "sync"
     # How a local-SGD round runs: nccl (on the device; gloo without a GPU) or cpu (a host snapshot, gloo on a
     # background thread). Sync is DDP on either. cpu's process groups are gloo, so ranks may share a GPU; with
-    # shard_group > 1 a round per shard index runs inline over gloo (not on the background thread).
+    # shard_group > 1 a round per shard index runs on that thread too (inline under fault_tolerance=survive).
     backend: str = "nccl"
     # auto: one CUDA device per rank when CUDA is available, else CPU.
     device: str = "auto"
