@@ -17,6 +17,7 @@ from flodl.tasks.digits import DigitsMLP
 from tests.helpers.chaos_job import (
     EPOCHS,
     Job,
+    Sample,
     Trial,
     check_each_sample_once,
     check_no_partial,
@@ -53,8 +54,7 @@ def check_left_and_back_whole(
     """The run ended, its group left in one change (and came back whole, with `restarts`), every sample of
     every epoch trained once, the members ending with one state per shard index; the samples per epoch the
     dead group trained and never reported (lost with it)."""
-    mate = victim + 1 if victim % K == 0 else victim - 1
-    pid, mate_pid = (int(job.files(r)[0].stem.rsplit("-", 1)[1]) for r in (victim, mate))
+    mate = _mate(victim)
     assert result.ok, (result.out + result.err)[-3000:]
     epochs = [r["epoch"] for r in epochs_of(job.run_dir)]
     assert epochs == list(range(len(epochs) if restarts else EPOCHS))
@@ -94,9 +94,7 @@ def check_left_and_back_whole(
     assert {k: v.shape for k, v in model.items()} == {k: v.shape for k, v in whole.items()}
 
     samples = read_samples(job.log_dir)
-    cut = cuts[0]["rank"]
-    window = window_of_the_dead(trial, job, samples, victim, pid, cut_with=cut)
-    window |= window_of_the_dead(trial, job, samples, mate, mate_pid, cut_with=cut)
+    window = window_of_the_group(job, trial, samples, victim)
     # Steps the dead rank trained with its group and died before reporting: lost, not in the record.
     lost: Counter[int] = Counter()
     for batches, shown in re.findall(r"(\d+) batch\(es\) of epoch (\d+) trained and not reported", logs):
@@ -151,3 +149,18 @@ def resume_and_check(job: Job, trial: Trial, victim: int, restarts: int) -> None
         assert f"group {out} takes saved group {1 - out}'s" in logs_of(job.run_dir), trial.plan
     resumed = groups_in(job.run_dir / "checkpoints")
     assert resumed[max(resumed)] == (0, 1), (trial.plan, resumed)
+
+
+def _mate(rank: int) -> int:
+    return rank + 1 if rank % K == 0 else rank - 1
+
+
+def window_of_the_group(job: Job, trial: Trial, samples: list[Sample], victim: int) -> set[Sample]:
+    """The steps of the dead rank's first processes and its other's past the last round that averaged them
+    (chaos_job.window_of_the_dead; the group was cut with the first of them the coordinator cut)."""
+    cut = next(e["rank"] for e in membership(job.run_dir) if e["event"] == "rank_cut")
+    window: set[Sample] = set()
+    for rank in (victim, _mate(victim)):
+        pid = int(job.files(rank)[0].stem.rsplit("-", 1)[1])
+        window |= window_of_the_dead(trial, job, samples, rank, pid, cut_with=cut)
+    return window

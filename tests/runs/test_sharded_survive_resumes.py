@@ -9,7 +9,8 @@ groups: every sample of its epochs trained once; each rank's state once read (te
 its group's shards put together, is the checkpoint's consensus and the outer momentum of the saved group it
 took, alike in every group. A first run is shared by the resumes of it. A rank SIGKILLed before its first
 chunk report (a batch its group trained lost with it), a checkpoint inside that epoch resumed on a layout
-drawn from a seed: every sample of the epoch trained once, before the checkpoint or after it."""
+drawn from a seed: every sample of the epoch trained once, before the checkpoint or after it; and so with
+2 full replicas, one SIGKILLed past its first report."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ from flodl.checkpoints.sharded import (
     whole,
     whole_model,
 )
-from tests.helpers.chaos_job import START_TIMEOUT_S, Job, Trial, read_samples
+from tests.helpers.chaos_job import START_TIMEOUT_S, Job, Sample, Trial, read_samples, window_of_the_dead
 from tests.helpers.procs import Result, finish
 from tests.helpers.resize_counts import PINNED, resumable
 from tests.helpers.runs import epochs_of
@@ -50,6 +51,7 @@ from tests.helpers.sharded_survive import (
     check_left_and_back_whole,
     groups_in,
     groups_of_two,
+    window_of_the_group,
 )
 from tests.helpers.survive_runs import STOP_ONCE_ADMITTED
 
@@ -206,26 +208,63 @@ def test_a_checkpoint_inside_an_epoch_a_group_left_unreported_resumes_every_samp
     groups_of_two(first, "launch.max_restarts=0", *INSIDE)
     proc = first.start(env={"FLODL_TEST_KILL_BEFORE_REPORT": f"{victim}:1"})
     trial = Trial("sharded-survive-resumes-inside", seed, f"rank {victim} SIGKILLed before its report 1")
-    lost = check_left_and_back_whole(first, trial, first.finish(proc, trial), victim, 0)
+    check_left_and_back_whole(first, trial, first.finish(proc, trial), victim, 0)
     checkpoint = resumable(first.run_dir, 1)
     survivors = tuple(r for r in range(WORLD) if r // K != victim // K)
     parts = json.loads((checkpoint / "manifest.json").read_text())["ranks"]
-    assert lost[0] and tuple(parts) == survivors, (trial.plan, lost, parts)
+    assert tuple(parts) == survivors, (trial.plan, parts)
+    window = window_of_the_group(first, trial, read_samples(first.log_dir), victim)
+    _resumed_inside_every_sample_once(first, trial, checkpoint, layout, tmp_path, window)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_checkpoint_inside_an_epoch_a_replica_left_resumes_every_sample_once(
+    tmp_path: Path, seed: int
+) -> None:
+    """So with full replicas: 2 ranks, one SIGKILLed at a step drawn past its first report (the chunks it
+    reported stand in the epoch's record; without them the resumed run waited for the epoch's end for
+    good). Its steps since the last round are handed out again (or lost), not counted before the
+    checkpoint."""
+    rng = random.Random(f"survive-resumes-inside-{seed}")
+    victim, at = rng.randrange(2), rng.randint(3, 5)
+    first = Job(tmp_path / "first")
+    first.configure(
+        "policy=cadence", "fault_tolerance=survive", "device=cpu", "launch.max_restarts=0", *INSIDE
+    )
+    proc = first.start()
+    pid = first.at_step(proc, victim, at)
+    os.kill(pid, signal.SIGKILL)
+    trial = Trial("survive-resumes-inside", seed, f"rank {victim} SIGKILLed at its step {at}")
+    result = first.finish(proc, trial)
+    assert result.ok, (trial.plan, (result.out + result.err)[-3000:])
+    window = window_of_the_dead(trial, first, read_samples(first.log_dir), victim, pid)
+    checkpoint = resumable(first.run_dir, 1)
+    _resumed_inside_every_sample_once(first, trial, checkpoint, (2, 1, "survive"), tmp_path, window)
+
+
+def _resumed_inside_every_sample_once(
+    first: Job, trial: Trial, checkpoint: Path, layout: tuple[int, int, str], work: Path, window: set[Sample]
+) -> None:
+    """`checkpoint`, inside the first epoch of `first` after a death, resumed on `layout` to the end of the
+    second: the first epoch's samples trained before it (a rank out's, but its `window` handed out again,
+    and each member's steps its part holds) and after it each once (of the window, once or lost), the
+    second's each once."""
+    parts = json.loads((checkpoint / "manifest.json").read_text())["ranks"]
     held = {r: torch.load(checkpoint / rank_file(r), weights_only=True) for r in parts}
     steps = {r: part["stepper"]["steps_total"] for r, part in held.items()}
-
-    job, result = _resumed(first, tmp_path / "resumed", layout, 2, checkpoint, tmp_path / "dumps")
+    job, result = _resumed(first, work / "resumed", layout, 2, checkpoint, work / "dumps")
     assert result.ok, (trial.plan, layout, (result.out + result.err)[-3000:])
     assert [r["epoch"] for r in epochs_of(job.run_dir)] == [0, 1], trial.plan
-    # The first epoch's samples: those trained before the checkpoint (the group out's, lost or reported,
-    # and each survivor's steps its part holds) and the resumed run's, each once; the second's once.
     trained: dict[int, Counter[int]] = defaultdict(Counter)
     for sample in read_samples(first.log_dir):
-        if sample.epoch == 0 and (sample.rank not in parts or sample.step <= steps[sample.rank]):
+        before = sample.rank not in parts or sample.step <= steps[sample.rank]
+        if sample.epoch == 0 and before and sample not in window:
             trained[0].update(sample.ids)
     for sample in read_samples(job.log_dir):
         trained[sample.epoch].update(sample.ids)
     assert sorted(trained) == [0, 1], (trial.plan, sorted(trained))
+    lost = {i for sample in window for i in sample.ids} - set(trained[0])  # not handed out again
     for epoch, ids in trained.items():
         twice = sorted(i for i, n in ids.items() if n > 1)
-        assert not twice and len(ids) == len(trained[1]), (trial.plan, layout, epoch, len(ids), twice[:5])
+        whole = len(ids) + (len(lost) if epoch == 0 else 0)
+        assert not twice and whole == len(trained[1]), (trial.plan, layout, epoch, whole, twice[:5])
