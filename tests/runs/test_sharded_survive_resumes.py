@@ -40,6 +40,7 @@ from flodl.checkpoints.sharded import (
     whole_model,
 )
 from tests.helpers.chaos_job import START_TIMEOUT_S, Job, Sample, Trial, read_samples, window_of_the_dead
+from tests.helpers.drawn import drawn_seeds
 from tests.helpers.procs import Result, finish
 from tests.helpers.resize_counts import PINNED, resumable
 from tests.helpers.runs import epochs_of
@@ -198,7 +199,7 @@ INSIDE = ("checkpoint_every_steps=6", "checkpoint_keep=100", *PINNED)
 RESUMED_ON = ((2, 2, "survive"), (3, 1, "survive"), (4, 2, "none"))
 
 
-@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("seed", drawn_seeds("sharded-survive-resumes-inside", 1))
 def test_a_checkpoint_inside_an_epoch_a_group_left_unreported_resumes_every_sample_once(
     tmp_path: Path, seed: int
 ) -> None:
@@ -217,7 +218,7 @@ def test_a_checkpoint_inside_an_epoch_a_group_left_unreported_resumes_every_samp
     _resumed_inside_every_sample_once(first, trial, checkpoint, layout, tmp_path, window)
 
 
-@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("seed", drawn_seeds("survive-resumes-inside", 1))
 def test_a_checkpoint_inside_an_epoch_a_replica_left_resumes_every_sample_once(
     tmp_path: Path, seed: int
 ) -> None:
