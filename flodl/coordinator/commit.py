@@ -111,6 +111,13 @@ class CheckpointCommitter:
         if driver_state is not None:
             self.driver_state[point] = driver_state
 
+    def cut(self, ranks: Collection[int]) -> None:
+        """Sync: `ranks` left the run. A checkpoint not yet committed holds the parts of the members left
+        (they hold one state at its point): a cut rank's part may never come, and its epoch, already
+        emitted, is not asked again."""
+        for point, expected in self.expected.items():
+            self.expected[point] = expected - frozenset(ranks)
+
     def stop_requested(self) -> None:
         """A stop that saves was asked: from now on the checkpoint it waits for is its own (`stop_saved`):
         under local SGD the first one taken after the request, under sync the one at the step the ranks

@@ -250,6 +250,8 @@ class SyncDriver:
         are (their Regrouped), the rest is planned for them. A restarted rank admitted but not yet in a group
         joins this one (its own admission is overtaken)."""
         self._replan = self.roster.generation
+        if self.committer is not None:
+            self.committer.cut(ranks)
         self.roster.send_regroup(sorted(self.roster.unformed))
 
     def on_regrouped(self, message: Regrouped) -> None:

@@ -116,6 +116,8 @@ class SyncWorker(WorkerBase):
         self.stopping = False
         self.save_at: set[int] = set()
         self._pace_from: tuple[float, int] | None = None
+        # The epoch after which this rank last wrote its part.
+        self._saved_after: int | None = None
 
     # --- the epochs -----------------------------------------------------------------------------------
 
@@ -138,7 +140,10 @@ class SyncWorker(WorkerBase):
             group = self.group
             result = self.stepper.evaluate(group.index, group.size, epoch, step, self.global_samples, step)
             self.report_evals(replace(result, generation=group.generation), [epoch])
-        if plan.checkpoint and self.checkpointer is not None:
+        # A cut right at an epoch's end asks its checkpoint again of the members; one that wrote its part of
+        # it (nothing trained since) does not write it twice: the commit may have taken the first meanwhile.
+        if plan.checkpoint and self.checkpointer is not None and self._saved_after != epoch:
+            self._saved_after = epoch
             self.save_part(Point(epoch))
 
     def train_epoch(self, plan: StartEpoch) -> ChunkReport | None:

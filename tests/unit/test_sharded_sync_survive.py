@@ -1,10 +1,16 @@
 """Sync by sharded groups under fault_tolerance=survive: what the rules take and what they refuse, naming the
-key (tests/runs/test_sharded_survive_sync.py runs it)."""
+key, and its checkpoints' commit when a group leaves (tests/runs/test_sharded_survive_sync.py runs it)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from flodl.checkpoints.disk import MODEL_FILE, CheckpointDir, Point, rank_file
+from flodl.coordinator.commit import CheckpointCommitter, run_kind
+from flodl.coordinator.ledger import EpochLedger
+from flodl.links.messages import ChunkReport
 from tests.helpers.config_rules import assert_problem, host, make, problems_of
 
 FOUR = host(world_size=4, ranks_per_node=4)
@@ -47,3 +53,26 @@ def test_what_sync_by_groups_does_not_do_yet_is_refused_naming_the_key(
     if key == "launch.max_ranks":
         cadence = make(**{**SYNC_BY_GROUPS, "policy": "cadence", key: value})
         assert problems_of(cadence, FOUR) == []
+
+
+def test_a_checkpoint_whose_member_left_before_its_part_commits_with_the_members_left(tmp_path: Path) -> None:
+    # Sync under survive: the epoch is trained and emitted, then a member (a sharded group) leaves before its
+    # part is on disk. Its epoch is not planned again (already emitted), so the checkpoint holds the parts of
+    # the members left; waiting for the cut ones' kept it from ever committing, and the run from ending.
+    store = CheckpointDir(tmp_path, keep=4)
+    ledger = EpochLedger(epochs=1, world_size=4, batches_per_epoch=4)
+    committer = CheckpointCommitter(store, 4, {0}, run_kind("sync", False), {})
+    committer.expect_parts(Point(0), range(4), {"rest": None})
+    ledger.expect_eval(0, False)
+    for rank in range(4):
+        ledger.add_chunk(ChunkReport(rank, 0, batches=1, samples=8, loss_sum=1.0, wall_ms=1.0, data_ms=0.0))
+    assert [m.epoch for m in ledger.emit_ready()] == [0]
+    store.write_part(Point(0), MODEL_FILE, {})  # written by the first member left
+    for rank in (2, 3):  # the group left's parts; ranks 0 and 1 died before theirs
+        store.write_part(Point(0), rank_file(rank), {})
+        committer.on_saved(Point(0), rank, 1, ledger)
+    assert committer.poll(ledger, wait_sealed=True) == []
+    committer.cut([0, 1])
+    (checkpoint,) = committer.poll(ledger, wait_sealed=True)
+    assert checkpoint.point == Point(0) and committer.remaining == set()
+    committer.close()
