@@ -6,12 +6,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from torch.distributed import HashStore
 
+from flodl.averaging.wire import Wire
 from flodl.checkpoints.disk import MODEL_FILE, CheckpointDir, Point, rank_file
+from flodl.config.layout import Layout
 from flodl.coordinator.commit import CheckpointCommitter, run_kind
 from flodl.coordinator.ledger import EpochLedger
-from flodl.links.messages import ChunkReport
+from flodl.links.messages import ChunkReport, EpochSlice, Saved, StartEpoch
+from flodl.links.transport import InboxReader, Mailbox
+from flodl.worker.base import RankLink, WorkerSettings
+from flodl.worker.sync import SyncWorker
 from tests.helpers.config_rules import assert_problem, host, make, problems_of
+from tests.helpers.digits_stepper import digits_stepper
+from tests.helpers.one_rank_sync import PartsAtOnce, Reports
 
 FOUR = host(world_size=4, ranks_per_node=4)
 SYNC_BY_GROUPS = {
@@ -76,3 +84,19 @@ def test_a_checkpoint_whose_member_left_before_its_part_commits_with_the_members
     (checkpoint,) = committer.poll(ledger, wait_sealed=True)
     assert checkpoint.point == Point(0) and committer.remaining == set()
     committer.close()
+
+
+def test_a_part_asked_again_at_its_epochs_end_is_written_once() -> None:
+    # A cut right at an epoch's end asks the members for the epoch's eval and checkpoint again (a member may
+    # have died before its part). One that wrote its part already, nothing trained since, does not write it
+    # a second time: the commit may take the first meanwhile and move the dir under the second (a sharded
+    # group's DCP save failed there with FileNotFoundError, and the member with it).
+    outbox, parts = Reports(), PartsAtOnce()
+    link = RankLink(0, 1, reader=InboxReader(Mailbox(HashStore(), 0)), outbox=outbox)  # type: ignore[arg-type]
+    settings = WorkerSettings(log_every=0, on_nonfinite="error")
+    stepper = digits_stepper()
+    worker = SyncWorker(stepper, link, settings, Wire(), parts, layout=Layout(1, stepper.step_samples))  # type: ignore[arg-type]
+    worker.handle(StartEpoch(0, [EpochSlice(0, 0, 2 * stepper.step_samples)], checkpoint=True))
+    worker.handle(StartEpoch(0, [], checkpoint=True))  # asked again, after the cut
+    worker.handle(StartEpoch(1, [EpochSlice(1, 0, stepper.step_samples)], checkpoint=True))
+    assert [(m.epoch, m.into) for m in outbox.sent if isinstance(m, Saved)] == [(0, None), (1, None)]

@@ -23,34 +23,11 @@ from flodl.links.transport import InboxReader, Mailbox
 from flodl.worker.base import RankLink, WorkerSettings
 from flodl.worker.sync import SyncWorker
 from tests.helpers.digits_stepper import digits_stepper
+from tests.helpers.one_rank_sync import PartsAtOnce, Reports
 
 MOMENTS = 40
 # The steps of the share each moment trains (the stop within them), and the samples of each step.
 STEPS, SAMPLES = 12, 32
-
-
-class _Outbox:
-    """What the worker reports to the coordinator."""
-
-    def __init__(self) -> None:
-        self.sent: list[Message] = []
-
-    def send(self, rank: int, message: Message) -> None:
-        self.sent.append(message)
-
-
-class _Parts:
-    """A checkpointer whose parts are on disk at once: each is said Saved at the worker's next look."""
-
-    def __init__(self) -> None:
-        self.receipts: list[Saved] = []
-
-    def save(self, point: Point, state: object, receipt: Saved, first_member: bool = True) -> None:
-        self.receipts.append(receipt)
-
-    def written(self) -> list[Saved]:
-        taken, self.receipts = self.receipts, []
-        return taken
 
 
 def _commits(root: Path, sent: list[Message]) -> list[tuple[Point, bool]]:
@@ -80,12 +57,12 @@ def test_a_sync_stop_writes_every_part_due_before_its_step_and_ends_at_its_own(t
     stepper = digits_stepper()
     assert stepper.step_samples == SAMPLES
     for moment_no in range(MOMENTS):
-        outbox = _Outbox()
+        outbox = Reports()
         # A reader never started: the worker only wakes it (a part written in the background).
         link = RankLink(0, 1, reader=InboxReader(Mailbox(HashStore(), 0)), outbox=outbox)  # type: ignore[arg-type]
         settings = WorkerSettings(log_every=0, on_nonfinite="error")
         layout = Layout(1, SAMPLES)
-        worker = SyncWorker(stepper, link, settings, Wire(), _Parts(), layout=layout)  # type: ignore[arg-type]
+        worker = SyncWorker(stepper, link, settings, Wire(), PartsAtOnce(), layout=layout)  # type: ignore[arg-type]
         before = stepper.steps_total
         stop, timed, every = rng.randint(1, STEPS), rng.randint(1, STEPS), rng.randint(1, STEPS)
         worker.on_checkpoint_request(lambda _proposal, step=before + timed: step)
