@@ -1,8 +1,8 @@
 """Sharded groups sharing one GPU (docs/sharded-groups.md, "Sharing GPUs"; skipped without a CUDA device):
 4 ranks on one GPU as 2 groups of 2 with backend=cpu, the job's process groups gloo (NCCL takes one GPU a
-rank). FSDP2 gathers and reduce-scatters CUDA tensors over gloo; a round per shard index reduces the CUDA
-shards inline over gloo; a checkpoint's CUDA shards are written with DCP. The same code paths on CPU:
-tests/runs/test_sharded_backend_cpu.py and tests/runs/test_sharded_checkpoints.py."""
+rank). FSDP2 gathers and reduce-scatters CUDA tensors over gloo; a round per shard index reduces a host copy
+of the CUDA shards over gloo on the host averager's thread; a checkpoint's CUDA shards are written with DCP.
+The same code paths on CPU: tests/runs/test_sharded_backend_cpu.py, test_sharded_checkpoints.py."""
 
 from __future__ import annotations
 
@@ -43,9 +43,6 @@ SGD = ("task.optimizer._target_=torch.optim.SGD", "task.optimizer.lr=0.1", "lr_s
 POLICIES = {"cadence": ("eval_every=0",), "async": ("eval_every=1", "max_overshoot=0", "easgd_alpha=0.5")}
 # CUDA's float32 kernels sum in other orders than the CPU's (no TF32: flodl leaves matmuls at full float32).
 CUDA_TOLERANCE = 1e-4
-# The GPU run against the CPU one over 2 epochs: under async each round's blend (easgd_alpha=0.5) carries the
-# rounding on (measured on an H100: 4.3e-4 in the first layer's weight; cadence within 1e-4).
-LOCAL_SGD_TOLERANCE = {"cadence": CUDA_TOLERANCE, "async": 1e-3}
 
 
 def assert_ranks_share_the_gpu(run: Path) -> None:
@@ -62,8 +59,11 @@ def test_sync_groups_on_one_gpu_match_one_process_on_the_global_batch(tmp_path: 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_local_sgd_groups_on_one_gpu_end_where_the_cpu_run_does(tmp_path: Path, policy: str) -> None:
-    # The same run on the GPU and on CPU processes: the same plan (a fixed window), the same rounds, every
-    # batch once, a group's members alike; the two end within CUDA's rounding of each other.
+    # The same run on the GPU and on CPU processes: the same plan (a fixed window), every batch once, a
+    # group's members alike. Under cadence the same rounds: the two end within CUDA's rounding of each other.
+    # Under async each round runs on the host averager's thread (backend=cpu) and the group adopts it at the
+    # step its first member finds it done: a moment of the run, not of the plan, so the models differ by
+    # where the blends landed (the math is compared on CPU processes, tests/runs/test_sharded_async.py).
     shape = (f"launch.nproc_per_node={WORLD}", f"batch_size={BATCH}", "epochs=2")
     common = (*SHARED, *shape, f"policy={policy}", *PINNED, *SGD, *POLICIES[policy])
     runs = {}
@@ -83,18 +83,21 @@ def test_local_sgd_groups_on_one_gpu_end_where_the_cpu_run_does(tmp_path: Path, 
     # 43 + 46).
     totals = {rank: sum(epoch[rank] for epoch in batches) for rank in range(WORLD)}
     assert totals[0] == totals[1] and totals[2] == totals[3], batches
-    assert batches == runs["cpu"][0]
-    for name, want in runs["cpu"][1].items():
-        assert ((model[name].cpu() - want).norm() / want.norm()).item() <= LOCAL_SGD_TOLERANCE[policy], name
+    if policy == "cadence":
+        assert batches == runs["cpu"][0]
+        for name, want in runs["cpu"][1].items():
+            assert ((model[name].cpu() - want).norm() / want.norm()).item() <= CUDA_TOLERANCE, name
 
 
-@pytest.mark.parametrize("policy", sorted(POLICIES))
-def test_local_sgd_groups_on_one_gpu_resume_a_checkpoint_inside_an_epoch_where_the_run_left_off(
-    tmp_path: Path, policy: str
+def test_cadence_groups_on_one_gpu_resume_a_checkpoint_inside_an_epoch_where_the_run_left_off(
+    tmp_path: Path,
 ) -> None:
-    # Each rank writes its CUDA shard with DCP at the checkpoint's exact round (under async too); resumed on
-    # the same groups from the first checkpoint inside the second epoch, the run ends where the uninterrupted
-    # one does (the same kernels on the same device: within float32's last bits).
+    # Each rank writes its CUDA shard with DCP at the checkpoint's exact round; resumed on the same groups
+    # from the first checkpoint inside the second epoch, the run ends where the uninterrupted one does (the
+    # same kernels on the same device: within float32's last bits). Async's rounds land where the host
+    # thread's timing puts them on backend=cpu; its resume is compared on CPU processes
+    # (tests/runs/test_sharded_checkpoints.py).
+    policy = "cadence"
     common = (
         *SHARED,
         f"launch.nproc_per_node={WORLD}",
