@@ -93,30 +93,30 @@ GROUPS_OF_TWO = (
     "policy=cadence",
     f"shard_group={K}",
 )
+# A run compared with torch's periodic averaging: the window pinned at WINDOW, SGD at LR, no guard.
+AGAINST_TORCH = (
+    f"anchor={WINDOW}",
+    f"min_anchor={WINDOW}",
+    f"max_anchor={WINDOW}",
+    "max_batch_diff=0",
+    "divergence_guard=none",
+    f"batch_size={BATCH}",
+    f"epochs={EPOCHS}",
+    "eval_every=1",
+    f"seed={SEED}",
+    "lr_scale_ratio=0",
+    "task.optimizer._target_=torch.optim.SGD",
+    f"task.optimizer.lr={LR}",
+    "checkpoint_every=null",
+    "hydra.run.dir=run",
+)
 
 
 @pytest.mark.parametrize("outer", ["avg", "diloco", "slowmo"])
 def test_two_groups_of_two_average_their_shards_as_torch_averages_replicas(
     tmp_path: Path, outer: str
 ) -> None:
-    pinned = (f"anchor={WINDOW}", f"min_anchor={WINDOW}", f"max_anchor={WINDOW}", "max_batch_diff=0")
-    train(
-        *GROUPS_OF_TWO,
-        *pinned,
-        "divergence_guard=none",
-        f"outer={outer}",
-        f"batch_size={BATCH}",
-        f"epochs={EPOCHS}",
-        "eval_every=1",
-        f"seed={SEED}",
-        "lr_scale_ratio=0",
-        "task.optimizer._target_=torch.optim.SGD",
-        f"task.optimizer.lr={LR}",
-        "checkpoint_every=null",
-        "hydra.run.dir=run",
-        cwd=tmp_path,
-        timeout=300,
-    ).check()
+    train(*GROUPS_OF_TWO, *AGAINST_TORCH, f"outer={outer}", cwd=tmp_path, timeout=300).check()
     run = tmp_path / "run"
     whole = sum(p.numel() for p in DigitsMLP(hidden=128).parameters())
     for rank in range(WORLD):
@@ -168,24 +168,8 @@ def test_overlapped_rounds_land_each_shard_one_window_late_as_torch_lands_replic
     # backend=cpu: each round per shard index runs on the host averager's thread over the gloo group of its
     # shard index while the next window trains, and lands at that window's end (a group's members alike).
     # Refused before ("a round per shard index runs inline"): exit 2.
-    pinned = (f"anchor={WINDOW}", f"min_anchor={WINDOW}", f"max_anchor={WINDOW}", "max_batch_diff=0")
     train(
-        *GROUPS_OF_TWO,
-        *pinned,
-        "backend=cpu",
-        "overlap_rounds=true",
-        "divergence_guard=none",
-        f"batch_size={BATCH}",
-        f"epochs={EPOCHS}",
-        "eval_every=1",
-        f"seed={SEED}",
-        "lr_scale_ratio=0",
-        "task.optimizer._target_=torch.optim.SGD",
-        f"task.optimizer.lr={LR}",
-        "checkpoint_every=null",
-        "hydra.run.dir=run",
-        cwd=tmp_path,
-        timeout=300,
+        *GROUPS_OF_TWO, *AGAINST_TORCH, "backend=cpu", "overlap_rounds=true", cwd=tmp_path, timeout=300
     ).check()
     run = tmp_path / "run"
     records = epochs_of(run)
